@@ -1,0 +1,252 @@
+"""The resolver's output: a frozen, fully explicit ``Plan``.
+
+Nothing downstream (patch, calibrate, export, lint) re-reads the spec: every quantized
+tensor of every layer has a :class:`QuantizerRecipe` in which every field is set, and
+every field records where its value came from (:class:`FieldProvenance`), which is what
+``qdsl explain`` prints.  A role mapped to ``None`` stays in float.
+
+The :class:`ModelIndex` is a torch-free description of a model (dotted names, class
+names, parameter shapes, a few constructor attributes), so matching is testable without
+torch; ``ModelIndex.from_module`` builds it from an ``nn.Module`` by duck typing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+import attrs
+
+from qdsl.spec.diagnostics import Span, UNKNOWN_SPAN
+from qdsl.spec.model import (
+    Accumulator,
+    Granularity,
+    Kind,
+    ObserverSpec,
+    QuantSpec,
+    Role,
+    Rule,
+    attrs_frozendict,
+)
+
+__all__ = [
+    "ModuleEntry",
+    "ModelIndex",
+    "QuantizerRecipe",
+    "Origin",
+    "FieldProvenance",
+    "LayerPlan",
+    "RuleMatch",
+    "Plan",
+    "WEIGHTED_TYPES",
+    "MODULE_ATTRS",
+]
+
+WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d")
+"""Module classes that ``defaults`` apply to (layers with a weight, and bias)."""
+
+MODULE_ATTRS = (
+    "in_features",
+    "out_features",
+    "in_channels",
+    "out_channels",
+    "kernel_size",
+    "stride",
+    "padding",
+    "dilation",
+    "groups",
+)
+"""Constructor attributes copied into the index (lint derives fan-in from them)."""
+
+
+@attrs.frozen
+class ModuleEntry:
+    """One module of a model, without torch."""
+
+    fqn: str
+    type_name: str
+    param_shapes: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict, converter=attrs_frozendict)
+    attributes: Mapping[str, Any] = attrs.field(factory=dict, converter=attrs_frozendict)
+    leaf: bool = True
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The roles this module can have quantized."""
+        out = []
+        if "weight" in self.param_shapes:
+            out.append(Role.WEIGHT)
+        if "bias" in self.param_shapes:
+            out.append(Role.BIAS)
+        out += [Role.INPUT, Role.OUTPUT]
+        return tuple(out)
+
+
+@attrs.frozen
+class ModelIndex:
+    """All modules of a model in ``named_modules()`` order (the root has fqn ``""``)."""
+
+    entries: tuple[ModuleEntry, ...] = attrs.field(converter=tuple)
+    by_name: Mapping[str, ModuleEntry] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {e.fqn: e for e in self.entries})
+
+    @classmethod
+    def from_module(cls, model: Any, skip: Iterable[Any] = ()) -> "ModelIndex":
+        """Index an ``nn.Module`` (duck-typed; no torch import).
+
+        Modules marked internal (``_qdsl_internal = True``, as qdsl's own injected
+        modules are) and their children are left out so rules never match them.
+        """
+        entries = []
+        internal_prefixes: list[str] = []
+        for fqn, mod in model.named_modules():
+            if any(fqn == p or fqn.startswith(p + ".") for p in internal_prefixes):
+                continue
+            if getattr(mod, "_qdsl_internal", False):
+                internal_prefixes.append(fqn)
+                continue
+            shapes = {}
+            # parametrized modules keep originals under .parametrizations; report the
+            # logical parameter names and shapes.
+            for pname, p in mod.named_parameters(recurse=False):
+                shapes[pname] = tuple(p.shape)
+            parametrizations = getattr(mod, "parametrizations", None)
+            if parametrizations is not None:
+                for pname in parametrizations.keys():
+                    shapes[pname] = tuple(getattr(parametrizations, pname).original.shape)
+            attrs_ = {}
+            for a in MODULE_ATTRS:
+                if hasattr(mod, a):
+                    v = getattr(mod, a)
+                    if isinstance(v, (int, tuple, str)):
+                        attrs_[a] = v
+            children = [c for c in mod.children() if not getattr(c, "_qdsl_internal", False)]
+            entries.append(ModuleEntry(fqn, type(mod).__name__, shapes, attrs_, leaf=not children))
+        return cls(entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self):
+        return iter(self.entries)
+
+
+@attrs.frozen
+class QuantizerRecipe:
+    """A fully resolved tensor quantizer: every field explicit.
+
+    ``observer_params`` is the validated params object of the observer's registry
+    entry (an attrs instance), so parts never re-validate.
+    """
+
+    kind: Kind
+    bits: int
+    signed: bool
+    narrow_range: bool
+    symmetric: bool
+    scale: str
+    granularity: Granularity
+    observer: ObserverSpec
+    rounding: str
+    dynamic: bool
+    observer_params: Any = attrs.field(default=None, eq=False)
+
+    @property
+    def qmin(self) -> int:
+        """Smallest integer code (affine int kinds)."""
+        if not self.signed:
+            return 0
+        return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
+
+    @property
+    def qmax(self) -> int:
+        """Largest integer code (affine int kinds)."""
+        if not self.signed:
+            return 2**self.bits - 1 - (1 if self.narrow_range else 0)
+        return 2 ** (self.bits - 1) - 1
+
+
+@attrs.frozen
+class Origin:
+    """Who set a value: ``label`` (``defaults``, ``rule type:Conv1d``, ``preset w4pot``,
+    ``override weight.bits=4``, ``built-in default``) and where it is written."""
+
+    label: str
+    span: Span = UNKNOWN_SPAN
+
+    def __str__(self) -> str:
+        if self.span.known:
+            return f"{self.label} ({self.span.file}:{self.span.line})"
+        return self.label
+
+
+@attrs.frozen
+class FieldProvenance:
+    """Where one resolved field's value came from, and what it overrode."""
+
+    value: Any
+    set_by: Origin
+    via: tuple[Origin, ...] = ()
+    """Preset chain the value travelled through (``via w4pot (model.qspec:5)``)."""
+    overridden: tuple[tuple[Origin, Any], ...] = ()
+    """Lower-precedence sources that also set this field, with their values."""
+
+
+@attrs.frozen
+class LayerPlan:
+    """Everything qdsl will do to one module."""
+
+    fqn: str
+    type_name: str
+    roles: Mapping[Role, QuantizerRecipe | None] = attrs.field(converter=attrs_frozendict)
+    skip: bool = False
+    accumulator: Accumulator = Accumulator()
+    provenance: Mapping[tuple[Role | str, str], FieldProvenance] = attrs.field(
+        factory=dict, converter=attrs_frozendict, eq=False
+    )
+    """Keyed by ``(role, field)``; layer-level fields use role ``"layer"`` (skip, accumulator)."""
+    matched_rules: tuple[int, ...] = ()
+    """Indices into ``Plan.spec.rules`` of the rules that matched this layer."""
+
+    def recipe(self, role: Role | str) -> QuantizerRecipe | None:
+        return self.roles.get(Role(role))
+
+    @property
+    def quantized(self) -> bool:
+        return not self.skip and any(r is not None for r in self.roles.values())
+
+
+@attrs.frozen
+class RuleMatch:
+    """Which modules one rule matched (for lint's unmatched/shadowed checks)."""
+
+    rule_index: int
+    fqns: tuple[str, ...]
+
+
+@attrs.frozen
+class Plan:
+    """The resolved spec for one model."""
+
+    spec: QuantSpec
+    """The composed (includes merged, overrides applied) spec the plan came from."""
+    layers: tuple[LayerPlan, ...] = attrs.field(converter=tuple)
+    rule_matches: tuple[RuleMatch, ...] = ()
+    index: ModelIndex | None = attrs.field(default=None, eq=False, repr=False)
+
+    def layer(self, fqn: str) -> LayerPlan:
+        for layer in self.layers:
+            if layer.fqn == fqn:
+                return layer
+        raise KeyError(f"no layer {fqn!r} in plan")
+
+    def __iter__(self):
+        return iter(self.layers)
+
+    @property
+    def fold_bn(self) -> bool:
+        return bool(self.spec.fold_bn)
+
+    @property
+    def bias_correction(self) -> bool:
+        return bool(self.spec.bias_correction)
