@@ -326,6 +326,10 @@ class QuantSpec:
     quantizers: Mapping[str, TensorQuant] = attrs.field(factory=dict, converter=_freeze_mapping)
     defaults: RuleBody = attrs.field(factory=RuleBody)
     rules: tuple[Rule, ...] = attrs.field(default=(), converter=tuple)
+    overrides: RuleBody = attrs.field(factory=RuleBody)
+    """Applied above every rule (API ``overrides=`` / CLI ``--set weight.bits=4``): a field
+    set here replaces that field on every layer whose role is quantized (not skipped,
+    not ``kind = float``).  Never written in files; ``fmt`` does not print it."""
     source: str | None = attrs.field(default=None, eq=False)
     """Path of the file this spec was read from, if any."""
     span: Span = attrs.field(default=UNKNOWN_SPAN, eq=False, repr=False)

@@ -1,0 +1,86 @@
+"""The built-in parts' names, params classes and capabilities (torch-free).
+
+``builtin_registries()`` returns a fresh :class:`Registries` bundle describing the
+built-in observers, roundings and scale rules.  Factories are ``"module:attr"`` strings
+that ``qdsl.quantizers`` imports on first use, so resolve can validate a spec's part
+names and parameters without importing torch.  ``qdsl.quantizers.default_registries()``
+is the bundle the top-level API uses (this one, plus plugins).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from qdsl.spec.registry import NoParams, PartInfo, Registries
+
+__all__ = [
+    "builtin_registries",
+    "EmaParams",
+    "HistogramParams",
+    "PercentileParams",
+    "MseParams",
+]
+
+
+def _positive(instance, attribute, value):
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value}")
+
+
+def _percent(instance, attribute, value):
+    if value is not None and not (0.0 < value <= 100.0):
+        raise ValueError(f"{attribute.name} must be in (0, 100], got {value}")
+
+
+@attrs.frozen
+class EmaParams:
+    """Exponential moving average of per-batch min/max: ``r = (1-momentum)·r + momentum·batch``."""
+
+    momentum: float = attrs.field(default=0.01, converter=float, validator=_positive)
+
+
+@attrs.frozen
+class HistogramParams:
+    """Histogram of |x| (or x); ``percentile`` clips there, otherwise an MSE search for the bit width."""
+
+    bins: int = attrs.field(default=2048, converter=int, validator=_positive)
+    percentile: float | None = attrs.field(default=None, validator=_percent)
+
+
+@attrs.frozen
+class PercentileParams:
+    """Clip the range at this percentile of |x| (histogram-backed)."""
+
+    percentile: float = attrs.field(default=99.99, converter=float, validator=_percent)
+    bins: int = attrs.field(default=2048, converter=int, validator=_positive)
+
+
+@attrs.frozen
+class MseParams:
+    """Search ``grid`` clip ratios for the one minimising the Lp quantization error at the target bits."""
+
+    norm: float = attrs.field(default=2.0, converter=float, validator=_positive)
+    grid: int = attrs.field(default=100, converter=int, validator=_positive)
+
+
+def builtin_registries() -> Registries:
+    regs = Registries()
+    obs = regs.observers
+    q = "qdsl.quantizers.observers:"
+    obs.add(PartInfo("minmax", q + "MinMaxObserver", NoParams, needs_calibration=True))
+    obs.add(PartInfo("ema", q + "EmaObserver", EmaParams, needs_calibration=True))
+    obs.add(PartInfo("histogram", q + "HistogramObserver", HistogramParams, needs_calibration=True))
+    obs.add(PartInfo("percentile", q + "PercentileObserver", PercentileParams, needs_calibration=True))
+    obs.add(PartInfo("mse", q + "MseObserver", MseParams, needs_calibration=True))
+    obs.add(PartInfo("mean_abs", q + "MeanAbsObserver", NoParams, needs_calibration=True,
+                     extra={"kinds": ("binary", "ternary")}))
+    r = "qdsl.quantizers.rounding:"
+    for name in ("half_even", "half_away", "floor", "stochastic"):
+        regs.roundings.add(PartInfo(name, r + name))
+    s = "qdsl.quantizers.scales:"
+    regs.scales.add(PartInfo("float", s + "FloatScale"))
+    regs.scales.add(PartInfo("pot", s + "PotScale", extra={"pot": True}))
+    regs.scales.add(PartInfo("pot_ceil", s + "PotCeilScale", extra={"pot": True}))
+    regs.scales.add(PartInfo("learned", s + "LearnedScale", extra={"learned": True}))
+    regs.scales.add(PartInfo("learned_pot", s + "LearnedPotScale", extra={"learned": True, "pot": True}))
+    return regs
