@@ -20,9 +20,10 @@ Guarantees
   quantizer must all use :func:`reciprocal` then multiply.
 * Scales are float32 tensors of shape ``[]`` (per tensor), ``[C]`` (per channel along
   ``axis``) or ``[C, G]`` (groups); zero points are integer tensors of the same shape.
-* **Groups**: a weight of shape ``[C, K, *rest]`` with ``group_size`` g (g divides K) has
-  ``G = K // g`` groups per output channel; group ``(c, j)`` is ``w[c, j*g:(j+1)*g, ...]``
-  (the g input channels *and* all their kernel taps).  :func:`group_view` exposes it.
+* **Groups** (the resolver's definition, ``qdsl.resolve.validate``): a weight of shape
+  ``[C, *rest]`` is seen as rows ``w.reshape(C, R)`` (``R = prod(rest)``, kernel position
+  fastest); with ``group_size`` g (g divides R) each row has ``G = R // g`` groups and
+  group ``(c, j)`` is ``w.reshape(C, R)[c, j*g:(j+1)*g]``.  :func:`group_view` exposes it.
 * Power-of-two scales (:func:`pot_scale`), binary, ternary and power-of-two weights are
   exact: they use ``frexp``/comparisons, never ``log2`` rounding, so a value exactly on
   a boundary always goes the documented way.
@@ -137,32 +138,36 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 def param_shape(shape: tuple[int, ...], axis: int | None = None, group_size: int | None = None) -> tuple[int, ...]:
     """Shape of the scale for a tensor of ``shape``: ``()``, ``(C,)`` or ``(C, G)``.
 
-    >>> param_shape((8, 4, 3, 3)), param_shape((8, 4, 3, 3), axis=0), param_shape((8, 4, 3, 3), 0, 2)
-    ((), (8,), (8, 2))
+    >>> param_shape((8, 4, 3, 3)), param_shape((8, 4, 3, 3), axis=0), param_shape((8, 4, 3, 3), 0, 12)
+    ((), (8,), (8, 3))
     """
     if group_size is not None:
         if len(shape) < 2:
             raise ValueError(f"group granularity needs a tensor with >= 2 dims, got shape {tuple(shape)}")
-        if group_size <= 0 or shape[1] % group_size:
-            raise ValueError(f"group size {group_size} does not divide dim 1 (size {shape[1]}) of shape {tuple(shape)}")
-        return (shape[0], shape[1] // group_size)
+        row = math.prod(shape[1:])
+        if group_size <= 0 or row % group_size:
+            raise ValueError(
+                f"group size {group_size} does not divide the row size {row} of shape {tuple(shape)}"
+            )
+        return (shape[0], row // group_size)
     if axis is None:
         return ()
     return (shape[axis],)
 
 
 def param_view(p: torch.Tensor, x: torch.Tensor, axis: int | None = None, group_size: int | None = None) -> torch.Tensor:
-    """Reshape a ``[]``/``[C]``/``[C, G]`` parameter so it broadcasts against ``x``.
+    """Reshape (for groups: expand) a ``[]``/``[C]``/``[C, G]`` parameter so it broadcasts
+    against ``x``.
 
     >>> param_view(torch.tensor([1., 2.]), torch.zeros(2, 3, 4), axis=0).shape
     torch.Size([2, 1, 1])
-    >>> param_view(torch.ones(2, 3), torch.zeros(2, 6, 5), group_size=2).shape
-    torch.Size([2, 6, 1])
+    >>> param_view(torch.tensor([[1., 2.]]), torch.zeros(1, 2, 2), group_size=2).tolist()
+    [[[1.0, 1.0], [2.0, 2.0]]]
     """
     if p.dim() == 0:
         return p
     if group_size is not None:
-        return p.repeat_interleave(group_size, dim=1).reshape(p.shape[0], -1, *([1] * (x.dim() - 2)))
+        return p.repeat_interleave(group_size, dim=1).reshape(x.shape)
     ax = axis % x.dim()
     shape = [1] * x.dim()
     shape[ax] = p.numel()
@@ -170,26 +175,23 @@ def param_view(p: torch.Tensor, x: torch.Tensor, axis: int | None = None, group_
 
 
 def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """``[C, K, *rest]`` -> ``[C, G, g·prod(rest)]``: one row per group.
+    """``[C, *rest]`` -> ``[C, G, g]``: one row per group (see the module docstring).
 
-    >>> group_view(torch.arange(12.).reshape(2, 6), 3).tolist()
+    >>> group_view(torch.arange(12.).reshape(2, 2, 3), 3).tolist()
     [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
     """
-    c, k = x.shape[0], x.shape[1]
-    if k % group_size:
-        raise ValueError(f"group size {group_size} does not divide dim 1 (size {k}) of shape {tuple(x.shape)}")
-    return x.reshape(c, k // group_size, -1)
+    c, g = param_shape(tuple(x.shape), group_size=group_size)
+    return x.reshape(c, g, group_size)
 
 
 def reduce_view(x: torch.Tensor, axis: int | None = None, group_size: int | None = None) -> torch.Tensor:
     """``x`` as ``[P, N]``: one row per scale slot (P = 1, C or C·G), for reductions.
 
     >>> reduce_view(torch.zeros(4, 6, 3), axis=0).shape, reduce_view(torch.zeros(4, 6, 3), group_size=2).shape
-    (torch.Size([4, 18]), torch.Size([12, 6]))
+    (torch.Size([4, 18]), torch.Size([36, 2]))
     """
     if group_size is not None:
-        g = group_view(x, group_size)
-        return g.reshape(g.shape[0] * g.shape[1], g.shape[2])
+        return x.reshape(-1, group_size)
     if axis is None:
         return x.reshape(1, -1)
     return x.movedim(axis, 0).reshape(x.shape[axis], -1)

@@ -121,13 +121,21 @@ def test_pot_weights_hand_derived():
 
 
 def test_groups_hand_derived():
-    w = torch.arange(16.0).reshape(2, 4, 2)  # C=2, K=4, group 2 -> [2, 2] scales
+    # rows of w.reshape(C, -1): C=2, R=8, group 4 -> [2, 2] scales
+    w = torch.arange(16.0).reshape(2, 4, 2)
     scale = torch.tensor([[1.0, 2.0], [4.0, 8.0]])
     zp = torch.zeros(2, 2, dtype=torch.int32)
-    q = F.quantize_affine(w, scale, zp, -128, 127, group_size=2)
-    expect = torch.round(w / F.param_view(scale, w, group_size=2))
+    q = F.quantize_affine(w, scale, zp, -128, 127, group_size=4)
+    rows = w.reshape(2, 8)
+    expect = torch.round(rows / scale.repeat_interleave(4, dim=1)).reshape(2, 4, 2)
     assert torch.equal(q.float(), expect)
-    # group (1, 1) is w[1, 2:4, :] = 12..15, scale 8
-    assert q[1, 2:4].tolist() == [[2, 2], [2, 2]]
+    # group (1, 1) is row 1, elements 4..7 = 12..15, scale 8 -> 1.5, 1.625, 1.75, 1.875
+    assert q.reshape(2, 8)[1, 4:].tolist() == [2, 2, 2, 2]
+    assert q.reshape(2, 8)[0, :4].tolist() == [0, 1, 2, 3]
+    # per-group fake quant equals per-channel fake quant of the (C*G, g) view
+    fq = F.fake_quant_affine(w, scale, zp, -128, 127, group_size=4)
+    ref = torch.fake_quantize_per_channel_affine(
+        w.reshape(4, 4), scale.reshape(4), zp.reshape(4), 0, -128, 127)
+    assert torch.equal(fq.reshape(4, 4), ref)
     with pytest.raises(ValueError, match="does not divide"):
         F.param_shape((2, 5, 3), group_size=2)
