@@ -1,0 +1,159 @@
+"""Check one tensor quantizer against a :class:`TensorCaps`: every mismatch, with its fix.
+
+The input is a mapping ``field -> value`` of what is *known* about the quantizer (a
+resolved recipe knows every field; a spec-only node only what it writes), so one
+function serves both lint modes.  Each :class:`Violation` names the spec field to change,
+the requested and allowed values, and the nearest allowed fix, phrased as the spec
+assignment to write (``use bits = 8``).  Codes are listed in ``qdsl/lint/codes.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+from qdsl.spec.model import Granularity, GranularityKind, Kind, Role
+from qdsl.spec.profile import NarrowRange, TensorCaps, export_scale_class
+
+__all__ = ["Violation", "check_quantizer", "nearest"]
+
+
+@attrs.frozen
+class Violation:
+    """One field of one quantizer that the target does not accept."""
+
+    code: str
+    field: str
+    """The spec field to change (``bits``, ``scale``, ``symmetric``...)."""
+    requested: str
+    allowed: str
+    fix: str
+    caps_field: str
+    """The profile field that forbids it (for pointing at the profile line)."""
+    reason: str = ""
+
+
+def nearest(value: int, allowed: tuple[int, ...]) -> int:
+    """The allowed number closest to ``value``; ties go to the larger (safer) one."""
+    return min(allowed, key=lambda a: (abs(a - value), -a))
+
+
+def _q(v: str) -> str:
+    return f'"{v}"'
+
+
+def _fmt_list(values) -> str:
+    return ", ".join(str(v.value if hasattr(v, "value") else v) for v in values)
+
+
+def _bool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def check_quantizer(
+    known: Mapping[str, Any],
+    caps: TensorCaps,
+    role: Role,
+    *,
+    integer_only: bool = False,
+    pot_scales: frozenset[str] = frozenset(),
+) -> list[Violation]:
+    """Every way the quantizer described by ``known`` breaks ``caps``.
+
+    ``known`` may lack any field; checks that need a missing field are skipped, so a
+    partial spec node is checked only on what it says.  ``bits`` applies to int and pot
+    kinds only (binary and ternary have fixed widths), and the int-only fields
+    (signedness, zero point, narrow range) are skipped for float tensors.
+    """
+    out: list[Violation] = []
+    kind = known.get("kind")
+    kind = Kind(kind) if kind is not None else None
+    if kind is not None:
+        if kind is Kind.FLOAT and integer_only:
+            out.append(Violation("E312", "kind", "float", "an integer kind", _float_fix(role, caps), "integer_only",
+                                 "the target is integer-only: no tensor may stay float"))
+        elif caps.kinds is not None and kind not in caps.kinds:
+            choice = Kind.INT if Kind.INT in caps.kinds else caps.kinds[0]
+            out.append(Violation("E301", "kind", kind.value, _fmt_list(caps.kinds), f"use kind = {_q(choice.value)}",
+                                 "kinds"))
+            return out  # the other fields are about a kind the target lacks
+    if kind is Kind.FLOAT:
+        return out
+    bits = known.get("bits")
+    if bits is not None and caps.bits is not None and kind in (None, Kind.INT, Kind.POT) and bits not in caps.bits:
+        out.append(Violation("E302", "bits", str(bits), _fmt_list(caps.bits), f"use bits = {nearest(bits, caps.bits)}",
+                             "bits"))
+    signed = known.get("signed")
+    if signed is not None and caps.signedness is not None and kind not in (Kind.TERNARY,):
+        word = "signed" if signed else "unsigned"
+        if word not in caps.signedness:
+            out.append(Violation("E303", "signed", _bool(signed), _fmt_list(caps.signedness),
+                                 f"set signed = {_bool(not signed)}", "signedness"))
+    scale = known.get("scale")
+    if scale is not None and caps.scales is not None:
+        cls = export_scale_class(scale, pot_scales)
+        ok = cls in caps.scales or (cls == "pot" and "float" in caps.scales)
+        if not ok:
+            out.append(Violation("E304", "scale", scale, _fmt_list(caps.scales), _scale_fix(scale, cls, caps.scales),
+                                 "scales", f"'{scale}' exports as a {cls} scale" if cls != scale else ""))
+    gran = known.get("granularity")
+    if isinstance(gran, Granularity):
+        out += _check_granularity(gran, caps)
+    symmetric = known.get("symmetric")
+    if symmetric is False and caps.zero_point is False and kind in (None, Kind.INT):
+        out.append(Violation("E306", "symmetric", "false", "true (no zero point)", "set symmetric = true",
+                             "zero_point"))
+    narrow = known.get("narrow_range")
+    if narrow is not None and caps.narrow_range is not None and kind in (None, Kind.INT) and signed is not False:
+        if caps.narrow_range is NarrowRange.REQUIRED and not narrow:
+            out.append(Violation("E307", "narrow_range", "false", "true", "set narrow_range = true", "narrow_range"))
+        elif caps.narrow_range is NarrowRange.FORBIDDEN and narrow:
+            out.append(Violation("E307", "narrow_range", "true", "false", "set narrow_range = false", "narrow_range"))
+    dynamic = known.get("dynamic")
+    if dynamic:
+        if integer_only:
+            out.append(Violation("E308", "dynamic", "true", "false", "set dynamic = false", "integer_only",
+                                 "dynamic scales are computed in float at run time; the target is integer-only"))
+        elif caps.dynamic is False:
+            out.append(Violation("E308", "dynamic", "true", "false", "set dynamic = false", "dynamic"))
+    return out
+
+
+def _float_fix(role: Role, caps: TensorCaps) -> str:
+    if role is Role.BIAS:
+        return 'use bias = { kind = "int", bits = 32, scale = "input*weight" }'
+    return f"quantize the {role.value}: use kind = \"int\""
+
+
+def _scale_fix(scale: str, cls: str, allowed: tuple[str, ...]) -> str:
+    if "input*weight" in allowed and cls != "input*weight" and not ({"float", "pot"} & set(allowed)):
+        return 'use scale = "input*weight"'
+    if cls == "input*weight":
+        return f"use scale = {_q('float' if 'float' in allowed else 'pot')} (a bias quantizer of its own)"
+    if cls == "float" and "pot" in allowed:
+        return 'use scale = "learned_pot"' if scale == "learned" else 'use scale = "pot"'
+    return f"use scale = {_q(allowed[0])}"
+
+
+def _check_granularity(gran: Granularity, caps: TensorCaps) -> list[Violation]:
+    out = []
+    text = str(gran)
+    if caps.granularities is not None and gran.kind not in caps.granularities:
+        pick = GranularityKind.CHANNEL if GranularityKind.CHANNEL in caps.granularities else caps.granularities[0]
+        fix = f"use granularity = {_q(pick.value)}"
+        if pick is GranularityKind.GROUP and caps.group_sizes:
+            fix = f"use granularity = group({caps.group_sizes[0]})"
+        return [Violation("E305", "granularity", text, _fmt_list(caps.granularities), fix, "granularities")]
+    if gran.kind is GranularityKind.CHANNEL and caps.channel_axes is not None:
+        axis = 0 if gran.axis is None else gran.axis
+        if axis not in caps.channel_axes:
+            want = caps.channel_axes[0]
+            out.append(Violation("E305", "granularity", text, f"channel axis {_fmt_list(caps.channel_axes)}",
+                                 f"use granularity = {_q('channel') if want == 0 else f'channel({want})'}",
+                                 "channel_axes"))
+    if gran.kind is GranularityKind.GROUP and caps.group_sizes is not None and gran.group_size not in caps.group_sizes:
+        size = nearest(gran.group_size or 0, caps.group_sizes)
+        out.append(Violation("E305", "granularity", text, "group(" + _fmt_list(caps.group_sizes) + ")",
+                             f"use granularity = group({size})", "group_sizes"))
+    return out
