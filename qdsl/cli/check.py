@@ -1,0 +1,51 @@
+"""``qdsl check SPEC [--model MODULE:FACTORY] [--set K=V ...]``: validate a spec.
+
+Reads the spec (either front end), applies ``--set`` overrides, runs every model-free
+check and, with ``--model``, resolves it against the model too.  Prints
+``ok: SPEC (N presets, M rules[, K layers quantized])`` and exits 0, or prints every
+diagnostic in the house format and exits 2.  Warnings are printed but do not fail.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["add_parser", "run"]
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "check",
+        help="validate a spec (and resolve it against a model)",
+        description="Validate a .qspec / .qspec.toml file; with --model, also resolve it against that model.",
+    )
+    p.add_argument("spec", metavar="SPEC", help="spec file (.qspec or .qspec.toml)")
+    p.add_argument("--model", metavar="MODULE:FACTORY",
+                   help="also resolve against this model, e.g. qdsl.testing.models:digits_resnet or file.py:build")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
+                   help="override a field, e.g. --set weight.bits=4 (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from qdsl.resolve import check_spec, load_model_ref, resolve
+    from qdsl.resolve.resolver import load_for_resolve
+    from qdsl.spec.diagnostics import render_all
+
+    spec = load_for_resolve(args.spec, args.overrides or None)
+    diags = check_spec(spec)
+    if any(d.is_error for d in diags):
+        print(render_all(diags), file=sys.stderr)
+        return 2
+    summary = f"{_plural(len(spec.quantizers), 'preset')}, {_plural(len(spec.rules), 'rule')}"
+    if args.model:
+        plan = resolve(load_model_ref(args.model), spec)  # SpecError -> exit 2 in main
+        summary += f", {_plural(sum(1 for lp in plan.layers if lp.quantized), 'layer')} quantized"
+    if diags:
+        print(render_all(diags), file=sys.stderr)
+    print(f"ok: {args.spec} ({summary})")
+    return 0

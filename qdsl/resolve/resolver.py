@@ -1,0 +1,344 @@
+"""``resolve(model, spec) -> Plan``: matching, the field-by-field cascade, provenance.
+
+Which modules get a :class:`LayerPlan`: every module whose class is in
+``WEIGHTED_TYPES`` (``defaults`` apply to those; a weighted layer nobody quantizes is
+still listed, in float, so lint can see it) and every module a rule applies to
+(containers too: an ``output`` quantizer on a residual block is what makes its ``+``
+integer-exportable).  A rule *applies* to a module it matches when it sets ``skip``,
+an accumulator, or a role the module has (weight/bias need the parameter; input and
+output every module has).
+
+The cascade (DESIGN.md §2), decided separately for every (role, field) of every layer:
+built-in default < ``defaults`` < type rules < glob/regex rules < exact-name rules <
+overrides.  A rule's level on a layer is that of its most specific target that matched
+the layer.  Within one level the higher ``priority`` wins (absent = 0); two rules at the
+same level and priority that give one field *different* values on a layer is an error
+(E209) naming both; equal values do not conflict (the later rule is recorded as the
+setter, the other as overridden).  A rule's role value contributes its whole preset
+chain plus its own fields (``presets.py``).
+
+A role is quantized only when some source that applies mentions it (overrides do not
+count: they only change roles that end up quantized).  The winning ``skip = true`` puts
+all roles of the layer in float; a winning ``kind = float`` puts that role in float.
+Then overrides apply, built-in defaults fill the rest (``validate.py``), and the
+recipe is validated with every error pointing at the span where the offending value is
+written.  Layers that receive the same sources resolve identically, so the cascade runs
+once per distinct combination (memoized) and only shape checks run per layer - this is
+what keeps a 10,000-module model well under the 0.5 s budget (``benchmarks/resolve.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+
+from qdsl.resolve.check import Body, Prepared, compose_if_needed, dedupe, prepare
+from qdsl.resolve.explain import format_value
+from qdsl.resolve.plan import (
+    FieldProvenance,
+    LayerPlan,
+    ModelIndex,
+    ModuleEntry,
+    Origin,
+    Plan,
+    QuantizerRecipe,
+    RuleMatch,
+    WEIGHTED_TYPES,
+)
+from qdsl.resolve.presets import Contribution
+from qdsl.resolve.targets import Level, match_targets, unmatched_hint
+from qdsl.resolve.validate import builtin_value, check_shapes, fill_channel_axis, validate_fields, validate_observer
+from qdsl.spec.diagnostics import Diagnostic, Span, SpecError
+from qdsl.spec.model import DERIVED_BIAS_SCALE, Accumulator, Kind, QuantSpec, Role, TENSOR_QUANT_FIELDS
+from qdsl.spec.registry import Registries
+
+__all__ = ["resolve", "load_for_resolve", "index_of"]
+
+_BUILTIN = Origin("built-in default")
+_PARAM_ROLES = (Role.WEIGHT, Role.BIAS)
+_Cand = tuple[Level, Body, Contribution]
+
+
+def index_of(model_or_index: Any) -> ModelIndex:
+    """A :class:`ModelIndex` as given, or built from an ``nn.Module`` (duck-typed)."""
+    if isinstance(model_or_index, ModelIndex):
+        return model_or_index
+    if hasattr(model_or_index, "named_modules"):
+        return ModelIndex.from_module(model_or_index)
+    raise TypeError(f"resolve() needs an nn.Module or a ModelIndex, got {type(model_or_index).__name__}")
+
+
+def load_for_resolve(spec: QuantSpec | str | Path, overrides: Any = None) -> QuantSpec:
+    """A composed spec: read a path with ``qdsl.parse.load_spec``, or compose a record."""
+    if isinstance(spec, (str, Path)):
+        from qdsl.parse import load_spec  # lazy: the parse layer is optional for records
+
+        return load_spec(spec, overrides)
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"resolve() needs a QuantSpec or a spec path, got {type(spec).__name__}")
+    if overrides:
+        from qdsl.parse import compose
+
+        return compose(spec, overrides)
+    return compose_if_needed(spec)
+
+
+def resolve(
+    model_or_index: Any,
+    spec: QuantSpec | str | Path,
+    *,
+    registries: Registries | None = None,
+    overrides: Any = None,
+) -> Plan:
+    """Resolve ``spec`` against a model; raise :class:`SpecError` with every problem found."""
+    index = index_of(model_or_index)
+    prep = prepare(load_for_resolve(spec, overrides), registries)
+    return _Resolver(prep, index).run()
+
+
+@attrs.frozen
+class _Outcome:
+    """How one combination of sources resolves (shared by every layer that has it)."""
+
+    roles: dict[Role, QuantizerRecipe | None]
+    provenance: dict[tuple[Any, str], FieldProvenance]
+    skip: bool
+    accumulator: Accumulator
+    applied: tuple[int, ...]
+    gran_spans: dict[Role, Span]
+    diagnostics: list[Diagnostic]
+    conflicts: list[tuple[Any, ...]]
+
+
+class _Resolver:
+    def __init__(self, prep: Prepared, index: ModelIndex):
+        self.prep = prep
+        self.index = index
+        self.regs = prep.registries
+        self._memo: dict[tuple[Any, ...], _Outcome] = {}
+        self._observers: dict[Any, Any] = {}
+        # diagnostic (without layer names) -> layers it occurred on, in model order
+        self._layer_diags: dict[Diagnostic, list[str]] = {}
+        self._conflicts: dict[tuple[Any, ...], tuple[Diagnostic, list[str]]] = {}
+        self._e203_rules: set[int] = set()
+
+    # -- matching -------------------------------------------------------------------
+    def _match(self) -> tuple[dict[str, dict[int, Level]], list[Diagnostic], list[int]]:
+        per_fqn: dict[str, dict[int, Level]] = {}
+        diags: list[Diagnostic] = []
+        matched_any = []
+        for i, compiled in enumerate(self.prep.targets):
+            rule = self.prep.spec.rules[i]
+            hits = match_targets(compiled, self.index)
+            for ct, fqns in zip(compiled, hits):
+                if not fqns and not rule.optional:
+                    diags.append(Diagnostic.error(
+                        "E201", f"target '{ct.target.text}' of {rule.describe()} matches no module",
+                        ct.target.span, unmatched_hint(ct.target, self.index),
+                        "add 'optional' to the rule if matching nothing is expected",
+                    ))
+                for fqn in fqns:
+                    levels = per_fqn.setdefault(fqn, {})
+                    if levels.get(i, Level.BUILTIN) < ct.level:
+                        levels[i] = ct.level
+            if any(hits):
+                matched_any.append(i)
+        return per_fqn, diags, matched_any
+
+    # -- the run ----------------------------------------------------------------------
+    def run(self) -> Plan:
+        per_fqn, diags, matched_any = self._match()
+        layers = []
+        applied_to: dict[int, list[str]] = {i: [] for i in range(len(self.prep.rules))}
+        for entry in self.index.entries:
+            matches = per_fqn.get(entry.fqn)
+            weighted = entry.type_name in WEIGHTED_TYPES
+            if not weighted and not matches:
+                continue
+            roles = entry.roles
+            key = (entry.type_name, roles, tuple(sorted(matches.items())) if matches else ())
+            out = self._memo.get(key)
+            if out is None:
+                out = self._memo[key] = self._outcome(entry, weighted, key[2])
+            if not weighted and not out.applied:
+                continue
+            for d in out.diagnostics:
+                self._layer_diags.setdefault(d, []).append(entry.fqn)
+            for c in out.conflicts:
+                self._note_conflict(c, entry.fqn)
+            for i in out.applied:
+                applied_to[i].append(entry.fqn)
+            for role, recipe in out.roles.items():
+                if recipe is not None and role in _PARAM_ROLES and recipe.granularity.kind.value != "tensor":
+                    for d in check_shapes(recipe, role, entry, out.gran_spans.get(role, Span())):
+                        self._layer_diags.setdefault(d, []).append(entry.fqn)
+            layers.append(LayerPlan(
+                entry.fqn, entry.type_name, out.roles, out.skip, out.accumulator, out.provenance, out.applied,
+            ))
+        diags += self._rule_diags(applied_to, matched_any)
+        diags += [self._with_layers(d, fqns) for d, fqns in self._layer_diags.items()]
+        diags += [self._with_layers(d, fqns) for d, fqns in self._conflicts.values()]
+        all_diags = dedupe(list(self.prep.diagnostics) + diags)
+        if any(d.is_error for d in all_diags):
+            raise SpecError(all_diags)
+        matches = tuple(RuleMatch(i, tuple(f)) for i, f in applied_to.items())
+        return Plan(self.prep.spec, tuple(layers), matches, self.index)
+
+    def _rule_diags(self, applied_to: dict[int, list[str]], matched_any: list[int]) -> list[Diagnostic]:
+        out = []
+        for i in matched_any:
+            rule, body = self.prep.spec.rules[i], self.prep.rules[i]
+            # a rule already reported by E203 (exact name without that tensor) is not repeated
+            if applied_to[i] or rule.optional or i in self._e203_rules:
+                continue
+            missing = " or ".join(r.value for r in body.roles)
+            out.append(Diagnostic.error(
+                "E202", f"{body.label} matches modules but applies to none of them: none has a {missing}",
+                rule.span, "target layers that have these tensors, or add 'optional'",
+            ))
+        return out
+
+    @staticmethod
+    def _with_layers(d: Diagnostic, fqns: list[str]) -> Diagnostic:
+        names = [f or "<root>" for f in fqns]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        return attrs.evolve(d, notes=d.notes + (f"on layer{'s' if len(names) > 1 else ''} {shown}",))
+
+    def _note_conflict(self, c: tuple[Any, ...], fqn: str) -> None:
+        role, field, (lvl, a, ca), (_, b, cb) = c
+        key = (role, field, a.order, b.order)
+        if key not in self._conflicts:
+            what = f"{role}.{field}" if role != "layer" else field
+            d = Diagnostic.error(
+                "E209",
+                f"{b.label} and {a.label} both set {what} at the same specificity ({lvl.title}) "
+                f"to different values: {format_value(cb.value)} vs {format_value(ca.value)}",
+                ca.span,
+                "give the rule that should win a higher 'priority', or make one target more specific",
+                notes=(f"{b.label} sets it at {cb.span.location()}", f"{a.label} sets it at {ca.span.location()}"),
+            )
+            self._conflicts[key] = (d, [])
+        self._conflicts[key][1].append(fqn)
+
+    # -- one combination of sources ---------------------------------------------------
+    def _outcome(self, entry: ModuleEntry, weighted: bool, matches: tuple[tuple[int, Level], ...]) -> _Outcome:
+        has = set(entry.roles)
+        diags: list[Diagnostic] = []
+        conflicts: list[tuple[Any, ...]] = []
+        bodies: list[tuple[Level, Body]] = [(Level.DEFAULTS, self.prep.defaults)] if weighted else []
+        applied = []
+        for i, lvl in matches:
+            b = self.prep.rules[i]
+            if lvl is Level.EXACT:
+                for r in b.roles:
+                    if r not in has:
+                        self._e203_rules.add(i)
+                        diags.append(Diagnostic.error(
+                            "E203", f"{b.label} sets the {r.value} of a {entry.type_name}, which has no "
+                            f"{r.value} parameter", b.role_spans.get(r, b.span),
+                            f"{entry.type_name} can take: {', '.join(x.value for x in entry.roles)}",
+                        ))
+            if b.skip is not None or b.accumulator is not None or any(r in has for r in b.roles):
+                applied.append(i)
+                bodies.append((lvl, b))
+        prov: dict[tuple[Any, str], FieldProvenance] = {}
+        ov = self.prep.overrides
+
+        def layer_field(name: str, default: Any) -> Any:
+            cands = [(lvl, b, getattr(b, name)) for lvl, b in bodies if getattr(b, name) is not None]
+            if getattr(ov, name) is not None:
+                cands.append((Level.OVERRIDE, ov, getattr(ov, name)))
+            if not cands:
+                prov[("layer", name)] = FieldProvenance(default, _BUILTIN)
+                return default
+            p, _ = self._pick(cands, "layer", name, conflicts)
+            prov[("layer", name)] = p
+            return p.value
+
+        skip = bool(layer_field("skip", False))
+        acc = layer_field("accumulator", Accumulator())
+        roles: dict[Role, QuantizerRecipe | None] = {}
+        gran_spans: dict[Role, Span] = {}
+        for role in entry.roles:
+            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles]
+            if skip or not srcs:
+                roles[role] = None
+                continue
+            roles[role] = self._role(role, srcs, prov, conflicts, diags, gran_spans)
+        bias = roles.get(Role.BIAS)
+        if bias is not None and bias.scale == DERIVED_BIAS_SCALE:
+            missing = [r.value for r in (Role.INPUT, Role.WEIGHT) if roles.get(r) is None]
+            if missing:
+                p = prov[(Role.BIAS, "scale")]
+                diags.append(Diagnostic.error(
+                    "E214", f"bias scale '{DERIVED_BIAS_SCALE}' needs the layer's input and weight "
+                    f"quantized, but its {' and '.join(missing)} stays in float",
+                    p.via[-1].span if p.via else p.set_by.span,
+                    "quantize the input and weight of these layers, or give the bias its own scale",
+                ))
+        return _Outcome(roles, prov, skip, acc, tuple(applied), gran_spans, diags, conflicts)
+
+    def _role(self, role: Role, srcs, prov, conflicts, diags, gran_spans) -> QuantizerRecipe | None:
+        won: dict[str, FieldProvenance] = {}
+        written: dict[str, Span] = {}
+        for field in TENSOR_QUANT_FIELDS:
+            cands = [(lvl, b, b.roles[role][field]) for lvl, b in srcs if field in b.roles[role]]
+            if cands:
+                won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
+        kind = won["kind"].value if "kind" in won else Kind.INT
+        if kind is Kind.FLOAT:
+            prov[(role, "kind")] = won["kind"]
+            return None
+        # overrides only touch roles that are quantized at this point
+        for field, c in self.prep.overrides.roles.get(role, {}).items():
+            below = won.get(field)
+            lower = ((below.set_by, below.value),) + below.overridden if below else ()
+            label = f"override {role.value}.{field}={format_value(c.value)}"
+            via = c.via
+            won[field] = FieldProvenance(c.value, Origin(label, c.span if not via else self.prep.overrides.span), via, lower)
+            written[field] = c.span
+        kind = won["kind"].value if "kind" in won else Kind.INT
+        if kind is Kind.FLOAT:
+            prov[(role, "kind")] = won["kind"]
+            return None
+        scale = won["scale"].value if "scale" in won else None
+        values: dict[str, Any] = {}
+        for field in TENSOR_QUANT_FIELDS:
+            if field not in won:
+                won[field] = FieldProvenance(builtin_value(field, role, kind, scale), _BUILTIN)
+            values[field] = won[field].value
+        gran = fill_channel_axis(values["granularity"], role)
+        if gran is not values["granularity"]:
+            values["granularity"] = gran
+            won["granularity"] = attrs.evolve(won["granularity"], value=gran)
+        gran_spans[role] = written.get("granularity", Span())
+        diags += validate_fields(values, role, written, self.regs)
+        obs_span = written.get("observer", values["observer"].span)
+        params = self._observer_params(values["observer"], obs_span)
+        for field in TENSOR_QUANT_FIELDS:
+            prov[(role, field)] = won[field]
+        return QuantizerRecipe(**values, observer_params=params)
+
+    def _observer_params(self, observer: Any, span: Span) -> Any:
+        if observer not in self._observers:
+            _, params, _ = validate_observer(observer, span, self.regs)  # errors come from validate_fields
+            self._observers[observer] = params
+        return self._observers[observer]
+
+    @staticmethod
+    def _pick(cands: list[_Cand], role: Any, field: str, conflicts: list, with_span: bool = False):
+        """The winning candidate's provenance (and written span); records same-level conflicts."""
+        cands.sort(key=lambda c: (c[0], c[1].priority, c[1].order))
+        lvl, body, c = win = cands[-1]
+        for other in cands[:-1]:
+            if other[0] == lvl and other[1].priority == body.priority and other[2].value != c.value:
+                conflicts.append((role, field, win, other))
+        overridden = tuple(c.shadowed) + tuple(
+            (Origin(b.label + (" via " + " > ".join(v.label for v in oc.via) if oc.via else ""), oc.span), oc.value)
+            for _, b, oc in reversed(cands[:-1])
+        )
+        span = body.set_by_span(role, c) if isinstance(role, Role) else c.span
+        p = FieldProvenance(c.value, Origin(body.label, span), c.via, overridden)
+        return (p, c.span) if with_span else (p, None)

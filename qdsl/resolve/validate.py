@@ -1,0 +1,240 @@
+"""Built-in defaults and the validity rules of a tensor quantizer (torch-free).
+
+:func:`builtin_value` fills a field no source set; :func:`validate_fields` checks the
+fields that *are* present against each other, against the role, and against the part
+registries - so the same function checks a partial quantizer written in a spec
+(``check_spec``, no model) and a fully resolved :class:`QuantizerRecipe`
+(:func:`validate_recipe`).  :func:`check_shapes` adds the checks that need the layer's
+parameter shapes.  Every diagnostic points at the span of the field that is wrong
+(``spans[field]``), falling back to another involved field when that one came from a
+built-in default.
+
+Built-in defaults (provenance "built-in default"): kind int; bits 8 (binary 1, ternary
+2; a bias whose scale is ``input*weight`` gets 32); signed true; narrow_range false;
+symmetric true; scale float; granularity tensor; observer minmax (binary and ternary:
+mean_abs); rounding half_even; dynamic false.  ``channel`` without an axis means axis
+0 for weight and bias (output channels) and axis 1 for input and output (the channel
+dimension of NC... activations).
+
+Group granularity: one scale per ``group_size`` consecutive elements of each flattened
+weight row, i.e. along the reduction dimension ``prod(weight.shape[1:])`` (Linear:
+``in_features``; Conv: ``in_channels/groups * prod(kernel_size)``, kernel-position
+fastest, matching ``weight.reshape(out, -1)``).  The group size must divide it.
+Activation shapes are not in the model index, so axis checks cover weight and bias only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from qdsl.resolve.plan import ModuleEntry, QuantizerRecipe
+from qdsl.spec.builtins import builtin_registries
+from qdsl.spec.diagnostics import Diagnostic, Span, UNKNOWN_SPAN
+from qdsl.spec.model import (
+    DERIVED_BIAS_SCALE,
+    Granularity,
+    GranularityKind,
+    Kind,
+    ObserverSpec,
+    Role,
+    TENSOR_QUANT_FIELDS,
+)
+from qdsl.spec.registry import Registries, validate_params
+
+__all__ = [
+    "builtin_value",
+    "fill_channel_axis",
+    "validate_fields",
+    "validate_recipe",
+    "validate_observer",
+    "check_shapes",
+    "MAX_BITS",
+    "MAX_BIAS_BITS",
+]
+
+MAX_BITS = 16
+MAX_BIAS_BITS = 32
+_PARAM_ROLES = (Role.WEIGHT, Role.BIAS)
+
+
+def builtin_value(field: str, role: Role, kind: Kind, scale: str | None) -> Any:
+    """The built-in default of ``field`` given the role and the already resolved kind/scale."""
+    derived_bias = role is Role.BIAS and scale == DERIVED_BIAS_SCALE
+    if field == "kind":
+        return Kind.INT
+    if field == "bits":
+        if derived_bias:
+            return 32
+        return {Kind.BINARY: 1, Kind.TERNARY: 2}.get(kind, 8)
+    if field in ("signed", "symmetric"):
+        return True
+    if field in ("narrow_range", "dynamic"):
+        return False
+    if field == "scale":
+        return "float"
+    if field == "granularity":
+        return Granularity(GranularityKind.TENSOR)
+    if field == "observer":
+        return ObserverSpec("mean_abs" if kind in (Kind.BINARY, Kind.TERNARY) else "minmax")
+    if field == "rounding":
+        return "half_even"
+    raise KeyError(field)
+
+
+def fill_channel_axis(gran: Granularity, role: Role) -> Granularity:
+    """``channel`` without an axis: 0 for parameters, 1 (channels of N,C,...) for activations."""
+    if gran.kind is GranularityKind.CHANNEL and gran.axis is None:
+        return Granularity(GranularityKind.CHANNEL, 0 if role in _PARAM_ROLES else 1, None, gran.span)
+    return gran
+
+
+def _spot(spans: Mapping[str, Span], *fields: str) -> Span:
+    """The first of ``fields`` whose value is written somewhere (built-ins have no span)."""
+    for f in fields:
+        s = spans.get(f)
+        if s is not None and (s.known or s.path):
+            return s
+    return spans.get(fields[0], UNKNOWN_SPAN)
+
+
+def validate_fields(
+    fields: Mapping[str, Any],
+    role: Role | None,
+    spans: Mapping[str, Span],
+    registries: Registries,
+) -> list[Diagnostic]:
+    """Check the fields present in ``fields`` (absent ones are not assumed).
+
+    ``role`` None means "not known yet" (a preset): role-specific rules are skipped.
+    """
+    d: list[Diagnostic] = []
+    kind = fields.get("kind")
+    bits = fields.get("bits")
+    scale = fields.get("scale")
+    gran = fields.get("granularity")
+    observer = fields.get("observer")
+    where = f" on the {role.value}" if role is not None else ""
+
+    # registry-backed names first: they are the most common typo
+    if scale is not None and scale != DERIVED_BIAS_SCALE:
+        found = registries.scales.lookup(scale, _spot(spans, "scale"))
+        if isinstance(found, Diagnostic):
+            d.append(found)
+    if fields.get("rounding") is not None:
+        found = registries.roundings.lookup(fields["rounding"], _spot(spans, "rounding"))
+        if isinstance(found, Diagnostic):
+            d.append(found)
+    obs_info = None
+    if observer is not None:
+        obs_info, _, obs_diags = validate_observer(observer, spans.get("observer", observer.span), registries)
+        d += obs_diags
+    if kind is Kind.FLOAT:
+        return d  # a float tensor ignores every other field
+
+    if bits is not None:
+        top = MAX_BIAS_BITS if role in (Role.BIAS, None) else MAX_BITS
+        if not 1 <= bits <= top:
+            d.append(Diagnostic.error(
+                "E210", f"bits = {bits}{where} is out of range 1..{top}", _spot(spans, "bits"),
+                "biases may use up to 32 bits; every other tensor up to 16" if role is not Role.BIAS else
+                "an int32 bias is bits = 32",
+            ))
+    if kind in (Kind.BINARY, Kind.TERNARY, Kind.POT):
+        need = {Kind.BINARY: "== 1", Kind.TERNARY: "== 2", Kind.POT: ">= 2"}[kind]
+        ok = bits is None or (bits == 1 if kind is Kind.BINARY else bits == 2 if kind is Kind.TERNARY else bits >= 2)
+        if not ok:
+            d.append(Diagnostic.error(
+                "E211", f"{kind.value} quantizers need bits {need} (got {bits})", _spot(spans, "bits", "kind"),
+                f"drop 'bits' (the built-in default fits {kind.value}) or use kind = int",
+            ))
+        if fields.get("symmetric") is False:
+            d.append(Diagnostic.error(
+                "E211", f"{kind.value} quantizers are symmetric (they have no zero point)",
+                _spot(spans, "symmetric", "kind"), "remove 'symmetric = false' or use kind = int",
+            ))
+    if isinstance(gran, Granularity) and gran.kind is GranularityKind.GROUP:
+        if role is not None and role is not Role.WEIGHT:
+            d.append(Diagnostic.error(
+                "E212", f"group granularity is only for weights, not the {role.value}",
+                _spot(spans, "granularity"), "use tensor or channel granularity for activations and bias",
+            ))
+        if gran.group_size is None or gran.group_size <= 0:
+            d.append(Diagnostic.error(
+                "E212", f"group size must be a positive integer (got {gran.group_size})",
+                _spot(spans, "granularity"),
+            ))
+    if scale is not None and scale != DERIVED_BIAS_SCALE and fields.get("dynamic") is True:
+        if scale in registries.scales and registries.scales.get(scale).extra.get("learned"):
+            d.append(Diagnostic.error(
+                "E213", f"a learned scale ('{scale}') cannot be dynamic: a dynamic scale is recomputed "
+                "from every batch, so there is nothing to learn",
+                _spot(spans, "dynamic", "scale"), "drop 'dynamic' or use scale = float or pot",
+            ))
+    if scale == DERIVED_BIAS_SCALE and role is not None and role is not Role.BIAS:
+        d.append(Diagnostic.error(
+            "E214", f"scale '{DERIVED_BIAS_SCALE}' is only for the bias, not the {role.value}",
+            _spot(spans, "scale"), "use float, pot, learned or learned_pot",
+        ))
+    if obs_info is not None and kind is not None:
+        kinds = obs_info.extra.get("kinds")
+        if kinds is not None and kind.value not in kinds:
+            d.append(Diagnostic.error(
+                "E215", f"observer '{observer.name}' is only for {' and '.join(kinds)} quantizers, "
+                f"not {kind.value}", _spot(spans, "observer", "kind"),
+                "use minmax, ema, histogram, percentile or mse",
+            ))
+    return d
+
+
+def validate_observer(
+    observer: ObserverSpec, span: Span, registries: Registries
+) -> tuple[Any, Any, list[Diagnostic]]:
+    """The observer's registry entry and validated params object (None when invalid),
+    and any E204/E205/E206 about it."""
+    found = registries.observers.lookup(observer.name, span)
+    if isinstance(found, Diagnostic):
+        return None, None, [found]
+    params, diags = validate_params(found, observer.param_dict(), span)
+    return found, params, diags
+
+
+def validate_recipe(
+    recipe: QuantizerRecipe,
+    role: Role | str,
+    spans: Mapping[str, Span] | None = None,
+    registries: Registries | None = None,
+) -> list[Diagnostic]:
+    """Validate a fully resolved recipe for ``role``; ``spans`` locate each field's value."""
+    regs = registries if registries is not None else builtin_registries()
+    fields = {f: getattr(recipe, f) for f in TENSOR_QUANT_FIELDS}
+    return validate_fields(fields, Role(role), dict(spans or {}), regs)
+
+
+def check_shapes(
+    recipe: QuantizerRecipe, role: Role, entry: ModuleEntry, span: Span
+) -> list[Diagnostic]:
+    """Checks that need the parameter's shape: channel axis in range, group size divides rows."""
+    shape = entry.param_shapes.get(role.value) if role in _PARAM_ROLES else None
+    if shape is None:
+        return []
+    gran = recipe.granularity
+    what = f"{role.value} of '{entry.fqn}' ({entry.type_name}, shape {tuple(shape)})"
+    if gran.kind is GranularityKind.CHANNEL and gran.axis is not None:
+        nd = len(shape)
+        if not -nd <= gran.axis < nd:
+            return [Diagnostic.error(
+                "E216", f"channel axis {gran.axis} is out of range for the {what}", span,
+                f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis 0 is the output channels",
+            )]
+    if gran.kind is GranularityKind.GROUP and gran.group_size and len(shape) >= 2:
+        row = math.prod(shape[1:])
+        if row % gran.group_size:
+            divisors = [g for g in range(1, row + 1) if row % g == 0 and g >= 4][:8]
+            return [Diagnostic.error(
+                "E217", f"group size {gran.group_size} does not divide the reduction size {row} "
+                f"(= {' x '.join(map(str, shape[1:]))}) of the {what}", span,
+                "groups run along each flattened weight row; sizes that fit: "
+                + ", ".join(map(str, divisors)),
+            )]
+    return []
