@@ -1,0 +1,87 @@
+"""Integer graph export, the ``.qgraph`` format and graph execution.
+
+* :func:`export` lowers a frozen patched model to an :class:`IntegerGraph` (qdsl/export/lower.py);
+* :func:`save_graph` / :func:`load_graph` / :func:`graph_to_bytes` / :func:`graph_from_bytes`
+  read and write ``.qgraph`` files (docs/qgraph.md), validating everything on load;
+* :func:`run_graph` runs a graph with the C++ runtime (``qdsl.runtime``) or the Python
+  reference executor, which defines the semantics.
+
+``import qdsl.export`` needs numpy only; torch is imported by :func:`export` when called.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+
+from qdsl.export.ir import GraphFormatError, IntegerGraph
+from qdsl.export.qgraph import graph_from_bytes, graph_to_bytes, load_graph, save_graph
+from qdsl.export.reference import execute, run_reference
+from qdsl.spec.diagnostics import QdslError
+
+__all__ = [
+    "IntegerGraph",
+    "GraphFormatError",
+    "export",
+    "save_graph",
+    "load_graph",
+    "graph_to_bytes",
+    "graph_from_bytes",
+    "run_graph",
+    "execute",
+    "BACKENDS",
+]
+
+BACKENDS = ("auto", "reference", "cpp")
+_warned_slow = False
+
+
+def export(model: Any, example_input: Any, **kwargs: Any) -> IntegerGraph:
+    """Lower a frozen, patched model to an :class:`IntegerGraph` (see qdsl/export/lower.py)."""
+    from qdsl.export.lower import export as _export
+
+    return _export(model, example_input, **kwargs)
+
+
+def _runtime():
+    """``qdsl.runtime`` or ``None`` when it (or its compiled extension) is absent."""
+    try:
+        import qdsl.runtime as rt
+    except ImportError:
+        return None
+    return rt
+
+
+def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any:
+    """Run ``graph`` on ``x`` (a numpy array or torch tensor; float32 or int8/uint8).
+
+    ``backend``: ``"reference"`` (Python, defines the semantics), ``"cpp"`` (the compiled
+    runtime; an error if it is not built) or ``"auto"`` (cpp when available, else the
+    reference with a one-time warning that it is slow).
+    """
+    global _warned_slow
+    if backend not in BACKENDS:
+        raise QdslError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if isinstance(graph, (bytes, bytearray)):
+        graph = graph_from_bytes(graph)
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    x = np.asarray(x)
+    if backend in ("auto", "cpp"):
+        rt = _runtime()
+        available = bool(rt is not None and rt.available())
+        if available:
+            return rt.CompiledGraph(graph).run(x)
+        if backend == "cpp":
+            why = rt.load_error() if rt is not None else "qdsl.runtime is not installed"
+            raise QdslError(f"the C++ runtime is not available: {why}")
+        if not _warned_slow:
+            warnings.warn(
+                "qdsl C++ runtime not available; running the Python reference executor (slow)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            _warned_slow = True
+    return run_reference(graph, x)
