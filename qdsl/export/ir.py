@@ -140,7 +140,7 @@ class OpType(enum.IntEnum):
     """Operations; the exact integer semantics of each is in docs/qgraph.md."""
 
     QUANTIZE = 1
-    """F32 -> I8/U8: ``clamp(round(x / scale) + zp, qmin, qmax)``."""
+    """F32 -> I8/U8: ``clamp(round(x * f32(1/scale)) + zp, qmin, qmax)`` in binary32."""
     DEQUANTIZE = 2
     """I8/U8/BIN -> F32: ``(q - zp) * scale``."""
     REQUANTIZE = 3

@@ -56,8 +56,10 @@ def _round_f(v: np.ndarray, mode: int) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, a, out: Tensor) -> np.ndarray:
-    # v = x / scale in binary32 (one correctly rounded division), widened exactly to f64
-    v = (x.astype(np.float32) / np.float32(a["scale"])).astype(np.float64)
+    # v = x * (1/scale), both steps in binary32 (torch's fake-quant kernels multiply by the
+    # f32 reciprocal; qdsl.quantizers.functional does the same), widened exactly to f64
+    inv = np.float32(1.0) / np.float32(a["scale"])
+    v = (x.astype(np.float32) * inv).astype(np.float64)
     r = _round_f(v, a["rounding"]) + a["zero_point"]
     r = np.where(np.isnan(r), a["zero_point"], r)  # NaN maps to the zero point
     return np.clip(r, a["qmin"], a["qmax"]).astype(np.int64)
