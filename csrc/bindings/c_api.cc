@@ -1,0 +1,148 @@
+// C ABI implementation: converts arguments to views, calls the front doors, and turns
+// a Status (or a C++ exception such as std::bad_alloc) into a code + message.
+#include "bindings/c_api.h"
+
+#include <cstring>
+#include <exception>
+#include <new>
+
+#include "dispatch.h"
+#include "qdsl/gemm.h"
+
+namespace {
+
+int Report(const qdsl::Status& st, char* err, int64_t errlen) {
+  if (st.ok()) return 0;
+  if (err != nullptr && errlen > 0) {
+    const size_t n = std::min<size_t>(st.message().size(), static_cast<size_t>(errlen - 1));
+    std::memcpy(err, st.message().data(), n);
+    err[n] = 0;
+  }
+  return static_cast<int>(st.code());
+}
+
+template <typename F>
+int Guard(char* err, int64_t errlen, F&& f) {
+  try {
+    return Report(f(), err, errlen);
+  } catch (const std::bad_alloc&) {
+    return Report(qdsl::Status(qdsl::StatusCode::kInternal, "out of memory"), err, errlen);
+  } catch (const std::exception& e) {
+    return Report(qdsl::Status(qdsl::StatusCode::kInternal, e.what()), err, errlen);
+  }
+}
+
+qdsl::GemmOutput MakeOutput(void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
+                            int64_t channels, int32_t zp, int32_t qmin, int32_t qmax, qdsl::OutputStage* stage) {
+  qdsl::GemmOutput o;
+  o.data = out;
+  o.dtype = static_cast<qdsl::DType>(out_dtype);
+  o.ld = ldo;
+  if (mult != nullptr) {
+    stage->multiplier = mult;
+    stage->shift = shift;
+    stage->channels = channels;
+    stage->zero_point = zp;
+    stage->qmin = qmin;
+    stage->qmax = qmax;
+    o.stage = stage;
+  }
+  return o;
+}
+
+}  // namespace
+
+extern "C" {
+
+int qdsl_abi_version(void) { return 1; }
+
+uint32_t qdsl_paths(int which) {
+  switch (which) {
+    case 0: return qdsl::CompiledPaths();
+    case 1: return qdsl::CpuPaths();
+    default: return qdsl::EnabledPaths();
+  }
+}
+
+void qdsl_set_enabled_paths(uint32_t mask) { qdsl::SetEnabledPaths(mask); }
+void qdsl_set_num_threads(int n) { qdsl::SetNumThreads(n); }
+int qdsl_get_num_threads(void) { return qdsl::NumThreads(); }
+
+int qdsl_pack_weights(const int8_t* w, int64_t n, int64_t k, int bits, const int32_t* zero_point, void** handle,
+                      char* err, int64_t errlen) {
+  return Guard(err, errlen, [&]() -> qdsl::Status {
+    QDSL_CHECK_ARG(handle != nullptr, "null handle pointer");
+    *handle = nullptr;
+    auto* packed = new qdsl::PackedWeights();
+    const qdsl::Status st = bits == 1 ? qdsl::PackBinaryWeights(w, n, k, k, packed)
+                                      : qdsl::PackWeights(w, n, k, k, bits, zero_point, packed);
+    if (!st.ok()) {
+      delete packed;
+      return st;
+    }
+    *handle = packed;
+    return st;
+  });
+}
+
+void qdsl_free_weights(void* handle) { delete static_cast<qdsl::PackedWeights*>(handle); }
+
+int64_t qdsl_weights_bytes(const void* handle) {
+  const auto* w = static_cast<const qdsl::PackedWeights*>(handle);
+  return w->bits == 1 ? w->n * w->kwords * 8 : w->panels * w->panel_bytes;
+}
+
+int qdsl_bitpack(const int8_t* a, int64_t m, int64_t k, uint64_t* out, int64_t kwords, char* err, int64_t errlen) {
+  return Guard(err, errlen, [&] { return qdsl::BitpackSigns(a, m, k, k, out, kwords); });
+}
+
+int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp, const void* weights,
+              const int32_t* bias, void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
+              int64_t channels, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
+              int64_t errlen) {
+  return Guard(err, errlen, [&]() -> qdsl::Status {
+    QDSL_CHECK_ARG(weights != nullptr, "null weights handle");
+    QDSL_CHECK_ARG(a_dtype == 0 || a_dtype == 1, "activation dtype code %d is not int8/uint8", a_dtype);
+    QDSL_CHECK_ARG(out_dtype >= 0 && out_dtype <= 2, "bad output dtype code %d", out_dtype);
+    qdsl::ActView av;
+    av.data = a;
+    av.dtype = static_cast<qdsl::DType>(a_dtype);
+    av.rows = m;
+    av.cols = k;
+    av.ld = lda;
+    av.zero_point = a_zp;
+    qdsl::OutputStage stage;
+    const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, out_zp, qmin, qmax, &stage);
+    return qdsl::Gemm(av, *static_cast<const qdsl::PackedWeights*>(weights), bias, o, path);
+  });
+}
+
+int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias, void* out,
+                     int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift, int64_t channels,
+                     int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err, int64_t errlen) {
+  return Guard(err, errlen, [&]() -> qdsl::Status {
+    QDSL_CHECK_ARG(weights != nullptr, "null weights handle");
+    QDSL_CHECK_ARG(out_dtype >= 0 && out_dtype <= 2, "bad output dtype code %d", out_dtype);
+    qdsl::OutputStage stage;
+    const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, out_zp, qmin, qmax, &stage);
+    return qdsl::BinaryGemm(a, m, lda, *static_cast<const qdsl::PackedWeights*>(weights), bias, o, path);
+  });
+}
+
+int qdsl_requantize(const int32_t* acc, int64_t rows, int64_t channels, const int32_t* mult, const int32_t* shift,
+                    int64_t stage_channels, int32_t out_zp, int32_t qmin, int32_t qmax, void* out, int out_dtype,
+                    uint32_t path, char* err, int64_t errlen) {
+  return Guard(err, errlen, [&]() -> qdsl::Status {
+    QDSL_CHECK_ARG(out_dtype == 0 || out_dtype == 1, "requantize output must be int8 or uint8");
+    qdsl::OutputStage stage;
+    stage.multiplier = mult;
+    stage.shift = shift;
+    stage.channels = stage_channels;
+    stage.zero_point = out_zp;
+    stage.qmin = qmin;
+    stage.qmax = qmax;
+    return qdsl::Requantize(acc, rows, channels, stage, out, static_cast<qdsl::DType>(out_dtype), path);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,52 @@
+/* The qdsl C ABI: plain pointers, shapes, strides and int status codes.
+ *
+ * Every function returning int returns 0 on success or a qdsl::StatusCode, and then
+ * writes a NUL-terminated message into err[0..errlen).  No function aborts or throws
+ * across this boundary.  Loaded from Python with ctypes (qdsl/runtime/_native.py).
+ * dtype codes: 0 int8, 1 uint8, 2 int32, 3 float32.  path: 0 = enabled default,
+ * else a mask of 1 ref, 2 portable, 4 avx2. */
+#ifndef QDSL_BINDINGS_C_API_H_
+#define QDSL_BINDINGS_C_API_H_
+
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define QDSL_API __declspec(dllexport)
+#else
+#define QDSL_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+QDSL_API int qdsl_abi_version(void);
+QDSL_API uint32_t qdsl_paths(int which); /* 0 compiled, 1 cpu, 2 enabled */
+QDSL_API void qdsl_set_enabled_paths(uint32_t mask);
+QDSL_API void qdsl_set_num_threads(int n);
+QDSL_API int qdsl_get_num_threads(void);
+
+QDSL_API int qdsl_pack_weights(const int8_t* w, int64_t n, int64_t k, int bits, const int32_t* zero_point,
+                               void** handle, char* err, int64_t errlen);
+QDSL_API void qdsl_free_weights(void* handle);
+QDSL_API int64_t qdsl_weights_bytes(const void* handle);
+QDSL_API int qdsl_bitpack(const int8_t* a, int64_t m, int64_t k, uint64_t* out, int64_t kwords, char* err,
+                          int64_t errlen);
+/* mult/shift null => int32 output (out_dtype 2). */
+QDSL_API int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp,
+                       const void* weights, const int32_t* bias, void* out, int out_dtype, int64_t ldo,
+                       const int32_t* mult, const int32_t* shift, int64_t channels, int32_t out_zp, int32_t qmin,
+                       int32_t qmax, uint32_t path, char* err, int64_t errlen);
+QDSL_API int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias,
+                              void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
+                              int64_t channels, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
+                              int64_t errlen);
+QDSL_API int qdsl_requantize(const int32_t* acc, int64_t rows, int64_t channels, const int32_t* mult,
+                             const int32_t* shift, int64_t stage_channels, int32_t out_zp, int32_t qmin, int32_t qmax,
+                             void* out, int out_dtype, uint32_t path, char* err, int64_t errlen);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* QDSL_BINDINGS_C_API_H_ */

@@ -1,0 +1,109 @@
+// Path selection and the Select* functions (see dispatch.h).
+#include "dispatch.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "kernels/portable/portable_kernels.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QDSL_HAVE_X86 1
+#include "kernels/x86/x86_kernels.h"
+#endif
+
+namespace qdsl {
+namespace {
+
+std::atomic<uint32_t> enabled_override{0};
+
+uint32_t EnvPaths() {
+  const char* env = std::getenv("QDSL_KERNELS");
+  if (env == nullptr || *env == 0 || std::strcmp(env, "auto") == 0) return ~0u;
+  if (std::strcmp(env, "reference") == 0 || std::strcmp(env, "ref") == 0) return kPathRef;
+  if (std::strcmp(env, "portable") == 0) return kPathRef | kPathPortable;
+  if (std::strcmp(env, "avx2") == 0) return kPathRef | kPathPortable | kPathAvx2;
+  return ~0u;  // unknown values are reported by the Python layer, not here
+}
+
+uint32_t HighestBit(uint32_t mask) {
+  uint32_t best = 0;
+  for (uint32_t b = 1; b != 0 && b <= mask; b <<= 1) {
+    if (mask & b) best = b;
+  }
+  return best;
+}
+
+}  // namespace
+
+uint32_t CompiledPaths() {
+#ifdef QDSL_HAVE_X86
+  return kPathRef | kPathPortable | kPathAvx2;
+#else
+  return kPathRef | kPathPortable;
+#endif
+}
+
+uint32_t CpuPaths() {
+  uint32_t paths = kPathRef | kPathPortable;
+#ifdef QDSL_HAVE_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("popcnt")) {
+    paths |= kPathAvx2;
+  }
+#endif
+  return paths;
+}
+
+uint32_t EnabledPaths() {
+  static const uint32_t env = EnvPaths();
+  const uint32_t over = enabled_override.load();
+  return (CompiledPaths() & CpuPaths() & (over ? over : env)) | kPathRef;
+}
+
+void SetEnabledPaths(uint32_t mask) { enabled_override.store(mask); }
+
+Status ResolvePath(uint32_t requested, uint32_t* chosen) {
+  if (requested == 0) {
+    *chosen = HighestBit(EnabledPaths());
+    return Status::Ok();
+  }
+  const uint32_t runnable = requested & CompiledPaths() & CpuPaths();
+  QDSL_CHECK(runnable != 0, StatusCode::kUnsupported,
+             "requested kernel path mask 0x%x cannot run here (compiled 0x%x, cpu 0x%x)", requested,
+             CompiledPaths(), CpuPaths());
+  *chosen = HighestBit(runnable);
+  return Status::Ok();
+}
+
+IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2) {
+    switch (format) {
+      case PanelFormat::kI16: return x86::GemmI16Avx2;
+      case PanelFormat::kI4: return x86::GemmI4Avx2;
+      case PanelFormat::kI2: return x86::GemmI2Avx2;
+    }
+  }
+#endif
+  switch (format) {  // portable fallback (also the kRef path never reaches here)
+    case PanelFormat::kI4: return portable::GemmI4;
+    case PanelFormat::kI2: return portable::GemmI2;
+    default: return portable::GemmI16;
+  }
+}
+
+BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2) return x86::BinaryPopcountAvx2;
+#endif
+  return portable::BinaryPopcount;
+}
+
+RequantKernel SelectRequantKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2) return x86::RequantAvx2;
+#endif
+  return portable::Requant;
+}
+
+}  // namespace qdsl

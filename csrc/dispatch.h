@@ -1,0 +1,45 @@
+// Kernel selection: one Select* function per op, each with an explicit portable
+// fallback (larq select_kernel.h).  A path runs only if it is compiled, the CPU has
+// it, and it is enabled: QDSL_KERNELS=reference|portable|avx2 (read once), or
+// SetEnabledPaths from tests.  A per-call path mask (the `path` argument of the
+// front doors, 0 = "whatever is enabled") lets tests force one path.
+#ifndef QDSL_DISPATCH_H_
+#define QDSL_DISPATCH_H_
+
+#include <cstdint>
+
+#include "qdsl/gemm.h"
+#include "qdsl/status.h"
+
+namespace qdsl {
+
+uint32_t CompiledPaths();
+uint32_t CpuPaths();
+uint32_t EnabledPaths();
+void SetEnabledPaths(uint32_t mask);  // 0 restores the QDSL_KERNELS default
+// The single best path for a call: highest bit of (requested or enabled) that is
+// compiled and supported.  Error if a forced path cannot run here.
+Status ResolvePath(uint32_t requested, uint32_t* chosen);
+
+// C[rows x 16] (+)= A16[rows][2*kpairs] * panel block.  `a` is int16 (A - a_zp),
+// row stride lda; `panel` points at the first k-pair of the block.
+using IntMicroKernel = void (*)(int rows, const int16_t* a, int64_t lda, const uint8_t* panel,
+                                int64_t kpairs, int32_t* c, int64_t ldc, bool accumulate);
+// pc[m][n] = popcount(a[m] XOR w[n]) over kwords words, for an m x n block.
+using BinaryMicroKernel = void (*)(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n,
+                                   int64_t ldw, int64_t kwords, int32_t* pc, int64_t ldc);
+// out[r][c] = RequantizeOne(acc[r][c], stage channel c0 + c) as int8 or uint8.
+using RequantKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
+                               const OutputStage& stage, int64_t c0, void* out, int64_t ldo, bool out_signed);
+
+IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
+BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
+RequantKernel SelectRequantKernel(uint32_t path);
+
+// Threads (a small std::thread pool; no OpenMP, which would clash with torch's libgomp).
+void SetNumThreads(int n);  // <= 0 restores QDSL_NUM_THREADS or hardware_concurrency
+int NumThreads();
+
+}  // namespace qdsl
+
+#endif  // QDSL_DISPATCH_H_

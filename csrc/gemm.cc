@@ -1,0 +1,204 @@
+// GEMM front doors: validate once, pick the path, pack activations, block and thread.
+//
+// Blocking (optimized paths): activations become int16 rows (A - a_zp, K padded to
+// weights.kp with zeros).  For each K block of kKcPairs k-pairs, each thread walks its
+// weight panels and, per panel, all its 6-row strips, so one panel block (<= 16 KiB)
+// stays in L1 while the activation block streams from L2.  Accumulators live in a
+// scratch int32 matrix with 16-column-padded rows; bias and the output stage run on a
+// thread's own region after its last K block.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "dispatch.h"
+#include "qdsl/gemm.h"
+#include "ref/ref.h"
+#include "runtime/thread_pool.h"
+
+namespace qdsl {
+namespace {
+
+constexpr int64_t kKcPairs = 256;
+
+Status ValidateOutput(const GemmOutput& out, int64_t m, int64_t n) {
+  QDSL_CHECK_ARG(out.data != nullptr || m == 0, "null output pointer");
+  QDSL_CHECK_ARG(out.ld >= n, "output row stride %lld < n=%lld", (long long)out.ld, (long long)n);
+  if (out.stage == nullptr) {
+    QDSL_CHECK_ARG(out.dtype == DType::kInt32, "an output without an output stage must be int32");
+    return Status::Ok();
+  }
+  const OutputStage& s = *out.stage;
+  QDSL_CHECK_ARG(out.dtype == DType::kInt8 || out.dtype == DType::kUInt8, "requantized output must be int8/uint8");
+  QDSL_CHECK_ARG(s.multiplier != nullptr && s.shift != nullptr, "output stage without multiplier/shift arrays");
+  QDSL_CHECK_ARG(s.channels == 1 || s.channels == n, "output stage has %lld channels, output has %lld",
+                 (long long)s.channels, (long long)n);
+  const int32_t lo = out.dtype == DType::kInt8 ? -128 : 0, hi = out.dtype == DType::kInt8 ? 127 : 255;
+  QDSL_CHECK_ARG(s.qmin >= lo && s.qmax <= hi && s.qmin <= s.qmax, "clamp [%d, %d] outside the output dtype range",
+                 s.qmin, s.qmax);
+  QDSL_CHECK_ARG(s.zero_point >= -(1 << 16) && s.zero_point <= (1 << 16), "output zero point %d out of range",
+                 s.zero_point);
+  for (int64_t c = 0; c < s.channels; ++c) {
+    QDSL_CHECK_ARG(s.shift[c] >= -31 && s.shift[c] <= 31, "shift %d outside [-31, 31]", s.shift[c]);
+    QDSL_CHECK_ARG(s.multiplier[c] >= 0, "negative requant multiplier %d", s.multiplier[c]);
+  }
+  return Status::Ok();
+}
+
+// Adds bias, then requantizes (or copies) rows [m0, m1) x columns [n0, n1) of acc.
+void Finish(const int32_t* acc_in, int32_t* acc, int64_t ldc, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
+            const int32_t* bias, const GemmOutput& out, uint32_t path) {
+  (void)acc_in;
+  if (m1 <= m0 || n1 <= n0) return;
+  if (bias) {
+    for (int64_t r = m0; r < m1; ++r)
+      for (int64_t c = n0; c < n1; ++c)
+        acc[r * ldc + c] = static_cast<int32_t>(static_cast<uint32_t>(acc[r * ldc + c]) + static_cast<uint32_t>(bias[c]));
+  }
+  if (out.stage) {
+    const int64_t esize = 1;
+    uint8_t* dst = static_cast<uint8_t*>(out.data) + (m0 * out.ld + n0) * esize;
+    SelectRequantKernel(path)(acc + m0 * ldc + n0, m1 - m0, n1 - n0, ldc, *out.stage, n0, dst, out.ld,
+                              out.dtype == DType::kInt8);
+  } else {
+    int32_t* dst = static_cast<int32_t*>(out.data);
+    for (int64_t r = m0; r < m1; ++r)
+      std::memcpy(dst + r * out.ld + n0, acc + r * ldc + n0, static_cast<size_t>(n1 - n0) * 4);
+  }
+}
+
+// Splits [0, total) into `parts` nearly equal ranges aligned to `align`.
+void Split(int64_t total, int parts, int part, int64_t align, int64_t* b, int64_t* e) {
+  const int64_t units = (total + align - 1) / align;
+  const int64_t lo = units * part / parts, hi = units * (part + 1) / parts;
+  *b = std::min(total, lo * align);
+  *e = std::min(total, hi * align);
+}
+
+}  // namespace
+
+Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out, uint32_t path) {
+  QDSL_CHECK_ARG(w.bits == 8 || w.bits == 4 || w.bits == 2, "weights are not packed int weights (bits=%d)", w.bits);
+  QDSL_CHECK_ARG(a.dtype == DType::kInt8 || a.dtype == DType::kUInt8, "activations must be int8 or uint8");
+  QDSL_CHECK_ARG(a.cols == w.k, "activation K=%lld but weights K=%lld", (long long)a.cols, (long long)w.k);
+  QDSL_CHECK_ARG(a.rows >= 0 && a.ld >= a.cols && (a.data != nullptr || a.rows == 0), "bad activation view");
+  const int32_t zlo = a.dtype == DType::kInt8 ? -128 : 0, zhi = a.dtype == DType::kInt8 ? 127 : 255;
+  QDSL_CHECK_ARG(a.zero_point >= zlo && a.zero_point <= zhi, "activation zero point %d outside [%d, %d]",
+                 a.zero_point, zlo, zhi);
+  QDSL_RETURN_IF_ERROR(ValidateOutput(out, a.rows, w.n));
+  uint32_t chosen = 0;
+  QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
+  const int64_t m = a.rows, n = w.n;
+  if (m == 0) return Status::Ok();
+
+  const int64_t ldc = w.panels * kPanelCols;
+  std::vector<int32_t> acc(static_cast<size_t>(m * ldc));
+  if (chosen == kPathRef) {
+    ref::Gemm(a, w, nullptr, acc.data(), ldc);
+    Finish(nullptr, acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
+    return Status::Ok();
+  }
+
+  // int16 activations, zero point subtracted, K padded with zeros.
+  std::vector<int16_t> a16(static_cast<size_t>(m * w.kp + 8), 0);
+  for (int64_t r = 0; r < m; ++r) {
+    int16_t* row = a16.data() + r * w.kp;
+    if (a.dtype == DType::kUInt8) {
+      const uint8_t* src = static_cast<const uint8_t*>(a.data) + r * a.ld;
+      for (int64_t k = 0; k < w.k; ++k) row[k] = static_cast<int16_t>(src[k] - a.zero_point);
+    } else {
+      const int8_t* src = static_cast<const int8_t*>(a.data) + r * a.ld;
+      for (int64_t k = 0; k < w.k; ++k) row[k] = static_cast<int16_t>(src[k] - a.zero_point);
+    }
+  }
+  const IntMicroKernel kernel = SelectIntMicroKernel(w.format, chosen);
+  const int64_t kpairs = w.kp / 2;
+  const int64_t bytes_per_pair = w.panel_bytes / kpairs;
+  const int threads = NumThreads();
+  // Split the weight panels between threads when there are enough of them (each
+  // thread then reads only its share of the weights); otherwise split the rows.
+  const bool split_n = w.panels >= 2 * threads || m < kMaxRows * threads;
+  const int tasks = std::max<int64_t>(1, std::min<int64_t>(threads, split_n ? w.panels : (m + kMaxRows - 1) / kMaxRows));
+  ParallelFor(tasks, [&](int t) {
+    int64_t p0 = 0, p1 = w.panels, m0 = 0, m1 = m;
+    if (split_n) {
+      Split(w.panels, tasks, t, 1, &p0, &p1);
+    } else {
+      Split(m, tasks, t, kMaxRows, &m0, &m1);
+    }
+    for (int64_t j0 = 0; j0 < kpairs; j0 += kKcPairs) {
+      const int64_t len = std::min(kKcPairs, kpairs - j0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint8_t* panel = w.packed.data() + p * w.panel_bytes + j0 * bytes_per_pair;
+        for (int64_t r = m0; r < m1; r += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r));
+          kernel(rows, a16.data() + r * w.kp + 2 * j0, w.kp, panel, len, acc.data() + r * ldc + p * kPanelCols, ldc,
+                 j0 > 0);
+        }
+      }
+    }
+    Finish(nullptr, acc.data(), ldc, m0, m1, std::min(n, p0 * kPanelCols), std::min(n, p1 * kPanelCols), bias, out,
+           chosen);
+  });
+  return Status::Ok();
+}
+
+Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights& w, const int32_t* bias,
+                  const GemmOutput& out, uint32_t path) {
+  QDSL_CHECK_ARG(w.bits == 1, "weights are not packed binary weights");
+  QDSL_CHECK_ARG(m >= 0 && lda >= w.kwords && (a != nullptr || m == 0), "bad binary activation view");
+  QDSL_RETURN_IF_ERROR(ValidateOutput(out, m, w.n));
+  uint32_t chosen = 0;
+  QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
+  if (m == 0) return Status::Ok();
+  const int64_t n = w.n, ldc = n;
+  std::vector<int32_t> acc(static_cast<size_t>(m * ldc));
+  if (chosen == kPathRef) {
+    ref::BinaryGemm(a, m, lda, w, nullptr, acc.data(), ldc);
+    Finish(nullptr, acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
+    return Status::Ok();
+  }
+  const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
+  const int threads = NumThreads();
+  const bool split_n = n >= 8 * threads || m < 2 * threads;
+  const int tasks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, split_n ? n : m)));
+  ParallelFor(tasks, [&](int t) {
+    int64_t n0 = 0, n1 = n, m0 = 0, m1 = m;
+    if (split_n) {
+      Split(n, tasks, t, 4, &n0, &n1);
+    } else {
+      Split(m, tasks, t, 2, &m0, &m1);
+    }
+    if (n1 <= n0 || m1 <= m0) return;
+    // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
+    for (int64_t c = n0; c < n1; c += 64) {
+      const int64_t ce = std::min(n1, c + 64);
+      kernel(a + m0 * lda, m1 - m0, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
+             acc.data() + m0 * ldc + c, ldc);
+    }
+    for (int64_t r = m0; r < m1; ++r)
+      for (int64_t c = n0; c < n1; ++c) {
+        const int32_t pc = acc[r * ldc + c];
+        acc[r * ldc + c] = static_cast<int32_t>(static_cast<uint32_t>(w.k) - 2u * static_cast<uint32_t>(pc));
+      }
+    Finish(nullptr, acc.data(), ldc, m0, m1, n0, n1, bias, out, chosen);
+  });
+  return Status::Ok();
+}
+
+Status Requantize(const int32_t* acc, int64_t rows, int64_t channels, const OutputStage& stage, void* out,
+                  DType out_dtype, uint32_t path) {
+  QDSL_CHECK_ARG(rows >= 0 && channels > 0 && (acc != nullptr || rows == 0), "bad requantize input");
+  GemmOutput o;
+  o.data = out;
+  o.dtype = out_dtype;
+  o.ld = channels;
+  o.stage = &stage;
+  QDSL_RETURN_IF_ERROR(ValidateOutput(o, rows, channels));
+  uint32_t chosen = 0;
+  QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
+  const RequantKernel kernel = chosen == kPathRef ? ref::Requant : SelectRequantKernel(chosen);
+  kernel(acc, rows, channels, channels, stage, 0, out, channels, out_dtype == DType::kInt8);
+  return Status::Ok();
+}
+
+}  // namespace qdsl

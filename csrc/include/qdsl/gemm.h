@@ -1,0 +1,77 @@
+// Integer GEMM front door: activations (u8/s8 with a zero point) x packed weights
+// (int8, int4, int2 or binary), int32 accumulation, optional requant output stage.
+//
+//   acc[m][n] = bias[n] + sum_k (A[m][k] - a_zp) * (W[n][k] - w_zp[n])     (int32, wrapping)
+//   binary:  acc[m][n] = bias[n] + K - 2 * popcount(Abits[m] XOR Wbits[n])  (bit 1 = -1)
+//
+// Weights are packed once (PackWeights / PackBinaryWeights) and reused; every call
+// validates its arguments here, so the kernels behind it can trust them.
+#ifndef QDSL_GEMM_H_
+#define QDSL_GEMM_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "qdsl/requant.h"
+#include "qdsl/status.h"
+#include "qdsl/tensor_view.h"
+
+namespace qdsl {
+
+// Kernel paths, as bit flags (ruy style).  kRef is always compiled and enabled.
+enum Path : uint32_t {
+  kPathRef = 1u << 0,       // csrc/ref: scalar, obviously correct
+  kPathPortable = 1u << 1,  // csrc/kernels/portable: blocked plain C++
+  kPathAvx2 = 1u << 2,      // csrc/kernels/x86: AVX2 + FMA + POPCNT
+};
+
+// How the optimized paths store a 16-column weight panel (see csrc/pack/pack_weights.cc).
+enum class PanelFormat : int32_t { kI16 = 0, kI4 = 1, kI2 = 2 };
+
+constexpr int kPanelCols = 16;  // NR of every int micro-kernel
+constexpr int kMaxRows = 6;     // MR of every int micro-kernel
+
+struct PackedWeights {
+  int64_t n = 0, k = 0;
+  int bits = 8;                    // declared weight width: 8, 4, 2, or 1 (binary)
+  std::vector<int8_t> raw;         // [n][k] values, for the reference path
+  std::vector<int32_t> zero_point; // [n] (empty: all zero)
+  // Optimized layout (int): panels of 16 columns, K padded to a multiple of 4.
+  PanelFormat format = PanelFormat::kI16;
+  int64_t kp = 0, panels = 0, panel_bytes = 0;
+  std::vector<uint8_t> packed;
+  // Binary: bit rows [n][kwords], bit = 1 means -1.
+  int64_t kwords = 0;
+  std::vector<uint64_t> bits_rows;
+};
+
+// Weights given as int8 values [n][k] (row stride ldw) that must lie in the signed range
+// of `bits` (8, 4, 2); w_zp may be null (symmetric).
+Status PackWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, int bits, const int32_t* w_zp,
+                   PackedWeights* out);
+// Binary weights given as +1/-1 int8 values [n][k].
+Status PackBinaryWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
+// Bit-packs +1/-1 int8 activations [m][k] into [m][kwords] words (bit = 1 means -1),
+// padding bits are 0 in both operands so they never change the popcount.
+Status BitpackSigns(const int8_t* a, int64_t m, int64_t k, int64_t lda, uint64_t* out, int64_t kwords);
+
+// Result of a GEMM: int32 accumulators (stage == nullptr) or requantized int8/uint8.
+struct GemmOutput {
+  void* data = nullptr;
+  DType dtype = DType::kInt32;
+  int64_t ld = 0;
+  const OutputStage* stage = nullptr;
+};
+
+Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out,
+            uint32_t path);
+// a: bit-packed activations [m][kwords] (row stride lda words).
+Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights& w, const int32_t* bias,
+                  const GemmOutput& out, uint32_t path);
+// Standalone output stage over a [rows][channels] int32 matrix (channels = last dim).
+Status Requantize(const int32_t* acc, int64_t rows, int64_t channels, const OutputStage& stage, void* out,
+                  DType out_dtype, uint32_t path);
+
+}  // namespace qdsl
+
+#endif  // QDSL_GEMM_H_

@@ -1,0 +1,27 @@
+// Portable (plain C++) optimized kernels, same signatures as csrc/kernels/x86.
+#ifndef QDSL_KERNELS_PORTABLE_PORTABLE_KERNELS_H_
+#define QDSL_KERNELS_PORTABLE_PORTABLE_KERNELS_H_
+
+#include <cstdint>
+
+#include "qdsl/gemm.h"
+
+namespace qdsl {
+namespace portable {
+
+void GemmI16(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c, int64_t ldc,
+             bool accumulate);
+void GemmI4(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c, int64_t ldc,
+            bool accumulate);
+void GemmI2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c, int64_t ldc,
+            bool accumulate);
+void BinaryPopcount(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
+                    int64_t kwords, int32_t* pc, int64_t ldc);
+// The portable output stage is the scalar reference (it is already branch-light).
+void Requant(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+             void* out, int64_t ldo, bool out_signed);
+
+}  // namespace portable
+}  // namespace qdsl
+
+#endif  // QDSL_KERNELS_PORTABLE_PORTABLE_KERNELS_H_

@@ -1,0 +1,26 @@
+// AVX2 kernels (csrc/kernels/x86).  Only call them after dispatch checked the CPU.
+#ifndef QDSL_KERNELS_X86_X86_KERNELS_H_
+#define QDSL_KERNELS_X86_X86_KERNELS_H_
+
+#include <cstdint>
+
+#include "qdsl/requant.h"
+
+namespace qdsl {
+namespace x86 {
+
+void GemmI16Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
+                 int64_t ldc, bool accumulate);
+void GemmI4Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
+                int64_t ldc, bool accumulate);
+void GemmI2Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
+                int64_t ldc, bool accumulate);
+void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
+                        int64_t kwords, int32_t* pc, int64_t ldc);
+void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                 void* out, int64_t ldo, bool out_signed);
+
+}  // namespace x86
+}  // namespace qdsl
+
+#endif  // QDSL_KERNELS_X86_X86_KERNELS_H_

@@ -1,0 +1,113 @@
+// Weight packing for the optimized int paths, and sign bit-packing for binary GEMM.
+//
+// Panel layout (16 output columns, K padded with zeros to a multiple of 4; padding
+// multiplies activation padding that is also 0, so it never changes a sum):
+// for k-pair j the micro-kernel needs two int16 vectors
+//   B0 slot i (i < 16): column i/2,     k = 2j + i%2
+//   B1 slot i (i < 16): column 8 + i/2, k = 2j + i%2
+// so that vpmaddwd(broadcast(A[m][2j], A[m][2j+1]), B0) gives columns 0..7.
+//   kI16: B0 then B1 as int16 (W - w_zp): 64 bytes per k-pair.  Any zero point.
+//   kI4 : byte i = B0[i] & 15 | B1[i] << 4: 16 bytes per k-pair (symmetric int4).
+//   kI2 : byte i = B0_j[i] & 3 | B1_j[i] << 2 | B0_j+1[i] << 4 | B1_j+1[i] << 6:
+//         16 bytes per two k-pairs (symmetric int2).
+// The micro-kernels sign-extend bytes and use arithmetic shifts to recover the fields.
+#include <cstring>
+
+#include "qdsl/gemm.h"
+
+namespace qdsl {
+namespace {
+
+int16_t Slot(const PackedWeights& w, int64_t panel, int64_t j, int half, int i) {
+  const int64_t col = panel * kPanelCols + half * 8 + i / 2;
+  const int64_t k = 2 * j + i % 2;
+  if (col >= w.n || k >= w.k) return 0;
+  const int32_t zp = w.zero_point.empty() ? 0 : w.zero_point[col];
+  return static_cast<int16_t>(w.raw[col * w.k + k] - zp);
+}
+
+}  // namespace
+
+Status PackWeights(const int8_t* wp, int64_t n, int64_t k, int64_t ldw, int bits, const int32_t* w_zp,
+                   PackedWeights* out) {
+  QDSL_CHECK_ARG(wp != nullptr && out != nullptr, "null weight pointer");
+  QDSL_CHECK_ARG(n > 0 && k > 0 && ldw >= k, "bad weight shape n=%lld k=%lld ld=%lld", (long long)n,
+                 (long long)k, (long long)ldw);
+  QDSL_CHECK_ARG(bits == 8 || bits == 4 || bits == 2, "weight bits must be 8, 4 or 2, got %d", bits);
+  QDSL_CHECK_ARG(n <= (int64_t{1} << 31) && k <= (int64_t{1} << 31), "weight matrix too large");
+  const int lo = -(1 << (bits - 1)), hi = (1 << (bits - 1)) - 1;
+  PackedWeights& w = *out;
+  w = PackedWeights();
+  w.n = n;
+  w.k = k;
+  w.bits = bits;
+  w.raw.resize(static_cast<size_t>(n * k));
+  bool symmetric = true;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < k; ++c) {
+      const int v = wp[r * ldw + c];
+      QDSL_CHECK_ARG(v >= lo && v <= hi, "weight [%lld][%lld] = %d outside int%d range [%d, %d]", (long long)r,
+                     (long long)c, v, bits, lo, hi);
+      w.raw[r * k + c] = static_cast<int8_t>(v);
+    }
+    if (w_zp) {
+      QDSL_CHECK_ARG(w_zp[r] >= -255 && w_zp[r] <= 255, "weight zero point %d outside [-255, 255]", w_zp[r]);
+      symmetric = symmetric && w_zp[r] == 0;
+    }
+  }
+  if (w_zp && !symmetric) w.zero_point.assign(w_zp, w_zp + n);
+  w.kp = (k + 3) / 4 * 4;
+  w.panels = (n + kPanelCols - 1) / kPanelCols;
+  const int64_t kpairs = w.kp / 2;
+  w.format = (!symmetric || bits == 8) ? PanelFormat::kI16 : (bits == 4 ? PanelFormat::kI4 : PanelFormat::kI2);
+  w.panel_bytes = w.format == PanelFormat::kI16 ? kpairs * 64 : (w.format == PanelFormat::kI4 ? kpairs * 16 : kpairs * 8);
+  w.packed.assign(static_cast<size_t>(w.panels * w.panel_bytes + 64), 0);  // +64: vector over-read slack
+  for (int64_t p = 0; p < w.panels; ++p) {
+    uint8_t* dst = w.packed.data() + p * w.panel_bytes;
+    for (int64_t j = 0; j < kpairs; ++j) {
+      for (int i = 0; i < 16; ++i) {
+        const int16_t b0 = Slot(w, p, j, 0, i), b1 = Slot(w, p, j, 1, i);
+        if (w.format == PanelFormat::kI16) {
+          std::memcpy(dst + j * 64 + 2 * i, &b0, 2);
+          std::memcpy(dst + j * 64 + 32 + 2 * i, &b1, 2);
+        } else if (w.format == PanelFormat::kI4) {
+          dst[j * 16 + i] = static_cast<uint8_t>((b0 & 15) | ((b1 & 15) << 4));
+        } else {
+          const int shift = (j % 2) * 4;
+          dst[(j / 2) * 16 + i] |= static_cast<uint8_t>(((b0 & 3) | ((b1 & 3) << 2)) << shift);
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+Status BitpackSigns(const int8_t* a, int64_t m, int64_t k, int64_t lda, uint64_t* out, int64_t kwords) {
+  QDSL_CHECK_ARG(a != nullptr && out != nullptr && m >= 0 && k > 0 && lda >= k, "bad bitpack arguments");
+  QDSL_CHECK_ARG(kwords * 64 >= k, "kwords=%lld too small for k=%lld", (long long)kwords, (long long)k);
+  for (int64_t r = 0; r < m; ++r) {
+    uint64_t* row = out + r * kwords;
+    std::memset(row, 0, static_cast<size_t>(kwords) * 8);
+    for (int64_t c = 0; c < k; ++c) {
+      const int v = a[r * lda + c];
+      QDSL_CHECK_ARG(v == 1 || v == -1, "binary value [%lld][%lld] = %d is not +1 or -1", (long long)r,
+                     (long long)c, v);
+      if (v < 0) row[c >> 6] |= uint64_t{1} << (c & 63);
+    }
+  }
+  return Status::Ok();
+}
+
+Status PackBinaryWeights(const int8_t* wp, int64_t n, int64_t k, int64_t ldw, PackedWeights* out) {
+  QDSL_CHECK_ARG(wp != nullptr && out != nullptr && n > 0 && k > 0 && ldw >= k, "bad binary weight shape");
+  PackedWeights& w = *out;
+  w = PackedWeights();
+  w.n = n;
+  w.k = k;
+  w.bits = 1;
+  w.kwords = (k + 63) / 64;
+  w.bits_rows.assign(static_cast<size_t>(n * w.kwords + 4), 0);  // +4: vector over-read slack
+  return BitpackSigns(wp, n, k, ldw, w.bits_rows.data(), w.kwords);
+}
+
+}  // namespace qdsl

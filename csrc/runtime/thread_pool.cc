@@ -1,0 +1,136 @@
+// Fork-join pool behind ParallelFor.  Workers sleep on a condition variable between
+// jobs; tasks are handed out with an atomic counter so uneven tasks balance.
+#include "runtime/thread_pool.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "dispatch.h"
+
+namespace qdsl {
+namespace {
+
+class Pool {
+ public:
+  ~Pool() { Resize(0); }
+
+  void Resize(int workers) {
+    std::unique_lock<std::mutex> run_lock(run_mu_);  // never while a job runs
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      stop_ = true;
+      ++generation_;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+    threads_.clear();
+    stop_ = false;
+    // Each worker starts from the current generation, so a job posted before the
+    // thread first runs is still seen as new.
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, g = generation_] { Work(g); });
+  }
+  int workers() const { return static_cast<int>(threads_.size()); }
+
+  void Run(int n, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> run_lock(run_mu_);  // one job at a time
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      fn_ = &fn;
+      n_ = n;
+      next_.store(0);
+      pending_ = static_cast<int>(threads_.size());
+      ++generation_;
+    }
+    cv_.notify_all();
+    Drain();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    fn_ = nullptr;
+  }
+
+ private:
+  void Drain() {
+    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i);
+  }
+  void Work(uint64_t seen) {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (stop_) return;
+      }
+      Drain();
+      std::unique_lock<std::mutex> lock(mu_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> threads_;
+  const std::function<void(int)>* fn_ = nullptr;
+  int n_ = 0, pending_ = 0;
+  std::atomic<int> next_{0};
+  uint64_t generation_ = 0;
+  bool stop_ = false;
+};
+
+Pool& GetPool() {
+  static Pool* pool = new Pool();  // leaked on purpose: no join at static destruction
+  return *pool;
+}
+
+thread_local bool in_parallel = false;
+std::mutex config_mu;
+int num_threads = 0;
+
+int DefaultThreads() {
+  if (const char* env = std::getenv("QDSL_NUM_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  const unsigned hw = std::thread::hardware_concurrency();
+  return hw == 0 ? 1 : static_cast<int>(hw);
+}
+
+}  // namespace
+
+void SetNumThreads(int n) {
+  std::lock_guard<std::mutex> lock(config_mu);
+  num_threads = n > 0 ? (n > 64 ? 64 : n) : DefaultThreads();
+}
+
+int NumThreads() {
+  std::lock_guard<std::mutex> lock(config_mu);
+  if (num_threads == 0) num_threads = DefaultThreads();
+  return num_threads;
+}
+
+void ParallelFor(int n, const std::function<void(int)>& fn) {
+  const int threads = NumThreads();
+  if (n <= 1 || threads <= 1 || in_parallel) {
+    for (int i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  Pool& pool = GetPool();
+  static std::mutex resize_mu;
+  {
+    std::lock_guard<std::mutex> lock(resize_mu);
+    if (pool.workers() != threads - 1) pool.Resize(threads - 1);
+  }
+  in_parallel = true;
+  pool.Run(n, [&](int i) {
+    const bool outer = in_parallel;
+    in_parallel = true;
+    fn(i);
+    in_parallel = outer;
+  });
+  in_parallel = false;
+}
+
+}  // namespace qdsl

@@ -1,0 +1,57 @@
+"""Build of the C++ kernel library (csrc/) as a plain shared library with a C ABI.
+
+The library is built as a setuptools ``Extension`` only to get a compiler, flags and
+an install location for free; it exports plain C functions (csrc/bindings/c_api.h)
+and is loaded with ctypes by ``qdsl.runtime``, so it needs no Python headers at run
+time and no build dependency beyond a C++17 compiler.
+
+A failed compile fails the install on purpose: the README promises the fast runtime,
+and CI should say so loudly.  To install without it (e.g. no compiler), set
+``QDSL_SKIP_NATIVE=1``; qdsl then runs graphs on the Python reference executor.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+
+ROOT = Path(__file__).parent
+CSRC = "csrc"
+
+
+def _sources() -> list[str]:
+    out = []
+    for path in sorted((ROOT / CSRC).rglob("*.cc")):
+        rel = path.relative_to(ROOT).as_posix()
+        if "/tests/" in rel:
+            continue
+        out.append(rel)
+    return out
+
+
+def _extensions() -> list[Extension]:
+    if os.environ.get("QDSL_SKIP_NATIVE") == "1":
+        return []
+    if sys.platform == "win32":
+        args = ["/O2", "/std:c++17"]
+        link = []
+    else:
+        # -fvisibility=hidden: only the QDSL_API C functions are exported.
+        args = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-g0"]
+        link = ["-pthread"]
+    return [
+        Extension(
+            "qdsl.runtime._qdsl_native",
+            sources=_sources(),
+            include_dirs=[f"{CSRC}/include", CSRC],
+            language="c++",
+            extra_compile_args=args,
+            extra_link_args=link,
+        )
+    ]
+
+
+setup(ext_modules=_extensions())
