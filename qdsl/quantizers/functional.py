@@ -258,6 +258,10 @@ def quantize_affine(
     """
     _, inv, z = _prep(x, scale, zero_point, axis, group_size)
     q = _codes(x, inv, z, qmin, qmax, rounding, generator)
+    if qmax > 2**24 or qmin < -(2**24):
+        # float32 cannot hold every code of a wide range (2^31 - 1 rounds to 2^31): clamp
+        # again after the exact conversion to int64 so the cast below cannot wrap.
+        q = q.to(torch.int64).clamp(qmin, qmax)
     return q.to(dtype or int_dtype(qmin, qmax))
 
 

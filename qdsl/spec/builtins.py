@@ -81,6 +81,8 @@ def builtin_registries() -> Registries:
     regs.scales.add(PartInfo("float", s + "FloatScale"))
     regs.scales.add(PartInfo("pot", s + "PotScale", extra={"pot": True}))
     regs.scales.add(PartInfo("pot_ceil", s + "PotCeilScale", extra={"pot": True}))
-    regs.scales.add(PartInfo("learned", s + "LearnedScale", extra={"learned": True}))
-    regs.scales.add(PartInfo("learned_pot", s + "LearnedPotScale", extra={"learned": True, "pot": True}))
+    # learned scales (an nn.Parameter initialised from the observer) belong to QAT
+    lq = "qdsl.qat.learned:"
+    regs.scales.add(PartInfo("learned", lq + "LearnedScale", extra={"learned": True}))
+    regs.scales.add(PartInfo("learned_pot", lq + "LearnedPotScale", extra={"learned": True, "pot": True}))
     return regs

@@ -1,0 +1,283 @@
+"""Built-in observers: statistics of a tensor -> a clipping range ``(lo, hi)``.
+
+Every observer follows the protocol in :mod:`qdsl.quantizers.parts`: ``forward(x)``
+accumulates (``x`` is detached), ``reset()``, ``observed``, ``range()``.  Statistics are
+kept per *slot* (one slot per tensor, channel or group, see ``functional.reduce_view``)
+in buffers, so ``state_dict()`` carries them; buffers are sized on the first
+observation and :class:`LazyBuffers` resizes them when a state dict is loaded into a
+fresh observer.
+
+=============  ==================================================================
+minmax         running min / max
+ema            exponential moving average of per-batch min / max (first batch sets it)
+mean_abs       ``±mean|x|`` (XNOR-Net's α for binary, TWN's starting point)
+histogram      running histogram; ``percentile`` clips there, otherwise the
+               bit-aware MSE search of :func:`range_search.histogram_range`
+percentile     histogram clipped at ``percentile`` of ``|x|`` (or of ``x`` at both tails)
+mse            weights / dynamic: exact per-slot search :func:`range_search.mse_range`
+               over the last observed tensor; static activations: histogram search
+=============  ==================================================================
+
+The searches live in :mod:`qdsl.quantizers.range_search` (owned by the PTQ-accuracy
+work); these classes only keep the statistics and call them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qdsl.quantizers import functional as F
+from qdsl.quantizers import range_search as RS
+from qdsl.spec.model import Role
+
+__all__ = [
+    "LazyBuffers",
+    "Observer",
+    "MinMaxObserver",
+    "EmaObserver",
+    "MeanAbsObserver",
+    "HistogramObserver",
+    "PercentileObserver",
+    "MseObserver",
+]
+
+
+class LazyBuffers(nn.Module):
+    """Buffers whose shape is only known after the first tensor is seen: loading a state
+    dict resizes them to the saved shape instead of failing with a size mismatch."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name, buf in list(self._buffers.items()):
+            saved = state_dict.get(prefix + name)
+            if buf is not None and saved is not None and saved.shape != buf.shape:
+                self._buffers[name] = torch.empty(saved.shape, dtype=buf.dtype, device=buf.device)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _empty(dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype)
+
+
+class Observer(LazyBuffers):
+    """Base: keeps ``params`` and the :class:`~qdsl.quantizers.parts.PartContext`.
+
+    Subclasses implement ``forward``, ``range`` and list their buffers in ``_state``
+    (reset empties them; ``observed`` is true once the first is non-empty).
+    """
+
+    _state: tuple[str, ...] = ()
+
+    def __init__(self, params, ctx):
+        super().__init__()
+        self.params = params
+        self.ctx = ctx
+        for name in self._state:
+            self.register_buffer(name, _empty(torch.float64 if name.startswith("hist") else torch.float32))
+
+    @property
+    def observed(self) -> bool:
+        return getattr(self, self._state[0]).numel() > 0
+
+    def reset(self) -> None:
+        for name in self._state:
+            buf = getattr(self, name)
+            self._buffers[name] = torch.empty(0, dtype=buf.dtype, device=buf.device)
+
+    def _rows(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``x`` as ``[P, N]`` rows (one per slot) and the slots' shape."""
+        shape = self.ctx.param_shape(tuple(x.shape))
+        return F.reduce_view(x.detach().float(), self.ctx.axis, self.ctx.group_size), shape
+
+    def _check(self) -> None:
+        if not self.observed:
+            raise RuntimeError(f"{type(self).__name__} has not observed any data")
+
+    def extra_repr(self) -> str:
+        return "" if self.params is None else repr(self.params)
+
+
+class MinMaxObserver(Observer):
+    """Running min and max per slot.
+
+    >>> from qdsl.quantizers.parts import PartContext
+    >>> o = MinMaxObserver(None, _ctx(axis=0))
+    >>> o(torch.tensor([[1., -2.], [3., 4.]])); o(torch.tensor([[0., 0.], [5., 1.]]))
+    >>> [t.tolist() for t in o.range()]
+    [[-2.0, 1.0], [1.0, 5.0]]
+    """
+
+    _state = ("min_val", "max_val")
+
+    def forward(self, x: torch.Tensor) -> None:
+        rows, shape = self._rows(x)
+        lo, hi = rows.amin(dim=1).reshape(shape), rows.amax(dim=1).reshape(shape)
+        if self.observed:
+            lo, hi = torch.minimum(lo, self.min_val), torch.maximum(hi, self.max_val)
+        self.min_val, self.max_val = lo, hi
+
+    def range(self):
+        self._check()
+        return self.min_val, self.max_val
+
+
+class EmaObserver(Observer):
+    """``r ← (1 − momentum)·r + momentum·batch`` for min and max; the first batch sets ``r``.
+
+    >>> o = EmaObserver(type("P", (), {"momentum": 0.5})(), _ctx())
+    >>> o(torch.tensor([0., 4.])); o(torch.tensor([-2., 2.]))
+    >>> [t.item() for t in o.range()]
+    [-1.0, 3.0]
+    """
+
+    _state = ("min_val", "max_val")
+
+    def forward(self, x: torch.Tensor) -> None:
+        rows, shape = self._rows(x)
+        lo, hi = rows.amin(dim=1).reshape(shape), rows.amax(dim=1).reshape(shape)
+        if self.observed:
+            m = float(self.params.momentum)
+            lo = torch.lerp(self.min_val, lo, m)
+            hi = torch.lerp(self.max_val, hi, m)
+        self.min_val, self.max_val = lo, hi
+
+    def range(self):
+        self._check()
+        return self.min_val, self.max_val
+
+
+class MeanAbsObserver(Observer):
+    """``(−m, m)`` with ``m`` = mean of ``|x|`` over everything seen (per slot).
+
+    >>> o = MeanAbsObserver(None, _ctx())
+    >>> o(torch.tensor([1., -3.])); o(torch.tensor([2., 2.]))
+    >>> [t.item() for t in o.range()]
+    [-2.0, 2.0]
+    """
+
+    _state = ("abs_sum", "count")
+
+    def forward(self, x: torch.Tensor) -> None:
+        rows, shape = self._rows(x)
+        s = rows.abs().sum(dim=1).reshape(shape)
+        n = torch.full(shape, float(rows.shape[1]))
+        if self.observed:
+            s, n = s + self.abs_sum, n + self.count
+        self.abs_sum, self.count = s, n
+
+    def range(self):
+        self._check()
+        m = self.abs_sum / self.count.clamp_min(1)
+        return -m, m
+
+
+class HistogramObserver(Observer):
+    """A running histogram per slot (``bins`` bins, range grown to cover the data).
+
+    ``range()``: with ``percentile`` set, :func:`range_search.percentile_range`; otherwise
+    the bit-aware MSE search :func:`range_search.histogram_range` at the quantizer's
+    grid (and power-of-two scales when the scale rule is ``pot``).
+    """
+
+    _state = ("hist", "hist_lo", "hist_hi", "slot_shape")
+
+    def __init__(self, params, ctx):
+        super().__init__(params, ctx)
+        # the slots' shape ([], [C] or [C, G]) so range() works after a state-dict load
+        self.register_buffer("slot_shape", _empty(torch.int64))
+
+    def _bins(self) -> int:
+        return int(self.params.bins)
+
+    def forward(self, x: torch.Tensor) -> None:
+        rows, shape = self._rows(x)
+        observed = self.observed
+        hists, los, his = [], [], []
+        for p in range(rows.shape[0]):
+            state = RS.HistogramState(self.hist[p], float(self.hist_lo[p]), float(self.hist_hi[p])) if observed else None
+            new = RS.histogram_observe(state, rows[p], self._bins())
+            hists.append(new.hist)
+            los.append(new.lo)
+            his.append(new.hi)
+        self.hist = torch.stack(hists)
+        self.hist_lo = torch.tensor(los, dtype=torch.float64)
+        self.hist_hi = torch.tensor(his, dtype=torch.float64)
+        self.slot_shape = torch.tensor(shape, dtype=torch.int64)
+
+    def _percentile(self) -> float | None:
+        return getattr(self.params, "percentile", None)
+
+    def _slot_range(self, p: int):
+        hist, lo, hi = self.hist[p], float(self.hist_lo[p]), float(self.hist_hi[p])
+        ctx = self.ctx
+        pct = self._percentile()
+        if pct is not None:
+            return RS.percentile_range(hist, lo, hi, float(pct), symmetric=ctx.recipe.symmetric)
+        return RS.histogram_range(
+            hist, lo, hi, ctx.qmin, ctx.qmax, symmetric=ctx.recipe.symmetric, signed=ctx.qmin < 0,
+            norm=float(getattr(self.params, "norm", 2.0)), grid=int(getattr(self.params, "grid", 100)), pot=ctx.pot,
+        )
+
+    def range(self):
+        self._check()
+        pairs = [self._slot_range(p) for p in range(self.hist.shape[0])]
+        shape = tuple(int(v) for v in self.slot_shape.tolist())
+        lo = torch.stack([a for a, _ in pairs]).reshape(shape).float()
+        hi = torch.stack([b for _, b in pairs]).reshape(shape).float()
+        return lo, hi
+
+
+class PercentileObserver(HistogramObserver):
+    """Histogram clipped at ``percentile`` (default 99.99) of ``|x|`` (symmetric) or of
+    ``x`` at both tails (asymmetric)."""
+
+
+class MseObserver(HistogramObserver):
+    """The range minimising ``sum |x − x̂|^norm`` over ``grid`` clip ratios at the real grid.
+
+    Weights, biases and dynamic quantizers see the whole tensor each time, so the search
+    is exact (:func:`range_search.mse_range`, per slot) and its result is kept in
+    ``min_val``/``max_val``; static activations accumulate a histogram and search it.
+    """
+
+    def __init__(self, params, ctx):
+        super().__init__(params, ctx)
+        self._exact = ctx.role in (Role.WEIGHT, Role.BIAS) or ctx.recipe.dynamic
+        if self._exact:
+            self._state = ("min_val", "max_val")
+            for name in ("hist", "hist_lo", "hist_hi", "slot_shape"):
+                del self._buffers[name]
+            self.register_buffer("min_val", _empty())
+            self.register_buffer("max_val", _empty())
+
+    def _bins(self) -> int:
+        return 2048
+
+    def forward(self, x: torch.Tensor) -> None:
+        if not self._exact:
+            return super().forward(x)
+        rows, shape = self._rows(x)
+        lo, hi = RS.mse_range(
+            rows, self.ctx.qmin, self.ctx.qmax, symmetric=self.ctx.recipe.symmetric, axis=0,
+            grid=int(self.params.grid), norm=float(self.params.norm), pot=self.ctx.pot,
+        )
+        if self.observed:  # a second tensor without reset: keep the union of the searches
+            lo, hi = torch.minimum(lo.reshape(shape), self.min_val), torch.maximum(hi.reshape(shape), self.max_val)
+        self.min_val, self.max_val = lo.reshape(shape).float(), hi.reshape(shape).float()
+
+    def range(self):
+        if not self._exact:
+            return super().range()
+        self._check()
+        return self.min_val, self.max_val
+
+
+def _ctx(axis=None, group_size=None, role=Role.INPUT, qmin=-128, qmax=127):
+    """A context for doctests and tests (per-tensor int8 recipe unless told)."""
+    from qdsl.quantizers.parts import PartContext
+    from qdsl.resolve.plan import QuantizerRecipe
+    from qdsl.spec.model import Granularity, GranularityKind, Kind, ObserverSpec
+
+    gran = Granularity(GranularityKind.CHANNEL, axis) if axis is not None else Granularity()
+    recipe = QuantizerRecipe(Kind.INT, 8, True, False, True, "float", gran, ObserverSpec("minmax"), "half_even", False)
+    return PartContext(recipe, role, qmin, qmax, axis, group_size)

@@ -1,0 +1,323 @@
+"""``TensorQuantizer``: one quantized tensor, composed from registry parts by a recipe.
+
+Stable interface (export, lint and QAT read these; keep them)
+-------------------------------------------------------------
+``recipe``          the :class:`~qdsl.resolve.plan.QuantizerRecipe` it was built from
+``role``            :class:`~qdsl.spec.model.Role` (weight, bias, input, output)
+``kind``            ``recipe.kind`` (int, binary, ternary, pot)
+``qmin, qmax``      integer code range: int -> from bits/signed/narrow; binary -> (-1, 1)
+                    signed or (0, 1) unsigned; ternary -> (-1, 1); pot -> (-n, n) with
+                    ``n = 2^(bits-1) - 1`` (``functional.pot_weight_codes``)
+``axis``            channel axis (``channel`` granularity) or None
+``group_size``      group size (``group`` granularity, groups along ``w.reshape(C, -1)``) or None
+``scale``           buffer, float32, shape ``[]``/``[C]``/``[C, G]``; filled by :meth:`freeze`
+                    (binary/ternary/pot: α or the largest magnitude)
+``zero_point``      buffer, int32, same shape (0 unless asymmetric int)
+``threshold``       buffer (ternary only): codes are ``sign(x)·[|x| > threshold]``
+``frozen``          True after :meth:`freeze`; the scale no longer changes
+``dynamic``         activation scale computed per batch at run time (never frozen)
+``derived``         a bias whose scale is ``input_scale × weight_scale`` (set by the patch
+                    layer through :meth:`set_derived_scale`)
+``int_repr(x)``     the exact integer codes ``forward`` used (narrowest int dtype)
+``forward(x)``      fake quantization (float tensor, values ``dequant(int_repr(x))``)
+``enabled``         False -> ``forward`` is the identity
+``observing``       True -> ``forward`` feeds the observer and returns ``x`` unchanged
+``observer``        the observer part (statistics in buffers), ``scale_rule`` the scale part
+
+Lifecycle of one proxy
+----------------------
+* Weights, biases and dynamic activations are *stateless*: until frozen, every call
+  resets the observer, observes the tensor and derives the scale from it, so the scale
+  always tracks the current weight.
+* Static activations: while ``observing`` the observer accumulates (calibration) and the
+  value passes through in float; afterwards the scale comes from the statistics; before
+  any data was seen ``forward`` is the identity (nothing to quantize with).
+* :meth:`freeze` computes the scale once (for weights, from the weight passed in),
+  stores it in the buffers and precomputes the broadcast views the fast path uses.
+
+Gradients: values always come from :mod:`qdsl.quantizers.functional`.  When autograd
+needs a gradient, the proxy calls ``TensorQuantizer.grad_path(self, x, scale, zp,
+threshold)`` if QAT installed one (:mod:`qdsl.qat` sets it), otherwise it uses the
+plain straight-through estimator ``x + (x̂ − x).detach()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from qdsl.quantizers import functional as F
+from qdsl.quantizers import range_search as RS
+from qdsl.quantizers.observers import LazyBuffers
+from qdsl.quantizers.parts import (
+    PartContext,
+    build_observer,
+    build_rounding,
+    build_scale_rule,
+    channel_axis,
+    default_registries,
+)
+from qdsl.resolve.plan import QuantizerRecipe
+from qdsl.spec.diagnostics import QdslError
+from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role
+from qdsl.spec.registry import Registries
+
+__all__ = ["TensorQuantizer", "code_range"]
+
+_BUILTIN_ROUNDING = "qdsl.quantizers.rounding:"
+_TINY = 1e-12
+
+
+def code_range(recipe: QuantizerRecipe) -> tuple[int, int]:
+    """``(qmin, qmax)`` of a recipe's integer codes (see the module docstring)."""
+    if recipe.kind is Kind.BINARY:
+        return (-1, 1) if recipe.signed else (0, 1)
+    if recipe.kind is Kind.TERNARY:
+        return -1, 1
+    if recipe.kind is Kind.POT:
+        n = F.pot_weight_levels(recipe.bits)
+        return (-n, n) if recipe.signed else (0, n)
+    return recipe.qmin, recipe.qmax
+
+
+class TensorQuantizer(LazyBuffers):
+    """See the module docstring for the interface."""
+
+    _qdsl_internal = True
+    grad_path: ClassVar[Callable[..., torch.Tensor] | None] = None
+
+    def __init__(self, recipe: QuantizerRecipe, role: Role | str, registries: Registries | None = None, *, name: str = ""):
+        super().__init__()
+        if recipe.kind is Kind.FLOAT:
+            raise ValueError("a float recipe has no quantizer")
+        regs = registries if registries is not None else default_registries()
+        self.recipe = recipe
+        self.role = Role(role)
+        self.name = name
+        self.kind = recipe.kind
+        self.axis, self.group_size = channel_axis(recipe, self.role)
+        self.qmin, self.qmax = code_range(recipe)
+        self.derived = recipe.scale == DERIVED_BIAS_SCALE
+        self.dynamic = bool(recipe.dynamic)
+        self.stateless = self.role in (Role.WEIGHT, Role.BIAS) or self.dynamic
+        self.enabled = True
+        self.observing = False
+        self.generator: torch.Generator | None = None
+        self.observer: Any = None
+        self.scale_rule: Any = None
+        if not self.derived:
+            pot = bool(regs.scales.get(recipe.scale).extra.get("pot", False)) if recipe.scale in regs.scales else False
+            ctx = PartContext(recipe, self.role, self.qmin, self.qmax, self.axis, self.group_size, pot)
+            self.scale_rule = build_scale_rule(regs, ctx)
+            self.observer = build_observer(regs, ctx)
+        rinfo = regs.roundings.get(recipe.rounding) if recipe.rounding in regs.roundings else None
+        if rinfo is not None and isinstance(rinfo.factory, str) and rinfo.factory.startswith(_BUILTIN_ROUNDING):
+            self._round_mode, self._round_fn = recipe.rounding, None
+        else:
+            self._round_mode, self._round_fn = None, build_rounding(regs, recipe.rounding)
+        self.register_buffer("scale", torch.empty(0))
+        self.register_buffer("zero_point", torch.empty(0, dtype=torch.int32))
+        self.register_buffer("threshold", torch.empty(0))
+        self.register_buffer("frozen_flag", torch.zeros((), dtype=torch.bool))
+        self._derived_scale: torch.Tensor | None = None
+        self._views: dict[Any, tuple] = {}
+        self._fast_ok = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def frozen(self) -> bool:
+        return bool(self.frozen_flag)
+
+    @property
+    def learned(self) -> bool:
+        return bool(getattr(self.scale_rule, "learned", False))
+
+    @property
+    def calibrated(self) -> bool:
+        """Has what it needs to quantize (a frozen scale, data seen, or no need for data)."""
+        if self.frozen or self.stateless:
+            return True
+        if self.learned and bool(getattr(self.scale_rule, "initialized", False)):
+            return True
+        return self.observer is not None and self.observer.observed
+
+    def set_derived_scale(self, scale: torch.Tensor | None) -> None:
+        """For a derived (``input*weight``) bias: the scale to use on the next call."""
+        self._derived_scale = scale
+
+    def extra_repr(self) -> str:
+        g = f"axis={self.axis}" if self.axis is not None else (f"group={self.group_size}" if self.group_size else "tensor")
+        return (f"{self.role.value}: {self.kind.value}{self.recipe.bits} [{self.qmin}, {self.qmax}] {g} "
+                f"scale={self.recipe.scale} frozen={self.frozen}")
+
+    # --------------------------------------------------------------- qparams
+    def qparams(self, x: torch.Tensor | None = None):
+        """``(scale, zero_point, threshold)`` the next ``forward(x)`` would use, or None if
+        there is nothing to quantize with yet (static activation never observed)."""
+        if self.frozen:
+            return self.scale, self.zero_point, (self.threshold if self.threshold.numel() else None)
+        if self.derived:
+            if self._derived_scale is None:
+                return None
+            s = self._derived_scale.to(torch.float32)
+            return s, torch.zeros(s.shape, dtype=torch.int32, device=s.device), None
+        rule = self.scale_rule
+        if self.learned and bool(getattr(rule, "initialized", False)):
+            scale = rule(None)
+            zp = self.zero_point if self.zero_point.shape == scale.shape else torch.zeros(scale.shape, dtype=torch.int32)
+            thr = scale.detach() * 0.5 if self.kind is Kind.TERNARY else None
+            return scale, zp, thr
+        obs = self.observer
+        if self.stateless and x is not None:
+            obs.reset()
+            obs(x.detach())
+        if not obs.observed:
+            return None
+        lo, hi = obs.range()
+        lo, hi = lo.float(), hi.float()
+        thr = None
+        if self.kind is Kind.INT:
+            raw, zpf = RS.range_to_qparams(lo, hi, self.qmin, self.qmax, symmetric=self.recipe.symmetric)
+            scale = rule(raw)
+            if not self.recipe.symmetric:
+                # the zero point must match the scale actually used (pot rules change it)
+                zpf = torch.clamp(self.qmin - torch.round(torch.clamp(lo, max=0.0) / scale.detach()), self.qmin, self.qmax)
+            zp = zpf.to(torch.int32)
+        else:
+            if self.kind is Kind.TERNARY and self.role is Role.WEIGHT and x is not None:
+                # TWN: threshold 0.7·mean|W| and α = mean|W| above it, from the weight itself
+                thr, raw = F.ternary_params(x.detach(), self.axis, self.group_size)
+            else:
+                raw = torch.maximum(-lo, hi) if self.qmin < 0 else hi
+            scale = rule(torch.clamp(raw, min=_TINY))
+            if self.kind is Kind.TERNARY and thr is None:
+                thr = scale.detach() * 0.5  # nearest of 0 and α
+            zp = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
+        if self.learned:
+            self.zero_point = zp.detach()
+        return scale, zp, thr
+
+    # --------------------------------------------------------------- numerics
+    def _affine(self, x, s, zp):
+        if self._round_fn is None:
+            return F.fake_quant_affine(x, s, zp, self.qmin, self.qmax, self._round_mode,
+                                       self.axis, self.group_size, self.generator)
+        sv, inv, z = self._param_views(x, s, zp)
+        q = torch.clamp(self._round_fn(x * inv, generator=self.generator) + z, self.qmin, self.qmax)
+        return (q - z) * sv
+
+    def _param_views(self, x, s, zp):
+        s = s.to(torch.float32)
+        return (F.param_view(s, x, self.axis, self.group_size),
+                F.param_view(F.reciprocal(s), x, self.axis, self.group_size),
+                F.param_view(zp.to(x.dtype), x, self.axis, self.group_size))
+
+    def _fake(self, x, scale, zp, thr):
+        k = self.kind
+        if k is Kind.INT:
+            return self._affine(x, scale, zp)
+        if k is Kind.BINARY:
+            return F.fake_quant_binary(x, scale.to(x.dtype), self.recipe.signed, self.axis, self.group_size)
+        if k is Kind.TERNARY:
+            codes = F.ternary_codes(x, thr, self.axis, self.group_size)
+            return codes.to(x.dtype) * F.param_view(scale.to(x.dtype), x, self.axis, self.group_size)
+        if k is Kind.POT:
+            return F.fake_quant_pot_weight(x, scale, self.recipe.bits, self.axis, self.group_size)
+        raise AssertionError(k)
+
+    def _with_grad(self, x, scale, zp, thr):
+        needs = torch.is_grad_enabled() and (x.requires_grad or (isinstance(scale, torch.Tensor) and scale.requires_grad))
+        if not needs:
+            return self._fake(x, scale, zp, thr)
+        if TensorQuantizer.grad_path is not None:
+            return TensorQuantizer.grad_path(self, x, scale, zp, thr)
+        # plain straight-through estimator: value of x̂, gradient of the identity
+        return x + (self._fake(x.detach(), scale.detach(), zp, thr) - x).detach()
+
+    def int_repr(self, x: torch.Tensor) -> torch.Tensor:
+        """The integer codes ``forward(x)`` uses (int8/uint8/int16/int32 by range)."""
+        p = self.qparams(x)
+        if p is None:
+            raise QdslError(f"quantizer {self.name or self.role.value} has no scale yet: calibrate the model first")
+        scale, zp, thr = (t.detach() if isinstance(t, torch.Tensor) else t for t in p)
+        x = x.detach()
+        k = self.kind
+        if k is Kind.INT:
+            if self._round_fn is None:
+                return F.quantize_affine(x, scale, zp, self.qmin, self.qmax, self._round_mode,
+                                         self.axis, self.group_size, generator=self.generator)
+            _, inv, z = self._param_views(x, scale, zp)
+            q = torch.clamp(self._round_fn(x * inv, generator=self.generator) + z, self.qmin, self.qmax)
+            return q.to(F.int_dtype(self.qmin, self.qmax))
+        if k is Kind.BINARY:
+            return F.binary_codes(x, scale, self.recipe.signed, self.axis, self.group_size)
+        if k is Kind.TERNARY:
+            return F.ternary_codes(x, thr, self.axis, self.group_size)
+        return F.pot_weight_codes(x, scale, self.recipe.bits, self.axis, self.group_size)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return x
+        if self.observing:
+            if not self.stateless and self.observer is not None:
+                self.observer(x.detach())
+            return x
+        if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad):
+            return self._fast(x)
+        p = self.qparams(x)
+        if p is None:
+            return x
+        return self._with_grad(x, *p)
+
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        """Frozen int path: precomputed broadcast views and in-place ops on one buffer."""
+        key = x.dim() if self.group_size is None else tuple(x.shape)
+        v = self._views.get(key)
+        if v is None:
+            s, inv, z = self._param_views(x, self.scale, self.zero_point)
+            v = self._views[key] = (s, inv, z, bool((self.zero_point != 0).any()))
+        s, inv, z, has_z = v
+        q = x * inv
+        q.round_()
+        if has_z:
+            q.add_(z)
+        q.clamp_(self.qmin, self.qmax)
+        if has_z:
+            q.sub_(z)
+        return q.mul_(s)
+
+    # ----------------------------------------------------------------- freeze
+    def freeze(self, x: torch.Tensor | None = None) -> None:
+        """Fix the scale: from ``x`` for weights/biases (required), from the statistics for
+        static activations; a derived bias takes the last :meth:`set_derived_scale`.
+        Dynamic quantizers stay dynamic (they are marked frozen but keep computing)."""
+        if self.frozen:
+            raise QdslError(f"quantizer {self.name or self.role.value} is already frozen")
+        if self.dynamic:
+            self.frozen_flag.fill_(True)
+            return
+        if self.role in (Role.WEIGHT, Role.BIAS) and not self.derived and x is None:
+            raise ValueError("freezing a parameter quantizer needs the parameter")
+        p = self.qparams(x)
+        if p is None:
+            raise QdslError(
+                f"quantizer {self.name or self.role.value} never observed data: "
+                "run qdsl.calibrate(model, batches) before qdsl.freeze(model)"
+            )
+        scale, zp, thr = p
+        self.scale = scale.detach().to(torch.float32).clone()
+        self.zero_point = zp.detach().to(torch.int32).clone()
+        self.threshold = thr.detach().to(torch.float32).clone() if thr is not None else torch.empty(0)
+        self.frozen_flag.fill_(True)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self._views = {}
+        self._fast_ok = (self.frozen and not self.dynamic and self.kind is Kind.INT
+                         and self._round_mode == "half_even")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._refresh()
