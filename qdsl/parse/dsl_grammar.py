@@ -1,0 +1,284 @@
+"""The ``.qspec`` grammar in pyparsing (normative form: ``grammar/qspec.ebnf``).
+
+``parse_statements(text, filename)`` returns the statements it could parse and an E0xx
+diagnostic for each one it could not.  Recovery is per statement: after an error the
+parser re-synchronises at the next line that starts with a top-level keyword, so one
+run reports every broken statement of a file.  Every grammar element has a name
+(``set_name``) and committing keywords use ``-`` (ErrorStop), so a message says what
+was expected at the real spot; known mistakes get friendlier messages (unknown
+statement or rule option with did-you-mean, unclosed ``{`` naming where the block
+started, unterminated strings).  Nothing but diagnostics leaves this module: any input
+text yields (statements, diagnostics).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pyparsing as pp
+
+from qdsl.parse import dsl_ast as ast
+from qdsl.parse.located_toml import LineIndex
+from qdsl.spec.diagnostics import Diagnostic, did_you_mean
+
+__all__ = ["parse_statements", "parse_value", "TOP_KEYWORDS", "RULE_OPTIONS", "unescape"]
+
+TOP_KEYWORDS = ("version", "fold_bn", "bias_correction", "learned_rounding", "include",
+                "quantizer", "defaults", "rule")
+RULE_OPTIONS = ("optional", "priority", "as")
+_BLOCKS = ("defaults", "rule")
+_TARGET_CHARS = "A-Za-z0-9_.*?\\[\\]!\\-"
+
+_ESCAPES = {'"': '"', "\\": "\\", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+_ESC_RE = re.compile(r"\\(u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
+
+
+def unescape(raw: str) -> str:
+    """Decode the escapes of a double-quoted string body (TOML basic-string escapes)."""
+
+    def sub(m: re.Match) -> str:
+        e = m.group(1)
+        if e[0] in "uU":
+            code = int(e[1:], 16)
+            if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+                raise ValueError(f"\\{e} is not a valid character")
+            return chr(code)
+        return _ESCAPES[e]
+
+    return _ESC_RE.sub(sub, raw)
+
+
+def _located(expr: pp.ParserElement, build, name: str) -> pp.ParserElement:
+    def action(s, loc, toks):
+        # Located may report the position before skipped whitespace/comments, and an
+        # optional tail that did not match may have skipped trailing blanks: trim both.
+        start = _SKIP.match(s, toks.locn_start).end()
+        end = toks.locn_end
+        while end > start and s[end - 1] in " \t\r\n":
+            end -= 1
+        return build(start, max(start, end), list(toks.value))
+
+    return pp.Located(expr).set_parse_action(action).set_name(name)
+
+
+def _string_action(s, loc, toks):
+    raw = toks[0]
+    if raw[0] == "'":
+        return raw[1:-1]
+    try:
+        return unescape(raw[1:-1])
+    except ValueError as exc:
+        raise pp.ParseException(s, loc, str(exc)) from None
+
+
+class _StmtCall:
+    """Marks ``name(args)`` in a body (``accumulator(bits=24)``), as opposed to ``name = (args)``."""
+
+    def __init__(self, call: ast.Call):
+        self.call = call
+
+
+def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
+    S = pp.Suppress
+    lpar, rpar = S("(").set_name("'('"), S(")").set_name("')'")
+    lbrace, rbrace = S("{").set_name("'{'"), S("}").set_name("'}'")
+    eq, comma = S("=").set_name("'='"), S(",").set_name("','")
+
+    ident = pp.Regex(r"[A-Za-z_][A-Za-z0-9_]*").set_name("a name")
+    name = _located(ident, lambda a, b, t: ast.Name(t[0], a, b), "a name")
+    number_re = pp.Regex(r"[+-]?\d+(\.\d+)?([eE][+-]?\d+)?").set_name("a number")
+
+    def build_num(a, b, t):
+        text = t[0]
+        return ast.Num(int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text), a, b)
+
+    number = _located(number_re, build_num, "a number")
+    dq = pp.Regex(r'"(?:[^"\\\x00-\x1f\x7f]|\\(?:["\\bfnrt]|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}))*"')
+    sq = pp.Regex(r"'[^'\x00-\x08\x0a-\x1f\x7f]*'")
+    string_tok = (dq | sq).set_name("a quoted string").set_parse_action(_string_action)
+    string = _located(string_tok, lambda a, b, t: ast.Str(t[0], a, b), "a quoted string")
+
+    value = pp.Forward().set_name("a value")
+    arg_keyed = _located(name + eq - value, lambda a, b, t: ast.Arg(t[0], t[1], a, b), "an argument")
+    arg_plain = _located(value, lambda a, b, t: ast.Arg(None, t[0], a, b), "an argument")
+    arg = (arg_keyed | arg_plain).set_name("an argument (name=value)")
+    arglist = pp.Group(pp.Opt(pp.DelimitedList(arg, allow_trailing_delim=True))).set_name("arguments")
+    call_args = lpar - arglist + rpar
+    call = _located(name + call_args, lambda a, b, t: ast.Call(t[0], tuple(t[1]), a, b), "a call")
+    anon = _located(call_args, lambda a, b, t: ast.Call(None, tuple(t[0]), a, b), "(fields)")
+    product = _located(name + S("*") + name, lambda a, b, t: ast.Product(t[0], t[1], a, b), "input*weight")
+    value <<= (string | number | anon | product | call | name).set_name("a value")
+
+    def build_stmt(a, b, t):
+        rest = t[1] if len(t) > 1 else None
+        if isinstance(rest, _StmtCall):
+            return ast.BodyStmt(t[0], None, rest.call, a, b)
+        return ast.BodyStmt(t[0], rest, None, a, b)
+
+    stmt_call = _located(call_args, lambda a, b, t: _StmtCall(ast.Call(None, tuple(t[0]), a, b)), "'('")
+    not_top = pp.NotAny(pp.MatchFirst([pp.Keyword(w) for w in TOP_KEYWORDS]))
+    body_stmt = _located(not_top + name + pp.Opt(eq - value | stmt_call), build_stmt,
+                         "a setting (weight = ..., skip, accumulator(...))")
+    body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + pp.Opt(S(";")))) + rbrace,
+                    lambda a, b, t: ast.Body(tuple(t[0]), a, b), "'{'")
+
+    def kw(word: str, chars: str | None = None) -> pp.ParserElement:
+        return pp.Keyword(word, ident_chars=chars).set_name(f"'{word}'") if chars else \
+            pp.Keyword(word).set_name(f"'{word}'")
+
+    tchars = "".join(c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-:")
+    not_option = pp.NotAny(pp.MatchFirst([kw(w, tchars) for w in RULE_OPTIONS]))
+    re_quoted = _located(S("re:") + string_tok, lambda a, b, t: ast.TargetText("re:" + t[0], a, b), "re:<regex>")
+    re_bare = _located(pp.Regex(r"re:[^\s,{}\"'#]+"), lambda a, b, t: ast.TargetText(t[0], a, b), "re:<regex>")
+    quoted_target = _located(string_tok, lambda a, b, t: ast.TargetText(t[0], a, b), "a quoted target")
+    bare = _located(not_option + pp.Regex(rf"(?:type:)?[{_TARGET_CHARS}]+"),
+                    lambda a, b, t: ast.TargetText(t[0], a, b), "a target")
+    target = (re_quoted | re_bare | quoted_target | bare).set_name("a target (name, glob, re:..., type:...)")
+    option = _located(
+        (kw("optional", tchars) + pp.Empty()) | (kw("priority", tchars) - number) | (kw("as", tchars) - (name | string)),
+        lambda a, b, t: ast.RuleOption(ast.Name(t[0], a, a + len(t[0])), t[1] if len(t) > 1 else None, a, b),
+        "a rule option (optional, priority N, as NAME)")
+
+    version = _located(kw("version") - pp.Opt(eq) + number, lambda a, b, t: ast.VersionStmt(t[1], a, b), "version")
+    setting = _located((kw("fold_bn") | kw("bias_correction") | kw("learned_rounding")) - pp.Opt(eq - value),
+                       lambda a, b, t: ast.SettingStmt(ast.Name(t[0], a, a + len(t[0])), t[1] if len(t) > 1 else None, a, b),
+                       "a setting")
+    include = _located(kw("include") - string, lambda a, b, t: ast.IncludeStmt(t[1], a, b), "include")
+    quantizer = _located(kw("quantizer") - name + eq + value,
+                         lambda a, b, t: ast.QuantizerStmt(t[1], t[2], a, b), "quantizer")
+    defaults = _located(kw("defaults") - body, lambda a, b, t: ast.DefaultsStmt(t[1], a, b), "defaults")
+    rule = _located(
+        kw("rule") - pp.Group(pp.DelimitedList(target)) + pp.Group(pp.ZeroOrMore(option)) + body,
+        lambda a, b, t: ast.RuleStmt(tuple(t[1]), tuple(t[2]), t[3], a, b), "rule")
+    statement = (version | setting | include | quantizer | defaults | rule).set_name("a statement")
+    end = pp.Empty().set_parse_action(lambda s, loc, t: [loc])
+    comment = pp.Regex(r"#[^\n]*")
+    top = (statement + end).ignore(comment)
+    standalone = (value + pp.StringEnd().set_name("end of value")).ignore(comment)
+    return top.parse_with_tabs(), standalone.parse_with_tabs()
+
+
+_TOP, _VALUE = _build_grammar()
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Re-sync points: a line starting with a top-level keyword, or an unindented word that
+# cannot be a block's body line (so a misspelled statement keyword is reported too).
+_SYNC = re.compile(r"^(?:[ \t]*(" + "|".join(TOP_KEYWORDS) + r")\b|(?!(?:weight|input|output|bias|skip|accumulator)\b)([A-Za-z_]))", re.M)
+_SKIP = re.compile(r"(?:\s+|#[^\n]*)*")
+
+
+def _mask(text: str, pos: int) -> str:
+    """Blank ``text[:pos]`` keeping newlines, so offsets (and line:col) stay absolute."""
+    head = re.sub(r"[^\n]", " ", text[:pos])
+    return head + text[pos:]
+
+
+def _found(text: str, loc: int) -> str:
+    if loc >= len(text):
+        return "end of file"
+    m = _WORD.match(text, loc)
+    if m:
+        return f"'{m.group()}'"
+    ch = text[loc]
+    return "end of line" if ch == "\n" else f"'{ch}'"
+
+
+class _Recovering:
+    def __init__(self, text: str, filename: str):
+        self.text = text
+        self.filename = filename
+        self.lines = LineIndex(text)
+        self.diags: list[Diagnostic] = []
+
+    def span(self, start: int, end: int | None = None):
+        return self.lines.span(self.filename, start, end if end is not None else start + 1)
+
+    def error(self, code: str, message: str, loc: int, end: int | None = None, *hints: str, notes=()) -> None:
+        self.diags.append(Diagnostic.error(code, message, self.span(loc, end), *hints, notes=notes))
+
+    def diagnose(self, exc: pp.ParseBaseException, start: int) -> None:
+        text, loc = self.text, min(exc.loc, len(self.text))
+        word = _WORD.match(text, loc)
+        word_end = word.end() if word else loc + 1
+        first = _WORD.match(text, start)
+        kind = first.group() if first else ""
+        line, col = self.lines.pos(start)
+        notes = ()
+        if kind in _BLOCKS and self.lines.pos(loc)[0] > line:
+            notes = (f"inside {kind} started at {line}:{col}",)
+        expected = exc.msg[len("Expected "):] if exc.msg.startswith("Expected ") else exc.msg
+        if loc == start and kind not in TOP_KEYWORDS:
+            if text[loc] == "}":
+                self.error("E004", "unmatched '}'", loc, loc + 1, "there is no open block here")
+            elif word:
+                hint = did_you_mean(kind, TOP_KEYWORDS, "statements")
+                if kind in ("weight", "input", "output", "bias", "skip", "accumulator"):
+                    hint = f"'{kind}' goes inside defaults {{ ... }} or rule TARGET {{ ... }}"
+                self.error("E003", f"unknown statement '{kind}'", loc, word_end, hint)
+            else:
+                self.error("E002", f"expected a statement, found {_found(text, loc)}", loc, loc + 1,
+                           "statements start with: " + ", ".join(TOP_KEYWORDS))
+            return
+        opened = text.find("{", start, loc)
+        if kind in _BLOCKS and opened >= 0 and "'}'" in expected or (
+                kind in _BLOCKS and opened >= 0 and (loc >= len(text) or (word and word.group() in TOP_KEYWORDS))):
+            bl, bc = self.lines.pos(opened)
+            self.error("E004", f"unclosed '{{' of {kind} started at {line}:{col}", loc, word_end,
+                       f"add '}}' to close the block opened at {bl}:{bc}")
+            return
+        if kind == "rule" and opened < 0 and word and "'{'" in expected:
+            self.error("E003", f"unknown rule option '{word.group()}'", loc, word_end,
+                       did_you_mean(word.group(), RULE_OPTIONS, "options"), notes=notes)
+            return
+        if loc < len(text) and text[loc] in "\"'":
+            self.error("E006", "unterminated or invalid string", loc, loc + 1,
+                       "strings close on the same line; escapes are \\\\ \\\" \\n \\t \\uXXXX", notes=notes)
+            return
+        self.error("E002", f"expected {expected}, found {_found(text, loc)}", loc, word_end, notes=notes)
+
+    def resync(self, start: int, loc: int) -> int:
+        err_line = self.lines.pos(loc)[0]
+        for m in _SYNC.finditer(self.text, start + 1):
+            at = m.start(1) if m.group(1) else m.start(2)
+            if at > start and self.lines.pos(at)[0] >= err_line:
+                return at
+        return len(self.text)
+
+    def run(self) -> list[ast.Statement]:
+        out: list[ast.Statement] = []
+        text = self.text
+        pos = _SKIP.match(text, 0).end()
+        while pos < len(text):
+            try:
+                toks = _TOP.parse_string(_mask(text, pos))
+            except pp.ParseBaseException as exc:
+                self.diagnose(exc, pos)
+                pos = self.resync(pos, exc.loc)
+            except RecursionError:
+                self.error("E002", "nesting too deep", pos, pos + 1)
+                break
+            else:
+                out.append(toks[0])
+                pos = max(toks[1], pos + 1)
+            pos = _SKIP.match(text, pos).end()
+        return out
+
+
+def parse_statements(text: str, filename: str = "<input>") -> tuple[list[ast.Statement], list[Diagnostic]]:
+    """Every statement that parses, and an E0xx diagnostic per one that does not."""
+    rec = _Recovering(text, filename)
+    stmts = rec.run()
+    return stmts, rec.diags
+
+
+def parse_value(text: str, filename: str = "<--set>") -> tuple[ast.Value | None, list[Diagnostic]]:
+    """One DSL value on its own (``--set weight.bits=4`` uses this for the right-hand side)."""
+    rec = _Recovering(text, filename)
+    try:
+        return _VALUE.parse_string(text)[0], []
+    except pp.ParseBaseException as exc:
+        loc = min(exc.loc, len(text))
+        rec.error("E002", f"expected a value, found {_found(text, loc)}", loc, loc + 1,
+                  "values are numbers, names, true/false, \"strings\" or calls like histogram(percentile=99.9)")
+    except RecursionError:
+        rec.error("E002", "nesting too deep", 0, 1)
+    return None, rec.diags
