@@ -58,6 +58,26 @@ MODULE_ATTRS = (
 """Constructor attributes copied into the index (lint derives fan-in from them)."""
 
 
+def _frozen_map(value: Mapping[Any, Any]) -> Mapping[Any, Any]:
+    """Freeze a mapping; an already frozen one is shared, not copied (the resolver hands
+    the same read-only provenance map to every layer that resolved identically)."""
+    return value if isinstance(value, attrs_frozendict) else attrs_frozendict(value)
+
+
+def _plain_attr(mod: Any, name: str, default: Any) -> Any:
+    """``getattr(mod, name, default)`` for plain instance/class attributes, without going
+    through ``nn.Module.__getattr__`` for missing names (an exception per miss made
+    indexing a 10,000-module model take most of resolve's time budget).  Parameters,
+    buffers and submodules are never ints/tuples/strs/flags, so skipping them changes
+    nothing for the attributes read here."""
+    d = vars(mod)
+    if name in d:
+        return d[name]
+    if hasattr(type(mod), name):  # class attribute or property: read it normally
+        return getattr(mod, name, default)
+    return default
+
+
 @attrs.frozen
 class ModuleEntry:
     """One module of a model, without torch."""
@@ -102,7 +122,7 @@ class ModelIndex:
         for fqn, mod in model.named_modules():
             if any(fqn == p or fqn.startswith(p + ".") for p in internal_prefixes):
                 continue
-            if getattr(mod, "_qdsl_internal", False):
+            if _plain_attr(mod, "_qdsl_internal", False):
                 internal_prefixes.append(fqn)
                 continue
             shapes = {}
@@ -110,17 +130,20 @@ class ModelIndex:
             # logical parameter names and shapes.
             for pname, p in mod.named_parameters(recurse=False):
                 shapes[pname] = tuple(p.shape)
-            parametrizations = getattr(mod, "parametrizations", None)
+            submodules = vars(mod).get("_modules")
+            parametrizations = (
+                submodules.get("parametrizations") if submodules is not None
+                else getattr(mod, "parametrizations", None)
+            )
             if parametrizations is not None:
                 for pname in parametrizations.keys():
                     shapes[pname] = tuple(getattr(parametrizations, pname).original.shape)
             attrs_ = {}
             for a in MODULE_ATTRS:
-                if hasattr(mod, a):
-                    v = getattr(mod, a)
-                    if isinstance(v, (int, tuple, str)):
-                        attrs_[a] = v
-            children = [c for c in mod.children() if not getattr(c, "_qdsl_internal", False)]
+                v = _plain_attr(mod, a, None)
+                if isinstance(v, (int, tuple, str)):
+                    attrs_[a] = v
+            children = [c for c in mod.children() if not _plain_attr(c, "_qdsl_internal", False)]
             entries.append(ModuleEntry(fqn, type(mod).__name__, shapes, attrs_, leaf=not children))
         return cls(entries)
 
@@ -198,11 +221,11 @@ class LayerPlan:
 
     fqn: str
     type_name: str
-    roles: Mapping[Role, QuantizerRecipe | None] = attrs.field(converter=attrs_frozendict)
+    roles: Mapping[Role, QuantizerRecipe | None] = attrs.field(converter=_frozen_map)
     skip: bool = False
     accumulator: Accumulator = Accumulator()
     provenance: Mapping[tuple[Role | str, str], FieldProvenance] = attrs.field(
-        factory=dict, converter=attrs_frozendict, eq=False
+        factory=dict, converter=_frozen_map, eq=False
     )
     """Keyed by ``(role, field)``; layer-level fields use role ``"layer"`` (skip, accumulator)."""
     matched_rules: tuple[int, ...] = ()

@@ -51,6 +51,7 @@ __all__ = [
     "glob_to_regex",
     "compile_glob",
     "match_targets",
+    "TargetMatcher",
     "unmatched_hint",
 ]
 
@@ -191,34 +192,41 @@ def compile_target(target: Target) -> CompiledTarget | Diagnostic:
     return CompiledTarget(target, level)
 
 
-def match_targets(
-    compiled: Sequence[CompiledTarget], index: ModelIndex
-) -> list[tuple[str, ...]]:
-    """For each compiled target, the names of the modules it matches, in index order.
+class TargetMatcher:
+    """Matches compiled targets against one index; build once per resolve.
 
     Exact names are a dict lookup and types a precomputed grouping, so only glob/regex
-    targets scan the names (one C-level ``filter`` per distinct pattern).
+    targets scan the names (one C-level ``filter`` per distinct pattern, memoized).
     """
-    names = [e.fqn for e in index.entries]
-    by_type: dict[str, list[str]] = {}
-    for e in index.entries:
-        by_type.setdefault(e.type_name, []).append(e.fqn)
-    memo: dict[tuple[TargetKind, str], tuple[str, ...]] = {}
-    out = []
-    for ct in compiled:
+
+    def __init__(self, index: ModelIndex):
+        self.index = index
+        self._names = [e.fqn for e in index.entries]
+        self._by_type: dict[str, list[str]] = {}
+        for e in index.entries:
+            self._by_type.setdefault(e.type_name, []).append(e.fqn)
+        self._memo: dict[tuple[TargetKind, str], tuple[str, ...]] = {}
+
+    def match(self, ct: CompiledTarget) -> tuple[str, ...]:
+        """Names of the modules ``ct`` matches, in index order."""
         key = (ct.target.kind, ct.target.pattern)
-        hit = memo.get(key)
+        hit = self._memo.get(key)
         if hit is None:
             kind = ct.target.kind
             if kind is TargetKind.EXACT:
-                hit = (ct.target.pattern,) if ct.target.pattern in index.by_name else ()
+                hit = (ct.target.pattern,) if ct.target.pattern in self.index.by_name else ()
             elif kind is TargetKind.TYPE:
-                hit = tuple(by_type.get(ct.target.pattern, ()))
+                hit = tuple(self._by_type.get(ct.target.pattern, ()))
             else:
-                hit = tuple(filter(ct.fullmatch, names))
-            memo[key] = hit
-        out.append(hit)
-    return out
+                hit = tuple(filter(ct.fullmatch, self._names))
+            self._memo[key] = hit
+        return hit
+
+
+def match_targets(compiled: Sequence[CompiledTarget], index: ModelIndex) -> list[tuple[str, ...]]:
+    """For each compiled target, the names of the modules it matches (one-off convenience)."""
+    matcher = TargetMatcher(index)
+    return [matcher.match(ct) for ct in compiled]
 
 
 def unmatched_hint(target: Target, index: ModelIndex) -> str:
