@@ -1,9 +1,31 @@
 """Quantization-aware training: straight-through estimators, learned scales, BN folding.
 
 * :mod:`qdsl.qat.ste` - pure-torch autograd pieces (clipping-mask STE, LSQ/LSQ+,
-  learned power-of-two scale, binary/ternary/power-of-two weights).
+  learned power-of-two scale, binary/ternary/power-of-two weights), closed forms there.
+* :mod:`qdsl.qat.learned` - the ``learned`` and ``learned_pot`` scale rules.
+* :mod:`qdsl.qat.proxy_grad` - the gradient path every ``TensorQuantizer`` trains with
+  once ``qdsl.qat`` is imported (values are unchanged; only gradients differ from the
+  proxy's plain identity STE).
+* :mod:`qdsl.qat.bn_fold` - BatchNorm folding during QAT; :func:`freeze_bn_stats`.
+
+Importing this package installs :func:`qdsl.qat.proxy_grad.qat_grad_path` as
+``TensorQuantizer.grad_path``.
 """
 
 from qdsl.qat import ste
+from qdsl.qat.bn_fold import QatBnFold, find_conv_bn_pairs, freeze_bn_stats, unfreeze_bn_stats
+from qdsl.qat.learned import LearnedPotScale, LearnedScale
+from qdsl.qat.proxy_grad import install as _install, qat_grad_path
 
-__all__ = ["ste"]
+_install()
+
+__all__ = [
+    "ste",
+    "LearnedScale",
+    "LearnedPotScale",
+    "qat_grad_path",
+    "QatBnFold",
+    "find_conv_bn_pairs",
+    "freeze_bn_stats",
+    "unfreeze_bn_stats",
+]

@@ -1,0 +1,99 @@
+"""The QAT gradient path of ``TensorQuantizer``: which STE each kind of quantizer trains with.
+
+``TensorQuantizer`` (qdsl/quantizers/proxy.py) always computes *values* with
+``qdsl.quantizers.functional``; when autograd needs a gradient it calls the class hook
+``TensorQuantizer.grad_path(proxy, x, scale, zero_point, threshold)``.  Importing
+:mod:`qdsl.qat` installs :func:`qat_grad_path` there (the learned scale rules live in
+``qdsl.qat``, so any spec that uses them gets these gradients).  Guarantees:
+
+* the value returned equals the proxy's own fake-quantized value bit for bit (the
+  surrogates below either compute it with the same ``functional`` call or add a term
+  that is exactly zero in the forward pass);
+* gradients, by kind and role (closed forms in :mod:`qdsl.qat.ste`):
+
+  ============  ==========  ======================================================
+  kind          role        gradient
+  ============  ==========  ======================================================
+  int           any         clipping-mask STE to x; LSQ/LSQ+ to a learned scale
+  binary        weight      XNOR-Net: α = mean|W| differentiable, sign clipped |W|<=1
+  binary        activation  BNN clipped STE (|x| <= s); {0, 1}: mask on [0, s]
+  ternary       weight      TWN: codes straight-through, α over kept weights
+  ternary       activation  identity inside |x| <= s
+  pot           any         identity where |w| <= s, zero where clipped
+  ============  ==========  ======================================================
+
+* a learned scale rule is told how many elements share each scale (LSQ's
+  ``1/sqrt(numel·qmax)``) on every call, from the tensor actually quantized.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qdsl.qat import ste
+from qdsl.quantizers import functional as F
+from qdsl.spec.model import Kind, Role
+
+__all__ = ["qat_grad_path", "install", "uninstall"]
+
+
+def _zero_gain(sur: Tensor) -> Tensor:
+    # exactly 0 in the forward pass, the surrogate's gradient in the backward pass
+    return sur - sur.detach()
+
+
+def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) -> Tensor:
+    """Fake-quantize ``x`` with proxy ``q``'s parameters and the QAT surrogate gradient."""
+    rule = q.scale_rule
+    if getattr(rule, "learned", False) and hasattr(rule, "bind"):
+        rule.bind(x.shape, per_sample=q.role in (Role.INPUT, Role.OUTPUT), slots=max(1, scale.numel()))
+    kind, axis, group = q.kind, q.axis, q.group_size
+    is_weight = q.role in (Role.WEIGHT, Role.BIAS)
+    if kind is Kind.INT:
+        if q._round_fn is not None:  # a user rounding: their values, the clipping-mask STE
+            value = q._fake(x.detach(), scale.detach(), zero_point, threshold)
+            sur = ste.fake_quant(x, scale, None if q.recipe.symmetric else zero_point, q.qmin, q.qmax,
+                                 rounding="half_even", axis=axis, group_size=group)
+            return value + _zero_gain(sur)
+        zp = None if q.recipe.symmetric else zero_point
+        return ste.fake_quant(x, scale, zp, q.qmin, q.qmax, rounding=q._round_mode, axis=axis,
+                              group_size=group)
+    value = q._fake(x.detach(), scale.detach(), zero_point, threshold)
+    s_view = F.param_view(scale.to(x.dtype), x, axis, group)
+    if kind is Kind.BINARY:
+        if not q.recipe.signed:
+            sur = ste.unsigned_binary(x, s_view)
+        elif is_weight and group is None:
+            sur = ste.binary_weight(x, axis)
+        else:
+            sur = ste.binary_act(x, s_view)
+    elif kind is Kind.TERNARY:
+        if is_weight and group is None:
+            sur = ste.ternary_weight(x, axis)
+        else:
+            sur = x * (x.detach().abs() <= s_view.detach())
+    elif kind is Kind.POT:
+        sur = x * (x.detach().abs() <= s_view.detach())
+        if scale.requires_grad:  # a learned scale of pot weights: value/s per element
+            sur = sur + s_view * (value / s_view.detach()).detach()
+    else:  # pragma: no cover - the proxy never builds float quantizers
+        raise AssertionError(kind)
+    if scale.requires_grad and kind is not Kind.POT:
+        # learned α: d(α·code)/dα = code
+        sur = sur + s_view * (value / s_view.detach().clamp_min(1e-30)).detach()
+    return value + _zero_gain(sur)
+
+
+def install() -> None:
+    """Make every ``TensorQuantizer`` train with :func:`qat_grad_path` (idempotent)."""
+    from qdsl.quantizers.proxy import TensorQuantizer
+
+    TensorQuantizer.grad_path = staticmethod(qat_grad_path)
+
+
+def uninstall() -> None:
+    """Back to the proxy's plain identity STE."""
+    from qdsl.quantizers.proxy import TensorQuantizer
+
+    TensorQuantizer.grad_path = None
