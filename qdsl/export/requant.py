@@ -15,7 +15,8 @@ FIXED (gemmlowp / TFLite ``MultiplyByQuantizedMultiplier``)
     ``SRDHM(a, b)``: if ``a == b == INT32_MIN`` the result is ``INT32_MAX`` (the one
     overflow case); otherwise ``p = a·b`` (exact, int64), ``nudge = 2^30`` if ``p >= 0``
     else ``1 - 2^30``, result ``trunc((p + nudge) / 2^31)`` (C division, toward zero).
-    That is ``p / 2^31`` rounded half away from zero.
+    That is ``floor(p / 2^31 + 1/2)``: nearest, ties toward +infinity (for a negative tie
+    the nudge is one short of a half, so e.g. ``SRDHM(-1, 2^30) = 0``, not -1).
 
     ``RDBP(x, e)`` for ``0 <= e <= 31``: ``mask = 2^e - 1``, ``rem = x & mask``,
     ``thr = (mask >> 1) + (1 if x < 0 else 0)``, result ``(x >> e) + (1 if rem > thr else 0)``
@@ -26,7 +27,8 @@ FIXED (gemmlowp / TFLite ``MultiplyByQuantizedMultiplier``)
     ``|r - x·Mq| <= 1/2 + 2^-(s+1)`` (two roundings) and ``|Mq - M| <= 2^-(32+s)`` when
     ``m`` is nonzero, so ``|r - x·M| <= 1/2 + 2^-(s+1) + |x|·2^-(32+s) <= 1.5`` for
     ``s >= 0``; and ``r == round_half_away(x·Mq)`` except when ``x·Mq`` is within
-    ``2^-(s+1)`` of a half-integer (the double rounding; ``s = 0`` is exact).
+    ``2^-(s+1)`` of a half-integer (the double rounding) or, for ``s <= 0``, is a negative
+    tie (SRDHM rounds ties up).
 
 POT (exact power of two, ``M = 2^-s``)
     ``s <= 0``: ``r = sat32(x · 2^-s)`` (exact); ``s > 0``: ``r = round(x / 2^s)`` with the
@@ -132,7 +134,7 @@ def wrap(x: np.ndarray, bits: int = 32) -> np.ndarray:
 
 
 def srdhm(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """SaturatingRoundingDoublingHighMul on int32-valued int64 arrays (see module doc)."""
+    """SaturatingRoundingDoublingHighMul on int32-valued int64 arrays: ``floor(a·b/2^31 + 1/2)``."""
     a = np.asarray(a, dtype=np.int64)
     b = np.asarray(b, dtype=np.int64)
     p = a * b  # |p| <= 2^62: exact in int64
