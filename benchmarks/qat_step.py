@@ -1,0 +1,128 @@
+"""QAT step time relative to float: qdsl (int8, w4a8-pot, binary) vs torch.ao eager QAT.
+
+One training step = forward + cross-entropy + backward + SGD (momentum 0.9) on
+``ConvBnReluNet`` (3×32×32 input, batch 64) with 2 threads.  Every configuration is
+built in this process and timed round-robin (one step of each per round), so load
+changes on a shared machine hit all of them alike; the figure is the median over rounds.
+
+* ``float``      the unmodified network in train mode
+* ``qdsl int8``  ``specs/int8-default.qspec`` (w8 per-channel, a8 histogram, BN folded)
+* ``qdsl w4a8-pot`` ``specs/pot-asic.qspec`` (4-bit PoT-scaled weights, 8-bit PoT acts)
+* ``qdsl binary`` ``specs/xnor-binary.qspec`` (XNOR-Net weights/activations)
+* ``torch.ao``   conv-bn-relu fused with ``fuse_modules_qat`` then ``prepare_qat`` with
+  the default qconfig (``get_default_qat_qconfig``), the peer
+* ``qdsl int8 compiled``  the int8 model under ``torch.compile`` (``--backend``,
+  default ``aot_eager``: inductor needs a C++ compiler run per graph), compile time
+  excluded (reported separately)
+
+Target (issue 4): qdsl eager QAT step ≤ 1.4× float.
+
+    python benchmarks/qat_step.py [--rounds 15] [--no-compile] [--backend inductor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+
+
+def _step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward=None):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    fwd = forward or model
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(fwd(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def build_qdsl(base: nn.Module, spec: str, calib: torch.Tensor) -> nn.Module:
+    import qdsl
+    import qdsl.qat  # noqa: F401  (QAT gradients)
+
+    model = copy.deepcopy(base)
+    qdsl.apply(model, str(SPECS / spec))
+    model.eval()
+    qdsl.calibrate(model, [calib[i : i + 32] for i in range(0, len(calib), 32)])
+    return model.train()
+
+
+def build_torch_ao(base: nn.Module) -> nn.Module:
+    from torch.ao.quantization import fuse_modules_qat, get_default_qat_qconfig, prepare_qat
+
+    model = copy.deepcopy(base).train()
+    fuse_modules_qat(model, [["features.0", "features.1", "features.2"], ["features.3", "features.4", "features.5"],
+                             ["features.6", "features.7", "features.8"]], inplace=True)
+    model.qconfig = get_default_qat_qconfig("x86")
+    return prepare_qat(model, inplace=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--backend", default="aot_eager")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    from qdsl.testing.models import conv_bn_relu_net
+
+    base = conv_bn_relu_net(seed=0).train()
+    x = torch.randn(args.batch, 3, 32, 32)
+    y = torch.randint(0, 10, (args.batch,))
+    calib = torch.randn(128, 3, 32, 32)
+
+    steps: dict[str, object] = {"float": _step_fn(copy.deepcopy(base).train(), x, y)}
+    for label, spec in (("qdsl int8", "int8-default.qspec"), ("qdsl w4a8-pot", "pot-asic.qspec"),
+                        ("qdsl binary", "xnor-binary.qspec")):
+        steps[label] = _step_fn(build_qdsl(base, spec, calib), x, y)
+    steps["torch.ao eager QAT"] = _step_fn(build_torch_ao(base), x, y)
+    compile_s = None
+    if not args.no_compile:
+        m = build_qdsl(base, "int8-default.qspec", calib)
+        compiled = torch.compile(m, backend=args.backend)
+        step = _step_fn(m, x, y, forward=compiled)
+        t0 = time.perf_counter()
+        step()  # compiles forward and backward
+        compile_s = time.perf_counter() - t0
+        steps[f"qdsl int8 compiled ({args.backend})"] = step
+
+    for step in steps.values():  # warm-up (allocator, oneDNN primitives, lazy init)
+        step()
+        step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.rounds):
+        for label, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[label].append(time.perf_counter() - t0)
+
+    ref = statistics.median(times["float"])
+    print(f"QAT step (fwd+bwd+SGD), ConvBnReluNet 3x32x32, batch {args.batch}, {args.threads} threads, "
+          f"median of {args.rounds} rounds")
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        print(f"  {label:<34s} {med * 1e3:8.1f} ms   {med / ref:5.2f}x float")
+    if compile_s is not None:
+        print(f"  (torch.compile first step incl. compilation: {compile_s:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
