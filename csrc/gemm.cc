@@ -29,20 +29,38 @@ Status ValidateOutput(const GemmOutput& out, int64_t m, int64_t n) {
   }
   const OutputStage& s = *out.stage;
   QDSL_CHECK_ARG(out.dtype == DType::kInt8 || out.dtype == DType::kUInt8, "requantized output must be int8/uint8");
-  QDSL_CHECK_ARG(s.multiplier != nullptr && s.shift != nullptr, "output stage without multiplier/shift arrays");
-  QDSL_CHECK_ARG(s.channels == 1 || s.channels == n, "output stage has %lld channels, output has %lld",
-                 (long long)s.channels, (long long)n);
   const int32_t lo = out.dtype == DType::kInt8 ? -128 : 0, hi = out.dtype == DType::kInt8 ? 127 : 255;
   QDSL_CHECK_ARG(s.qmin >= lo && s.qmax <= hi && s.qmin <= s.qmax, "clamp [%d, %d] outside the output dtype range",
                  s.qmin, s.qmax);
   QDSL_CHECK_ARG(s.zero_point >= -(1 << 16) && s.zero_point <= (1 << 16), "output zero point %d out of range",
                  s.zero_point);
-  for (int64_t c = 0; c < s.channels; ++c) {
-    QDSL_CHECK_ARG(s.shift[c] >= -31 && s.shift[c] <= 31, "shift %d outside [-31, 31]", s.shift[c]);
-    QDSL_CHECK_ARG(s.multiplier[c] >= 0, "negative requant multiplier %d", s.multiplier[c]);
+  return ValidateRescale(s.rescale, n);
+}
+
+}  // namespace
+
+Status ValidateRescale(const Rescale& r, int64_t channels) {
+  QDSL_CHECK_ARG(r.multiplier != nullptr && r.shift != nullptr, "rescale without multiplier/shift arrays");
+  QDSL_CHECK_ARG(r.channels == 1 || r.channels == channels, "rescale has %lld channels, tensor has %lld",
+                 (long long)r.channels, (long long)channels);
+  QDSL_CHECK_ARG(r.kind == RescaleKind::kFixed || r.kind == RescaleKind::kPot, "unknown rescale kind %d",
+                 static_cast<int>(r.kind));
+  const int rnd = static_cast<int>(r.rounding);
+  QDSL_CHECK_ARG(rnd >= 0 && rnd <= 3, "unknown rounding code %d", rnd);
+  QDSL_CHECK_ARG(r.kind == RescaleKind::kPot || rnd == 0, "a FIXED rescale must use rounding 0 (half away)");
+  for (int64_t c = 0; c < r.channels; ++c) {
+    if (r.kind == RescaleKind::kFixed) {
+      QDSL_CHECK_ARG(r.multiplier[c] >= 0, "FIXED multiplier %d is negative", r.multiplier[c]);
+      QDSL_CHECK_ARG(r.shift[c] >= -31 && r.shift[c] <= 31, "FIXED shift %d outside [-31, 31]", r.shift[c]);
+    } else {
+      QDSL_CHECK_ARG(r.multiplier[c] == 1, "POT multiplier must be 1, got %d", r.multiplier[c]);
+      QDSL_CHECK_ARG(r.shift[c] >= -31 && r.shift[c] <= 62, "POT shift %d outside [-31, 62]", r.shift[c]);
+    }
   }
   return Status::Ok();
 }
+
+namespace {
 
 // Adds bias, then requantizes (or copies) rows [m0, m1) x columns [n0, n1) of acc.
 void Finish(const int32_t* acc_in, int32_t* acc, int64_t ldc, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
@@ -77,7 +95,7 @@ void Split(int64_t total, int parts, int part, int64_t align, int64_t* b, int64_
 }  // namespace
 
 Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out, uint32_t path) {
-  QDSL_CHECK_ARG(w.bits == 8 || w.bits == 4 || w.bits == 2, "weights are not packed int weights (bits=%d)", w.bits);
+  QDSL_CHECK_ARG(w.bits == 16, "weights are not packed int weights (bits=%d)", w.bits);
   QDSL_CHECK_ARG(a.dtype == DType::kInt8 || a.dtype == DType::kUInt8, "activations must be int8 or uint8");
   QDSL_CHECK_ARG(a.cols == w.k, "activation K=%lld but weights K=%lld", (long long)a.cols, (long long)w.k);
   QDSL_CHECK_ARG(a.rows >= 0 && a.ld >= a.cols && (a.data != nullptr || a.rows == 0), "bad activation view");

@@ -3,6 +3,8 @@
 #include "bindings/c_api.h"
 
 #include <cstring>
+#include <memory>
+#include <vector>
 #include <exception>
 #include <new>
 
@@ -33,15 +35,17 @@ int Guard(char* err, int64_t errlen, F&& f) {
 }
 
 qdsl::GemmOutput MakeOutput(void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
-                            int64_t channels, int32_t zp, int32_t qmin, int32_t qmax, qdsl::OutputStage* stage) {
+                            int64_t channels, int kind, int rounding, int32_t zp, int32_t qmin, int32_t qmax, qdsl::OutputStage* stage) {
   qdsl::GemmOutput o;
   o.data = out;
   o.dtype = static_cast<qdsl::DType>(out_dtype);
   o.ld = ldo;
   if (mult != nullptr) {
-    stage->multiplier = mult;
-    stage->shift = shift;
-    stage->channels = channels;
+    stage->rescale.multiplier = mult;
+    stage->rescale.shift = shift;
+    stage->rescale.channels = channels;
+    stage->rescale.kind = static_cast<qdsl::RescaleKind>(kind);
+    stage->rescale.rounding = static_cast<qdsl::Rounding>(rounding);
     stage->zero_point = zp;
     stage->qmin = qmin;
     stage->qmax = qmax;
@@ -73,14 +77,28 @@ int qdsl_pack_weights(const int8_t* w, int64_t n, int64_t k, int bits, const int
   return Guard(err, errlen, [&]() -> qdsl::Status {
     QDSL_CHECK_ARG(handle != nullptr, "null handle pointer");
     *handle = nullptr;
-    auto* packed = new qdsl::PackedWeights();
-    const qdsl::Status st = bits == 1 ? qdsl::PackBinaryWeights(w, n, k, k, packed)
-                                      : qdsl::PackWeights(w, n, k, k, bits, zero_point, packed);
-    if (!st.ok()) {
-      delete packed;
-      return st;
+    QDSL_CHECK_ARG(w != nullptr && n > 0 && k > 0, "bad weight arguments");
+    QDSL_CHECK_ARG(bits == 1 || bits == 2 || bits == 4 || bits == 8, "weight bits must be 1, 2, 4 or 8");
+    auto packed = std::make_unique<qdsl::PackedWeights>();
+    qdsl::Status st;
+    if (bits == 1) {
+      st = qdsl::PackBinaryWeights(w, n, k, k, packed.get());
+    } else {
+      const int lo = -(1 << (bits - 1)), hi = (1 << (bits - 1)) - 1;
+      std::vector<int16_t> values(static_cast<size_t>(n * k));
+      for (int64_t r = 0; r < n; ++r) {
+        const int32_t zp = zero_point ? zero_point[r] : 0;
+        QDSL_CHECK_ARG(zp >= -255 && zp <= 255, "weight zero point %d outside [-255, 255]", zp);
+        for (int64_t c = 0; c < k; ++c) {
+          const int v = w[r * k + c];
+          QDSL_CHECK_ARG(v >= lo && v <= hi, "weight [%lld][%lld] = %d outside int%d range", (long long)r,
+                         (long long)c, v, bits);
+          values[r * k + c] = static_cast<int16_t>(v - zp);
+        }
+      }
+      st = qdsl::PackWeights(values.data(), n, k, k, packed.get());
     }
-    *handle = packed;
+    if (st.ok()) *handle = packed.release();
     return st;
   });
 }
@@ -98,7 +116,7 @@ int qdsl_bitpack(const int8_t* a, int64_t m, int64_t k, uint64_t* out, int64_t k
 
 int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp, const void* weights,
               const int32_t* bias, void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
-              int64_t channels, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
+              int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
               int64_t errlen) {
   return Guard(err, errlen, [&]() -> qdsl::Status {
     QDSL_CHECK_ARG(weights != nullptr, "null weights handle");
@@ -112,32 +130,34 @@ int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int
     av.ld = lda;
     av.zero_point = a_zp;
     qdsl::OutputStage stage;
-    const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, out_zp, qmin, qmax, &stage);
+    const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, kind, rounding, out_zp, qmin, qmax, &stage);
     return qdsl::Gemm(av, *static_cast<const qdsl::PackedWeights*>(weights), bias, o, path);
   });
 }
 
 int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias, void* out,
                      int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift, int64_t channels,
-                     int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err, int64_t errlen) {
+                     int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err, int64_t errlen) {
   return Guard(err, errlen, [&]() -> qdsl::Status {
     QDSL_CHECK_ARG(weights != nullptr, "null weights handle");
     QDSL_CHECK_ARG(out_dtype >= 0 && out_dtype <= 2, "bad output dtype code %d", out_dtype);
     qdsl::OutputStage stage;
-    const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, out_zp, qmin, qmax, &stage);
+    const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, kind, rounding, out_zp, qmin, qmax, &stage);
     return qdsl::BinaryGemm(a, m, lda, *static_cast<const qdsl::PackedWeights*>(weights), bias, o, path);
   });
 }
 
 int qdsl_requantize(const int32_t* acc, int64_t rows, int64_t channels, const int32_t* mult, const int32_t* shift,
-                    int64_t stage_channels, int32_t out_zp, int32_t qmin, int32_t qmax, void* out, int out_dtype,
+                    int64_t stage_channels, int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, void* out, int out_dtype,
                     uint32_t path, char* err, int64_t errlen) {
   return Guard(err, errlen, [&]() -> qdsl::Status {
     QDSL_CHECK_ARG(out_dtype == 0 || out_dtype == 1, "requantize output must be int8 or uint8");
     qdsl::OutputStage stage;
-    stage.multiplier = mult;
-    stage.shift = shift;
-    stage.channels = stage_channels;
+    stage.rescale.multiplier = mult;
+    stage.rescale.shift = shift;
+    stage.rescale.channels = stage_channels;
+    stage.rescale.kind = static_cast<qdsl::RescaleKind>(kind);
+    stage.rescale.rounding = static_cast<qdsl::Rounding>(rounding);
     stage.zero_point = out_zp;
     stage.qmin = qmin;
     stage.qmax = qmax;

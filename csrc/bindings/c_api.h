@@ -35,14 +35,14 @@ QDSL_API int qdsl_bitpack(const int8_t* a, int64_t m, int64_t k, uint64_t* out, 
 /* mult/shift null => int32 output (out_dtype 2). */
 QDSL_API int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp,
                        const void* weights, const int32_t* bias, void* out, int out_dtype, int64_t ldo,
-                       const int32_t* mult, const int32_t* shift, int64_t channels, int32_t out_zp, int32_t qmin,
+                       const int32_t* mult, const int32_t* shift, int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin,
                        int32_t qmax, uint32_t path, char* err, int64_t errlen);
 QDSL_API int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias,
                               void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
-                              int64_t channels, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
+                              int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
                               int64_t errlen);
 QDSL_API int qdsl_requantize(const int32_t* acc, int64_t rows, int64_t channels, const int32_t* mult,
-                             const int32_t* shift, int64_t stage_channels, int32_t out_zp, int32_t qmin, int32_t qmax,
+                             const int32_t* shift, int64_t stage_channels, int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax,
                              void* out, int out_dtype, uint32_t path, char* err, int64_t errlen);
 
 #ifdef __cplusplus

@@ -22,44 +22,37 @@ int16_t Slot(const PackedWeights& w, int64_t panel, int64_t j, int half, int i) 
   const int64_t col = panel * kPanelCols + half * 8 + i / 2;
   const int64_t k = 2 * j + i % 2;
   if (col >= w.n || k >= w.k) return 0;
-  const int32_t zp = w.zero_point.empty() ? 0 : w.zero_point[col];
-  return static_cast<int16_t>(w.raw[col * w.k + k] - zp);
+  return w.raw[col * w.k + k];
 }
 
 }  // namespace
 
-Status PackWeights(const int8_t* wp, int64_t n, int64_t k, int64_t ldw, int bits, const int32_t* w_zp,
-                   PackedWeights* out) {
+Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedWeights* out) {
   QDSL_CHECK_ARG(wp != nullptr && out != nullptr, "null weight pointer");
-  QDSL_CHECK_ARG(n > 0 && k > 0 && ldw >= k, "bad weight shape n=%lld k=%lld ld=%lld", (long long)n,
-                 (long long)k, (long long)ldw);
-  QDSL_CHECK_ARG(bits == 8 || bits == 4 || bits == 2, "weight bits must be 8, 4 or 2, got %d", bits);
+  QDSL_CHECK_ARG(n > 0 && k > 0 && ldw >= k, "bad weight shape n=%lld k=%lld ld=%lld", (long long)n, (long long)k,
+                 (long long)ldw);
   QDSL_CHECK_ARG(n <= (int64_t{1} << 31) && k <= (int64_t{1} << 31), "weight matrix too large");
-  const int lo = -(1 << (bits - 1)), hi = (1 << (bits - 1)) - 1;
   PackedWeights& w = *out;
   w = PackedWeights();
   w.n = n;
   w.k = k;
-  w.bits = bits;
+  w.bits = 16;
   w.raw.resize(static_cast<size_t>(n * k));
-  bool symmetric = true;
+  int lo = 0, hi = 0;
   for (int64_t r = 0; r < n; ++r) {
     for (int64_t c = 0; c < k; ++c) {
       const int v = wp[r * ldw + c];
-      QDSL_CHECK_ARG(v >= lo && v <= hi, "weight [%lld][%lld] = %d outside int%d range [%d, %d]", (long long)r,
-                     (long long)c, v, bits, lo, hi);
-      w.raw[r * k + c] = static_cast<int8_t>(v);
-    }
-    if (w_zp) {
-      QDSL_CHECK_ARG(w_zp[r] >= -255 && w_zp[r] <= 255, "weight zero point %d outside [-255, 255]", w_zp[r]);
-      symmetric = symmetric && w_zp[r] == 0;
+      QDSL_CHECK_ARG(v >= -512 && v <= 511, "weight [%lld][%lld] = %d outside [-512, 511]", (long long)r,
+                     (long long)c, v);
+      lo = v < lo ? v : lo;
+      hi = v > hi ? v : hi;
+      w.raw[r * k + c] = static_cast<int16_t>(v);
     }
   }
-  if (w_zp && !symmetric) w.zero_point.assign(w_zp, w_zp + n);
   w.kp = (k + 3) / 4 * 4;
   w.panels = (n + kPanelCols - 1) / kPanelCols;
   const int64_t kpairs = w.kp / 2;
-  w.format = (!symmetric || bits == 8) ? PanelFormat::kI16 : (bits == 4 ? PanelFormat::kI4 : PanelFormat::kI2);
+  w.format = (lo >= -2 && hi <= 1) ? PanelFormat::kI2 : ((lo >= -8 && hi <= 7) ? PanelFormat::kI4 : PanelFormat::kI16);
   w.panel_bytes = w.format == PanelFormat::kI16 ? kpairs * 64 : (w.format == PanelFormat::kI4 ? kpairs * 16 : kpairs * 8);
   w.packed.assign(static_cast<size_t>(w.panels * w.panel_bytes + 64), 0);  // +64: vector over-read slack
   for (int64_t p = 0; p < w.panels; ++p) {

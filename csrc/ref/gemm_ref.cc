@@ -11,12 +11,11 @@ namespace ref {
 void Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, int32_t* acc, int64_t ldc) {
   for (int64_t m = 0; m < a.rows; ++m) {
     for (int64_t n = 0; n < w.n; ++n) {
-      const int32_t wz = w.zero_point.empty() ? 0 : w.zero_point[n];
       uint32_t sum = bias ? static_cast<uint32_t>(bias[n]) : 0u;
       for (int64_t k = 0; k < w.k; ++k) {
         const int32_t x = a.At(m, k) - a.zero_point;
-        const int32_t y = static_cast<int32_t>(w.raw[n * w.k + k]) - wz;
-        sum += static_cast<uint32_t>(x * y);  // |x*y| <= 255*255, never overflows
+        const int32_t y = w.raw[n * w.k + k];
+        sum += static_cast<uint32_t>(x * y);  // |x*y| <= 255*512, never overflows
       }
       acc[m * ldc + n] = static_cast<int32_t>(sum);
     }
@@ -39,9 +38,7 @@ void Requant(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const 
              void* out, int64_t ldo, bool out_signed) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) {
-      const int64_t ch = stage.channels == 1 ? 0 : c0 + c;
-      const int32_t v = RequantizeOne(acc[r * lda + c], stage.multiplier[ch], stage.shift[ch], stage.zero_point,
-                                      stage.qmin, stage.qmax);
+      const int32_t v = ApplyStage(acc[r * lda + c], stage, c0 + c);
       if (out_signed) {
         static_cast<int8_t*>(out)[r * ldo + c] = static_cast<int8_t>(v);
       } else {

@@ -7,7 +7,8 @@
 // 32 bits as an arithmetic one) is exact; the lone overflow a = b = INT32_MIN is
 // patched to INT32_MAX.  Before adding the zero point, y is clamped to +-2^24, which
 // cannot change the final clamp because |zero_point| <= 2^16 and [qmin, qmax] lies
-// in [-128, 255] (checked at the front door), and keeps y + zero_point in int32.
+// in [-128, 255], and keeps y + zero_point in int32.  POT stages with a shift outside
+// [0, 31] (rare: only left shifts and huge right shifts) use the scalar reference.
 #pragma GCC target("avx2,fma,popcnt")
 #include <immintrin.h>
 
@@ -39,11 +40,57 @@ inline __m256i Rdbp(__m256i x, __m256i e) {
   return _mm256_sub_epi32(_mm256_srav_epi32(x, e), _mm256_cmpgt_epi32(rem, threshold));
 }
 
+// Saturating per-lane left shift by l in [0, 31]: overflow iff shifting back differs.
+inline __m256i SatShiftLeft(__m256i x, __m256i l) {
+  const __m256i y = _mm256_sllv_epi32(x, l);
+  const __m256i ok = _mm256_cmpeq_epi32(_mm256_srav_epi32(y, l), x);
+  const __m256i sat = _mm256_blendv_epi8(_mm256_set1_epi32(INT32_MAX), _mm256_set1_epi32(INT32_MIN), _mm256_srai_epi32(x, 31));
+  return _mm256_blendv_epi8(sat, y, ok);
+}
+
+// POT right shift by s in [1, 31] (s = 0 passes through) with the stage's rounding.
+inline __m256i PotShift(__m256i x, __m256i s, Rounding rounding) {
+  const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+  const __m256i f = _mm256_srav_epi32(x, s);
+  const __m256i rem = _mm256_and_si256(x, _mm256_sub_epi32(_mm256_sllv_epi32(one, s), one));
+  const __m256i h = _mm256_srli_epi32(_mm256_sllv_epi32(one, s), 1);  // 2^(s-1); 0 when s = 0
+  const __m256i gt = _mm256_cmpgt_epi32(rem, h), eq = _mm256_cmpeq_epi32(rem, h);
+  __m256i up;
+  switch (rounding) {
+    case Rounding::kHalfAway:
+      up = _mm256_or_si256(gt, _mm256_andnot_si256(_mm256_cmpgt_epi32(zero, x), eq));
+      break;
+    case Rounding::kHalfEven:
+      up = _mm256_or_si256(gt, _mm256_and_si256(eq, _mm256_cmpeq_epi32(_mm256_and_si256(f, one), one)));
+      break;
+    case Rounding::kHalfUp: up = _mm256_or_si256(gt, eq); break;
+    default: up = zero; break;
+  }
+  up = _mm256_andnot_si256(_mm256_cmpeq_epi32(s, zero), up);  // s = 0: exact, never round
+  return _mm256_sub_epi32(f, up);
+}
+
 }  // namespace
+
+bool RequantAvx2Supports(const OutputStage& stage) {
+  const Rescale& r = stage.rescale;
+  if (stage.zero_point < -(1 << 16) || stage.zero_point > (1 << 16)) return false;
+  if (r.kind == RescaleKind::kFixed) return true;
+  for (int64_t c = 0; c < r.channels; ++c) {
+    if (r.shift[c] < 0 || r.shift[c] > 31) return false;
+  }
+  return true;
+}
 
 void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                  void* out, int64_t ldo, bool out_signed) {
-  const bool per_tensor = stage.channels == 1;
+  if (!RequantAvx2Supports(stage)) {
+    ref::Requant(acc, rows, cols, lda, stage, c0, out, ldo, out_signed);
+    return;
+  }
+  const Rescale& rs = stage.rescale;
+  const bool per_tensor = rs.channels == 1;
+  const bool fixed = rs.kind == RescaleKind::kFixed;
   const __m256i zp = _mm256_set1_epi32(stage.zero_point);
   const __m256i qmin = _mm256_set1_epi32(stage.qmin), qmax = _mm256_set1_epi32(stage.qmax);
   const __m256i lim = _mm256_set1_epi32(1 << 24), nlim = _mm256_set1_epi32(-(1 << 24));
@@ -51,19 +98,18 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
   for (int64_t c = 0; c + 8 <= cols; c += 8) {
     __m256i mult, shift;
     if (per_tensor) {
-      mult = _mm256_set1_epi32(stage.multiplier[0]);
-      shift = _mm256_set1_epi32(stage.shift[0]);
+      mult = _mm256_set1_epi32(rs.multiplier[0]);
+      shift = _mm256_set1_epi32(rs.shift[0]);
     } else {
-      mult = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stage.multiplier + c0 + c));
-      shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(stage.shift + c0 + c));
+      mult = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.multiplier + c0 + c));
+      shift = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.shift + c0 + c));
     }
-    const __m256i left = _mm256_max_epi32(shift, zero);
-    const __m256i right = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
-    const __m256i pot = _mm256_cmpeq_epi32(mult, zero);
+    const __m256i left = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
+    const __m256i right = _mm256_max_epi32(shift, zero);
     for (int64_t r = 0; r < rows; ++r) {
-      const __m256i x = _mm256_sllv_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * lda + c)), left);
-      const __m256i t = _mm256_blendv_epi8(Srdhm(x, mult), x, pot);
-      __m256i y = _mm256_min_epi32(_mm256_max_epi32(Rdbp(t, right), nlim), lim);
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + r * lda + c));
+      __m256i y = fixed ? Rdbp(Srdhm(SatShiftLeft(x, left), mult), right) : PotShift(x, shift, rs.rounding);
+      y = _mm256_min_epi32(_mm256_max_epi32(y, nlim), lim);
       y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, zp), qmin), qmax);
       const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
       const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);

@@ -21,6 +21,9 @@ _c_int, _i64, _u32, _i32 = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes
 _p = ctypes.c_void_p
 _ERR = ctypes.c_char_p
 
+# output stage: multiplier, shift, channels, kind, rounding, zero point, qmin, qmax
+_STAGE = [_p, _p, _i64, _c_int, _c_int, _i32, _i32, _i32]
+
 # name -> (restype, argtypes)
 _SIGNATURES = {
     "qdsl_abi_version": (_c_int, []),
@@ -34,13 +37,13 @@ _SIGNATURES = {
     "qdsl_bitpack": (_c_int, [_p, _i64, _i64, _p, _i64, _ERR, _i64]),
     "qdsl_gemm": (
         _c_int,
-        [_p, _c_int, _i64, _i64, _i64, _i32, _p, _p, _p, _c_int, _i64, _p, _p, _i64, _i32, _i32, _i32, _u32, _ERR, _i64],
+        [_p, _c_int, _i64, _i64, _i64, _i32, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],
     ),
     "qdsl_binary_gemm": (
         _c_int,
-        [_p, _i64, _i64, _p, _p, _p, _c_int, _i64, _p, _p, _i64, _i32, _i32, _i32, _u32, _ERR, _i64],
+        [_p, _i64, _i64, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],
     ),
-    "qdsl_requantize": (_c_int, [_p, _i64, _i64, _p, _p, _i64, _i32, _i32, _i32, _p, _c_int, _u32, _ERR, _i64]),
+    "qdsl_requantize": (_c_int, [_p, _i64, _i64] + _STAGE + [_p, _c_int, _u32, _ERR, _i64]),
 }
 
 _lib: ctypes.CDLL | None = None

@@ -7,7 +7,7 @@ Semantics (exact, int32 wrapping)::
 
     gemm:         acc[m, n] = bias[n] + sum_k (a[m, k] - a_zp) * (w[n, k] - w_zp[n])
     binary_gemm:  acc[m, n] = bias[n] + K - 2 * popcount(bits(a[m]) ^ bits(w[n]))
-    requantize:   qdsl/export requant formula (csrc/include/qdsl/requant.h)
+    requantize:   clamp(rescale(acc) + zp, qmin, qmax), docs/qgraph.md §4.1-4.2
 """
 
 from __future__ import annotations
@@ -89,9 +89,12 @@ class PackedWeights:
 
 
 class OutputStage:
-    """Requant parameters: per-tensor (length-1) or per-channel int32 multiplier/shift."""
+    """Output stage ``clamp(rescale(acc) + zero_point, qmin, qmax)``: ``kind`` 0 FIXED / 1 POT,
+    per-tensor (length-1) or per-channel int32 multiplier/shift, POT ``rounding`` code."""
 
-    def __init__(self, multiplier, shift, zero_point: int = 0, qmin: int = -128, qmax: int = 127):
+    def __init__(self, multiplier, shift, zero_point: int = 0, qmin: int = -128, qmax: int = 127,
+                 kind: int = 0, rounding: int = 0):
+        self.kind, self.rounding = int(kind), int(rounding)
         self.multiplier = np.ascontiguousarray(np.atleast_1d(multiplier), dtype=np.int32)
         self.shift = np.ascontiguousarray(np.atleast_1d(shift), dtype=np.int32)
         if self.multiplier.shape != self.shift.shape or self.multiplier.ndim != 1:
@@ -120,8 +123,9 @@ def _out(m: int, n: int, stage: OutputStage | None, out_dtype) -> np.ndarray:
 
 def _stage_args(stage: OutputStage | None):
     if stage is None:
-        return (None, None, 0, 0, 0, 0)
-    return (_ptr(stage.multiplier), _ptr(stage.shift), stage.multiplier.shape[0], stage.zero_point, stage.qmin, stage.qmax)
+        return (None, None, 0, 0, 0, 0, 0, 0)
+    return (_ptr(stage.multiplier), _ptr(stage.shift), stage.multiplier.shape[0], stage.kind, stage.rounding,
+            stage.zero_point, stage.qmin, stage.qmax)
 
 
 def _bias(bias, n: int):
@@ -179,7 +183,6 @@ def requantize(acc: np.ndarray, stage: OutputStage, out_dtype=np.int8, path: str
     if acc.ndim != 2:
         raise RuntimeError_(f"acc must be 2-D [rows, channels], got shape {acc.shape}")
     out = np.empty(acc.shape, dtype=np.dtype(out_dtype))
-    m, s, ch, zp, lo, hi = _stage_args(stage)
-    _call(_lib().qdsl_requantize, _ptr(acc), acc.shape[0], acc.shape[1], m, s, ch, zp, lo, hi, _ptr(out),
+    _call(_lib().qdsl_requantize, _ptr(acc), acc.shape[0], acc.shape[1], *_stage_args(stage), _ptr(out),
           _DTYPES[out.dtype], _path(path))
     return out

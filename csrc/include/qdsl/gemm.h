@@ -1,7 +1,7 @@
 // Integer GEMM front door: activations (u8/s8 with a zero point) x packed weights
 // (int8, int4, int2 or binary), int32 accumulation, optional requant output stage.
 //
-//   acc[m][n] = bias[n] + sum_k (A[m][k] - a_zp) * (W[n][k] - w_zp[n])     (int32, wrapping)
+//   acc[m][n] = bias[n] + sum_k (A[m][k] - a_zp) * W'[n][k]     (W' = W - w_zp; int32, wrapping)
 //   binary:  acc[m][n] = bias[n] + K - 2 * popcount(Abits[m] XOR Wbits[n])  (bit 1 = -1)
 //
 // Weights are packed once (PackWeights / PackBinaryWeights) and reused; every call
@@ -33,10 +33,10 @@ constexpr int kMaxRows = 6;     // MR of every int micro-kernel
 
 struct PackedWeights {
   int64_t n = 0, k = 0;
-  int bits = 8;                    // declared weight width: 8, 4, 2, or 1 (binary)
-  std::vector<int8_t> raw;         // [n][k] values, for the reference path
-  std::vector<int32_t> zero_point; // [n] (empty: all zero)
-  // Optimized layout (int): panels of 16 columns, K padded to a multiple of 4.
+  int bits = 8;                    // 16 (any int weights) or 1 (binary)
+  std::vector<int16_t> raw;        // [n][k] values W - w_zp, for the reference path
+  // Optimized layout (int): panels of 16 columns, K padded to a multiple of 4; the
+  // format is the narrowest that holds every value (int4, int2, else int16).
   PanelFormat format = PanelFormat::kI16;
   int64_t kp = 0, panels = 0, panel_bytes = 0;
   std::vector<uint8_t> packed;
@@ -45,10 +45,9 @@ struct PackedWeights {
   std::vector<uint64_t> bits_rows;
 };
 
-// Weights given as int8 values [n][k] (row stride ldw) that must lie in the signed range
-// of `bits` (8, 4, 2); w_zp may be null (symmetric).
-Status PackWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, int bits, const int32_t* w_zp,
-                   PackedWeights* out);
+// Weights given as zero-point-subtracted values W - w_zp [n][k] (row stride ldw), each in
+// [-512, 511] so every product with an activation difference fits the int16 kernels.
+Status PackWeights(const int16_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
 // Binary weights given as +1/-1 int8 values [n][k].
 Status PackBinaryWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
 // Bit-packs +1/-1 int8 activations [m][k] into [m][kwords] words (bit = 1 means -1),
@@ -68,6 +67,8 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
 // a: bit-packed activations [m][kwords] (row stride lda words).
 Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights& w, const int32_t* bias,
                   const GemmOutput& out, uint32_t path);
+// Checks a rescale's arrays and ranges (docs/qgraph.md §4.1) for `channels` channels.
+Status ValidateRescale(const Rescale& r, int64_t channels);
 // Standalone output stage over a [rows][channels] int32 matrix (channels = last dim).
 Status Requantize(const int32_t* acc, int64_t rows, int64_t channels, const OutputStage& stage, void* out,
                   DType out_dtype, uint32_t path);

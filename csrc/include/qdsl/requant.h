@@ -1,20 +1,19 @@
-// Requantization output stage: int32 accumulator -> int8/uint8 (gemmlowp/ruy form).
+// Requantization: an int32 value times a real factor, in integers (docs/qgraph.md §4.1).
 //
-// Exact integer formula, per output channel c (per-tensor stages repeat one value):
-//
-//   SRDHM(a, b)   = a == b == INT32_MIN ? INT32_MAX
-//                   : trunc_toward_zero((int64(a)*b + (a*b >= 0 ? 2^30 : 1 - 2^30)) / 2^31)
-//   RDBP(x, e)    = (x >> e) + ((x & (2^e - 1)) > ((2^e - 1) >> 1) + (x < 0)) ? 1 : 0)
-//                   (round half away from zero; e in [0, 31])
-//   if multiplier[c] != 0:                     (float scale: multiplier in [2^30, 2^31))
-//       l = max(shift[c], 0), r = max(-shift[c], 0)
-//       y = RDBP(SRDHM(wrap32(acc * 2^l), multiplier[c]), r)
-//   else:                                      (power-of-two scale, exact)
-//       y = shift[c] >= 0 ? wrap32(acc * 2^shift[c]) : RDBP(acc, -shift[c])
-//   out = clamp(y + zero_point, qmin, qmax)   (y + zero_point computed in int64)
-//
-// `shift` is a left shift when positive (TFLite convention).  This is the same math as
-// qdsl/export/requant.py; the tests compare both on random and corner values.
+// Exact formulas (the same as qdsl/export/requant.py; tests compare both):
+//   sat32(v)   = clamp(v, -2^31, 2^31 - 1)
+//   SRDHM(a,b) = a == b == INT32_MIN ? INT32_MAX
+//                : trunc_toward_zero((a*b + (a*b >= 0 ? 2^30 : 1 - 2^30)) / 2^31)   (int64)
+//   RDBP(x,e)  = (x >> e) + ((x & (2^e-1)) > ((2^e-1) >> 1) + (x < 0) ? 1 : 0)      (half away)
+//   Rescale(x), x first saturated to int32:
+//     FIXED (m in [0, 2^31-1], s in [-31, 31], factor m * 2^(-31-s)):
+//        t = sat32(x * 2^max(-s,0));  r = RDBP(SRDHM(t, m), max(s,0))
+//     POT (s in [-31, 62], factor 2^-s):
+//        s <= 0: r = sat32(x * 2^-s)
+//        s > 0:  f = x >> s, rem = x - (f << s), h = 2^(s-1)
+//                HALF_AWAY f + (rem > h || (rem == h && x >= 0));  HALF_EVEN f + (rem > h || (rem == h && f odd))
+//                FLOOR f;  HALF_UP f + (rem >= h);   then sat32
+//   OutputStage: y = clamp(Rescale(acc) + zero_point, qmin, qmax)   (zero point after the rescale)
 #ifndef QDSL_REQUANT_H_
 #define QDSL_REQUANT_H_
 
@@ -22,13 +21,24 @@
 
 namespace qdsl {
 
-struct OutputStage {
+enum class RescaleKind : int32_t { kFixed = 0, kPot = 1 };
+enum class Rounding : int32_t { kHalfAway = 0, kHalfEven = 1, kFloor = 2, kHalfUp = 3 };
+
+struct Rescale {
+  RescaleKind kind = RescaleKind::kFixed;
   const int32_t* multiplier = nullptr;  // [channels]
   const int32_t* shift = nullptr;       // [channels]
-  int64_t channels = 0;                 // 1 = per-tensor
-  int32_t zero_point = 0;
-  int32_t qmin = -128, qmax = 127;  // fused relu/clamp narrows these
+  int64_t channels = 1;                 // 1 = per tensor
+  Rounding rounding = Rounding::kHalfAway;
 };
+
+struct OutputStage {
+  Rescale rescale;
+  int32_t zero_point = 0;
+  int32_t qmin = -128, qmax = 127;  // within the output dtype; fused relu/clamp narrow them
+};
+
+inline int64_t Sat32(int64_t v) { return v < INT32_MIN ? INT32_MIN : (v > INT32_MAX ? INT32_MAX : v); }
 
 inline int32_t SaturatingRoundingDoublingHighMul(int32_t a, int32_t b) {
   if (a == INT32_MIN && b == INT32_MIN) return INT32_MAX;
@@ -44,22 +54,33 @@ inline int32_t RoundingDivideByPOT(int32_t x, int exponent) {
   return (x >> exponent) + (remainder > threshold ? 1 : 0);
 }
 
-inline int32_t WrapShiftLeft(int32_t x, int s) {
-  return static_cast<int32_t>(static_cast<uint32_t>(x) << s);
+inline int64_t RescaleOne(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
+  x = Sat32(x);
+  if (kind == RescaleKind::kFixed) {
+    const int left = s < 0 ? -s : 0, right = s > 0 ? s : 0;
+    const int32_t t = static_cast<int32_t>(Sat32(x * (int64_t{1} << left)));
+    return RoundingDivideByPOT(SaturatingRoundingDoublingHighMul(t, m), right);
+  }
+  if (s <= 0) return Sat32(x * (int64_t{1} << -s));  // |x| <= 2^31, -s <= 31: no int64 overflow
+  const int64_t f = x >> s;  // arithmetic (flooring) shift
+  const int64_t rem = x - f * (int64_t{1} << s);
+  const int64_t h = int64_t{1} << (s - 1);
+  bool up = false;
+  switch (rounding) {
+    case Rounding::kHalfAway: up = rem > h || (rem == h && x >= 0); break;
+    case Rounding::kHalfEven: up = rem > h || (rem == h && (f & 1)); break;
+    case Rounding::kFloor: up = false; break;
+    case Rounding::kHalfUp: up = rem >= h; break;
+  }
+  return Sat32(f + (up ? 1 : 0));
 }
 
-inline int32_t RequantizeOne(int32_t acc, int32_t multiplier, int32_t shift, int32_t zero_point,
-                             int32_t qmin, int32_t qmax) {
-  int32_t y;
-  if (multiplier != 0) {
-    const int l = shift > 0 ? shift : 0, r = shift < 0 ? -shift : 0;
-    y = RoundingDivideByPOT(SaturatingRoundingDoublingHighMul(WrapShiftLeft(acc, l), multiplier), r);
-  } else {
-    y = shift >= 0 ? WrapShiftLeft(acc, shift) : RoundingDivideByPOT(acc, -shift);
-  }
-  int64_t v = static_cast<int64_t>(y) + zero_point;
-  if (v < qmin) v = qmin;
-  if (v > qmax) v = qmax;
+inline int32_t ApplyStage(int64_t acc, const OutputStage& st, int64_t channel) {
+  const Rescale& r = st.rescale;
+  const int64_t c = r.channels == 1 ? 0 : channel;
+  int64_t v = RescaleOne(acc, r.kind, r.multiplier[c], r.shift[c], r.rounding) + st.zero_point;
+  if (v < st.qmin) v = st.qmin;
+  if (v > st.qmax) v = st.qmax;
   return static_cast<int32_t>(v);
 }
 

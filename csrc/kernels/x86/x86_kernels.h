@@ -17,6 +17,7 @@ void GemmI2Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, i
                 int64_t ldc, bool accumulate);
 void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                         int64_t kwords, int32_t* pc, int64_t ldc);
+bool RequantAvx2Supports(const OutputStage& stage);
 void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                  void* out, int64_t ldo, bool out_signed);
 
