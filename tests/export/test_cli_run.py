@@ -1,0 +1,35 @@
+"""``qdsl run``: a saved graph runs from the command line; bad input exits 2 with a message."""
+
+import numpy as np
+
+from qdsl.cli.main import main
+from qdsl.export import execute, save_graph
+
+from .test_qgraph import GRAPH
+
+
+def test_run_writes_the_reference_output(tmp_path, capsys):
+    g, x = tmp_path / "g.qgraph", tmp_path / "x.npy"
+    save_graph(GRAPH, g)
+    xs = np.random.default_rng(0).random((4, 3, 6, 6)).astype(np.float32)
+    np.save(x, xs)
+    out = tmp_path / "y.npy"
+    assert main(["run", str(g), "--input", str(x), "--output", str(out), "--backend", "reference"]) == 0
+    np.testing.assert_array_equal(np.load(out), execute(GRAPH, xs).outputs[0])
+    assert main(["run", str(g), "--input", str(x), "--overflow"]) == 0
+    text = capsys.readouterr().out
+    assert "overflow conv: 0" in text and "y: float32[4, 5] argmax" in text
+
+
+def test_run_reports_bad_files(tmp_path, capsys):
+    g, x = tmp_path / "g.qgraph", tmp_path / "x.npy"
+    g.write_bytes(b"QDSLGRPH" + bytes(100))
+    np.save(x, np.zeros((1, 3, 6, 6), dtype=np.float32))
+    assert main(["run", str(g), "--input", str(x)]) == 2
+    assert "invalid integer graph" in capsys.readouterr().err
+    save_graph(GRAPH, g)
+    np.save(x, np.zeros((1, 2), dtype=np.float32))
+    assert main(["run", str(g), "--input", str(x), "--backend", "reference"]) == 2
+    assert "expects shape" in capsys.readouterr().err
+    assert main(["run", str(g), "--input", str(tmp_path / "none.npy")]) == 2
+    assert "cannot read input" in capsys.readouterr().err
