@@ -102,7 +102,7 @@ def check_quantizer(
         out += _check_granularity(gran, caps)
     symmetric = known.get("symmetric")
     if symmetric is False and caps.zero_point is False and kind in (None, Kind.INT):
-        out.append(Violation("E306", "symmetric", "false", "true (no zero point)", "set symmetric = true",
+        out.append(Violation("E306", "symmetric", "false", "symmetric only, no zero point", "set symmetric = true",
                              "zero_point"))
     narrow = known.get("narrow_range")
     if narrow is not None and caps.narrow_range is not None and kind in (None, Kind.INT) and signed is not False:

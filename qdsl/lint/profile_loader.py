@@ -129,6 +129,10 @@ def _load_file(path: Path, stack: tuple[Path, ...]) -> HardwareProfile:
 
 
 def _display(path: Path) -> str:
+    """How messages name a profile file: bundled ones by their package path (stable
+    across machines), others relative to the current directory when below it."""
+    if path.resolve().parent == BUNDLED_DIR:
+        return f"qdsl/data/hw/{path.name}"
     try:
         rel = os.path.relpath(path)
         return rel if not rel.startswith("..") else str(path)

@@ -1,0 +1,160 @@
+"""The model's op graph as lint needs it: op types, producers, first and last layers.
+
+:func:`model_graph` traces an ``nn.Module`` with ``torch.fx.symbolic_trace`` so that
+functional ops (``x + y``, ``torch.cat``, ``F.relu``) are seen as well as modules.  When
+tracing fails (data-dependent control flow) or only a :class:`ModelIndex` is available,
+:func:`index_graph` falls back to the leaf modules in registration order, chained one
+after another; ``ModelGraph.traced`` says which one was used so lint can tell the user
+that functional ops were not checked.
+
+Positions (for profiles' ``first_layer`` / ``last_layer`` allowances): a weighted layer
+is *first* when some path from a model input reaches it without passing through another
+weighted layer, and *last* when some path from it reaches the model output without
+passing through another weighted layer.  In the index fallback: the first and the last
+weighted leaf in registration order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import attrs
+
+from qdsl.lint.ops import WEIGHTED_OPS, function_op, method_op, module_op
+from qdsl.resolve.plan import ModelIndex
+
+__all__ = ["OpNode", "ModelGraph", "model_graph", "index_graph"]
+
+
+@attrs.frozen
+class OpNode:
+    """One op of the model (``op`` is ``None`` for no-ops such as ``Identity``)."""
+
+    name: str
+    op: str | None
+    module: str | None
+    """The module fqn for module calls; ``None`` for functional ops."""
+    preds: tuple[str, ...]
+    label: str
+    """How messages name it: the module fqn, or ``add in layer1.0`` for a functional op."""
+
+
+@attrs.frozen
+class ModelGraph:
+    nodes: tuple[OpNode, ...]
+    first: frozenset[str]
+    last: frozenset[str]
+    traced: bool
+    by_name: dict[str, OpNode] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "by_name", {n.name: n for n in self.nodes})
+
+    def producers(self, node: OpNode, skip_ops: frozenset[str] = frozenset()) -> list[OpNode]:
+        """The ops whose results feed ``node``, looking through no-ops and ``skip_ops``."""
+        out: list[OpNode] = []
+        todo = list(node.preds)
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in self.by_name:
+                continue
+            seen.add(name)
+            p = self.by_name[name]
+            if p.op is None or p.op in skip_ops:
+                todo.extend(p.preds)
+            else:
+                out.append(p)
+        return out
+
+
+def _positions(nodes: list[OpNode], inputs: list[str], output_preds: list[str]) -> tuple[frozenset, frozenset]:
+    by = {n.name: n for n in nodes}
+    users: dict[str, list[str]] = {}
+    for n in nodes:
+        for p in n.preds:
+            users.setdefault(p, []).append(n.name)
+
+    def walk(starts, step) -> frozenset[str]:
+        hit, seen, todo = set(), set(starts), deque(starts)
+        while todo:
+            name = todo.popleft()
+            for nxt in step(name):
+                if nxt in seen:
+                    continue
+                seen.add(nxt)
+                node = by.get(nxt)
+                if node is not None and node.op in WEIGHTED_OPS and node.module is not None:
+                    hit.add(node.module)
+                else:
+                    todo.append(nxt)
+        return frozenset(hit)
+
+    first = walk(inputs, lambda n: users.get(n, ()))
+    last = walk(["<output>"], lambda n: output_preds if n == "<output>" else (by[n].preds if n in by else ()))
+    return first, last
+
+
+def _fn_name(target: Any) -> str:
+    return getattr(target, "__name__", str(target)).strip("_") or str(target)
+
+
+def model_graph(model: Any) -> ModelGraph:
+    """Trace ``model`` with torch.fx; on failure fall back to :func:`index_graph`."""
+    try:
+        import torch.fx
+
+        gm = torch.fx.symbolic_trace(model)
+    except Exception:  # noqa: BLE001 - any tracing failure means: use the module list
+        return index_graph(ModelIndex.from_module(model))
+    modules = dict(model.named_modules())
+    nodes: list[OpNode] = []
+    inputs: list[str] = []
+    output_preds: list[str] = []
+    for node in gm.graph.nodes:
+        preds = tuple(a.name for a in node.all_input_nodes)
+        if node.op == "placeholder":
+            inputs.append(node.name)
+            continue
+        if node.op == "output":
+            output_preds = list(preds)
+            continue
+        if node.op == "get_attr":
+            nodes.append(OpNode(node.name, None, None, (), node.name))
+            continue
+        if node.op == "call_module":
+            fqn = str(node.target)
+            mod = modules.get(fqn)
+            op = module_op(type(mod).__name__) if mod is not None else None
+            nodes.append(OpNode(node.name, op, fqn, preds, fqn))
+            continue
+        name = _fn_name(node.target)
+        op = function_op(name) if node.op == "call_function" else method_op(name)
+        stack = node.meta.get("nn_module_stack") or {}
+        where = ""
+        if stack:
+            last_entry = list(stack.values())[-1]
+            where = last_entry[0] if isinstance(last_entry, tuple) else str(last_entry)
+        label = f"{name} in {where or '<root>'}"
+        nodes.append(OpNode(node.name, op, None, preds, label))
+    first, last = _positions(nodes, inputs, output_preds)
+    return ModelGraph(tuple(nodes), first, last, traced=True)
+
+
+def index_graph(index: ModelIndex) -> ModelGraph:
+    """Leaf modules in registration order, each fed by the previous one."""
+    nodes: list[OpNode] = []
+    prev: tuple[str, ...] = ()
+    weighted: list[str] = []
+    for e in index.entries:
+        if not e.leaf or e.fqn == "":
+            continue
+        op = module_op(e.type_name)
+        nodes.append(OpNode(e.fqn, op, e.fqn, prev, e.fqn))
+        prev = (e.fqn,)
+        if op in WEIGHTED_OPS:
+            weighted.append(e.fqn)
+    first = frozenset(weighted[:1])
+    last = frozenset(weighted[-1:])
+    return ModelGraph(tuple(nodes), first, last, traced=False)

@@ -1,0 +1,289 @@
+"""Model-aware lint: every layer of a resolved :class:`Plan` against a profile.
+
+Per layer (op type from the module class, position from :mod:`qdsl.lint.graph`):
+
+* each quantized role's full recipe against ``profile.caps(role, op, positions)``, each
+  finding located where the offending value is written (the plan's provenance: inside
+  the preset when it came through one; for a built-in default, at the source that
+  introduced the role);
+* float left behind: a skipped layer, a weighted layer nobody quantizes, or a float
+  weight/input/bias next to quantized ones (E312 on integer-only targets, else E301
+  when the role's ``kinds`` lack ``float``);
+* the accumulator (``accumulator.py``): the exact worst case from bit widths and fan-in
+  (W313), and with calibrated integer weights the exact reachable extremes (E314); the
+  spec's own accumulator against the target's (E315);
+* bias rule (E316) and fixed output ranges (E317);
+* ops the target lacks, or has only fused (E310/E311), over the traced graph.
+
+Findings with the same cause at the same place are grouped, listing the layers.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import attrs
+import numpy as np
+
+from qdsl.lint.accumulator import bits_for, operand_range, operand_ranges, tight_range, worst_case_range
+from qdsl.lint.capability import check_quantizer
+from qdsl.lint.collect import Collector, violation_diagnostic
+from qdsl.lint.graph import ModelGraph
+from qdsl.lint.ops import WEIGHTED_OPS, module_op
+from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
+from qdsl.spec.diagnostics import Diagnostic, Span
+from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
+from qdsl.spec.profile import HardwareProfile, Position
+
+__all__ = ["LayerInts", "check_plan"]
+
+
+@attrs.frozen
+class LayerInts:
+    """A calibrated layer's integers, for the tight accumulator bound.
+
+    ``weight`` holds the integer codes, shape ``(out, ...)``; ``weight_zero_point`` is
+    subtracted per output channel (scalar or shape ``(out,)``).  ``input_zero_point``
+    ``None`` means unknown (both extremes are tried).  ``bias`` is the int32 bias at
+    scale input×weight, added into the accumulator.
+    """
+
+    weight: Any
+    weight_zero_point: Any = 0
+    input_zero_point: int | None = None
+    bias: Any = None
+
+
+def _recipe_fields(r: QuantizerRecipe) -> dict[str, Any]:
+    return {f: getattr(r, f) for f in TENSOR_QUANT_FIELDS}
+
+
+def _written(layer: LayerPlan, role: Role, field: str, fallback: Span) -> tuple[Span, str]:
+    """Where ``role.field``'s value is written, and how the message names its origin."""
+    p = layer.provenance.get((role, field))
+    if p is not None and p.set_by.label.startswith("override"):
+        return p.set_by.span, p.set_by.label
+    if p is not None and p.via:
+        return p.via[-1].span, f"from preset '{p.via[-1].label}'"
+    if p is not None and p.set_by.span.known:
+        return p.set_by.span, ""
+    # built-in default: point at the source that quantized this role at all
+    for other in ("kind", "bits", "scale", "signed", "granularity", "observer"):
+        q = layer.provenance.get((role, other))
+        if q is not None and q.set_by.span.known:
+            return q.set_by.span, "built-in default"
+    return fallback, "built-in default"
+
+
+def check_plan(
+    plan: Plan,
+    profile: HardwareProfile,
+    graph: ModelGraph,
+    ints: Mapping[str, LayerInts],
+    pot_scales: frozenset[str],
+    *,
+    spec_file: str = "<spec>",
+    model_label: str = "<model>",
+) -> list[Diagnostic]:
+    col = Collector()
+    where_spec = Span(spec_file)
+    for layer in plan.layers:
+        entry = plan.index.by_name.get(layer.fqn) if plan.index is not None else None
+        op = module_op(layer.type_name)
+        positions = tuple(p for p, names in ((Position.FIRST, graph.first), (Position.LAST, graph.last))
+                          if layer.fqn in names)
+        if layer.skip:
+            if profile.integer_only:
+                p = layer.provenance.get(("layer", "skip"))
+                span = p.set_by.span if p is not None else where_spec
+                col.add(("E312", "skip", span.location()), Diagnostic.error(
+                    "E312", f"skipped layers stay in float, but {profile.name} is integer-only", span,
+                    "quantize these layers instead of skipping them"), layer=layer.fqn)
+            continue
+        weighted = op in WEIGHTED_OPS
+        if weighted and not layer.quantized:
+            if profile.integer_only:
+                col.add(("E312", "float-layer"), Diagnostic.error(
+                    "E312", f"weighted layers left in float (no default or rule quantizes them), but "
+                    f"{profile.name} is integer-only", where_spec,
+                    "add weight/input quantizers to [defaults] or a rule that matches these layers"),
+                    layer=layer.fqn)
+            continue
+        roles = entry.roles if entry is not None else tuple(layer.roles)
+        for role in roles:
+            recipe = layer.roles.get(role)
+            if recipe is None:
+                if role is Role.OUTPUT or (role is Role.INPUT and not weighted):
+                    continue
+                known: dict[str, Any] = {"kind": Kind.FLOAT}
+            else:
+                known = _recipe_fields(recipe)
+            caps = profile.caps(role, op, positions)
+            for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales):
+                if recipe is None:
+                    span, origin = _written(layer, role, "kind", where_spec)
+                    origin = origin if layer.provenance.get((role, "kind")) else "not quantized by any source"
+                else:
+                    span, origin = _written(layer, role, v.field, where_spec)
+                ctx = _context(profile, role, op, positions)
+                d = violation_diagnostic(v, role, span, profile, caps, origin=origin, context=ctx)
+                col.add((v.code, v.field, role, span.location(), span.path, v.requested, v.allowed, ctx), d,
+                        layer=layer.fqn)
+        if weighted:
+            _check_accumulator(layer, entry, op, profile, ints.get(layer.fqn), col, where_spec)
+            _check_bias(layer, op, profile, col, where_spec)
+        _check_fixed_output(layer, op, profile, col, where_spec)
+    _check_ops(plan, graph, profile, col, model_label)
+    return col.diagnostics()
+
+
+def _context(profile: HardwareProfile, role: Role, op: str | None, positions) -> str:
+    """" for conv2d (first_layer)": only the op/positions whose own caps shaped the verdict."""
+    parts = []
+    if op is not None and role in profile.op_roles.get(op, {}):
+        parts.append(f" for {op}")
+    shaped = [p.value for p in positions if role in profile.positions.get(p, {})]
+    if shaped:
+        parts.append(f" ({', '.join(shaped)})" if parts else f" for the {' and '.join(shaped)}")
+    return "".join(parts)
+
+
+def _range_text(r: QuantizerRecipe) -> str:
+    if r.kind is Kind.INT:
+        return f"{r.bits}-bit {'signed' if r.signed else 'unsigned'}{'' if r.symmetric else ' asymmetric'}"
+    return f"{r.kind.value}" + (f" {r.bits}-bit" if r.kind is Kind.POT else "")
+
+
+def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfile, li: LayerInts | None,
+                       col: Collector, where_spec: Span) -> None:
+    w, x = layer.roles.get(Role.WEIGHT), layer.roles.get(Role.INPUT)
+    hw = profile.accumulator_for(op)
+    p_acc = layer.provenance.get(("layer", "accumulator"))
+    if p_acc is not None and p_acc.set_by.span.known and hw.bits is not None:
+        acc = layer.accumulator
+        if acc.bits > hw.bits or (hw.overflow is not None and acc.overflow is not hw.overflow):
+            span = p_acc.set_by.span
+            what = f"{acc.bits}-bit {acc.overflow.value}"
+            col.add(("E315", span.location()), Diagnostic.error(
+                "E315", f"the spec's accumulator ({what}) does not match {profile.name}'s "
+                f"({hw.bits}-bit {hw.overflow.value if hw.overflow else 'wrap'})", span,
+                f"use accumulator bits = {hw.bits}" + (f', overflow = "{hw.overflow.value}"' if hw.overflow else "")),
+                layer=layer.fqn)
+    if w is None or x is None or hw.bits is None or entry is None or "weight" not in entry.param_shapes:
+        return
+    wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric)
+    xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric)
+    if wr is None or xr is None:
+        return
+    shape = entry.param_shapes["weight"]
+    fan_in = int(math.prod(shape[1:])) if len(shape) > 1 else 1
+    worst = bits_for(*worst_case_range(wr, xr, fan_in))
+    span, _ = _written(layer, Role.WEIGHT, "bits", where_spec)
+    desc = f"weight {_range_text(w)} × input {_range_text(x)}, fan-in {fan_in}"
+    overflow = hw.overflow.value if hw.overflow else "wrap"
+    if li is not None:
+        wi = np.asarray(li.weight).astype(np.int64)
+        wi = wi.reshape(wi.shape[0], -1) - np.asarray(li.weight_zero_point, dtype=np.int64).reshape(-1, 1)
+        if li.input_zero_point is not None and x.kind is Kind.INT:
+            x_ranges = [(x.qmin - li.input_zero_point, x.qmax - li.input_zero_point)]
+        else:
+            x_ranges = list(operand_ranges(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric))
+        lo, hi = tight_range(wi, x_ranges, li.bias)
+        tight = bits_for(lo, hi)
+        if tight > hw.bits:
+            col.add(("E314", layer.fqn), Diagnostic.error(
+                "E314", f"layer {layer.fqn}: with its integer weights the accumulator reaches [{lo}, {hi}], "
+                f"{tight} bits; {profile.name} has {hw.bits} ({overflow})", span,
+                _acc_fix(w, x, fan_in, hw.bits, profile, op),
+                notes=(desc + f"; worst case {worst} bits",)), layer=layer.fqn)
+        return
+    if worst > hw.bits:
+        col.add(("W313", span.location(), worst, fan_in, desc), Diagnostic.warning(
+            "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
+            span, _acc_fix(w, x, fan_in, hw.bits, profile, op),
+            notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
+
+
+def _acc_fix(w: QuantizerRecipe, x: QuantizerRecipe, fan_in: int, acc_bits: int, profile: HardwareProfile,
+             op: str) -> str:
+    xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric)
+    allowed = profile.caps(Role.WEIGHT, op).bits or tuple(range(1, w.bits))
+    if w.kind is Kind.INT:
+        for b in sorted((b for b in allowed if b < w.bits), reverse=True):
+            wr = operand_range(w.kind, b, w.signed, w.narrow_range, w.symmetric)
+            if bits_for(*worst_case_range(wr, xr, fan_in)) <= acc_bits:
+                return f"use bits = {b} for the weight (worst case then fits)"
+    wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric)
+    per_term = max(abs(a * b) for a in wr for b in xr) or 1
+    max_fan = ((1 << (acc_bits - 1)) - 1) // per_term
+    return f"keep the fan-in at most {max_fan} (split the layer), or narrow the weights/inputs"
+
+
+def _check_bias(layer: LayerPlan, op: str, profile: HardwareProfile, col: Collector, where_spec: Span) -> None:
+    b = layer.roles.get(Role.BIAS)
+    hw = profile.accumulator_for(op)
+    if b is None or b.kind is not Kind.INT:
+        return
+    if hw.bits is not None and b.bits > hw.bits:
+        span, origin = _written(layer, Role.BIAS, "bits", where_spec)
+        col.add(("E316", "bits", span.location()), Diagnostic.error(
+            "E316", f"bias.bits = {b.bits}{f' ({origin})' if origin else ''} is wider than {profile.name}'s "
+            f"{hw.bits}-bit accumulator", span, f"use bits = {hw.bits}",
+            notes=("the bias is added into the accumulator, so it must fit in it",)), layer=layer.fqn)
+    if b.scale == DERIVED_BIAS_SCALE:
+        missing = [r.value for r in (Role.INPUT, Role.WEIGHT) if layer.roles.get(r) is None]
+        if missing:  # the resolver rejects this too; kept for plans built by hand
+            span, _ = _written(layer, Role.BIAS, "scale", where_spec)
+            col.add(("E316", "derived", span.location()), Diagnostic.error(
+                "E316", f"bias scale '{DERIVED_BIAS_SCALE}' needs the {' and '.join(missing)} quantized", span,
+                "quantize the layer's input and weight, or give the bias its own scale"), layer=layer.fqn)
+
+
+def _check_fixed_output(layer: LayerPlan, op: str | None, profile: HardwareProfile, col: Collector,
+                        where_spec: Span) -> None:
+    fixed = profile.fixed_outputs.get(op) if op else None
+    out = layer.roles.get(Role.OUTPUT)
+    if fixed is None or out is None:
+        return
+    wrong = []
+    if out.kind is not Kind.INT or out.bits != fixed.bits:
+        wrong.append(("bits", f"use bits = {fixed.bits}"))
+    if out.signed != fixed.signed:
+        wrong.append(("signed", f"set signed = {'true' if fixed.signed else 'false'}"))
+    if fixed.zero_point != 0 and out.symmetric:
+        wrong.append(("symmetric", "set symmetric = false"))
+    for field, fix in wrong:
+        span, _ = _written(layer, Role.OUTPUT, field, where_spec)
+        col.add(("E317", op, field, span.location()), Diagnostic.error(
+            "E317", f"{profile.name} fixes the {op} output at scale {fixed.scale:g}, zero point {fixed.zero_point} "
+            f"({fixed.bits}-bit {'signed' if fixed.signed else 'unsigned'}); output.{field} = "
+            f"{_fmt(getattr(out, field))} cannot express it", span, fix), layer=layer.fqn)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(getattr(v, "value", v))
+
+
+def _check_ops(plan: Plan, graph: ModelGraph, profile: HardwareProfile, col: Collector, model_label: str) -> None:
+    folded = frozenset({"batch_norm"}) if plan.fold_bn else frozenset()
+    for node in graph.nodes:
+        if node.op is None or node.op in folded or profile.supports_op(node.op):
+            continue
+        span = Span(model_label, path=node.label)
+        heads = profile.fusion_heads(node.op)
+        if heads:
+            producers = graph.producers(node, folded)
+            if producers and all(p.op in heads for p in producers):
+                continue
+            col.add(("E311", node.op), Diagnostic.error(
+                "E311", f"{profile.name} runs '{node.op}' only fused after {', '.join(dict.fromkeys(heads))}",
+                span, f"restructure so each '{node.op}' directly follows one of those ops"), layer=node.label)
+            continue
+        col.add(("E310", node.op), Diagnostic.error(
+            "E310", f"op '{node.op}' is not supported by {profile.name}", span,
+            f"{profile.name} supports: {', '.join(profile.ops or ())}"
+            + ("; or run this part of the model on the host" if not profile.integer_only else "")),
+            layer=node.label)
