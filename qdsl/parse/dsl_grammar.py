@@ -104,10 +104,18 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     arg = (arg_keyed | arg_plain).set_name("an argument (name=value)")
     arglist = pp.Group(pp.Opt(pp.DelimitedList(arg, allow_trailing_delim=True))).set_name("arguments")
     call_args = lpar - arglist + rpar
-    call = _located(name + call_args, lambda a, b, t: ast.Call(t[0], tuple(t[1]), a, b), "a call")
     anon = _located(call_args, lambda a, b, t: ast.Call(None, tuple(t[0]), a, b), "(fields)")
-    product = _located(name + S("*") + name, lambda a, b, t: ast.Product(t[0], t[1], a, b), "input*weight")
-    value <<= (string | number | anon | product | call | name).set_name("a value")
+
+    def build_named(a, b, t):
+        # one pass over the leading name: NAME, NAME(args) or NAME*NAME (no backtracking)
+        if len(t) == 1:
+            return t[0]
+        if isinstance(t[1], ast.Name):
+            return ast.Product(t[0], t[1], a, b)
+        return ast.Call(t[0], tuple(t[1]), a, b)
+
+    named = _located(name + pp.Opt(S("*") + name | call_args), build_named, "a name or call")
+    value <<= (string | number | anon | named).set_name("a value")
 
     def build_stmt(a, b, t):
         rest = t[1] if len(t) > 1 else None
@@ -116,7 +124,7 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
         return ast.BodyStmt(t[0], rest, None, a, b)
 
     stmt_call = _located(call_args, lambda a, b, t: _StmtCall(ast.Call(None, tuple(t[0]), a, b)), "'('")
-    not_top = pp.NotAny(pp.MatchFirst([pp.Keyword(w) for w in TOP_KEYWORDS]))
+    not_top = pp.NotAny(pp.Regex(r"(?:" + "|".join(TOP_KEYWORDS) + r")(?![A-Za-z0-9_])"))
     body_stmt = _located(not_top + name + pp.Opt(eq - value | stmt_call), build_stmt,
                          "a setting (weight = ..., skip, accumulator(...))")
     body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + pp.Opt(S(";")))) + rbrace,
@@ -127,7 +135,7 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
             pp.Keyword(word).set_name(f"'{word}'")
 
     tchars = "".join(c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-:")
-    not_option = pp.NotAny(pp.MatchFirst([kw(w, tchars) for w in RULE_OPTIONS]))
+    not_option = pp.NotAny(pp.Regex(r"(?:" + "|".join(RULE_OPTIONS) + rf")(?![{_TARGET_CHARS}:])"))
     re_quoted = _located(S("re:") + string_tok, lambda a, b, t: ast.TargetText("re:" + t[0], a, b), "re:<regex>")
     re_bare = _located(pp.Regex(r"re:[^\s,{}\"'#]+"), lambda a, b, t: ast.TargetText(t[0], a, b), "re:<regex>")
     quoted_target = _located(string_tok, lambda a, b, t: ast.TargetText(t[0], a, b), "a quoted target")
@@ -152,9 +160,8 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
         lambda a, b, t: ast.RuleStmt(tuple(t[1]), tuple(t[2]), t[3], a, b), "rule")
     statement = (version | setting | include | quantizer | defaults | rule).set_name("a statement")
     end = pp.Empty().set_parse_action(lambda s, loc, t: [loc])
-    comment = pp.Regex(r"#[^\n]*")
-    top = (statement + end).ignore(comment)
-    standalone = (value + pp.StringEnd().set_name("end of value")).ignore(comment)
+    top = statement + end
+    standalone = value + pp.StringEnd().set_name("end of value")
     return top.parse_with_tabs(), standalone.parse_with_tabs()
 
 
@@ -170,6 +177,17 @@ def _mask(text: str, pos: int) -> str:
     """Blank ``text[:pos]`` keeping newlines, so offsets (and line:col) stay absolute."""
     head = re.sub(r"[^\n]", " ", text[:pos])
     return head + text[pos:]
+
+
+_STRING_OR_COMMENT = re.compile(r"(\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*')|#[^\n]*")
+
+
+def _blank_comments(text: str) -> str:
+    """Comments become spaces (offsets unchanged); a '#' inside a string is kept.
+
+    Cheaper than pyparsing's ``ignore``, which re-tries the comment before every element.
+    """
+    return _STRING_OR_COMMENT.sub(lambda m: m.group(0) if m.group(1) else " " * len(m.group(0)), text)
 
 
 def _found(text: str, loc: int) -> str:
@@ -245,7 +263,7 @@ class _Recovering:
 
     def run(self) -> list[ast.Statement]:
         out: list[ast.Statement] = []
-        text = self.text
+        text = _blank_comments(self.text)
         pos = _SKIP.match(text, 0).end()
         while pos < len(text):
             try:
@@ -274,7 +292,7 @@ def parse_value(text: str, filename: str = "<--set>") -> tuple[ast.Value | None,
     """One DSL value on its own (``--set weight.bits=4`` uses this for the right-hand side)."""
     rec = _Recovering(text, filename)
     try:
-        return _VALUE.parse_string(text)[0], []
+        return _VALUE.parse_string(_blank_comments(text))[0], []
     except pp.ParseBaseException as exc:
         loc = min(exc.loc, len(text))
         rec.error("E002", f"expected a value, found {_found(text, loc)}", loc, loc + 1,
