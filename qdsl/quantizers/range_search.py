@@ -56,7 +56,12 @@ __all__ = [
     "HistogramState",
     "histogram_observe",
     "histogram_merge",
+    "auto_observer",
+    "AUTO_SEARCH_BELOW_BITS",
 ]
+
+AUTO_SEARCH_BELOW_BITS = 8
+"""The ``auto`` observer searches ranges for quantizers narrower than this many bits."""
 
 # Candidate evaluation is chunked so a big weight never needs G copies in memory.
 _CHUNK_ELEMENTS = 1 << 22
@@ -403,3 +408,15 @@ def percentile_range(hist, lo: float, hi: float, percentile: float, *, symmetric
     i_hi = min(int(torch.searchsorted(cdf, torch.tensor(q - 1e-12, dtype=torch.float64))), n - 1)
     i_lo = max(int(torch.searchsorted(cdf, torch.tensor(1.0 - q, dtype=torch.float64), right=True)) - 1, 0)
     return f32(min(float(t[i_lo]), 0.0)), f32(max(float(t[i_hi]), 0.0))
+
+
+def auto_observer(params, ctx):
+    """The ``auto`` observer (registry factory ``(params, ctx)``): min/max at 8 bits and
+    above, where clipping buys almost nothing, and the bit-aware search below - the exact
+    per-channel :func:`mse_range` for weights, the histogram search for activations
+    (``MseObserver``).  ``params`` is an ``MseParams`` (norm, grid)."""
+    from qdsl.quantizers.observers import MinMaxObserver, MseObserver  # observers import this module
+
+    if ctx.recipe.bits >= AUTO_SEARCH_BELOW_BITS:
+        return MinMaxObserver(None, ctx)
+    return MseObserver(params, ctx)

@@ -72,6 +72,8 @@ def builtin_registries() -> Registries:
     obs.add(PartInfo("histogram", q + "HistogramObserver", HistogramParams, needs_calibration=True))
     obs.add(PartInfo("percentile", q + "PercentileObserver", PercentileParams, needs_calibration=True))
     obs.add(PartInfo("mse", q + "MseObserver", MseParams, needs_calibration=True))
+    # minmax at >= 8 bits, the bit-aware mse/histogram search below (qdsl.quantizers.range_search)
+    obs.add(PartInfo("auto", "qdsl.quantizers.range_search:auto_observer", MseParams, needs_calibration=True))
     obs.add(PartInfo("mean_abs", q + "MeanAbsObserver", NoParams, needs_calibration=True,
                      extra={"kinds": ("binary", "ternary")}))
     r = "qdsl.quantizers.rounding:"

@@ -125,7 +125,7 @@ class Overflow(str, enum.Enum):
 BUILTIN_SCALES = ("float", "pot", "pot_ceil", "learned", "learned_pot")
 DERIVED_BIAS_SCALE = "input*weight"
 BUILTIN_ROUNDINGS = ("half_even", "half_away", "floor", "stochastic")
-BUILTIN_OBSERVERS = ("minmax", "ema", "histogram", "percentile", "mse", "mean_abs")
+BUILTIN_OBSERVERS = ("minmax", "ema", "histogram", "percentile", "mse", "mean_abs", "auto")
 
 
 @attrs.frozen

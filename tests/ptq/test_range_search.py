@@ -193,3 +193,25 @@ def test_bad_arguments_are_rejected():
         mse_range(torch.ones(4), -8, 7, symmetric=True, axis=2)
     with pytest.raises(ValueError, match="percentile"):
         percentile_range(torch.ones(4), -1.0, 1.0, 0.0, symmetric=True)
+
+
+@pytest.mark.parametrize("bits,expect", [(8, "MinMaxObserver"), (4, "MseObserver"), (2, "MseObserver")])
+def test_auto_observer_searches_below_8_bits(bits, expect):
+    from qdsl.quantizers.parts import PartContext, build_observer, default_registries
+    from qdsl.resolve.plan import QuantizerRecipe
+    from qdsl.spec.builtins import MseParams
+    from qdsl.spec.model import Granularity, GranularityKind, Kind, ObserverSpec, Role
+
+    recipe = QuantizerRecipe(Kind.INT, bits, True, False, True, "float", Granularity(GranularityKind.CHANNEL, 0),
+                             ObserverSpec("auto"), "half_even", False, observer_params=MseParams())
+    qmin, qmax = _grid(bits)
+    obs = build_observer(default_registries(), PartContext(recipe, Role.WEIGHT, qmin, qmax, 0, None))
+    assert type(obs).__name__ == expect
+    w = _data("laplace", (4, 500), seed=8)
+    obs(w)
+    lo, hi = obs.range()
+    assert lo.shape == (4,)
+    if bits < 8:
+        assert torch.equal(hi, mse_range(w, qmin, qmax, symmetric=True, axis=0)[1])
+    else:
+        assert torch.equal(hi, w.amax(1))
