@@ -34,7 +34,7 @@ from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, Span
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
-from qdsl.spec.profile import HardwareProfile, Position
+from qdsl.spec.profile import CAPS_FIELDS, HardwareProfile, Position
 
 __all__ = ["LayerInts", "check_plan"]
 
@@ -126,7 +126,7 @@ def check_plan(
                     origin = origin if layer.provenance.get((role, "kind")) else "not quantized by any source"
                 else:
                     span, origin = _written(layer, role, v.field, where_spec)
-                ctx = _context(profile, role, op, positions)
+                ctx = _context(profile, role, op, positions, v.caps_field)
                 d = violation_diagnostic(v, role, span, profile, caps, origin=origin, context=ctx)
                 col.add((v.code, v.field, role, span.location(), span.path, v.requested, v.allowed, ctx), d,
                         layer=layer.fqn)
@@ -138,12 +138,16 @@ def check_plan(
     return col.diagnostics()
 
 
-def _context(profile: HardwareProfile, role: Role, op: str | None, positions) -> str:
-    """" for conv2d (first_layer)": only the op/positions whose own caps shaped the verdict."""
+def _shapes(caps, field: str) -> bool:
+    return caps is not None and field in CAPS_FIELDS and getattr(caps, field) is not None
+
+
+def _context(profile: HardwareProfile, role: Role, op: str | None, positions, caps_field: str) -> str:
+    """" for conv2d (first_layer)": only the op/positions whose own caps set the violated field."""
     parts = []
-    if op is not None and role in profile.op_roles.get(op, {}):
+    if op is not None and _shapes(profile.op_roles.get(op, {}).get(role), caps_field):
         parts.append(f" for {op}")
-    shaped = [p.value for p in positions if role in profile.positions.get(p, {})]
+    shaped = [p.value for p in positions if _shapes(profile.positions.get(p, {}).get(role), caps_field)]
     if shaped:
         parts.append(f" ({', '.join(shaped)})" if parts else f" for the {' and '.join(shaped)}")
     return "".join(parts)

@@ -92,6 +92,12 @@ def check_prepared(prep: Prepared, profile: HardwareProfile, pot_scales: frozens
         bodies.append((body, ops, all_of, ANY_POSITION))
     any_ops = list(dict.fromkeys(list(WEIGHTED_OPS) + list(profile.op_roles)))
     bodies.append((prep.overrides, any_ops, False, ANY_POSITION))
+    # defaults never reach an op whose type rule replaces the same field on all its layers
+    replaced: set[tuple[str, Role, str]] = set()
+    for rule, body in zip(prep.spec.rules, prep.rules):
+        ops, all_of = _targets_ops(rule, profile)
+        if all_of:
+            replaced |= {(op, role, f) for op in ops for role, fields in body.roles.items() for f in fields}
     for body, ops, all_of, positions in bodies:
         positions = tuple(positions)
         _check_skip_and_acc(body, ops, profile, col)
@@ -100,11 +106,14 @@ def check_prepared(prep: Prepared, profile: HardwareProfile, pot_scales: frozens
             if not ops:
                 continue
             found = _per_op(known, role, ops, positions, profile, pot_scales)
+            overridden = prep.overrides.roles.get(role, {}) if body is not prep.overrides else {}
             for field, hits in found.items():
-                if field not in report:
-                    continue
+                if field not in report or field in overridden:
+                    continue  # not this body's to fix, or replaced everywhere by an override
                 if not all_of and len(hits) < len(ops):
                     continue  # some op accepts it; only a model can tell
+                if body is prep.defaults:
+                    hits = [(op, v) for op, v in hits if (op, role, field) not in replaced]
                 for op, v in (hits if all_of else hits[:1]):
                     _add(col, body, role, field, v, merged, op if all_of else None, profile)
             _check_bias_bits(body, role, known, merged, report, ops, profile, col)
@@ -124,7 +133,8 @@ def _where(body: Body, role: Role, field: str, merged) -> tuple[Span, str, str |
 def _add(col: Collector, body: Body, role: Role, field: str, v: Violation, merged, op, profile) -> None:
     span, origin, use = _where(body, role, field, merged)
     caps = profile.caps(role, op)
-    context = f" for {op}" if op is not None and op in profile.op_roles and role in profile.op_roles[op] else ""
+    own = profile.op_roles.get(op, {}).get(role) if op is not None else None
+    context = f" for {op}" if own is not None and getattr(own, v.caps_field, None) is not None else ""
     d = violation_diagnostic(v, role, span, profile, caps, origin=origin, context=context)
     col.add((v.code, v.field, role, span.location(), span.path, v.requested, v.allowed), d, use=use)
 
