@@ -192,10 +192,10 @@ class _Resolver:
             out = self._memo.get(key)
             if out is None:
                 out = self._memo[key] = self._outcome(entry, weighted, key[2])
-            if not weighted and not out.applied:
-                continue
             for d in out.diagnostics:
                 self._layer_diags.setdefault(d, []).append(entry.fqn)
+            if not weighted and not out.applied:
+                continue
             for c in out.conflicts:
                 self._note_conflict(c, entry.fqn)
             for i in out.applied:
@@ -327,10 +327,13 @@ class _Resolver:
         # overrides only touch roles that are quantized at this point
         for field, c in self.prep.overrides.roles.get(role, {}).items():
             below = won.get(field)
-            lower = ((below.set_by, below.value),) + below.overridden if below else ()
+            lower: tuple[tuple[Origin, Any], ...] = ()
+            if below is not None:
+                via = " via " + " > ".join(v.label for v in below.via) if below.via else ""
+                lower = ((Origin(below.set_by.label + via, written[field]), below.value),) + below.overridden
             label = f"override {role.value}.{field}={format_value(c.value)}"
-            via = c.via
-            won[field] = FieldProvenance(c.value, Origin(label, c.span if not via else self.prep.overrides.span), via, lower)
+            at = c.span if not c.via else self.prep.overrides.role_spans.get(role, c.span)
+            won[field] = FieldProvenance(c.value, Origin(label, at), c.via, lower)
             written[field] = c.span
         kind = won["kind"].value if "kind" in won else Kind.INT
         if kind is Kind.FLOAT:

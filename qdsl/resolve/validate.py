@@ -219,7 +219,9 @@ def check_shapes(
     if shape is None:
         return []
     gran = recipe.granularity
-    what = f"{role.value} of '{entry.fqn}' ({entry.type_name}, shape {tuple(shape)})"
+    # no layer name in the message: layers sharing a shape share one diagnostic, and the
+    # resolver appends the list of layers as a note
+    what = f"{role.value} of {entry.type_name} layers with shape {tuple(shape)}"
     if gran.kind is GranularityKind.CHANNEL and gran.axis is not None:
         nd = len(shape)
         if not -nd <= gran.axis < nd:
@@ -230,7 +232,9 @@ def check_shapes(
     if gran.kind is GranularityKind.GROUP and gran.group_size and len(shape) >= 2:
         row = math.prod(shape[1:])
         if row % gran.group_size:
-            divisors = [g for g in range(1, row + 1) if row % g == 0 and g >= 4][:8]
+            # suggest the divisors nearest to what was asked for
+            divisors = sorted(g for g in range(2, row + 1) if row % g == 0)
+            divisors = sorted(sorted(divisors, key=lambda g: abs(g - gran.group_size))[:6])
             return [Diagnostic.error(
                 "E217", f"group size {gran.group_size} does not divide the reduction size {row} "
                 f"(= {' x '.join(map(str, shape[1:]))}) of the {what}", span,
