@@ -6,14 +6,17 @@
 * :mod:`qdsl.qat.proxy_grad` - the gradient path every ``TensorQuantizer`` trains with
   once ``qdsl.qat`` is imported (values are unchanged; only gradients differ from the
   proxy's plain identity STE).
-* :mod:`qdsl.qat.bn_fold` - BatchNorm folding during QAT; :func:`freeze_bn_stats`.
+* :mod:`qdsl.qat.bn_fold` - BatchNorm folding during QAT (:func:`prepare_qat`,
+  :func:`freeze_bn_stats`).
+* :mod:`qdsl.qat.distributed` - :func:`sync_observers` for DDP calibration.
 
 Importing this package installs :func:`qdsl.qat.proxy_grad.qat_grad_path` as
 ``TensorQuantizer.grad_path``.
 """
 
 from qdsl.qat import ste
-from qdsl.qat.bn_fold import QatBnFold, find_conv_bn_pairs, freeze_bn_stats, unfreeze_bn_stats
+from qdsl.qat.bn_fold import freeze_bn_stats, prepare_qat, unfreeze_bn_stats
+from qdsl.qat.distributed import sync_observers
 from qdsl.qat.learned import LearnedPotScale, LearnedScale
 from qdsl.qat.proxy_grad import install as _install, qat_grad_path
 
@@ -24,8 +27,8 @@ __all__ = [
     "LearnedScale",
     "LearnedPotScale",
     "qat_grad_path",
-    "QatBnFold",
-    "find_conv_bn_pairs",
+    "prepare_qat",
+    "sync_observers",
     "freeze_bn_stats",
     "unfreeze_bn_stats",
 ]

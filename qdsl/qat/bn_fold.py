@@ -1,213 +1,153 @@
-"""BatchNorm folding during QAT (Krishnamoorthi 2018, §3.2), on an unmodified model.
+"""BatchNorm folding during QAT (Krishnamoorthi 2018, §3.2) for an applied model.
 
-For a ``Conv1d``/``Conv2d`` followed by a ``BatchNorm1d``/``BatchNorm2d`` the integer
-graph computes ``conv(x, Q(W·f)) + b'`` with the folded weight ``W·f`` and
-``f = γ / sqrt(σ²_running + ε)`` per output channel.  QAT must therefore fake-quantize
-*that* weight, while BatchNorm keeps normalising with batch statistics (and keeping its
-running statistics up to date) until they are frozen.
+With ``fold_bn``, ``qdsl.apply`` folds each Conv/Linear -> BatchNorm pair for inference
+(:mod:`qdsl.patch.layer`): the weight proxy sees ``W·f`` with ``f = γ/sqrt(σ²_run + ε)``
+per output channel, the bias is ``β + (b − μ_run)·f`` and the BatchNorm returns its
+input.  That is what the integer graph computes, but it cannot *train* the BN: batch
+statistics are never used and running statistics would be updated from already
+normalised activations.  :func:`prepare_qat` gives every folded layer a training mode:
 
-How (no class is replaced, nothing is copied): the conv's weight gets a
-parametrization ``W ↦ Q(W·f) / f``.  Because a convolution is linear in each output
-channel's weight,
+* **live statistics** (``model.train()``, statistics not frozen): the layer uses the
+  weight ``Q(W·f) / f`` and its own bias ``b``, and the unmodified BatchNorm runs
+  normally.  A convolution/linear map is linear in each output channel's weight, so
 
-    conv(x, Q(W·f)/f) = conv(x, Q(W·f)) / f        (per output channel)
+      layer(x, Q(W·f)/f) = layer(x, Q(W·f)) / f            (per output channel)
 
-so the unmodified BatchNorm after the conv sees exactly the pre-BN activation of the
-folded, quantized layer, rescaled back by ``1/f``:
+  and BN normalises the pre-BN activation of the folded, quantized layer with batch
+  statistics - the whitepaper's batch-statistics form with correction ``σ_run/σ_B`` -
+  while updating its running statistics from the batch as usual.  The weight
+  quantizer sees exactly the ``W·f`` it sees at inference.
+* **frozen statistics** (:func:`freeze_bn_stats`, or automatically after
+  ``freeze_bn_after`` training batches) and **eval**: the inference fold above, with
+  gradients to ``W``, ``γ`` and ``β``; BN statistics stop changing.  A training forward
+  then equals the inference forward.
+* after ``qdsl.freeze`` the layer always uses the inference fold, so export reads the
+  folded weights.
 
-* training, live statistics: ``BN(conv(x, Q(Wf))/f)`` = ``conv(x, Q(Wf))·σ_run/σ_B·...``,
-  i.e. the whitepaper's batch-statistics form with correction factor ``σ_run/σ_B``,
-  and BN updates its running statistics from the batch as usual;
-* frozen statistics (:func:`freeze_bn_stats`) or eval: BN uses the running statistics,
-  and ``BN(conv(x, Q(Wf))/f) = conv(x, Q(Wf)) + β - γμ/σ + (b - μ)·f`` - exactly what
-  the folded integer graph computes, so the training forward equals inference.
-
-:func:`fold` then turns a QAT fold into a real fold (weight ``W·f``, bias
-``β + (b - μ)·f``, BN bypassed) that :func:`unfold` reverses exactly, for export.
-
-Guarantees: with an identity quantizer, outputs, gradients and BN running statistics
-equal the unfolded model's (float tolerance); ``remove`` restores the model's
-``state_dict`` bit for bit.
+Guarantees: in eval mode nothing changes versus plain ``qdsl.apply``; ``qdsl.remove``
+restores the model exactly as before (the patch layer owns and removes every hook).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+import types
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
-from torch.nn.utils import parametrize
 
-__all__ = [
-    "CONV_TYPES",
-    "BN_TYPES",
-    "fold_factor",
-    "find_conv_bn_pairs",
-    "FoldedWeight",
-    "QatBnFold",
-    "freeze_bn_stats",
-    "unfreeze_bn_stats",
-    "folded_weight_and_bias",
-]
-
-CONV_TYPES = (nn.Conv1d, nn.Conv2d)
-BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d)
+__all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
 
-def fold_factor(bn: nn.modules.batchnorm._BatchNorm) -> Tensor:
+def fold_factor(bn: nn.Module) -> Tensor:
     """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ."""
     inv_std = torch.rsqrt(bn.running_var + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
 
 
-def folded_weight_and_bias(conv: nn.Module, bn: nn.modules.batchnorm._BatchNorm, weight: Optional[Tensor] = None):
-    """The inference fold: ``(W·f, β + (b - μ)·f)`` with running statistics.
+def _frozen_state(patch) -> bool:
+    from qdsl.patch.handle import State
 
-    ``weight`` defaults to the conv's current (float master) weight.
+    return patch.handle.state in (State.FROZEN, State.EXPORTED)
+
+
+def qat_fold_active(patch) -> bool:
+    """Does this folded layer use the live-statistics training form right now?"""
+    bn = patch.bn
+    if bn is None or not bn.training or _frozen_state(patch) or getattr(bn, "_qdsl_bn_frozen", False):
+        return False
+    after = getattr(patch, "_qat_freeze_after", None)
+    if after is not None and int(bn.num_batches_tracked) >= after:
+        bn._qdsl_bn_frozen = True
+        return False
+    return True
+
+
+def _qat_refresh(self) -> None:
+    # bound to a LayerPatch as its ``refresh`` (instance attribute); the class's own
+    # refresh (the inference fold) runs whenever the live form is not active
+    from qdsl.patch.layer import LayerPatch
+
+    if not qat_fold_active(self):
+        return LayerPatch.refresh(self)
+    w, b = self.master("weight"), self.master("bias")
+    f = fold_factor(self.bn)
+    # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
+    f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
+    f = f.reshape(-1, *([1] * (w.dim() - 1)))
+    wq = w if self.wq is None else self.wq(w * f) / f
+    d = self.module.__dict__
+    if "weight" in self._moved:
+        d["weight"] = wq
+    if "bias" in self._moved:
+        d["bias"] = b  # float during live-statistics training; the folded bias is quantized once frozen
+    self._cache_key = None
+
+
+def _make_bn_hooks(patch):
+    def pre(module, args):
+        # In the inference fold the BN's own forward must not touch its statistics
+        # (its input is already normalised): run it in eval mode.  model.train() sets
+        # training again, so this is re-asserted on every call.
+        if not qat_fold_active(patch):
+            module.training = False
+
+    def post(module, args, output):
+        # the inference fold already applied the BN inside the layer: pass the input on
+        return output if qat_fold_active(patch) else args[0]
+
+    return pre, post
+
+
+def _prepare_patch(patch) -> None:
+    from qdsl.patch.layer import _bn_identity
+
+    if getattr(patch, "_qat_prepared", False):
+        return
+    hooks = patch.bn._forward_hooks
+    for h in list(patch._hooks):
+        if hooks.get(h.id) is _bn_identity:
+            h.remove()
+            patch._hooks.remove(h)
+    pre, post = _make_bn_hooks(patch)
+    # registered through the patch's own hook list, so qdsl.remove() removes them
+    patch._hooks.append(patch.bn.register_forward_pre_hook(pre))
+    patch._hooks.append(patch.bn.register_forward_hook(post))
+    patch.refresh = types.MethodType(_qat_refresh, patch)
+    patch._qat_prepared = True
+
+
+def _folded_patches(model: nn.Module):
+    from qdsl.patch.handle import get_handle
+
+    return [p for p in get_handle(model).layers.values() if p.bn is not None]
+
+
+def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None) -> int:
+    """Give every BN-folded layer of an applied model its QAT training form (idempotent).
+
+    ``freeze_bn_after``: freeze a BatchNorm's statistics once it has tracked that many
+    training batches (its ``num_batches_tracked``).  Returns the number of folded layers.
     """
-    w = conv.weight if weight is None else weight
-    f = fold_factor(bn)
-    b = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
-    beta = bn.bias if bn.bias is not None else torch.zeros_like(bn.running_mean)
-    return w * _per_out(f, w), beta + (b - bn.running_mean) * f
+    patches = _folded_patches(model)
+    for patch in patches:
+        patch._qat_freeze_after = freeze_bn_after
+        _prepare_patch(patch)
+    return len(patches)
 
 
-def _per_out(f: Tensor, w: Tensor) -> Tensor:
-    return f.reshape(-1, *([1] * (w.dim() - 1)))
+def freeze_bn_stats(model: nn.Module) -> int:
+    """Freeze the running statistics of every folded BatchNorm of an applied model.
 
-
-def find_conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    """``(conv_fqn, bn_fqn)`` for every conv whose output feeds only a BatchNorm.
-
-    Found by ``torch.fx`` tracing (residual blocks call ``self.bn1(self.conv1(x))``
-    without a ``Sequential``); if the model cannot be traced, falls back to adjacent
-    children of ``nn.Sequential`` containers.  Channel counts must match.
+    Training then uses the inference fold (running statistics), so the training forward
+    equals the inference forward, as Krishnamoorthi recommends late in QAT.  Prepares
+    the model (:func:`prepare_qat`) if needed.  Returns how many were newly frozen.
     """
-    modules = dict(model.named_modules())
-    pairs: list[tuple[str, str]] = []
-    try:
-        import torch.fx
-
-        graph = torch.fx.symbolic_trace(model).graph
-        for node in graph.nodes:
-            if node.op != "call_module" or not isinstance(modules.get(node.target), CONV_TYPES):
-                continue
-            users = list(node.users)
-            if len(users) == 1 and users[0].op == "call_module" and isinstance(modules.get(users[0].target), BN_TYPES):
-                pairs.append((node.target, users[0].target))
-    except Exception:  # untraceable control flow: the Sequential structure is still reliable
-        pairs = list(_sequential_pairs(model))
-    out = []
-    for c, b in pairs:
-        conv, bn = modules[c], modules[b]
-        if _conv_kind(conv) == _bn_kind(bn) and conv.out_channels == bn.num_features and bn.track_running_stats:
-            out.append((c, b))
-    return out
-
-
-def _conv_kind(m: nn.Module) -> int:
-    return 1 if isinstance(m, nn.Conv1d) else 2
-
-
-def _bn_kind(m: nn.Module) -> int:
-    return 1 if isinstance(m, nn.BatchNorm1d) else 2
-
-
-def _sequential_pairs(model: nn.Module) -> Iterator[tuple[str, str]]:
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Sequential):
-            kids = list(mod.named_children())
-            for (n1, m1), (n2, m2) in zip(kids, kids[1:]):
-                if isinstance(m1, CONV_TYPES) and isinstance(m2, BN_TYPES):
-                    pre = f"{name}." if name else ""
-                    yield pre + n1, pre + n2
-
-
-class FoldedWeight(nn.Module):
-    """Parametrization ``W ↦ Q(W·f) / f`` with ``f`` from the BatchNorm (see module docs).
-
-    ``quantizer`` fake-quantizes the folded weight (any module or callable; ``None`` =
-    identity, i.e. plain folding).  The BatchNorm is referenced, not owned, so it
-    appears once in ``state_dict``/``named_modules``.
-    """
-
-    _qdsl_internal = True
-
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, quantizer: Optional[Callable[[Tensor], Tensor]] = None):
-        super().__init__()
-        self.__dict__["bn"] = bn  # not a submodule: the model already owns it
-        if isinstance(quantizer, nn.Module):
-            self.quantizer = quantizer
-        else:
-            self.__dict__["quantizer"] = quantizer
-
-    def folded(self, w: Tensor) -> Tensor:
-        """The weight the integer graph will hold (before quantization): ``W·f``."""
-        return w * _per_out(fold_factor(self.bn), w)
-
-    def forward(self, w: Tensor) -> Tensor:
-        f = _per_out(fold_factor(self.bn), w)
-        # a zero γ would make 1/f blow up; such a channel's output is β regardless of W
-        f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
-        wf = w * f
-        q = wf if self.quantizer is None else self.quantizer(wf)
-        return q / f
-
-
-class QatBnFold:
-    """Installs :class:`FoldedWeight` on every conv-BN pair of a model; ``remove()`` undoes it.
-
-    ``quantizers`` maps a conv fqn to the quantizer of its folded weight (missing =
-    identity).  The conv must not already be parametrized on ``weight``: the fold
-    wraps the weight quantizer rather than stacking after it, because the quantizer
-    must see ``W·f``.
-    """
-
-    def __init__(self, model: nn.Module, pairs=None, quantizers: Optional[dict] = None):
-        self.model = model
-        self.pairs = list(find_conv_bn_pairs(model) if pairs is None else pairs)
-        modules = dict(model.named_modules())
-        self._installed: list[str] = []
-        quantizers = quantizers or {}
-        for conv_name, bn_name in self.pairs:
-            conv, bn = modules[conv_name], modules[bn_name]
-            if parametrize.is_parametrized(conv, "weight"):
-                raise ValueError(f"{conv_name}.weight is already parametrized; install the BN fold first")
-            parametrize.register_parametrization(conv, "weight", FoldedWeight(bn, quantizers.get(conv_name)))
-            self._installed.append(conv_name)
-
-    def parametrizations(self) -> dict[str, FoldedWeight]:
-        modules = dict(self.model.named_modules())
-        return {n: modules[n].parametrizations.weight[0] for n in self._installed}
-
-    def remove(self) -> None:
-        """Restore every conv's plain weight parameter (the float master, unchanged)."""
-        modules = dict(self.model.named_modules())
-        for name in self._installed:
-            parametrize.remove_parametrizations(modules[name], "weight", leave_parametrized=False)
-        self._installed = []
-
-
-def _freeze_hook(bn: nn.Module, args):
-    # model.train() sets bn.training = True again; re-assert the frozen state on every
-    # call so "frozen" survives train()/eval() toggling without touching BN's class.
-    bn.training = False
-
-
-def freeze_bn_stats(model: nn.Module, bns=None) -> int:
-    """Stop updating BN running statistics and normalise with them, also in ``train()``.
-
-    After this, a training forward equals the folded inference forward (Krishnamoorthi
-    freezes BN statistics late in QAT for exactly this reason).  Applies to every
-    BatchNorm that follows a conv (or the given ones); returns how many were frozen.
-    """
-    if bns is None:
-        modules = dict(model.named_modules())
-        bns = [modules[b] for _, b in find_conv_bn_pairs(model)]
     n = 0
-    for bn in bns:
-        if getattr(bn, "_qdsl_bn_freeze", None) is None:
-            bn._qdsl_bn_freeze = bn.register_forward_pre_hook(_freeze_hook)
+    for patch in _folded_patches(model):
+        _prepare_patch(patch)
+        if not getattr(patch.bn, "_qdsl_bn_frozen", False):
+            patch.bn._qdsl_bn_frozen = True
             n += 1
     return n
 
@@ -215,11 +155,10 @@ def freeze_bn_stats(model: nn.Module, bns=None) -> int:
 def unfreeze_bn_stats(model: nn.Module) -> int:
     """Undo :func:`freeze_bn_stats` (BN follows ``model.train()``/``eval()`` again)."""
     n = 0
-    for m in model.modules():
-        h = getattr(m, "_qdsl_bn_freeze", None)
-        if h is not None:
-            h.remove()
-            del m._qdsl_bn_freeze
-            m.training = getattr(model, "training", True)
+    for patch in _folded_patches(model):
+        bn = patch.bn
+        if getattr(bn, "_qdsl_bn_frozen", False):
+            bn._qdsl_bn_frozen = False
+            bn.training = model.training
             n += 1
     return n
