@@ -333,7 +333,7 @@ def _role_table(lt: LocatedToml, path, diags) -> dict[Role, TensorCaps]:
 
 
 def _caps(lt: LocatedToml, path, diags) -> TensorCaps:
-    body = check_keys(lt, path, _CAPS, diags, what="capability")
+    body = check_keys(lt, path, _CAPS, diags)
     values: dict[str, Any] = {}
     spans = {k: lt.span(path + (k,)) for k in body}
     if "kinds" in body:
