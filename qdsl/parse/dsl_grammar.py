@@ -34,18 +34,26 @@ _ESC_RE = re.compile(r"\\(u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
 
 
 def unescape(raw: str) -> str:
-    """Decode the escapes of a double-quoted string body (TOML basic-string escapes)."""
+    """Decode the escapes of a double-quoted string body (TOML basic-string escapes).
+
+    Raises ``ValueError`` naming the first escape that is not one of those.
+    """
 
     def sub(m: re.Match) -> str:
         e = m.group(1)
-        if e[0] in "uU":
+        if e[0] in "uU" and len(e) > 1:
             code = int(e[1:], 16)
             if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
                 raise ValueError(f"\\{e} is not a valid character")
             return chr(code)
+        if e not in _ESCAPES:
+            raise ValueError(f"\\{e}")
         return _ESCAPES[e]
 
     return _ESC_RE.sub(sub, raw)
+
+
+_BAD_ESCAPE = "invalid escape in string: "
 
 
 def _located(expr: pp.ParserElement, build, name: str) -> pp.ParserElement:
@@ -67,8 +75,10 @@ def _string_action(s, loc, toks):
         return raw[1:-1]
     try:
         return unescape(raw[1:-1])
-    except ValueError as exc:
-        raise pp.ParseException(s, loc, str(exc)) from None
+    except (ValueError, KeyError) as exc:
+        # fatal: no other alternative can make sense of a bad escape, report it here
+        bad = exc.args[0] if isinstance(exc, KeyError) else str(exc)
+        raise pp.ParseFatalException(s, loc, f"{_BAD_ESCAPE}{bad}") from None
 
 
 class _StmtCall:
@@ -93,7 +103,7 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
         return ast.Num(int(text) if re.fullmatch(r"[+-]?\d+", text) else float(text), a, b)
 
     number = _located(number_re, build_num, "a number")
-    dq = pp.Regex(r'"(?:[^"\\\x00-\x1f\x7f]|\\(?:["\\bfnrt]|u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}))*"')
+    dq = pp.Regex(r'"(?:[^"\\\x00-\x1f\x7f]|\\[^\x00-\x1f\x7f])*"')
     sq = pp.Regex(r"'[^'\x00-\x08\x0a-\x1f\x7f]*'")
     string_tok = (dq | sq).set_name("a quoted string").set_parse_action(_string_action)
     string = _located(string_tok, lambda a, b, t: ast.Str(t[0], a, b), "a quoted string")
@@ -167,9 +177,7 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
 
 _TOP, _VALUE = _build_grammar()
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Re-sync points: a line starting with a top-level keyword, or an unindented word that
-# cannot be a block's body line (so a misspelled statement keyword is reported too).
-_SYNC = re.compile(r"^(?:[ \t]*(" + "|".join(TOP_KEYWORDS) + r")\b|(?!(?:weight|input|output|bias|skip|accumulator)\b)([A-Za-z_]))", re.M)
+_SYNC_KW = re.compile(r"[ \t]*(" + "|".join(TOP_KEYWORDS) + r")\b")
 _SKIP = re.compile(r"(?:\s+|#[^\n]*)*")
 
 
@@ -223,6 +231,11 @@ class _Recovering:
         notes = ()
         if kind in _BLOCKS and self.lines.pos(loc)[0] > line:
             notes = (f"inside {kind} started at {line}:{col}",)
+        if exc.msg.startswith(_BAD_ESCAPE):
+            self.error("E006", f"invalid escape '{exc.msg[len(_BAD_ESCAPE):]}' in a double-quoted string", loc,
+                       loc + 1, "escapes are \\\\ \\\" \\n \\t \\uXXXX; write regexes in single quotes: "
+                       "re:'layer\\d+'", notes=notes)
+            return
         expected = exc.msg[len("Expected "):] if exc.msg.startswith("Expected ") else exc.msg
         if loc == start and kind not in TOP_KEYWORDS:
             if text[loc] == "}":
@@ -254,12 +267,42 @@ class _Recovering:
         self.error("E002", f"expected {expected}, found {_found(text, loc)}", loc, word_end, notes=notes)
 
     def resync(self, start: int, loc: int) -> int:
+        """Where to resume after a failed statement that began at ``start``.
+
+        The first of: just after the ``}`` that closes the statement's block (brace
+        depth back to 0, strings and comments skipped), a line starting with a
+        top-level keyword on or after the error's line, or an unindented word outside
+        any block on a later line.
+        """
+        text, n = self.text, len(self.text)
         err_line = self.lines.pos(loc)[0]
-        for m in _SYNC.finditer(self.text, start + 1):
-            at = m.start(1) if m.group(1) else m.start(2)
-            if at > start and self.lines.pos(at)[0] >= err_line:
-                return at
-        return len(self.text)
+        depth, i = 0, start
+        while i < n:
+            c = text[i]
+            if i > start and text[i - 1] == "\n":
+                line = self.lines.pos(i)[0]
+                m = _SYNC_KW.match(text, i)
+                if m and line >= err_line:
+                    return m.start(1)
+                if depth == 0 and line > err_line and _WORD.match(text, i):
+                    return i
+            if c in "\"'":
+                end = text.find("\n", i)
+                close = text.find(c, i + 1, end if end >= 0 else n)
+                i = close + 1 if close >= 0 else (end if end >= 0 else n)
+                continue
+            if c == "#":
+                end = text.find("\n", i)
+                i = end if end >= 0 else n
+                continue
+            if c == "{":
+                depth += 1
+            elif c == "}" and depth > 0:
+                depth -= 1
+                if depth == 0 and i >= loc:
+                    return i + 1
+            i += 1
+        return n
 
     def run(self) -> list[ast.Statement]:
         out: list[ast.Statement] = []

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
@@ -164,7 +164,8 @@ class SchemaLowerer:
             return None
         fields: dict[str, Any] = {}
         spans: dict[str, Span] = {}
-        for key, child in self._table(node, QUANT_KEYS, f"in {label} {where}".rstrip(), "field").items():
+        context = where if role is None else f"in {role.value} {where}".rstrip()
+        for key, child in self._table(node, QUANT_KEYS, context, "field").items():
             value = self._field(key, child, role)
             if value is not None:
                 fields[key] = value
@@ -399,6 +400,3 @@ def lower_tree(root: Node, earlier: list[Diagnostic] | None = None) -> QuantSpec
     return spec
 
 
-def check_mapping_keys(mapping: Mapping[str, Any], allowed: tuple[str, ...]) -> list[str]:
-    """Keys of ``mapping`` not in ``allowed`` (used by override parsing)."""
-    return [k for k in mapping if k not in allowed]
