@@ -78,31 +78,28 @@ def expand_settings(items: Sequence[str], product: bool = False) -> list[tuple[t
 
 
 def model_size_bits(model: Any, plan: Any) -> int:
-    """Bits to store ``model`` as ``plan`` quantizes it (float parameters at 32 bits)."""
+    """Bits to store ``model`` as ``plan`` quantizes it (float parameters at 32 bits).
+
+    ``model`` is the model *before* ``qdsl.apply`` (parameter names as the plan knows them).
+    """
     from qdsl.spec.model import Role
 
-    counted: set[int] = set()
     total = 0
     folded_bn = set()
     if plan is not None and plan.fold_bn:
         folded_bn = {fqn for fqn, m in model.named_modules() if type(m).__name__.startswith("BatchNorm")}
     layers = {l.fqn: l for l in plan.layers} if plan is not None else {}
-    for fqn, module in model.named_modules():
-        if getattr(module, "_qdsl_internal", False):
+    for fqn, p in model.named_parameters():
+        owner, _, pname = fqn.rpartition(".")
+        if owner in folded_bn:
             continue
-        layer = layers.get(fqn)
-        for pname, p in module.named_parameters(recurse=False):
-            if id(p) in counted:
-                continue
-            counted.add(id(p))
-            if fqn in folded_bn:
-                continue
-            bits = 32
-            if layer is not None and not layer.skip and pname in ("weight", "bias"):
-                recipe = layer.recipe(Role.WEIGHT if pname == "weight" else Role.BIAS)
-                if recipe is not None:
-                    bits = recipe.bits
-            total += p.numel() * bits
+        bits = 32
+        layer = layers.get(owner)
+        if layer is not None and not layer.skip and pname in ("weight", "bias"):
+            recipe = layer.recipe(Role.WEIGHT if pname == "weight" else Role.BIAS)
+            if recipe is not None:
+                bits = recipe.bits
+        total += p.numel() * bits
     return total
 
 
@@ -152,7 +149,7 @@ def run_point(
         _train_qat(model, data, qat_epochs, qat_lr, seed)
     qdsl.freeze(model)
     acc = evaluate(model, data[2], data[3])
-    size = model_size_bits(model, handle.plan)
+    size = model_size_bits(float_model, handle.plan)
     return acc, size, (model if keep else None)
 
 
