@@ -75,7 +75,8 @@ class GraphFormatError(QdslError):
 
 
 class DType(enum.IntEnum):
-    """Element types. Activations are F32 (graph boundary), I8, U8 or BIN; constants any int type."""
+    """Element types. Activations are F32 (graph boundary), I8, U8, BIN, or I32 (wide
+    conv/linear output feeding an ADD); constants any int type."""
 
     F32 = 1
     """IEEE-754 binary32."""
@@ -84,7 +85,7 @@ class DType(enum.IntEnum):
     U8 = 3
     """Unsigned 8-bit."""
     I32 = 4
-    """Signed 32-bit (bias)."""
+    """Signed 32-bit (bias; wide conv/linear outputs read by ADD)."""
     I4 = 5
     """Signed 4-bit, packed two per byte (constants only)."""
     U4 = 6

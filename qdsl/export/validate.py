@@ -196,9 +196,9 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
             c.need(w.shape[1] == cin // g, f"weight {w.name!r} has {w.shape[1]} input channels per group, expected {cin // g}")
             shape = (n, cout) + _spatial(c, x, rank, w.shape[2:], False)
         if out.dtype is not DType.BIN:
-            dt(out, INT8_DTYPES, "output")
+            dt(out, INT8_DTYPES + (DType.I32,), "output")
             _check_out(c, out.dtype, cout)
-        return (DType.I8, DType.U8, DType.BIN), shape
+        return (DType.I8, DType.U8, DType.I32, DType.BIN), shape
     if t is OpType.QUANTIZE:
         dt(x, (DType.F32,), "input")
         s = op.attrs["scale"]
@@ -228,7 +228,8 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         return INT8_DTYPES, x.shape
     if t in (OpType.ADD, OpType.CONCAT):
         for i, tensor in enumerate(ins):
-            dt(tensor, INT8_DTYPES, f"input {i}")
+            # ADD also takes I32 activations (a conv/linear's wide output, for residuals)
+            dt(tensor, INT8_DTYPES + ((DType.I32,) if t is OpType.ADD else ()), f"input {i}")
             c.need(len(tensor.shape) == len(x.shape), f"input {i} {tensor.name!r} has rank {len(tensor.shape)}, input 0 has {len(x.shape)}")
         zps = c.ints("in_zp", len(ins))
         for tensor, zp in zip(ins, zps):
