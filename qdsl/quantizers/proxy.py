@@ -99,6 +99,8 @@ class TensorQuantizer(LazyBuffers):
         self.axis, self.group_size = channel_axis(recipe, self.role)
         self.qmin, self.qmax = code_range(recipe)
         self.derived = recipe.scale == DERIVED_BIAS_SCALE
+        if self.derived:
+            self.axis, self.group_size = 0, None  # input_scale × weight_scale is [] or [C]
         self.dynamic = bool(recipe.dynamic)
         self.stateless = self.role in (Role.WEIGHT, Role.BIAS) or self.dynamic
         self.enabled = True
@@ -120,9 +122,15 @@ class TensorQuantizer(LazyBuffers):
         self.register_buffer("zero_point", torch.empty(0, dtype=torch.int32))
         self.register_buffer("threshold", torch.empty(0))
         self.register_buffer("frozen_flag", torch.zeros((), dtype=torch.bool))
+        # PTQ (qdsl.ptq), empty = unused: ``offset`` is added to the float tensor before
+        # quantizing (bias correction); ``codes`` are fixed integer codes that replace
+        # rounding (learned rounding, e.g. GPTQ).  Buffers, so state_dict carries them.
+        self.register_buffer("offset", torch.empty(0))
+        self.register_buffer("codes", torch.empty(0, dtype=torch.int64))
         self._derived_scale: torch.Tensor | None = None
         self._views: dict[Any, tuple] = {}
         self._fast_ok = False
+        self._last_scale: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -141,6 +149,42 @@ class TensorQuantizer(LazyBuffers):
         if self.learned and bool(getattr(self.scale_rule, "initialized", False)):
             return True
         return self.observer is not None and self.observer.observed
+
+    def current_scale(self) -> torch.Tensor | None:
+        """The frozen scale, else the scale the last ``forward`` used (None: passed through)."""
+        if self.frozen and not self.dynamic:
+            return self.scale
+        return self._last_scale
+
+    def add_offset(self, delta: torch.Tensor) -> torch.Tensor:
+        """Bias correction: add ``delta`` to the float tensor before it is quantized (on
+        every later call); returns the total offset."""
+        delta = delta.detach().to(torch.float32)
+        self.offset = delta.clone() if self.offset.numel() == 0 else self.offset + delta
+        return self.offset.clone()
+
+    def set_codes(self, codes: torch.Tensor) -> None:
+        """Learned rounding: from now on the tensor's integer codes are ``codes`` (same
+        shape as the tensor; the scale and zero point still come from the tensor/observer)
+        instead of rounding.  No gradient reaches the float tensor through fixed codes."""
+        if self.kind is not Kind.INT:
+            raise QdslError(f"fixed codes need an int quantizer, not {self.kind.value}")
+        codes = codes.detach().to(torch.int64)
+        if int(codes.min()) < self.qmin or int(codes.max()) > self.qmax:
+            raise QdslError(f"codes outside [{self.qmin}, {self.qmax}] for {self.name or self.role.value}")
+        self.codes = codes.clone()
+        self._refresh()
+
+    def _from_codes(self, x: torch.Tensor):
+        p = self.qparams(x)
+        if p is None:
+            return x
+        scale, zp = p[0].detach(), p[1]
+        if tuple(self.codes.shape) != tuple(x.shape):
+            raise QdslError(f"fixed codes of shape {tuple(self.codes.shape)} for a tensor of shape {tuple(x.shape)}")
+        s = F.param_view(scale.to(torch.float32), x, self.axis, self.group_size)
+        z = F.param_view(zp.to(torch.float32), x, self.axis, self.group_size)
+        return (self.codes.to(torch.float32) - z) * s
 
     def set_derived_scale(self, scale: torch.Tensor | None) -> None:
         """For a derived (``input*weight``) bias: the scale to use on the next call."""
@@ -237,11 +281,15 @@ class TensorQuantizer(LazyBuffers):
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """The integer codes ``forward(x)`` uses (int8/uint8/int16/int32 by range)."""
+        if self.offset.numel():
+            x = x + self.offset
         p = self.qparams(x)
         if p is None:
             raise QdslError(f"quantizer {self.name or self.role.value} has no scale yet: calibrate the model first")
         scale, zp, thr = (t.detach() if isinstance(t, torch.Tensor) else t for t in p)
         x = x.detach()
+        if self.codes.numel():
+            return self.codes.to(F.int_dtype(self.qmin, self.qmax))
         k = self.kind
         if k is Kind.INT:
             if self._round_fn is None:
@@ -264,11 +312,17 @@ class TensorQuantizer(LazyBuffers):
             if not self.stateless and self.observer is not None:
                 self.observer(x.detach())
             return x
+        if self.offset.numel():
+            x = x + self.offset
+        if self.codes.numel():
+            return self._from_codes(x)
         if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad):
             return self._fast(x)
         p = self.qparams(x)
         if p is None:
+            self._last_scale = None
             return x
+        self._last_scale = p[0]
         return self._with_grad(x, *p)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
@@ -300,6 +354,8 @@ class TensorQuantizer(LazyBuffers):
             return
         if self.role in (Role.WEIGHT, Role.BIAS) and not self.derived and x is None:
             raise ValueError("freezing a parameter quantizer needs the parameter")
+        if x is not None and self.offset.numel():
+            x = x + self.offset
         p = self.qparams(x)
         if p is None:
             raise QdslError(

@@ -1,0 +1,199 @@
+"""``qdsl.apply`` and ``qdsl.remove``: patch an unmodified model from a plan, and undo it.
+
+Guarantees
+----------
+* ``type(module)`` never changes; no ``forward`` is rebound.  Everything is hooks, a
+  moved parameter (``weight`` -> ``weight_float``, same ``nn.Parameter``) and one child
+  module ``model._qdsl`` (see :mod:`qdsl.patch.handle`).
+* ``remove(model)`` restores the model: ``state_dict()`` has the same keys in the same
+  order with bit-identical values (BatchNorm buffers included), the parameters are the
+  same objects, and outputs are bit-identical.
+* Applying to an already applied model, a plan naming modules the model lacks, a weight
+  quantizer on a module without a weight, a group size that does not divide the weight
+  rows, an ``input*weight`` bias without per-tensor input and weight scales: each is a
+  :class:`~qdsl.spec.diagnostics.QdslError` (a located :class:`SpecError` where the plan
+  knows the spec line), raised before the model is touched.
+
+Supported modules: any module for input/output roles (activations, containers such as a
+residual block, the model itself via fqn ``""`` for the model input); any module with a
+``weight``/``bias`` parameter for the weight/bias roles (Linear, Conv1d, Conv2d with
+groups and dilation are what export understands).  With ``fold_bn``, a folded layer
+whose model has no bias gets the folded bias quantized as int32 with scale
+``input × weight`` when both its input and weight are quantized (an integer graph needs
+an integer bias), and left float otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from qdsl.patch.fold import find_bn_pairs
+from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
+from qdsl.patch.layer import LayerPatch
+from qdsl.quantizers import functional as F
+from qdsl.quantizers.parts import channel_axis, default_registries
+from qdsl.quantizers.proxy import TensorQuantizer
+from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
+from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError, UNKNOWN_SPAN
+from qdsl.spec.model import DERIVED_BIAS_SCALE, Granularity, GranularityKind, Kind, ObserverSpec, Role
+
+__all__ = ["apply", "remove", "folded_bias_recipe"]
+
+
+def folded_bias_recipe() -> QuantizerRecipe:
+    """int32, symmetric, scale ``input*weight``: the bias a folded BN adds to a bias-less layer."""
+    return QuantizerRecipe(Kind.INT, 32, True, False, True, DERIVED_BIAS_SCALE, Granularity(),
+                           ObserverSpec("minmax"), "half_even", False)
+
+
+def _to_plan(model: nn.Module, spec: Any, overrides: Any, registries: Any) -> Plan:
+    if isinstance(spec, Plan):
+        if overrides:
+            raise QdslError("overrides= needs a spec (file or QuantSpec), not an already resolved Plan")
+        return spec
+    from qdsl.resolve import resolve
+
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
+    return resolve(model, spec, registries=registries, overrides=overrides)
+
+
+def _span(layer: LayerPlan, role: Role, field: str) -> Span:
+    prov = layer.provenance.get((role, field))
+    return prov.set_by.span if prov is not None else UNKNOWN_SPAN
+
+
+def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[Diagnostic]:
+    diags: list[Diagnostic] = []
+    missing = [lp.fqn for lp in plan.layers if lp.quantized and lp.fqn not in modules]
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        diags.append(Diagnostic.error(
+            "E501", f"the plan names modules this {type(model).__name__} does not have: {shown}",
+            UNKNOWN_SPAN, "was the plan resolved against a different model? resolve it against this one",
+        ))
+        return diags
+    for lp in plan.layers:
+        if not lp.quantized:
+            continue
+        m = modules[lp.fqn]
+        roles = {r: q for r, q in lp.roles.items() if q is not None and q.kind is not Kind.FLOAT}
+        for role in (Role.WEIGHT, Role.BIAS):
+            q = roles.get(role)
+            if q is None or (role is Role.BIAS and q.scale == DERIVED_BIAS_SCALE):
+                continue
+            p = m._parameters.get(role.value)
+            if not isinstance(p, torch.Tensor):
+                diags.append(Diagnostic.error(
+                    "E502", f"'{lp.fqn}' ({type(m).__name__}) has no {role.value} parameter to quantize",
+                    _span(lp, role, "kind")))
+                continue
+            axis, group = channel_axis(q, role)
+            try:
+                F.param_shape(tuple(p.shape), axis, group)
+            except (ValueError, IndexError) as exc:
+                diags.append(Diagnostic.error(
+                    "E503", f"{role.value} of '{lp.fqn}' (shape {tuple(p.shape)}): {exc}",
+                    _span(lp, role, "granularity")))
+        bias = roles.get(Role.BIAS)
+        if bias is not None and bias.scale == DERIVED_BIAS_SCALE:
+            iq, wq = roles.get(Role.INPUT), roles.get(Role.WEIGHT)
+            why = None
+            if iq is None or wq is None:
+                why = "its input and its weight must both be quantized"
+            elif iq.kind is not Kind.INT or wq.kind is not Kind.INT:
+                why = "its input and weight must be int quantizers"
+            elif iq.granularity.kind is not GranularityKind.TENSOR:
+                why = "the input needs one scale (granularity tensor)"
+            elif wq.granularity.kind is GranularityKind.GROUP:
+                why = "the weight needs per-tensor or per-channel scales, not groups"
+            elif wq.granularity.kind is GranularityKind.CHANNEL and channel_axis(wq, Role.WEIGHT)[0] != 0:
+                why = "per-channel weight scales must be along the output channels (axis 0)"
+            if why:
+                diags.append(Diagnostic.error(
+                    "E504", f"the bias of '{lp.fqn}' has scale input*weight, but {why}",
+                    _span(lp, Role.BIAS, "scale"),
+                    "quantize the input and weight of this layer, or give the bias its own quantizer"))
+    return diags
+
+
+def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
+          example_input: Any = None) -> QdslHandle:
+    """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
+
+    ``example_input``, if given, is run through the patched model once (no grad) so a
+    problem shows up here rather than in the first real forward.
+    """
+    if not isinstance(model, nn.Module):
+        raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
+    st = state_of(model)
+    if st is not None:
+        raise QdslError(
+            f"qdsl is already applied to this {type(model).__name__} (state: {st.value}); "
+            "call qdsl.remove(model) before applying again"
+        )
+    regs = registries if registries is not None else default_registries()
+    plan = _to_plan(model, spec, overrides, regs)
+    modules = dict(model.named_modules())
+    diags = _check(model, plan, modules)
+    if diags:
+        raise SpecError(diags)
+    pairs = find_bn_pairs(model) if plan.fold_bn else {}
+    container = QdslContainer()
+    handle = QdslHandle(model, plan, container, regs)
+    container.handle = handle
+    for lp in plan.layers:
+        if not lp.quantized:
+            continue
+        module = modules[lp.fqn]
+        bn_fqn = pairs.get(lp.fqn)
+        has_bias = module._parameters.get("bias") is not None or bn_fqn is not None
+        proxies: dict[Role, TensorQuantizer] = {}
+        for role, recipe in lp.roles.items():
+            if recipe is None or recipe.kind is Kind.FLOAT or (role is Role.BIAS and not has_bias):
+                continue
+            proxies[role] = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}")
+        iq, wq = proxies.get(Role.INPUT), proxies.get(Role.WEIGHT)
+        if (bn_fqn is not None and Role.BIAS not in lp.roles and iq is not None and wq is not None
+                and iq.kind is Kind.INT and wq.kind is Kind.INT and iq.axis is None and wq.group_size is None
+                and wq.axis in (None, 0)):
+            # the model has no bias but folding creates one: int32 at input × weight scale
+            proxies[Role.BIAS] = TensorQuantizer(folded_bias_recipe(), Role.BIAS, regs, name=f"{lp.fqn}:bias")
+        if not proxies and bn_fqn is None:
+            continue
+        for role, q in proxies.items():
+            container.quantizers[proxy_key(lp.fqn, role)] = q
+        bn = modules[bn_fqn] if bn_fqn is not None else None
+        handle.layers[lp.fqn] = LayerPatch(handle, lp, module, proxies, bn, bn_fqn)
+    model.add_module("_qdsl", container)
+    installed: list[LayerPatch] = []
+    try:
+        for patch in handle.layers.values():
+            patch.install()
+            installed.append(patch)
+        if example_input is not None:
+            with torch.no_grad():
+                model(example_input)
+    except BaseException:
+        for patch in reversed(installed):
+            patch.uninstall()
+        del model._modules["_qdsl"]
+        container.handle = None
+        raise
+    handle.state = State.PREPARED
+    return handle
+
+
+def remove(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply` (see the module docstring); returns the model."""
+    handle = get_handle(model)
+    for patch in reversed(list(handle.layers.values())):
+        patch.uninstall()
+    del model._modules["_qdsl"]
+    handle.container.handle = None
+    handle.removed = True
+    return model

@@ -1,0 +1,222 @@
+"""One patched module: its hooks, its moved parameters, its folded BatchNorm.
+
+What a :class:`LayerPatch` does to ``module`` (and undoes in :meth:`LayerPatch.uninstall`):
+
+* forward **pre-hook**: quantize the first positional input (input proxy), then recompute
+  ``module.weight`` / ``module.bias`` (see :mod:`qdsl.patch.handle` for where the float
+  masters live).  The order matters: the input proxy runs first, so an ``input*weight``
+  bias reads the scale the input proxy *just* used (static: its scale; dynamic: this
+  batch's) and the scale the weight proxy used, and quantizes the bias with
+  ``scale = float32(input_scale × weight_scale)``, zero point 0, int32 range.
+* forward **hook**: quantize the output (output proxy).
+* BatchNorm folding: the float weight the weight proxy sees is ``W·γ/σ`` (per output
+  channel, ``σ = sqrt(running_var + eps)``) and the float bias ``(b − μ)·γ/σ + β``; the
+  BN keeps running but a forward hook makes it return its input.  The BN's buffers are
+  snapshotted and restored on uninstall (in train mode its own forward would update them).
+
+Frozen fast path: when every proxy of the layer is frozen (and the input is not
+dynamic) and autograd does not need the weights, the fake-quantized weight and bias are
+computed once and reused until the master weight, the BN's tensors (their ``_version``)
+or the handle's generation (bumped by freeze/load) change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from qdsl.resolve.plan import LayerPlan
+from qdsl.spec.diagnostics import QdslError
+from qdsl.spec.model import Role
+
+__all__ = ["LayerPatch", "MASTER_SUFFIX"]
+
+MASTER_SUFFIX = "_float"
+_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _bn_identity(module, args, output):
+    return args[0]
+
+
+class LayerPatch:
+    """The patch of one module; see the module docstring."""
+
+    def __init__(self, handle, plan: LayerPlan, module: nn.Module, proxies: dict[Role, Any],
+                 bn: nn.Module | None = None, bn_fqn: str | None = None):
+        self.handle = handle
+        self.fqn = plan.fqn
+        self.plan = plan
+        self.module = module
+        self.wq = proxies.get(Role.WEIGHT)
+        self.bq = proxies.get(Role.BIAS)
+        self.iq = proxies.get(Role.INPUT)
+        self.oq = proxies.get(Role.OUTPUT)
+        self.bn = bn
+        self.bn_fqn = bn_fqn
+        self._hooks: list[Any] = []
+        self._param_order = list(module._parameters)
+        self._moved: dict[str, bool] = {}  # name -> had a parameter (False: was None)
+        self._bn_snapshot: dict[str, torch.Tensor] = {}
+        self._cache_key: tuple | None = None
+
+    def proxies(self) -> dict[Role, Any]:
+        return {r: q for r, q in ((Role.INPUT, self.iq), (Role.WEIGHT, self.wq), (Role.BIAS, self.bq),
+                                  (Role.OUTPUT, self.oq)) if q is not None}
+
+    # --------------------------------------------------------------- install
+    def install(self) -> None:
+        m = self.module
+        for name, q in (("weight", self.wq), ("bias", self.bq)):
+            folded = self.bn is not None
+            if (q is not None or folded) and name in m._parameters:
+                p = m._parameters.pop(name)
+                self._moved[name] = p is not None
+                if p is not None:
+                    m._parameters[name + MASTER_SUFFIX] = p
+        if self.bn is not None:
+            for b in _BN_BUFFERS:
+                t = getattr(self.bn, b, None)
+                if isinstance(t, torch.Tensor):
+                    self._bn_snapshot[b] = t.detach().clone()
+            self._hooks.append(self.bn.register_forward_hook(_bn_identity))
+        if self._moved or self.iq is not None:
+            self._hooks.append(m.register_forward_pre_hook(self._pre))
+        if self.oq is not None:
+            self._hooks.append(m.register_forward_hook(self._post))
+        if self._moved:
+            with torch.no_grad():
+                self.refresh()
+
+    def uninstall(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        m = self.module
+        for name, had in self._moved.items():
+            m.__dict__.pop(name, None)
+            p = m._parameters.pop(name + MASTER_SUFFIX, None)
+            m._parameters[name] = p if had else None
+        # restore the parameters' order so state_dict() keys come out in the same order
+        params = dict(m._parameters)
+        m._parameters.clear()
+        for k in self._param_order:
+            if k in params:
+                m._parameters[k] = params.pop(k)
+        m._parameters.update(params)
+        self._moved.clear()
+        if self.bn is not None:
+            with torch.no_grad():
+                for b, saved in self._bn_snapshot.items():
+                    getattr(self.bn, b).copy_(saved)
+
+    # ------------------------------------------------------------ parameters
+    def master(self, name: str) -> torch.Tensor | None:
+        """The float master parameter (``weight`` or ``bias``), wherever it lives now."""
+        m = self.module
+        if name in self._moved:
+            return m._parameters.get(name + MASTER_SUFFIX)
+        return m._parameters.get(name)
+
+    def float_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The float weight and bias the weight/bias proxies see (BN folded in)."""
+        w, b = self.master("weight"), self.master("bias")
+        bn = self.bn
+        if bn is None or w is None:
+            return w, b
+        inv_std = torch.rsqrt(bn.running_var + bn.eps)
+        k = inv_std * bn.weight if bn.weight is not None else inv_std
+        w = w * k.reshape(-1, *([1] * (w.dim() - 1)))
+        shifted = -bn.running_mean if b is None else b - bn.running_mean
+        b = shifted * k
+        if bn.bias is not None:
+            b = b + bn.bias
+        return w, b
+
+    def _cacheable(self, w, b) -> tuple | None:
+        from qdsl.patch.handle import State
+
+        if self.handle.state not in (State.FROZEN, State.EXPORTED):
+            return None
+        if self.iq is not None and self.iq.dynamic:
+            return None
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self._grad_sources(w, b)):
+            return None
+        key = [self.handle.generation]
+        for t in self._grad_sources(w, b):
+            key += [id(t), t._version] if t is not None else [None, None]
+        if self.bn is not None:
+            for name in ("running_mean", "running_var"):
+                t = getattr(self.bn, name)
+                key += [id(t), t._version]
+        return tuple(key)
+
+    def _grad_sources(self, w, b):
+        out = [w, b]
+        if self.bn is not None:
+            out += [self.bn.weight, self.bn.bias]
+        return out
+
+    def refresh(self) -> None:
+        """Recompute ``module.weight`` / ``module.bias`` from the masters (and the BN)."""
+        w0, b0 = self.master("weight"), self.master("bias")
+        key = self._cacheable(w0, b0)
+        if key is not None and key == self._cache_key:
+            return
+        w, b = self.float_params()
+        if self.wq is not None and w is not None:
+            w = self.wq(w)
+        if self.bq is not None and b is not None:
+            if self.bq.derived and not self.bq.frozen:
+                s_in = self.iq.current_scale() if self.iq is not None else None
+                s_w = self.wq.current_scale() if self.wq is not None else None
+                self.bq.set_derived_scale(None if s_in is None or s_w is None else s_in.detach() * s_w.detach())
+            b = self.bq(b)
+        d = self.module.__dict__
+        if "weight" in self._moved:
+            d["weight"] = w
+        if "bias" in self._moved:
+            d["bias"] = b
+        self._cache_key = key
+
+    # ----------------------------------------------------------------- hooks
+    def _pre(self, module, args):
+        if self.iq is not None:
+            if not args or not isinstance(args[0], torch.Tensor):
+                raise QdslError(
+                    f"'{self.fqn or '<model>'}' has an input quantizer but was called without a tensor "
+                    "as its first positional argument"
+                )
+            args = (self.iq(args[0]),) + tuple(args[1:])
+        if self._moved:
+            self.refresh()
+        return args
+
+    def _post(self, module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise QdslError(
+                f"'{self.fqn or '<model>'}' has an output quantizer but returned {type(output).__name__}, "
+                "not a tensor"
+            )
+        return self.oq(output)
+
+    # ---------------------------------------------------------------- freeze
+    def freeze(self) -> None:
+        """Freeze this layer's proxies: activations first, then weight, then bias (whose
+        derived scale needs both)."""
+        for q in (self.iq, self.oq):
+            if q is not None and not q.frozen:
+                q.freeze()
+        with torch.no_grad():
+            w, b = self.float_params()
+            if self.wq is not None and not self.wq.frozen and w is not None:
+                self.wq.freeze(w)
+            if self.bq is not None and not self.bq.frozen and b is not None:
+                if self.bq.derived:
+                    if self.iq is not None and self.iq.dynamic:
+                        return  # the bias scale follows the input's per-batch scale
+                    self.bq.set_derived_scale(self.iq.scale * self.wq.scale)
+                self.bq.freeze(b)
+        self._cache_key = None
