@@ -210,6 +210,8 @@ class _Resolver:
         diags += self._rule_diags(applied_to, matched_any)
         diags += [self._with_layers(d, fqns) for d, fqns in self._layer_diags.items()]
         diags += [self._with_layers(d, fqns) for d, fqns in self._conflicts.values()]
+        # read in file order (rules' own problems before the layers they cause trouble on)
+        diags.sort(key=lambda d: (d.span.file, d.span.line, d.span.col))
         all_diags = dedupe(list(self.prep.diagnostics) + diags)
         if any(d.is_error for d in all_diags):
             raise SpecError(all_diags)
