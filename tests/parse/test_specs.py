@@ -69,3 +69,15 @@ def test_xnor_first_and_last_layers_are_8_bit():
         assert by_name[name].body.roles[Role.WEIGHT].extends == "w8"
     assert spec.quantizers["wbin"].kind is Kind.BINARY
     assert spec.quantizers["wbin"].observer.name == "mean_abs"
+
+
+@pytest.mark.parametrize("factory", ["conv_bn_relu_net", "digits_resnet", "conv1d_net", "mlp"])
+@pytest.mark.parametrize("path", DSL_FILES, ids=IDS)
+def test_examples_resolve_on_the_reference_models(path, factory):
+    """The examples are realistic: each resolves (no unmatched rule, no conflict) on every reference net."""
+    pytest.importorskip("torch")
+    import qdsl
+    from qdsl.testing import models
+
+    plan = qdsl.resolve(getattr(models, factory)(), load_spec(path))
+    assert plan is not None
