@@ -139,10 +139,14 @@ def _lint_plan(plan, prep, original, prof, model, calibrated, regs, model_label)
                        spec_file=spec_file, model_label=model_label)
     diags += check_hygiene(plan, prep, original)
     if not graph.traced and model is not None and (prof.ops is not None or prof.integer_only):
+        if isinstance(model, ModelIndex):
+            what, hint = "a ModelIndex has no forward()", "lint the nn.Module itself to check them"
+        else:
+            what, hint = ("could not trace the model with torch.fx",
+                          "make forward() traceable (no data-dependent control flow) to check them")
         diags.append(Diagnostic.warning(
-            "W340", f"could not trace the model with torch.fx; functional ops (+, cat, F.relu) were not checked "
-            f"against {prof.name}", Span(model_label),
-            "make forward() traceable (no data-dependent control flow) to check them"))
+            "W340", f"{what}; functional ops (+, cat, F.relu) were not checked against {prof.name}",
+            Span(model_label), hint))
     return sorted(diags, key=sort_key)
 
 
