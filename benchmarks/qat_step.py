@@ -57,6 +57,7 @@ def build_qdsl(base: nn.Module, spec: str, calib: torch.Tensor) -> nn.Module:
     qdsl.apply(model, str(SPECS / spec))
     model.eval()
     qdsl.calibrate(model, [calib[i : i + 32] for i in range(0, len(calib), 32)])
+    qdsl.qat.prepare_qat(model)  # BN-folded layers train with live BN statistics
     return model.train()
 
 

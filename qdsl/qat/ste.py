@@ -121,6 +121,18 @@ def _view(p: Tensor, x: Tensor, axis: Optional[int], group_size: Optional[int]) 
     return F.param_view(p, x, axis, group_size)
 
 
+def _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size) -> bool:
+    if rounding != "half_even" or x.dtype != torch.float32 or group_size is not None:
+        return False
+    if qmax - qmin >= 2**16:  # the fused kernels are for narrow integer ranges
+        return False
+    if torch.is_grad_enabled() and (scale.requires_grad or (zero_point is not None and zero_point.requires_grad)):
+        return False
+    if axis is None:
+        return scale.numel() == 1 and (zero_point is None or zero_point.numel() == 1)
+    return scale.dim() == 1 and (zero_point is None or zero_point.shape == scale.shape)
+
+
 class _FakeQuant(torch.autograd.Function):
     """Works on broadcast-shaped ``scale``/``zero_point``; see :func:`fake_quant`."""
 
@@ -195,6 +207,17 @@ def fake_quant(
     >>> round(s.grad.item(), 4)  # (-4) + (1 - 0.52) + (2 - 1.8) + 3
     -0.32
     """
+    if _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size):
+        # torch's fused kernel: one pass computing the value and the clipping mask, the
+        # same float32 arithmetic as functional.fake_quant_affine (reciprocal multiply,
+        # half-even), and the same mask STE in backward.  Only when no gradient to the
+        # scale/zero point is needed (it does not give LSQ's).
+        s32 = scale.detach().to(torch.float32)
+        z32 = (torch.zeros(s32.shape, dtype=torch.int32, device=x.device) if zero_point is None
+               else zero_point.detach().to(torch.int32))
+        if axis is None:
+            return torch.fake_quantize_per_tensor_affine(x, s32.reshape(()), z32.reshape(()), qmin, qmax)
+        return torch.fake_quantize_per_channel_affine(x, s32, z32, axis % x.dim(), qmin, qmax)
     s = _view(scale, x, axis, group_size)
     z = None if zero_point is None else _view(zero_point.to(x.dtype), x, axis, group_size)
     return _FakeQuant.apply(x, s, z, qmin, qmax, rounding, float(grad_factor))

@@ -252,3 +252,17 @@ def test_stochastic_rounding_is_unbiased():
     torch.manual_seed(0)
     x = torch.full((20000,), 0.3)
     assert abs(ste.round_ste(x, "stochastic").mean().item() - 0.3) < 0.02
+
+
+@pytest.mark.parametrize("axis,zp", [(None, 0), (None, 3), (0, 0)])
+def test_fused_and_lsq_paths_agree(axis, zp):
+    """Without a scale gradient the fused torch kernel runs; with one, the LSQ function: same values and x-grads."""
+    x = (torch.randn(8, 4, 5, 5, generator=torch.Generator().manual_seed(9)) * 2).requires_grad_()
+    s = torch.rand(8) * 0.05 + 0.01 if axis == 0 else torch.tensor(0.043)
+    z = torch.full(s.shape, float(zp))
+    y_fused = ste.fake_quant(x, s, z, 0 if zp else -8, 15 if zp else 7, axis=axis)
+    g = torch.randn(x.shape)
+    (gx_fused,) = torch.autograd.grad(y_fused, x, g)
+    y_lsq = ste.fake_quant(x, s.clone().requires_grad_(), z, 0 if zp else -8, 15 if zp else 7, axis=axis)
+    (gx_lsq,) = torch.autograd.grad(y_lsq, x, g)
+    assert torch.equal(y_fused, y_lsq) and torch.equal(gx_fused, gx_lsq)
