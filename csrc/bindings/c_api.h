@@ -50,3 +50,19 @@ QDSL_API int qdsl_requantize(const int32_t* acc, int64_t rows, int64_t channels,
 #endif
 
 #endif /* QDSL_BINDINGS_C_API_H_ */
+
+/* ---- graphs ---- */
+#ifdef __cplusplus
+extern "C" {
+#endif
+QDSL_API int qdsl_graph_load(const void* data, int64_t size, void** handle, char* err, int64_t errlen);
+QDSL_API void qdsl_graph_free(void* handle);
+/* which 0 = inputs, 1 = outputs, 2 = ops: returns the count (index < 0) or fills info for
+ * one entry: info[0] dtype (ops: opcode), info[1] rank, info[2..10) dims; name into buf. */
+QDSL_API int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, char* name, int64_t namelen);
+QDSL_API int qdsl_graph_run(void* handle, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path,
+                            char* err, int64_t errlen);
+QDSL_API void qdsl_graph_overflow(void* handle, int64_t* counts, int64_t n);
+#ifdef __cplusplus
+}
+#endif

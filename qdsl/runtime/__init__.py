@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from qdsl.runtime import _native
 from qdsl.runtime.errors import RuntimeError_, RuntimeUnavailable
+from qdsl.runtime.graph import CompiledGraph
 
 __all__ = [
+    "CompiledGraph",
     "available",
     "load_error",
     "set_num_threads",

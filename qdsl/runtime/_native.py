@@ -43,6 +43,11 @@ _SIGNATURES = {
         _c_int,
         [_p, _i64, _i64, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],
     ),
+    "qdsl_graph_load": (_c_int, [_p, _i64, ctypes.POINTER(_p), _ERR, _i64]),
+    "qdsl_graph_free": (None, [_p]),
+    "qdsl_graph_entry": (_i64, [_p, _c_int, _i64, ctypes.POINTER(_i64), ctypes.c_char_p, _i64]),
+    "qdsl_graph_run": (_c_int, [_p, _i64, ctypes.POINTER(_p), ctypes.POINTER(_p), _u32, _ERR, _i64]),
+    "qdsl_graph_overflow": (None, [_p, ctypes.POINTER(_i64), _i64]),
     "qdsl_requantize": (_c_int, [_p, _i64, _i64] + _STAGE + [_p, _c_int, _u32, _ERR, _i64]),
 }
 

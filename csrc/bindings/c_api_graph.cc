@@ -1,0 +1,89 @@
+// C ABI for graphs: load (validate) once, then run the whole graph per call.
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <new>
+
+#include "bindings/c_api.h"
+#include "qdsl/graph.h"
+
+namespace {
+
+int ReportG(const qdsl::Status& st, char* err, int64_t errlen) {
+  if (st.ok()) return 0;
+  if (err != nullptr && errlen > 0) {
+    const size_t n = std::min<size_t>(st.message().size(), static_cast<size_t>(errlen - 1));
+    std::memcpy(err, st.message().data(), n);
+    err[n] = 0;
+  }
+  return static_cast<int>(st.code());
+}
+
+template <typename F>
+int GuardG(char* err, int64_t errlen, F&& f) {
+  try {
+    return ReportG(f(), err, errlen);
+  } catch (const std::bad_alloc&) {
+    return ReportG(qdsl::Status(qdsl::StatusCode::kInternal, "out of memory"), err, errlen);
+  } catch (const std::exception& e) {
+    return ReportG(qdsl::Status(qdsl::StatusCode::kInternal, e.what()), err, errlen);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int qdsl_graph_load(const void* data, int64_t size, void** handle, char* err, int64_t errlen) {
+  return GuardG(err, errlen, [&]() -> qdsl::Status {
+    QDSL_CHECK_ARG(handle != nullptr && size >= 0, "bad arguments");
+    *handle = nullptr;
+    std::unique_ptr<qdsl::Graph> g;
+    QDSL_RETURN_IF_ERROR(qdsl::LoadGraph(static_cast<const uint8_t*>(data), size, &g));
+    *handle = g.release();
+    return qdsl::Status::Ok();
+  });
+}
+
+void qdsl_graph_free(void* handle) { delete static_cast<qdsl::Graph*>(handle); }
+
+int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, char* name, int64_t namelen) {
+  const auto* g = static_cast<const qdsl::Graph*>(handle);
+  const int64_t count = which == 0 ? g->inputs.size() : (which == 1 ? g->outputs.size() : g->ops.size());
+  if (index < 0 || index >= count) return count;
+  std::string nm;
+  if (which == 2) {
+    const qdsl::GraphOp& op = g->ops[index];
+    info[0] = op.opcode;
+    info[1] = 0;
+    nm = op.name;
+  } else {
+    const qdsl::GraphTensor& t = g->tensors[which == 0 ? g->inputs[index] : g->outputs[index]];
+    info[0] = t.dtype;
+    info[1] = static_cast<int64_t>(t.dims.size());
+    for (size_t d = 0; d < t.dims.size() && d < 8; ++d) info[2 + d] = t.dims[d];
+    nm = t.name;
+  }
+  if (name != nullptr && namelen > 0) {
+    const size_t n = std::min<size_t>(nm.size(), static_cast<size_t>(namelen - 1));
+    std::memcpy(name, nm.data(), n);
+    name[n] = 0;
+  }
+  return count;
+}
+
+int qdsl_graph_run(void* handle, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path,
+                   char* err, int64_t errlen) {
+  return GuardG(err, errlen, [&]() -> qdsl::Status {
+    QDSL_CHECK_ARG(handle != nullptr && inputs != nullptr && outputs != nullptr, "null graph arguments");
+    return qdsl::RunGraph(static_cast<qdsl::Graph*>(handle), batch, inputs, outputs, path);
+  });
+}
+
+void qdsl_graph_overflow(void* handle, int64_t* counts, int64_t n) {
+  const auto* g = static_cast<const qdsl::Graph*>(handle);
+  for (int64_t i = 0; i < n && i < static_cast<int64_t>(g->overflow.size()); ++i) counts[i] = g->overflow[i];
+}
+
+}  // extern "C"

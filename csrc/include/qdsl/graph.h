@@ -1,0 +1,70 @@
+// A loaded .qgraph (docs/qgraph.md, version 1) and its executor.
+//
+// LoadGraph parses and validates every byte (header, CRC-32, section bounds, string
+// lengths, dtypes, payload sizes and padding bits, op arity and attributes, topological
+// order, shapes by inference), so Run never reads out of bounds: a corrupt file is a
+// kFormatError Status, never a crash.  Run executes the whole graph in one call with the
+// semantics of qdsl/export/reference.py, bit for bit.
+#ifndef QDSL_GRAPH_H_
+#define QDSL_GRAPH_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qdsl/gemm.h"
+#include "qdsl/status.h"
+
+namespace qdsl {
+
+// File dtype codes (docs/qgraph.md §2).
+enum GraphDType : int { kF32 = 1, kI8 = 2, kU8 = 3, kI32 = 4, kI4 = 5, kU4 = 6, kI2 = 7, kU2 = 8, kBin = 9 };
+
+struct Attr {
+  int type = 0;  // 1 INT, 2 FLOAT, 3 INTS
+  int64_t i = 0;
+  float f = 0.f;
+  std::vector<int64_t> ints;
+};
+
+struct GraphTensor {
+  std::string name;
+  int dtype = 0;
+  bool is_constant = false;
+  std::vector<int64_t> dims;    // activations: dims[0] is the batch (-1 = dynamic)
+  std::vector<int32_t> values;  // constants: logical values, row-major
+};
+
+struct PreparedOp;  // per-op packed weights and checked parameters (executor.cc)
+
+struct GraphOp {
+  int opcode = 0;
+  std::string name;
+  std::vector<uint32_t> inputs, outputs;
+  std::map<std::string, Attr> attrs;
+  std::shared_ptr<PreparedOp> prepared;
+};
+
+struct Graph {
+  std::string name;
+  std::vector<GraphTensor> tensors;
+  std::vector<uint32_t> inputs, outputs;
+  std::vector<GraphOp> ops;
+  std::vector<int64_t> overflow;  // per op, from the last Run
+  // Run-time buffers, reused while the batch size stays the same.
+  int64_t planned_batch = -1;
+  std::vector<std::vector<uint8_t>> buffers;
+};
+
+Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out);
+// Shape of tensor t for batch n (dims[0] = n for activations).
+std::vector<int64_t> ShapeFor(const GraphTensor& t, int64_t n);
+// inputs[i]: graph input i (float32 / int8 / uint8 container, shape ShapeFor(batch));
+// outputs[i]: caller-allocated buffers of graph output i.
+Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path);
+
+}  // namespace qdsl
+
+#endif  // QDSL_GRAPH_H_

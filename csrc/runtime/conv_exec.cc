@@ -1,0 +1,175 @@
+// Execution of CONV1D/CONV2D/LINEAR and BCONV1D/BCONV2D/BLINEAR (docs/qgraph.md §4.3-4.4).
+//
+// Int ops: im2col per group (padding reads in_zp, so it contributes 0), then the packed
+// GEMM into int32 (exact by the bound checked in prepare_conv.cc), or exact int64 loops
+// when that bound fails or the reference path is forced.  Binary ops: im2col of +-1
+// values with padding +1, bit-packing, popcount GEMM, then for windows that touch the
+// padding the padded taps' contribution (+1 * w) is subtracted again, so padding taps are
+// skipped exactly as the reference does.  Then bias (int64), acc_bits wrap/saturate with
+// overflow counting, and the output stage or the sign for BIN outputs.
+#include <cstdlib>
+#include <cstring>
+
+#include "dispatch.h"
+#include "ref/ref.h"
+#include "runtime/ops.h"
+
+namespace qdsl {
+namespace {
+
+struct Geometry {
+  int64_t n, C, H, W, O, OH, OW, cg, og, kdim;
+};
+
+Geometry Geo(const Graph* g, const GraphOp& op, int64_t batch) {
+  const PreparedOp& p = *op.prepared;
+  const std::vector<int64_t> xs = ShapeFor(g->tensors[op.inputs[0]], batch);
+  const std::vector<int64_t> ys = ShapeFor(g->tensors[op.outputs[0]], batch);
+  Geometry e;
+  e.n = xs[0];
+  e.C = xs[1];
+  e.H = p.spatial == 2 ? xs[2] : 1;
+  e.W = p.spatial >= 1 ? xs.back() : 1;
+  e.O = ys[1];
+  e.OH = p.spatial == 2 ? ys[2] : 1;
+  e.OW = p.spatial >= 1 ? ys.back() : 1;
+  e.cg = e.C / p.groups;
+  e.og = e.O / p.groups;
+  e.kdim = e.cg * p.kh * p.kw;
+  return e;
+}
+
+// Input position of tap (ky, kx) for output (oy, ox); false when it lies in the padding.
+inline bool Tap(const PreparedOp& p, const Geometry& e, int64_t oy, int64_t ox, int64_t ky, int64_t kx, int64_t* iy,
+                int64_t* ix) {
+  *iy = oy * p.sh - p.ph + ky * p.dh;
+  *ix = ox * p.sw - p.pw + kx * p.dw;
+  return *iy >= 0 && *iy < e.H && *ix >= 0 && *ix < e.W;
+}
+
+// rows [n*OH*OW][kdim] of group gi; out-of-bounds taps take `pad`.
+void Im2col(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t gi, uint8_t pad, uint8_t* rows) {
+  int64_t r = 0;
+  for (int64_t b = 0; b < e.n; ++b)
+    for (int64_t oy = 0; oy < e.OH; ++oy)
+      for (int64_t ox = 0; ox < e.OW; ++ox, ++r) {
+        uint8_t* dst = rows + r * e.kdim;
+        for (int64_t c = 0; c < e.cg; ++c) {
+          const uint8_t* plane = x + ((b * e.C + gi * e.cg + c) * e.H) * e.W;
+          for (int64_t ky = 0; ky < p.kh; ++ky)
+            for (int64_t kx = 0; kx < p.kw; ++kx) {
+              int64_t iy, ix;
+              *dst++ = Tap(p, e, oy, ox, ky, kx, &iy, &ix) ? plane[iy * e.W + ix] : pad;
+            }
+        }
+      }
+}
+
+int64_t FinishAcc(int64_t s, const PreparedOp& p, int64_t* overflow) {
+  const int64_t half = int64_t{1} << (p.acc_bits - 1);
+  if (s < -half || s >= half) {
+    ++*overflow;
+    if (p.overflow_mode == 1) return s < 0 ? -half : half - 1;
+    const uint64_t mask = (p.acc_bits == 64) ? ~uint64_t{0} : ((uint64_t{1} << p.acc_bits) - 1);
+    return static_cast<int64_t>((static_cast<uint64_t>(s) + static_cast<uint64_t>(half)) & mask) - half;
+  }
+  return s;
+}
+
+inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, int64_t idx, int64_t* overflow) {
+  if (!p.bias.empty()) s += p.bias[oc];
+  s = FinishAcc(s, p, overflow);
+  y[idx] = static_cast<uint8_t>(p.bin_out ? (s < 0 ? -1 : 1) : ApplyStage(s, p.out.stage, oc));
+}
+
+}  // namespace
+
+Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
+  const PreparedOp& p = *op.prepared;
+  const Geometry e = Geo(g, op, batch);
+  const GraphTensor& xt = g->tensors[op.inputs[0]];
+  const uint8_t* x = g->buffers[op.inputs[0]].data();
+  uint8_t* y = g->buffers[op.outputs[0]].data();
+  const int64_t sp = e.OH * e.OW, M = e.n * sp;
+  const bool binary = xt.dtype == kBin;
+  const bool is_linear = p.spatial == 0;
+  std::vector<uint8_t> rows;
+  std::vector<int32_t> acc(static_cast<size_t>(M * e.og));
+  for (int64_t gi = 0; gi < p.groups; ++gi) {
+    const uint8_t* a = x;
+    if (!is_linear) {
+      rows.resize(static_cast<size_t>(M * e.kdim));
+      Im2col(x, p, e, gi, binary ? 1 : static_cast<uint8_t>(p.in_zp), rows.data());
+      a = rows.data();
+    }
+    if (binary) {
+      const int64_t kwords = (e.kdim + 63) / 64;
+      std::vector<uint64_t> bits(static_cast<size_t>(M * kwords + 4));
+      QDSL_RETURN_IF_ERROR(BitpackSigns(reinterpret_cast<const int8_t*>(a), M, e.kdim, e.kdim, bits.data(), kwords));
+      GemmOutput o;
+      o.data = acc.data();
+      o.ld = e.og;
+      QDSL_RETURN_IF_ERROR(BinaryGemm(bits.data(), M, kwords, p.packed[gi], nullptr, o, path));
+    } else if (p.int32_exact && path != kPathRef) {
+      ActView av;
+      av.data = a;
+      av.dtype = xt.dtype == kU8 ? DType::kUInt8 : DType::kInt8;
+      av.rows = M;
+      av.cols = e.kdim;
+      av.ld = e.kdim;
+      av.zero_point = p.in_zp;
+      GemmOutput o;
+      o.data = acc.data();
+      o.ld = e.og;
+      QDSL_RETURN_IF_ERROR(Gemm(av, p.packed[gi], nullptr, o, path));
+    }
+    const bool exact64 = !binary && !(p.int32_exact && path != kPathRef);
+    const std::vector<int32_t>& wv = exact64 ? p.w_int[gi] : std::vector<int32_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t b = m / sp, s_ = m % sp, oy = s_ / e.OW, ox = s_ % e.OW;
+      bool border = false;
+      if (binary && !is_linear) {
+        for (int64_t ky = 0; ky < p.kh && !border; ++ky)
+          for (int64_t kx = 0; kx < p.kw && !border; ++kx) {
+            int64_t iy, ix;
+            border = !Tap(p, e, oy, ox, ky, kx, &iy, &ix);
+          }
+      }
+      for (int64_t o = 0; o < e.og; ++o) {
+        const int64_t oc = gi * e.og + o;
+        int64_t s;
+        if (exact64) {  // exact int64 dot product over the im2col row
+          s = 0;
+          const uint8_t* row = a + m * e.kdim;
+          const int32_t* wr = wv.data() + o * e.kdim;
+          for (int64_t k = 0; k < e.kdim; ++k) {
+            const int32_t xv = xt.dtype == kU8 ? row[k] : static_cast<int8_t>(row[k]);
+            s += static_cast<int64_t>(xv - p.in_zp) * wr[k];
+          }
+        } else {
+          s = acc[m * e.og + o];
+        }
+        if (border) {  // remove the padded taps' (+1 * w) contribution
+          const int8_t* wr_bits = nullptr;
+          (void)wr_bits;
+          const PackedWeights& pw = p.packed[gi];
+          int64_t k = 0;
+          for (int64_t c = 0; c < e.cg; ++c)
+            for (int64_t ky = 0; ky < p.kh; ++ky)
+              for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
+                int64_t iy, ix;
+                if (!Tap(p, e, oy, ox, ky, kx, &iy, &ix)) {
+                  const bool neg = (pw.bits_rows[o * pw.kwords + (k >> 6)] >> (k & 63)) & 1;
+                  s -= neg ? -1 : 1;
+                }
+              }
+        }
+        const int64_t idx = is_linear ? b * e.O + oc : (b * e.O + oc) * sp + s_;
+        Emit(s, p, oc, y, idx, overflow);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace qdsl

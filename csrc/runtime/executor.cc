@@ -1,0 +1,254 @@
+// Graph executor: one pass over the ops of a prepared Graph, with the semantics of
+// qdsl/export/reference.py (docs/qgraph.md §4).  Activations are stored in their
+// container type (int8 for I8 and BIN as +-1, uint8 for U8, float for F32) in buffers
+// planned once per batch size.  Conv/linear run through the packed GEMM (im2col for
+// convs, grouped) when the sum provably fits int32, otherwise through exact int64 loops.
+#include <cmath>
+#include <cstring>
+
+#include "dispatch.h"
+#include "runtime/ops.h"
+
+namespace qdsl {
+
+Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);  // conv_exec.cc
+
+namespace {
+
+inline int32_t Get(const uint8_t* b, int dtype, int64_t i) {
+  return dtype == kU8 ? static_cast<int32_t>(b[i]) : static_cast<int32_t>(static_cast<int8_t>(b[i]));
+}
+inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+double RoundF(double v, int64_t mode) {
+  switch (mode) {
+    case 1: return std::rint(v);  // half even (default FE_TONEAREST)
+    case 0: return v < 0 ? -std::floor(-v + 0.5) : (v > 0 ? std::floor(v + 0.5) : v);
+    case 3: return std::floor(v + 0.5);
+    default: return std::floor(v);
+  }
+}
+
+struct Ctx {
+  Graph* g;
+  int64_t batch;
+  uint8_t* Buf(uint32_t t) { return g->buffers[t].data(); }
+  std::vector<int64_t> Shape(uint32_t t) { return ShapeFor(g->tensors[t], batch); }
+  int DType(uint32_t t) { return g->tensors[t].dtype; }
+};
+
+int64_t Attr1(const GraphOp& op, const char* k) { return op.attrs.at(k).i; }
+
+// Spatial window iteration shared by the pools: calls f(out_index, taps...) per output.
+void Pool(Ctx& c, const GraphOp& op, bool is_max) {
+  const uint32_t xi = op.inputs[0], yi = op.outputs[0];
+  const std::vector<int64_t> xs = c.Shape(xi), ys = c.Shape(yi);
+  const int rank = static_cast<int>(xs.size()) - 2;
+  const auto& k = op.attrs.at("kernel").ints;
+  const auto& s = op.attrs.at("stride").ints;
+  const auto& p = op.attrs.at("padding").ints;
+  const int64_t H = rank == 2 ? xs[2] : 1, W = xs.back(), OH = rank == 2 ? ys[2] : 1, OW = ys.back();
+  const int64_t kh = rank == 2 ? k[0] : 1, kw = k.back(), sh = rank == 2 ? s[0] : 1, sw = s.back();
+  const int64_t ph = rank == 2 ? p[0] : 0, pw = p.back();
+  int64_t dh = 1, dw = 1;
+  if (is_max) {
+    const auto& d = op.attrs.at("dilation").ints;
+    dh = rank == 2 ? d[0] : 1;
+    dw = d.back();
+  }
+  const int xd = c.DType(xi), yd = c.DType(yi);
+  const uint8_t* x = c.Buf(xi);
+  uint8_t* y = c.Buf(yi);
+  const int64_t planes = xs[0] * xs[1];
+  const int32_t in_zp = is_max ? 0 : static_cast<int32_t>(Attr1(op, "in_zp"));
+  const OutputStage* st = is_max ? nullptr : &op.prepared->out.stage;
+  for (int64_t pl = 0; pl < planes; ++pl) {
+    for (int64_t oy = 0; oy < OH; ++oy) {
+      for (int64_t ox = 0; ox < OW; ++ox) {
+        int64_t acc = is_max ? INT64_MIN : 0;
+        for (int64_t ky = 0; ky < kh; ++ky) {
+          const int64_t iy = oy * sh - ph + ky * dh;
+          if (iy < 0 || iy >= H) continue;  // padding: never wins / contributes 0
+          for (int64_t kx = 0; kx < kw; ++kx) {
+            const int64_t ix = ox * sw - pw + kx * dw;
+            if (ix < 0 || ix >= W) continue;
+            const int32_t v = Get(x, xd, (pl * H + iy) * W + ix);
+            if (is_max) {
+              acc = v > acc ? v : acc;
+            } else {
+              acc += v - in_zp;
+            }
+          }
+        }
+        const int64_t o = (pl * OH + oy) * OW + ox;
+        y[o] = static_cast<uint8_t>(is_max ? acc : ApplyStage(acc, *st, 0));
+        (void)yd;
+      }
+    }
+  }
+}
+
+void ElementwiseStage(Ctx& c, const GraphOp& op) {  // REQUANTIZE, per channel along axis 1
+  const uint32_t xi = op.inputs[0], yi = op.outputs[0];
+  const std::vector<int64_t> xs = c.Shape(xi);
+  const int64_t C = xs.size() >= 2 ? xs[1] : 1, inner = xs.size() >= 2 ? Numel(xs) / (xs[0] * C) : 1;
+  const int32_t in_zp = static_cast<int32_t>(Attr1(op, "in_zp"));
+  const OutputStage& st = op.prepared->out.stage;
+  const uint8_t* x = c.Buf(xi);
+  uint8_t* y = c.Buf(yi);
+  const int xd = c.DType(xi);
+  const int64_t n = Numel(xs);
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint8_t>(ApplyStage(Get(x, xd, i) - in_zp, st, (i / inner) % C));
+}
+
+}  // namespace
+
+Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path) {
+  QDSL_CHECK_ARG(g != nullptr && batch >= 1 && batch <= (int64_t{1} << 24), "bad batch size %lld", (long long)batch);
+  uint32_t chosen = 0;
+  QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
+  if (g->planned_batch != batch) {
+    g->buffers.assign(g->tensors.size(), {});
+    for (size_t t = 0; t < g->tensors.size(); ++t) {
+      const GraphTensor& ts = g->tensors[t];
+      if (ts.is_constant) continue;
+      QDSL_CHECK_ARG(ts.dims[0] == -1 || ts.dims[0] == batch, "batch %lld does not match tensor '%s' (batch %lld)",
+                     (long long)batch, ts.name.c_str(), (long long)ts.dims[0]);
+      const int64_t n = Numel(ShapeFor(ts, batch));
+      QDSL_CHECK(n <= (int64_t{1} << 34), StatusCode::kInvalidArgument, "tensor '%s' too large for batch %lld",
+                 ts.name.c_str(), (long long)batch);
+      g->buffers[t].assign(static_cast<size_t>(n * (ts.dtype == kF32 ? 4 : 1)), 0);
+    }
+    g->planned_batch = batch;
+  }
+  Ctx c{g, batch};
+  for (size_t i = 0; i < g->inputs.size(); ++i) {
+    QDSL_CHECK_ARG(inputs[i] != nullptr, "null input %zu", i);
+    std::memcpy(c.Buf(g->inputs[i]), inputs[i], g->buffers[g->inputs[i]].size());
+  }
+  std::fill(g->overflow.begin(), g->overflow.end(), 0);
+  for (size_t oi = 0; oi < g->ops.size(); ++oi) {
+    const GraphOp& op = g->ops[oi];
+    const uint32_t xi = op.inputs[0], yi = op.outputs[0];
+    const int xd = c.DType(xi), yd = c.DType(yi);
+    const int64_t n = Numel(c.Shape(xi));
+    const uint8_t* x = c.Buf(xi);
+    uint8_t* y = c.Buf(yi);
+    switch (op.opcode) {
+      case kQuantize: {
+        const float inv = 1.0f / op.attrs.at("scale").f;
+        const int64_t zp = Attr1(op, "zero_point"), lo = Attr1(op, "qmin"), hi = Attr1(op, "qmax");
+        const int64_t mode = Attr1(op, "rounding");
+        const float* xf = reinterpret_cast<const float*>(x);
+        for (int64_t i = 0; i < n; ++i) {
+          const float v = xf[i] * inv;  // binary32 multiply, as the reference
+          int64_t q;
+          if (std::isnan(v)) {
+            q = Clamp(zp, lo, hi);
+          } else {
+            const double r = RoundF(static_cast<double>(v), mode) + static_cast<double>(zp);
+            q = r < static_cast<double>(lo) ? lo : (r > static_cast<double>(hi) ? hi : static_cast<int64_t>(r));
+          }
+          y[i] = static_cast<uint8_t>(q);
+        }
+        break;
+      }
+      case kDequantize: {
+        const float scale = op.attrs.at("scale").f;
+        const int64_t zp = Attr1(op, "zero_point");
+        float* yf = reinterpret_cast<float*>(y);
+        for (int64_t i = 0; i < n; ++i) yf[i] = static_cast<float>(Get(x, xd, i) - zp) * scale;
+        break;
+      }
+      case kBinarize: {
+        const int64_t zp = Attr1(op, "zero_point");
+        for (int64_t i = 0; i < n; ++i) {
+          bool neg;
+          if (xd == kF32) {
+            const float v = reinterpret_cast<const float*>(x)[i];
+            neg = v < static_cast<float>(zp);  // NaN compares false: +1
+          } else {
+            neg = Get(x, xd, i) < zp;
+          }
+          y[i] = static_cast<uint8_t>(static_cast<int8_t>(neg ? -1 : 1));
+        }
+        break;
+      }
+      case kRequantize: ElementwiseStage(c, op); break;
+      case kConv1d: case kConv2d: case kLinear: case kBconv1d: case kBconv2d: case kBlinear:
+        QDSL_RETURN_IF_ERROR(RunConv(g, op, batch, chosen, &g->overflow[oi]));
+        break;
+      case kAdd: {
+        const PreparedOp& p = *op.prepared;
+        const int64_t pre = Attr1(op, "pre_shift");
+        const uint8_t* x1 = c.Buf(op.inputs[1]);
+        const int xd1 = c.DType(op.inputs[1]);
+        for (int64_t i = 0; i < n; ++i) {
+          int64_t t = 0;
+          for (int k = 0; k < 2; ++k) {
+            const Rescale& r = p.in[k].stage.rescale;
+            const int64_t v = static_cast<int64_t>((k == 0 ? Get(x, xd, i) : Get(x1, xd1, i)) - p.in[k].stage.zero_point)
+                              * (int64_t{1} << pre);
+            t += RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding);
+          }
+          y[i] = static_cast<uint8_t>(ApplyStage(Sat32(t), p.out.stage, 0));
+        }
+        break;
+      }
+      case kConcat: {
+        const PreparedOp& p = *op.prepared;
+        const std::vector<int64_t> ys = c.Shape(yi);
+        const int64_t axis = Attr1(op, "axis");
+        int64_t outer = 1, inner = 1;
+        for (int64_t d = 0; d < axis; ++d) outer *= ys[d];
+        for (size_t d = axis + 1; d < ys.size(); ++d) inner *= ys[d];
+        const int64_t zp = Attr1(op, "out_zp"), lo = Attr1(op, "out_min"), hi = Attr1(op, "out_max");
+        int64_t offset = 0;
+        for (size_t k = 0; k < op.inputs.size(); ++k) {
+          const uint32_t ti = op.inputs[k];
+          const int64_t len = c.Shape(ti)[axis] * inner;
+          const uint8_t* xs = c.Buf(ti);
+          const int xdk = c.DType(ti);
+          const Rescale& r = p.in[k].stage.rescale;
+          for (int64_t o = 0; o < outer; ++o) {
+            for (int64_t j = 0; j < len; ++j) {
+              const int64_t v = Get(xs, xdk, o * len + j) - p.in[k].stage.zero_point;
+              y[o * ys[axis] * inner + offset + j] =
+                  static_cast<uint8_t>(Clamp(RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding) + zp, lo, hi));
+            }
+          }
+          offset += len;
+        }
+        break;
+      }
+      case kClamp: {
+        const int64_t lo = Attr1(op, "out_min"), hi = Attr1(op, "out_max");
+        for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint8_t>(Clamp(Get(x, xd, i), lo, hi));
+        break;
+      }
+      case kMaxpool1d: case kMaxpool2d: Pool(c, op, true); break;
+      case kAvgpool1d: case kAvgpool2d: Pool(c, op, false); break;
+      case kGlobalAvgpool: {
+        const std::vector<int64_t> xs = c.Shape(xi);
+        const int64_t planes = xs[0] * xs[1], sp = n / planes;
+        const int64_t zp = Attr1(op, "in_zp");
+        for (int64_t pl = 0; pl < planes; ++pl) {
+          int64_t acc = 0;
+          for (int64_t j = 0; j < sp; ++j) acc += Get(x, xd, pl * sp + j) - zp;
+          y[pl] = static_cast<uint8_t>(ApplyStage(acc, op.prepared->out.stage, 0));
+        }
+        break;
+      }
+      case kReshape: std::memcpy(y, x, static_cast<size_t>(n) * (xd == kF32 ? 4 : 1)); break;
+      default: return MakeStatus(StatusCode::kUnsupported, "op '%s': unsupported opcode %d", op.name.c_str(), op.opcode);
+    }
+    (void)yd;
+  }
+  for (size_t i = 0; i < g->outputs.size(); ++i) {
+    QDSL_CHECK_ARG(outputs[i] != nullptr, "null output %zu", i);
+    std::memcpy(outputs[i], c.Buf(g->outputs[i]), g->buffers[g->outputs[i]].size());
+  }
+  return Status::Ok();
+}
+
+}  // namespace qdsl

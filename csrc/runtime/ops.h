@@ -1,0 +1,50 @@
+// Internals shared by the graph validator (prepare.cc) and executor (executor.cc).
+#ifndef QDSL_RUNTIME_OPS_H_
+#define QDSL_RUNTIME_OPS_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "qdsl/gemm.h"
+#include "qdsl/graph.h"
+
+namespace qdsl {
+
+enum OpCode : int {
+  kQuantize = 1, kDequantize, kRequantize, kConv1d, kConv2d, kLinear, kBconv1d, kBconv2d, kBlinear,
+  kAdd, kConcat, kClamp, kMaxpool1d, kMaxpool2d, kAvgpool1d, kAvgpool2d, kGlobalAvgpool, kReshape, kBinarize,
+};
+
+// A stage's arrays copied out of the attribute map (OutputStage points into them).
+struct StageData {
+  std::vector<int32_t> multiplier, shift;
+  OutputStage stage;
+  bool present = false;
+};
+
+// Checked, precomputed parameters of one op.
+struct PreparedOp {
+  // Conv-like ops (linear: spatial rank 0, treated as a 1x1 conv on a 1x1 image).
+  int spatial = 0;
+  int64_t groups = 1, cin = 0, cout = 0, kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0, dh = 1, dw = 1;
+  int32_t in_zp = 0;
+  std::vector<PackedWeights> packed;        // per group (int: W - w_zp; binary: sign bits)
+  std::vector<std::vector<int32_t>> w_int;  // per group [og][K] (W - w_zp), for the exact int64 path
+  std::vector<int32_t> bias;                // empty = none
+  bool int32_exact = true;                  // every GEMM sum provably fits int32
+  int acc_bits = 32, overflow_mode = 0;
+  bool bin_out = false;
+  StageData out;
+  // ADD / CONCAT per-input rescales (per tensor).
+  std::vector<StageData> in;
+};
+
+inline int64_t Numel(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+}  // namespace qdsl
+
+#endif  // QDSL_RUNTIME_OPS_H_

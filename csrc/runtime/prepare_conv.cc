@@ -1,0 +1,127 @@
+// Validation and weight packing of CONV1D/CONV2D/LINEAR and their binary forms.
+//
+// Exactness: the int GEMM accumulates in int32.  The exact sum S is needed (acc_bits
+// wrap/saturate and overflow counts are defined on it), so a layer uses the GEMM only
+// when K * max|x - in_zp| * max|W - w_zp| <= INT32_MAX (no partial sum can wrap); the
+// bias is added afterwards in int64.  Otherwise the exact int64 reference path runs.
+#include <algorithm>
+#include <cstdlib>
+
+#include "runtime/ops.h"
+
+namespace qdsl {
+
+Status ReadStageFor(const GraphOp& op, int index, int64_t channels, int out_dtype, StageData* sd);
+
+#define OP_CHECK(cond, ...)                                                                          \
+  do {                                                                                               \
+    if (!(cond)) {                                                                                   \
+      const Status _s = MakeStatus(StatusCode::kFormatError, __VA_ARGS__);                          \
+      return MakeStatus(StatusCode::kFormatError, "op %d '%s': %s", index, op.name.c_str(), _s.message().c_str()); \
+    }                                                                                                \
+  } while (0)
+
+Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_shape) {
+  PreparedOp& p = *op.prepared;
+  const bool binary = op.opcode == kBconv1d || op.opcode == kBconv2d || op.opcode == kBlinear;
+  p.spatial = (op.opcode == kConv1d || op.opcode == kBconv1d) ? 1 : ((op.opcode == kConv2d || op.opcode == kBconv2d) ? 2 : 0);
+  const GraphTensor& x = g->tensors[op.inputs[0]];
+  const GraphTensor& w = g->tensors[op.inputs[1]];
+  const GraphTensor& out = g->tensors[op.outputs[0]];
+  const auto& A = op.attrs;
+  OP_CHECK(binary ? x.dtype == kBin : (x.dtype == kI8 || x.dtype == kU8), "input dtype does not fit the op");
+  OP_CHECK(w.is_constant && (binary ? w.dtype == kBin : (w.dtype != kF32 && w.dtype != kI32)),
+           "weights must be a constant of a weight dtype");
+  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kBin, "output must be I8/U8/BIN");
+  const int rank = p.spatial;
+  OP_CHECK(static_cast<int>(x.dims.size()) == 2 + rank && static_cast<int>(w.dims.size()) == 2 + rank,
+           "input/weight ranks must be %d", 2 + rank);
+  p.cin = x.dims[1];
+  p.cout = w.dims[0];
+  if (rank > 0) {
+    p.groups = A.at("groups").i;
+    OP_CHECK(p.groups >= 1 && p.cin % p.groups == 0 && p.cout % p.groups == 0 && w.dims[1] * p.groups == p.cin,
+             "groups=%lld does not divide C=%lld, O=%lld with weight dim 1 = %lld", (long long)p.groups,
+             (long long)p.cin, (long long)p.cout, (long long)w.dims[1]);
+    const auto& st = A.at("stride").ints;
+    const auto& pd = A.at("padding").ints;
+    const auto& dl = A.at("dilation").ints;
+    OP_CHECK(static_cast<int>(st.size()) == rank && static_cast<int>(pd.size()) == rank &&
+                 static_cast<int>(dl.size()) == rank, "stride/padding/dilation need %d entries", rank);
+    for (int i = 0; i < rank; ++i)
+      OP_CHECK(st[i] >= 1 && st[i] <= 4096 && pd[i] >= 0 && pd[i] <= 4096 && dl[i] >= 1 && dl[i] <= 4096,
+               "bad stride/padding/dilation");
+    int64_t* ks[2] = {&p.kh, &p.kw};
+    int64_t* ss[2] = {&p.sh, &p.sw};
+    int64_t* ps[2] = {&p.ph, &p.pw};
+    int64_t* ds[2] = {&p.dh, &p.dw};
+    const int off = 2 - rank;  // 1-D convs use the W slot
+    for (int i = 0; i < rank; ++i) {
+      *ks[off + i] = w.dims[2 + i];
+      *ss[off + i] = st[i];
+      *ps[off + i] = pd[i];
+      *ds[off + i] = dl[i];
+      const int64_t len = x.dims[2 + i] + 2 * pd[i] - dl[i] * (w.dims[2 + i] - 1) - 1;
+      OP_CHECK(len >= 0, "kernel larger than the padded input in spatial dim %d", i);
+      (*out_shape)[2 + i] = len / st[i] + 1;
+    }
+  } else {
+    OP_CHECK(w.dims[1] == p.cin, "LINEAR weight K=%lld but input K=%lld", (long long)w.dims[1], (long long)p.cin);
+  }
+  (*out_shape)[1] = p.cout;
+  if (op.inputs.size() == 3) {
+    const GraphTensor& b = g->tensors[op.inputs[2]];
+    OP_CHECK(b.is_constant && b.dtype == kI32 && b.dims.size() == 1 && b.dims[0] == p.cout, "bias must be I32 [O]");
+    p.bias = b.values;
+  }
+  p.acc_bits = static_cast<int>(std::min<int64_t>(std::max<int64_t>(A.at("acc_bits").i, 0), 64));
+  p.overflow_mode = static_cast<int>(A.at("overflow").i);
+  OP_CHECK(A.at("acc_bits").i >= 2 && A.at("acc_bits").i <= 32, "acc_bits outside [2, 32]");
+  OP_CHECK(p.overflow_mode == 0 || p.overflow_mode == 1, "overflow must be 0 (wrap) or 1 (saturate)");
+  p.bin_out = out.dtype == kBin;
+  if (!p.bin_out) QDSL_RETURN_IF_ERROR(ReadStageFor(op, index, p.cout, out.dtype, &p.out));
+
+  const int64_t og = p.cout / p.groups;
+  const int64_t kdim = (p.cin / p.groups) * p.kh * p.kw;
+  if (binary) {
+    for (int64_t gi = 0; gi < p.groups; ++gi) {
+      std::vector<int8_t> rows(static_cast<size_t>(og * kdim));
+      for (int64_t i = 0; i < og * kdim; ++i) rows[i] = static_cast<int8_t>(w.values[gi * og * kdim + i]);
+      p.packed.emplace_back();
+      QDSL_RETURN_IF_ERROR(PackBinaryWeights(rows.data(), og, kdim, kdim, &p.packed.back()));
+    }
+    return Status::Ok();
+  }
+  int64_t xlo = x.dtype == kI8 ? -128 : 0, xhi = x.dtype == kI8 ? 127 : 255;
+  p.in_zp = static_cast<int32_t>(A.at("in_zp").i);
+  OP_CHECK(A.at("in_zp").i >= xlo && A.at("in_zp").i <= xhi, "in_zp outside the input dtype");
+  const auto& wzp = A.at("w_zp").ints;
+  OP_CHECK(wzp.size() == 1 || static_cast<int64_t>(wzp.size()) == p.cout, "w_zp needs 1 or O entries");
+  for (int64_t v : wzp) OP_CHECK(std::llabs(v) <= 255, "w_zp %lld out of range", (long long)v);
+  int64_t wmax = 0;
+  for (int64_t gi = 0; gi < p.groups; ++gi) {
+    std::vector<int32_t> vals(static_cast<size_t>(og * kdim));
+    for (int64_t o = 0; o < og; ++o) {
+      const int64_t oc = gi * og + o;
+      const int64_t zp = wzp.size() == 1 ? wzp[0] : wzp[oc];
+      for (int64_t k = 0; k < kdim; ++k) {
+        const int64_t v = w.values[oc * kdim + k] - zp;
+        vals[o * kdim + k] = static_cast<int32_t>(v);
+        wmax = std::max<int64_t>(wmax, std::llabs(v));
+      }
+    }
+    p.w_int.push_back(std::move(vals));
+  }
+  const int64_t xmax = std::max(std::llabs(xlo - p.in_zp), std::llabs(xhi - p.in_zp));
+  p.int32_exact = wmax <= 511 && kdim * xmax * wmax <= INT32_MAX;
+  if (p.int32_exact) {
+    for (int64_t gi = 0; gi < p.groups; ++gi) {
+      std::vector<int16_t> v16(p.w_int[gi].begin(), p.w_int[gi].end());
+      p.packed.emplace_back();
+      QDSL_RETURN_IF_ERROR(PackWeights(v16.data(), og, kdim, kdim, &p.packed.back()));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace qdsl

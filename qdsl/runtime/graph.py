@@ -1,0 +1,131 @@
+"""``CompiledGraph``: a ``.qgraph`` loaded and validated by the C++ runtime, run in one call.
+
+Guarantees: construction parses and validates every byte in C++ (a corrupt or truncated
+graph raises :class:`qdsl.export.GraphFormatError`, never crashes); ``run`` checks the
+input array against the graph's declared input (dtype, shape, value range) and raises
+:class:`qdsl.export.reference.GraphInputError` on a mismatch; outputs equal
+``qdsl.export.reference`` bit for bit.  Buffers are planned once per batch size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import numpy as np
+
+from qdsl.runtime import _native
+from qdsl.runtime.errors import STATUS_NAMES, RuntimeError_, RuntimeUnavailable
+
+__all__ = ["CompiledGraph"]
+
+_F32, _I8, _U8, _BIN = 1, 2, 3, 9
+_NP = {_F32: np.float32, _I8: np.int8, _U8: np.uint8, _BIN: np.int8}
+_RANGE = {_I8: (-128, 127), _U8: (0, 255)}
+_PATHS = {"auto": 0, "ref": 1, "portable": 2, "avx2": 4}
+
+
+class _IO:
+    def __init__(self, name: str, dtype: int, dims: tuple[int, ...]):
+        self.name, self.dtype, self.dims = name, dtype, dims
+
+
+class CompiledGraph:
+    """A graph ready to run: ``CompiledGraph(graph_or_bytes).run(x)``."""
+
+    def __init__(self, graph: Any):
+        lib = _native.lib()
+        if lib is None:
+            raise RuntimeUnavailable(f"qdsl C++ runtime unavailable: {_native.load_error()}")
+        if isinstance(graph, (bytes, bytearray, memoryview)):
+            data = bytes(graph)
+        else:
+            from qdsl.export.qgraph import graph_to_bytes
+
+            data = graph_to_bytes(graph)
+        self._lib = lib
+        self._lock = threading.Lock()  # the C++ graph owns its run buffers
+        handle = ctypes.c_void_p()
+        err = ctypes.create_string_buffer(1024)
+        buf = ctypes.create_string_buffer(data, len(data))
+        code = lib.qdsl_graph_load(buf, len(data), ctypes.byref(handle), err, 1024)
+        if code != 0:
+            msg = err.value.decode("utf-8", "replace")
+            if STATUS_NAMES.get(code) == "format_error":
+                from qdsl.export.ir import GraphFormatError
+
+                raise GraphFormatError(msg)
+            raise RuntimeError_(msg, STATUS_NAMES.get(code, str(code)))
+        self._handle = handle
+        self.inputs = self._entries(0)
+        self.outputs = self._entries(1)
+        self.op_names = [e.name for e in self._entries(2)]
+
+    def _entries(self, which: int) -> list[_IO]:
+        info = (ctypes.c_int64 * 10)()
+        name = ctypes.create_string_buffer(4100)
+        count = self._lib.qdsl_graph_entry(self._handle, which, -1, info, name, 4100)
+        out = []
+        for i in range(count):
+            self._lib.qdsl_graph_entry(self._handle, which, i, info, name, 4100)
+            out.append(_IO(name.value.decode("utf-8", "replace"), int(info[0]), tuple(int(info[2 + d]) for d in range(info[1]))))
+        return out
+
+    def __del__(self):
+        handle = getattr(self, "_handle", None)
+        if handle:
+            self._lib.qdsl_graph_free(handle)
+            self._handle = None
+
+    def _check(self, spec: _IO, x: Any) -> np.ndarray:
+        from qdsl.export.reference import GraphInputError
+
+        x = np.asarray(x)
+        want = spec.dims
+        if x.ndim != len(want) or tuple(x.shape[1:]) != want[1:] or (want[0] != -1 and x.shape[0] != want[0]):
+            raise GraphInputError(f"input {spec.name!r} expects shape {want} (-1 = any batch), got {tuple(x.shape)}")
+        if x.shape[0] < 1:
+            raise GraphInputError(f"input {spec.name!r} needs a batch of at least 1")
+        if spec.dtype == _F32:
+            if not np.issubdtype(x.dtype, np.floating):
+                raise GraphInputError(f"input {spec.name!r} expects float32 values, got {x.dtype}")
+            return np.ascontiguousarray(x, dtype=np.float32)
+        if not np.issubdtype(x.dtype, np.integer):
+            raise GraphInputError(f"input {spec.name!r} expects integers, got {x.dtype}")
+        lo, hi = _RANGE[spec.dtype]
+        if x.size and (x.min() < lo or x.max() > hi):
+            raise GraphInputError(f"input {spec.name!r} values must be in [{lo}, {hi}]")
+        return np.ascontiguousarray(x, dtype=_NP[spec.dtype])
+
+    def run(self, *xs: Any, path: str = "auto") -> np.ndarray | tuple[np.ndarray, ...]:
+        """Run on one array per graph input; one array back for a single-output graph."""
+        if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
+            xs = tuple(xs[0])
+        from qdsl.export.reference import GraphInputError
+
+        if len(xs) != len(self.inputs):
+            raise GraphInputError(f"graph takes {len(self.inputs)} input(s), got {len(xs)}")
+        if path not in _PATHS:
+            raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(_PATHS)}")
+        arrays = [self._check(spec, x) for spec, x in zip(self.inputs, xs)]
+        batch = arrays[0].shape[0]
+        if any(a.shape[0] != batch for a in arrays):
+            raise GraphInputError("all graph inputs must have the same batch size")
+        outs = [np.empty((batch,) + o.dims[1:], dtype=_NP[o.dtype]) for o in self.outputs]
+        in_ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
+        out_ptrs = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
+        err = ctypes.create_string_buffer(1024)
+        with self._lock:
+            code = self._lib.qdsl_graph_run(self._handle, batch, in_ptrs, out_ptrs, _PATHS[path], err, 1024)
+            if code == 0:
+                counts = (ctypes.c_int64 * max(1, len(self.op_names)))()
+                self._lib.qdsl_graph_overflow(self._handle, counts, len(self.op_names))
+                self._overflow = {n: int(c) for n, c in zip(self.op_names, counts)}
+        if code != 0:
+            raise RuntimeError_(err.value.decode("utf-8", "replace"), STATUS_NAMES.get(code, str(code)))
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def overflow_counts(self) -> dict[str, int]:
+        """Accumulator overflows per op name in the last ``run`` (all ops, zeros included)."""
+        return dict(getattr(self, "_overflow", {}))

@@ -1,0 +1,163 @@
+"""Every optimized kernel path equals the scalar reference and numpy int64, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qdsl.runtime as rt
+
+pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
+
+from qdsl.runtime import kernels as K  # noqa: E402
+
+PATHS = [p for p in ("ref", "portable", "avx2") if rt.available() and p in K.paths()["cpu"]]
+SIZES = st.sampled_from([1, 2, 3, 5, 6, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129])
+
+
+def _expected(a, a_zp, w, w_zp, bias):
+    acc = (a.astype(np.int64) - a_zp) @ (w.astype(np.int64) - np.asarray(w_zp).reshape(-1, 1)).T
+    if bias is not None:
+        acc = acc + bias
+    return acc.astype(np.int32)
+
+
+def _agree(results: dict, expected: np.ndarray):
+    bad = [p for p, r in results.items() if not np.array_equal(r, expected)]
+    assert not bad, f"paths disagreeing with numpy: {bad}; agreeing: {[p for p in results if p not in bad]}"
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=SIZES, k=SIZES, n=SIZES, bits=st.sampled_from([8, 4, 2]), signed_a=st.booleans(),
+       use_zp=st.booleans(), seed=st.integers(0, 2**31))
+def test_gemm_all_paths_equal_numpy(m, k, n, bits, signed_a, use_zp, seed):
+    rng = np.random.default_rng(seed)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    w = rng.integers(lo, hi + 1, (n, k)).astype(np.int8)
+    w_zp = rng.integers(-3, 4, n) if use_zp else np.zeros(n, np.int64)
+    if signed_a:
+        a, a_zp = rng.integers(-128, 128, (m, k)).astype(np.int8), int(rng.integers(-128, 128))
+    else:
+        a, a_zp = rng.integers(0, 256, (m, k)).astype(np.uint8), int(rng.integers(0, 256))
+    bias = rng.integers(-1000, 1000, n).astype(np.int32)
+    pw = K.pack_weights(w, bits=bits, zero_point=w_zp if use_zp else None)
+    got = {p: K.gemm(a, pw, a_zero_point=a_zp, bias=bias, path=p) for p in PATHS}
+    _agree(got, _expected(a, a_zp, w, w_zp, bias))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gemm_saturation_corners(path):
+    # u8 255 * s8 -128 pairs would saturate int16 in vpmaddubsw; zero point -128 on s8
+    k = 67
+    for a_val, a_zp, dtype in [(255, 0, np.uint8), (0, 255, np.uint8), (127, -128, np.int8), (-128, 127, np.int8)]:
+        a = np.full((7, k), a_val, dtype=dtype)
+        for w_val in (-128, 127):
+            w = np.full((19, k), w_val, dtype=np.int8)
+            got = K.gemm(a, K.pack_weights(w), a_zero_point=a_zp, path=path)
+            np.testing.assert_array_equal(got, _expected(a, a_zp, w, 0, None))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_gemm_requantized_output_equals_reference_stage(path):
+    from qdsl.export.ir import Rescale
+    from qdsl.export.requant import apply_rescale
+
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, 256, (13, 70)).astype(np.uint8)
+    w = rng.integers(-128, 128, (37, 70)).astype(np.int8)
+    mult = rng.integers(1 << 30, (1 << 31) - 1, 37)
+    shift = rng.integers(-2, 20, 37)
+    stage = K.OutputStage(mult, shift, zero_point=5, qmin=-100, qmax=120)
+    got = K.gemm(a, K.pack_weights(w), a_zero_point=128, stage=stage, path=path)
+    acc = _expected(a, 128, w, 0, None).astype(np.int64)
+    want = np.clip(apply_rescale(acc, Rescale(0, tuple(mult), tuple(shift)), axis=1) + 5, -100, 120)
+    np.testing.assert_array_equal(got, want.astype(np.int8))
+
+
+@settings(max_examples=30, deadline=None)
+@given(m=SIZES, k=st.sampled_from([1, 7, 63, 64, 65, 127, 128, 129, 255, 256, 257, 2049]), n=SIZES,
+       seed=st.integers(0, 2**31))
+def test_binary_gemm_all_paths_equal_numpy(m, k, n, seed):
+    rng = np.random.default_rng(seed)
+    a = rng.choice([-1, 1], (m, k)).astype(np.int8)
+    w = rng.choice([-1, 1], (n, k)).astype(np.int8)
+    bits, pw = K.bitpack(a), K.pack_weights(w, bits=1)
+    got = {p: K.binary_gemm(bits, pw, path=p) for p in PATHS}
+    _agree(got, (a.astype(np.int64) @ w.T.astype(np.int64)).astype(np.int32))
+
+
+def test_bitpack_one_hot():
+    for k in (1, 63, 64, 65, 130):
+        for j in range(k):
+            s = np.ones((1, k), np.int8)
+            s[0, j] = -1
+            bits = K.bitpack(s)
+            assert bits.shape == (1, (k + 63) // 64)
+            expect = np.zeros_like(bits)
+            expect[0, j // 64] = np.uint64(1) << np.uint64(j % 64)
+            np.testing.assert_array_equal(bits, expect)
+
+
+_CORNERS = [0, 1, -1, 2, -2, 3, 127, -128, 255, 1 << 15, -(1 << 15), (1 << 30) + 1, (1 << 31) - 1, -(1 << 31),
+            -(1 << 31) + 1, 12345678, -12345678]
+
+
+@settings(max_examples=60, deadline=None)
+@given(kind=st.sampled_from([0, 1]), rounding=st.integers(0, 3), channels=st.sampled_from([1, 3, 8, 11]),
+       seed=st.integers(0, 2**31), out_signed=st.booleans())
+def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_signed):
+    from qdsl.export.ir import Rescale
+    from qdsl.export.requant import apply_rescale
+
+    rng = np.random.default_rng(seed)
+    if kind == 0:
+        rounding = 0
+        mult = rng.integers(0, 1 << 31, channels)
+        mult[rng.random(channels) < 0.2] = (1 << 31) - 1
+        shift = rng.integers(-31, 32, channels)
+    else:
+        mult = np.ones(channels, np.int64)
+        shift = rng.integers(-31, 63, channels)
+        shift[rng.random(channels) < 0.5] = rng.integers(0, 12)
+    acc = rng.integers(-(1 << 31), 1 << 31, (9, channels))
+    acc[0, :] = rng.choice(_CORNERS, channels)
+    acc[1, :] = rng.integers(-70000, 70000, channels)
+    lo, hi = (-128, 127) if out_signed else (0, 255)
+    zp = int(rng.integers(lo, hi + 1))
+    stage = K.OutputStage(mult, shift, zero_point=zp, qmin=lo, qmax=hi, kind=kind, rounding=rounding)
+    r = Rescale(kind, tuple(mult), tuple(shift), rounding)
+    want = np.clip(apply_rescale(acc, r, axis=1) + zp, lo, hi)
+    for path in PATHS:
+        got = K.requantize(acc.astype(np.int32), stage, np.int8 if out_signed else np.uint8, path=path)
+        np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(rt.RuntimeError_, match="outside int4 range"):
+        K.pack_weights(np.full((2, 3), 9, np.int8), bits=4)
+    pw = K.pack_weights(np.ones((4, 5), np.int8))
+    with pytest.raises(rt.RuntimeError_, match="K=6"):
+        K.gemm(np.zeros((2, 6), np.uint8), pw)
+    with pytest.raises(rt.RuntimeError_, match="zero point"):
+        K.gemm(np.zeros((2, 5), np.uint8), pw, a_zero_point=-1)
+    with pytest.raises(rt.RuntimeError_, match="shift"):
+        K.requantize(np.zeros((1, 1), np.int32), K.OutputStage([1 << 30], [40]))
+    with pytest.raises(rt.RuntimeError_, match="unknown kernel path"):
+        K.gemm(np.zeros((2, 5), np.uint8), pw, path="sse9")
+
+
+def test_threads_do_not_change_results():
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 256, (50, 300)).astype(np.uint8)
+    pw = K.pack_weights(rng.integers(-128, 128, (70, 300)).astype(np.int8))
+    before = rt.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            rt.set_num_threads(n)
+            outs.append(K.gemm(a, pw, a_zero_point=7))
+    finally:
+        rt.set_num_threads(before)
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
