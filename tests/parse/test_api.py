@@ -106,3 +106,16 @@ def test_cli_fmt_reports_errors_with_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "bad.qspec:2:1: error[E003]: unknown statement 'rulle'" in err
     assert "Traceback" not in err
+
+
+def test_reference_doc_example_is_the_same_spec_in_both_columns():
+    """docs/spec-language.md opens with one spec side by side in both syntaxes; keep them equal."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "spec-language.md").read_text()
+    start = doc.index("```\n# model.qspec ") + 4
+    block = doc[start:doc.index("```\n", start)].splitlines()
+    split = block[0].index("# model.qspec.toml")
+    left = "\n".join(line[:split] for line in block)
+    right = "\n".join(line[split:] for line in block)
+    assert parse_text(left, "doc.qspec") == parse_text(right, "doc.qspec.toml")
