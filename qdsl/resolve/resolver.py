@@ -25,6 +25,16 @@ recipe is validated with every error pointing at the span where the offending va
 written.  Layers that receive the same sources resolve identically, so the cascade runs
 once per distinct combination (memoized) and only shape checks run per layer - this is
 what keeps a 10,000-module model well under the 0.5 s budget (``benchmarks/resolve.py``).
+
+Records filled besides the recipes: ``LayerPlan.provenance`` keyed by ``(role, field)``
+for every field of every quantized role (and ``(role, "kind")`` for a role a source
+set to float), plus ``("layer", "skip")`` and ``("layer", "accumulator")``;
+``LayerPlan.matched_rules`` and ``Plan.rule_matches`` list the rules that *apply* to a
+layer / the layers each rule applies to, in model order.
+
+Errors: every problem is collected and raised as one ``SpecError``, in file order.  A
+problem that several layers share (a conflict, an invalid combination, a group size
+that does not divide a shape) is one diagnostic with an "on layers ..." note.
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
     Accumulator,
+    GranularityKind,
     Kind,
     QuantSpec,
     Role,
@@ -201,7 +212,7 @@ class _Resolver:
             for i in out.applied:
                 applied_to[i].append(entry.fqn)
             for role, recipe in out.roles.items():
-                if recipe is not None and role in _PARAM_ROLES and recipe.granularity.kind.value != "tensor":
+                if recipe is not None and role in _PARAM_ROLES and recipe.granularity.kind is not GranularityKind.TENSOR:
                     for d in check_shapes(recipe, role, entry, out.gran_spans.get(role, Span())):
                         self._layer_diags.setdefault(d, []).append(entry.fqn)
             layers.append(LayerPlan(
@@ -315,7 +326,16 @@ class _Resolver:
             attrs_frozendict(roles), attrs_frozendict(prov), skip, acc, tuple(applied), gran_spans, diags, conflicts
         )
 
-    def _role(self, role: Role, srcs, prov, conflicts, diags, gran_spans) -> QuantizerRecipe | None:
+    def _role(
+        self,
+        role: Role,
+        srcs: list[tuple[Level, Body]],
+        prov: dict[tuple[Any, str], FieldProvenance],
+        conflicts: list[tuple[Any, ...]],
+        diags: list[Diagnostic],
+        gran_spans: dict[Role, Span],
+    ) -> QuantizerRecipe | None:
+        """Cascade, override, fill and validate one role; None when it ends up in float."""
         won: dict[str, FieldProvenance] = {}
         written: dict[str, Span] = {}
         for field in TENSOR_QUANT_FIELDS:
