@@ -87,7 +87,7 @@ def lint(
     # Every rule optional: a rule that matches nothing becomes lint's W330 instead of
     # stopping the resolver, so the rest of the spec is still checked.
     lenient = attrs.evolve(composed, rules=tuple(attrs.evolve(r, optional=True) for r in composed.rules))
-    plan = resolve(model, lenient, registries=regs)
+    plan = resolve(_original_index(model) or model, lenient, registries=regs)
     return _lint_plan(plan, prep, composed, prof, model, calibrated, regs, model_label)
 
 
@@ -105,6 +105,15 @@ def lint_plan(
     regs = registries if registries is not None else builtin_registries()
     prep = _prepare(plan.spec, regs)
     return _lint_plan(plan, prep, plan.spec, prof, model, calibrated, regs, model_label)
+
+
+def _original_index(model: Any) -> ModelIndex | None:
+    """For a model qdsl already patched (parameters renamed), the index of the original."""
+    if not hasattr(model, "_modules") or "_qdsl" not in model._modules:
+        return None
+    from qdsl.patch.handle import get_handle
+
+    return get_handle(model).plan.index
 
 
 def _graph(plan: Plan, model: Any) -> ModelGraph:

@@ -36,7 +36,7 @@ from qdsl.spec.diagnostics import Diagnostic, Span
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
 from qdsl.spec.profile import CAPS_FIELDS, HardwareProfile, Position
 
-__all__ = ["LayerInts", "check_plan"]
+__all__ = ["LayerInts", "check_plan", "tight_layer_range"]
 
 
 @attrs.frozen
@@ -187,13 +187,7 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
     desc = f"weight {_range_text(w)} × input {_range_text(x)}, fan-in {fan_in}"
     overflow = hw.overflow.value if hw.overflow else "wrap"
     if li is not None:
-        wi = np.asarray(li.weight).astype(np.int64)
-        wi = wi.reshape(wi.shape[0], -1) - np.asarray(li.weight_zero_point, dtype=np.int64).reshape(-1, 1)
-        if li.input_zero_point is not None and x.kind is Kind.INT:
-            x_ranges = [(x.qmin - li.input_zero_point, x.qmax - li.input_zero_point)]
-        else:
-            x_ranges = list(operand_ranges(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric))
-        lo, hi = tight_range(wi, x_ranges, li.bias)
+        lo, hi = tight_layer_range(w, x, layer.roles.get(Role.BIAS), li)
         tight = bits_for(lo, hi)
         if tight > hw.bits:
             col.add(("E314", layer.fqn), Diagnostic.error(
@@ -207,6 +201,22 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
             "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
             span, _acc_fix(w, x, fan_in, hw.bits, profile, op),
             notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
+
+
+def tight_layer_range(w: QuantizerRecipe, x: QuantizerRecipe, b: QuantizerRecipe | None,
+                      li: LayerInts) -> tuple[int, int]:
+    """Exact accumulator extremes of one calibrated layer over every input in range."""
+    wi = np.asarray(li.weight).astype(np.int64)
+    wi = wi.reshape(wi.shape[0], -1)
+    zp = np.asarray(li.weight_zero_point, dtype=np.int64)
+    wi = wi - (zp if zp.shape == wi.shape else zp.reshape(-1, 1))  # per element (groups) or per row
+    if li.input_zero_point is not None and x.kind is Kind.INT:
+        x_ranges = [(x.qmin - li.input_zero_point, x.qmax - li.input_zero_point)]
+    else:
+        x_ranges = list(operand_ranges(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric))
+    # only a bias at scale input*weight is added in accumulator units
+    bias = li.bias if b is not None and b.scale == DERIVED_BIAS_SCALE else None
+    return tight_range(wi, x_ranges, bias)
 
 
 def _acc_fix(w: QuantizerRecipe, x: QuantizerRecipe, fan_in: int, acc_bits: int, profile: HardwareProfile,
