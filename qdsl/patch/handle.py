@@ -7,7 +7,10 @@ Where things live on a patched model
   ``quantizers`` keyed ``"<fqn with '.' -> '/'>:<role>"`` (``"<model>:input"`` for the
   root; ModuleDict keys cannot contain dots), plus a ``lifecycle`` buffer.  Because it is
   an ordinary child, ``model.state_dict()`` carries scales, zero points, observer
-  statistics and the lifecycle state (``_qdsl.quantizers.conv1:weight.scale``, ...).
+  statistics and the lifecycle state (``_qdsl.quantizers.conv1:weight.scale``, ...),
+  and ``model.to(device)`` moves them.  Its ``forward`` is the identity because a root
+  ``nn.Sequential`` calls every child in order: while applied, such a model has one more
+  element at its end (``len(model)``, ``model[-1]``); ``remove`` takes it away.
 * A patched layer's float master weight moves to ``module.weight_float`` (the same
   ``nn.Parameter`` object, so optimizers keep working) and ``module.weight`` becomes a
   plain tensor attribute holding the fake-quantized (and BN-folded) weight, recomputed
@@ -74,6 +77,10 @@ class QdslContainer(nn.Module):
         self.register_buffer("lifecycle", torch.zeros((), dtype=torch.int8))
         self.handle: QdslHandle | None = None
         self.generation = 0
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The identity: a root ``nn.Sequential`` calls every child, this one included."""
+        return args[0] if len(args) == 1 and not kwargs else (args, kwargs)
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)

@@ -199,7 +199,7 @@ class TensorQuantizer(LazyBuffers):
     def qparams(self, x: torch.Tensor | None = None):
         """``(scale, zero_point, threshold)`` the next ``forward(x)`` would use, or None if
         there is nothing to quantize with yet (static activation never observed)."""
-        if self.frozen:
+        if self.frozen and not self.dynamic:
             return self.scale, self.zero_point, (self.threshold if self.threshold.numel() else None)
         if self.derived:
             if self._derived_scale is None:
