@@ -50,6 +50,20 @@ class SweepPoint:
         return self.float_accuracy - self.accuracy
 
 
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside parentheses: ``histogram(bins=512, percentile=99),mse``."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        depth += (ch == "(") - (ch == ")")
+        cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
 def expand_settings(items: Sequence[str], product: bool = False) -> list[tuple[tuple[str, str], ...]]:
     """``["weight.bits=8,4", "input.bits=8,4"]`` -> ``[(("weight.bits","8"),("input.bits","8")), ...]``."""
     keys: list[str] = []
@@ -59,7 +73,7 @@ def expand_settings(items: Sequence[str], product: bool = False) -> list[tuple[t
         if not sep or not key.strip() or not rest.strip():
             raise QdslError(f"--set: expected KEY=V1[,V2,...], got '{item}' (e.g. weight.bits=8,6,4)")
         keys.append(key.strip())
-        values.append([v.strip() for v in rest.split(",") if v.strip()])
+        values.append([v.strip() for v in _split_top_level(rest) if v.strip()])
     if not keys:
         return [()]
     if product:

@@ -22,6 +22,11 @@ def test_expand_zips_equal_lists_and_broadcasts_singletons():
     ]
 
 
+def test_expand_keeps_parenthesised_commas():
+    got = expand_settings(["input.observer=histogram(bins=512, percentile=99.9),minmax"])
+    assert got == [(("input.observer", "histogram(bins=512, percentile=99.9)"),), (("input.observer", "minmax"),)]
+
+
 def test_expand_product():
     got = expand_settings(["weight.bits=8,4", "input.bits=8,6"], product=True)
     assert len(got) == 4 and (("weight.bits", "4"), ("input.bits", "6")) in got
