@@ -75,13 +75,38 @@ def _qat_refresh(self) -> None:
     # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
     f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
     f = f.reshape(-1, *([1] * (w.dim() - 1)))
-    wq = w if self.wq is None else self.wq(w * f) / f
+    wq = w if self.wq is None else _quantize_weight(self, w * f) / f
     d = self.module.__dict__
     if "weight" in self._moved:
         d["weight"] = wq
     if "bias" in self._moved:
         d["bias"] = b  # float during live-statistics training; the folded bias is quantized once frozen
     self._cache_key = None
+
+
+def _searching(q) -> bool:
+    from qdsl.quantizers import observers as O
+
+    return isinstance(q.observer, O.HistogramObserver)  # mse, histogram, percentile
+
+
+def _quantize_weight(self, wf: Tensor) -> Tensor:
+    """``wq(W·f)``, re-running a *searching* weight observer only every
+    ``weight_search_every`` training forwards (the previous qparams in between)."""
+    from qdsl.quantizers.proxy import TensorQuantizer
+
+    q = self.wq
+    every = getattr(self, "_qat_search_every", 1)
+    if (every <= 1 or q.learned or q.frozen or not q.enabled or q.observing or not _searching(q)
+            or TensorQuantizer.grad_path is None):
+        return q(wf)
+    n = getattr(self, "_qat_calls", 0)
+    self._qat_calls = n + 1
+    cached = getattr(self, "_qat_qparams", None)
+    if cached is None or n % every == 0:
+        p = q.qparams(wf.detach())
+        cached = self._qat_qparams = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)
+    return TensorQuantizer.grad_path(q, wf, *cached)
 
 
 def _make_bn_hooks(patch):
@@ -123,15 +148,22 @@ def _folded_patches(model: nn.Module):
     return [p for p in get_handle(model).layers.values() if p.bn is not None]
 
 
-def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None) -> int:
+def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weight_search_every: int = 8) -> int:
     """Give every BN-folded layer of an applied model its QAT training form (idempotent).
 
     ``freeze_bn_after``: freeze a BatchNorm's statistics once it has tracked that many
-    training batches (its ``num_batches_tracked``).  Returns the number of folded layers.
+    training batches (its ``num_batches_tracked``).  ``weight_search_every``: a weight
+    quantizer whose observer *searches* its range (mse, histogram, percentile) re-runs
+    the search every that many training forwards and reuses the last scale in between
+    (1 = every forward, exactly the PTQ behaviour).  The search costs several times a
+    layer's own gradient computation while the weights move little per step; min/max-
+    type observers and learned scales are cheap and always follow the current weight.
+    Returns the number of folded layers.
     """
     patches = _folded_patches(model)
     for patch in patches:
         patch._qat_freeze_after = freeze_bn_after
+        patch._qat_search_every = int(weight_search_every)
         _prepare_patch(patch)
     return len(patches)
 

@@ -43,6 +43,28 @@ def _zero_gain(sur: Tensor) -> Tensor:
     return sur - sur.detach()
 
 
+class _MaskedValue(torch.autograd.Function):
+    """Activation of a binary/ternary/pot proxy with a fixed scale: the proxy's value,
+    gradient ``g·mask`` with mask ``|x| <= s`` (BNN's clipped STE), or ``0 <= x <= s``
+    for unsigned {0, 1}."""
+
+    @staticmethod
+    def forward(ctx, x, q, scale, zero_point, threshold):
+        value = q._fake(x, scale, zero_point, threshold)
+        s = F.param_view(scale.to(x.dtype), x, q.axis, q.group_size)
+        if q.kind is Kind.BINARY and not q.recipe.signed:
+            mask = (x >= 0) & (x <= s)
+        else:
+            mask = x.abs() <= s
+        ctx.save_for_backward(mask)
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask, None, None, None, None
+
+
 def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) -> Tensor:
     """Fake-quantize ``x`` with proxy ``q``'s parameters and the QAT surrogate gradient."""
     rule = q.scale_rule
@@ -59,6 +81,9 @@ def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) ->
         zp = None if q.recipe.symmetric else zero_point
         return ste.fake_quant(x, scale, zp, q.qmin, q.qmax, rounding=q._round_mode, axis=axis,
                               group_size=group)
+    if not is_weight and not scale.requires_grad:
+        # activations are large: one autograd node, value and mask computed once
+        return _MaskedValue.apply(x, q, scale, zero_point, threshold)
     value = q._fake(x.detach(), scale.detach(), zero_point, threshold)
     s_view = F.param_view(scale.to(x.dtype), x, axis, group)
     if kind is Kind.BINARY:

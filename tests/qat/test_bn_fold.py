@@ -147,3 +147,24 @@ def test_prepare_is_idempotent_and_remove_restores():
     assert all(len(m._forward_hooks) == 0 for m in model.modules())
     for (k, v), (k2, v2) in zip(model.state_dict().items(), base.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
+
+
+def test_searching_weight_observer_reruns_every_n_forwards():
+    spec = parse_text(WEIGHT_ONLY.replace("observer=minmax", "observer=mse"), "w4mse.qspec")
+    model = models.conv_bn_relu_net(width=4)
+    handle = apply(model, spec)
+    qdsl.qat.prepare_qat(model, weight_search_every=3)
+    q = handle.layer("features.0").wq
+    calls = []
+    inner = q.qparams
+    q.qparams = lambda x=None: calls.append(1) or inner(x)
+    model.train()
+    for _ in range(7):
+        model(_x()).sum().backward()
+    assert len(calls) == 3  # forwards 0, 3 and 6
+    model.eval()
+    with torch.no_grad():
+        model(_x())
+        model(_x())
+    assert len(calls) == 5  # eval: the inference fold, searched on every call
+    q.qparams = inner
