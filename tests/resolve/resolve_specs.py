@@ -1,11 +1,14 @@
 """Builders for in-memory specs with fake but distinct source locations.
 
+Also ``ref_glob``, an independent component-wise glob matcher used as a reference.
 Tests construct ``QuantSpec`` records directly so the resolver is tested on its own;
 every node gets a span on its own line of a pretend file ``m.qspec`` so diagnostics and
 provenance can be checked for *where* they point.
 """
 
 from __future__ import annotations
+
+import fnmatch
 
 from qdsl.spec.diagnostics import Span
 from qdsl.spec.model import Accumulator, QuantSpec, Role, Rule, RuleBody, Target, TensorQuant
@@ -41,3 +44,16 @@ def spec(presets=None, defaults: RuleBody | None = None, rules=(), overrides: Ru
         overrides=overrides or RuleBody(),
         span=sp(1),
     )
+
+
+def ref_glob(pattern: str, name: str) -> bool:
+    """Reference: component-wise; a whole ``**`` component eats zero or more components."""
+
+    def go(ps: list[str], ns: list[str]) -> bool:
+        if not ps:
+            return not ns
+        if ps[0] == "**":
+            return any(go(ps[1:], ns[k:]) for k in range(len(ns) + 1))
+        return bool(ns) and fnmatch.fnmatchcase(ns[0], ps[0]) and go(ps[1:], ns[1:])
+
+    return go(pattern.split("."), name.split(".") if name else [])

@@ -1,7 +1,5 @@
 """Target matching: glob semantics (against an independent reference), regex, type, exact."""
 
-import fnmatch
-
 import pytest
 from hypothesis import given, strategies as st
 
@@ -9,19 +7,7 @@ from qdsl.resolve.plan import ModelIndex, ModuleEntry
 from qdsl.resolve.targets import Level, compile_glob, compile_target, match_targets
 from qdsl.spec.diagnostics import Diagnostic
 from qdsl.spec.model import Target
-
-
-def ref_glob(pattern: str, name: str) -> bool:
-    """Reference: component-wise; a whole ``**`` component eats zero or more components."""
-
-    def go(ps: list[str], ns: list[str]) -> bool:
-        if not ps:
-            return not ns
-        if ps[0] == "**":
-            return any(go(ps[1:], ns[k:]) for k in range(len(ns) + 1))
-        return bool(ns) and fnmatch.fnmatchcase(ns[0], ps[0]) and go(ps[1:], ns[1:])
-
-    return go(pattern.split("."), name.split(".") if name else [])
+from resolve_specs import ref_glob
 
 
 components = st.text(alphabet="ab01", min_size=1, max_size=3)
