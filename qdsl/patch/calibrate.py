@@ -99,6 +99,8 @@ def calibrating(model: nn.Module) -> Iterator[nn.Module]:
         for m, training in modes.items():
             m.training = training
         handle.state = State.CALIBRATING  # bump the generation: statistics changed
+        for patch in handle.layers.values():
+            patch.refresh_now()  # module.weight reads the quantized weight again
 
 
 def _run(model: nn.Module, batch: Any) -> None:
@@ -153,4 +155,6 @@ def freeze(model: nn.Module) -> nn.Module:
     for patch in handle.layers.values():
         patch.freeze()
     handle.state = State.FROZEN
+    for patch in handle.layers.values():
+        patch.refresh_now()
     return model

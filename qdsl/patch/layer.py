@@ -220,3 +220,10 @@ class LayerPatch:
                     self.bq.set_derived_scale(self.iq.scale * self.wq.scale)
                 self.bq.freeze(b)
         self._cache_key = None
+
+    def refresh_now(self) -> None:
+        """Recompute ``module.weight``/``bias`` outside a forward (after freeze, calibration)."""
+        if self._moved:
+            self._cache_key = None
+            with torch.no_grad():
+                self.refresh()
