@@ -105,14 +105,15 @@ def model_graph(model: Any) -> ModelGraph:
     try:
         import torch.fx
 
-        gm = torch.fx.symbolic_trace(model)
+        # the Graph alone: building a GraphModule (code generation) would double the cost
+        graph = torch.fx.Tracer().trace(model)
     except Exception:  # noqa: BLE001 - any tracing failure means: use the module list
         return index_graph(ModelIndex.from_module(model))
     modules = dict(model.named_modules())
     nodes: list[OpNode] = []
     inputs: list[str] = []
     output_preds: list[str] = []
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         preds = tuple(a.name for a in node.all_input_nodes)
         if node.op == "placeholder":
             inputs.append(node.name)

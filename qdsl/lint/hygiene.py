@@ -34,15 +34,32 @@ def _setter_spans(body: Body) -> set[tuple]:
     return spans
 
 
-def _origin_is(origin, label: str, spans: set[tuple]) -> bool:
-    s = origin.span
-    return origin.label == label and ((s.file, s.line, s.col) in spans or not s.known)
+def _winners(layer, cache: dict) -> set[tuple]:
+    """(label, location) of every source that won a field on ``layer``, plus the sources
+    that lost only to an override.  Layers resolved from the same sources share their
+    provenance objects, so the set is computed once per distinct provenance."""
+    key = tuple(map(id, layer.provenance.values()))
+    got = cache.get(key)
+    if got is None:
+        got = set()
+        for p in layer.provenance.values():
+            origins = [p.set_by]
+            if p.set_by.label.startswith("override"):
+                origins += [o for o, _ in p.overridden]
+            for o in origins:
+                s = o.span
+                label = o.label.split(" via ", 1)[0]
+                got.add((label, (s.file, s.line, s.col) if s.known else None))
+        cache[key] = got
+    return got
 
 
 def check_hygiene(plan: Plan, prep: Prepared, original: QuantSpec) -> list[Diagnostic]:
     out: list[Diagnostic] = []
     applied = {m.rule_index: m.fqns for m in plan.rule_matches}
     layers = {layer.fqn: layer for layer in plan.layers}
+    cache: dict = {}
+    winners: dict[str, set] = {}
     for i, (rule, body) in enumerate(zip(original.rules, prep.rules)):
         fqns = applied.get(i, ())
         if not fqns:
@@ -56,29 +73,26 @@ def check_hygiene(plan: Plan, prep: Prepared, original: QuantSpec) -> list[Diagn
                 "W330", f"{rule.describe()} matches no layer of this model it can apply to", rule.span, *hints))
             continue
         spans = _setter_spans(body)
+        mine = {(body.label, loc) for loc in spans} | {(body.label, None)}
         won = False
-        beaten_by: dict[str, str] = {}
-        for fqn in fqns:
-            layer = layers.get(fqn)
-            if layer is None:
-                continue
-            if layer.skip and ("layer", "skip") in layer.provenance:
-                beaten_by.setdefault("skip", str(layer.provenance[("layer", "skip")].set_by))
-            for key, p in layer.provenance.items():
-                if _origin_is(p.set_by, body.label, spans):
-                    won = True
-                    break
-                if p.set_by.label.startswith("override") and any(
-                        _origin_is(o, body.label, spans) or o.label.startswith(body.label + " via")
-                        for o, _ in p.overridden):
-                    won = True  # lost only to an override
-                    break
-                if any(o.label == body.label or o.label.startswith(body.label + " via") for o, _ in p.overridden):
-                    role, field = key
-                    what = field if role == "layer" else f"{getattr(role, 'value', role)}.{field}"
-                    beaten_by.setdefault(what, str(p.set_by))
-            if won:
+        for f in fqns:
+            if f not in winners and f in layers:
+                winners[f] = _winners(layers[f], cache)
+            if mine & winners.get(f, set()):
+                won = True
                 break
+        beaten_by: dict[str, str] = {}
+        if not won:
+            for fqn in fqns:
+                layer = layers.get(fqn)
+                if layer is None:
+                    continue
+                if layer.skip and ("layer", "skip") in layer.provenance:
+                    beaten_by.setdefault("skip", str(layer.provenance[("layer", "skip")].set_by))
+                for (role, field), p in layer.provenance.items():
+                    if any(o.label == body.label or o.label.startswith(body.label + " via") for o, _ in p.overridden):
+                        what = field if role == "layer" else f"{getattr(role, 'value', role)}.{field}"
+                        beaten_by.setdefault(what, str(p.set_by))
         if not won:
             notes = tuple(f"{what} is set by {who}" for what, who in list(beaten_by.items())[:4])
             out.append(Diagnostic.warning(

@@ -88,6 +88,7 @@ def check_plan(
 ) -> list[Diagnostic]:
     col = Collector()
     where_spec = Span(spec_file)
+    memo: dict[tuple, list] = {}
     for layer in plan.layers:
         entry = plan.index.by_name.get(layer.fqn) if plan.index is not None else None
         op = module_op(layer.type_name)
@@ -111,31 +112,46 @@ def check_plan(
                     layer=layer.fqn)
             continue
         roles = entry.roles if entry is not None else tuple(layer.roles)
-        for role in roles:
-            recipe = layer.roles.get(role)
-            if recipe is None:
-                if role is Role.OUTPUT or (role is Role.INPUT and not weighted):
-                    continue
-                known: dict[str, Any] = {"kind": Kind.FLOAT}
-            else:
-                known = _recipe_fields(recipe)
-            caps = profile.caps(role, op, positions)
-            for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales):
-                if recipe is None:
-                    span, origin = _written(layer, role, "kind", where_spec)
-                    origin = origin if layer.provenance.get((role, "kind")) else "not quantized by any source"
-                else:
-                    span, origin = _written(layer, role, v.field, where_spec)
-                ctx = _context(profile, role, op, positions, v.caps_field)
-                d = violation_diagnostic(v, role, span, profile, caps, origin=origin, context=ctx)
-                col.add((v.code, v.field, role, span.location(), span.path, v.requested, v.allowed, ctx), d,
-                        layer=layer.fqn)
+        # layers resolved from the same sources share recipe and provenance objects: check once
+        key = (layer.type_name, positions, roles, tuple(map(id, layer.roles.values())),
+               tuple(map(id, layer.provenance.values())))
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = _role_findings(layer, roles, op, weighted, positions, profile, pot_scales,
+                                               where_spec)
+        for k, d in found:
+            col.add(k, d, layer=layer.fqn)
         if weighted:
             _check_accumulator(layer, entry, op, profile, ints.get(layer.fqn), col, where_spec)
             _check_bias(layer, op, profile, col, where_spec)
         _check_fixed_output(layer, op, profile, col, where_spec)
     _check_ops(plan, graph, profile, col, model_label)
     return col.diagnostics()
+
+
+def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profile: HardwareProfile,
+                   pot_scales: frozenset[str], where_spec: Span) -> list[tuple[tuple, Diagnostic]]:
+    """Each role's recipe (or float) against the layer's capabilities, as (key, diagnostic)."""
+    out = []
+    for role in roles:
+        recipe = layer.roles.get(role)
+        if recipe is None:
+            if role is Role.OUTPUT or (role is Role.INPUT and not weighted):
+                continue
+            known: dict[str, Any] = {"kind": Kind.FLOAT}
+        else:
+            known = _recipe_fields(recipe)
+        caps = profile.caps(role, op, positions)
+        for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales):
+            if recipe is None:
+                span, origin = _written(layer, role, "kind", where_spec)
+                origin = origin if layer.provenance.get((role, "kind")) else "not quantized by any source"
+            else:
+                span, origin = _written(layer, role, v.field, where_spec)
+            ctx = _context(profile, role, op, positions, v.caps_field)
+            d = violation_diagnostic(v, role, span, profile, caps, origin=origin, context=ctx)
+            out.append(((v.code, v.field, role, span.location(), span.path, v.requested, v.allowed, ctx), d))
+    return out
 
 
 def _shapes(caps, field: str) -> bool:
