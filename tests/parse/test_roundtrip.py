@@ -8,7 +8,8 @@ that classify back to themselves (``Target.parse(t.text) == t``).
 
 import re
 
-from hypothesis import given, strategies as st
+import pytest
+from hypothesis import given, settings, strategies as st
 
 from qdsl.parse import format_spec, parse_text
 from qdsl.parse.schema import LEARNED_ROUNDINGS, RESERVED_PRESET_NAMES
@@ -117,24 +118,31 @@ specs = st.builds(
 )
 
 
+def _check_round_trips(spec):
+    dsl = format_spec(spec, to="qspec")
+    again = parse_text(dsl, "gen.qspec")
+    assert again == spec, dsl
+    assert format_spec(again, to="qspec") == dsl
+
+    toml = format_spec(spec, to="toml")
+    again = parse_text(toml, "gen.qspec.toml")
+    assert again == spec, toml
+    assert format_spec(again, to="toml") == toml
+
+    # conversion both ways: DSL -> TOML -> DSL
+    assert parse_text(format_spec(parse_text(dsl, "a.qspec"), to="toml"), "a.qspec.toml") == spec
+
+
+# Generating these specs costs more than checking them, so one generated spec is checked
+# in every direction; the default run is kept short and a slow run goes deep.
+@settings(max_examples=20)
 @given(specs)
-def test_dsl_round_trip(spec):
-    text = format_spec(spec, to="qspec")
-    again = parse_text(text, "gen.qspec")
-    assert again == spec, text
-    assert format_spec(again, to="qspec") == text
+def test_round_trips(spec):
+    _check_round_trips(spec)
 
 
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None)
 @given(specs)
-def test_toml_round_trip(spec):
-    text = format_spec(spec, to="toml")
-    again = parse_text(text, "gen.qspec.toml")
-    assert again == spec, text
-    assert format_spec(again, to="toml") == text
-
-
-@given(specs)
-def test_conversion_both_ways(spec):
-    via_toml = parse_text(format_spec(spec, to="toml"), "a.qspec.toml")
-    via_dsl = parse_text(format_spec(via_toml, to="qspec"), "a.qspec")
-    assert via_dsl == spec
+def test_round_trips_deep(spec):
+    _check_round_trips(spec)
