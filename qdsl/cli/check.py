@@ -37,13 +37,16 @@ def run(args) -> int:
     from qdsl.spec.diagnostics import render_all
 
     spec = load_for_resolve(args.spec, args.overrides or None)
+    model = load_model_ref(args.model) if args.model else None
     diags = check_spec(spec)
-    if any(d.is_error for d in diags):
+    if model is None and any(d.is_error for d in diags):
         print(render_all(diags), file=sys.stderr)
         return 2
     summary = f"{_plural(len(spec.quantizers), 'preset')}, {_plural(len(spec.rules), 'rule')}"
-    if args.model:
-        plan = resolve(load_model_ref(args.model), spec)  # SpecError -> exit 2 in main
+    if model is not None:
+        # resolve repeats the model-free checks and adds the model's, so a spec with
+        # problems of both kinds is reported in one pass (SpecError -> exit 2 in main)
+        plan = resolve(model, spec)
         summary += f", {_plural(sum(1 for lp in plan.layers if lp.quantized), 'layer')} quantized"
     if diags:
         print(render_all(diags), file=sys.stderr)

@@ -45,7 +45,6 @@ class Body:
     role_spans: Mapping[Role, Span]
     skip: Contribution | None = None
     accumulator: Contribution | None = None
-    optional: bool = False
 
     def set_by_span(self, role: Role, c: Contribution) -> Span:
         """Where "set by" points: the field itself, or the preset reference it came through."""
@@ -96,7 +95,6 @@ def _compile_body(
     registries: Registries,
     diags: list[Diagnostic],
     priority: int | None = None,
-    optional: bool = False,
     span: Span | None = None,
 ) -> Body:
     roles: dict[Role, dict[str, Contribution]] = {}
@@ -115,7 +113,7 @@ def _compile_body(
     acc = None
     if body.accumulator is not None:
         acc = Contribution(body.accumulator, body.accumulator.span)
-    return Body(label, order, priority or 0, where, roles, role_spans, skip, acc, optional)
+    return Body(label, order, priority or 0, where, roles, role_spans, skip, acc)
 
 
 def prepare(spec: QuantSpec, registries: Registries | None = None) -> Prepared:
@@ -132,7 +130,7 @@ def prepare(spec: QuantSpec, registries: Registries | None = None) -> Prepared:
     rules = []
     targets = []
     for i, rule in enumerate(spec.rules):
-        rules.append(_compile_body(rule.body, rule.describe(), i, table, regs, diags, rule.priority, rule.optional, rule.span))
+        rules.append(_compile_body(rule.body, rule.describe(), i, table, regs, diags, rule.priority, rule.span))
         compiled = []
         if not rule.targets:
             diags.append(Diagnostic.error("E218", f"{rule.describe()} has no target", rule.span))

@@ -229,7 +229,7 @@ def check_shapes(
                 "E216", f"channel axis {gran.axis} is out of range for the {what}", span,
                 f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis 0 is the output channels",
             )]
-    if gran.kind is GranularityKind.GROUP and gran.group_size and len(shape) >= 2:
+    if gran.kind is GranularityKind.GROUP and (gran.group_size or 0) > 0 and len(shape) >= 2:
         row = math.prod(shape[1:])
         if row % gran.group_size:
             # suggest the divisors nearest to what was asked for
@@ -237,7 +237,8 @@ def check_shapes(
             divisors = sorted(sorted(divisors, key=lambda g: abs(g - gran.group_size))[:6])
             return [Diagnostic.error(
                 "E217", f"group size {gran.group_size} does not divide the reduction size {row} "
-                f"(= {' x '.join(map(str, shape[1:]))}) of the {what}", span,
+                f"(= {' x '.join(map(str, shape[1:]))}) of the {role.value} of {entry.type_name} layers",
+                span,
                 "groups run along each flattened weight row; sizes that fit: "
                 + ", ".join(map(str, divisors)),
             )]

@@ -103,13 +103,13 @@ def test_group_size_must_divide_the_reduction_size(resnet, conv1d):
     assert resolve(resnet, spec(rules=[rule(5, "layer1.0.conv1", weight=tq(5, granularity=group(48)))]))
     with pytest.raises(SpecError) as exc:
         resolve(resnet, spec(rules=[rule(5, "type:Conv2d", "fc", weight=tq(5, granularity=group(32)))]))
-    # one diagnostic per distinct shape, listing the layers that have it
-    (d,) = [d for d in exc.value.diagnostics if "(16, 16, 3, 3)" in d.message]
-    assert d.code == "E217" and "144 (= 16 x 3 x 3)" in d.message
-    assert d.notes == ("on layers layer1.0.conv1, layer1.0.conv2, layer1.1.conv1, layer1.1.conv2",)
+    # one diagnostic per distinct reduction size, listing the layers that have it
+    (d,) = [d for d in exc.value.diagnostics if "144 (= 16 x 3 x 3)" in d.message]
+    assert d.code == "E217" and "weight of Conv2d layers" in d.message
+    assert d.notes == ("on layers layer1.0.conv1, layer1.0.conv2, layer1.1.conv1, layer1.1.conv2 and 1 more",)
     assert "48" in d.hints[0]  # sizes that fit
     assert d.span == sp(5, 10)
-    assert not any("(10, 32)" in d.message for d in exc.value.diagnostics)  # fc: 32 % 32 == 0
+    assert not any("Linear" in d.message for d in exc.value.diagnostics)  # fc: 32 % 32 == 0
     # Conv1d rows are in_channels * kernel: features.3 is 16 * 3 = 48
     with pytest.raises(SpecError, match="48 \\(= 16 x 3\\)"):
         resolve(conv1d, spec(rules=[rule(5, "features.3", weight=tq(5, granularity=group(32)))]))
