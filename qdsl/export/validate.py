@@ -211,10 +211,10 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         c.int("rounding", 0, len(Rounding) - 1)
         return INT8_DTYPES, x.shape
     if t is OpType.DEQUANTIZE:
-        dt(x, ACTIVATION_DTYPES, "input")
+        dt(x, ACTIVATION_DTYPES + (DType.I32,), "input")
         s = op.attrs["scale"]
         c.need(math.isfinite(s) and s > 0, f"scale must be finite and > 0, got {s}")
-        c.int("zero_point", *((0, 0) if x.dtype is DType.BIN else x.dtype.range))
+        c.int("zero_point", *((0, 0) if x.dtype in (DType.BIN, DType.I32) else x.dtype.range))
         return (DType.F32,), x.shape
     if t is OpType.BINARIZE:
         dt(x, (DType.F32,) + INT8_DTYPES, "input")

@@ -1,0 +1,380 @@
+"""``qdsl.export(model, example_input)``: lower a frozen patched model to an IntegerGraph.
+
+How: the model is traced with torch.fx by a tracer that bypasses qdsl's hooks (hooks do
+not belong in a graph) and instead inserts an explicit marker node wherever a patched
+module's input or output quantizer sits; the proxies are found by module path through
+``qdsl.patch.get_handle(model)``. ShapeProp gives every node's shape. The nodes are then
+walked in order, each mapped to a value (values.py); integer ops are emitted when a
+quantizer fixes a pending result's scale.
+
+Lowering rules (docs/qgraph.md has the op semantics):
+
+* a Conv1d/Conv2d/Linear with a weight quantizer and a quantized input becomes
+  CONV*/LINEAR (BCONV*/BLINEAR when input and weight are binary) with its BN-folded
+  integer weight (int8, packed int4/int2, ternary as int2, binary bit-packed), an int32
+  bias at scale ``s_in · s_w`` (the bias quantizer's codes when its scale is exactly that,
+  else the float bias rounded half-even at that scale), and the next quantizer's
+  requantization: factor ``s_in · s_w[c] / s_out`` (exact shifts when every scale is a
+  power of two, else gemmlowp multipliers), ReLU/ReLU6/Hardtanh fused into the clamp;
+* a residual ``+`` of quantized values and/or layer results becomes ADD at the scale of
+  the next quantizer (normally the block's output quantizer);
+* max pool and reshapes commute with quantization and are applied after it; average
+  pools sum integers and fold the divisor into the requantization; ``torch.cat`` becomes
+  CONCAT with per-input rescales; folded BatchNorms, Identity and Dropout vanish.
+
+Anything else - an op with no integer lowering, a float layer between integer layers, a
+value that must be quantized but has no quantizer - raises :class:`ExportError` naming
+the module path and the spec change that fixes it.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch import nn
+
+from qdsl.export.ir import DType, OpType, OutputStage, Rounding
+from qdsl.export.lower_layers import (
+    act_target,
+    add_pending,
+    concat_value,
+    layer_pending,
+    pool_pending,
+)
+from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
+from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
+
+__all__ = ["export", "trace_quantized"]
+
+
+def _qmark(x, fqn: str, role: str):
+    """Marker for 'the quantizer of (fqn, role) acts here'; identity when run."""
+    return x
+
+
+class _Tracer(torch.fx.Tracer):
+    """Bypasses hooks; inserts :func:`_qmark` nodes for patched input/output quantizers."""
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self.handle = handle
+        self._scopes: list[str] = [""]
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        patch = self.handle.layers.get(qualname)
+        if patch is not None and patch.wq is not None:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        node.meta["qdsl_scope"] = self._scopes[-1]
+        return node
+
+    def call_module(self, m, forward, args, kwargs):
+        fqn = self.path_of_module(m)
+        patch = self.handle.layers.get(fqn)
+        if patch is not None and patch.iq is not None and args:
+            args = (self.create_proxy("call_function", _qmark, (args[0], fqn, "input"), {}),) + tuple(args[1:])
+        self._scopes.append(fqn)
+        try:
+            if self.is_leaf_module(m, fqn):
+                out = self.create_proxy("call_module", fqn, args, kwargs)
+            else:
+                out = m.forward(*args, **kwargs)  # m(...) would run qdsl's hooks on proxies
+        finally:
+            self._scopes.pop()
+        if patch is not None and patch.oq is not None:
+            out = self.create_proxy("call_function", _qmark, (out, fqn, "output"), {})
+        return out
+
+
+class _ShapeRecorder(torch.fx.Interpreter):
+    """Runs the traced model once and stores each tensor node's shape in ``meta["qdsl_shape"]``.
+
+    (fx's ShapeProp would do, but it imports sympy: seconds per export.)"""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            n.meta["qdsl_shape"] = tuple(out.shape)
+        return out
+
+
+def trace_quantized(model: nn.Module, handle) -> torch.fx.GraphModule:
+    """The model's fx graph with explicit quantizer markers (see module doc)."""
+    tracer = _Tracer(handle)
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # fx raises many types for untraceable code
+        raise ExportError("", f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}",
+                          "export needs a model without data-dependent control flow") from None
+    return torch.fx.GraphModule(model, graph)
+
+
+_RELUS = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
+_PASS = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d)
+_ADDS = (operator.add, operator.iadd, torch.add)
+_RESHAPES_F = (torch.flatten, torch.reshape)
+_RELU_F = (F.relu, torch.relu, F.relu6, F.hardtanh)
+_SHAPE_METHODS = ("size", "dim")
+
+
+class _Lowerer:
+    def __init__(self, model: nn.Module, handle, gm: torch.fx.GraphModule):
+        self.model, self.handle, self.gm = model, handle, gm
+        self.modules = dict(model.named_modules())
+        self.folded_bns = {p.bn_fqn for p in handle.layers.values() if p.bn_fqn}
+        self.b = Builder()
+        self.env: dict[torch.fx.Node, Any] = {}
+        self.input_names: list[str] = []
+
+    # ---------------------------------------------------------------- helpers
+    def shape(self, node: torch.fx.Node) -> tuple[int, ...]:
+        shape = node.meta.get("qdsl_shape")
+        if shape is None:
+            raise ExportError(node.meta.get("qdsl_scope", ""), f"node {node.name} does not produce one tensor")
+        return (-1,) + tuple(int(d) for d in shape[1:])
+
+    def where(self, node: torch.fx.Node) -> str:
+        return node.meta.get("qdsl_scope", "")
+
+    def quantize(self, value: Any, fqn: str, role: str) -> QVal:
+        proxy = self.handle.quantizer(fqn, role)
+        t = act_target(proxy, f"{fqn or '<model>'}:{role}")
+        if isinstance(value, Pending):
+            return value.materialize(self.b, t)
+        if isinstance(value, QVal):
+            return self.requantize(value, t)
+        if isinstance(value, FloatVal) and value.name is not None:
+            if t.dtype is DType.BIN:
+                name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, value.shape, {"zero_point": 0})
+            else:
+                name = self.b.op(OpType.QUANTIZE, t.where, [value.name], t.dtype, value.shape,
+                                 dict(scale=t.scale, zero_point=t.zp, qmin=t.qmin, qmax=t.qmax, rounding=int(t.rounding)))
+            shape = value.shape
+            if value.reshape is not None:
+                name = self.b.op(OpType.RESHAPE, t.where, [name], t.dtype, (-1,) + value.reshape, {"shape": value.reshape})
+                shape = (-1,) + value.reshape
+            return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
+        raise ExportError(fqn, f"the {role} quantizer reads a float value produced by '{value.origin}'",
+                          f"'{value.origin}' is left in float between integer layers: quantize it in the spec "
+                          "(or skip everything after it too)")
+
+    def requantize(self, v: QVal, t: Target) -> QVal:
+        if v.matches(t):
+            return v
+        if t.dtype is DType.BIN:
+            if v.dtype is DType.BIN:
+                return QVal(v.name, t.scale, 0, -1, 1, DType.BIN, v.shape)
+            name = self.b.op(OpType.BINARIZE, t.where, [v.name], DType.BIN, v.shape, {"zero_point": v.zp})
+            return QVal(name, t.scale, 0, -1, 1, DType.BIN, v.shape)
+        if v.dtype is DType.BIN:
+            raise ExportError(t.where, "an integer quantizer reads a binary activation", "keep both binary or both int")
+        stage = OutputStage(make_rescale(v.scale / t.scale, t.rounding), t.zp, t.qmin, t.qmax)
+        name = self.b.op(OpType.REQUANTIZE, t.where, [v.name], t.dtype, v.shape, {"in_zp": v.zp, **stage.attrs()})
+        return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, v.shape)
+
+    def need_q(self, value: Any, where: str, what: str) -> QVal:
+        if isinstance(value, QVal):
+            return value
+        origin = getattr(value, "origin", "?")
+        raise ExportError(where, f"{what} reads an unquantized value from '{origin}'",
+                          f"quantize it: add `output = a8` (any activation quantizer) for '{origin}' in the spec, "
+                          f"or `input = a8` for '{where}'")
+
+    # ---------------------------------------------------------------- ops
+    def relu(self, value: Any, lo: float, hi: float, where: str) -> Any:
+        if isinstance(value, Pending):
+            return value.clamped(lo, hi)
+        v = self.need_q(value, where, "ReLU/clamp")
+        t = Target(v.scale, v.zp, v.qmin, v.qmax, v.dtype, Rounding.HALF_EVEN, where)
+        out_min, out_max = t.clamp_codes(lo, hi)
+        name = self.b.op(OpType.CLAMP, where, [v.name], v.dtype, v.shape, {"out_min": out_min, "out_max": out_max})
+        return QVal(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, v.shape)
+
+    def reshape(self, value: Any, shape: tuple[int, ...], where: str) -> Any:
+        if tuple(value.shape) == shape:
+            return value
+        a = {"shape": shape[1:]}
+        if isinstance(value, Pending):
+            return value.then(OpType.RESHAPE, a, shape)
+        if isinstance(value, FloatVal) and value.name is not None:
+            return FloatVal(value.origin, shape, value.name, shape[1:])
+        v = self.need_q(value, where, "a reshape")
+        name = self.b.op(OpType.RESHAPE, where, [v.name], v.dtype, shape, a)
+        return QVal(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
+
+    def maxpool(self, value: Any, m: nn.Module, shape, where: str) -> Any:
+        rank = 1 if isinstance(m, nn.MaxPool1d) else 2
+        if m.ceil_mode or m.return_indices:
+            raise ExportError(where, "max pool with ceil_mode or return_indices has no integer lowering")
+        tup = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v,) * rank  # noqa: E731
+        a = dict(kernel=tup(m.kernel_size), stride=tup(m.stride if m.stride is not None else m.kernel_size),
+                 padding=tup(m.padding), dilation=tup(m.dilation))
+        op = OpType.MAXPOOL1D if rank == 1 else OpType.MAXPOOL2D
+        if isinstance(value, Pending):  # max commutes with the (monotone) quantizer
+            return value.then(op, a, shape)
+        v = self.need_q(value, where, "max pool")
+        name = self.b.op(op, where, [v.name], v.dtype, shape, a)
+        return QVal(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
+
+    def call_module(self, node, m: nn.Module, args) -> Any:
+        fqn, x = node.target, args[0] if args else None
+        shape = self.shape(node)
+        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear)):
+            patch = self.handle.layers.get(fqn)
+            return layer_pending(self.b, fqn, m, patch, self.need_layer_input(x, fqn, patch), shape)
+        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+            if fqn in self.folded_bns:
+                return x
+            raise ExportError(fqn, "a BatchNorm that is not folded into the layer before it has no integer lowering",
+                              "set `fold_bn` in the spec (the BN must directly follow a Conv/Linear)")
+        if isinstance(m, _PASS):
+            return x
+        if isinstance(m, nn.ReLU6):
+            return self.relu(x, 0.0, 6.0, fqn)
+        if isinstance(m, nn.Hardtanh):
+            return self.relu(x, float(m.min_val), float(m.max_val), fqn)
+        if isinstance(m, nn.ReLU):
+            return self.relu(x, 0.0, math.inf, fqn)
+        if isinstance(m, nn.Flatten):
+            return self.reshape(x, shape, fqn)
+        if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
+            return self.maxpool(x, m, shape, fqn)
+        if isinstance(m, (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
+            v = self.need_q(x, fqn, "average pool")
+            return pool_pending(fqn, m, v, shape)
+        raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
+                          "skip the layers from here on in the spec and run them in float after the graph")
+
+    def need_layer_input(self, x: Any, fqn: str, patch) -> QVal:
+        if patch is None or patch.wq is None:
+            raise ExportError(fqn, "this layer is left in float (no weight quantizer), so it cannot be part of "
+                                   "the integer graph", "quantize it in the spec, or export only the part before it")
+        if isinstance(x, QVal):
+            return x
+        origin = getattr(x, "origin", "?")
+        raise ExportError(fqn, f"its input (from '{origin}') is not quantized",
+                          f"add `input = a8` (an activation quantizer) for '{fqn}' in the spec")
+
+    def call_function(self, node, fn, args, kwargs) -> Any:
+        where = self.where(node)
+        if fn is _qmark:
+            return self.quantize(args[0], args[1], args[2])
+        if fn in _ADDS:
+            if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(isinstance(a, (QVal, Pending, FloatVal)) for a in args):
+                raise ExportError(where, f"'{node.name}' is not a plain two-tensor add")
+            return add_pending(where, args[0], args[1], self.shape(node))
+        if fn in _RESHAPES_F:
+            return self.reshape(args[0], self.shape(node), where)
+        if fn in _RELU_F:
+            if fn is F.relu6:
+                return self.relu(args[0], 0.0, 6.0, where)
+            if fn is F.hardtanh:
+                lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
+                hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
+                return self.relu(args[0], float(lo), float(hi), where)
+            return self.relu(args[0], 0.0, math.inf, where)
+        if fn is torch.cat:
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            return concat_value(self.b, where, list(args[0]), dim, self.shape(node))
+        if fn is getattr or (fn is operator.getitem and not isinstance(args[0], (QVal, Pending, FloatVal))):
+            return None  # shape arithmetic (x.size(0), ...): not a tensor
+        raise ExportError(where, f"the function {getattr(fn, '__name__', fn)!s} ('{node.name}') has no integer lowering",
+                          "use a module the exporter knows (see docs/qgraph.md) or skip this part in the spec")
+
+    def call_method(self, node, name: str, args) -> Any:
+        where = self.where(node)
+        if name in _SHAPE_METHODS:
+            return None
+        if name in ("relu", "relu_"):
+            return self.relu(args[0], 0.0, math.inf, where)
+        if name in ("flatten", "view", "reshape"):
+            return self.reshape(args[0], self.shape(node), where)
+        if name in ("add", "add_") and len(args) == 2:
+            return add_pending(where, args[0], args[1], self.shape(node))
+        raise ExportError(where, f"the method .{name}() ('{node.name}') has no integer lowering")
+
+    # ---------------------------------------------------------------- walk
+    def run(self, graph_name: str) -> Any:
+        outputs: list[str] = []
+        for node in self.gm.graph.nodes:
+            args = torch.fx.node.map_arg(node.args, lambda n: self.env[n])
+            kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
+            if node.op == "placeholder":
+                if self.input_names:
+                    raise ExportError("", "models with more than one input are not supported by export")
+                shape = self.shape(node)
+                name = self.b.tensor("input", DType.F32, shape)
+                self.input_names.append(name)
+                value: Any = FloatVal("<input>", shape, name)
+                if self.handle.quantizer("", "input") is not None:
+                    value = self.quantize(value, "", "input")
+                self.env[node] = value
+            elif node.op == "get_attr":
+                raise ExportError(self.where(node), f"the forward reads the tensor attribute '{node.target}' directly",
+                                  "only modules and functional ops on activations can be exported")
+            elif node.op == "call_module":
+                self.env[node] = self.call_module(node, self.modules[node.target], args)
+            elif node.op == "call_function":
+                self.env[node] = self.call_function(node, node.target, args, kwargs)
+            elif node.op == "call_method":
+                self.env[node] = self.call_method(node, node.target, args)
+            elif node.op == "output":
+                results = args[0] if isinstance(args[0], (tuple, list)) else [args[0]]
+                for i, value in enumerate(results):
+                    if self.handle.quantizer("", "output") is not None:
+                        value = self.quantize(value, "", "output")
+                    outputs.append(self.dequantize(value, i))
+        return self.b.graph(self.input_names, outputs, graph_name).validate()
+
+    def dequantize(self, value: Any, i: int) -> str:
+        out = "output" if i == 0 else f"output{i}"
+        if isinstance(value, Pending) and value.kind == "acc" and not value.post:
+            # a float model output from a layer (no output quantizer): keep the accumulator
+            # as int32 at a power-of-two scale s_t <= every channel's scale (exact for
+            # power-of-two scales, 8 extra fraction bits otherwise) and convert that.
+            low = float(np.min(value.scales))
+            exp = math.floor(math.log2(low)) - (0 if pot_shift(low) is not None and np.all(
+                [pot_shift(float(s)) is not None for s in value.scales]) else 8)
+            s_t = math.ldexp(1.0, exp)
+            wide = value.materialize(self.b, Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_EVEN, value.origin))
+            return self.b.op(OpType.DEQUANTIZE, "<output>", [wide.name], DType.F32, value.shape,
+                             {"scale": s_t, "zero_point": 0}, out=out)
+        if not isinstance(value, QVal):
+            origin = getattr(value, "origin", "?")
+            raise ExportError(origin, "the model output is not quantized, so the integer graph cannot produce it",
+                              f"add `output = a8` (an activation quantizer) for '{origin}' in the spec")
+        return self.b.op(OpType.DEQUANTIZE, "<output>", [value.name], DType.F32, value.shape,
+                         {"scale": value.scale, "zero_point": value.zp}, out=out)
+
+
+def export(model: nn.Module, example_input: Any, *, name: str | None = None):
+    """Lower the frozen patched ``model`` (see module doc) and mark it EXPORTED."""
+    from qdsl.patch.handle import State, get_handle
+
+    handle = get_handle(model)
+    if handle.state not in (State.FROZEN, State.EXPORTED):
+        raise ExportError("", f"the model is {handle.state.value}, not frozen",
+                          "calibrate it (qdsl.calibrate) and call qdsl.freeze(model) before exporting")
+    x = example_input if isinstance(example_input, torch.Tensor) else torch.as_tensor(np.asarray(example_input))
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        gm = trace_quantized(model, handle)
+        with torch.no_grad():
+            _ShapeRecorder(gm).run(x)
+        graph = _Lowerer(model, handle, gm).run(name or type(model).__name__)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    handle.state = State.EXPORTED
+    return graph
+

@@ -1,0 +1,269 @@
+"""Lowering of the value-producing constructs: layers, residual adds, average pools, concat.
+
+Each function returns a :class:`~qdsl.export.values.Pending` (or a QVal when no
+requantization is needed) whose ``emit`` writes the integer op once the next quantizer
+is known. Integer weights and biases come from the layer's own proxies (``int_repr`` on
+the BN-folded float weight), so they are exactly the codes the fake-quant model used.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch import nn
+
+from qdsl.export.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
+from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
+from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
+from qdsl.spec.model import Kind, Overflow
+
+__all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints"]
+
+
+def act_target(proxy, where: str) -> Target:
+    """The frozen per-tensor activation quantizer ``proxy`` as a :class:`Target`."""
+    if proxy.dynamic:
+        raise ExportError(where, "dynamic activation quantization has no static integer graph",
+                          "set `dynamic = false` for this quantizer and calibrate")
+    if not proxy.frozen or proxy.scale.numel() == 0:
+        raise ExportError(where, "the quantizer is not frozen", "call qdsl.freeze(model) after calibration")
+    if proxy.scale.numel() != 1:
+        raise ExportError(where, "per-channel activation scales have no integer lowering",
+                          "use `granularity = tensor` for activations")
+    rounding = ROUNDINGS.get(proxy.recipe.rounding)
+    if rounding is None:
+        raise ExportError(where, f"rounding '{proxy.recipe.rounding}' has no integer lowering",
+                          f"use one of {', '.join(ROUNDINGS)}")
+    scale = float(proxy.scale.detach().reshape(-1)[0])
+    if proxy.kind is Kind.BINARY and proxy.recipe.signed:
+        return Target(scale, 0, -1, 1, DType.BIN, rounding, where)
+    if proxy.kind is not Kind.INT:
+        raise ExportError(where, f"{proxy.kind.value} activations have no integer lowering", "use int or signed binary")
+    if proxy.recipe.bits > 8:
+        raise ExportError(where, f"{proxy.recipe.bits}-bit activations are wider than the graph's 8-bit activations",
+                          "use bits <= 8 for activations")
+    zp = int(proxy.zero_point.reshape(-1)[0])
+    return Target(scale, zp, int(proxy.qmin), int(proxy.qmax), DType.I8 if proxy.qmin < 0 else DType.U8, rounding, where)
+
+
+def _int_dtype(bits: int, signed: bool, where: str) -> DType:
+    for width, s, u in ((2, DType.I2, DType.U2), (4, DType.I4, DType.U4), (8, DType.I8, DType.U8)):
+        if bits <= width:
+            return s if signed else u
+    raise ExportError(where, f"{bits}-bit weights are wider than 8 bits", "use weight bits <= 8")
+
+
+def weight_ints(patch, where: str):
+    """``(codes, dtype, scale[C] float64, zero points[C], float bias or None)`` of a layer's weight."""
+    wq = patch.wq
+    if not wq.frozen:
+        raise ExportError(where, "the weight quantizer is not frozen", "call qdsl.freeze(model)")
+    if wq.group_size or wq.axis not in (None, 0):
+        raise ExportError(where, "group-wise (or non-output-channel) weight scales have no integer lowering: an "
+                                 "accumulator needs one scale per output channel", "use `granularity = channel`")
+    w, b = patch.float_params()
+    with torch.no_grad():
+        codes = wq.int_repr(w.detach()).to(torch.int64).numpy()
+    c = codes.shape[0]
+    scale = np.broadcast_to(wq.scale.detach().double().reshape(-1).numpy(), (c,)).copy()
+    zp = np.broadcast_to(wq.zero_point.detach().reshape(-1).numpy().astype(np.int64), (c,)).copy()
+    kind, bits = wq.kind, wq.recipe.bits
+    if kind is Kind.INT:
+        dtype = _int_dtype(bits, int(wq.qmin) < 0, where)
+    elif kind is Kind.BINARY:
+        if not wq.recipe.signed:
+            raise ExportError(where, "unsigned {0, 1} binary weights have no XNOR lowering", "use signed binary weights")
+        dtype = DType.BIN
+    elif kind is Kind.TERNARY:
+        dtype = DType.I2
+    else:  # POT: value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
+        n = 2 ** (bits - 1) - 1
+        if n > 7:
+            raise ExportError(where, f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
+        codes = np.where(codes == 0, 0, np.sign(codes) * (2 ** (np.abs(codes) - 1)))
+        scale = scale * 2.0 ** (1 - n)
+        dtype = _int_dtype(n + 1, True, where)
+    return codes, dtype, scale, zp, b
+
+
+def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
+    """int32 bias at scale ``s_acc`` (see lower.py module doc), or None."""
+    if b is None:
+        return None
+    bq = patch.bq
+    if bq is not None:
+        if not bq.frozen:
+            raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
+        with torch.no_grad():
+            codes = bq.int_repr(b.detach()).to(torch.int64).numpy().astype(np.float64)
+        s_b = np.broadcast_to(bq.scale.detach().double().reshape(-1).numpy(), codes.shape)
+        exact = codes * (s_b / s_acc)  # an exact integer when s_b / s_acc is a power of two >= 1
+        vals = np.where(exact == np.round(exact), exact, np.rint(exact))
+    else:
+        vals = np.rint(b.detach().double().numpy() / s_acc)
+    if np.abs(vals).max(initial=0) > INT32_MAX:
+        raise ExportError(where, "the bias does not fit int32 at scale input·weight",
+                          "the input or weight scale is too small for this bias")
+    return vals.astype(np.int64)
+
+
+def _rescale(factors, rounding: Rounding, where: str, allow_pot: bool = True) -> Rescale:
+    try:
+        return make_rescale(factors, rounding, allow_pot)
+    except ValueError as e:
+        raise ExportError(where, f"a requantization factor is out of range ({e})") from None
+
+
+def _spatial(m: nn.Module, rank: int, where: str) -> dict:
+    if getattr(m, "padding_mode", "zeros") != "zeros":
+        raise ExportError(where, f"padding_mode='{m.padding_mode}' has no integer lowering", "use zero padding")
+    pad = m.padding
+    if isinstance(pad, str):
+        if pad != "valid":
+            raise ExportError(where, f"padding='{pad}' is not supported by export", "give the padding as integers")
+        pad = (0,) * rank
+    return dict(stride=tuple(m.stride), padding=tuple(pad), dilation=tuple(m.dilation), groups=int(m.groups))
+
+
+def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> Pending:
+    """A Conv1d/Conv2d/Linear on the quantized input ``x``."""
+    codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn)
+    binary = x.dtype is DType.BIN
+    if binary and wdtype is not DType.BIN:
+        raise ExportError(fqn, "binary activations need binary weights (XNOR-popcount)", "make the weight binary too")
+    s_acc = np.float64(x.scale) * s_w
+    bias = _bias_ints(patch, bias_f, s_acc, fqn)
+    rank = 1 if isinstance(m, nn.Conv1d) else 2 if isinstance(m, nn.Conv2d) else 0
+    op = {(0, False): OpType.LINEAR, (1, False): OpType.CONV1D, (2, False): OpType.CONV2D,
+          (0, True): OpType.BLINEAR, (1, True): OpType.BCONV1D, (2, True): OpType.BCONV2D}[(rank, binary)]
+    acc = patch.plan.accumulator
+    attrs_ = {"acc_bits": min(int(acc.bits), 32),
+              "overflow": int(OverflowMode.SATURATE if acc.overflow is Overflow.SATURATE else OverflowMode.WRAP)}
+    if rank:
+        attrs_.update(_spatial(m, rank, fqn))
+    if not binary:
+        attrs_.update(in_zp=x.zp, w_zp=tuple(int(z) for z in w_zp) if np.any(w_zp != w_zp[0]) else (int(w_zp[0]),))
+    if wdtype is DType.BIN and np.any(w_zp != 0):
+        raise ExportError(fqn, "binary weights cannot have a zero point")
+    inputs = [x.name, b.tensor(f"{fqn}.weight", wdtype, codes.shape, codes)]
+    if bias is not None:
+        inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        a = dict(attrs_)
+        if t.dtype is not DType.BIN:
+            out_min, out_max = t.clamp_codes(lo, hi)
+            a.update(_rescale(s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+        return bld.op(op, fqn, inputs, t.dtype, shape, a, out=fqn), shape
+
+    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
+
+
+def _is_pot(*scales) -> bool:
+    return all(pot_shift(float(s)) is not None for s in scales)
+
+
+def add_pending(where: str, a, b_, shape) -> Pending:
+    """A residual add of two quantized values and/or layer results (docs/qgraph.md ADD)."""
+    operands = [a, b_]
+    for v in operands:
+        if isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8):
+            continue
+        if isinstance(v, Pending) and v.kind == "acc" and not v.post:
+            continue
+        origin = getattr(v, "origin", "?")
+        raise ExportError(where, f"the residual add reads a value from '{origin}' that is neither quantized nor a "
+                                 "layer's accumulator", f"add `output = a8` (an activation quantizer) for '{origin}'")
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(where, f"the add result must be int8-quantized, not {t.dtype.name} ({t.where})")
+        term_scales = [s for v in operands for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
+        pot = _is_pot(t.scale, *term_scales)
+        # exact common scale for powers of two; else 12 fraction bits below the output scale
+        s_t = float(min(term_scales)) if pot else t.scale / 2**INT32_TARGET_BITS
+        names, zps, rescales = [], [], []
+        for v in operands:
+            if isinstance(v, QVal):
+                names.append(v.name)
+                zps.append(v.zp)
+                rescales.append(_rescale(v.scale / s_t, Rounding.HALF_AWAY, where, pot))
+            else:
+                wide = Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where)
+                names.append(v.materialize(bld, wide).name)
+                zps.append(0)
+                rescales.append(Rescale(RescaleKind.POT, [1], [0]))
+        out_min, out_max = t.clamp_codes(lo, hi)
+        attrs_ = dict(in_zp=tuple(zps), in_kind=tuple(int(r.kind) for r in rescales),
+                      in_multiplier=tuple(r.multiplier[0] for r in rescales), in_shift=tuple(r.shift[0] for r in rescales),
+                      in_rounding=tuple(int(r.rounding) for r in rescales), pre_shift=0,
+                      **_rescale(s_t / t.scale, t.rounding, where, pot).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+        return bld.op(OpType.ADD, where, names, t.dtype, shape, attrs_, out=f"{where}:add"), shape
+
+    return Pending("add", where, shape, emit)
+
+
+def pool_pending(fqn: str, m: nn.Module, v: QVal, shape) -> Pending:
+    """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value."""
+    if v.dtype not in (DType.I8, DType.U8):
+        raise ExportError(fqn, "average pooling of binary activations has no integer lowering")
+    spatial = v.shape[2:]
+    if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
+        if any(d != 1 for d in shape[2:]):
+            raise ExportError(fqn, f"adaptive average pooling to {tuple(shape[2:])} is not supported (only 1)",
+                              "use AdaptiveAvgPool(1) or a fixed AvgPool")
+        op, area, a = OpType.GLOBAL_AVGPOOL, math.prod(spatial), {}
+    else:
+        rank = len(spatial)
+        tup = lambda x: tuple(x) if isinstance(x, (tuple, list)) else (x,) * rank  # noqa: E731
+        kernel, pad = tup(m.kernel_size), tup(m.padding)
+        if m.ceil_mode or getattr(m, "divisor_override", None) or (not m.count_include_pad and any(pad)):
+            raise ExportError(fqn, "avg pool with ceil_mode, divisor_override or count_include_pad=False has no "
+                                   "integer lowering", "use count_include_pad=True (the default)")
+        op = OpType.AVGPOOL1D if rank == 1 else OpType.AVGPOOL2D
+        area = math.prod(kernel)
+        a = dict(kernel=kernel, stride=tup(m.stride if m.stride is not None else m.kernel_size), padding=pad)
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(fqn, f"the pooled value must be int8-quantized, not {t.dtype.name} ({t.where})")
+        out_min, out_max = t.clamp_codes(lo, hi)
+        # the divisor is folded into the factor: exact shifts when area and scales are powers of two
+        attrs_ = dict(a, in_zp=v.zp, **_rescale(v.scale / (area * t.scale), t.rounding, fqn).attrs(),
+                      out_zp=t.zp, out_min=out_min, out_max=out_max)
+        return bld.op(op, fqn, [v.name], t.dtype, shape, attrs_, out=fqn), shape
+
+    return Pending("pool", fqn, shape, emit)
+
+
+def concat_value(b: Builder, where: str, values: list, dim: int, shape):
+    """``torch.cat`` of quantized values: a CONCAT now if they share a grid, else pending."""
+    qs = []
+    for v in values:
+        if not (isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8)):
+            raise ExportError(where, f"torch.cat reads an unquantized value from '{getattr(v, 'origin', '?')}'",
+                              "quantize every concatenated tensor (an output quantizer on its producer)")
+        qs.append(v)
+    axis = dim % len(shape)
+    if axis == 0:
+        raise ExportError(where, "concatenation along the batch dimension has no lowering")
+
+    def attrs_for(t: Target, lo=-math.inf, hi=math.inf) -> dict:
+        rs = [_rescale(v.scale / t.scale, t.rounding, where) for v in qs]
+        out_min, out_max = t.clamp_codes(lo, hi)
+        return dict(axis=axis, in_zp=tuple(v.zp for v in qs), in_kind=tuple(int(r.kind) for r in rs),
+                    in_multiplier=tuple(r.multiplier[0] for r in rs), in_shift=tuple(r.shift[0] for r in rs),
+                    in_rounding=tuple(int(r.rounding) for r in rs), out_zp=t.zp, out_min=out_min, out_max=out_max)
+
+    first = qs[0]
+    if all((v.scale, v.zp, v.qmin, v.qmax, v.dtype) == (first.scale, first.zp, first.qmin, first.qmax, first.dtype) for v in qs):
+        t = Target(first.scale, first.zp, first.qmin, first.qmax, first.dtype, Rounding.HALF_EVEN, where)
+        name = b.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t), out=f"{where}:cat")
+        return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t, lo, hi), out=f"{where}:cat"), shape
+
+    return Pending("concat", where, shape, emit)

@@ -1,0 +1,180 @@
+"""What the exporter knows about each traced value, and the graph builder.
+
+While lowering a traced model (lower.py) every fx node maps to one of:
+
+* :class:`FloatVal` - a float tensor: the graph input (which a quantizer may turn into
+  QUANTIZE/BINARIZE) or a value nothing quantized (an error if it reaches an integer op);
+* :class:`QVal` - an integer tensor of the graph with its grid: real = (q - zp) · scale;
+* :class:`Pending` - a layer/add/pool result still in the accumulator domain whose
+  output stage waits for the next quantizer (the consumer's input quantizer or an output
+  quantizer): that quantizer's scale, zero point, rounding and range become the op's
+  requantization, with any ReLU/clamp in between folded into the clamp (exact, since
+  rounding is monotone), and monotone ops (max pool, reshape) in between applied after.
+
+:class:`Target` is a frozen quantizer as the exporter needs it. The builder hands out
+unique tensor names derived from module paths.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import attrs
+import numpy as np
+
+from qdsl.export.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
+from qdsl.spec.diagnostics import QdslError
+
+__all__ = ["ExportError", "Target", "QVal", "FloatVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
+
+ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
+INT32_TARGET_BITS = 12
+"""Fraction bits below the output scale kept by a FIXED residual add's common scale."""
+
+
+class ExportError(QdslError):
+    """The model cannot be lowered to an integer graph; the message names the module and the fix."""
+
+    def __init__(self, where: str, message: str, hint: str | None = None):
+        text = f"error[E402]: cannot export '{where or '<model>'}': {message}"
+        if hint:
+            text += f"\n  hint: {hint}"
+        self.where = where
+        super().__init__(text)
+
+
+@attrs.frozen
+class Target:
+    """A frozen per-tensor quantizer: where a value must land."""
+
+    scale: float
+    zp: int
+    qmin: int
+    qmax: int
+    dtype: DType
+    rounding: Rounding
+    where: str = attrs.field(eq=False)
+
+    def code(self, v: float) -> int:
+        """The code the fake quantizer gives the real value ``v`` (binary32, multiply by 1/scale)."""
+        inv = np.float32(1.0) / np.float32(self.scale)
+        r = float(np.float32(v) * inv)
+        if self.rounding is Rounding.HALF_EVEN:
+            r = float(np.rint(r))
+        elif self.rounding is Rounding.HALF_AWAY:
+            r = math.copysign(math.floor(abs(r) + 0.5), r)
+        else:
+            r = math.floor(r)
+        return int(min(max(r + self.zp, self.qmin), self.qmax))
+
+    def clamp_codes(self, lo: float, hi: float) -> tuple[int, int]:
+        """``[out_min, out_max]`` for real values clamped to ``[lo, hi]`` (ReLU: lo = 0)."""
+        out_min = self.qmin if lo == -math.inf else max(self.qmin, self.code(lo))
+        out_max = self.qmax if hi == math.inf else min(self.qmax, self.code(hi))
+        return out_min, out_max
+
+
+@attrs.frozen
+class QVal:
+    """An integer tensor ``name`` whose real value is ``(q - zp) · scale``."""
+
+    name: str
+    scale: float
+    zp: int
+    qmin: int
+    qmax: int
+    dtype: DType
+    shape: tuple[int, ...]
+
+    def matches(self, t: Target) -> bool:
+        return (self.scale, self.zp, self.qmin, self.qmax, self.dtype) == (t.scale, t.zp, t.qmin, t.qmax, t.dtype)
+
+
+@attrs.frozen
+class FloatVal:
+    """A float tensor: the graph input (``name`` set) or an unquantized value from ``origin``."""
+
+    origin: str
+    shape: tuple[int, ...]
+    name: str | None = None
+    reshape: tuple[int, ...] | None = None
+
+
+@attrs.define(eq=False)
+class Pending:
+    """A result waiting for its output stage (see module doc).
+
+    ``emit(builder, target, lo, hi) -> (tensor name, shape)`` writes the op(s) producing
+    the value at ``target``; ``post`` are monotone ops applied after it.
+    """
+
+    kind: str
+    """"acc" (conv/linear), "add", "pool", "concat"."""
+    origin: str
+    shape: tuple[int, ...]
+    emit: Callable[["Builder", Target, float, float], tuple[str, tuple[int, ...]]]
+    scales: np.ndarray | None = None
+    """Per-channel accumulator scales (kind "acc"): real = acc · scales[c]."""
+    lo: float = -math.inf
+    hi: float = math.inf
+    post: tuple[tuple[OpType, dict, tuple[int, ...]], ...] = ()
+    binary_ok: bool = False
+    """Can produce a BIN output directly (sign of the accumulator)."""
+    cache: dict = attrs.field(factory=dict)
+
+    def clamped(self, lo: float, hi: float) -> "Pending":
+        return attrs.evolve(self, lo=max(self.lo, lo), hi=min(self.hi, hi), cache={})
+
+    def then(self, op: OpType, attrs_: dict, shape: tuple[int, ...]) -> "Pending":
+        return attrs.evolve(self, post=self.post + ((op, attrs_, shape),), shape=shape, cache={})
+
+    def materialize(self, b: "Builder", t: Target) -> QVal:
+        key = (t, self.lo, self.hi)
+        if key not in self.cache:
+            if t.dtype is DType.BIN:
+                if not self.binary_ok:
+                    raise ExportError(self.origin, f"a binary quantizer ({t.where}) reads the result of a {self.kind}",
+                                      "quantize that result to int8 first (an output quantizer)")
+                if self.lo >= 0:
+                    raise ExportError(self.origin, f"a ReLU/clamp before the binary quantizer {t.where} makes every code +1",
+                                      "remove the ReLU before a binary activation")
+            name, shape = self.emit(b, t, self.lo, self.hi)
+            for op, a, out_shape in self.post:
+                name = b.op(op, self.origin, [name], t.dtype, out_shape, a)
+            self.cache[key] = QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, self.shape)
+        return self.cache[key]
+
+
+class Builder:
+    """Collects tensors and ops with unique names."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.ops: list[Op] = []
+        self._names: set[str] = set()
+
+    def unique(self, base: str) -> str:
+        base = base or "t"
+        name, i = base, 1
+        while name in self._names:
+            i += 1
+            name = f"{base}:{i}"
+        self._names.add(name)
+        return name
+
+    def tensor(self, base: str, dtype: DType, shape, data: Any = None) -> str:
+        name = self.unique(base)
+        self.tensors.append(Tensor(name, dtype, shape, data))
+        return name
+
+    def op(self, type_: OpType, where: str, inputs: list[str], dtype: DType, shape, attrs_: dict,
+           out: str | None = None) -> str:
+        name = self.tensor(out or f"{where or 'model'}:{type_.name.lower()}", dtype, shape)
+        self.ops.append(Op(type_, where or "<model>", inputs, [name], attrs_))
+        return name
+
+    def graph(self, inputs: list[str], outputs: list[str], name: str) -> IntegerGraph:
+        used = {n for op in self.ops for n in op.inputs} | set(inputs) | {n for op in self.ops for n in op.outputs}
+        tensors = [t for t in self.tensors if t.name in used]
+        return IntegerGraph(tensors, inputs, outputs, self.ops, name=name)
