@@ -221,9 +221,9 @@ class _Resolver:
         diags += self._rule_diags(applied_to, matched_any)
         diags += [self._with_layers(d, fqns) for d, fqns in self._layer_diags.items()]
         diags += [self._with_layers(d, fqns) for d, fqns in self._conflicts.values()]
-        # read in file order (rules' own problems before the layers they cause trouble on)
-        diags.sort(key=lambda d: (d.span.file, d.span.line, d.span.col))
+        # one list in file order (a stable sort keeps same-place problems in finding order)
         all_diags = dedupe(list(self.prep.diagnostics) + diags)
+        all_diags.sort(key=lambda d: (d.span.file, d.span.line, d.span.col))
         if any(d.is_error for d in all_diags):
             raise SpecError(all_diags)
         matches = tuple(RuleMatch(i, tuple(f)) for i, f in applied_to.items())

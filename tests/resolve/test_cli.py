@@ -124,3 +124,12 @@ def test_model_ref_file_that_fails_to_import(tmp_path):
     f.write_text("raise RuntimeError('boom')\n")
     with pytest.raises(ModelRefError, match="RuntimeError: boom"):
         load_model_ref(f"{f}:build")
+
+
+def test_check_with_model_reports_both_kinds_of_problem_at_once(tmp_path, capsys):
+    text = GOOD.replace("observer=mse", "observer=msee").replace("rule stem.0, fc", "rule stem.0, fcc")
+    path = write(tmp_path, text)
+    assert main(["check", path, "--model", MODEL]) == 2
+    err = capsys.readouterr().err
+    assert "error[E204]" in err and "error[E201]" in err
+    assert err.index("E204") < err.index("E201")  # file order: line 2 before line 10
