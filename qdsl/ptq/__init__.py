@@ -1,0 +1,50 @@
+"""Post-training quantization accuracy below 8 bits: what runs after the observers.
+
+Public API::
+
+    qdsl.ptq.finish_calibration(model, batches)   # what the spec asks for, in order:
+        learned rounding (spec learned_rounding = "gptq"), then bias correction
+        (spec bias_correction = true); called by qdsl.calibrate after the observers
+    qdsl.ptq.learn_rounding(model, batches, "gptq")
+    qdsl.ptq.correct_bias(model, batches)
+    qdsl.ptq.sensitivity(model, spec, data, metric="accuracy", bits=3) -> SensitivityReport
+    qdsl.ptq.emit_mixed_precision(report, budget_avg_bits) -> QuantSpec
+
+Range search (the observers' side) lives in :mod:`qdsl.quantizers.range_search`.
+Order matters: rounding is learned on the calibrated grid, and bias correction then
+removes the mean shift that remains (including the rounding's).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "finish_calibration",
+    "learn_rounding",
+    "correct_bias",
+    "sensitivity",
+    "emit_mixed_precision",
+    "SensitivityReport",
+    "LayerSensitivity",
+]
+
+_LAZY = {
+    "finish_calibration": "qdsl.ptq.pipeline",
+    "learn_rounding": "qdsl.ptq.rounding",
+    "correct_bias": "qdsl.ptq.bias_correction",
+    "sensitivity": "qdsl.ptq.sensitivity",
+    "emit_mixed_precision": "qdsl.ptq.sensitivity",
+    "SensitivityReport": "qdsl.ptq.sensitivity",
+    "LayerSensitivity": "qdsl.ptq.sensitivity",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'qdsl.ptq' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
