@@ -10,7 +10,8 @@ Merging an included spec B into the including spec A (A wins):
 * rules: B's first, then A's (so provenance lists them in reading order).
 * Several includes merge left to right, then the file itself goes on top.
 
-Include paths are relative to the including file's directory.  A cycle is E111 showing
+Include paths are relative to the including file's directory (to the current directory
+for a spec built in memory, whose ``source`` is None).  A cycle is E111 showing
 the chain with the location of every ``include``; a missing/unreadable file is E110 at
 the ``include`` that names it.
 

@@ -198,8 +198,26 @@ def _blank_comments(text: str) -> str:
     return _STRING_OR_COMMENT.sub(lambda m: m.group(0) if m.group(1) else " " * len(m.group(0)), text)
 
 
+def _unclosed(text: str, start: int, end: int, open_ch: str, close_ch: str) -> int | None:
+    """Offset of the innermost ``open_ch`` still open at ``end`` (strings skipped)."""
+    stack: list[int] = []
+    i = start
+    while i < end:
+        c = text[i]
+        if c in "\"'":
+            close = text.find(c, i + 1, end)
+            i = close + 1 if close >= 0 else end
+            continue
+        if c == open_ch:
+            stack.append(i)
+        elif c == close_ch and stack:
+            stack.pop()
+        i += 1
+    return stack[-1] if stack else None
+
+
 def _found(text: str, loc: int) -> str:
-    if loc >= len(text):
+    if not text[loc:].strip():
         return "end of file"
     m = _WORD.match(text, loc)
     if m:
@@ -222,14 +240,16 @@ class _Recovering:
         self.diags.append(Diagnostic.error(code, message, self.span(loc, end), *hints, notes=notes))
 
     def diagnose(self, exc: pp.ParseBaseException, start: int) -> None:
-        text, loc = self.text, min(exc.loc, len(self.text))
+        text = self.text
+        # an error at the end of the file is shown just after the last token, on a real line
+        loc = min(exc.loc, len(text.rstrip()))
         word = _WORD.match(text, loc)
         word_end = word.end() if word else loc + 1
         first = _WORD.match(text, start)
         kind = first.group() if first else ""
         line, col = self.lines.pos(start)
         notes = ()
-        if kind in _BLOCKS and self.lines.pos(loc)[0] > line:
+        if kind in TOP_KEYWORDS and self.lines.pos(loc)[0] > line:
             notes = (f"inside {kind} started at {line}:{col}",)
         if exc.msg.startswith(_BAD_ESCAPE):
             self.error("E006", f"invalid escape '{exc.msg[len(_BAD_ESCAPE):]}' in a double-quoted string", loc,
@@ -264,7 +284,20 @@ class _Recovering:
             self.error("E006", "unterminated or invalid string", loc, loc + 1,
                        "strings close on the same line; escapes are \\\\ \\\" \\n \\t \\uXXXX", notes=notes)
             return
-        self.error("E002", f"expected {expected}, found {_found(text, loc)}", loc, word_end, notes=notes)
+        at_end = not text[loc:].strip()
+        if expected == "')'" and (at_end or (word and word.group() in TOP_KEYWORDS)):
+            opened = _unclosed(text, start, loc, "(", ")")
+            if opened is not None:
+                ol, oc = self.lines.pos(opened)
+                self.error("E004", f"unclosed '(' opened at {ol}:{oc}", loc, word_end,
+                           f"add ')' to close the argument list opened at {ol}:{oc}", notes=notes)
+                return
+        hints = ()
+        if expected == "')'" and word:
+            hints = ("separate arguments with ','",)
+        elif expected == "')'" and text.startswith(",", loc):
+            hints = ("an argument is missing between the commas",)
+        self.error("E002", f"expected {expected}, found {_found(text, loc)}", loc, word_end, *hints, notes=notes)
 
     def resync(self, start: int, loc: int) -> int:
         """Where to resume after a failed statement that began at ``start``.
