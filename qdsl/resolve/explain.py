@@ -22,6 +22,7 @@ from typing import Any, Iterable, Sequence
 
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
 from qdsl.resolve.targets import compile_glob
+from qdsl.spec.diagnostics import Diagnostic, Span, SpecError
 from qdsl.spec.model import Accumulator, Granularity, ObserverSpec, Role, TENSOR_QUANT_FIELDS
 
 __all__ = ["explain", "to_records", "format_value"]
@@ -79,7 +80,12 @@ def _select(plan: Plan, layers: str | Sequence[str] | None) -> list[LayerPlan]:
     if layers is None:
         return list(plan.layers)
     globs = [layers] if isinstance(layers, str) else list(layers)
-    preds = [compile_glob(g) for g in globs]
+    preds = []
+    for g in globs:
+        try:
+            preds.append(compile_glob(g))
+        except ValueError as exc:
+            raise SpecError(Diagnostic.error("E218", f"invalid layer glob '{g}': {exc}", Span("--layer"))) from None
     return [lp for lp in plan.layers if any(p(lp.fqn) for p in preds)]
 
 

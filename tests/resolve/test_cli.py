@@ -88,6 +88,12 @@ def test_explain_text_and_json(tmp_path, capsys):
     assert rows[("weight", "bits")]["value"] == 8
 
 
+def test_explain_bad_layer_glob_exits_2(tmp_path, capsys):
+    path = write(tmp_path, GOOD)
+    assert main(["explain", path, "--model", MODEL, "--layer", "layer[1"]) == 2
+    assert "error[E218]: invalid layer glob 'layer[1'" in capsys.readouterr().err
+
+
 def test_explain_bad_model_ref_exits_2(tmp_path, capsys):
     path = write(tmp_path, GOOD)
     assert main(["explain", path, "--model", "qdsl.testing.models:nope"]) == 2
