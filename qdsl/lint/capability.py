@@ -75,11 +75,11 @@ def check_quantizer(
                                  "the target is integer-only: no tensor may stay float"))
         elif caps.kinds is not None and kind not in caps.kinds:
             choice = Kind.INT if Kind.INT in caps.kinds else caps.kinds[0]
-            out.append(Violation("E301", "kind", kind.value, _fmt_list(caps.kinds), f"use kind = {_q(choice.value)}",
-                                 "kinds"))
-            return out  # the other fields are about a kind the target lacks
+            fix = _float_fix(role, caps) if kind is Kind.FLOAT else f"use kind = {_q(choice.value)}"
+            out.append(Violation("E301", "kind", kind.value, _fmt_list(caps.kinds), fix, "kinds"))
+            return _bias_rule(out, role)  # the other fields are about a kind the target lacks
     if kind is Kind.FLOAT:
-        return out
+        return _bias_rule(out, role)
     bits = known.get("bits")
     if bits is not None and caps.bits is not None and kind in (None, Kind.INT, Kind.POT) and bits not in caps.bits:
         out.append(Violation("E302", "bits", str(bits), _fmt_list(caps.bits), f"use bits = {nearest(bits, caps.bits)}",
@@ -117,7 +117,16 @@ def check_quantizer(
                                  "dynamic scales are computed in float at run time; the target is integer-only"))
         elif caps.dynamic is False:
             out.append(Violation("E308", "dynamic", "true", "false", "set dynamic = false", "dynamic"))
-    return out
+    return _bias_rule(out, role)
+
+
+def _bias_rule(out: list[Violation], role: Role) -> list[Violation]:
+    """The bias's scale (derived input*weight or its own) and float-ness are the target's
+    *bias rule*: reported as E316 rather than as a generic scale or kind mismatch."""
+    if role is not Role.BIAS:
+        return out
+    return [attrs.evolve(v, code="E316") if v.code == "E304" or (v.code == "E301" and v.requested == "float")
+            else v for v in out]
 
 
 def _float_fix(role: Role, caps: TensorCaps) -> str:

@@ -24,7 +24,8 @@ CODES: dict[str, str] = {
     "W313": "worst-case accumulator width exceeds the target's accumulator",
     "E314": "accumulator overflow reachable with the actual integer weights",
     "E315": "spec's accumulator is wider than, or overflows differently from, the target's",
-    "E316": "bias rule violated (derived scale without quantized operands, bias wider than the accumulator)",
+    "E316": "bias rule violated (own scale where input*weight is required or vice versa, float bias, "
+    "derived scale without quantized operands)",
     "E317": "output quantization conflicts with the target's fixed output range for the op",
     "W330": "rule matches no layer (and is not optional)",
     "W331": "rule fully shadowed: everything it sets is overridden on every layer it matches",

@@ -12,7 +12,9 @@ Per layer (op type from the module class, position from :mod:`qdsl.lint.graph`):
 * the accumulator (``accumulator.py``): the exact worst case from bit widths and fan-in
   (W313), and with calibrated integer weights the exact reachable extremes (E314); the
   spec's own accumulator against the target's (E315);
-* bias rule (E316) and fixed output ranges (E317);
+* bias rule (E316: a derived ``input*weight`` scale needs quantized operands; the bias's
+  storage width is checked against the profile's ``bias.bits``, and its actual values
+  enter the tight accumulator bound) and fixed output ranges (E317);
 * ops the target lacks, or has only fused (E310/E311), over the traced graph.
 
 Findings with the same cause at the same place are grouped, listing the layers.
@@ -252,15 +254,8 @@ def _acc_fix(w: QuantizerRecipe, x: QuantizerRecipe, fan_in: int, acc_bits: int,
 
 def _check_bias(layer: LayerPlan, op: str, profile: HardwareProfile, col: Collector, where_spec: Span) -> None:
     b = layer.roles.get(Role.BIAS)
-    hw = profile.accumulator_for(op)
     if b is None or b.kind is not Kind.INT:
         return
-    if hw.bits is not None and b.bits > hw.bits:
-        span, origin = _written(layer, Role.BIAS, "bits", where_spec)
-        col.add(("E316", "bits", span.location()), Diagnostic.error(
-            "E316", f"bias.bits = {b.bits}{f' ({origin})' if origin else ''} is wider than {profile.name}'s "
-            f"{hw.bits}-bit accumulator", span, f"use bits = {hw.bits}",
-            notes=("the bias is added into the accumulator, so it must fit in it",)), layer=layer.fqn)
     if b.scale == DERIVED_BIAS_SCALE:
         missing = [r.value for r in (Role.INPUT, Role.WEIGHT) if layer.roles.get(r) is None]
         if missing:  # the resolver rejects this too; kept for plans built by hand

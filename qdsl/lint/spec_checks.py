@@ -116,7 +116,6 @@ def check_prepared(prep: Prepared, profile: HardwareProfile, pot_scales: frozens
                     hits = [(op, v) for op, v in hits if (op, role, field) not in replaced]
                 for op, v in (hits if all_of else hits[:1]):
                     _add(col, body, role, field, v, merged, op if all_of else None, profile)
-            _check_bias_bits(body, role, known, merged, report, ops, profile, col)
     return col.diagnostics()
 
 
@@ -137,21 +136,6 @@ def _add(col: Collector, body: Body, role: Role, field: str, v: Violation, merge
     context = f" for {op}" if own is not None and getattr(own, v.caps_field, None) is not None else ""
     d = violation_diagnostic(v, role, span, profile, caps, origin=origin, context=context)
     col.add((v.code, v.field, role, span.location(), span.path, v.requested, v.allowed), d, use=use)
-
-
-def _check_bias_bits(body, role, known, merged, report, ops, profile, col) -> None:
-    if role is not Role.BIAS or "bits" not in report or known.get("kind") is not Kind.INT:
-        return
-    for op in ops or [None]:
-        acc = profile.accumulator_for(op)
-        if acc.bits is not None and known["bits"] > acc.bits:
-            span, origin, use = _where(body, role, "bits", merged)
-            d = Diagnostic.error(
-                "E316", f"bias.bits = {known['bits']} is wider than {profile.name}'s {acc.bits}-bit accumulator",
-                span, f"use bits = {acc.bits}",
-                notes=("the bias is added into the accumulator, so it must fit in it",))
-            col.add(("E316", span.location(), span.path), d, use=use)
-            return
 
 
 def _check_skip_and_acc(body: Body, ops: list[str], profile: HardwareProfile, col: Collector) -> None:

@@ -41,7 +41,7 @@ def test_warnings_alone_exit_1(capsys, monkeypatch, tmp_path):
     spec.write_text('version = 1\nfold_bn = true\n[defaults]\n'
                     'weight = { kind = "int", bits = 8, signed = true, scale = "pot" }\n'
                     'input = { kind = "int", bits = 8, signed = false, scale = "pot" }\n'
-                    'bias = { kind = "int", bits = 24, scale = "input*weight" }\n')
+                    'bias = { kind = "int", bits = 32, scale = "input*weight" }\n')
     code, out, _ = run(capsys, str(spec), "--hw", "pot-asic-24bit-acc", "--model",
                        "qdsl.testing.models:conv_bn_relu_net")
     assert code == 1 and "warning[W313]" in out and "error[" not in out

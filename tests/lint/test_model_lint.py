@@ -34,7 +34,7 @@ fold_bn = true
 [defaults]
 weight = { kind = "int", bits = 8, scale = "pot", granularity = "channel" }
 input = { kind = "int", bits = 8, signed = false, scale = "pot" }
-bias = { kind = "int", bits = 24, scale = "input*weight" }
+bias = { kind = "int", bits = 32, scale = "input*weight" }
 """
 
 
