@@ -88,7 +88,7 @@ def parse_file(path: str | os.PathLike) -> QuantSpec:
     """Parse a spec file (raw); an unreadable file is an E100 ``SpecError``."""
     name = os.fspath(path)
     try:
-        with open(name, encoding="utf-8") as fh:
+        with open(name, encoding="utf-8-sig") as fh:  # tolerate a BOM from Windows editors
             text = fh.read()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -195,9 +195,9 @@ def _parse_one(item: str, value: Any, lowerer: SchemaLowerer) -> Override | None
         node = _python_node(value, context, Span(_SET_FILE, 1, offset + 1, 1, len(item) + 1, source=item))
     if where in _TOP:
         if where == "learned_rounding":
-            result = lowerer._choice(node, LEARNED_ROUNDINGS, "learned_rounding")
+            result = lowerer.choice(node, LEARNED_ROUNDINGS, "learned_rounding")
         else:
-            result = lowerer._bool(node, where)
+            result = lowerer.boolean(node, where)
         return None if result is None else Override((where,), result, item, key_span)
     if field is not None:
         node = Node({field: attrs.evolve(node, key_span=key_span)}, node.span)
@@ -271,6 +271,17 @@ def _apply(spec: QuantSpec, overrides: list[Override]) -> QuantSpec:
     return spec
 
 
+def _as_overrides(overrides: Any) -> list[Override]:
+    if isinstance(overrides, str):  # one "KEY=VALUE" given on its own
+        return parse_overrides([overrides])
+    if isinstance(overrides, Mapping):
+        return parse_overrides(overrides)
+    items = list(overrides)
+    if items and all(isinstance(o, Override) for o in items):
+        return items
+    return parse_overrides([str(o) for o in items])
+
+
 def compose(spec: QuantSpec, overrides: Sequence[str] | Mapping[str, Any] | Sequence[Override] | None = None,
             *, load: Callable[[str], QuantSpec] | None = None) -> QuantSpec:
     """Flatten ``spec``'s includes (recursively) and apply ``overrides``; the result has no includes."""
@@ -279,8 +290,6 @@ def compose(spec: QuantSpec, overrides: Sequence[str] | Mapping[str, Any] | Sequ
     root = (spec.source, os.path.realpath(spec.source), UNKNOWN_SPAN) if spec.source else None
     flat = _flatten(spec, (root,) if root else (), load)
     if overrides:
-        ovs = list(overrides) if (isinstance(overrides, Sequence) and not isinstance(overrides, str)
-                                 and overrides and isinstance(list(overrides)[0], Override)) \
-            else parse_overrides(overrides)  # type: ignore[arg-type]
+        ovs = _as_overrides(overrides)
         flat = _apply(flat, ovs)
     return flat

@@ -108,10 +108,10 @@ class SchemaLowerer:
             return f"the name '{node.value}'"
         return toml_type_name(node.value)
 
-    def _bool(self, node: Node, name: str) -> bool | None:
+    def boolean(self, node: Node, name: str) -> bool | None:
         return node.value if self._want(node, lambda v: isinstance(v, bool), "true or false", name) else None
 
-    def _int(self, node: Node, name: str, lo: int, hi: int, hint: str = "") -> int | None:
+    def integer(self, node: Node, name: str, lo: int, hi: int, hint: str = "") -> int | None:
         if not self._want(node, _is_int, "an integer", name):
             return None
         if not lo <= node.value <= hi:
@@ -120,7 +120,7 @@ class SchemaLowerer:
             return None
         return node.value
 
-    def _choice(self, node: Node, choices: tuple[str, ...], name: str) -> str | None:
+    def choice(self, node: Node, choices: tuple[str, ...], name: str) -> str | None:
         if not self._want(node, lambda v: isinstance(v, str), "one of " + ", ".join(choices), name):
             return None
         if node.value not in choices:
@@ -174,14 +174,14 @@ class SchemaLowerer:
 
     def _field(self, key: str, node: Node, role: Role | None) -> Any:
         if key == "kind":
-            kind = self._choice(node, tuple(k.value for k in Kind), "kind")
+            kind = self.choice(node, tuple(k.value for k in Kind), "kind")
             return Kind(kind) if kind else None
         if key == "bits":
             hi = 16 if role in (Role.WEIGHT, Role.INPUT, Role.OUTPUT) else 32
             hint = f"bits must be in 1..{hi}" + (" (bias may use up to 32)" if hi == 16 else "")
-            return self._int(node, "bits", 1, hi, hint)
+            return self.integer(node, "bits", 1, hi, hint)
         if key in _BOOL_FIELDS:
-            return self._bool(node, key)
+            return self.boolean(node, key)
         if key == "scale":
             if node.value == DERIVED_BIAS_SCALE:
                 if role not in (None, Role.BIAS):
@@ -208,7 +208,7 @@ class SchemaLowerer:
                 self.err("E103", "group granularity needs a size", node.span,
                          'write { kind = "group", size = 64 } (TOML) or group(64) (qspec)')
                 return None
-            kind = self._choice(node, kinds, "granularity")
+            kind = self.choice(node, kinds, "granularity")
             return Granularity(GranularityKind(kind), span=node.span) if kind else None
         if not node.is_table:
             self.err("E102", f"granularity must be tensor, channel or a table, got {self._shown(node)}", node.span)
@@ -218,7 +218,7 @@ class SchemaLowerer:
             if not any(k not in ("kind", "axis", "size") for k, _ in node.items()):
                 self.err("E103", "granularity table needs a kind", node.span, 'e.g. { kind = "channel", axis = 1 }')
             return None
-        kind = self._choice(entries["kind"], kinds, "granularity")
+        kind = self.choice(entries["kind"], kinds, "granularity")
         if kind is None:
             return None
         gk = GranularityKind(kind)
@@ -227,14 +227,14 @@ class SchemaLowerer:
             if gk is not GranularityKind.CHANNEL:
                 self.err("E101", f"axis only applies to channel granularity, not {kind}", entries["axis"].where)
                 return None
-            axis = self._int(entries["axis"], "axis", *_AXIS_RANGE)
+            axis = self.integer(entries["axis"], "axis", *_AXIS_RANGE)
             if axis is None:
                 return None
         if "size" in entries:
             if gk is not GranularityKind.GROUP:
                 self.err("E101", f"size only applies to group granularity, not {kind}", entries["size"].where)
                 return None
-            size = self._int(entries["size"], "group size", 1, 1 << 20)
+            size = self.integer(entries["size"], "group size", 1, 1 << 20)
             if size is None:
                 return None
         elif gk is GranularityKind.GROUP:
@@ -276,7 +276,7 @@ class SchemaLowerer:
                 if tq is not None:
                     roles[Role(key)] = tq
             elif key == "skip":
-                skip = self._bool(child, "skip")
+                skip = self.boolean(child, "skip")
             elif key == "accumulator":
                 accumulator = self.accumulator(child)
         return RuleBody(roles, skip, accumulator, span=node.span)
@@ -287,8 +287,8 @@ class SchemaLowerer:
                      'e.g. { bits = 24, overflow = "saturate" }')
             return None
         entries = self._table(node, ("bits", "overflow"), "in accumulator")
-        bits = self._int(entries["bits"], "accumulator bits", 1, 64) if "bits" in entries else 32
-        overflow = (self._choice(entries["overflow"], tuple(o.value for o in Overflow), "overflow")
+        bits = self.integer(entries["bits"], "accumulator bits", 1, 64) if "bits" in entries else 32
+        overflow = (self.choice(entries["overflow"], tuple(o.value for o in Overflow), "overflow")
                     if "overflow" in entries else Overflow.WRAP.value)
         if bits is None or overflow is None:
             return None
@@ -329,8 +329,8 @@ class SchemaLowerer:
             if tnode.is_array and not items:
                 self.err("E108", "a rule needs at least one target", tnode.span)
             targets = [t for t in (self.target(n) for n in items) if t is not None]
-        optional = self._bool(entries["optional"], "optional") if "optional" in entries else False
-        priority = (self._int(entries["priority"], "priority", -(2**31), 2**31 - 1)
+        optional = self.boolean(entries["optional"], "optional") if "optional" in entries else False
+        priority = (self.integer(entries["priority"], "priority", -(2**31), 2**31 - 1)
                     if "priority" in entries else None)
         name = None
         if "name" in entries and self._want(entries["name"], lambda v: isinstance(v, str) and v != "",
@@ -349,9 +349,9 @@ class SchemaLowerer:
                          f"this qdsl reads version {SPEC_VERSION}")
         for flag in ("fold_bn", "bias_correction"):
             if flag in top:
-                kw[flag] = self._bool(top[flag], flag)
+                kw[flag] = self.boolean(top[flag], flag)
         if "learned_rounding" in top:
-            kw["learned_rounding"] = self._choice(top["learned_rounding"], LEARNED_ROUNDINGS, "learned_rounding")
+            kw["learned_rounding"] = self.choice(top["learned_rounding"], LEARNED_ROUNDINGS, "learned_rounding")
         includes: list[tuple[str, Span]] = []
         if "include" in top:
             inode = top["include"]

@@ -119,3 +119,20 @@ def test_reference_doc_example_is_the_same_spec_in_both_columns():
     left = "\n".join(line[:split] for line in block)
     right = "\n".join(line[split:] for line in block)
     assert parse_text(left, "doc.qspec") == parse_text(right, "doc.qspec.toml")
+
+
+def test_bom_and_crlf_files_parse(tmp_path):
+    path = tmp_path / "win.qspec"
+    path.write_bytes(b"\xef\xbb\xbf" + DSL.replace("\n", "\r\n").encode())
+    assert parse_file(path) == parse_text(DSL)
+    bad = tmp_path / "bad.qspec"
+    bad.write_bytes(b"version 1\r\nrule fc { wieght = a8 }\r\n")
+    with pytest.raises(SpecError) as info:
+        parse_file(bad)
+    (diag,) = info.value.diagnostics
+    assert (diag.span.line, diag.span.col) == (2, 11)
+    assert "2 | rule fc { wieght = a8 }" in diag.render()
+
+
+def test_single_override_string():
+    assert load_spec(parse_text(DSL), "input.bits=6").overrides.roles[Role.INPUT].bits == 6
