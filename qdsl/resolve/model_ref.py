@@ -19,14 +19,15 @@ from typing import Any
 
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["ModelRefError", "load_model_ref"]
+__all__ = ["ModelRefError", "load_model_ref", "import_ref"]
 
 
 class ModelRefError(QdslError):
     """A ``--model`` reference that does not produce an ``nn.Module``."""
 
 
-def _import(where: str) -> Any:
+def import_ref(where: str) -> Any:
+    """Import the module part of a reference: a dotted module name or a ``.py`` path."""
     if where.endswith(".py") or "/" in where or "\\" in where:
         path = Path(where)
         if not path.is_file():
@@ -51,6 +52,9 @@ def _import(where: str) -> Any:
         raise ModelRefError(f"--model: importing '{where}' failed: {type(exc).__name__}: {exc}") from exc
 
 
+_import = import_ref  # the name qdsl.workflows.refs imports
+
+
 def load_model_ref(text: str) -> Any:
     """The ``nn.Module`` that ``text`` (``module:factory`` or ``file.py:factory``) names."""
     where, sep, attr = text.rpartition(":")
@@ -59,7 +63,7 @@ def load_model_ref(text: str) -> Any:
             f"--model: expected MODULE:FACTORY or path/to/file.py:FACTORY, got '{text}' "
             "(for example qdsl.testing.models:digits_resnet)"
         )
-    module = _import(where)
+    module = import_ref(where)
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):

@@ -295,3 +295,11 @@ def test_every_error_is_reported_at_once(resnet):
     with pytest.raises(SpecError) as exc:
         resolve(resnet, s)
     assert sorted(exc.value.codes) == ["E201", "E202", "E209", "E210"]
+
+
+def test_layer_fields_conflict_like_any_other(resnet):
+    s = spec(rules=[rule(3, "layer1.*.conv1", skip=True), rule(4, "re:layer1.0.conv.", skip=False)])
+    with pytest.raises(SpecError) as exc:
+        resolve(resnet, s)
+    (d,) = exc.value.diagnostics
+    assert d.code == "E209" and "set skip" in d.message and "on layer layer1.0.conv1" in d.notes
