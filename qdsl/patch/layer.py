@@ -11,7 +11,7 @@ What a :class:`LayerPatch` does to ``module`` (and undoes in :meth:`LayerPatch.u
 * forward **hook**: quantize the output (output proxy).
 * BatchNorm folding: the float weight the weight proxy sees is ``W·γ/σ`` (per output
   channel, ``σ = sqrt(running_var + eps)``) and the float bias ``(b − μ)·γ/σ + β``; the
-  BN keeps running but a forward hook makes it return its input.  The BN's buffers are
+  BN's hooks make it return its input (:class:`_SkipBN`).  The BN's buffers are
   snapshotted and restored on uninstall (in train mode its own forward would update them).
 
 Frozen fast path: when every proxy of the layer is frozen (and the input is not
@@ -37,8 +37,29 @@ MASTER_SUFFIX = "_float"
 _BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _bn_identity(module, args, output):
-    return args[0]
+class _SkipBN:
+    """Make a folded BatchNorm return its input without computing it (in eval mode).
+
+    A hook cannot skip ``forward``, so the pre-hook hands the BN an empty batch (eval-mode
+    BatchNorm accepts it, at no cost) and keeps the real input, which the forward hook
+    returns.  In train mode the BN runs on the real input (an empty batch is an error
+    there) and the forward hook still returns the input; the buffers it updates are
+    restored on removal.
+    """
+
+    def __init__(self) -> None:
+        self.stash: list[torch.Tensor] = []
+
+    def pre(self, module, args):
+        if module.training or not args or not isinstance(args[0], torch.Tensor):
+            self.stash.append(None)
+            return None
+        self.stash.append(args[0])
+        return (args[0][:0],) + tuple(args[1:])
+
+    def post(self, module, args, output):
+        x = self.stash.pop()
+        return args[0] if x is None else x
 
 
 class LayerPatch:
@@ -81,7 +102,9 @@ class LayerPatch:
                 t = getattr(self.bn, b, None)
                 if isinstance(t, torch.Tensor):
                     self._bn_snapshot[b] = t.detach().clone()
-            self._hooks.append(self.bn.register_forward_hook(_bn_identity))
+            skip = _SkipBN()
+            self._hooks.append(self.bn.register_forward_pre_hook(skip.pre))
+            self._hooks.append(self.bn.register_forward_hook(skip.post))
         if self._moved or self.iq is not None:
             self._hooks.append(m.register_forward_pre_hook(self._pre))
         if self.oq is not None:
@@ -123,6 +146,9 @@ class LayerPatch:
     def float_params(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The float weight and bias the weight/bias proxies see (BN folded in)."""
         w, b = self.master("weight"), self.master("bias")
+        if b is None and w is not None and self.bq is not None and self.bn is None:
+            # a bias created for bias correction (spec bias_correction on a bias-less layer)
+            b = torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
         bn = self.bn
         if bn is None or w is None:
             return w, b

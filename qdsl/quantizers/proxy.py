@@ -326,20 +326,27 @@ class TensorQuantizer(LazyBuffers):
         return self._with_grad(x, *p)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
-        """Frozen int path: precomputed broadcast views and in-place ops on one buffer."""
+        """Frozen int path: four passes over one fresh buffer.
+
+        ``(clamp(round(v) + z, qmin, qmax) − z)·s`` equals ``clamp(round(v), qmin − z,
+        qmax − z)·s`` exactly (integers below 2^24 add exactly in float32), so the zero
+        point moves into per-slot clamp bounds; only the sign of a zero may differ (−0.0
+        here where the reference gives +0.0), which compares equal.
+        """
         key = x.dim() if self.group_size is None else tuple(x.shape)
         v = self._views.get(key)
         if v is None:
             s, inv, z = self._param_views(x, self.scale, self.zero_point)
-            v = self._views[key] = (s, inv, z, bool((self.zero_point != 0).any()))
-        s, inv, z, has_z = v
-        q = x * inv
+            if self.zero_point.numel() == 1 or not bool((self.zero_point != self.zero_point.flatten()[0]).any()):
+                zp = int(self.zero_point.flatten()[0]) if self.zero_point.numel() else 0
+                lo, hi = self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
+            else:
+                lo, hi = self.qmin - z, self.qmax - z
+            v = self._views[key] = (s, inv, lo, hi)
+        s, inv, lo, hi = v
+        q = torch.mul(x, inv)
         q.round_()
-        if has_z:
-            q.add_(z)
-        q.clamp_(self.qmin, self.qmax)
-        if has_z:
-            q.sub_(z)
+        q.clamp_(lo, hi)
         return q.mul_(s)
 
     # ----------------------------------------------------------------- freeze
