@@ -41,7 +41,9 @@ __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats",
 
 def fold_factor(bn: nn.Module) -> Tensor:
     """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ."""
-    inv_std = torch.rsqrt(bn.running_var + bn.eps)
+    # clone: BN updates running_var in place later in the same forward, and a compiled
+    # graph may otherwise keep the buffer itself for backward
+    inv_std = torch.rsqrt(bn.running_var.clone() + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
 
 
@@ -110,34 +112,40 @@ def _quantize_weight(self, wf: Tensor) -> Tensor:
 
 
 def _make_bn_hooks(patch):
+    stash: list = []
+
     def pre(module, args):
-        # In the inference fold the BN's own forward must not touch its statistics
-        # (its input is already normalised): run it in eval mode.  model.train() sets
-        # training again, so this is re-asserted on every call.
-        if not qat_fold_active(patch):
-            module.training = False
+        if qat_fold_active(patch) or not args or not isinstance(args[0], torch.Tensor):
+            stash.append(None)
+            return None
+        # Inference fold: the layer already applied the BN.  Run the BN in eval mode
+        # (its statistics must not learn from normalised activations; model.train()
+        # sets training again, so this is re-asserted every call) on an empty batch
+        # (free), and hand the real input on in the forward hook.
+        module.training = False
+        stash.append(args[0])
+        return (args[0][:0],) + tuple(args[1:])
 
     def post(module, args, output):
-        # the inference fold already applied the BN inside the layer: pass the input on
-        return output if qat_fold_active(patch) else args[0]
+        x = stash.pop()
+        return output if x is None else x
 
     return pre, post
 
 
 def _prepare_patch(patch) -> None:
-    from qdsl.patch.layer import _bn_identity
-
     if getattr(patch, "_qat_prepared", False):
         return
-    hooks = patch.bn._forward_hooks
+    bn = patch.bn
+    # replace the patch's own BN hooks (the inference-only skip) with ours
     for h in list(patch._hooks):
-        if hooks.get(h.id) is _bn_identity:
+        if h.id in bn._forward_hooks or h.id in bn._forward_pre_hooks:
             h.remove()
             patch._hooks.remove(h)
     pre, post = _make_bn_hooks(patch)
     # registered through the patch's own hook list, so qdsl.remove() removes them
-    patch._hooks.append(patch.bn.register_forward_pre_hook(pre))
-    patch._hooks.append(patch.bn.register_forward_hook(post))
+    patch._hooks.append(bn.register_forward_pre_hook(pre))
+    patch._hooks.append(bn.register_forward_hook(post))
     patch.refresh = types.MethodType(_qat_refresh, patch)
     patch._qat_prepared = True
 
