@@ -20,8 +20,10 @@ chain plus its own fields (``presets.py``).
 A role is quantized only when some source that applies mentions it (overrides do not
 count: they only change roles that end up quantized).  The winning ``skip = true`` puts
 all roles of the layer in float; a winning ``kind = float`` puts that role in float.
-Then overrides apply, built-in defaults fill the rest (``validate.py``), and the
-recipe is validated with every error pointing at the span where the offending value is
+Then overrides apply: each field an override states (a preset it names contributes its
+expanded fields) replaces the cascaded value, fields it does not state keep theirs, and
+the replaced value is recorded as overridden.  Built-in defaults fill the rest
+(``validate.py``), and the recipe is validated with every error pointing at the span where the offending value is
 written.  Layers that receive the same sources resolve identically, so the cascade runs
 once per distinct combination (memoized) and only shape checks run per layer - this is
 what keeps a 10,000-module model well under the 0.5 s budget (``benchmarks/resolve.py``).
