@@ -158,10 +158,11 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
                 continue
             proxies[role] = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}")
         iq, wq = proxies.get(Role.INPUT), proxies.get(Role.WEIGHT)
-        if (bn_fqn is not None and Role.BIAS not in lp.roles and iq is not None and wq is not None
+        if ((bn_fqn is not None or plan.bias_correction) and Role.BIAS not in lp.roles and iq is not None and wq is not None
                 and iq.kind is Kind.INT and wq.kind is Kind.INT and iq.axis is None and wq.group_size is None
                 and wq.axis in (None, 0)):
-            # the model has no bias but folding creates one: int32 at input × weight scale
+            # the model has no bias but folding (or bias correction) creates one: int32 at
+            # input × weight scale
             proxies[Role.BIAS] = TensorQuantizer(folded_bias_recipe(), Role.BIAS, regs, name=f"{lp.fqn}:bias")
         if not proxies and bn_fqn is None:
             continue

@@ -10,7 +10,8 @@
   ``torch.no_grad()`` inside ``calibrating``.  A batch is a tensor, a tuple/list whose
   first element is the input (``(x, y)`` pairs), or a dict of keyword arguments.  A
   small progress bar goes to stderr when it is a terminal (``progress=True/False``
-  forces it).
+  forces it).  Then, if the spec enables them, learned rounding and bias correction
+  run on the same batches (:func:`qdsl.ptq.finish_calibration`).
 * ``freeze(model)`` fixes every scale (buffers; observers stop), reporting *all*
   quantizers that never saw data in one error.  After it the state is FROZEN.
 
@@ -125,6 +126,10 @@ def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None 
     total = num_batches
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
+    from qdsl.ptq.pipeline import finish_calibration, ptq_steps  # lazy: qdsl.ptq builds on patch
+
+    # learned rounding / bias correction (spec) run after the observers, on the same batches
+    kept: list[Any] | None = [] if ptq_steps(model) else None
     bar = ProgressBar("calibrating", total, progress)
     seen = 0
     with calibrating(model), torch.no_grad():
@@ -132,11 +137,15 @@ def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None 
             if num_batches is not None and seen >= num_batches:
                 break
             _run(model, batch)
+            if kept is not None:
+                kept.append(batch)
             seen += 1
             bar.update()
     bar.close()
     if seen == 0:
         raise QdslError("calibrate got no batches: the iterable was empty")
+    if kept:
+        finish_calibration(model, kept)
     return model
 
 

@@ -1,0 +1,175 @@
+"""Bias correction and GPTQ learned rounding on patched models (fast, small models)."""
+
+import pytest
+import torch
+from torch import nn
+
+import qdsl
+from qdsl.parse import parse_text
+from qdsl.patch import int_tensors
+from qdsl.ptq import correct_bias, finish_calibration, learn_rounding
+from qdsl.ptq.gptq import gptq_codes, input_hessian, unfold_inputs
+from qdsl.spec.diagnostics import QdslError
+
+
+def _spec(bits=3, extra="", fold=True, bias=True):
+    return parse_text(f"""
+version = 1
+fold_bn = {str(fold).lower()}
+{extra}
+[defaults]
+weight = {{ kind = "int", bits = {bits}, signed = true, granularity = "channel", observer = {{ name = "auto" }} }}
+input = {{ kind = "int", bits = {bits}, signed = true, observer = {{ name = "auto" }} }}
+{'bias = { kind = "int", bits = 32, scale = "input*weight" }' if bias else ''}
+""", "t.qspec.toml")
+
+
+class Net(nn.Module):
+    def __init__(self, bias=True):
+        super().__init__()
+        self.c1 = nn.Conv2d(2, 8, 3, padding=1, bias=bias)
+        self.c2 = nn.Conv1d(8, 8, 3, padding=1, bias=bias)
+        self.fc = nn.Linear(8 * 16, 5, bias=bias)
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))  # [N, 8, 4, 4]
+        x = torch.relu(self.c2(x.flatten(2)))  # [N, 8, 16]
+        return self.fc(x.flatten(1))
+
+
+def _net(bias=True, seed=0):
+    torch.manual_seed(seed)
+    return Net(bias).eval()
+
+
+def _data(n=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 2, 4, 4, generator=g) + 0.3
+
+
+def _channel_shift(model, ref, x, name):
+    outs = {}
+    hs = [dict(m.named_modules())[name].register_forward_hook(lambda mod, a, o, k=k: outs.__setitem__(k, o))
+          for k, m in (("q", model), ("f", ref))]
+    with torch.no_grad():
+        model(x), ref(x)
+    for h in hs:
+        h.remove()
+    d = (outs["q"] - outs["f"]).movedim(-1 if name == "fc" else 1, 0)
+    return d.reshape(d.shape[0], -1).mean(1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_bias_correction_removes_mean_shift(bias):
+    ref, model = _net(bias), _net(bias)
+    x = _data()
+    qdsl.apply(model, _spec(3, "bias_correction = true", fold=False, bias=bias))
+    qdsl.calibrate(model, [x[:64], x[64:]])  # runs correct_bias (spec) after the observers
+    after = _channel_shift(model, ref, x, "fc").abs().max()
+    # the same model without the correction
+    plain = _net(bias)
+    qdsl.apply(plain, _spec(3, fold=False, bias=bias))
+    qdsl.calibrate(plain, [x[:64], x[64:]])
+    before = _channel_shift(plain, ref, x, "fc").abs().max()
+    q = qdsl.patch.get_handle(model).quantizer("fc", "bias")
+    # what remains is the int32 bias's own rounding (half a step of input × weight scale)
+    step = float((q.current_scale() if q.current_scale() is not None else torch.ones(1)).max())
+    assert after <= 0.6 * step + 1e-6 and after < 0.2 * before
+    assert q.offset.shape == (5,)
+    # the correction survives freezing and is in the integer bias export reads
+    qdsl.freeze(model)
+    ints = int_tensors(model)["fc"]
+    b_float = (ref.fc.bias if bias else torch.zeros(5)) + q.offset
+    assert torch.allclose(ints.bias.double() * ints.bias_scale.double(), b_float.double(), atol=float(ints.bias_scale.max()))
+    # remove() restores the original model exactly
+    qdsl.remove(model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert list(model.state_dict()) == list(ref.state_dict())
+
+
+def test_bias_correction_needs_a_bias_quantizer():
+    model = _net(True)
+    qdsl.apply(model, _spec(4, bias=False))
+    x = _data()
+    qdsl.calibrate(model, [x])
+    with pytest.raises(QdslError, match="needs a quantized bias on 'c1'"):
+        correct_bias(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(QdslError, match="already frozen"):
+        learn_rounding(model, [x])
+
+
+def test_unfold_matches_the_layer():
+    torch.manual_seed(0)
+    for mod, x in [
+        (nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False), torch.randn(3, 4, 7, 7)),
+        (nn.Conv1d(3, 4, 5, padding=2, dilation=1, bias=False), torch.randn(2, 3, 11)),
+        (nn.Linear(5, 3, bias=False), torch.randn(2, 4, 5)),
+    ]:
+        cols = unfold_inputs(mod, x)  # [g, d, n]
+        g = cols.shape[0]
+        w = mod.weight.reshape(g, mod.weight.shape[0] // g, -1)
+        y = torch.einsum("gcd,gdn->gcn", w, cols)
+        ref = mod(x)
+        ref = ref.reshape(-1, ref.shape[-1]).T if isinstance(mod, nn.Linear) else \
+            ref.reshape(ref.shape[0], g, -1, ref.shape[2:].numel()).permute(1, 2, 0, 3)
+        assert torch.allclose(y.reshape(ref.shape), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_beats_nearest_rounding_on_layer_output(act_order):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 24, generator=g) @ torch.randn(24, 24, generator=g)  # correlated inputs
+    lin = nn.Linear(24, 6, bias=False)
+    w = torch.randn(6, 24, generator=g)
+    s = w.abs().amax(1) / 3
+    h = input_hessian(lin, [x])
+    q = gptq_codes(w, h, s, torch.zeros(6), -4, 3, act_order=act_order)
+    rtn = torch.clamp(torch.round(w / s[:, None]), -4, 3)
+    err = lambda c: float(((w - c * s[:, None]) @ x.T).pow(2).sum())  # noqa: E731
+    assert err(q) < 0.7 * err(rtn)
+    # asymmetric grid with zero points: codes stay in range, dequantize with the zero point
+    zp = torch.full((6,), 3.0)
+    q = gptq_codes(w, h, s, zp, 0, 7)
+    assert int(q.min()) >= 0 and int(q.max()) <= 7
+
+
+def test_learned_rounding_sets_codes_used_everywhere():
+    ref, model = _net(), _net()
+    x = _data()
+    qdsl.apply(model, _spec(3, 'learned_rounding = "gptq"', fold=False))
+    qdsl.calibrate(model, [x])
+    handle = qdsl.patch.get_handle(model)
+    wq = handle.quantizer("c1", "weight")
+    assert wq.codes.shape == ref.c1.weight.shape
+    with torch.no_grad():
+        w_fq = model.c1.weight.clone()
+    qdsl.freeze(model)
+    ints = int_tensors(model)["c1"]
+    assert torch.equal(ints.weight.to(torch.int64), wq.codes)
+    s = ints.weight_scale.reshape(-1, 1, 1, 1)
+    assert torch.allclose(ints.weight.float() * s, w_fq)
+    with torch.no_grad():
+        model(x[:2])
+    assert torch.allclose(model.c1.weight, w_fq)
+    # state_dict round trip into a freshly applied model keeps the codes and offsets
+    fresh = _net()
+    qdsl.apply(fresh, _spec(3, 'learned_rounding = "gptq"', fold=False))
+    fresh.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
+
+
+def test_learned_rounding_rejects_unknown_method_and_group_scales():
+    model = _net()
+    qdsl.apply(model, _spec(4, fold=False))
+    x = _data()
+    qdsl.calibrate(model, [x])
+    with pytest.raises(QdslError, match="unknown learned rounding 'adaround'"):
+        learn_rounding(model, [x], "adaround")
+
+
+def test_finish_calibration_is_a_no_op_without_steps():
+    model = _net()
+    qdsl.apply(model, _spec(4, fold=False))
+    assert finish_calibration(model, []) == {}
