@@ -10,9 +10,22 @@ Public API::
 
 The profile format and the W3xx/E3xx code table are documented in ``docs/profiles.md``;
 the codes also live in :mod:`qdsl.lint.codes`.  Spec-only lint never imports torch.
+
+This module is callable, and ``qdsl.lint.lint`` is the module itself:
+``qdsl.lint(spec, profile, model)`` runs :func:`qdsl.lint.api.lint`.  Why: importing any
+``qdsl.lint.*`` submodule binds the name ``lint`` on the ``qdsl`` package to this
+module, while the package's lazy API binds it to whatever ``qdsl.lint.lint`` is.  Were
+that a plain function, ``qdsl.lint.enforce`` and ``import qdsl.lint.api`` would break
+after ``qdsl.lint(...)``, and ``qdsl.lint(...)`` after ``import qdsl.lint``; with the
+module in both places every spelling works in any order.
 """
 
-from qdsl.lint.api import LintWarning, enforce, lint, lint_plan
+import inspect
+import sys
+import types
+
+from qdsl.lint import api as _api
+from qdsl.lint.api import LintWarning, enforce, lint_plan
 from qdsl.lint.codes import CODES
 from qdsl.lint.plan_checks import LayerInts
 from qdsl.lint.profile_loader import bundled_profiles, load_profile, parse_profile
@@ -32,3 +45,15 @@ __all__ = [
     "to_sarif",
     "CODES",
 ]
+
+
+class _CallableModule(types.ModuleType):
+    """``qdsl.lint(...)`` runs :func:`qdsl.lint.api.lint`."""
+
+    def __call__(self, *args, **kwargs):
+        return _api.lint(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+__signature__ = inspect.signature(_api.lint)
+lint = sys.modules[__name__]
