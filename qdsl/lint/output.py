@@ -9,7 +9,8 @@
   qdsl and lists every code of ``codes.CODES`` as a rule; one result per finding with
   ``ruleId``, ``ruleIndex``, ``level`` (error/warning/note), ``message.text`` and a
   location: a ``physicalLocation`` (artifact URI plus a 1-based region) when the
-  finding has a file position, and a ``logicalLocation`` (the layer) when it names one.
+  finding has a file position, a ``logicalLocation`` (the layer) when it names one, and
+  otherwise a ``logicalLocation`` naming its origin (``<--set>``).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def to_sarif(diags: list[Diagnostic], profile_name: str = "", version: str = "")
             loc["physicalLocation"] = phys
         if s.path and not s.path.startswith("$"):
             loc["logicalLocations"] = [{"fullyQualifiedName": s.path, "kind": "module"}]
-        if loc:
-            result["locations"] = [loc]
+        if not loc:  # e.g. a --set override: name where it came from
+            loc["logicalLocations"] = [{"fullyQualifiedName": s.path or s.file or "<input>"}]
+        result["locations"] = [loc]
         results.append(result)
     driver = {"name": "qdsl", "rules": rules}
     if version:

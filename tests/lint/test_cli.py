@@ -134,6 +134,18 @@ def test_sarif_output(capsys, monkeypatch):
     assert model_hits[0]["locations"][0]["logicalLocations"][0]["fullyQualifiedName"] == "features.1"
 
 
+def test_sarif_override_findings_have_a_location(capsys, monkeypatch):
+    monkeypatch.chdir(SPECS)
+    code, out, _ = run(capsys, "x86-pass.qspec.toml", "--hw", "x86-fbgemm", "--format", "sarif",
+                       "--set", "weight.bits=4")
+    assert code == 1
+    doc = json.loads(out)
+    _check_sarif(doc)
+    (res,) = doc["runs"][0]["results"]
+    assert res["ruleId"] == "E302"
+    assert res["locations"][0]["logicalLocations"][0]["fullyQualifiedName"] == "<--set>"
+
+
 def test_sarif_clean_run_is_valid(capsys, monkeypatch):
     monkeypatch.chdir(SPECS)
     code, out, _ = run(capsys, "x86-pass.qspec.toml", "--hw", "x86-fbgemm", "--format", "sarif")
