@@ -38,7 +38,7 @@ Lifecycle of one proxy
 Gradients: values always come from :mod:`qdsl.quantizers.functional`.  When autograd
 needs a gradient, the proxy calls ``TensorQuantizer.grad_path(self, x, scale, zp,
 threshold)`` if QAT installed one (:mod:`qdsl.qat` sets it), otherwise it uses the
-plain straight-through estimator ``x + (x̂ − x).detach()``.
+plain straight-through estimator (value ``x̂``, gradient of the identity).
 """
 
 from __future__ import annotations
@@ -67,6 +67,16 @@ __all__ = ["TensorQuantizer", "code_range"]
 
 _BUILTIN_ROUNDING = "qdsl.quantizers.rounding:"
 _TINY = 1e-12
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        return fake
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g, None
 
 
 def code_range(recipe: QuantizerRecipe) -> tuple[int, int]:
@@ -276,8 +286,9 @@ class TensorQuantizer(LazyBuffers):
             return self._fake(x, scale, zp, thr)
         if TensorQuantizer.grad_path is not None:
             return TensorQuantizer.grad_path(self, x, scale, zp, thr)
-        # plain straight-through estimator: value of x̂, gradient of the identity
-        return x + (self._fake(x.detach(), scale.detach(), zp, thr) - x).detach()
+        # plain straight-through estimator: value of x̂ exactly, gradient of the identity
+        # (not ``x + (x̂ - x).detach()``, whose float rounding changes the value)
+        return _StraightThrough.apply(x, self._fake(x.detach(), scale.detach(), zp, thr))
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """The integer codes ``forward(x)`` uses (int8/uint8/int16/int32 by range)."""
