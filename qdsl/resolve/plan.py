@@ -90,12 +90,20 @@ class ModuleEntry:
 
     @property
     def roles(self) -> tuple[Role, ...]:
-        """The roles this module can have quantized."""
+        """The roles this module can have quantized.
+
+        Weight and bias roles need a weight *kernel* (a parameter named ``weight`` with
+        at least 2 dimensions: Linear, ConvNd, Embedding, user layers).  Normalization
+        layers' 1-D ``weight``/``bias`` are per-channel affine terms, not quantization
+        targets: BN folds into the conv before it, and a broad rule such as
+        ``layer1.** { weight = w4 }`` must not quantize them by accident.
+        """
         out = []
-        if "weight" in self.param_shapes:
+        weight = self.param_shapes.get("weight")
+        if weight is not None and len(weight) >= 2:
             out.append(Role.WEIGHT)
-        if "bias" in self.param_shapes:
-            out.append(Role.BIAS)
+            if "bias" in self.param_shapes:
+                out.append(Role.BIAS)
         out += [Role.INPUT, Role.OUTPUT]
         return tuple(out)
 

@@ -54,8 +54,8 @@ def reference(s):
     """fqn -> expected weight bits, or None when some layer has an unresolvable tie."""
     expected = {}
     for entry in INDEX:
-        if "weight" not in entry.param_shapes:
-            continue
+        if len(entry.param_shapes.get("weight", ())) < 2:
+            continue  # only weight kernels take the weight role (not BN's 1-D scale)
         cands = []
         if entry.type_name in ("Conv2d", "Linear"):
             cands.append((1, 0, -1, 8))
@@ -128,3 +128,15 @@ def test_any_field_combination_gives_a_plan_or_located_spec_errors(defaults, raw
         for recipe in lp.roles.values():
             if recipe is not None:
                 assert 1 <= recipe.bits <= 32 and recipe.observer_params is not None
+
+
+def test_broad_rules_never_quantize_batchnorm_weights():
+    from qdsl.resolve import resolve
+    from qdsl.spec.model import QuantSpec, Rule, RuleBody, Target, TensorQuant
+    from qdsl.testing.models import digits_resnet
+
+    spec = QuantSpec(rules=[Rule([Target.parse("layer1.**")], RuleBody({"weight": TensorQuant(bits=4)}))])
+    plan = resolve(digits_resnet(), spec)
+    quantized = {l.fqn for l in plan.layers if l.recipe("weight") is not None}
+    assert "layer1.0.conv1" in quantized
+    assert not any(".bn" in f for f in quantized)
