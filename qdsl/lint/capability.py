@@ -3,8 +3,9 @@
 The input is a mapping ``field -> value`` of what is *known* about the quantizer (a
 resolved recipe knows every field; a spec-only node only what it writes), so one
 function serves both lint modes.  Each :class:`Violation` names the spec field to change,
-the requested and allowed values, and the nearest allowed fix, phrased as the spec
-assignment to write (``use bits = 8``).  Codes are listed in ``qdsl/lint/codes.py``.
+the requested and allowed values, and the nearest allowed value, which
+:meth:`Violation.hint` phrases as the assignment to write in the syntax of the file the
+finding points into (``qdsl/lint/fixes.py``).  Codes are listed in ``qdsl/lint/codes.py``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, Mapping
 
 import attrs
 
+from qdsl.lint.fixes import bias_fix, use
+from qdsl.spec.diagnostics import Span
 from qdsl.spec.model import Granularity, GranularityKind, Kind, Role
 from qdsl.spec.profile import NarrowRange, TensorCaps, export_scale_class
 
@@ -28,19 +31,30 @@ class Violation:
     """The spec field to change (``bits``, ``scale``, ``symmetric``...)."""
     requested: str
     allowed: str
-    fix: str
+    fix_value: Any
+    """The nearest allowed value of ``field`` (the hint writes it in the spec's syntax)."""
     caps_field: str
     """The profile field that forbids it (for pointing at the profile line)."""
     reason: str = ""
+    fix_special: str | None = None
+    """``"quantize"`` (give a float role a quantizer), ``"bias"`` (an int32 bias at scale
+    input*weight) or ``"own_scale"`` (a bias quantizer with a scale of its own)."""
+
+    def hint(self, role: Role, span: Span) -> str:
+        """The fix, phrased for the file ``span`` points into."""
+        if self.fix_special == "bias":
+            return bias_fix(span)
+        if self.fix_special == "quantize":
+            return f"quantize the {role.value}: " + use("kind", Kind.INT, span, role)
+        text = use(self.field, self.fix_value, span, role)
+        if self.fix_special == "own_scale":
+            text += " (a bias quantizer of its own)"
+        return text
 
 
 def nearest(value: int, allowed: tuple[int, ...]) -> int:
     """The allowed number closest to ``value``; ties go to the larger (safer) one."""
     return min(allowed, key=lambda a: (abs(a - value), -a))
-
-
-def _q(v: str) -> str:
-    return f'"{v}"'
 
 
 def _fmt_list(values) -> str:
@@ -71,52 +85,52 @@ def check_quantizer(
     kind = Kind(kind) if kind is not None else None
     if kind is not None:
         if kind is Kind.FLOAT and integer_only:
-            out.append(Violation("E312", "kind", "float", "an integer kind", _float_fix(role, caps), "integer_only",
-                                 "the target is integer-only: no tensor may stay float"))
+            out.append(Violation("E312", "kind", "float", "an integer kind", Kind.INT, "integer_only",
+                                 "the target is integer-only: no tensor may stay float", _float_fix(role)))
         elif caps.kinds is not None and kind not in caps.kinds:
             choice = Kind.INT if Kind.INT in caps.kinds else caps.kinds[0]
-            fix = _float_fix(role, caps) if kind is Kind.FLOAT else f"use kind = {_q(choice.value)}"
-            out.append(Violation("E301", "kind", kind.value, _fmt_list(caps.kinds), fix, "kinds"))
+            special = _float_fix(role) if kind is Kind.FLOAT else None
+            out.append(Violation("E301", "kind", kind.value, _fmt_list(caps.kinds), choice, "kinds",
+                                 fix_special=special))
             return _bias_rule(out, role)  # the other fields are about a kind the target lacks
     if kind is Kind.FLOAT:
         return _bias_rule(out, role)
     bits = known.get("bits")
     if bits is not None and caps.bits is not None and kind in (None, Kind.INT, Kind.POT) and bits not in caps.bits:
-        out.append(Violation("E302", "bits", str(bits), _fmt_list(caps.bits), f"use bits = {nearest(bits, caps.bits)}",
-                             "bits"))
+        out.append(Violation("E302", "bits", str(bits), _fmt_list(caps.bits), nearest(bits, caps.bits), "bits"))
     signed = known.get("signed")
     if signed is not None and caps.signedness is not None and kind not in (Kind.TERNARY,):
         word = "signed" if signed else "unsigned"
         if word not in caps.signedness:
-            out.append(Violation("E303", "signed", _bool(signed), _fmt_list(caps.signedness),
-                                 f"set signed = {_bool(not signed)}", "signedness"))
+            out.append(Violation("E303", "signed", _bool(signed), _fmt_list(caps.signedness), not signed,
+                                 "signedness"))
     scale = known.get("scale")
     if scale is not None and caps.scales is not None:
         cls = export_scale_class(scale, pot_scales)
         ok = cls in caps.scales or (cls == "pot" and "float" in caps.scales)
         if not ok:
-            out.append(Violation("E304", "scale", scale, _fmt_list(caps.scales), _scale_fix(scale, cls, caps.scales),
-                                 "scales", f"'{scale}' exports as a {cls} scale" if cls != scale else ""))
+            value, special = _scale_fix(scale, cls, caps.scales)
+            out.append(Violation("E304", "scale", scale, _fmt_list(caps.scales), value, "scales",
+                                 f"'{scale}' exports as a {cls} scale" if cls != scale else "", special))
     gran = known.get("granularity")
     if isinstance(gran, Granularity):
         out += _check_granularity(gran, caps)
     symmetric = known.get("symmetric")
     if symmetric is False and caps.zero_point is False and kind in (None, Kind.INT):
-        out.append(Violation("E306", "symmetric", "false", "symmetric only, no zero point", "set symmetric = true",
-                             "zero_point"))
+        out.append(Violation("E306", "symmetric", "false", "symmetric only, no zero point", True, "zero_point"))
     narrow = known.get("narrow_range")
     if narrow is not None and caps.narrow_range is not None and kind in (None, Kind.INT) and signed is not False:
         if caps.narrow_range is NarrowRange.REQUIRED and not narrow:
-            out.append(Violation("E307", "narrow_range", "false", "true", "set narrow_range = true", "narrow_range"))
+            out.append(Violation("E307", "narrow_range", "false", "true", True, "narrow_range"))
         elif caps.narrow_range is NarrowRange.FORBIDDEN and narrow:
-            out.append(Violation("E307", "narrow_range", "true", "false", "set narrow_range = false", "narrow_range"))
+            out.append(Violation("E307", "narrow_range", "true", "false", False, "narrow_range"))
     dynamic = known.get("dynamic")
     if dynamic:
         if integer_only:
-            out.append(Violation("E308", "dynamic", "true", "false", "set dynamic = false", "integer_only",
+            out.append(Violation("E308", "dynamic", "true", "false", False, "integer_only",
                                  "dynamic scales are computed in float at run time; the target is integer-only"))
         elif caps.dynamic is False:
-            out.append(Violation("E308", "dynamic", "true", "false", "set dynamic = false", "dynamic"))
+            out.append(Violation("E308", "dynamic", "true", "false", False, "dynamic"))
     return _bias_rule(out, role)
 
 
@@ -129,20 +143,19 @@ def _bias_rule(out: list[Violation], role: Role) -> list[Violation]:
             else v for v in out]
 
 
-def _float_fix(role: Role, caps: TensorCaps) -> str:
-    if role is Role.BIAS:
-        return 'use bias = { kind = "int", bits = 32, scale = "input*weight" }'
-    return f"quantize the {role.value}: use kind = \"int\""
+def _float_fix(role: Role) -> str:
+    return "bias" if role is Role.BIAS else "quantize"
 
 
-def _scale_fix(scale: str, cls: str, allowed: tuple[str, ...]) -> str:
+def _scale_fix(scale: str, cls: str, allowed: tuple[str, ...]) -> tuple[str, str | None]:
+    """(the nearest allowed scale, a special fix kind or None)."""
     if "input*weight" in allowed and cls != "input*weight" and not ({"float", "pot"} & set(allowed)):
-        return 'use scale = "input*weight"'
+        return "input*weight", None
     if cls == "input*weight":
-        return f"use scale = {_q('float' if 'float' in allowed else 'pot')} (a bias quantizer of its own)"
+        return ("float" if "float" in allowed else "pot"), "own_scale"
     if cls == "float" and "pot" in allowed:
-        return 'use scale = "learned_pot"' if scale == "learned" else 'use scale = "pot"'
-    return f"use scale = {_q(allowed[0])}"
+        return ("learned_pot" if scale == "learned" else "pot"), None
+    return allowed[0], None
 
 
 def _check_granularity(gran: Granularity, caps: TensorCaps) -> list[Violation]:
@@ -150,19 +163,19 @@ def _check_granularity(gran: Granularity, caps: TensorCaps) -> list[Violation]:
     text = str(gran)
     if caps.granularities is not None and gran.kind not in caps.granularities:
         pick = GranularityKind.CHANNEL if GranularityKind.CHANNEL in caps.granularities else caps.granularities[0]
-        fix = f"use granularity = {_q(pick.value)}"
-        if pick is GranularityKind.GROUP and caps.group_sizes:
-            fix = f"use granularity = group({caps.group_sizes[0]})"
+        size = None
+        if pick is GranularityKind.GROUP:  # a size the target takes, else keep the spec's
+            size = caps.group_sizes[0] if caps.group_sizes else (gran.group_size or 32)
+        fix = Granularity(pick, group_size=size)
         return [Violation("E305", "granularity", text, _fmt_list(caps.granularities), fix, "granularities")]
     if gran.kind is GranularityKind.CHANNEL and caps.channel_axes is not None:
         axis = 0 if gran.axis is None else gran.axis
         if axis not in caps.channel_axes:
             want = caps.channel_axes[0]
             out.append(Violation("E305", "granularity", text, f"channel axis {_fmt_list(caps.channel_axes)}",
-                                 f"use granularity = {_q('channel') if want == 0 else f'channel({want})'}",
-                                 "channel_axes"))
+                                 Granularity(GranularityKind.CHANNEL, want), "channel_axes"))
     if gran.kind is GranularityKind.GROUP and caps.group_sizes is not None and gran.group_size not in caps.group_sizes:
         size = nearest(gran.group_size or 0, caps.group_sizes)
         out.append(Violation("E305", "granularity", text, "group(" + _fmt_list(caps.group_sizes) + ")",
-                             f"use granularity = group({size})", "group_sizes"))
+                             Granularity(GranularityKind.GROUP, group_size=size), "group_sizes"))
     return out

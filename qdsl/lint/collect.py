@@ -80,7 +80,7 @@ def violation_diagnostic(
     note = _caps_note(profile, caps, v)
     if note:
         notes.append(note)
-    return Diagnostic(Severity.ERROR, v.code, msg, span, (v.fix,), tuple(notes))
+    return Diagnostic(Severity.ERROR, v.code, msg, span, (v.hint(role, span),), tuple(notes))
 
 
 def sort_key(d: Diagnostic) -> tuple[Any, ...]:

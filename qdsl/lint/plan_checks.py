@@ -31,6 +31,7 @@ import numpy as np
 from qdsl.lint.accumulator import bits_for, operand_range, operand_ranges, tight_range, worst_case_range
 from qdsl.lint.capability import check_quantizer
 from qdsl.lint.collect import Collector, violation_diagnostic
+from qdsl.lint.fixes import accumulator_fix, use
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
@@ -190,7 +191,7 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
             col.add(("E315", span.location()), Diagnostic.error(
                 "E315", f"the spec's accumulator ({what}) does not match {profile.name}'s "
                 f"({hw.bits}-bit {hw.overflow.value if hw.overflow else 'wrap'})", span,
-                f"use accumulator bits = {hw.bits}" + (f', overflow = "{hw.overflow.value}"' if hw.overflow else "")),
+                accumulator_fix(hw.bits, hw.overflow.value if hw.overflow else None, span)),
                 layer=layer.fqn)
     if w is None or x is None or hw.bits is None or entry is None or "weight" not in entry.param_shapes:
         return
@@ -211,13 +212,13 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
             col.add(("E314", layer.fqn), Diagnostic.error(
                 "E314", f"layer {layer.fqn}: with its integer weights the accumulator reaches [{lo}, {hi}], "
                 f"{tight} bits; {profile.name} has {hw.bits} ({overflow})", span,
-                _acc_fix(w, x, fan_in, hw.bits, profile, op),
+                _acc_fix(w, x, fan_in, hw.bits, profile, op, span),
                 notes=(desc + f"; worst case {worst} bits",)), layer=layer.fqn)
         return
     if worst > hw.bits:
         col.add(("W313", span.location(), worst, fan_in, desc), Diagnostic.warning(
             "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
-            span, _acc_fix(w, x, fan_in, hw.bits, profile, op),
+            span, _acc_fix(w, x, fan_in, hw.bits, profile, op, span),
             notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
 
 
@@ -238,14 +239,14 @@ def tight_layer_range(w: QuantizerRecipe, x: QuantizerRecipe, b: QuantizerRecipe
 
 
 def _acc_fix(w: QuantizerRecipe, x: QuantizerRecipe, fan_in: int, acc_bits: int, profile: HardwareProfile,
-             op: str) -> str:
+             op: str, span: Span) -> str:
     xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric)
     allowed = profile.caps(Role.WEIGHT, op).bits or tuple(range(1, w.bits))
     if w.kind is Kind.INT:
         for b in sorted((b for b in allowed if b < w.bits), reverse=True):
             wr = operand_range(w.kind, b, w.signed, w.narrow_range, w.symmetric)
             if bits_for(*worst_case_range(wr, xr, fan_in)) <= acc_bits:
-                return f"use bits = {b} for the weight (worst case then fits)"
+                return use("bits", b, span, Role.WEIGHT) + " for the weight (worst case then fits)"
     wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric)
     per_term = max(abs(a * b) for a in wr for b in xr) or 1
     max_fan = ((1 << (acc_bits - 1)) - 1) // per_term
@@ -273,13 +274,14 @@ def _check_fixed_output(layer: LayerPlan, op: str | None, profile: HardwareProfi
         return
     wrong = []
     if out.kind is not Kind.INT or out.bits != fixed.bits:
-        wrong.append(("bits", f"use bits = {fixed.bits}"))
+        wrong.append(("bits", fixed.bits))
     if out.signed != fixed.signed:
-        wrong.append(("signed", f"set signed = {'true' if fixed.signed else 'false'}"))
+        wrong.append(("signed", fixed.signed))
     if fixed.zero_point != 0 and out.symmetric:
-        wrong.append(("symmetric", "set symmetric = false"))
-    for field, fix in wrong:
+        wrong.append(("symmetric", False))
+    for field, value in wrong:
         span, _ = _written(layer, Role.OUTPUT, field, where_spec)
+        fix = use(field, value, span, Role.OUTPUT)
         col.add(("E317", op, field, span.location()), Diagnostic.error(
             "E317", f"{profile.name} fixes the {op} output at scale {fixed.scale:g}, zero point {fixed.zero_point} "
             f"({fixed.bits}-bit {'signed' if fixed.signed else 'unsigned'}); output.{field} = "

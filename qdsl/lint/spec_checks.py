@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 from qdsl.lint.capability import Violation, check_quantizer
 from qdsl.lint.collect import Collector, violation_diagnostic
+from qdsl.lint.fixes import accumulator_fix
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.check import Body, Prepared
 from qdsl.resolve.validate import builtin_value, fill_channel_axis
@@ -155,13 +156,13 @@ def _check_skip_and_acc(body: Body, ops: list[str], profile: HardwareProfile, co
         if hw.bits is not None and acc.bits > hw.bits:
             d = Diagnostic.error(
                 "E315", f"{body.label} assumes a {acc.bits}-bit accumulator; {profile.name} has {hw.bits} bits",
-                span, f"use accumulator bits = {hw.bits} (the exported graph must match the hardware)")
+                span, accumulator_fix(hw.bits, None, span) + " (the exported graph must match the hardware)")
             col.add(("E315", "bits", span.location()), d)
         if hw.overflow is not None and acc.overflow is not hw.overflow:
             d = Diagnostic.error(
                 "E315", f"{body.label} assumes accumulator overflow = {acc.overflow.value}; "
                 f"{profile.name} does {hw.overflow.value}", span,
-                f'use overflow = "{hw.overflow.value}"')
+                accumulator_fix(acc.bits if hw.bits is None else min(acc.bits, hw.bits), hw.overflow.value, span))
             col.add(("E315", "overflow", span.location()), d)
 
 

@@ -18,12 +18,15 @@ HERE = Path(__file__).parent
 SPECS = HERE / "specs"
 GOLDEN = HERE / "golden"
 
-# (spec stem, profile, reference model factory or None, expected to pass)
+# (spec file name without .qspec.toml, or a .qspec DSL file; profile; reference model
+# factory or None; expected to pass)
 CASES = [
     ("tflite-pass", "tflite-int8", None, True),
     ("tflite-pass", "tflite-int8", "conv_bn_relu_net", True),
     ("tflite-fail", "tflite-int8", None, False),
     ("tflite-fail", "tflite-int8", "digits_resnet", False),
+    ("tflite-fail.qspec", "tflite-int8", None, False),  # the DSL form: same findings, DSL fixes
+    ("tflite-fail.qspec", "tflite-int8", "digits_resnet", False),
     ("x86-pass", "x86-fbgemm", None, True),
     ("x86-pass", "x86-fbgemm", "digits_resnet", True),
     ("x86-fail", "x86-fbgemm", None, False),
@@ -57,7 +60,7 @@ def test_golden_report(stem, profile, model, passes, monkeypatch, request):
 
     monkeypatch.chdir(SPECS)  # spans name the spec relative to its directory
     net = getattr(models, model)() if model else None
-    diags = lint(f"{stem}.qspec.toml", profile, net)
+    diags = lint(stem if stem.endswith(".qspec") else f"{stem}.qspec.toml", profile, net)
     text = render_text(diags, profile) + "\n"
     golden = GOLDEN / f"{stem}--{profile}--{model or 'spec'}.txt"
     if _update(request):
