@@ -49,8 +49,10 @@ def test_warnings_alone_exit_1(capsys, monkeypatch, tmp_path):
 
 def test_set_override(capsys, monkeypatch):
     monkeypatch.chdir(SPECS)
-    code, _, _ = run(capsys, "x86-pass.qspec.toml", "--hw", "x86-fbgemm", "--set", "weight.bits=4")
+    code, out, _ = run(capsys, "x86-pass.qspec.toml", "--hw", "x86-fbgemm", "--set", "weight.bits=4")
     assert code == 1
+    assert out.startswith("<--set>:1:13: error[E302]: weight.bits = 4 is not supported by x86-fbgemm")
+    assert "  hint: use --set weight.bits=8" in out  # the fix in the syntax of where the value is written
     code, _, _ = run(capsys, "tflite-pass.qspec.toml", "--hw", "tflite-int8", "--set", "input.bits=8")
     assert code == 0
 
