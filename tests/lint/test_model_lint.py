@@ -229,3 +229,37 @@ def test_spec_only_lint_does_not_import_torch(tmp_path):
     code = (f"import sys; from qdsl.lint import lint; d = lint({str(f)!r}, 'tflite-int8'); "
             "assert d and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_losing_only_to_an_override_is_not_shadowing():
+    text = """
+[defaults]
+weight = { kind = "int", bits = 8, narrow_range = true }
+input = { kind = "int", bits = 8, symmetric = false }
+bias = { kind = "int", bits = 32, scale = "input*weight" }
+[[rules]]
+target = "type:Linear"
+weight = { bits = 8 }
+"""
+    assert lint(spec(text), "tflite-int8", mlp(), overrides=["weight.bits=8"]) == []
+
+
+class Functional(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.cat([self.a(x), self.b(x)], dim=1)
+        return torch.sigmoid(y * 2)
+
+
+def test_functional_ops_are_traced_and_checked():
+    text = ('[defaults]\nweight = { kind = "int", bits = 8 }\ninput = { kind = "int", bits = 8 }\n'
+            'bias = { kind = "int", bits = 32, scale = "input*weight" }\n')
+    diags = lint(spec(text), "int-only-photonic", Functional())
+    assert codes(diags) == ["E310", "E310"]  # concat is supported; mul and sigmoid are not
+    assert [d.message for d in diags] == ["op 'mul' is not supported by int-only-photonic",
+                                          "op 'sigmoid' is not supported by int-only-photonic"]
+    assert diags[0].span.path == "mul in <root>"
