@@ -76,10 +76,15 @@ int64_t FinishAcc(int64_t s, const PreparedOp& p, int64_t* overflow) {
   return s;
 }
 
-inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, int64_t idx, int64_t* overflow) {
+inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, bool wide, int64_t idx, int64_t* overflow) {
   if (!p.bias.empty()) s += p.bias[oc];
   s = FinishAcc(s, p, overflow);
-  y[idx] = static_cast<uint8_t>(p.bin_out ? (s < 0 ? -1 : 1) : ApplyStage(s, p.out.stage, oc));
+  if (wide) {  // I32 output: the stage clamps to the int32 range
+    const int32_t v = ApplyStage(s, p.out.stage, oc);
+    std::memcpy(y + 4 * idx, &v, 4);
+  } else {
+    y[idx] = static_cast<uint8_t>(p.bin_out ? (s < 0 ? -1 : 1) : ApplyStage(s, p.out.stage, oc));
+  }
 }
 
 }  // namespace
@@ -93,6 +98,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
   const int64_t sp = e.OH * e.OW, M = e.n * sp;
   const bool binary = xt.dtype == kBin;
   const bool is_linear = p.spatial == 0;
+  const bool wide = g->tensors[op.outputs[0]].dtype == kI32;
   std::vector<uint8_t> rows;
   std::vector<int32_t> acc(static_cast<size_t>(M * e.og));
   for (int64_t gi = 0; gi < p.groups; ++gi) {
@@ -165,7 +171,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
               }
         }
         const int64_t idx = is_linear ? b * e.O + oc : (b * e.O + oc) * sp + s_;
-        Emit(s, p, oc, y, idx, overflow);
+        Emit(s, p, oc, y, wide, idx, overflow);
       }
     }
   }

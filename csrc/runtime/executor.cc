@@ -16,6 +16,11 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
 namespace {
 
 inline int32_t Get(const uint8_t* b, int dtype, int64_t i) {
+  if (dtype == kI32) {
+    int32_t v;
+    std::memcpy(&v, b + 4 * i, 4);
+    return v;
+  }
   return dtype == kU8 ? static_cast<int32_t>(b[i]) : static_cast<int32_t>(static_cast<int8_t>(b[i]));
 }
 inline int64_t Clamp(int64_t v, int64_t lo, int64_t hi) { return v < lo ? lo : (v > hi ? hi : v); }
@@ -117,7 +122,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
       const int64_t n = Numel(ShapeFor(ts, batch));
       QDSL_CHECK(n <= (int64_t{1} << 34), StatusCode::kInvalidArgument, "tensor '%s' too large for batch %lld",
                  ts.name.c_str(), (long long)batch);
-      g->buffers[t].assign(static_cast<size_t>(n * (ts.dtype == kF32 ? 4 : 1)), 0);
+      g->buffers[t].assign(static_cast<size_t>(n * ((ts.dtype == kF32 || ts.dtype == kI32) ? 4 : 1)), 0);
     }
     g->planned_batch = batch;
   }
@@ -157,7 +162,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const float scale = op.attrs.at("scale").f;
         const int64_t zp = Attr1(op, "zero_point");
         float* yf = reinterpret_cast<float*>(y);
-        for (int64_t i = 0; i < n; ++i) yf[i] = static_cast<float>(Get(x, xd, i) - zp) * scale;
+        for (int64_t i = 0; i < n; ++i) yf[i] = static_cast<float>(static_cast<int64_t>(Get(x, xd, i)) - zp) * scale;
         break;
       }
       case kBinarize: {
@@ -187,8 +192,9 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
           int64_t t = 0;
           for (int k = 0; k < 2; ++k) {
             const Rescale& r = p.in[k].stage.rescale;
-            const int64_t v = static_cast<int64_t>((k == 0 ? Get(x, xd, i) : Get(x1, xd1, i)) - p.in[k].stage.zero_point)
-                              * (int64_t{1} << pre);
+            const int64_t d = static_cast<int64_t>(k == 0 ? Get(x, xd, i) : Get(x1, xd1, i)) - p.in[k].stage.zero_point;
+            // numpy's int64 '<<' wraps; so does a uint64 shift (only reachable with I32 operands)
+            const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(d) << pre);
             t += RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding);
           }
           y[i] = static_cast<uint8_t>(ApplyStage(Sat32(t), p.out.stage, 0));
@@ -239,7 +245,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         }
         break;
       }
-      case kReshape: std::memcpy(y, x, static_cast<size_t>(n) * (xd == kF32 ? 4 : 1)); break;
+      case kReshape: std::memcpy(y, x, static_cast<size_t>(n) * ((xd == kF32 || xd == kI32) ? 4 : 1)); break;
       default: return MakeStatus(StatusCode::kUnsupported, "op '%s': unsupported opcode %d", op.name.c_str(), op.opcode);
     }
     (void)yd;

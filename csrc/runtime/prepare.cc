@@ -177,7 +177,8 @@ Status PrepareGraph(Graph* g) {
         break;
       }
       case kDequantize:
-        OP_CHECK((IsInt8(x.dtype) || x.dtype == kBin) && out.dtype == kF32, "DEQUANTIZE maps I8/U8/BIN to F32");
+        OP_CHECK((IsInt8(x.dtype) || x.dtype == kBin || x.dtype == kI32) && out.dtype == kF32,
+                 "DEQUANTIZE maps I8/U8/BIN/I32 to F32");
         OP_CHECK(std::isfinite(A.at("scale").f), "scale must be finite");
         OP_CHECK(std::llabs(A.at("zero_point").i) <= (1 << 20), "zero_point out of range");
         break;
@@ -187,7 +188,9 @@ Status PrepareGraph(Graph* g) {
         break;
       case kRequantize:
       case kGlobalAvgpool: {
-        OP_CHECK(IsInt8(x.dtype) && IsInt8(out.dtype), "input and output must be I8/U8");
+        // GLOBAL_AVGPOOL also reads a layer's wide I32 output (docs/qgraph.md §4.4)
+        OP_CHECK((IsInt8(x.dtype) || (op.opcode == kGlobalAvgpool && x.dtype == kI32)) && IsInt8(out.dtype),
+                 "input and output must be I8/U8 (GLOBAL_AVGPOOL input: or I32)");
         int64_t lo, hi;
         Range(x.dtype, &lo, &hi);
         OP_CHECK(A.at("in_zp").i >= lo && A.at("in_zp").i <= hi, "in_zp outside the input dtype");
@@ -212,7 +215,8 @@ Status PrepareGraph(Graph* g) {
         if (op.opcode == kConcat) shape[axis] = 0;
         for (size_t i = 0; i < n; ++i) {
           const GraphTensor& xi = g->tensors[op.inputs[i]];
-          OP_CHECK(!xi.is_constant && IsInt8(xi.dtype), "inputs must be I8/U8 activations");
+          OP_CHECK(!xi.is_constant && (IsInt8(xi.dtype) || (op.opcode == kAdd && xi.dtype == kI32)),
+                   "inputs must be I8/U8 activations (ADD: or I32)");
           OP_CHECK(xi.dims.size() == x.dims.size(), "input ranks differ");
           for (size_t d = 0; d < x.dims.size(); ++d)
             OP_CHECK(static_cast<int64_t>(d) == axis || xi.dims[d] == x.dims[d], "input shapes differ");
@@ -262,8 +266,9 @@ Status PrepareGraph(Graph* g) {
       case kMaxpool1d: case kMaxpool2d: case kAvgpool1d: case kAvgpool2d: {
         const int rank = (op.opcode == kMaxpool1d || op.opcode == kAvgpool1d) ? 1 : 2;
         const bool is_max = op.opcode == kMaxpool1d || op.opcode == kMaxpool2d;
-        OP_CHECK(IsInt8(x.dtype) && IsInt8(out.dtype) && static_cast<int>(shape.size()) == 2 + rank,
-                 "pool needs an I8/U8 input of rank %d", 2 + rank);
+        OP_CHECK((IsInt8(x.dtype) || (!is_max && x.dtype == kI32)) && IsInt8(out.dtype) &&
+                     static_cast<int>(shape.size()) == 2 + rank,
+                 "pool needs an I8/U8 (AVGPOOL: or I32) input of rank %d", 2 + rank);
         if (is_max) OP_CHECK(out.dtype == x.dtype, "MAXPOOL keeps its dtype");
         const auto& k = A.at("kernel").ints;
         const auto& s = A.at("stride").ints;
@@ -274,7 +279,8 @@ Status PrepareGraph(Graph* g) {
                      static_cast<int>(p.size()) == rank && static_cast<int>(d.size()) == rank,
                  "kernel/stride/padding/dilation need %d entries", rank);
         for (int i = 0; i < rank; ++i) {
-          OP_CHECK(k[i] >= 1 && k[i] <= 4096 && s[i] >= 1 && s[i] <= 4096 && p[i] >= 0 && d[i] >= 1 && d[i] <= 4096 &&
+          OP_CHECK(k[i] >= 1 && k[i] <= (1 << 20) && s[i] >= 1 && s[i] <= (1 << 20) && p[i] >= 0 && p[i] <= (1 << 20) &&
+                       d[i] >= 1 && d[i] <= (1 << 20) &&
                        p[i] <= k[i] / 2, "bad pool window in dim %d", i);
           const int64_t len = shape[2 + i] + 2 * p[i] - d[i] * (k[i] - 1) - 1;
           OP_CHECK(len >= 0, "pool window larger than the input");

@@ -32,7 +32,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   OP_CHECK(binary ? x.dtype == kBin : (x.dtype == kI8 || x.dtype == kU8), "input dtype does not fit the op");
   OP_CHECK(w.is_constant && (binary ? w.dtype == kBin : (w.dtype != kF32 && w.dtype != kI32)),
            "weights must be a constant of a weight dtype");
-  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kBin, "output must be I8/U8/BIN");
+  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kI32 || out.dtype == kBin, "output must be I8/U8/I32/BIN");
   const int rank = p.spatial;
   OP_CHECK(static_cast<int>(x.dims.size()) == 2 + rank && static_cast<int>(w.dims.size()) == 2 + rank,
            "input/weight ranks must be %d", 2 + rank);
@@ -49,7 +49,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
     OP_CHECK(static_cast<int>(st.size()) == rank && static_cast<int>(pd.size()) == rank &&
                  static_cast<int>(dl.size()) == rank, "stride/padding/dilation need %d entries", rank);
     for (int i = 0; i < rank; ++i)
-      OP_CHECK(st[i] >= 1 && st[i] <= 4096 && pd[i] >= 0 && pd[i] <= 4096 && dl[i] >= 1 && dl[i] <= 4096,
+      OP_CHECK(st[i] >= 1 && st[i] <= (1 << 20) && pd[i] >= 0 && pd[i] <= (1 << 20) && dl[i] >= 1 && dl[i] <= (1 << 20),
                "bad stride/padding/dilation");
     int64_t* ks[2] = {&p.kh, &p.kw};
     int64_t* ss[2] = {&p.sh, &p.sw};
