@@ -77,7 +77,10 @@ def lint(
 ) -> list[Diagnostic]:
     """Every conflict between ``spec`` and the target ``profile`` (optionally on ``model``)."""
     prof = load_profile(profile)
-    regs = registries if registries is not None else builtin_registries()
+    handle = _handle(model)
+    if registries is None:  # a patched model knows the parts it was applied with
+        registries = handle.registries if handle is not None else builtin_registries()
+    regs = registries
     composed = _load_spec(spec, overrides)
     prep = _prepare(composed, regs)
     if model is None:
@@ -87,7 +90,8 @@ def lint(
     # Every rule optional: a rule that matches nothing becomes lint's W330 instead of
     # stopping the resolver, so the rest of the spec is still checked.
     lenient = attrs.evolve(composed, rules=tuple(attrs.evolve(r, optional=True) for r in composed.rules))
-    plan = resolve(_original_index(model) or model, lenient, registries=regs)
+    # a patched model's parameters are renamed: resolve against the original's index
+    plan = resolve(handle.plan.index if handle is not None else model, lenient, registries=regs)
     return _lint_plan(plan, prep, composed, prof, model, calibrated, regs, model_label)
 
 
@@ -107,13 +111,13 @@ def lint_plan(
     return _lint_plan(plan, prep, plan.spec, prof, model, calibrated, regs, model_label)
 
 
-def _original_index(model: Any) -> ModelIndex | None:
-    """For a model qdsl already patched (parameters renamed), the index of the original."""
-    if not hasattr(model, "_modules") or "_qdsl" not in model._modules:
+def _handle(model: Any):
+    """The qdsl handle of a model qdsl was applied to, else ``None``."""
+    if model is None or not hasattr(model, "_modules") or "_qdsl" not in model._modules:
         return None
     from qdsl.patch.handle import get_handle
 
-    return get_handle(model).plan.index
+    return get_handle(model)
 
 
 def _graph(plan: Plan, model: Any) -> ModelGraph:
