@@ -142,3 +142,11 @@ def test_parse_profile_from_text():
     with pytest.raises(SpecError) as info:
         parse_profile('version = 1\nfusions = ["conv2d", "conv2d+relux"]\n')
     assert info.value.codes == ["E102", "E105"]
+
+
+def test_missing_version_and_bad_fixed_output(tmp_path):
+    out = _render('[fixed_output.softmax]\nzero_point = -128\n[fixed_output.softmx]\nscale = 1.0\nzero_point = 0\n',
+                  tmp_path)
+    assert "error[E103]: missing required key 'version' at the top level" in out
+    assert "bad.toml:1:15: error[E103]: missing required key 'scale' in $.fixed_output.softmax" in out
+    assert "bad.toml:3:15: error[E105]: unknown op 'softmx'" in out and "did you mean 'softmax'" in out
