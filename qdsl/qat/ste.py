@@ -130,6 +130,8 @@ def _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size) -> b
         return False
     if axis is None:
         return scale.numel() == 1 and (zero_point is None or zero_point.numel() == 1)
+    if torch.compiler.is_compiling():
+        return False  # the per-channel kernel has no fake-tensor support: it would break the graph
     return scale.dim() == 1 and (zero_point is None or zero_point.shape == scale.shape)
 
 
