@@ -49,7 +49,8 @@ def test_xnor_position_allowances():
     p = load_profile("xnor-fpga")
     assert p.caps(Role.WEIGHT, "conv2d").kinds == (Kind.BINARY,)
     assert p.caps(Role.INPUT, "conv2d", (Position.FIRST,)).kinds == (Kind.INT, Kind.BINARY)
-    assert p.caps(Role.INPUT, "conv2d", (Position.LAST,)).kinds == (Kind.BINARY,)
+    assert p.caps(Role.INPUT, "conv2d", (Position.LAST,)).kinds == (Kind.INT, Kind.BINARY)
+    assert p.caps(Role.INPUT, "conv2d").kinds == (Kind.BINARY,)  # hidden layers
     assert Kind.INT in p.caps(Role.WEIGHT, "linear", (Position.LAST,)).kinds
 
 
