@@ -16,6 +16,7 @@ from qdsl.spec.model import (
     TargetKind,
     TensorQuant,
 )
+from qdsl.spec.profile import HardwareProfile, TensorCaps
 from qdsl.spec.registry import PartInfo, Registries, Registry
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "Diagnostic",
     "Granularity",
     "GranularityKind",
+    "HardwareProfile",
     "Kind",
     "ObserverSpec",
     "Overflow",
@@ -39,6 +41,7 @@ __all__ = [
     "SpecError",
     "Target",
     "TargetKind",
+    "TensorCaps",
     "TensorQuant",
     "did_you_mean",
 ]
