@@ -88,7 +88,10 @@ def sync_observers(model: nn.Module, group=None) -> int:
 
     A no-op (returning 0) when ``torch.distributed`` is not initialised or has one rank.
     Call it after calibration and before training/freezing, on every rank (it is a
-    collective).  Works with the model itself or its DDP wrapper.
+    collective).  Works with the model itself or its DDP wrapper.  Learned scales are
+    initialised from the observers on the first forward after calibration: run that
+    forward (e.g. one no-grad batch) *before* wrapping the model in DDP, so DDP sees the
+    parameters at their final shapes (identical on every rank after this sync).
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return 0
