@@ -7,14 +7,15 @@ Per layer (op type from the module class, position from :mod:`qdsl.lint.graph`):
   the preset when it came through one; for a built-in default, at the source that
   introduced the role);
 * float left behind: a skipped layer, a weighted layer nobody quantizes, or a float
-  weight/input/bias next to quantized ones (E312 on integer-only targets, else E301
-  when the role's ``kinds`` lack ``float``);
+  weight/input/bias next to quantized ones (E312 on integer-only targets, else E301 -
+  E316 for the bias - when the role's ``kinds`` lack ``float``);
 * the accumulator (``accumulator.py``): the exact worst case from bit widths and fan-in
   (W313), and with calibrated integer weights the exact reachable extremes (E314); the
   spec's own accumulator against the target's (E315);
-* bias rule (E316: a derived ``input*weight`` scale needs quantized operands; the bias's
-  storage width is checked against the profile's ``bias.bits``, and its actual values
-  enter the tight accumulator bound) and fixed output ranges (E317);
+* bias rule (E316: its own scale where the target derives ``input*weight`` or the
+  reverse, a float bias, a derived scale without quantized operands; the bias's storage
+  width is checked against the profile's ``bias.bits``, and its actual values enter the
+  tight accumulator bound) and fixed output ranges (E317);
 * ops the target lacks, or has only fused (E310/E311), over the traced graph.
 
 Findings with the same cause at the same place are grouped, listing the layers.

@@ -263,3 +263,15 @@ def test_functional_ops_are_traced_and_checked():
     assert [d.message for d in diags] == ["op 'mul' is not supported by int-only-photonic",
                                           "op 'sigmoid' is not supported by int-only-photonic"]
     assert diags[0].span.path == "mul in <root>"
+
+
+def test_bias_rule():
+    base = ('[defaults]\nweight = { kind = "int", bits = 8, narrow_range = true }\n'
+            'input = { kind = "int", bits = 8, symmetric = false }\n')
+    diags = lint(spec(base + 'bias = "float"\n'), "tflite-int8", mlp())
+    assert codes(diags) == ["E316"] and diags[0].message.startswith("bias.kind = float is not supported")
+    assert diags[0].hints == ('use bias = { kind = "int", bits = 32, scale = "input*weight" }',)
+    assert lint(spec(base + 'bias = "float"\n'), "x86-fbgemm", mlp()) != []  # x86: unsigned inputs, but
+    assert "E316" not in codes(lint(spec(base + 'bias = "float"\n'), "x86-fbgemm", mlp()))  # float bias is fine
+    own = lint(spec(base + 'bias = { kind = "int", bits = 32, scale = "float" }\n'), "tflite-int8", mlp())
+    assert codes(own) == ["E316"] and own[0].hints == ('use scale = "input*weight"',)
