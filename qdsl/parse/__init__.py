@@ -49,7 +49,6 @@ __all__ = [
     "detect_format",
 ]
 
-_TOML_HEADER = re.compile(r"^\s*\[", re.M)
 
 
 def detect_format(filename: str, text: str | None = None) -> str:

@@ -92,7 +92,7 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     S = pp.Suppress
     lpar, rpar = S("(").set_name("'('"), S(")").set_name("')'")
     lbrace, rbrace = S("{").set_name("'{'"), S("}").set_name("'}'")
-    eq, comma = S("=").set_name("'='"), S(",").set_name("','")
+    eq = S("=").set_name("'='")
 
     ident = pp.Regex(r"[A-Za-z_][A-Za-z0-9_]*").set_name("a name")
     name = _located(ident, lambda a, b, t: ast.Name(t[0], a, b), "a name")
@@ -140,11 +140,11 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + pp.Opt(S(";")))) + rbrace,
                     lambda a, b, t: ast.Body(tuple(t[0]), a, b), "'{'")
 
-    def kw(word: str, chars: str | None = None) -> pp.ParserElement:
-        return pp.Keyword(word, ident_chars=chars).set_name(f"'{word}'") if chars else \
-            pp.Keyword(word).set_name(f"'{word}'")
+    def kw(word: str, ident_chars: str | None = None) -> pp.ParserElement:
+        return pp.Keyword(word, ident_chars=ident_chars).set_name(f"'{word}'")
 
-    tchars = "".join(c for c in "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.*?[]!-:")
+    # rule options end where a target character would continue them ("optional.x" is a target)
+    tchars = pp.alphanums + "_.*?[]!-:"
     not_option = pp.NotAny(pp.Regex(r"(?:" + "|".join(RULE_OPTIONS) + rf")(?![{_TARGET_CHARS}:])"))
     re_quoted = _located(S("re:") + string_tok, lambda a, b, t: ast.TargetText("re:" + t[0], a, b), "re:<regex>")
     re_bare = _located(pp.Regex(r"re:[^\s,{}\"'#]+"), lambda a, b, t: ast.TargetText(t[0], a, b), "re:<regex>")

@@ -148,6 +148,14 @@ class LocatedToml:
                     return self._lines.span(self.filename, start, end, format_path(path))
         return Span(self.filename, 1, 1, path=format_path(path), source=self.text)
 
+    def exact_span(self, path: TomlPath, value: bool = True) -> Span | None:
+        """The span recorded for exactly ``path`` (no fallback), or None."""
+        table = self._values if value else self._keys
+        found = table.get(tuple(path))
+        if found is None:
+            return None
+        return self._lines.span(self.filename, found[0], found[1], format_path(path))
+
     def key_span(self, path: TomlPath) -> Span:
         return self.span(path, value=False)
 

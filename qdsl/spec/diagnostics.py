@@ -79,7 +79,7 @@ class Span:
     def source_line(self) -> str | None:
         if not self.known or self.source is None:
             return None
-        lines = self.source.splitlines()
+        lines = _source_lines(self.source)
         if 1 <= self.line <= len(lines):
             return lines[self.line - 1]
         return None
@@ -89,6 +89,12 @@ class Span:
 
 
 UNKNOWN_SPAN = Span()
+
+
+def _source_lines(text: str) -> list[str]:
+    r"""Lines as spans count them: split at ``\n`` only (``str.splitlines`` also splits at
+    U+0085, U+2028, form feeds..., which may sit inside a string and would shift lines)."""
+    return [line[:-1] if line.endswith("\r") else line for line in text.split("\n")]
 
 
 @attrs.frozen
@@ -122,7 +128,7 @@ class Diagnostic:
         out = [head]
         text = source if source is not None else span.source
         if span.known and text is not None:
-            lines = text.splitlines()
+            lines = _source_lines(text)
             if 1 <= span.line <= len(lines):
                 src = lines[span.line - 1]
                 num = str(span.line)
