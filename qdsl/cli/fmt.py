@@ -1,4 +1,4 @@
-"""``qdsl fmt SPEC [--to toml|qspec] [-o OUT | --in-place]``: convert or canonicalise a spec.
+"""``qdsl fmt SPEC [--to toml|qspec] [-o OUT | --in-place | --check]``: convert or canonicalise a spec.
 
 Reads one file raw (includes are kept as ``include`` lines, not merged), prints its
 canonical form in the requested syntax to stdout, or writes it to ``-o OUT``.  The input
@@ -29,6 +29,8 @@ def add_parser(subparsers) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", metavar="OUT", help="write here instead of stdout")
     out.add_argument("--in-place", action="store_true", help="rewrite SPEC itself (same syntax only)")
+    out.add_argument("--check", action="store_true",
+                     help="write nothing; exit 1 if SPEC is not already in canonical form (for CI)")
     p.set_defaults(func=run)
 
 
@@ -39,6 +41,14 @@ def run(args: argparse.Namespace) -> int:
     source_fmt = detect_format(args.spec)
     to = args.to or source_fmt
     text = format_spec(spec, to=to)
+    if args.check:
+        if to != source_fmt:
+            raise QdslError("--check compares SPEC with its canonical form in its own syntax; drop --to")
+        with open(args.spec, encoding="utf-8-sig") as fh:
+            if fh.read() == text:
+                return 0
+        print(f"{args.spec}: not in canonical form (run qdsl fmt --in-place {args.spec})", file=sys.stderr)
+        return 1
     if args.in_place:
         if to != source_fmt:
             raise QdslError(f"--in-place would write {to} syntax into {args.spec}; use -o OUT to convert")

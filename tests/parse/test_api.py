@@ -136,3 +136,12 @@ def test_bom_and_crlf_files_parse(tmp_path):
 
 def test_single_override_string():
     assert load_spec(parse_text(DSL), "input.bits=6").overrides.roles[Role.INPUT].bits == 6
+
+
+def test_cli_fmt_check(tmp_path, capsys):
+    src = tmp_path / "m.qspec"
+    src.write_text(DSL)
+    assert main(["fmt", str(src), "--check"]) == 1
+    assert "not in canonical form" in capsys.readouterr().err
+    src.write_text(format_spec(parse_text(DSL), to="qspec"))
+    assert main(["fmt", str(src), "--check"]) == 0
