@@ -1,7 +1,7 @@
 """``qdsl fmt SPEC [--to toml|qspec] [-o OUT | --in-place | --check]``: convert or canonicalise a spec.
 
 Reads one file raw (includes are kept as ``include`` lines, not merged), prints its
-canonical form in the requested syntax to stdout, or writes it to ``-o OUT``.  The input
+opening comment block and then its canonical form in the requested syntax to stdout, or writes it to ``-o OUT``.  The input
 file is only ever rewritten with ``--in-place`` (and only when the syntax stays the
 same, so a ``.qspec`` never ends up holding TOML).
 """
@@ -34,19 +34,33 @@ def add_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _leading_comments(text: str) -> str:
+    """The file's opening comment block (both syntaxes use ``#``), kept above the output.
+
+    Spec records hold no comments, so comments elsewhere in the file are not preserved.
+    """
+    lines = []
+    for line in text.splitlines():
+        if not line.lstrip().startswith("#"):
+            break
+        lines.append(line.rstrip() + "\n")
+    return "".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     from qdsl.parse import detect_format, format_spec, parse_file
 
     spec = parse_file(args.spec)
     source_fmt = detect_format(args.spec)
     to = args.to or source_fmt
-    text = format_spec(spec, to=to)
+    with open(args.spec, encoding="utf-8-sig") as fh:
+        original = fh.read()
+    text = _leading_comments(original) + format_spec(spec, to=to)
     if args.check:
         if to != source_fmt:
             raise QdslError("--check compares SPEC with its canonical form in its own syntax; drop --to")
-        with open(args.spec, encoding="utf-8-sig") as fh:
-            if fh.read() == text:
-                return 0
+        if original == text:
+            return 0
         print(f"{args.spec}: not in canonical form (run qdsl fmt --in-place {args.spec})", file=sys.stderr)
         return 1
     if args.in_place:

@@ -145,3 +145,12 @@ def test_cli_fmt_check(tmp_path, capsys):
     assert "not in canonical form" in capsys.readouterr().err
     src.write_text(format_spec(parse_text(DSL), to="qspec"))
     assert main(["fmt", str(src), "--check"]) == 0
+
+
+def test_cli_fmt_keeps_the_opening_comment_block(tmp_path, capsys):
+    src = tmp_path / "m.qspec"
+    src.write_text("# header line 1\n# header line 2\n" + DSL)
+    assert main(["fmt", str(src), "--to", "toml"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# header line 1\n# header line 2\nversion = 1\n")
+    assert parse_text(out, "x.qspec.toml") == parse_text(DSL)

@@ -80,3 +80,11 @@ def test_examples_resolve_on_the_reference_models(path, factory):
 
     plan = qdsl.resolve(getattr(models, factory)(), load_spec(path))
     assert plan is not None
+
+
+@pytest.mark.parametrize("path", DSL_FILES, ids=IDS)
+def test_toml_twins_are_canonical(path):
+    """The TOML form is `qdsl fmt X.qspec --to toml` output (plus the header comment): keep it so."""
+    from qdsl.cli.main import main
+
+    assert main(["fmt", str(path.with_name(path.name + ".toml")), "--check"]) == 0
