@@ -9,10 +9,12 @@ What a :class:`LayerPatch` does to ``module`` (and undoes in :meth:`LayerPatch.u
   batch's) and the scale the weight proxy used, and quantizes the bias with
   ``scale = float32(input_scale × weight_scale)``, zero point 0, int32 range.
 * forward **hook**: quantize the output (output proxy).
+* load-state-dict **pre-hook**: a float checkpoint's ``conv.weight`` loads into the
+  master ``conv.weight_float`` (load with ``strict=False``: it has no qdsl state).
 * BatchNorm folding: the float weight the weight proxy sees is ``W·γ/σ`` (per output
   channel, ``σ = sqrt(running_var + eps)``) and the float bias ``(b − μ)·γ/σ + β``; the
-  BN's hooks make it return its input (:class:`_SkipBN`).  The BN's buffers are
-  snapshotted and restored on uninstall (in train mode its own forward would update them).
+  BN's hooks make it return its input without running (:class:`_SkipBN`), so its
+  buffers never change while folded.
 
 Frozen fast path: when every proxy of the layer is frozen (and the input is not
 dynamic) and autograd does not need the weights, the fake-quantized weight and bias are
@@ -34,32 +36,32 @@ from qdsl.spec.model import Role
 __all__ = ["LayerPatch", "MASTER_SUFFIX"]
 
 MASTER_SUFFIX = "_float"
-_BN_BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 class _SkipBN:
-    """Make a folded BatchNorm return its input without computing it (in eval mode).
+    """Make a folded BatchNorm return its input without computing it.
 
-    A hook cannot skip ``forward``, so the pre-hook hands the BN an empty batch (eval-mode
-    BatchNorm accepts it, at no cost) and keeps the real input, which the forward hook
-    returns.  In train mode the BN runs on the real input (an empty batch is an error
-    there) and the forward hook still returns the input; the buffers it updates are
-    restored on removal.
+    A hook cannot skip ``forward``, so the pre-hook hands the BN an empty batch in eval
+    mode (free; the module is switched to eval for the call if it was training, since an
+    empty batch is an error in train mode and the running statistics must not move: the
+    folded weights read them) and keeps the real input, which the forward hook returns.
     """
 
     def __init__(self) -> None:
-        self.stash: list[torch.Tensor] = []
+        self.stash: list[tuple[torch.Tensor | None, bool]] = []
 
     def pre(self, module, args):
-        if module.training or not args or not isinstance(args[0], torch.Tensor):
-            self.stash.append(None)
+        if not args or not isinstance(args[0], torch.Tensor):
+            self.stash.append((None, module.training))
             return None
-        self.stash.append(args[0])
+        self.stash.append((args[0], module.training))
+        module.training = False
         return (args[0][:0],) + tuple(args[1:])
 
     def post(self, module, args, output):
-        x = self.stash.pop()
-        return args[0] if x is None else x
+        x, training = self.stash.pop()
+        module.training = training
+        return output if x is None else x
 
 
 class LayerPatch:
@@ -80,7 +82,6 @@ class LayerPatch:
         self._hooks: list[Any] = []
         self._param_order = list(module._parameters)
         self._moved: dict[str, bool] = {}  # name -> had a parameter (False: was None)
-        self._bn_snapshot: dict[str, torch.Tensor] = {}
         self._cache_key: tuple | None = None
 
     def proxies(self) -> dict[Role, Any]:
@@ -98,13 +99,11 @@ class LayerPatch:
                 if p is not None:
                     m._parameters[name + MASTER_SUFFIX] = p
         if self.bn is not None:
-            for b in _BN_BUFFERS:
-                t = getattr(self.bn, b, None)
-                if isinstance(t, torch.Tensor):
-                    self._bn_snapshot[b] = t.detach().clone()
             skip = _SkipBN()
             self._hooks.append(self.bn.register_forward_pre_hook(skip.pre))
             self._hooks.append(self.bn.register_forward_hook(skip.post))
+        if self._moved:
+            self._hooks.append(m.register_load_state_dict_pre_hook(self._load_float_names))
         if self._moved or self.iq is not None:
             self._hooks.append(m.register_forward_pre_hook(self._pre))
         if self.oq is not None:
@@ -130,10 +129,6 @@ class LayerPatch:
                 m._parameters[k] = params.pop(k)
         m._parameters.update(params)
         self._moved.clear()
-        if self.bn is not None:
-            with torch.no_grad():
-                for b, saved in self._bn_snapshot.items():
-                    getattr(self.bn, b).copy_(saved)
 
     # ------------------------------------------------------------ parameters
     def master(self, name: str) -> torch.Tensor | None:
@@ -208,6 +203,13 @@ class LayerPatch:
         self._cache_key = key
 
     # ----------------------------------------------------------------- hooks
+    def _load_float_names(self, module, state_dict, prefix, *args):
+        """A float checkpoint (``conv.weight``) loads into the master (``conv.weight_float``)."""
+        for name in self._moved:
+            old, new = prefix + name, prefix + name + MASTER_SUFFIX
+            if old in state_dict and new not in state_dict:
+                state_dict[new] = state_dict.pop(old)
+
     def _pre(self, module, args):
         if self.iq is not None:
             if not args or not isinstance(args[0], torch.Tensor):

@@ -133,3 +133,25 @@ def test_load_errors(tmp_path):
     with pytest.raises(QdslError, match="does not match this model"):
         qdsl.load(model, tmp_path / "other.pt")
     assert get_handle(model).state is State.PREPARED
+
+
+def test_float_checkpoint_loads_into_the_masters():
+    trained = digits_resnet(seed=7)
+    model = digits_resnet(seed=0)
+    qdsl.apply(model, spec())
+    result = model.load_state_dict(trained.state_dict(), strict=False)
+    assert all(k.startswith("_qdsl.") for k in result.missing_keys) and not result.unexpected_keys
+    assert torch.equal(model.stem[0].weight_float, trained.stem[0].weight)
+    qdsl.remove(model)
+    for (k, a), (k2, b) in zip(trained.state_dict().items(), model.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+
+
+def test_model_index_of_an_applied_model_still_lists_its_layers():
+    from qdsl.resolve.plan import ModelIndex
+
+    model = digits_resnet()
+    before = ModelIndex.from_module(model)
+    qdsl.apply(model, spec())
+    after = ModelIndex.from_module(model)
+    assert [e.fqn for e in after] == [e.fqn for e in before]
