@@ -198,6 +198,8 @@ class RescaleKind(enum.IntEnum):
     """gemmlowp: saturating rounding doubling high multiply by an int32, then rounding right shift."""
     POT = 1
     """Exact arithmetic shift (power-of-two factor) with the stated rounding."""
+    FIXED_SINGLE = 2
+    """int32 multiplier, then ONE rounding of ``x·m / 2^(31+s)`` (exact int64) with the stated rounding."""
 
 
 class Rounding(enum.IntEnum):
@@ -341,7 +343,8 @@ OP_SCHEMAS: dict[OpType, OpSchema] = {
 class Rescale:
     """A real factor applied to an int32 (per tensor or per channel); see requant.py.
 
-    FIXED: ``multiplier`` in [0, 2^31 - 1], ``shift`` in [-31, 31] (negative = left shift).
+    FIXED / FIXED_SINGLE: ``multiplier`` in [0, 2^31 - 1], ``shift`` in [-31, 31] (negative =
+    left shift); FIXED always rounds half away (twice), FIXED_SINGLE once with ``rounding``.
     POT: ``multiplier`` all 1, ``shift`` in [-31, 62], ``rounding`` applies to right shifts.
     """
 

@@ -46,8 +46,9 @@ from qdsl.export.lower_layers import (
     concat_value,
     layer_pending,
     pool_pending,
+    wide,
 )
-from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
+from qdsl.export.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 
 __all__ = ["export", "trace_quantized"]
@@ -127,11 +128,11 @@ _SHAPE_METHODS = ("size", "dim")
 
 
 class _Lowerer:
-    def __init__(self, model: nn.Module, handle, gm: torch.fx.GraphModule):
+    def __init__(self, model: nn.Module, handle, gm: torch.fx.GraphModule, single_rounding: bool):
         self.model, self.handle, self.gm = model, handle, gm
         self.modules = dict(model.named_modules())
         self.folded_bns = {p.bn_fqn for p in handle.layers.values() if p.bn_fqn}
-        self.b = Builder()
+        self.b = Builder(single_rounding)
         self.env: dict[torch.fx.Node, Any] = {}
         self.input_names: list[str] = []
 
@@ -177,7 +178,7 @@ class _Lowerer:
             return QVal(name, t.scale, 0, -1, 1, DType.BIN, v.shape)
         if v.dtype is DType.BIN:
             raise ExportError(t.where, "an integer quantizer reads a binary activation", "keep both binary or both int")
-        stage = OutputStage(make_rescale(v.scale / t.scale, t.rounding), t.zp, t.qmin, t.qmax)
+        stage = OutputStage(make_rescale(v.scale / t.scale, t.rounding, single=self.b.single_rounding), t.zp, t.qmin, t.qmax)
         name = self.b.op(OpType.REQUANTIZE, t.where, [v.name], t.dtype, v.shape, {"in_zp": v.zp, **stage.attrs()})
         return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, v.shape)
 
@@ -249,7 +250,8 @@ class _Lowerer:
         if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
             return self.maxpool(x, m, shape, fqn)
         if isinstance(m, (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
-            v = self.need_q(x, fqn, "average pool")
+            # an unquantized layer result is pooled as int32 (exact for power-of-two scales)
+            v = wide(self.b, x, fqn) if isinstance(x, Pending) else self.need_q(x, fqn, "average pool")
             return pool_pending(fqn, m, v, shape)
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
                           "skip the layers from here on in the spec and run them in float after the graph")
@@ -338,16 +340,11 @@ class _Lowerer:
     def dequantize(self, value: Any, i: int) -> str:
         out = "output" if i == 0 else f"output{i}"
         if isinstance(value, Pending) and value.kind == "acc" and not value.post:
-            # a float model output from a layer (no output quantizer): keep the accumulator
-            # as int32 at a power-of-two scale s_t <= every channel's scale (exact for
-            # power-of-two scales, 8 extra fraction bits otherwise) and convert that.
-            low = float(np.min(value.scales))
-            exp = math.floor(math.log2(low)) - (0 if pot_shift(low) is not None and np.all(
-                [pot_shift(float(s)) is not None for s in value.scales]) else 8)
-            s_t = math.ldexp(1.0, exp)
-            wide = value.materialize(self.b, Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_EVEN, value.origin))
-            return self.b.op(OpType.DEQUANTIZE, "<output>", [wide.name], DType.F32, value.shape,
-                             {"scale": s_t, "zero_point": 0}, out=out)
+            # a float model output from a layer (no output quantizer): convert the int32
+            # accumulator kept wide (exact for power-of-two scales)
+            w = wide(self.b, value, value.origin)
+            return self.b.op(OpType.DEQUANTIZE, "<output>", [w.name], DType.F32, value.shape,
+                             {"scale": w.scale, "zero_point": 0}, out=out)
         if not isinstance(value, QVal):
             origin = getattr(value, "origin", "?")
             raise ExportError(origin, "the model output is not quantized, so the integer graph cannot produce it",
@@ -356,8 +353,19 @@ class _Lowerer:
                          {"scale": value.scale, "zero_point": value.zp}, out=out)
 
 
-def export(model: nn.Module, example_input: Any, *, name: str | None = None):
-    """Lower the frozen patched ``model`` (see module doc) and mark it EXPORTED."""
+REQUANT_MODES = ("gemmlowp", "single")
+
+
+def export(model: nn.Module, example_input: Any, *, name: str | None = None, requant: str = "gemmlowp"):
+    """Lower the frozen patched ``model`` (see module doc) and mark it EXPORTED.
+
+    ``requant`` picks the form of non-power-of-two requantization: ``"gemmlowp"`` (FIXED:
+    SRDHM then RDBP, two roundings half away) or ``"single"`` (FIXED_SINGLE: one exact
+    rounding of ``x·m / 2^(31+s)`` with the quantizer's own rounding mode, which agrees
+    with the fake-quant model far more often; see docs/qgraph.md §4.1).
+    """
+    if requant not in REQUANT_MODES:
+        raise ExportError("", f"unknown requant mode {requant!r}", f"choose one of {', '.join(REQUANT_MODES)}")
     from qdsl.patch.handle import State, get_handle
 
     handle = get_handle(model)
@@ -371,7 +379,7 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None):
         gm = trace_quantized(model, handle)
         with torch.no_grad():
             _ShapeRecorder(gm).run(x)
-        graph = _Lowerer(model, handle, gm).run(name or type(model).__name__)
+        graph = _Lowerer(model, handle, gm, requant == "single").run(name or type(model).__name__)
     finally:
         for m, mode in modes.items():
             m.training = mode

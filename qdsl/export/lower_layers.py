@@ -19,7 +19,7 @@ from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
 from qdsl.spec.model import Kind, Overflow
 
-__all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints"]
+__all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints", "wide"]
 
 
 def act_target(proxy, where: str) -> Target:
@@ -88,8 +88,12 @@ def weight_ints(patch, where: str):
     return codes, dtype, scale, zp, b
 
 
-def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
-    """int32 bias at scale ``s_acc`` (see lower.py module doc), or None."""
+def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):
+    """int32 bias at scale ``s_acc`` (see lower.py module doc), or None.
+
+    A float bias ``b`` (no bias quantizer) becomes ``rounding(b / s_acc)``: ``rint`` before a
+    requantization (error <= half an accumulator LSB), ``floor`` before a sign (BIN output),
+    where ``acc + floor(b/s) < 0`` is exactly ``acc·s + b < 0`` for an integer ``acc``."""
     if b is None:
         return None
     bq = patch.bq
@@ -102,16 +106,16 @@ def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
         exact = codes * (s_b / s_acc)  # an exact integer when s_b / s_acc is a power of two >= 1
         vals = np.where(exact == np.round(exact), exact, np.rint(exact))
     else:
-        vals = np.rint(b.detach().double().numpy() / s_acc)
+        vals = rounding(b.detach().double().numpy() / s_acc)
     if np.abs(vals).max(initial=0) > INT32_MAX:
         raise ExportError(where, "the bias does not fit int32 at scale input·weight",
                           "the input or weight scale is too small for this bias")
     return vals.astype(np.int64)
 
 
-def _rescale(factors, rounding: Rounding, where: str, allow_pot: bool = True) -> Rescale:
+def _rescale(bld: Builder, factors, rounding: Rounding, where: str, allow_pot: bool = True) -> Rescale:
     try:
-        return make_rescale(factors, rounding, allow_pot)
+        return make_rescale(factors, rounding, allow_pot, single=bld.single_rounding)
     except ValueError as e:
         raise ExportError(where, f"a requantization factor is out of range ({e})") from None
 
@@ -150,15 +154,31 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     inputs = [x.name, b.tensor(f"{fqn}.weight", wdtype, codes.shape, codes)]
     if bias is not None:
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
+    sign_bias = _bias_ints(patch, bias_f, s_acc, fqn, np.floor) if patch.bq is None else bias
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         a = dict(attrs_)
+        ins = list(inputs)
+        if t.dtype is DType.BIN and sign_bias is not None and not np.array_equal(sign_bias, bias):
+            ins[2] = bld.tensor(f"{fqn}.bias_sign", DType.I32, sign_bias.shape, sign_bias)
         if t.dtype is not DType.BIN:
             out_min, out_max = t.clamp_codes(lo, hi)
-            a.update(_rescale(s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
-        return bld.op(op, fqn, inputs, t.dtype, shape, a, out=fqn), shape
+            a.update(_rescale(bld, s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+        return bld.op(op, fqn, ins, t.dtype, shape, a, out=fqn), shape
 
     return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
+
+
+def wide(b: Builder, p: Pending, where: str) -> QVal:
+    """A layer result kept as int32 at the power-of-two scale ``s_t = 2^floor(log2 min_c s[c])``:
+    exact when the scales are powers of two, else within half an accumulator LSB; no extra
+    fraction bits, so sums over pooling windows keep their headroom in int32."""
+    if p.kind != "acc" or p.post:
+        raise ExportError(where, f"reads the unquantized result of a {p.kind} in '{p.origin}'",
+                          f"add `output = a8` (an activation quantizer) for '{p.origin}'")
+    low = float(np.min(p.scales))
+    s_t = math.ldexp(1.0, math.frexp(low)[1] - 1)  # largest power of two <= low
+    return p.materialize(b, Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where))
 
 
 def _is_pot(*scales) -> bool:
@@ -182,14 +202,15 @@ def add_pending(where: str, a, b_, shape) -> Pending:
             raise ExportError(where, f"the add result must be int8-quantized, not {t.dtype.name} ({t.where})")
         term_scales = [s for v in operands for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
         pot = _is_pot(t.scale, *term_scales)
-        # exact common scale for powers of two; else 12 fraction bits below the output scale
+        # exact common scale for powers of two; else INT32_TARGET_BITS fraction bits below the
+        # output scale, so the final factor is an exact shift with the output's rounding
         s_t = float(min(term_scales)) if pot else t.scale / 2**INT32_TARGET_BITS
         names, zps, rescales = [], [], []
         for v in operands:
             if isinstance(v, QVal):
                 names.append(v.name)
                 zps.append(v.zp)
-                rescales.append(_rescale(v.scale / s_t, Rounding.HALF_AWAY, where, pot))
+                rescales.append(_rescale(bld, v.scale / s_t, t.rounding, where, pot))
             else:
                 wide = Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where)
                 names.append(v.materialize(bld, wide).name)
@@ -199,7 +220,7 @@ def add_pending(where: str, a, b_, shape) -> Pending:
         attrs_ = dict(in_zp=tuple(zps), in_kind=tuple(int(r.kind) for r in rescales),
                       in_multiplier=tuple(r.multiplier[0] for r in rescales), in_shift=tuple(r.shift[0] for r in rescales),
                       in_rounding=tuple(int(r.rounding) for r in rescales), pre_shift=0,
-                      **_rescale(s_t / t.scale, t.rounding, where, pot).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+                      **_rescale(bld, s_t / t.scale, t.rounding, where).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(OpType.ADD, where, names, t.dtype, shape, attrs_, out=f"{where}:add"), shape
 
     return Pending("add", where, shape, emit)
@@ -207,7 +228,7 @@ def add_pending(where: str, a, b_, shape) -> Pending:
 
 def pool_pending(fqn: str, m: nn.Module, v: QVal, shape) -> Pending:
     """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value."""
-    if v.dtype not in (DType.I8, DType.U8):
+    if v.dtype not in (DType.I8, DType.U8, DType.I32):
         raise ExportError(fqn, "average pooling of binary activations has no integer lowering")
     spatial = v.shape[2:]
     if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
@@ -231,7 +252,7 @@ def pool_pending(fqn: str, m: nn.Module, v: QVal, shape) -> Pending:
             raise ExportError(fqn, f"the pooled value must be int8-quantized, not {t.dtype.name} ({t.where})")
         out_min, out_max = t.clamp_codes(lo, hi)
         # the divisor is folded into the factor: exact shifts when area and scales are powers of two
-        attrs_ = dict(a, in_zp=v.zp, **_rescale(v.scale / (area * t.scale), t.rounding, fqn).attrs(),
+        attrs_ = dict(a, in_zp=v.zp, **_rescale(bld, v.scale / (area * t.scale), t.rounding, fqn).attrs(),
                       out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, [v.name], t.dtype, shape, attrs_, out=fqn), shape
 
@@ -251,7 +272,7 @@ def concat_value(b: Builder, where: str, values: list, dim: int, shape):
         raise ExportError(where, "concatenation along the batch dimension has no lowering")
 
     def attrs_for(t: Target, lo=-math.inf, hi=math.inf) -> dict:
-        rs = [_rescale(v.scale / t.scale, t.rounding, where) for v in qs]
+        rs = [_rescale(b, v.scale / t.scale, t.rounding, where) for v in qs]
         out_min, out_max = t.clamp_codes(lo, hi)
         return dict(axis=axis, in_zp=tuple(v.zp for v in qs), in_kind=tuple(int(r.kind) for r in rs),
                     in_multiplier=tuple(r.multiplier[0] for r in rs), in_shift=tuple(r.shift[0] for r in rs),

@@ -30,6 +30,14 @@ FIXED (gemmlowp / TFLite ``MultiplyByQuantizedMultiplier``)
     ``2^-(s+1)`` of a half-integer (the double rounding) or, for ``s <= 0``, is a negative
     tie (SRDHM rounds ties up).
 
+FIXED_SINGLE (same ``m``, ``s``; one rounding)
+    ``t = sat32(x · 2^left)``, ``r = sat32(round(t·m / 2^(31+right)))`` with ``t·m`` exact in
+    int64 and ``round`` the stated :class:`Rounding` (as POT below, on ``t·m`` by
+    ``31 + right`` bits): ``r == round(x·Mq)`` exactly. gemmlowp's two roundings flip about
+    ``2^-right`` of all outputs by one code, which compounds through a deep network; one
+    rounding with the quantizer's own mode agrees with the fake-quant model except where
+    float32 rounding in the fake-quant model itself decides.
+
 POT (exact power of two, ``M = 2^-s``)
     ``s <= 0``: ``r = sat32(x · 2^-s)`` (exact); ``s > 0``: ``r = round(x / 2^s)`` with the
     op's :class:`Rounding`, then ``sat32``. Bit-exact against ``round(x·M)`` by construction.
@@ -107,11 +115,13 @@ def pot_shift(real: float) -> int | None:
     return 1 - e
 
 
-def make_rescale(factors, rounding: Rounding = Rounding.HALF_AWAY, allow_pot: bool = True) -> Rescale:
+def make_rescale(factors, rounding: Rounding = Rounding.HALF_AWAY, allow_pot: bool = True,
+                 single: bool = False) -> Rescale:
     """A :class:`Rescale` for one factor per tensor (length 1) or per channel.
 
     Uses the exact POT form when every factor is a power of two whose shift is in range
-    (``allow_pot``), else FIXED (whose rounding is always half away).
+    (``allow_pot``), else FIXED (gemmlowp; its rounding is always half away) or, with
+    ``single``, FIXED_SINGLE with ``rounding``.
     """
     factors = [float(f) for f in np.atleast_1d(np.asarray(factors, dtype=np.float64))]
     if allow_pot:
@@ -119,6 +129,8 @@ def make_rescale(factors, rounding: Rounding = Rounding.HALF_AWAY, allow_pot: bo
         if all(s is not None and POT_SHIFT_RANGE[0] <= s <= POT_SHIFT_RANGE[1] for s in shifts):
             return Rescale(RescaleKind.POT, [1] * len(shifts), shifts, rounding)
     pairs = [quantize_multiplier(f) for f in factors]
+    if single:
+        return Rescale(RescaleKind.FIXED_SINGLE, [p[0] for p in pairs], [p[1] for p in pairs], rounding)
     return Rescale(RescaleKind.FIXED, [p[0] for p in pairs], [p[1] for p in pairs], Rounding.HALF_AWAY)
 
 
@@ -197,4 +209,7 @@ def apply_rescale(x: np.ndarray, rescale: Rescale, axis: int | None = 1) -> np.n
     left = np.where(s < 0, -s, 0)
     right = np.where(s > 0, s, 0)
     t = sat(x << left)
+    if rescale.kind == RescaleKind.FIXED_SINGLE:
+        # |t·m| < 2^62: exact in int64; one rounding of t·m / 2^(31+right)
+        return sat(rounding_shift(t * m, 31 + right, rescale.rounding))
     return rdbp(srdhm(t, m), right)

@@ -105,16 +105,19 @@ def _check_rescale(c: _Check, prefix: str, channels: int, per_input: bool = Fals
             c.ints(f"{prefix}{key}", n)
         triples = zip(kinds, a[f"{prefix}multiplier"], a[f"{prefix}shift"], rounds)
     else:
-        kind = c.int(f"{prefix}kind", 0, 1)
+        kind = c.int(f"{prefix}kind", 0, 2)
         mult = c.ints(f"{prefix}multiplier", (1, channels) if channels > 1 else 1)
         c.ints(f"{prefix}shift", len(mult))
         triples = ((kind, m, s, a[f"{prefix}rounding"]) for m, s in zip(mult, a[f"{prefix}shift"]))
     for kind, m, s, r in triples:
-        c.need(kind in (0, 1), f"{prefix}kind must be 0 (FIXED) or 1 (POT), got {kind}")
-        if kind == RescaleKind.FIXED:
+        c.need(kind in (0, 1, 2), f"{prefix}kind must be 0 (FIXED), 1 (POT) or 2 (FIXED_SINGLE), got {kind}")
+        if kind in (RescaleKind.FIXED, RescaleKind.FIXED_SINGLE):
             c.need(0 <= m <= _I32[1], f"{prefix}multiplier {m} outside [0, 2^31-1]")
             c.need(-31 <= s <= 31, f"{prefix}shift {s} outside [-31, 31] for FIXED")
-            c.need(r == Rounding.HALF_AWAY, f"{prefix}rounding must be 0 (HALF_AWAY) for FIXED, got {r}")
+            if kind == RescaleKind.FIXED:
+                c.need(r == Rounding.HALF_AWAY, f"{prefix}rounding must be 0 (HALF_AWAY) for FIXED, got {r}")
+            else:
+                c.need(r in tuple(Rounding), f"{prefix}rounding {r} is not a known rounding (0..3)")
         else:
             c.need(m == 1, f"{prefix}multiplier must be 1 for POT, got {m}")
             c.need(-31 <= s <= 62, f"{prefix}shift {s} outside [-31, 62] for POT")
@@ -258,7 +261,7 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         return (x.dtype,), x.shape
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D, OpType.AVGPOOL1D, OpType.AVGPOOL2D):
         rank = 1 if t in (OpType.MAXPOOL1D, OpType.AVGPOOL1D) else 2
-        dt(x, INT8_DTYPES, "input")
+        dt(x, INT8_DTYPES + ((DType.I32,) if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D) else ()), "input")
         c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
         kernel = c.ints("kernel", rank, 1, 1 << 20)
         shape = x.shape[:2] + _spatial(c, x, rank, kernel, True)
@@ -269,7 +272,7 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
             return INT8_DTYPES, shape
         return (x.dtype,), shape
     if t is OpType.GLOBAL_AVGPOOL:
-        dt(x, INT8_DTYPES, "input")
+        dt(x, INT8_DTYPES + (DType.I32,), "input")
         c.need(len(x.shape) >= 3, f"input {x.name!r} must have spatial dims, has shape {x.shape}")
         c.int("in_zp", *x.dtype.range)
         dt(out, INT8_DTYPES, "output")

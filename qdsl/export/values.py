@@ -29,7 +29,7 @@ from qdsl.spec.diagnostics import QdslError
 __all__ = ["ExportError", "Target", "QVal", "FloatVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
 
 ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
-INT32_TARGET_BITS = 12
+INT32_TARGET_BITS = 16
 """Fraction bits below the output scale kept by a FIXED residual add's common scale."""
 
 
@@ -149,7 +149,9 @@ class Pending:
 class Builder:
     """Collects tensors and ops with unique names."""
 
-    def __init__(self) -> None:
+    def __init__(self, single_rounding: bool = False) -> None:
+        self.single_rounding = single_rounding
+        """Use FIXED_SINGLE (one rounding, the quantizer's mode) instead of gemmlowp FIXED."""
         self.tensors: list[Tensor] = []
         self.ops: list[Op] = []
         self._names: set[str] = set()
