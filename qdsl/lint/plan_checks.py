@@ -194,6 +194,8 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
                 f"({hw.bits}-bit {hw.overflow.value if hw.overflow else 'wrap'})", span,
                 accumulator_fix(hw.bits, hw.overflow.value if hw.overflow else None, span)),
                 layer=layer.fqn)
+    if w is not None and x is not None and hw.pair_bits is not None:
+        _check_pairs(layer, w, x, hw.pair_bits, profile, col, where_spec)
     if w is None or x is None or hw.bits is None or entry is None or "weight" not in entry.param_shapes:
         return
     wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric)
@@ -221,6 +223,32 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
             "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
             span, _acc_fix(w, x, fan_in, hw.bits, profile, op, span),
             notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
+
+
+def _check_pairs(layer: LayerPlan, w: QuantizerRecipe, x: QuantizerRecipe, pair_bits: int,
+                 profile: HardwareProfile, col: Collector, where_spec: Span) -> None:
+    """Kernels such as x86 VPMADDUBSW multiply *raw* codes (u8 × s8; zero points are
+    corrected afterwards through row sums) and add two adjacent products into a saturating
+    int16: the pair sum's range is twice the raw product's extremes."""
+    if w.kind is not Kind.INT or x.kind is not Kind.INT:
+        return
+    raw = [a * b for a in (w.qmin, w.qmax) for b in (x.qmin, x.qmax)]
+    need = bits_for(2 * min(raw), 2 * max(raw))
+    if need <= pair_bits:
+        return
+    span, _ = _written(layer, Role.INPUT, "bits", where_spec)
+    fix = "reduce the activations by a bit (PyTorch's reduce_range)"
+    for b in range(x.bits - 1, 1, -1):
+        xmax = (1 << (b - 1)) - 1 if x.signed else (1 << b) - 1
+        xmin = -(1 << (b - 1)) if x.signed else 0
+        pr = [a * c for a in (w.qmin, w.qmax) for c in (xmin, xmax)]
+        if bits_for(2 * min(pr), 2 * max(pr)) <= pair_bits:
+            fix = use("bits", b, span, Role.INPUT) + " for the input (PyTorch's reduce_range)"
+            break
+    col.add(("W318", span.location(), need), Diagnostic.warning(
+        "W318", f"two adjacent products of weight {_range_text(w)} × input {_range_text(x)} codes sum to "
+        f"{need} bits; {profile.name}'s {pair_bits}-bit pair intermediate saturates", span, fix,
+        notes=("CPUs with VNNI accumulate without the saturating pair step",)), layer=layer.fqn)
 
 
 def tight_layer_range(w: QuantizerRecipe, x: QuantizerRecipe, b: QuantizerRecipe | None,

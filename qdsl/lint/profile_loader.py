@@ -72,7 +72,7 @@ _CAPS = {
     "narrow_range": KeySpec(_S, doc='"required", "forbidden" or "allowed"'),
     "dynamic": KeySpec(_B),
 }
-_ACC = {"bits": KeySpec(_I), "overflow": KeySpec(_S, doc='"wrap" or "saturate"')}
+_ACC = {"bits": KeySpec(_I), "overflow": KeySpec(_S, doc='"wrap" or "saturate"'), "pair_bits": KeySpec(_I)}
 _FIXED = {
     "scale": KeySpec(_F, required=True),
     "zero_point": KeySpec(_I, required=True),
@@ -324,7 +324,10 @@ def _accumulator(lt: LocatedToml, path, diags) -> AccumulatorCaps:
     if "overflow" in body:
         got = check_choice(lt, path + ("overflow",), [o.value for o in Overflow], diags, what="overflow behaviour")
         overflow = Overflow(got) if got else None
-    return AccumulatorCaps(bits, overflow, lt.key_span(path))
+    pair = None
+    if "pair_bits" in body:
+        pair = check_range(lt, path + ("pair_bits",), 2, 64, diags, what="pair_bits")
+    return AccumulatorCaps(bits, overflow, lt.key_span(path), pair)
 
 
 def _role_table(lt: LocatedToml, path, diags) -> dict[Role, TensorCaps]:

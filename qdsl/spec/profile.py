@@ -155,11 +155,17 @@ class TensorCaps:
 
 @attrs.frozen
 class AccumulatorCaps:
-    """The accumulator of the target's integer dot products."""
+    """The accumulator of the target's integer dot products.
+
+    ``pair_bits``: some kernels first add two adjacent raw products into a saturating
+    intermediate (x86 ``VPMADDUBSW``: u8×s8 pairs into int16) before accumulating; its
+    width, when the target has one.
+    """
 
     bits: int | None = None
     overflow: Overflow | None = None
     span: Span = attrs.field(default=UNKNOWN_SPAN, eq=False, repr=False)
+    pair_bits: int | None = None
 
     def over(self, base: "AccumulatorCaps | None") -> "AccumulatorCaps":
         if base is None:
@@ -168,6 +174,7 @@ class AccumulatorCaps:
             self.bits if self.bits is not None else base.bits,
             self.overflow if self.overflow is not None else base.overflow,
             self.span if self.span.known else base.span,
+            self.pair_bits if self.pair_bits is not None else base.pair_bits,
         )
 
 

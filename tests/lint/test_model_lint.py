@@ -208,7 +208,7 @@ def test_enforce_refuses_or_warns():
     plan = resolve(mlp(), bad)
     with pytest.raises(SpecError):
         enforce(plan, "tflite-int8", mlp())
-    good = spec('[defaults]\nweight = { kind = "int", bits = 8 }\ninput = { kind = "int", bits = 8, signed = false }\n'
+    good = spec('[defaults]\nweight = { kind = "int", bits = 8 }\ninput = { kind = "int", bits = 7, signed = false }\n'
                 'bias = "float"\n')
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -275,3 +275,16 @@ def test_bias_rule():
     assert "E316" not in codes(lint(spec(base + 'bias = "float"\n'), "x86-fbgemm", mlp()))  # float bias is fine
     own = lint(spec(base + 'bias = { kind = "int", bits = 32, scale = "float" }\n'), "tflite-int8", mlp())
     assert codes(own) == ["E316"] and own[0].hints == ('use scale = "input*weight"',)
+
+
+def test_x86_pair_saturation_warning():
+    text = ('[defaults]\nweight = { kind = "int", bits = 8 }\ninput = { kind = "int", bits = 8, signed = false }\n'
+            'bias = "float"\n')
+    diags = lint(spec(text), "x86-fbgemm", mlp())
+    assert codes(diags) == ["W318"]
+    # raw u8 x s8 codes: 2 * 255 * -128 = -65280 needs 17 bits; an int16 pair sum saturates
+    assert diags[0].message.startswith("two adjacent products of weight 8-bit signed × input 8-bit unsigned codes "
+                                       "sum to 17 bits; x86-fbgemm's 16-bit pair intermediate saturates")
+    assert diags[0].hints == ("use bits = 7 for the input (PyTorch's reduce_range)",)
+    assert lint(spec(text.replace("bits = 8, signed = false", "bits = 7, signed = false")), "x86-fbgemm",
+                mlp()) == []
