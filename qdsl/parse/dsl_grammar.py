@@ -172,7 +172,8 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     end = pp.Empty().set_parse_action(lambda s, loc, t: [loc])
     top = statement + end
     standalone = value + pp.StringEnd().set_name("end of value")
-    return top.parse_with_tabs(), standalone.parse_with_tabs()
+    top.parse_with_tabs().streamline()
+    return top, standalone.parse_with_tabs()
 
 
 _TOP, _VALUE = _build_grammar()
@@ -181,10 +182,19 @@ _SYNC_KW = re.compile(r"[ \t]*(" + "|".join(TOP_KEYWORDS) + r")\b")
 _SKIP = re.compile(r"(?:\s+|#[^\n]*)*")
 
 
-def _mask(text: str, pos: int) -> str:
-    """Blank ``text[:pos]`` keeping newlines, so offsets (and line:col) stay absolute."""
-    head = re.sub(r"[^\n]", " ", text[:pos])
-    return head + text[pos:]
+def _parse_statement_at(text: str, pos: int) -> tuple[ast.Statement, int]:
+    """Parse one statement starting at offset ``pos``; return it and where the next begins.
+
+    ``_parse(instring, loc)`` is the entry every pyparsing element uses to run a
+    sub-element at a position; calling it directly keeps a file of N statements O(size)
+    instead of re-scanning a blanked prefix per statement (which is O(N * size)).
+    """
+    parse_at = getattr(_TOP, "_parse", None)
+    if parse_at is None:  # pragma: no cover - a pyparsing without _parse: blank the prefix
+        toks = _TOP.parse_string(" " * pos + text[pos:])
+    else:
+        toks = parse_at(text, pos)[1]
+    return toks[0], toks[1]
 
 
 _STRING_OR_COMMENT = re.compile(r"(\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*')|#[^\n]*")
@@ -343,7 +353,7 @@ class _Recovering:
         pos = _SKIP.match(text, 0).end()
         while pos < len(text):
             try:
-                toks = _TOP.parse_string(_mask(text, pos))
+                stmt, nxt = _parse_statement_at(text, pos)
             except pp.ParseBaseException as exc:
                 self.diagnose(exc, pos)
                 pos = self.resync(pos, exc.loc)
@@ -351,8 +361,8 @@ class _Recovering:
                 self.error("E002", "nesting too deep", pos, pos + 1)
                 break
             else:
-                out.append(toks[0])
-                pos = max(toks[1], pos + 1)
+                out.append(stmt)
+                pos = max(nxt, pos + 1)
             pos = _SKIP.match(text, pos).end()
         return out
 
