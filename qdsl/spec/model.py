@@ -270,6 +270,11 @@ class attrs_frozendict(dict):
     def _readonly(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("this mapping is read-only")
 
+    def __reduce__(self):
+        # rebuild from a plain dict: the default dict-subclass protocol calls __setitem__,
+        # which is read-only (this makes copy.deepcopy and pickle of plans work)
+        return (type(self), (dict(self),))
+
     __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _readonly  # type: ignore[assignment]
 
 

@@ -248,3 +248,26 @@ def test_progress_bar_draws_only_when_enabled():
     bar.update()
     bar.close()
     assert quiet.getvalue() == ""
+
+
+def test_paths_overrides_and_deepcopy(tmp_path):
+    import copy
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "specs"
+    model = digits_resnet()
+    h = qdsl.apply(model, root / "int8-default.qspec.toml", overrides=["weight.bits=4"])
+    assert h.quantizer("stem.0", "weight").qmax == 7
+    qdsl.calibrate(model, _batches((4, 1, 8, 8)), progress=False)
+    qdsl.freeze(model)
+    x = torch.randn(3, 1, 8, 8)
+    with torch.no_grad():
+        y = model(x)
+    twin = copy.deepcopy(model)  # an applied model copies with its own proxies and hooks
+    assert get_handle(twin).model is twin and get_handle(twin).layers["stem.0"].module is twin.stem[0]
+    with torch.no_grad():
+        assert torch.equal(twin(x), y)
+    qdsl.remove(twin)
+    assert state_of(twin) is None and state_of(model) is State.FROZEN
+    with torch.no_grad():
+        assert torch.equal(model(x), y)
