@@ -154,12 +154,12 @@ class _Lowerer:
         if isinstance(value, QVal):
             return self.requantize(value, t)
         if isinstance(value, FloatVal) and value.name is not None:
+            shape = self.input_shape  # before any reshape the model applied to its float input
             if t.dtype is DType.BIN:
-                name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, value.shape, {"zero_point": 0})
+                name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, shape, {"zero_point": 0})
             else:
-                name = self.b.op(OpType.QUANTIZE, t.where, [value.name], t.dtype, value.shape,
+                name = self.b.op(OpType.QUANTIZE, t.where, [value.name], t.dtype, shape,
                                  dict(scale=t.scale, zero_point=t.zp, qmin=t.qmin, qmax=t.qmax, rounding=int(t.rounding)))
-            shape = value.shape
             if value.reshape is not None:
                 name = self.b.op(OpType.RESHAPE, t.where, [name], t.dtype, (-1,) + value.reshape, {"shape": value.reshape})
                 shape = (-1,) + value.reshape
@@ -313,7 +313,7 @@ class _Lowerer:
             if node.op == "placeholder":
                 if self.input_names:
                     raise ExportError("", "models with more than one input are not supported by export")
-                shape = self.shape(node)
+                shape = self.input_shape = self.shape(node)
                 name = self.b.tensor("input", DType.F32, shape)
                 self.input_names.append(name)
                 value: Any = FloatVal("<input>", shape, name)

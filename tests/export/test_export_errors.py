@@ -1,0 +1,86 @@
+"""Constructs the exporter cannot lower give an ExportError naming the module and the fix."""
+
+import pytest
+import torch
+from torch import nn
+
+import qdsl
+from qdsl.export import export
+from qdsl.export.ir import OpType
+from qdsl.export.values import ExportError
+from qdsl.parse import parse_text
+from qdsl.spec.diagnostics import QdslError
+from qdsl.testing.models import digits_resnet, mlp
+
+BASE = """
+version 1
+{fold}
+quantizer w = int(bits=8, signed, narrow, symmetric, scale=pot, per_channel, observer=minmax)
+quantizer a = int(bits=8, signed, symmetric, scale=pot, per_tensor, observer=minmax)
+defaults {{
+  weight = w
+  input = a
+}}
+{extra}
+"""
+
+X = torch.rand(16, 1, 8, 8)
+
+
+def prepared(model, extra="", fold="fold_bn", freeze=True):
+    model.eval()
+    qdsl.apply(model, parse_text(BASE.format(fold=fold, extra=extra), "t.qspec"))
+    qdsl.calibrate(model, [X])
+    if freeze:
+        qdsl.freeze(model)
+    return model
+
+
+def test_mlp_exports_and_relu_is_fused_into_the_clamp():
+    graph = export(prepared(mlp(sizes=(64, 32, 10))), X[:1])
+    assert [op.type for op in graph.ops] == [OpType.QUANTIZE, OpType.RESHAPE, OpType.LINEAR, OpType.LINEAR,
+                                             OpType.DEQUANTIZE]
+    first = graph.ops[2]
+    assert first.attrs["out_min"] == first.attrs["out_zp"]  # ReLU: nothing below the zero point
+
+
+def test_unquantized_residual_operand_names_the_block():
+    model = prepared(digits_resnet(width=4))  # no `output` for the blocks
+    with pytest.raises(ExportError, match=r"(?s)layer1\.\d.*output = a8") as e:
+        export(model, X[:1])
+    assert "residual add" in str(e.value)
+
+
+def test_unfolded_batchnorm():
+    with pytest.raises(ExportError, match=r"'stem\.1'.*BatchNorm.*not folded") as e:
+        export(prepared(digits_resnet(width=4), "rule type:BasicBlock { output = a }", fold=""), X[:1])
+    assert "fold_bn" in str(e.value)
+
+
+def test_float_layer_between_integer_layers():
+    model = prepared(mlp(sizes=(64, 32, 16, 10)), "rule net.3 { skip }")
+    with pytest.raises(ExportError, match=r"'net\.3'.*left in float"):
+        export(model, X[:1])
+
+
+class WithGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x.flatten(1))))
+
+
+def test_module_without_integer_lowering():
+    with pytest.raises(ExportError, match=r"'act'.*GELU has no integer lowering"):
+        export(prepared(WithGelu(), "rule act { output = a }"), X[:1])
+
+
+def test_lifecycle_errors():
+    with pytest.raises(ExportError, match="not frozen"):
+        export(prepared(mlp(sizes=(64, 10)), freeze=False), X[:1])
+    with pytest.raises(QdslError, match="qdsl.apply"):
+        export(mlp(sizes=(64, 10)), X[:1])
+    with pytest.raises(ExportError, match="requant"):
+        export(prepared(mlp(sizes=(64, 10))), X[:1], requant="magic")
