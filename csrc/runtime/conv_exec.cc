@@ -13,6 +13,9 @@
 #include "dispatch.h"
 #include "ref/ref.h"
 #include "runtime/ops.h"
+#include "runtime/thread_pool.h"
+
+#include <algorithm>
 
 namespace qdsl {
 namespace {
@@ -87,10 +90,107 @@ inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, bool wi
   }
 }
 
+
+// Int conv with the weights as the broadcast operand: acc[o][p] = W'[o][:] . X'[:, p], so
+// the GEMM output is already NCHW.  X' (x - in_zp, padding 0) is built transposed as
+// [k][position] rows, by row copies, then interleaved into 16-position int16 panels.
+// One task per (image, group); the stage runs vectorized per output channel row when no
+// overflow is possible (fast_stage), else element by element with exact overflow rules.
+Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
+  const PreparedOp& p = *op.prepared;
+  const Geometry e = Geo(g, op, batch);
+  const GraphTensor& xt = g->tensors[op.inputs[0]];
+  const int out_dtype = g->tensors[op.outputs[0]].dtype;
+  const uint8_t* x = g->buffers[op.inputs[0]].data();
+  uint8_t* y = g->buffers[op.outputs[0]].data();
+  const int64_t P = e.OH * e.OW, Pp = (P + 15) / 16 * 16, npanels = Pp / 16, kpairs = p.kp / 2;
+  const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
+  const RequantKernel requant = SelectRequantKernel(path);
+  const int tasks = static_cast<int>(e.n * p.groups);
+  std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
+  ParallelFor(tasks, [&](int t) {
+    const int64_t b = t / p.groups, gi = t % p.groups;
+    thread_local std::vector<int16_t> cols, panels;
+    thread_local std::vector<int32_t> acc;
+    cols.assign(static_cast<size_t>(p.kp * Pp), 0);
+    panels.resize(static_cast<size_t>(npanels * kpairs * 32));
+    acc.resize(static_cast<size_t>(e.og * Pp));
+    int64_t k = 0;
+    for (int64_t c = 0; c < e.cg; ++c) {
+      const uint8_t* plane = x + ((b * e.C + gi * e.cg + c) * e.H) * e.W;
+      for (int64_t ky = 0; ky < p.kh; ++ky) {
+        for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
+          int16_t* row = cols.data() + k * Pp;
+          // valid ox: 0 <= ox*sw - pw + kx*dw < W
+          const int64_t off = kx * p.dw - p.pw;
+          int64_t lo = off >= 0 ? 0 : (-off + p.sw - 1) / p.sw;
+          int64_t hi = (e.W - 1 - off) < 0 ? 0 : (e.W - 1 - off) / p.sw + 1;
+          lo = std::min(lo, e.OW);
+          hi = std::min(std::max(hi, lo), e.OW);
+          for (int64_t oy = 0; oy < e.OH; ++oy) {
+            const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
+            if (iy < 0 || iy >= e.H) continue;  // stays 0
+            const uint8_t* src = plane + iy * e.W;
+            int16_t* dst = row + oy * e.OW;
+            if (xt.dtype == kU8) {
+              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<int16_t>(src[ox * p.sw + off] - p.in_zp);
+            } else {
+              for (int64_t ox = lo; ox < hi; ++ox)
+                dst[ox] = static_cast<int16_t>(static_cast<int8_t>(src[ox * p.sw + off]) - p.in_zp);
+            }
+          }
+        }
+      }
+    }
+    for (int64_t q = 0; q < npanels; ++q) {
+      for (int64_t j = 0; j < kpairs; ++j) {
+        int16_t* dst = panels.data() + (q * kpairs + j) * 32;
+        const int16_t* r0 = cols.data() + (2 * j) * Pp + q * 16;
+        const int16_t* r1 = r0 + Pp;
+        for (int i = 0; i < 8; ++i) {
+          dst[2 * i] = r0[i];
+          dst[2 * i + 1] = r1[i];
+          dst[16 + 2 * i] = r0[8 + i];
+          dst[16 + 2 * i + 1] = r1[8 + i];
+        }
+      }
+    }
+    const int16_t* w = p.w16[gi].data();
+    for (int64_t q = 0; q < npanels; ++q) {
+      const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data() + q * kpairs * 32);
+      for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
+        kernel(rows, w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
+      }
+    }
+    uint8_t* out = y + (b * e.O + gi * e.og) * P * (out_dtype == kI32 ? 4 : 1);
+    for (int64_t o = 0; o < e.og; ++o) {
+      const int64_t oc = gi * e.og + o;
+      int32_t* row = acc.data() + o * Pp;
+      if (p.fast_stage) {
+        if (!p.bias.empty())
+          for (int64_t i = 0; i < P; ++i) row[i] += p.bias[oc];
+        const Rescale& r = p.out.stage.rescale;
+        OutputStage one = p.out.stage;
+        const int64_t ch = r.channels == 1 ? 0 : oc;
+        one.rescale.multiplier = r.multiplier + ch;
+        one.rescale.shift = r.shift + ch;
+        one.rescale.channels = 1;
+        requant(row, 1, P, Pp, one, 0, out + o * P, P, out_dtype == kI8);
+      } else {
+        for (int64_t i = 0; i < P; ++i) Emit(row[i], p, oc, y, out_dtype == kI32, (b * e.O + oc) * P + i, &counts[t]);
+      }
+    }
+  });
+  for (int64_t c : counts) *overflow += c;
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
   const PreparedOp& p = *op.prepared;
+  if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
   const Geometry e = Geo(g, op, batch);
   const GraphTensor& xt = g->tensors[op.inputs[0]];
   const uint8_t* x = g->buffers[op.inputs[0]].data();

@@ -3,7 +3,10 @@
 // container type (int8 for I8 and BIN as +-1, uint8 for U8, float for F32) in buffers
 // planned once per batch size.  Conv/linear run through the packed GEMM (im2col for
 // convs, grouped) when the sum provably fits int32, otherwise through exact int64 loops.
+#include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "dispatch.h"
@@ -132,7 +135,16 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
     std::memcpy(c.Buf(g->inputs[i]), inputs[i], g->buffers[g->inputs[i]].size());
   }
   std::fill(g->overflow.begin(), g->overflow.end(), 0);
+  // QDSL_PROFILE=1 prints each op's wall time to stderr (for finding slow ops).
+  static const bool profile = std::getenv("QDSL_PROFILE") != nullptr;
+  auto t0 = std::chrono::steady_clock::now();
   for (size_t oi = 0; oi < g->ops.size(); ++oi) {
+    if (profile && oi > 0) {
+      const auto t1 = std::chrono::steady_clock::now();
+      std::fprintf(stderr, "qdsl op %3zu %-24s %9.3f ms\n", oi - 1, g->ops[oi - 1].name.c_str(),
+                   std::chrono::duration<double, std::milli>(t1 - t0).count());
+      t0 = t1;
+    }
     const GraphOp& op = g->ops[oi];
     const uint32_t xi = op.inputs[0], yi = op.outputs[0];
     const int xd = c.DType(xi), yd = c.DType(yi);

@@ -31,7 +31,10 @@ struct PreparedOp {
   std::vector<PackedWeights> packed;        // per group (int: W - w_zp; binary: sign bits)
   std::vector<std::vector<int32_t>> w_int;  // per group [og][K] (W - w_zp), for the exact int64 path
   std::vector<int32_t> bias;                // empty = none
+  std::vector<std::vector<int16_t>> w16;    // convs: per group [og][kp] (W - w_zp), K padded to 4
+  int64_t kp = 0;
   bool int32_exact = true;                  // every GEMM sum provably fits int32
+  bool fast_stage = false;                  // acc_bits 32, |sum + bias| < 2^31: no overflow possible
   int acc_bits = 32, overflow_mode = 0;
   bool bin_out = false;
   StageData out;

@@ -114,7 +114,19 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   }
   const int64_t xmax = std::max(std::llabs(xlo - p.in_zp), std::llabs(xhi - p.in_zp));
   p.int32_exact = wmax <= 511 && kdim * xmax * wmax <= INT32_MAX;
-  if (p.int32_exact) {
+  int64_t bmax = 0;
+  for (int32_t b : p.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
+  p.fast_stage = p.int32_exact && p.acc_bits == 32 && out.dtype != kBin && out.dtype != kI32 &&
+                 kdim * xmax * wmax + bmax <= INT32_MAX;
+  if (p.int32_exact && p.spatial > 0) {  // convs: weights are the broadcast (A) operand
+    p.kp = (kdim + 3) / 4 * 4;
+    for (int64_t gi = 0; gi < p.groups; ++gi) {
+      std::vector<int16_t> rows(static_cast<size_t>(og * p.kp), 0);
+      for (int64_t o = 0; o < og; ++o)
+        for (int64_t k = 0; k < kdim; ++k) rows[o * p.kp + k] = static_cast<int16_t>(p.w_int[gi][o * kdim + k]);
+      p.w16.push_back(std::move(rows));
+    }
+  } else if (p.int32_exact) {
     for (int64_t gi = 0; gi < p.groups; ++gi) {
       std::vector<int16_t> v16(p.w_int[gi].begin(), p.w_int[gi].end());
       p.packed.emplace_back();
