@@ -88,6 +88,8 @@ def format_path(path: Sequence[Any]) -> str:
 
 def toml_type_name(value: Any) -> str:
     """The TOML name of a parsed value's type, for messages."""
+    if value is None:
+        return "nothing"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int):

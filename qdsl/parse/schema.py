@@ -259,7 +259,7 @@ class SchemaLowerer:
             v = child.value
             if isinstance(v, float) and not math.isfinite(v):
                 self.err("E104", f"observer parameter {key} must be finite", child.span)
-            elif isinstance(v, (bool, int, float, str)) and not isinstance(v, (list, dict)):
+            elif isinstance(v, (bool, int, float, str)):
                 params[key] = v
             else:
                 self.err("E102", f"observer parameter {key} must be a number, boolean or string, "
