@@ -176,6 +176,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         for patch in handle.layers.values():
             patch.install()
             installed.append(patch)
+        for patch in installed:
+            patch.install_bn_skip()
         if example_input is not None:
             with torch.no_grad():
                 model(example_input)

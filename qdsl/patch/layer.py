@@ -98,10 +98,6 @@ class LayerPatch:
                 self._moved[name] = p is not None
                 if p is not None:
                     m._parameters[name + MASTER_SUFFIX] = p
-        if self.bn is not None:
-            skip = _SkipBN()
-            self._hooks.append(self.bn.register_forward_pre_hook(skip.pre))
-            self._hooks.append(self.bn.register_forward_hook(skip.post))
         if self._moved:
             self._hooks.append(m.register_load_state_dict_pre_hook(self._load_float_names))
         if self._moved or self.iq is not None:
@@ -111,6 +107,14 @@ class LayerPatch:
         if self._moved:
             with torch.no_grad():
                 self.refresh()
+
+    def install_bn_skip(self) -> None:
+        """The folded BN's hooks; called after every layer is installed so the skip runs
+        *after* any input quantizer of the BN itself and *before* any output quantizer."""
+        if self.bn is not None:
+            skip = _SkipBN()
+            self._hooks.append(self.bn.register_forward_pre_hook(skip.pre))
+            self._hooks.append(self.bn.register_forward_hook(skip.post, prepend=True))
 
     def uninstall(self) -> None:
         for h in self._hooks:

@@ -100,3 +100,29 @@ def test_no_folding_without_fold_bn():
     assert all(p.bn is None for p in handle)
     assert model.features[0].bias is None  # nothing folded, no bias created
     qdsl.remove(model)
+
+
+def test_quantizers_on_a_folded_bn_itself():
+    model = conv_bn_relu_net(width=8)
+    text = """
+version 1
+fold_bn
+defaults { weight = int(bits=8, per_channel) }
+rule features.1 {
+  input = int(bits=8, signed)
+  output = int(bits=4, signed)
+}
+"""
+    handle = qdsl.apply(model, qdsl.parse_spec(text))
+    qdsl.calibrate(model, [torch.randn(2, 3, 16, 16)], progress=False)
+    qdsl.freeze(model)
+    got = {}
+    hook = model.features[2].register_forward_pre_hook(lambda m, a: got.update(x=a[0]))
+    with torch.no_grad():
+        model(torch.randn(2, 3, 16, 16))
+    hook.remove()
+    q = handle.quantizer("features.1", "output")
+    codes = got["x"] / q.scale
+    assert torch.equal(codes, codes.round()) and codes.abs().max() <= 8  # the BN's 4-bit output grid
+    assert handle.quantizer("features.1", "input").observer.observed
+    qdsl.remove(model)
