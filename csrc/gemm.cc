@@ -1,11 +1,11 @@
 // GEMM front doors: validate once, pick the path, pack activations, block and thread.
 //
-// Blocking (optimized paths): activations become int16 rows (A - a_zp, K padded to
-// weights.kp with zeros).  For each K block of kKcPairs k-pairs, each thread walks its
-// weight panels and, per panel, all its 6-row strips, so one panel block (<= 16 KiB)
-// stays in L1 while the activation block streams from L2.  Accumulators live in a
-// scratch int32 matrix with 16-column-padded rows; bias and the output stage run on a
-// thread's own region after its last K block.
+// Blocking (optimized paths): each task takes a block of 96 activation rows, converts
+// them to int16 (A - a_zp, K padded to weights.kp with zeros) in a thread-local buffer,
+// and for each K block of kKcPairs k-pairs walks its weight panels and, per panel, all
+// its 6-row strips: one panel block (<= 16 KiB) stays in L1 while the row block (<= 96 KiB)
+// stays in L2.  Bias and the output stage run on the task's block right after its last
+// K block, while it is still in cache.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -19,6 +19,7 @@ namespace qdsl {
 namespace {
 
 constexpr int64_t kKcPairs = 256;
+constexpr int64_t kRowBlock = 16 * kMaxRows;  // 96 rows of int16 activations per task
 
 Status ValidateOutput(const GemmOutput& out, int64_t m, int64_t n) {
   QDSL_CHECK_ARG(out.data != nullptr || m == 0, "null output pointer");
@@ -62,25 +63,23 @@ Status ValidateRescale(const Rescale& r, int64_t channels) {
 
 namespace {
 
-// Adds bias, then requantizes (or copies) rows [m0, m1) x columns [n0, n1) of acc.
-void Finish(const int32_t* acc_in, int32_t* acc, int64_t ldc, int64_t m0, int64_t m1, int64_t n0, int64_t n1,
-            const int32_t* bias, const GemmOutput& out, uint32_t path) {
-  (void)acc_in;
-  if (m1 <= m0 || n1 <= n0) return;
+// Adds bias, then requantizes (or copies) a block of accumulators: acc[i][c] (row stride
+// ldacc) is output element (m0 + i, n0 + c), for i < rows and c < cols.
+void Finish(int32_t* acc, int64_t ldacc, int64_t m0, int64_t rows, int64_t n0, int64_t cols, const int32_t* bias,
+            const GemmOutput& out, uint32_t path) {
+  if (rows <= 0 || cols <= 0) return;
   if (bias) {
-    for (int64_t r = m0; r < m1; ++r)
-      for (int64_t c = n0; c < n1; ++c)
-        acc[r * ldc + c] = static_cast<int32_t>(static_cast<uint32_t>(acc[r * ldc + c]) + static_cast<uint32_t>(bias[c]));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        acc[r * ldacc + c] =
+            static_cast<int32_t>(static_cast<uint32_t>(acc[r * ldacc + c]) + static_cast<uint32_t>(bias[n0 + c]));
   }
   if (out.stage) {
-    const int64_t esize = 1;
-    uint8_t* dst = static_cast<uint8_t*>(out.data) + (m0 * out.ld + n0) * esize;
-    SelectRequantKernel(path)(acc + m0 * ldc + n0, m1 - m0, n1 - n0, ldc, *out.stage, n0, dst, out.ld,
-                              out.dtype == DType::kInt8);
+    uint8_t* dst = static_cast<uint8_t*>(out.data) + m0 * out.ld + n0;
+    SelectRequantKernel(path)(acc, rows, cols, ldacc, *out.stage, n0, dst, out.ld, out.dtype == DType::kInt8);
   } else {
-    int32_t* dst = static_cast<int32_t*>(out.data);
-    for (int64_t r = m0; r < m1; ++r)
-      std::memcpy(dst + r * out.ld + n0, acc + r * ldc + n0, static_cast<size_t>(n1 - n0) * 4);
+    int32_t* dst = static_cast<int32_t*>(out.data) + m0 * out.ld + n0;
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * out.ld, acc + r * ldacc, static_cast<size_t>(cols) * 4);
   }
 }
 
@@ -108,54 +107,60 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   const int64_t m = a.rows, n = w.n;
   if (m == 0) return Status::Ok();
 
-  const int64_t ldc = w.panels * kPanelCols;
-  std::vector<int32_t> acc(static_cast<size_t>(m * ldc));
   if (chosen == kPathRef) {
+    const int64_t ldc = n;
+    std::vector<int32_t> acc(static_cast<size_t>(m * ldc));
     ref::Gemm(a, w, nullptr, acc.data(), ldc);
-    Finish(nullptr, acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
+    Finish(acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
     return Status::Ok();
-  }
-
-  // int16 activations, zero point subtracted, K padded with zeros.
-  std::vector<int16_t> a16(static_cast<size_t>(m * w.kp + 8), 0);
-  for (int64_t r = 0; r < m; ++r) {
-    int16_t* row = a16.data() + r * w.kp;
-    if (a.dtype == DType::kUInt8) {
-      const uint8_t* src = static_cast<const uint8_t*>(a.data) + r * a.ld;
-      for (int64_t k = 0; k < w.k; ++k) row[k] = static_cast<int16_t>(src[k] - a.zero_point);
-    } else {
-      const int8_t* src = static_cast<const int8_t*>(a.data) + r * a.ld;
-      for (int64_t k = 0; k < w.k; ++k) row[k] = static_cast<int16_t>(src[k] - a.zero_point);
-    }
   }
   const IntMicroKernel kernel = SelectIntMicroKernel(w.format, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   const int threads = NumThreads();
-  // Split the weight panels between threads when there are enough of them (each
-  // thread then reads only its share of the weights); otherwise split the rows.
-  const bool split_n = w.panels >= 2 * threads || m < kMaxRows * threads;
-  const int tasks = std::max<int64_t>(1, std::min<int64_t>(threads, split_n ? w.panels : (m + kMaxRows - 1) / kMaxRows));
+  // Tasks are (row block, panel group) pairs.  Row blocks of kRowBlock rows keep their
+  // int16 activations (packed by the task itself) in L1/L2 across all panels; panel
+  // groups only split the weights when there are too few row blocks to feed the threads
+  // (GEMV-like shapes), so each thread then reads only its share of the weights.
+  const int64_t mblocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t want = 2 * threads;
+  const int64_t groups = mblocks >= want ? 1 : std::min<int64_t>(w.panels, (want + mblocks - 1) / mblocks);
+  const int tasks = static_cast<int>(mblocks * groups);
   ParallelFor(tasks, [&](int t) {
-    int64_t p0 = 0, p1 = w.panels, m0 = 0, m1 = m;
-    if (split_n) {
-      Split(w.panels, tasks, t, 1, &p0, &p1);
-    } else {
-      Split(m, tasks, t, kMaxRows, &m0, &m1);
+    const int64_t mb = t / groups, pg = t % groups;
+    const int64_t m0 = mb * kRowBlock, rows_total = std::min<int64_t>(kRowBlock, m - m0);
+    int64_t p0 = 0, p1 = 0;
+    Split(w.panels, static_cast<int>(groups), static_cast<int>(pg), 1, &p0, &p1);
+    if (p1 <= p0) return;
+    thread_local std::vector<int16_t> a16;
+    thread_local std::vector<int32_t> acc;
+    a16.resize(static_cast<size_t>(rows_total * w.kp + 8));
+    const int64_t ldacc = (p1 - p0) * kPanelCols;
+    acc.resize(static_cast<size_t>(rows_total * ldacc));
+    for (int64_t r = 0; r < rows_total; ++r) {  // int16 rows: A - a_zp, K padded with zeros
+      int16_t* row = a16.data() + r * w.kp;
+      if (a.dtype == DType::kUInt8) {
+        const uint8_t* src = static_cast<const uint8_t*>(a.data) + (m0 + r) * a.ld;
+        for (int64_t k = 0; k < w.k; ++k) row[k] = static_cast<int16_t>(src[k] - a.zero_point);
+      } else {
+        const int8_t* src = static_cast<const int8_t*>(a.data) + (m0 + r) * a.ld;
+        for (int64_t k = 0; k < w.k; ++k) row[k] = static_cast<int16_t>(src[k] - a.zero_point);
+      }
+      for (int64_t k = w.k; k < w.kp; ++k) row[k] = 0;
     }
     for (int64_t j0 = 0; j0 < kpairs; j0 += kKcPairs) {
       const int64_t len = std::min(kKcPairs, kpairs - j0);
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* panel = w.packed.data() + p * w.panel_bytes + j0 * bytes_per_pair;
-        for (int64_t r = m0; r < m1; r += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - r));
-          kernel(rows, a16.data() + r * w.kp + 2 * j0, w.kp, panel, len, acc.data() + r * ldc + p * kPanelCols, ldc,
-                 j0 > 0);
+        for (int64_t r = 0; r < rows_total; r += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r));
+          kernel(rows, a16.data() + r * w.kp + 2 * j0, w.kp, panel, len, acc.data() + r * ldacc + (p - p0) * kPanelCols,
+                 ldacc, j0 > 0);
         }
       }
     }
-    Finish(nullptr, acc.data(), ldc, m0, m1, std::min(n, p0 * kPanelCols), std::min(n, p1 * kPanelCols), bias, out,
-           chosen);
+    const int64_t n0 = p0 * kPanelCols, n1 = std::min(n, p1 * kPanelCols);
+    Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
   });
   return Status::Ok();
 }
@@ -172,7 +177,7 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
   std::vector<int32_t> acc(static_cast<size_t>(m * ldc));
   if (chosen == kPathRef) {
     ref::BinaryGemm(a, m, lda, w, nullptr, acc.data(), ldc);
-    Finish(nullptr, acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
+    Finish(acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
     return Status::Ok();
   }
   const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
@@ -198,7 +203,7 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
         const int32_t pc = acc[r * ldc + c];
         acc[r * ldc + c] = static_cast<int32_t>(static_cast<uint32_t>(w.k) - 2u * static_cast<uint32_t>(pc));
       }
-    Finish(nullptr, acc.data(), ldc, m0, m1, n0, n1, bias, out, chosen);
+    Finish(acc.data() + m0 * ldc + n0, ldc, m0, m1 - m0, n0, n1 - n0, bias, out, chosen);
   });
   return Status::Ok();
 }
