@@ -163,7 +163,7 @@ class _Lowerer:
             if value.reshape is not None:
                 name = self.b.op(OpType.RESHAPE, t.where, [name], t.dtype, (-1,) + value.reshape, {"shape": value.reshape})
                 shape = (-1,) + value.reshape
-            return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
+            return self.b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
         raise ExportError(fqn, f"the {role} quantizer reads a float value produced by '{value.origin}'",
                           f"'{value.origin}' is left in float between integer layers: quantize it in the spec "
                           "(or skip everything after it too)")
@@ -173,14 +173,14 @@ class _Lowerer:
             return v
         if t.dtype is DType.BIN:
             if v.dtype is DType.BIN:
-                return QVal(v.name, t.scale, 0, -1, 1, DType.BIN, v.shape)
+                return self.b.q(v.name, t.scale, 0, -1, 1, DType.BIN, v.shape)
             name = self.b.op(OpType.BINARIZE, t.where, [v.name], DType.BIN, v.shape, {"zero_point": v.zp})
-            return QVal(name, t.scale, 0, -1, 1, DType.BIN, v.shape)
+            return self.b.q(name, t.scale, 0, -1, 1, DType.BIN, v.shape)
         if v.dtype is DType.BIN:
             raise ExportError(t.where, "an integer quantizer reads a binary activation", "keep both binary or both int")
         stage = OutputStage(make_rescale(v.scale / t.scale, t.rounding, single=self.b.single_rounding), t.zp, t.qmin, t.qmax)
         name = self.b.op(OpType.REQUANTIZE, t.where, [v.name], t.dtype, v.shape, {"in_zp": v.zp, **stage.attrs()})
-        return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, v.shape)
+        return self.b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, v.shape)
 
     def need_q(self, value: Any, where: str, what: str) -> QVal:
         if isinstance(value, QVal):
@@ -198,7 +198,7 @@ class _Lowerer:
         t = Target(v.scale, v.zp, v.qmin, v.qmax, v.dtype, Rounding.HALF_EVEN, where)
         out_min, out_max = t.clamp_codes(lo, hi)
         name = self.b.op(OpType.CLAMP, where, [v.name], v.dtype, v.shape, {"out_min": out_min, "out_max": out_max})
-        return QVal(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, v.shape)
+        return self.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, v.shape)
 
     def reshape(self, value: Any, shape: tuple[int, ...], where: str) -> Any:
         if tuple(value.shape) == shape:
@@ -210,7 +210,7 @@ class _Lowerer:
             return FloatVal(value.origin, shape, value.name, shape[1:])
         v = self.need_q(value, where, "a reshape")
         name = self.b.op(OpType.RESHAPE, where, [v.name], v.dtype, shape, a)
-        return QVal(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
+        return self.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
 
     def maxpool(self, value: Any, m: nn.Module, shape, where: str) -> Any:
         rank = 1 if isinstance(m, nn.MaxPool1d) else 2
@@ -224,7 +224,7 @@ class _Lowerer:
             return value.then(op, a, shape)
         v = self.need_q(value, where, "max pool")
         name = self.b.op(op, where, [v.name], v.dtype, shape, a)
-        return QVal(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
+        return self.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
 
     def call_module(self, node, m: nn.Module, args) -> Any:
         fqn, x = node.target, args[0] if args else None
@@ -356,13 +356,16 @@ class _Lowerer:
 REQUANT_MODES = ("gemmlowp", "single")
 
 
-def export(model: nn.Module, example_input: Any, *, name: str | None = None, requant: str = "gemmlowp"):
+def export(model: nn.Module, example_input: Any, *, name: str | None = None, requant: str = "gemmlowp",
+           with_info: bool = False):
     """Lower the frozen patched ``model`` (see module doc) and mark it EXPORTED.
 
     ``requant`` picks the form of non-power-of-two requantization: ``"gemmlowp"`` (FIXED:
     SRDHM then RDBP, two roundings half away) or ``"single"`` (FIXED_SINGLE: one exact
     rounding of ``x·m / 2^(31+s)`` with the quantizer's own rounding mode, which agrees
-    with the fake-quant model far more often; see docs/qgraph.md §4.1).
+    with the fake-quant model far more often; see docs/qgraph.md §4.1). ``with_info`` also
+    returns ``{tensor name: (scale, zero point)}``, the real-value grid of every integer
+    tensor (the ONNX exporter builds its QDQ graph from it).
     """
     if requant not in REQUANT_MODES:
         raise ExportError("", f"unknown requant mode {requant!r}", f"choose one of {', '.join(REQUANT_MODES)}")
@@ -379,10 +382,13 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
         gm = trace_quantized(model, handle)
         with torch.no_grad():
             _ShapeRecorder(gm).run(x)
-        graph = _Lowerer(model, handle, gm, requant == "single").run(name or type(model).__name__)
+        lowerer = _Lowerer(model, handle, gm, requant == "single")
+        graph = lowerer.run(name or type(model).__name__)
     finally:
         for m, mode in modes.items():
             m.training = mode
     handle.state = State.EXPORTED
+    if with_info:
+        return graph, lowerer.b.info
     return graph
 

@@ -152,8 +152,10 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     if wdtype is DType.BIN and np.any(w_zp != 0):
         raise ExportError(fqn, "binary weights cannot have a zero point")
     inputs = [x.name, b.tensor(f"{fqn}.weight", wdtype, codes.shape, codes)]
+    b.info[inputs[1]] = (s_w, w_zp)  # real weight = (w - zp[c]) · s_w[c] (ONNX export reads it)
     if bias is not None:
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
+        b.info[inputs[2]] = (s_acc, np.zeros_like(w_zp))
     sign_bias = _bias_ints(patch, bias_f, s_acc, fqn, np.floor) if patch.bq is None else bias
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
@@ -282,7 +284,7 @@ def concat_value(b: Builder, where: str, values: list, dim: int, shape):
     if all((v.scale, v.zp, v.qmin, v.qmax, v.dtype) == (first.scale, first.zp, first.qmin, first.qmax, first.dtype) for v in qs):
         t = Target(first.scale, first.zp, first.qmin, first.qmax, first.dtype, Rounding.HALF_EVEN, where)
         name = b.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t), out=f"{where}:cat")
-        return QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
+        return b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t, lo, hi), out=f"{where}:cat"), shape

@@ -141,8 +141,10 @@ class Pending:
                                       "remove the ReLU before a binary activation")
             name, shape = self.emit(b, t, self.lo, self.hi)
             for op, a, out_shape in self.post:
+                b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
                 name = b.op(op, self.origin, [name], t.dtype, out_shape, a)
-            self.cache[key] = QVal(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, self.shape)
+                shape = out_shape
+            self.cache[key] = b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, self.shape)
         return self.cache[key]
 
 
@@ -155,6 +157,13 @@ class Builder:
         self.tensors: list[Tensor] = []
         self.ops: list[Op] = []
         self._names: set[str] = set()
+        self.info: dict[str, tuple[Any, Any]] = {}
+        """Real-value grid per tensor name: ``(scale, zero point)`` (scalars or per channel)."""
+
+    def q(self, name: str, scale: float, zp: int, qmin: int, qmax: int, dtype: DType, shape) -> QVal:
+        """A :class:`QVal`, with its grid recorded in :attr:`info`."""
+        self.info[name] = (scale, zp)
+        return QVal(name, scale, zp, qmin, qmax, dtype, tuple(shape))
 
     def unique(self, base: str) -> str:
         base = base or "t"

@@ -1,0 +1,198 @@
+"""ONNX QDQ export: ``export_onnx(model, example_input, path)`` (optional extra ``qdsl[onnx]``).
+
+The model is lowered exactly as :func:`qdsl.export.export` does, then every integer op is
+written the way ONNX expresses quantization: float ops between QuantizeLinear /
+DequantizeLinear pairs (opset 13, per-channel weights via ``axis=0``). Each graph tensor
+becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
+
+* weights: ``DequantizeLinear(int8 weights, per-channel scale, zero point)`` (int4/int2 and
+  ternary codes are stored widened to int8 - ONNX QDQ has no packed types here);
+* bias: ``DequantizeLinear(int32 bias, s_in · s_w)``;
+* each requantized output: ``Clip`` (fused ReLU / narrow range) then
+  ``QuantizeLinear -> DequantizeLinear`` at the output quantizer's scale and zero point;
+* wide int32 intermediates (residual operands, pooled or final layer results that the
+  fake-quant model keeps in float) stay float.
+
+Binary (XNOR) layers have no QDQ form and raise :class:`ExportError`. onnxruntime runs the
+result in float, like the fake-quant model; tests/export/test_onnx.py states and checks
+the agreement tolerance.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from qdsl.export.ir import DType, IntegerGraph, Op, OpType
+from qdsl.export.values import ExportError
+
+__all__ = ["export_onnx", "graph_to_onnx", "OPSET"]
+
+OPSET = 13
+
+
+def _onnx():
+    try:
+        import onnx
+        from onnx import TensorProto, helper, numpy_helper
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        from qdsl.spec.diagnostics import QdslError
+
+        raise QdslError("ONNX export needs the onnx package: pip install 'qdsl[onnx]'") from exc
+    return onnx, TensorProto, helper, numpy_helper
+
+
+class _Writer:
+    def __init__(self, graph: IntegerGraph, info: dict):
+        self.onnx, self.TP, self.h, self.nh = _onnx()
+        self.graph, self.info = graph, info
+        self.nodes: list = []
+        self.inits: list = []
+        self.count = 0
+
+    def name(self, base: str) -> str:
+        self.count += 1
+        return f"{base}__{self.count}"
+
+    def const(self, base: str, value: np.ndarray) -> str:
+        n = self.name(base)
+        self.inits.append(self.nh.from_array(np.asarray(value), n))
+        return n
+
+    def node(self, op: str, inputs: list[str], base: str, **attrs) -> str:
+        out = self.name(base)
+        self.nodes.append(self.h.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def grid(self, tensor: str):
+        if tensor not in self.info:
+            raise ExportError(tensor, "no quantization grid recorded for this tensor (internal)")
+        return self.info[tensor]
+
+    def qdq(self, x: str, tensor: str, out_min: int | None = None, out_max: int | None = None) -> str:
+        """Clip to ``[out_min, out_max]`` (codes), then QuantizeLinear/DequantizeLinear on ``tensor``'s grid."""
+        t = self.graph.tensor(tensor)
+        scale, zp = self.grid(tensor)
+        if t.dtype is DType.I32:  # wide: the fake-quant model holds it in float; only a ReLU clip
+            if out_min is not None and out_min == 0:
+                return self.node("Relu", [x], tensor)
+            return x
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(tensor, f"{t.dtype.name} activations have no ONNX QDQ form", "use an 8-bit config")
+        lo, hi = t.dtype.range
+        if out_min is not None and (out_min > lo or out_max < hi):
+            x = self.node("Clip", [x, self.const("lo", np.float32((out_min - zp) * scale)),
+                                   self.const("hi", np.float32((out_max - zp) * scale))], tensor + "_clip")
+        s = self.const(tensor + "_scale", np.float32(scale))
+        z = self.const(tensor + "_zp", np.array(zp, dtype=t.dtype.numpy))
+        q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
+        return self.node("DequantizeLinear", [q, s, z], tensor)
+
+    def weight(self, name: str) -> str:
+        t = self.graph.tensor(name)
+        scale, zp = self.grid(name)
+        signed = t.dtype not in (DType.U8, DType.U4, DType.U2)
+        dtype = np.int8 if signed else np.uint8
+        q = self.const(name, t.data.astype(dtype))
+        s = self.const(name + "_scale", np.asarray(scale, dtype=np.float32))
+        z = self.const(name + "_zp", np.asarray(zp).astype(dtype))
+        return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=0)
+
+    def bias(self, name: str) -> str:
+        scale, _ = self.grid(name)
+        t = self.graph.tensor(name)
+        q = self.const(name, t.data.astype(np.int32))
+        s = self.const(name + "_scale", np.asarray(scale, dtype=np.float32))
+        z = self.const(name + "_zp", np.zeros(t.shape, dtype=np.int32))
+        return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=0)
+
+
+def _stage(a: dict) -> tuple[int | None, int | None]:
+    return a.get("out_min"), a.get("out_max")
+
+
+def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
+    t, a = op.type, op.attrs
+    out = op.outputs[0]
+    xs = [env.get(n, n) for n in op.inputs]
+    if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
+        raise ExportError(op.name, "binary (XNOR) layers have no ONNX QDQ form", "export 8-bit configs to ONNX")
+    if t is OpType.QUANTIZE:
+        return w.qdq(xs[0], out, a["qmin"], a["qmax"])
+    if t is OpType.DEQUANTIZE:
+        return w.node("Identity", [xs[0]], out)
+    if t in (OpType.CONV1D, OpType.CONV2D, OpType.LINEAR):
+        ins = [xs[0], w.weight(op.inputs[1])] + ([w.bias(op.inputs[2])] if len(op.inputs) == 3 else [])
+        if t is OpType.LINEAR:
+            y = w.node("Gemm", ins, out + "_mm", transB=1)
+        else:
+            pads = list(a["padding"]) * 2
+            y = w.node("Conv", ins, out + "_conv", strides=list(a["stride"]), pads=pads,
+                       dilations=list(a["dilation"]), group=a["groups"])
+        return w.qdq(y, out, *_stage(a))
+    if t is OpType.ADD:
+        return w.qdq(w.node("Add", xs, out + "_add"), out, *_stage(a))
+    if t is OpType.CONCAT:
+        return w.qdq(w.node("Concat", xs, out + "_cat", axis=a["axis"]), out, *_stage(a))
+    if t is OpType.REQUANTIZE:
+        return w.qdq(xs[0], out, *_stage(a))
+    if t is OpType.CLAMP:
+        scale, zp = w.grid(out)
+        return w.node("Clip", [xs[0], w.const("lo", np.float32((a["out_min"] - zp) * scale)),
+                               w.const("hi", np.float32((a["out_max"] - zp) * scale))], out)
+    if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D):
+        return w.node("MaxPool", xs, out, kernel_shape=list(a["kernel"]), strides=list(a["stride"]),
+                      pads=list(a["padding"]) * 2, dilations=list(a["dilation"]))
+    if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D):
+        y = w.node("AveragePool", xs, out + "_pool", kernel_shape=list(a["kernel"]), strides=list(a["stride"]),
+                   pads=list(a["padding"]) * 2, count_include_pad=1)
+        return w.qdq(y, out, *_stage(a))
+    if t is OpType.GLOBAL_AVGPOOL:
+        return w.qdq(w.node("GlobalAveragePool", xs, out + "_pool"), out, *_stage(a))
+    if t is OpType.RESHAPE:
+        shape = w.const("shape", np.array([0, *a["shape"]], dtype=np.int64))
+        return w.node("Reshape", [xs[0], shape], out)
+    raise ExportError(op.name, f"{t.name} has no ONNX lowering")  # pragma: no cover - OpType is closed
+
+
+def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:
+    """An ``onnx.ModelProto`` for ``graph`` given the grids ``info`` from ``export(..., with_info=True)``."""
+    w = _Writer(graph, info)
+    env: dict[str, str] = {}
+    for op in graph.ops:
+        env[op.outputs[0]] = _op(w, op, env)
+    h, tp = w.h, w.TP
+
+    def vi(name: str, onnx_name: str):
+        t = graph.tensor(name)
+        dims = ["N"] + list(t.shape[1:]) if t.shape[0] == -1 else list(t.shape)
+        return h.make_tensor_value_info(onnx_name, tp.FLOAT, dims)
+
+    outputs = []
+    for i, name in enumerate(graph.outputs):
+        final = f"output{i}" if i else "output"
+        w.nodes.append(h.make_node("Identity", [env[name]], [final], name=final))
+        outputs.append(vi(name, final))
+    g = h.make_graph(w.nodes, graph.name, [vi(n, n) for n in graph.inputs], outputs, w.inits)
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="qdsl")
+    model.ir_version = min(model.ir_version, 9)  # readable by onnxruntime releases of the last years
+    w.onnx.checker.check_model(model)
+    return model
+
+
+def export_onnx(model: Any, example_input: Any, path: str | os.PathLike | None = None) -> Any:
+    """Export the frozen patched ``model`` as a QDQ ONNX model (saved to ``path`` if given).
+
+    Same preconditions and errors as :func:`qdsl.export.export`; binary layers and
+    activations wider than 8 bits are rejected. Returns the ``onnx.ModelProto``.
+    """
+    from qdsl.export.lower import export
+
+    graph, info = export(model, example_input, with_info=True)
+    proto = graph_to_onnx(graph, info)
+    if path is not None:
+        w = _onnx()[0]
+        w.save(proto, os.fspath(path))
+    return proto
