@@ -1,6 +1,22 @@
 """Patching an unmodified model: ``apply``/``remove``, calibration, freezing, integer
-tensors out, state.  See :mod:`qdsl.patch.handle` for where qdsl keeps things on a
-model and :mod:`qdsl.patch.layer` for what a patched layer does.
+tensors out, state.
+
+::
+
+    handle = qdsl.apply(model, "model.qspec", overrides=["weight.bits=4"])
+    qdsl.calibrate(model, loader, num_batches=32)    # or: with qdsl.calibrating(model): ...
+    qdsl.freeze(model)                               # scales fixed in buffers
+    ints = qdsl.int_tensors(model)                   # {fqn: LayerInts} integer weights, int32 bias
+    qdsl.save(model, "q.pt")                         # later: apply + qdsl.load(model, "q.pt")
+    handle.remove()                                  # the original model, bit for bit
+
+* :mod:`qdsl.patch.apply` - apply/remove and what they guarantee;
+* :mod:`qdsl.patch.handle` - where qdsl keeps things on a model, the handle export and
+  QAT use (``get_handle``), the lifecycle (``state_of``, :class:`State`);
+* :mod:`qdsl.patch.layer` - what a patched layer does (hooks, int32 bias, BN folding);
+* :mod:`qdsl.patch.fold` - which Conv/Linear -> BatchNorm pairs are folded;
+* :mod:`qdsl.patch.calibrate` - calibration semantics and freezing;
+* :mod:`qdsl.patch.ints`, :mod:`qdsl.patch.state` - integer tensors out, save/load.
 """
 
 from qdsl.patch.apply import apply, remove

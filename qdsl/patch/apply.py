@@ -125,8 +125,10 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
           example_input: Any = None) -> QdslHandle:
     """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
 
-    ``example_input``, if given, is run through the patched model once (no grad) so a
-    problem shows up here rather than in the first real forward.
+    ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
+    keyword arguments), is run through the patched model once (no grad) so a problem
+    shows up here rather than in the first real forward; if it fails, the model is
+    restored and the error propagates.
     """
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
@@ -180,7 +182,12 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
             patch.install_bn_skip()
         if example_input is not None:
             with torch.no_grad():
-                model(example_input)
+                if isinstance(example_input, (tuple, list)):
+                    model(*example_input)
+                elif isinstance(example_input, dict):
+                    model(**example_input)
+                else:
+                    model(example_input)
     except BaseException:
         for patch in reversed(installed):
             patch.uninstall()
