@@ -11,6 +11,12 @@ threads, under ``torch.no_grad()``.  Prints, side by side from one process:
 each as the median over interleaved repeats of (fake-quant time / float time), so load
 on the machine hits both sides alike.  Target for qdsl: <= 1.5x.
 
+The frozen qdsl path costs four vectorized in-place passes per quantized activation
+(multiply by 1/s, round, clamp, multiply by s) and nothing per weight (cached).  On an
+oversubscribed machine every multi-threaded elementwise op waits for both threads, so
+the 2-thread ratio grows with the load average (printed); ``--threads 1`` shows the
+arithmetic cost alone.
+
     python benchmarks/ptq_overhead.py [--repeats 15] [--batch 64] [--threads 2]
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 import warnings
@@ -85,8 +92,10 @@ def main() -> None:
         ao_ratios.append(t_ao / t_float)
 
     med_q, med_ao = statistics.median(qdsl_ratios), statistics.median(ao_ratios)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"ConvBnReluNet 3x32x32, batch {args.batch}, {args.threads} threads, "
-          f"{args.repeats} repeats x {args.inner} calls, float median {statistics.median(floats) * 1e3:.2f} ms")
+          f"{args.repeats} repeats x {args.inner} calls, float median {statistics.median(floats) * 1e3:.2f} ms, "
+          f"load average {load:.1f} on {os.cpu_count()} cpus")
     print(f"  qdsl   fake-quant / float: {med_q:.2f}x  (target <= 1.5x: {'ok' if med_q <= 1.5 else 'MISSED'})")
     print(f"  torch.ao FakeQuantize / float: {med_ao:.2f}x")
 
