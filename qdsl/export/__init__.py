@@ -59,7 +59,8 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any
 
     ``backend``: ``"reference"`` (Python, defines the semantics), ``"cpp"`` (the compiled
     runtime; an error if it is not built) or ``"auto"`` (cpp when available, else the
-    reference with a one-time warning that it is slow).
+    reference with a one-time warning that it is slow; also the reference, with a warning,
+    when the runtime rejects the graph as using a feature it does not support).
     """
     global _warned_slow
     if backend not in BACKENDS:
@@ -73,7 +74,15 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any
         rt = _runtime()
         available = bool(rt is not None and rt.available())
         if available:
-            return rt.CompiledGraph(graph).run(x)
+            if backend == "cpp":
+                return rt.CompiledGraph(graph).run(x)
+            try:
+                compiled = rt.CompiledGraph(graph)
+            except QdslError as err:  # a graph feature this runtime build does not support
+                warnings.warn(f"the C++ runtime cannot run this graph ({err}); using the Python reference "
+                              "executor (slow)", RuntimeWarning, stacklevel=2)
+                return run_reference(graph, x)
+            return compiled.run(x)
         if backend == "cpp":
             why = rt.load_error() if rt is not None else "qdsl.runtime is not installed"
             raise QdslError(f"the C++ runtime is not available: {why}")

@@ -43,6 +43,22 @@ def test_backends(monkeypatch):
         run_graph(GRAPH, X, backend="gpu")
 
 
+def test_auto_falls_back_when_the_runtime_rejects_the_graph(monkeypatch):
+    rt, _ = fake_runtime(True)
+
+    class Rejecting:
+        def __init__(self, graph):
+            raise QdslError("unknown rq_kind 2")
+
+    rt.CompiledGraph = Rejecting
+    monkeypatch.setitem(sys.modules, "qdsl.runtime", rt)
+    with pytest.warns(RuntimeWarning, match="cannot run this graph.*rq_kind 2"):
+        y = run_graph(GRAPH, X)
+    np.testing.assert_array_equal(y, execute(GRAPH, X).outputs[0])
+    with pytest.raises(QdslError, match="rq_kind"):
+        run_graph(GRAPH, X, backend="cpp")
+
+
 def test_auto_falls_back_with_one_warning(monkeypatch):
     rt, _ = fake_runtime(False)
     monkeypatch.setitem(sys.modules, "qdsl.runtime", rt)
