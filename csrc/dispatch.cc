@@ -8,6 +8,8 @@
 #include "kernels/portable/portable_kernels.h"
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QDSL_HAVE_X86 1
+#include <cpuid.h>
+
 #include "kernels/x86/x86_kernels.h"
 #endif
 
@@ -22,6 +24,7 @@ uint32_t EnvPaths() {
   if (std::strcmp(env, "reference") == 0 || std::strcmp(env, "ref") == 0) return kPathRef;
   if (std::strcmp(env, "portable") == 0) return kPathRef | kPathPortable;
   if (std::strcmp(env, "avx2") == 0) return kPathRef | kPathPortable | kPathAvx2;
+  if (std::strcmp(env, "avxvnni") == 0) return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni;
   return ~0u;  // unknown values are reported by the Python layer, not here
 }
 
@@ -37,7 +40,7 @@ uint32_t HighestBit(uint32_t mask) {
 
 uint32_t CompiledPaths() {
 #ifdef QDSL_HAVE_X86
-  return kPathRef | kPathPortable | kPathAvx2;
+  return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni;
 #else
   return kPathRef | kPathPortable;
 #endif
@@ -49,6 +52,9 @@ uint32_t CpuPaths() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("popcnt")) {
     paths |= kPathAvx2;
+    // AVX-VNNI is CPUID.(EAX=7, ECX=1):EAX bit 4 (gcc 12's __builtin_cpu_supports misses it).
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1)) paths |= kPathAvxVnni;
   }
 #endif
   return paths;
@@ -75,9 +81,18 @@ Status ResolvePath(uint32_t requested, uint32_t* chosen) {
   return Status::Ok();
 }
 
+VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvxVnni) return broadcast_unsigned ? x86::GemmU8S8AvxVnni : x86::GemmS8U8AvxVnni;
+#endif
+  (void)broadcast_unsigned;
+  (void)path;
+  return nullptr;
+}
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) {
+  if (path == kPathAvx2 || path == kPathAvxVnni) {  // the int16 kernels serve both
     switch (format) {
       case PanelFormat::kI16: return x86::GemmI16Avx2;
       case PanelFormat::kI4: return x86::GemmI4Avx2;
@@ -94,14 +109,14 @@ IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
 
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return x86::BinaryPopcountAvx2;
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::BinaryPopcountAvx2;
 #endif
   return portable::BinaryPopcount;
 }
 
 RequantKernel SelectRequantKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return x86::RequantAvx2;
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::RequantAvx2;
 #endif
   return portable::Requant;
 }

@@ -32,7 +32,14 @@ using BinaryMicroKernel = void (*)(const uint64_t* a, int64_t m, int64_t lda, co
 using RequantKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
                                const OutputStage& stage, int64_t c0, void* out, int64_t ldo, bool out_signed);
 
+// u8/s8 x s8/u8 -> int32 over k-quads (AVX-VNNI); nullptr when `path` has no such kernel.
+// broadcast_unsigned: rows are u8 activations against s8 weight panels (else s8 weight
+// rows against u8 activation panels).
+using VnniMicroKernel = void (*)(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads,
+                                 int32_t* c, int64_t ldc, bool accumulate);
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
+VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
 RequantKernel SelectRequantKernel(uint32_t path);
 

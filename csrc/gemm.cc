@@ -115,6 +115,8 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
     return Status::Ok();
   }
   const IntMicroKernel kernel = SelectIntMicroKernel(w.format, chosen);
+  // int8-range weights use the exact u8 x s8 VNNI kernel where the CPU has it
+  const VnniMicroKernel vnni = w.vnni.empty() ? nullptr : SelectVnniMicroKernel(true, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   const int threads = NumThreads();
@@ -133,10 +135,44 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
     Split(w.panels, static_cast<int>(groups), static_cast<int>(pg), 1, &p0, &p1);
     if (p1 <= p0) return;
     thread_local std::vector<int16_t> a16;
+    thread_local std::vector<uint8_t> a8;
     thread_local std::vector<int32_t> acc;
-    a16.resize(static_cast<size_t>(rows_total * w.kp + 8));
     const int64_t ldacc = (p1 - p0) * kPanelCols;
     acc.resize(static_cast<size_t>(rows_total * ldacc));
+    const int64_t n0 = p0 * kPanelCols, n1 = std::min(n, p1 * kPanelCols);
+    if (vnni) {
+      // u8 codes (s8 shifted by +128), K padded with zeros (the weights' padding is 0)
+      a8.resize(static_cast<size_t>(rows_total * w.kp + 8));
+      const uint8_t flip = a.dtype == DType::kInt8 ? 0x80 : 0;
+      for (int64_t r = 0; r < rows_total; ++r) {
+        const uint8_t* src = static_cast<const uint8_t*>(a.data) + (m0 + r) * a.ld;
+        uint8_t* row = a8.data() + r * w.kp;
+        for (int64_t k = 0; k < w.k; ++k) row[k] = src[k] ^ flip;
+        for (int64_t k = w.k; k < w.kp; ++k) row[k] = 0;
+      }
+      const int64_t kquads = w.kp / 4;
+      for (int64_t q0 = 0; q0 < kquads; q0 += kKcPairs / 2) {
+        const int64_t len = std::min(kKcPairs / 2, kquads - q0);
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint8_t* panel = w.vnni.data() + (p * kquads + q0) * 64;
+          for (int64_t r = 0; r < rows_total; r += kMaxRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r));
+            vnni(rows, a8.data() + r * w.kp + 4 * q0, w.kp, panel, len, acc.data() + r * ldacc + (p - p0) * kPanelCols,
+                 ldacc, q0 > 0);
+          }
+        }
+      }
+      // sum (a_u - z_u) w' = sum a_u w' - z_u * colsum, mod 2^32 like the reference
+      const uint32_t zu = static_cast<uint32_t>(a.zero_point + (a.dtype == DType::kInt8 ? 128 : 0));
+      for (int64_t r = 0; r < rows_total; ++r)
+        for (int64_t c = 0; c < n1 - n0; ++c) {
+          int32_t& v = acc[r * ldacc + c];
+          v = static_cast<int32_t>(static_cast<uint32_t>(v) - zu * static_cast<uint32_t>(w.colsum[n0 + c]));
+        }
+      Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
+      return;
+    }
+    a16.resize(static_cast<size_t>(rows_total * w.kp + 8));
     for (int64_t r = 0; r < rows_total; ++r) {  // int16 rows: A - a_zp, K padded with zeros
       int16_t* row = a16.data() + r * w.kp;
       if (a.dtype == DType::kUInt8) {
@@ -159,7 +195,6 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
         }
       }
     }
-    const int64_t n0 = p0 * kPanelCols, n1 = std::min(n, p1 * kPanelCols);
     Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
   });
   return Status::Ok();

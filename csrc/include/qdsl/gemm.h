@@ -23,6 +23,7 @@ enum Path : uint32_t {
   kPathRef = 1u << 0,       // csrc/ref: scalar, obviously correct
   kPathPortable = 1u << 1,  // csrc/kernels/portable: blocked plain C++
   kPathAvx2 = 1u << 2,      // csrc/kernels/x86: AVX2 + FMA + POPCNT
+  kPathAvxVnni = 1u << 3,   // csrc/kernels/x86: AVX-VNNI vpdpbusd (u8 x s8, exact); AVX2 for other ops
 };
 
 // How the optimized paths store a 16-column weight panel (see csrc/pack/pack_weights.cc).
@@ -40,6 +41,10 @@ struct PackedWeights {
   PanelFormat format = PanelFormat::kI16;
   int64_t kp = 0, panels = 0, panel_bytes = 0;
   std::vector<uint8_t> packed;
+  // AVX-VNNI layout (only when every W - w_zp fits int8): per 16-column panel and k-quad,
+  // 16 columns x 4 int8; colsum[n] = sum_k (W - w_zp)[n][k] for the zero-point offset.
+  std::vector<uint8_t> vnni;
+  std::vector<int32_t> colsum;  // [panels * 16]
   // Binary: bit rows [n][kwords], bit = 1 means -1.
   int64_t kwords = 0;
   std::vector<uint64_t> bits_rows;

@@ -15,6 +15,12 @@ void GemmI4Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, i
                 int64_t ldc, bool accumulate);
 void GemmI2Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
                 int64_t ldc, bool accumulate);
+// AVX-VNNI (csrc/kernels/x86/gemm_u8s8_6x16_avxvnni.cc): u8 rows x s8 panels, and
+// s8 rows x u8 panels; C[rows x 16] (+)= over kquads k-quads.
+void GemmU8S8AvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c,
+                     int64_t ldc, bool accumulate);
+void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
+                     int64_t ldc, bool accumulate);
 void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                         int64_t kwords, int32_t* pc, int64_t ldc);
 bool RequantAvx2Supports(const OutputStage& stage);

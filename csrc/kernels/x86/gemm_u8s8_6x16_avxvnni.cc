@@ -1,0 +1,94 @@
+// AVX-VNNI int GEMM micro-kernels: 6 rows x 16 columns, u8 x s8 -> int32 via vpdpbusd.
+//
+// vpdpbusd multiplies four u8 x s8 pairs and adds them to an int32 lane with no
+// intermediate rounding or saturation (the non-"s" form wraps only the int32 sum), so
+// unlike vpmaddubsw it is exact for every int8 input.  Zero points are handled by
+// offsets: with unsigned codes a_u (s8 activations are shifted by +128) and the signed
+// weights w' = W - w_zp (which must fit int8; otherwise the packer leaves this format
+// out and the int16 AVX2 kernel runs),
+//   sum_k (a_u - z_u) w' = sum_k a_u w' - z_u * sum_k w'
+// and the driver subtracts the precomputed column (or row) sum; everything is mod 2^32,
+// exactly as the reference's wrapping int32 arithmetic.  32 MACs per multiply uop, twice
+// the int16 vpmaddwd kernel.
+//
+// Two forms: GemmU8S8 broadcasts 4 activation bytes per row against s8 weight panels
+// (linear layers, the kernel API); GemmS8U8 broadcasts 4 weight bytes per output channel
+// against u8 activation panels (convs, whose output is then NCHW).  Panels hold, per
+// k-quad, 16 columns x 4 bytes (columns 0..7 then 8..15).  No STL here (see the AVX2 file).
+#pragma GCC target("avx2,fma,avxvnni")
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/x86/x86_kernels.h"
+
+namespace qdsl {
+namespace x86 {
+namespace {
+
+template <int MR, bool kBroadcastUnsigned>
+void Kernel(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c, int64_t ldc,
+            bool accumulate) {
+  __m256i acc[MR][2];
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    if (accumulate) {
+      acc[r][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * ldc));
+      acc[r][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * ldc + 8));
+    } else {
+      acc[r][0] = _mm256_setzero_si256();
+      acc[r][1] = _mm256_setzero_si256();
+    }
+  }
+  for (int64_t q = 0; q < kquads; ++q) {
+    const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64));
+    const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64 + 32));
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, a + r * lda + 4 * q, 4);
+      const __m256i av = _mm256_set1_epi32(quad);
+      if (kBroadcastUnsigned) {  // broadcast u8 activations, s8 weight panel
+        acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], av, b0);
+        acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], av, b1);
+      } else {  // broadcast s8 weights, u8 activation panel
+        acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], b0, av);
+        acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], b1, av);
+      }
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), acc[r][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + 8), acc[r][1]);
+  }
+}
+
+template <bool U>
+void Dispatch(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c, int64_t ldc,
+              bool accumulate) {
+  switch (rows) {
+    case 1: return Kernel<1, U>(a, lda, panel, kquads, c, ldc, accumulate);
+    case 2: return Kernel<2, U>(a, lda, panel, kquads, c, ldc, accumulate);
+    case 3: return Kernel<3, U>(a, lda, panel, kquads, c, ldc, accumulate);
+    case 4: return Kernel<4, U>(a, lda, panel, kquads, c, ldc, accumulate);
+    case 5: return Kernel<5, U>(a, lda, panel, kquads, c, ldc, accumulate);
+    default: return Kernel<6, U>(a, lda, panel, kquads, c, ldc, accumulate);
+  }
+}
+
+}  // namespace
+
+void GemmU8S8AvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c,
+                     int64_t ldc, bool accumulate) {
+  Dispatch<true>(rows, a, lda, panel, kquads, c, ldc, accumulate);
+}
+
+void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
+                     int64_t ldc, bool accumulate) {
+  Dispatch<false>(rows, w, ldw, panel, kquads, c, ldc, accumulate);
+}
+
+}  // namespace x86
+}  // namespace qdsl
