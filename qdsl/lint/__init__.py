@@ -20,10 +20,9 @@ after ``qdsl.lint(...)``, and ``qdsl.lint(...)`` after ``import qdsl.lint``; wit
 module in both places every spelling works in any order.
 """
 
-import inspect
 import sys
-import types
 
+from qdsl._callable import make_callable
 from qdsl.lint import api as _api
 from qdsl.lint.api import LintWarning, enforce, lint_plan
 from qdsl.lint.codes import CODES
@@ -47,13 +46,5 @@ __all__ = [
 ]
 
 
-class _CallableModule(types.ModuleType):
-    """``qdsl.lint(...)`` runs :func:`qdsl.lint.api.lint`."""
-
-    def __call__(self, *args, **kwargs):
-        return _api.lint(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-__signature__ = inspect.signature(_api.lint)
+make_callable(__name__, _api.lint)  # qdsl.lint(spec, profile) (qdsl/_callable.py)
 lint = sys.modules[__name__]

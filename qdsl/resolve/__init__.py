@@ -49,9 +49,7 @@ E223    a rule that both skips and sets quantizers
 ======  ==============================================================================
 """
 
-import sys
-import types
-
+from qdsl._callable import make_callable
 from qdsl.resolve.check import check_spec
 from qdsl.resolve.explain import explain, to_records
 from qdsl.resolve.model_ref import load_model_ref
@@ -61,15 +59,4 @@ from qdsl.resolve.validate import validate_recipe
 __all__ = ["resolve", "check_spec", "explain", "to_records", "validate_recipe", "load_model_ref"]
 
 
-class _CallableModule(types.ModuleType):
-    """``qdsl.resolve`` is both this package and the public function (``qdsl/__init__``
-    maps the name ``resolve`` to ``qdsl.resolve:resolve``).  Importing any submodule
-    (``qdsl.resolve.plan``) binds the *package* to ``qdsl.resolve``, which would shadow
-    the function; making the package callable keeps ``qdsl.resolve(model, spec)``
-    working whichever of the two the name ends up bound to."""
-
-    def __call__(self, *args, **kwargs):
-        return resolve(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__, resolve)  # qdsl.resolve(model, spec) keeps working (qdsl/_callable.py)
