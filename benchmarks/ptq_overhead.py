@@ -6,7 +6,8 @@ threads, under ``torch.no_grad()``.  Prints, side by side from one process:
 * qdsl: ``specs/int8-default.qspec`` (BN folded, int8 per-channel weights, uint8
   asymmetric activations, int32 bias) applied, calibrated and frozen;
 * torch.ao: the same network prepared with ``prepare_qat`` and the default QAT qconfig
-  (FakeQuantize modules), calibrated, in eval mode - the eager-mode comparison point;
+  (FakeQuantize modules), calibrated, then observers disabled (frozen, like qdsl) and
+  eval mode - the eager-mode comparison point (BN not folded: eager prepare_qat keeps it);
 
 each as the median over interleaved repeats of (fake-quant time / float time), so load
 on the machine hits both sides alike.  Target for qdsl: <= 1.5x.
@@ -47,7 +48,7 @@ def _time(model, x, inner: int) -> float:
 
 
 def _torch_ao(model, batches):
-    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+    from torch.ao.quantization import disable_observer, get_default_qat_qconfig, prepare_qat
 
     m = copy.deepcopy(model).train()
     m.qconfig = get_default_qat_qconfig("x86")
@@ -57,6 +58,8 @@ def _torch_ao(model, batches):
     with torch.no_grad():
         for b in batches:
             m(b)
+    # the equivalent of qdsl.freeze: observers off, fake quantization on
+    m.apply(disable_observer)
     return m.eval()
 
 
