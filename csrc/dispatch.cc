@@ -90,6 +90,14 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
+void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst) {
+#ifdef QDSL_HAVE_X86
+  x86::UnpackPanelToVnni(bits, src, quads, dst);
+#else
+  (void)bits, (void)src, (void)quads, (void)dst;
+#endif
+}
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni) {  // the int16 kernels serve both

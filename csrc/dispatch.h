@@ -39,6 +39,8 @@ using VnniMicroKernel = void (*)(int rows, const uint8_t* a, int64_t lda, const 
                                  int32_t* c, int64_t ldc, bool accumulate);
 
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
+// int4/int2 panel block -> VNNI int8 layout (only called when a VNNI kernel was selected).
+void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
 RequantKernel SelectRequantKernel(uint32_t path);

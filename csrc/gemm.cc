@@ -116,7 +116,8 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   }
   const IntMicroKernel kernel = SelectIntMicroKernel(w.format, chosen);
   // int8-range weights use the exact u8 x s8 VNNI kernel where the CPU has it
-  const VnniMicroKernel vnni = w.vnni.empty() ? nullptr : SelectVnniMicroKernel(true, chosen);
+  const VnniMicroKernel vnni = w.colsum.empty() ? nullptr : SelectVnniMicroKernel(true, chosen);
+  const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   const int threads = NumThreads();
@@ -154,7 +155,16 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
       for (int64_t q0 = 0; q0 < kquads; q0 += kKcPairs / 2) {
         const int64_t len = std::min(kKcPairs / 2, kquads - q0);
         for (int64_t p = p0; p < p1; ++p) {
-          const uint8_t* panel = w.vnni.data() + (p * kquads + q0) * 64;
+          const uint8_t* panel;
+          if (sub_bits) {  // int4/int2: widen this panel block once for all row strips
+            thread_local std::vector<uint8_t> wide;
+            wide.resize(static_cast<size_t>(len * 64));
+            UnpackPanelToVnni(sub_bits, w.packed.data() + p * w.panel_bytes + q0 * (w.panel_bytes / kquads), len,
+                              wide.data());
+            panel = wide.data();
+          } else {
+            panel = w.vnni.data() + (p * kquads + q0) * 64;
+          }
           for (int64_t r = 0; r < rows_total; r += kMaxRows) {
             const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r));
             vnni(rows, a8.data() + r * w.kp + 4 * q0, w.kp, panel, len, acc.data() + r * ldacc + (p - p0) * kPanelCols,

@@ -73,8 +73,11 @@ Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedW
     }
   }
   if (lo >= -128 && hi <= 127) {
+    // int8 weights get a VNNI panel; int4/int2 panels are converted to it block by block
+    // at run time (csrc/gemm.cc), so they keep their 4x / 8x smaller footprint.
     const int64_t kquads = w.kp / 4;
-    w.vnni.assign(static_cast<size_t>(w.panels * kquads * 64), 0);
+    const bool keep = w.format == PanelFormat::kI16;
+    if (keep) w.vnni.assign(static_cast<size_t>(w.panels * kquads * 64), 0);
     w.colsum.assign(static_cast<size_t>(w.panels * kPanelCols), 0);
     for (int64_t col = 0; col < n; ++col) {
       const int64_t p = col / kPanelCols, h = (col % kPanelCols) / 8, i = col % 8;
@@ -82,8 +85,9 @@ Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedW
       for (int64_t k = 0; k < w.k; ++k) {
         const int16_t v = w.raw[col * w.k + k];
         sum += v;
-        w.vnni[static_cast<size_t>(((p * kquads + k / 4) * 64) + h * 32 + i * 4 + k % 4)] =
-            static_cast<uint8_t>(static_cast<int8_t>(v));
+        if (keep)
+          w.vnni[static_cast<size_t>(((p * kquads + k / 4) * 64) + h * 32 + i * 4 + k % 4)] =
+              static_cast<uint8_t>(static_cast<int8_t>(v));
       }
       w.colsum[col] = sum;
     }

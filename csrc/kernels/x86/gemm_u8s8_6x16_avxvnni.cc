@@ -92,3 +92,52 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
 
 }  // namespace x86
 }  // namespace qdsl
+
+namespace qdsl {
+namespace x86 {
+
+// Converts `quads` k-quads of a 16-column int4 (kI4) or int2 (kI2) panel into the VNNI
+// int8 quad layout (64 bytes per quad), sign-extending fields with (v ^ h) - h.
+//   kI4: k-pair j is 16 bytes, byte i = B0[i] | B1[i] << 4, slot i = column i/2, k = 2j + i%2;
+//        quad q = pairs 2q, 2q+1, so columns 0..7 are unpacklo/hi_epi16(lo(X0), lo(X1)).
+//   kI2: 16 bytes per quad, fields f0..f3 = B0_j, B1_j, B0_j+1, B1_j+1.
+// The driver runs this once per panel block and reuses it for every row strip, so the
+// weights stay 4-bit (2-bit) in memory.
+void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst) {
+  const __m128i m4 = _mm_set1_epi8(0x0F), h4 = _mm_set1_epi8(0x08);
+  const __m128i m2 = _mm_set1_epi8(0x03), h2 = _mm_set1_epi8(0x02);
+  for (int64_t q = 0; q < quads; ++q) {
+    __m128i b0a, b0b, b1a, b1b;  // columns 0..3, 4..7 (B0) and 8..11, 12..15 (B1)
+    if (bits == 4) {
+      const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + q * 32));
+      const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + q * 32 + 16));
+      auto lo = [&](__m128i x) { return _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(x, m4), h4), h4); };
+      auto hi = [&](__m128i x) {
+        return _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(_mm_srli_epi16(x, 4), m4), h4), h4);
+      };
+      const __m128i l0 = lo(x0), l1 = lo(x1), g0 = hi(x0), g1 = hi(x1);
+      b0a = _mm_unpacklo_epi16(l0, l1);
+      b0b = _mm_unpackhi_epi16(l0, l1);
+      b1a = _mm_unpacklo_epi16(g0, g1);
+      b1b = _mm_unpackhi_epi16(g0, g1);
+    } else {
+      const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + q * 16));
+      auto f = [&](int s) {
+        return _mm_sub_epi8(_mm_xor_si128(_mm_and_si128(_mm_srli_epi16(x, s), m2), h2), h2);
+      };
+      const __m128i f0 = f(0), f1 = f(2), f2 = f(4), f3 = f(6);
+      b0a = _mm_unpacklo_epi16(f0, f2);
+      b0b = _mm_unpackhi_epi16(f0, f2);
+      b1a = _mm_unpacklo_epi16(f1, f3);
+      b1b = _mm_unpackhi_epi16(f1, f3);
+    }
+    __m128i* out = reinterpret_cast<__m128i*>(dst + q * 64);
+    _mm_storeu_si128(out, b0a);
+    _mm_storeu_si128(out + 1, b0b);
+    _mm_storeu_si128(out + 2, b1a);
+    _mm_storeu_si128(out + 3, b1b);
+  }
+}
+
+}  // namespace x86
+}  // namespace qdsl
