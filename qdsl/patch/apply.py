@@ -56,9 +56,14 @@ def _to_plan(model: nn.Module, spec: Any, overrides: Any, registries: Any) -> Pl
             raise QdslError("overrides= needs a spec (file or QuantSpec), not an already resolved Plan")
         return spec
     from qdsl.resolve import resolve
+    from qdsl.spec.model import QuantSpec
 
     if isinstance(spec, os.PathLike):
         spec = os.fspath(spec)
+    if not isinstance(spec, (str, QuantSpec)):
+        raise QdslError(
+            f"qdsl.apply needs a spec file path, a QuantSpec or a resolved Plan, got {type(spec).__name__}"
+        )
     return resolve(model, spec, registries=registries, overrides=overrides)
 
 

@@ -182,6 +182,18 @@ def test_plan_naming_absent_modules_and_bad_groups():
     assert state_of(model) is None
 
 
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(QdslError, match="needs an nn.Module, got str"):
+        qdsl.apply("model", spec())
+    with pytest.raises(QdslError, match="needs a spec file path, a QuantSpec or a resolved Plan, got int"):
+        qdsl.apply(mlp(), 42)
+    with pytest.raises(SpecError, match="cannot read spec file"):
+        qdsl.apply(mlp(), "no-such-file.qspec")
+    plan = qdsl.resolve.resolve(mlp(), spec())
+    with pytest.raises(QdslError, match="overrides= needs a spec"):
+        qdsl.apply(mlp(), plan, overrides=["weight.bits=4"])
+
+
 def test_plan_from_another_model_is_an_error():
     plan = qdsl.resolve.resolve(digits_resnet(), spec())
     with pytest.raises(SpecError, match="does not have: 'stem.0'"):
