@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Any
 
@@ -48,10 +49,9 @@ def export(model: Any, example_input: Any, **kwargs: Any) -> IntegerGraph:
 def _runtime():
     """``qdsl.runtime`` or ``None`` when it (or its compiled extension) is absent."""
     try:
-        import qdsl.runtime as rt
+        return importlib.import_module("qdsl.runtime")
     except ImportError:
         return None
-    return rt
 
 
 def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any:
