@@ -85,11 +85,12 @@ def test_uncalibrated_freeze_and_int_repr_are_errors():
 def test_dynamic_scale_follows_each_batch():
     q = TensorQuantizer(recipe(dynamic=True), Role.INPUT)
     q.freeze()  # dynamic quantizers stay dynamic
-    x = torch.randn(100)
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0))
     y_small, s_small = q(x), q.current_scale()
     y_big, s_big = q(10 * x), q.current_scale()
     assert torch.allclose(s_big, 10 * s_small)
-    assert torch.allclose(y_big, 10 * y_small, rtol=1e-5)
+    # the same codes up to a rare rounding flip at a tie: within one step of the big grid
+    assert (y_big - 10 * y_small).abs().max() <= s_big * 1.001
 
 
 def test_pot_scale_and_pot_ceil():
