@@ -14,7 +14,7 @@ if not rt.available():  # pragma: no cover - depends on the build
     pytest.skip(f"C++ runtime not built: {rt.load_error()}", allow_module_level=True)
 
 
-@pytest.mark.parametrize("spec", ["int8-default", "pot-asic", "w4a8-per-channel"])
+@pytest.mark.parametrize("spec", ["int8-default", "pot-asic", pytest.param("w4a8-per-channel", marks=pytest.mark.slow)])
 def test_cpp_equals_reference_on_exported_graphs(spec):
     xtr, _, xte, _ = digits()
     model = digits_resnet(seed=0, width=8).eval()
