@@ -63,7 +63,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="digits,keywords")
     ap.add_argument("--bits", default="8,6,4,3,2")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's own choice)")
     args = ap.parse_args(argv)
+    if args.threads:
+        # on a shared, oversubscribed machine 1 thread is much faster for these tiny models
+        torch.set_num_threads(args.threads)
     bits = [int(b) for b in args.bits.split(",")]
     tasks = {"digits": ("DigitsResNet / digits", trained_digits_resnet),
              "keywords": ("Conv1dNet / synthetic keywords", trained_conv1d_net)}

@@ -173,3 +173,31 @@ def test_finish_calibration_is_a_no_op_without_steps():
     model = _net()
     qdsl.apply(model, _spec(4, fold=False))
     assert finish_calibration(model, []) == {}
+
+
+def test_scales_fixed_is_exact_and_restores_the_proxies():
+    from qdsl.ptq.layers import scales_fixed
+
+    model = _net()
+    x = _data()
+    qdsl.apply(model, _spec(3, fold=False))
+    qdsl.calibrate(model, [x])
+    proxies = qdsl.patch.get_handle(model).container.quantizers
+    with torch.no_grad():
+        before = model(x)
+        with scales_fixed(model):
+            assert all(q.frozen for k, q in proxies.items() if not k.endswith(":bias"))
+            during = model(x)
+        after = model(x)
+    assert torch.equal(before, during) and torch.equal(before, after)
+    assert not any(q.frozen for q in proxies.values()) and all(q.scale.numel() == 0 for q in proxies.values())
+
+
+def test_calibrate_with_a_generator_still_runs_the_spec_steps():
+    model = _net()
+    x = _data()
+    qdsl.apply(model, _spec(3, 'bias_correction = true\nlearned_rounding = "gptq"', fold=False))
+    qdsl.calibrate(model, (x[i : i + 32] for i in range(0, 128, 32)))
+    handle = qdsl.patch.get_handle(model)
+    assert handle.quantizer("fc", "bias").offset.numel() == 5
+    assert handle.quantizer("c2", "weight").codes.numel() == 8 * 8 * 3

@@ -1,0 +1,79 @@
+"""End-to-end latency of an exported test CNN: qdsl C++ runtime vs torch fp32 eager vs
+torch.ao's converted int8 model (FX mode, x86 engine), at batch 1 and 32.
+
+Models: the digits ResNet (1x8x8, as in the tests) and a wider version of the same
+architecture on 3x32x32 inputs (CIFAR-sized), both quantized with specs/int8-default.qspec.
+Times are medians of repeats measured side by side in one process, float32 input to
+float32 output for all three.  Run: python benchmarks/e2e.py [--threads 1] [--reps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+import warnings
+
+import numpy as np
+import torch
+
+
+def median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e3 * float(np.median(times))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import qdsl
+    import qdsl.runtime as rt
+    from qdsl.export import execute, export
+    from qdsl.testing.models import DigitsResNet
+    from torch.ao.quantization import get_default_qconfig_mapping
+    from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
+
+    if not rt.available():
+        raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
+    torch.set_num_threads(args.threads)
+    rt.set_num_threads(args.threads)
+    torch.backends.quantized.engine = "x86"
+    print(f"threads: {args.threads} (qdsl and torch)")
+    print(f"{'model':<26} {'batch':>5} | {'qdsl':>8} {'fp32':>8} {'ao int8':>8} ms | fp32/qdsl ao/qdsl")
+    for name, width, in_ch, size in [("digits ResNet 1x8x8", 16, 1, 8), ("ResNet w32 3x32x32", 32, 3, 32)]:
+        torch.manual_seed(0)
+        model = DigitsResNet(width=width, in_ch=in_ch).eval()
+        calib = torch.randn(256, in_ch, size, size)
+        fp32 = copy.deepcopy(model)
+        qmodel = copy.deepcopy(model)
+        qdsl.apply(qmodel, qdsl.load_spec("specs/int8-default.qspec"))
+        qdsl.calibrate(qmodel, [calib[i:i + 64] for i in range(0, 256, 64)])
+        qdsl.freeze(qmodel)
+        graph = export(qmodel, calib[:2])
+        compiled = rt.CompiledGraph(graph)
+        ao = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (calib[:2],))
+        with torch.no_grad():
+            ao(calib)
+        ao = convert_fx(ao)
+        for batch in (1, 32):
+            x = torch.randn(batch, in_ch, size, size)
+            xn = x.numpy()
+            assert np.array_equal(compiled.run(xn), execute(graph, xn).outputs[0])
+            with torch.no_grad():
+                t_q = median_ms(lambda: compiled.run(xn), args.reps)
+                t_f = median_ms(lambda: fp32(x), args.reps)
+                t_a = median_ms(lambda: ao(x), args.reps)
+            print(f"{name:<26} {batch:>5} | {t_q:8.3f} {t_f:8.3f} {t_a:8.3f}    | {t_f / t_q:9.2f} {t_a / t_q:7.2f}")
+
+
+if __name__ == "__main__":
+    main()
