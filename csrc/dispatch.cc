@@ -98,6 +98,14 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 #endif
 }
 
+void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels) {
+#ifdef QDSL_HAVE_X86
+  x86::PackU8QuadPanels(rows, ld, kquads, npanels, panels);
+#else
+  (void)rows, (void)ld, (void)kquads, (void)npanels, (void)panels;
+#endif
+}
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni) {  // the int16 kernels serve both

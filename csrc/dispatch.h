@@ -41,6 +41,8 @@ using VnniMicroKernel = void (*)(int rows, const uint8_t* a, int64_t lda, const 
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
 // int4/int2 panel block -> VNNI int8 layout (only called when a VNNI kernel was selected).
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
+// u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (VNNI paths only).
+void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
 RequantKernel SelectRequantKernel(uint32_t path);

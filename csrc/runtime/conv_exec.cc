@@ -91,6 +91,55 @@ inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, bool wi
 }
 
 
+// VNNI form of the conv GEMM: u8 codes x_u (s8 shifted by +128) in [k][position] rows,
+// padding taps hold the zero point's code (so x_u - z_u = 0 there), then
+// acc = sum_k x_u w' - z_u * rowsum(w'), mod 2^32 like the reference.
+void VnniConv(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b, int64_t gi, int xdtype, int64_t P,
+              int64_t Pp, int64_t npanels, VnniMicroKernel vnni, int32_t* acc) {
+  thread_local std::vector<uint8_t> cols8, panels8;
+  const uint8_t flip = xdtype == kI8 ? 0x80 : 0;
+  const int32_t zu = p.in_zp + (xdtype == kI8 ? 128 : 0);
+  const int64_t kdim = e.kdim, kquads = p.kp / 4;
+  cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
+  panels8.resize(static_cast<size_t>(npanels * kquads * 64));
+  int64_t k = 0;
+  for (int64_t c = 0; c < e.cg; ++c) {
+    const uint8_t* plane = x + ((b * e.C + gi * e.cg + c) * e.H) * e.W;
+    for (int64_t ky = 0; ky < p.kh; ++ky) {
+      for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
+        uint8_t* row = cols8.data() + k * Pp;
+        std::memset(row, zu, static_cast<size_t>(P));
+        const int64_t off = kx * p.dw - p.pw;
+        int64_t lo = off >= 0 ? 0 : (-off + p.sw - 1) / p.sw;
+        int64_t hi = (e.W - 1 - off) < 0 ? 0 : (e.W - 1 - off) / p.sw + 1;
+        lo = std::min(lo, e.OW);
+        hi = std::min(std::max(hi, lo), e.OW);
+        for (int64_t oy = 0; oy < e.OH; ++oy) {
+          const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
+          if (iy < 0 || iy >= e.H) continue;
+          const uint8_t* src = plane + iy * e.W;
+          uint8_t* dst = row + oy * e.OW;
+          for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<uint8_t>(src[ox * p.sw + off] ^ flip);
+        }
+      }
+    }
+  }
+  (void)kdim;
+  PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, panels8.data());
+  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
+  for (int64_t q = 0; q < npanels; ++q) {
+    for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
+      vnni(rows, w + o0 * p.kp, p.kp, panels8.data() + q * kquads * 64, kquads, acc + o0 * Pp + q * 16, Pp, false);
+    }
+  }
+  for (int64_t o = 0; o < e.og; ++o) {
+    const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[gi * e.og + o]);
+    int32_t* row = acc + o * Pp;
+    for (int64_t i = 0; i < P; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
+  }
+}
+
 // Int conv with the weights as the broadcast operand: acc[o][p] = W'[o][:] . X'[:, p], so
 // the GEMM output is already NCHW.  X' (x - in_zp, padding 0) is built transposed as
 // [k][position] rows, by row copies, then interleaved into 16-position int16 panels.
@@ -105,6 +154,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const int64_t P = e.OH * e.OW, Pp = (P + 15) / 16 * 16, npanels = Pp / 16, kpairs = p.kp / 2;
   const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
+  const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectVnniMicroKernel(false, path);
   const RequantKernel requant = SelectRequantKernel(path);
   const int tasks = static_cast<int>(e.n * p.groups);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
@@ -112,9 +162,12 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t b = t / p.groups, gi = t % p.groups;
     thread_local std::vector<int16_t> cols, panels;
     thread_local std::vector<int32_t> acc;
+    acc.resize(static_cast<size_t>(e.og * Pp));
+    if (vnni) {
+      VnniConv(x, p, e, b, gi, xt.dtype, P, Pp, npanels, vnni, acc.data());
+    } else {
     cols.assign(static_cast<size_t>(p.kp * Pp), 0);
     panels.resize(static_cast<size_t>(npanels * kpairs * 32));
-    acc.resize(static_cast<size_t>(e.og * Pp));
     int64_t k = 0;
     for (int64_t c = 0; c < e.cg; ++c) {
       const uint8_t* plane = x + ((b * e.C + gi * e.cg + c) * e.H) * e.W;
@@ -162,6 +215,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
         kernel(rows, w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
       }
+    }
     }
     uint8_t* out = y + (b * e.O + gi * e.og) * P * (out_dtype == kI32 ? 4 : 1);
     for (int64_t o = 0; o < e.og; ++o) {

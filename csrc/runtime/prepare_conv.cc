@@ -126,6 +126,19 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         for (int64_t k = 0; k < kdim; ++k) rows[o * p.kp + k] = static_cast<int16_t>(p.w_int[gi][o * kdim + k]);
       p.w16.push_back(std::move(rows));
     }
+    if (wmax <= 127) {  // int8 weight rows for the VNNI conv (the offsets need the row sums)
+      p.rowsum.assign(static_cast<size_t>(p.cout), 0);
+      for (int64_t gi = 0; gi < p.groups; ++gi) {
+        std::vector<int8_t> rows(static_cast<size_t>(og * p.kp), 0);
+        for (int64_t o = 0; o < og; ++o)
+          for (int64_t k = 0; k < kdim; ++k) {
+            const int32_t v = p.w_int[gi][o * kdim + k];
+            rows[o * p.kp + k] = static_cast<int8_t>(v);
+            p.rowsum[gi * og + o] += v;
+          }
+        p.w8.push_back(std::move(rows));
+      }
+    }
   } else if (p.int32_exact) {
     for (int64_t gi = 0; gi < p.groups; ++gi) {
       std::vector<int16_t> v16(p.w_int[gi].begin(), p.w_int[gi].end());
