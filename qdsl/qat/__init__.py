@@ -9,6 +9,7 @@
 * :mod:`qdsl.qat.bn_fold` - BatchNorm folding during QAT (:func:`prepare_qat`,
   :func:`freeze_bn_stats`).
 * :mod:`qdsl.qat.distributed` - :func:`sync_observers` for DDP calibration.
+* :mod:`qdsl.qat.loop` - :func:`fit`, a small seeded QAT fine-tuning loop.
 
 Importing this package installs :func:`qdsl.qat.proxy_grad.qat_grad_path` as
 ``TensorQuantizer.grad_path``.
@@ -18,6 +19,7 @@ from qdsl.qat import ste
 from qdsl.qat.bn_fold import freeze_bn_stats, prepare_qat, unfreeze_bn_stats
 from qdsl.qat.distributed import sync_observers
 from qdsl.qat.learned import LearnedPotScale, LearnedScale
+from qdsl.qat.loop import fit
 from qdsl.qat.proxy_grad import install as _install, qat_grad_path
 
 _install()
@@ -28,6 +30,7 @@ __all__ = [
     "LearnedPotScale",
     "qat_grad_path",
     "prepare_qat",
+    "fit",
     "sync_observers",
     "freeze_bn_stats",
     "unfreeze_bn_stats",

@@ -1,0 +1,50 @@
+"""A small, seeded QAT fine-tuning loop for applied models (tests, examples, benchmarks).
+
+:func:`fit` runs Adam with a one-cycle learning rate over ``(x, y)`` in shuffled
+batches with cross-entropy, after :func:`qdsl.qat.prepare_qat`, and leaves the model in
+eval mode.  Same inputs and seed give the same result on one machine and torch version.
+It calls no ``qdsl.freeze``: freeze (and export) after it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+__all__ = ["fit"]
+
+
+def fit(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int = 3,
+    lr: float = 1e-3,
+    *,
+    batch_size: int = 64,
+    seed: int = 0,
+    freeze_bn_after: int | None = None,
+    weight_search_every: int = 8,
+) -> nn.Module:
+    """QAT-train an applied (and calibrated) classification model in place; returns it."""
+    from qdsl.qat.bn_fold import prepare_qat
+
+    prepare_qat(model, freeze_bn_after=freeze_bn_after, weight_search_every=weight_search_every)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
+    per_epoch = max(1, sum(1 for i in range(0, len(x), batch_size) if len(x) - i >= 2))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, epochs * per_epoch))
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(len(x), generator=g)
+        for i in range(0, len(x), batch_size):
+            idx = perm[i : i + batch_size]
+            if len(idx) < 2:  # BatchNorm needs 2+ samples
+                continue
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+            sched.step()
+    return model.eval()
