@@ -130,7 +130,7 @@ def _pot(scale: torch.Tensor) -> torch.Tensor:
     return torch.exp2(torch.round(torch.log2(torch.clamp(scale, min=_TINY))))
 
 
-def _range_from_scale(scale, zp, qmin: int, qmax: int, symmetric: bool, lo_ref: torch.Tensor):
+def _range_from_scale(scale, zp, qmin: int, qmax: int, symmetric: bool):
     """The range whose qparams are exactly ``(scale, zp)`` (used when scales are pot)."""
     if symmetric:
         hi = scale * qmax
@@ -211,7 +211,7 @@ def mse_range(
         scale = _pot(scale)
         if not symmetric:
             zp = torch.clamp(qmin - torch.round(lo / scale), qmin, qmax)
-        lo, hi = _range_from_scale(scale, zp, qmin, qmax, symmetric, lo)
+        lo, hi = _range_from_scale(scale, zp, qmin, qmax, symmetric)
     if axis is None:
         return lo[0], hi[0]
     return lo, hi
@@ -375,8 +375,12 @@ def histogram_range(
         if hi0 > 0:
             best_lo, best_hi, scale, zp = search(best_lo.expand(grid), hi0 * ratios)
     if pot:
-        return _range_from_scale(scale, zp, qmin, qmax, symmetric, best_lo)
+        return _range_from_scale(scale, zp, qmin, qmax, symmetric)
     return best_lo, best_hi
+
+
+def _f32(v) -> torch.Tensor:
+    return torch.tensor(float(v), dtype=torch.float32)
 
 
 def percentile_range(hist, lo: float, hi: float, percentile: float, *, symmetric: bool):
@@ -392,9 +396,8 @@ def percentile_range(hist, lo: float, hi: float, percentile: float, *, symmetric
         raise ValueError(f"percentile must be in (0, 100], got {percentile}")
     state = HistogramState(torch.as_tensor(hist, dtype=torch.float64), float(lo), float(hi))
     total = state.total
-    f32 = lambda v: torch.tensor(float(v), dtype=torch.float32)  # noqa: E731
     if total == 0 or state.hi <= state.lo:
-        return f32(min(state.lo, 0.0)), f32(max(state.hi, 0.0))
+        return _f32(min(state.lo, 0.0)), _f32(max(state.hi, 0.0))
     q = percentile / 100.0
     n = 4 * len(state.hist) + 1  # threshold resolution: a quarter bin
     if symmetric:
@@ -402,12 +405,12 @@ def percentile_range(hist, lo: float, hi: float, percentile: float, *, symmetric
         t = torch.linspace(0.0, amax, n, dtype=torch.float64)
         mass = (_cdf(state, t) - _cdf(state, -t)) / total  # P(|x| <= t), nondecreasing
         a = t[min(int(torch.searchsorted(mass, torch.tensor(q - 1e-12, dtype=torch.float64))), n - 1)]
-        return f32(-a), f32(a)
+        return _f32(-a), _f32(a)
     t = torch.linspace(state.lo, state.hi, n, dtype=torch.float64)
     cdf = _cdf(state, t) / total
     i_hi = min(int(torch.searchsorted(cdf, torch.tensor(q - 1e-12, dtype=torch.float64))), n - 1)
     i_lo = max(int(torch.searchsorted(cdf, torch.tensor(1.0 - q, dtype=torch.float64), right=True)) - 1, 0)
-    return f32(min(float(t[i_lo]), 0.0)), f32(max(float(t[i_hi]), 0.0))
+    return _f32(min(float(t[i_lo]), 0.0)), _f32(max(float(t[i_hi]), 0.0))
 
 
 def auto_observer(params, ctx):
