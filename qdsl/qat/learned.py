@@ -9,7 +9,8 @@ pass ``None`` and get the learned value.  Guarantees:
   step can never make it zero or negative).  Its gradient is LSQ's, because the proxy's
   fake quantization is :func:`qdsl.qat.ste.fake_quant` in training, multiplied by
   ``1/sqrt(numel·qmax)`` (:func:`qdsl.qat.ste.lsq_grad_factor`); ``numel`` = elements per
-  scale, which the proxy tells the rule with :meth:`LearnedScale.bind` (per sample for
+  scale, which the proxy tells the rule with :meth:`LearnedScale.bind` (read when the
+  gradient is computed, so the first call is right too; per sample for
   activations, per channel/tensor for weights).
 * ``learned_pot``: the parameter is ``log2_scale``; the scale is
   ``2^round(log2_scale)``, rounded exactly like ``functional.pot_scale`` (so export sees
@@ -30,6 +31,19 @@ from qdsl.qat import ste
 from qdsl.quantizers import functional as F
 
 __all__ = ["LearnedScale", "LearnedPotScale"]
+
+
+class _LsqGrad(torch.autograd.Function):
+    # identity forward; the gradient is scaled by the rule's LSQ factor read at backward
+    # time, because the proxy binds the element count (bind) after asking for the scale
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, rule: "LearnedScale") -> torch.Tensor:
+        ctx.rule = rule
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return g * ctx.rule.grad_factor, None
 
 
 class LearnedScale(nn.Module):
@@ -71,7 +85,7 @@ class LearnedScale(nn.Module):
     def forward(self, raw: torch.Tensor | None = None) -> torch.Tensor:
         if raw is not None and not bool(self.initialized):
             self.initialize(raw)
-        return self._scale(ste.scale_grad(getattr(self, self._param), self.grad_factor))
+        return self._scale(_LsqGrad.apply(getattr(self, self._param), self))
 
     # -- variants ---------------------------------------------------------------------
     def _from_raw(self, raw: torch.Tensor) -> torch.Tensor:
