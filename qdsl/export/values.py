@@ -132,13 +132,17 @@ class Pending:
     def materialize(self, b: "Builder", t: Target) -> QVal:
         key = (t, self.lo, self.hi)
         if key not in self.cache:
-            if t.dtype is DType.BIN:
-                if not self.binary_ok:
-                    raise ExportError(self.origin, f"a binary quantizer ({t.where}) reads the result of a {self.kind}",
-                                      "quantize that result to int8 first (an output quantizer)")
-                if self.lo >= 0:
-                    raise ExportError(self.origin, f"a ReLU/clamp before the binary quantizer {t.where} makes every code +1",
-                                      "remove the ReLU before a binary activation")
+            if t.dtype is DType.BIN and self.lo >= 0:
+                # sign(ReLU(y)) is +1 everywhere (sign(0) = +1): any int8 grid keeps the clamped
+                # codes >= 0, so BINARIZE at zero point 0 is exact (the fake-quant model is
+                # degenerate here, and the graph reproduces it)
+                mid = self.materialize(b, Target(t.scale, 0, -128, 127, DType.I8, Rounding.HALF_EVEN, t.where))
+                name = b.op(OpType.BINARIZE, t.where, [mid.name], DType.BIN, self.shape, {"zero_point": 0})
+                self.cache[key] = b.q(name, t.scale, 0, -1, 1, DType.BIN, self.shape)
+                return self.cache[key]
+            if t.dtype is DType.BIN and not self.binary_ok:
+                raise ExportError(self.origin, f"a binary quantizer ({t.where}) reads the result of a {self.kind}",
+                                  "quantize that result to int8 first (an output quantizer)")
             name, shape = self.emit(b, t, self.lo, self.hi)
             for op, a, out_shape in self.post:
                 b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
