@@ -203,3 +203,42 @@ def test_reshape_and_input_checks():
     with pytest.raises(GraphInputError, match="1 input"):
         execute(graph, [x, x])
     assert math.prod(execute(graph, x[:1]).outputs[0].shape) == 12
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def conv_configs(draw):
+    rank = draw(st.sampled_from([1, 2]))
+    groups = draw(st.integers(1, 3))
+    cin = groups * draw(st.integers(1, 3))
+    cout = groups * draw(st.integers(1, 3))
+    k = tuple(draw(st.integers(1, 4)) for _ in range(rank))
+    d = tuple(draw(st.integers(1, 2)) for _ in range(rank))
+    s = tuple(draw(st.integers(1, 3)) for _ in range(rank))
+    p = tuple(draw(st.integers(0, 2)) for _ in range(rank))
+    size = tuple(draw(st.integers(dd * (kk - 1) + 1 - 2 * pp if dd * (kk - 1) + 1 - 2 * pp > 0 else 1, 10))
+                 for kk, dd, pp in zip(k, d, p))
+    return rank, groups, cin, cout, k, d, s, p, size, draw(st.integers(0, 2**31 - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(conv_configs())
+def test_conv_property_against_torch(cfg):
+    """Random conv shapes (1..10, groups, stride, padding, dilation, zero points) vs torch float64."""
+    rank, g, cin, cout, k, d, s, p, size, seed = cfg
+    rng = np.random.default_rng(seed)
+    x = rand_int(rng, DType.U8, (2, cin) + size)
+    wt = rand_int(rng, DType.I8, (cout, cin // g) + k)
+    in_zp, w_zp = int(rng.integers(0, 256)), tuple(int(v) for v in rng.integers(-128, 128, cout))
+    attrs = dict(stride=s, padding=p, dilation=d, groups=g, in_zp=in_zp, w_zp=w_zp, acc_bits=32, overflow=0,
+                 **stage(rescale=make_rescale(rng.uniform(1e-5, 1e-3, cout)), zp=int(rng.integers(-128, 128))))
+    op = OpType.CONV1D if rank == 1 else OpType.CONV2D
+    graph = single_op(op, [("x", DType.U8, (-1, cin) + size)], attrs, consts=[Tensor("w", DType.I8, wt.shape, wt)])
+    xf = torch.tensor(x, dtype=torch.float64) - in_zp
+    wf = torch.tensor(wt, dtype=torch.float64) - torch.tensor(w_zp, dtype=torch.float64).view((-1,) + (1,) * (rank + 1))
+    conv = F.conv1d if rank == 1 else F.conv2d
+    acc = conv(xf, wf, None, s, p, d, g).numpy().astype(np.int64)
+    np.testing.assert_array_equal(execute(graph, x).outputs[0], _expected_stage(acc, attrs))
