@@ -200,3 +200,21 @@ def test_unknown_part_names_are_clear_errors():
         TensorQuantizer(recipe(observer="minmaxx"), Role.INPUT)
     with pytest.raises(QdslError, match="unknown rounding 'nearest'.*half_even"):
         TensorQuantizer(recipe(rounding="nearest"), Role.INPUT)
+
+
+def test_fast_path_threads_setting_is_restored_and_value_neutral():
+    q = TensorQuantizer(recipe(signed=False, symmetric=False), Role.WEIGHT)
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(0))
+    q.freeze(x)
+    torch.set_num_threads(2)  # the autouse fixture restores the original count
+    with torch.no_grad():
+        y1 = q(x)
+        assert torch.get_num_threads() == 2
+        old = TensorQuantizer.fast_path_threads
+        TensorQuantizer.fast_path_threads = None
+        try:
+            y2 = q(x)
+        finally:
+            TensorQuantizer.fast_path_threads = old
+    assert torch.equal(y1, y2)
+    assert torch.equal(y1, F.fake_quant_affine(x, q.scale, q.zero_point, q.qmin, q.qmax))
