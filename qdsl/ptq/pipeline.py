@@ -26,6 +26,15 @@ def ptq_steps(model: nn.Module) -> list[str]:
     steps = []
     lr = spec.learned_rounding
     if lr not in (None, "none"):
+        from qdsl.ptq.rounding import LEARNED_ROUNDINGS
+
+        if lr not in LEARNED_ROUNDINGS:
+            # checked before calibration starts, so nothing runs for nothing
+            raise QdslError(
+                f"the spec sets learned_rounding = '{lr}', which qdsl does not implement; "
+                f"use {' or '.join(repr(m) for m in LEARNED_ROUNDINGS)} (GPTQ: closed-form, CPU-friendly, "
+                "see qdsl.ptq.gptq) or 'none'"
+            )
         steps.append(str(lr))
     if spec.bias_correction:
         steps.append("bias_correction")

@@ -190,6 +190,8 @@ def mse_range(
     xc = _flatten_channels(x, axis)  # (C, N)
     lo0 = torch.clamp(xc.amin(dim=1), max=0.0) if xc.shape[1] else torch.zeros(xc.shape[0])
     hi0 = torch.clamp(xc.amax(dim=1), min=0.0) if xc.shape[1] else torch.zeros(xc.shape[0])
+    if symmetric and qmin >= 0:  # an unsigned symmetric grid: negatives clip to 0 whatever lo is
+        lo0 = torch.zeros_like(lo0)
     ratios = _ratios(grid, x.device)
     n_ch, n = xc.shape
     chunk = max(1, _CHUNK_ELEMENTS // max(1, n_ch * n))
@@ -355,6 +357,8 @@ def histogram_range(
     m = (state.hist / state.total).to(torch.float32)
     ratios = _ratios(grid, c.device)
     lo0, hi0 = torch.tensor(min(state.lo, 0.0)), torch.tensor(max(state.hi, 0.0))
+    if symmetric and not signed:  # an unsigned symmetric grid: negatives clip to 0 whatever lo is
+        lo0 = torch.zeros(())
 
     def search(lo_c: torch.Tensor, hi_c: torch.Tensor):
         scale, zp = _scale_zp(lo_c, hi_c, qmin, qmax, symmetric)

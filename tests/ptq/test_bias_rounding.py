@@ -201,3 +201,11 @@ def test_calibrate_with_a_generator_still_runs_the_spec_steps():
     handle = qdsl.patch.get_handle(model)
     assert handle.quantizer("fc", "bias").offset.numel() == 5
     assert handle.quantizer("c2", "weight").codes.numel() == 8 * 8 * 3
+
+
+def test_unimplemented_learned_rounding_fails_before_calibration():
+    model = _net()
+    qdsl.apply(model, _spec(3, 'learned_rounding = "adaround"', fold=False))
+    with pytest.raises(QdslError, match="learned_rounding = 'adaround', which qdsl does not implement; use 'gptq'"):
+        qdsl.calibrate(model, [_data()])
+    assert qdsl.patch.get_handle(model).quantizer("c1", "input").observer.observed is False

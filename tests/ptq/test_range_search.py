@@ -215,3 +215,29 @@ def test_auto_observer_searches_below_8_bits(bits, expect):
         assert torch.equal(hi, mse_range(w, qmin, qmax, symmetric=True, axis=0)[1])
     else:
         assert torch.equal(hi, w.amax(1))
+
+
+@given(
+    st.lists(st.floats(-50, 50, allow_nan=False, width=32), min_size=2, max_size=200),
+    st.integers(2, 8),
+    st.booleans(),
+    st.booleans(),
+)
+def test_histogram_search_stays_inside_the_data_range(values, bits, signed, symmetric):
+    x = torch.tensor(values, dtype=torch.float32)
+    s = histogram_observe(None, x, bins=128)
+    qmin, qmax = _grid(bits, signed)
+    lo, hi = histogram_range(s.hist, s.lo, s.hi, qmin, qmax, symmetric=symmetric, signed=signed, grid=30)
+    assert s.lo - 1e-6 <= float(lo) <= 0.0 <= float(hi) <= s.hi + 1e-6
+    if symmetric and not signed:
+        assert float(lo) == 0.0
+
+
+@given(st.lists(st.floats(-50, 50, allow_nan=False, width=32), min_size=2, max_size=200), st.booleans())
+def test_percentile_range_widens_with_the_percentile(values, symmetric):
+    s = histogram_observe(None, torch.tensor(values), bins=64)
+    ranges = [percentile_range(s.hist, s.lo, s.hi, p, symmetric=symmetric) for p in (50.0, 90.0, 99.0, 100.0)]
+    for (lo1, hi1), (lo2, hi2) in zip(ranges, ranges[1:]):
+        assert float(lo2) <= float(lo1) + 1e-6 and float(hi2) >= float(hi1) - 1e-6
+    bound = max(-s.lo, s.hi) if symmetric else max(s.hi, 0.0)
+    assert float(ranges[-1][1]) <= bound + 1e-6
