@@ -20,11 +20,12 @@ quantizer a = int(bits=8, signed, symmetric, scale=pot, per_tensor, observer=min
 defaults {{
   weight = w
   input = a
+  bias = int(bits=32, signed, symmetric, scale=input*weight)
 }}
 {extra}
 """
 
-X = torch.rand(16, 1, 8, 8)
+X = torch.rand(16, 1, 8, 8, generator=torch.Generator().manual_seed(0))
 
 
 def prepared(model, extra="", fold="fold_bn", freeze=True):
@@ -84,3 +85,37 @@ def test_lifecycle_errors():
         export(mlp(sizes=(64, 10)), X[:1])
     with pytest.raises(ExportError, match="requant"):
         export(prepared(mlp(sizes=(64, 10))), X[:1], requant="magic")
+
+
+class TwoBranch(nn.Module):
+    """Two conv branches with their own output grids, concatenated, max-pooled, classified."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(1, 4, 3, padding=1)
+        self.b = nn.Conv2d(1, 6, 1)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(10 * 16, 10)
+
+    def forward(self, x):
+        y = torch.cat([torch.relu(self.a(x)), self.b(x)], dim=1)
+        return self.head(torch.flatten(self.pool(y), 1))
+
+
+def test_concat_of_differently_scaled_branches_is_bit_exact_for_pot():
+    extra = "rule a, b {\n  output = a\n}\nrule head {\n  output = a\n}"
+    torch.manual_seed(0)
+    model = TwoBranch()
+    with torch.no_grad():
+        model.b.weight.mul_(16)  # a wider range: a coarser output grid than branch a
+    model = prepared(model, extra)
+    graph = export(model, X[:1])
+    types = [op.type for op in graph.ops]
+    assert OpType.CONCAT in types and OpType.MAXPOOL2D in types
+    h = qdsl.patch.get_handle(model)
+    assert float(h.quantizer("a", "output").scale) != float(h.quantizer("b", "output").scale)
+    from qdsl.export import execute
+
+    with torch.no_grad():
+        fq = model(X).numpy()
+    assert (execute(graph, X.numpy()).outputs[0] == fq).all()
