@@ -31,15 +31,6 @@ def _bits(b):
     return [f"weight.bits={b}", f"input.bits={b}"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # these models are tiny: one thread is faster than two fighting a loaded machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def digits():
     model, (xtr, _ytr, xte, yte) = trained_digits_resnet()
