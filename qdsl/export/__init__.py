@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 import warnings
 from typing import Any
 
@@ -94,3 +96,16 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any
             )
             _warned_slow = True
     return run_reference(graph, x)
+
+
+class _CallableModule(types.ModuleType):
+    """``qdsl.export`` is both this package and the public function ``qdsl.export(...)``:
+    once ``import qdsl.export...`` has run, Python binds the package as the attribute
+    ``qdsl.export``, shadowing the lazily exported function; making the package callable
+    keeps ``qdsl.export(model, example_input)`` working either way."""
+
+    def __call__(self, model: Any, example_input: Any, **kwargs: Any) -> IntegerGraph:
+        return export(model, example_input, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

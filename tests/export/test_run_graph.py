@@ -76,3 +76,12 @@ def test_auto_falls_back_with_one_warning(monkeypatch):
 def test_torch_tensor_input():
     torch = pytest.importorskip("torch")
     np.testing.assert_array_equal(run_graph(GRAPH, torch.from_numpy(X), backend="reference"), execute(GRAPH, X).outputs[0])
+
+
+def test_qdsl_export_is_callable_even_after_importing_the_package():
+    import qdsl
+    import qdsl.export
+
+    assert callable(qdsl.export)
+    with pytest.raises(QdslError, match="qdsl.apply"):
+        qdsl.export(object.__new__(type("M", (), {})), None)
