@@ -123,6 +123,28 @@ IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
   }
 }
 
+namespace {
+void StageI32Portable(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = ApplyStage(acc[i], one, 0);
+}
+}  // namespace
+
+AddKernel SelectAddKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::AddAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
+StageI32Kernel SelectStageI32Kernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::RequantI32Avx2;
+#endif
+  (void)path;
+  return StageI32Portable;
+}
+
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni) return x86::BinaryPopcountAvx2;

@@ -38,7 +38,15 @@ using RequantKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, i
 using VnniMicroKernel = void (*)(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads,
                                  int32_t* c, int64_t ldc, bool accumulate);
 
+// ADD over n elements (false: parameters outside what the kernel handles, use scalar).
+using AddKernel = bool (*)(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in,
+                           int pre_shift, const OutputStage& out_stage, uint8_t* out, bool out_signed);
+// One-channel stage into int32 (I32 outputs).
+using StageI32Kernel = void (*)(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
+AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
+StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // int4/int2 panel block -> VNNI int8 layout (only called when a VNNI kernel was selected).
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (VNNI paths only).

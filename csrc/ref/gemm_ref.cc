@@ -34,6 +34,12 @@ void BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights& 
   }
 }
 
+int32_t StageOne(int64_t acc, const OutputStage& stage) { return ApplyStage(acc, stage, 0); }
+
+int64_t RescaleOneOutOfLine(int64_t x, const Rescale& r) {
+  return RescaleOne(x, r.kind, r.multiplier[0], r.shift[0], r.rounding);
+}
+
 void Requant(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
              void* out, int64_t ldo, bool out_signed) {
   for (int64_t r = 0; r < rows; ++r) {

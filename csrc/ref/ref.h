@@ -15,6 +15,10 @@ void Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, int32_t
 // acc[m][n] = bias[n] + K - 2 * popcount(a[m] XOR w[n]).
 void BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights& w, const int32_t* bias,
                 int32_t* acc, int64_t ldc);
+// ApplyStage(acc, stage, 0), out of line so AVX2 files can call it without compiling it.
+int32_t StageOne(int64_t acc, const OutputStage& stage);
+// RescaleOne(x, r.kind, r.multiplier[0], r.shift[0], r.rounding), out of line.
+int64_t RescaleOneOutOfLine(int64_t x, const Rescale& r);
 void Requant(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
              void* out, int64_t ldo, bool out_signed);
 

@@ -119,7 +119,15 @@ void VnniConv(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t 
           if (iy < 0 || iy >= e.H) continue;
           const uint8_t* src = plane + iy * e.W;
           uint8_t* dst = row + oy * e.OW;
-          for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<uint8_t>(src[ox * p.sw + off] ^ flip);
+          // locals, not p.*: byte stores may alias anything, which would force reloads
+          const int64_t sw = p.sw;
+          if (sw == 1) {
+            std::memcpy(dst + lo, src + lo + off, static_cast<size_t>(hi - lo));
+            if (flip)
+              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] ^= 0x80;
+          } else {
+            for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<uint8_t>(src[ox * sw + off] ^ flip);
+          }
         }
       }
     }
@@ -156,6 +164,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
   const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectVnniMicroKernel(false, path);
   const RequantKernel requant = SelectRequantKernel(path);
+  const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const int tasks = static_cast<int>(e.n * p.groups);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
   ParallelFor(tasks, [&](int t) {
@@ -185,11 +194,13 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             if (iy < 0 || iy >= e.H) continue;  // stays 0
             const uint8_t* src = plane + iy * e.W;
             int16_t* dst = row + oy * e.OW;
+            const int64_t sw = p.sw;
+            const int32_t zp = p.in_zp;
             if (xt.dtype == kU8) {
-              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<int16_t>(src[ox * p.sw + off] - p.in_zp);
+              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<int16_t>(src[ox * sw + off] - zp);
             } else {
               for (int64_t ox = lo; ox < hi; ++ox)
-                dst[ox] = static_cast<int16_t>(static_cast<int8_t>(src[ox * p.sw + off]) - p.in_zp);
+                dst[ox] = static_cast<int16_t>(static_cast<int8_t>(src[ox * sw + off]) - zp);
             }
           }
         }
@@ -221,7 +232,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     for (int64_t o = 0; o < e.og; ++o) {
       const int64_t oc = gi * e.og + o;
       int32_t* row = acc.data() + o * Pp;
-      if (p.fast_stage) {
+      if (p.fast_acc) {
         if (!p.bias.empty())
           for (int64_t i = 0; i < P; ++i) row[i] += p.bias[oc];
         const Rescale& r = p.out.stage.rescale;
@@ -230,7 +241,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
         one.rescale.multiplier = r.multiplier + ch;
         one.rescale.shift = r.shift + ch;
         one.rescale.channels = 1;
-        requant(row, 1, P, Pp, one, 0, out + o * P, P, out_dtype == kI8);
+        if (out_dtype == kI32) {
+          stage_i32(row, P, one, reinterpret_cast<int32_t*>(out) + o * P);
+        } else {
+          requant(row, 1, P, Pp, one, 0, out + o * P, P, out_dtype == kI8);
+        }
       } else {
         for (int64_t i = 0; i < P; ++i) Emit(row[i], p, oc, y, out_dtype == kI32, (b * e.O + oc) * P + i, &counts[t]);
       }

@@ -36,7 +36,8 @@ struct PreparedOp {
   std::vector<int32_t> rowsum;              // [cout] sum_k (W - w_zp), the VNNI zero-point offset
   int64_t kp = 0;
   bool int32_exact = true;                  // every GEMM sum provably fits int32
-  bool fast_stage = false;                  // acc_bits 32, |sum + bias| < 2^31: no overflow possible
+  bool fast_acc = false;                    // acc_bits 32, |sum + bias| < 2^31: no overflow possible
+  bool fast_stage = false;                  // fast_acc and an I8/U8 output
   int acc_bits = 32, overflow_mode = 0;
   bool bin_out = false;
   StageData out;

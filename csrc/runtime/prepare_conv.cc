@@ -116,8 +116,8 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   p.int32_exact = wmax <= 511 && kdim * xmax * wmax <= INT32_MAX;
   int64_t bmax = 0;
   for (int32_t b : p.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
-  p.fast_stage = p.int32_exact && p.acc_bits == 32 && out.dtype != kBin && out.dtype != kI32 &&
-                 kdim * xmax * wmax + bmax <= INT32_MAX;
+  p.fast_acc = p.int32_exact && p.acc_bits == 32 && out.dtype != kBin && kdim * xmax * wmax + bmax <= INT32_MAX;
+  p.fast_stage = p.fast_acc && out.dtype != kI32;
   if (p.int32_exact && p.spatial > 0) {  // convs: weights are the broadcast (A) operand
     p.kp = (kdim + 3) / 4 * 4;
     for (int64_t gi = 0; gi < p.groups; ++gi) {

@@ -28,6 +28,11 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                         int64_t kwords, int32_t* pc, int64_t ldc);
 bool RequantAvx2Supports(const OutputStage& stage);
+// One-channel stage to int32 (I32 outputs): out[i] = clamp(rescale(acc[i]) + zp, qmin, qmax).
+void RequantI32Avx2(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
+// ADD (docs/qgraph.md §4.4) over n elements; false = unsupported parameters, nothing written.
+bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in, int pre_shift,
+             const OutputStage& out_stage, uint8_t* out, bool out_signed);
 void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                  void* out, int64_t ldo, bool out_signed);
 

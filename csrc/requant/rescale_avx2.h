@@ -1,0 +1,81 @@
+// AVX2 building blocks of the rescale formulas (qdsl/requant.h), eight int32 lanes at a
+// time.  Included only by AVX2-compiled translation units; everything here has internal
+// linkage, so no AVX2 code can be picked up by portable callers.
+#ifndef QDSL_REQUANT_RESCALE_AVX2_H_
+#define QDSL_REQUANT_RESCALE_AVX2_H_
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "qdsl/requant.h"
+
+namespace qdsl {
+namespace x86 {
+namespace {
+
+inline __m256i Srdhm(__m256i a, __m256i b) {
+  const __m256i nudge = _mm256_set1_epi64x(int64_t{1} << 30);
+  const __m256i even = _mm256_add_epi64(_mm256_mul_epi32(a, b), nudge);
+  const __m256i odd = _mm256_add_epi64(_mm256_mul_epi32(_mm256_srli_epi64(a, 32), _mm256_srli_epi64(b, 32)), nudge);
+  const __m256i res = _mm256_blend_epi32(_mm256_srli_epi64(even, 31), _mm256_slli_epi64(odd, 1), 0xAA);
+  const __m256i minv = _mm256_set1_epi32(INT32_MIN);
+  const __m256i both = _mm256_and_si256(_mm256_cmpeq_epi32(a, minv), _mm256_cmpeq_epi32(b, minv));
+  return _mm256_blendv_epi8(res, _mm256_set1_epi32(INT32_MAX), both);
+}
+
+inline __m256i Rdbp(__m256i x, __m256i e) {
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i mask = _mm256_sub_epi32(_mm256_sllv_epi32(one, e), one);
+  const __m256i rem = _mm256_and_si256(x, mask);
+  const __m256i neg = _mm256_cmpgt_epi32(_mm256_setzero_si256(), x);
+  const __m256i threshold = _mm256_sub_epi32(_mm256_srli_epi32(mask, 1), neg);
+  return _mm256_sub_epi32(_mm256_srav_epi32(x, e), _mm256_cmpgt_epi32(rem, threshold));
+}
+
+// Saturating per-lane left shift by l in [0, 31]: overflow iff shifting back differs.
+inline __m256i SatShiftLeft(__m256i x, __m256i l) {
+  const __m256i y = _mm256_sllv_epi32(x, l);
+  const __m256i ok = _mm256_cmpeq_epi32(_mm256_srav_epi32(y, l), x);
+  const __m256i sat = _mm256_blendv_epi8(_mm256_set1_epi32(INT32_MAX), _mm256_set1_epi32(INT32_MIN), _mm256_srai_epi32(x, 31));
+  return _mm256_blendv_epi8(sat, y, ok);
+}
+
+// POT right shift by s in [1, 31] (s = 0 passes through) with the stage's rounding.
+inline __m256i PotShift(__m256i x, __m256i s, Rounding rounding) {
+  const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+  const __m256i f = _mm256_srav_epi32(x, s);
+  const __m256i rem = _mm256_and_si256(x, _mm256_sub_epi32(_mm256_sllv_epi32(one, s), one));
+  const __m256i h = _mm256_srli_epi32(_mm256_sllv_epi32(one, s), 1);  // 2^(s-1); 0 when s = 0
+  const __m256i gt = _mm256_cmpgt_epi32(rem, h), eq = _mm256_cmpeq_epi32(rem, h);
+  __m256i up;
+  switch (rounding) {
+    case Rounding::kHalfAway:
+      up = _mm256_or_si256(gt, _mm256_andnot_si256(_mm256_cmpgt_epi32(zero, x), eq));
+      break;
+    case Rounding::kHalfEven:
+      up = _mm256_or_si256(gt, _mm256_and_si256(eq, _mm256_cmpeq_epi32(_mm256_and_si256(f, one), one)));
+      break;
+    case Rounding::kHalfUp: up = _mm256_or_si256(gt, eq); break;
+    default: up = zero; break;
+  }
+  up = _mm256_andnot_si256(_mm256_cmpeq_epi32(s, zero), up);  // s = 0: exact, never round
+  return _mm256_sub_epi32(f, up);
+}
+
+
+// Rescale of int32 lanes with per-lane multiplier and shift (FIXED), or POT with shifts
+// in [-31, 31] (callers check); equals RescaleOne for int32 inputs.
+inline __m256i RescaleVec(__m256i x, RescaleKind kind, __m256i mult, __m256i shift, Rounding rounding) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i left = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
+  const __m256i right = _mm256_max_epi32(shift, zero);
+  if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(SatShiftLeft(x, left), mult), right);
+  return PotShift(SatShiftLeft(x, left), right, rounding);
+}
+
+}  // namespace
+}  // namespace x86
+}  // namespace qdsl
+
+#endif  // QDSL_REQUANT_RESCALE_AVX2_H_
