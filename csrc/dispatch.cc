@@ -25,6 +25,7 @@ uint32_t EnvPaths() {
   if (std::strcmp(env, "portable") == 0) return kPathRef | kPathPortable;
   if (std::strcmp(env, "avx2") == 0) return kPathRef | kPathPortable | kPathAvx2;
   if (std::strcmp(env, "avxvnni") == 0) return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni;
+  if (std::strcmp(env, "avx512") == 0) return ~0u;
   return ~0u;  // unknown values are reported by the Python layer, not here
 }
 
@@ -40,7 +41,7 @@ uint32_t HighestBit(uint32_t mask) {
 
 uint32_t CompiledPaths() {
 #ifdef QDSL_HAVE_X86
-  return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni;
+  return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni | kPathAvx512;
 #else
   return kPathRef | kPathPortable;
 #endif
@@ -54,7 +55,13 @@ uint32_t CpuPaths() {
     paths |= kPathAvx2;
     // AVX-VNNI is CPUID.(EAX=7, ECX=1):EAX bit 4 (gcc 12's __builtin_cpu_supports misses it).
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1)) paths |= kPathAvxVnni;
+    const bool vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
+    if (vnni) paths |= kPathAvxVnni;
+    // kPathAvx512 also uses the VNNI int kernels, so it needs them too
+    if (vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vpopcntdq")) {
+      paths |= kPathAvx512;
+    }
   }
 #endif
   return paths;
@@ -83,7 +90,8 @@ Status ResolvePath(uint32_t requested, uint32_t* chosen) {
 
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvxVnni) return broadcast_unsigned ? x86::GemmU8S8AvxVnni : x86::GemmS8U8AvxVnni;
+  if (path == kPathAvxVnni || path == kPathAvx512)
+    return broadcast_unsigned ? x86::GemmU8S8AvxVnni : x86::GemmS8U8AvxVnni;
 #endif
   (void)broadcast_unsigned;
   (void)path;
@@ -108,7 +116,7 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2 || path == kPathAvxVnni) {  // the int16 kernels serve both
+  if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) {  // the int16 kernels serve both
     switch (format) {
       case PanelFormat::kI16: return x86::GemmI16Avx2;
       case PanelFormat::kI4: return x86::GemmI4Avx2;
@@ -131,7 +139,7 @@ void StageI32Portable(const int32_t* acc, int64_t n, const OutputStage& one, int
 
 AddKernel SelectAddKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::AddAvx2;
+  if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::AddAvx2;
 #endif
   (void)path;
   return nullptr;
@@ -139,7 +147,7 @@ AddKernel SelectAddKernel(uint32_t path) {
 
 StageI32Kernel SelectStageI32Kernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::RequantI32Avx2;
+  if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantI32Avx2;
 #endif
   (void)path;
   return StageI32Portable;
@@ -147,6 +155,7 @@ StageI32Kernel SelectStageI32Kernel(uint32_t path) {
 
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
+  if (path == kPathAvx512) return x86::BinaryPopcountAvx512;
   if (path == kPathAvx2 || path == kPathAvxVnni) return x86::BinaryPopcountAvx2;
 #endif
   return portable::BinaryPopcount;
@@ -154,7 +163,7 @@ BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
 
 RequantKernel SelectRequantKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::RequantAvx2;
+  if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantAvx2;
 #endif
   return portable::Requant;
 }

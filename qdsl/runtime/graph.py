@@ -23,7 +23,7 @@ __all__ = ["CompiledGraph"]
 _F32, _I8, _U8, _I32, _BIN = 1, 2, 3, 4, 9
 _NP = {_F32: np.float32, _I8: np.int8, _U8: np.uint8, _I32: np.int32, _BIN: np.int8}
 _RANGE = {_I8: (-128, 127), _U8: (0, 255)}
-_PATHS = {"auto": 0, "ref": 1, "portable": 2, "avx2": 4, "avxvnni": 8}
+_PATHS = {"auto": 0, "ref": 1, "portable": 2, "avx2": 4, "avxvnni": 8, "avx512": 16}
 
 
 class _IO:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not bui
 
 from qdsl.runtime import kernels as K  # noqa: E402
 
-PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni") if rt.available() and p in K.paths()["cpu"]]
+PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512") if rt.available() and p in K.paths()["cpu"]]
 SIZES = st.sampled_from([1, 2, 3, 5, 6, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129])
 
 

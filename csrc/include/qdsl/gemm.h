@@ -24,6 +24,7 @@ enum Path : uint32_t {
   kPathPortable = 1u << 1,  // csrc/kernels/portable: blocked plain C++
   kPathAvx2 = 1u << 2,      // csrc/kernels/x86: AVX2 + FMA + POPCNT
   kPathAvxVnni = 1u << 3,   // csrc/kernels/x86: AVX-VNNI vpdpbusd (u8 x s8, exact); AVX2 for other ops
+  kPathAvx512 = 1u << 4,    // csrc/kernels/x86: AVX-512 VPOPCNTDQ binary GEMM; otherwise as kPathAvxVnni
 };
 
 // How the optimized paths store a 16-column weight panel (see csrc/pack/pack_weights.cc).
