@@ -37,7 +37,7 @@ SPECS = Path(__file__).resolve().parent.parent / "specs"
 def _step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward=None):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    fwd = forward or model
+    fwd = forward if forward is not None else model
     loss_fn = nn.CrossEntropyLoss()
 
     def step():

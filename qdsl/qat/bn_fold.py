@@ -161,6 +161,32 @@ def _folded_patches(model: nn.Module):
     return [p for p in get_handle(model).layers.values() if p.bn is not None]
 
 
+def _memoize_range(obs: nn.Module) -> None:
+    """Make ``obs.range()`` reuse its last result while the statistics are unchanged.
+
+    After calibration a static activation observer no longer changes, but the proxy asks
+    for its range on every forward, and a histogram search (percentile, mse) costs as
+    much as a small layer.  The key is each state buffer's identity and version counter:
+    observing (buffers are reassigned), ``load_state_dict`` (in-place copies) and
+    :func:`qdsl.qat.sync_observers` (reassigned) all invalidate it.
+    """
+    if "range" in obs.__dict__ or not getattr(obs, "_state", None):
+        return
+    compute = type(obs).range
+    memo: dict = {}
+
+    def range_():
+        if torch.compiler.is_compiling():
+            return compute(obs)
+        key = tuple((id(t), t._version) for t in (getattr(obs, k) for k in obs._state))
+        if memo.get("key") != key:
+            memo["value"] = compute(obs)
+            memo["key"] = key
+        return memo["value"]
+
+    obs.range = range_
+
+
 def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weight_search_every: int = 8) -> int:
     """Give every BN-folded layer of an applied model its QAT training form (idempotent).
 
@@ -171,8 +197,14 @@ def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weig
     (1 = every forward, exactly the PTQ behaviour).  The search costs several times a
     layer's own gradient computation while the weights move little per step; min/max-
     type observers and learned scales are cheap and always follow the current weight.
-    Returns the number of folded layers.
+    Static activation observers reuse their range while their statistics are unchanged
+    (same result, computed once).  Returns the number of folded layers.
     """
+    from qdsl.patch.handle import get_handle
+
+    for q in get_handle(model).container.quantizers.values():
+        if q.observer is not None and not q.stateless:
+            _memoize_range(q.observer)
     patches = _folded_patches(model)
     for patch in patches:
         patch._qat_freeze_after = freeze_bn_after

@@ -168,3 +168,32 @@ def test_searching_weight_observer_reruns_every_n_forwards():
         model(_x((2, 3, 8, 8)))
     assert len(calls) == 4  # eval: the inference fold, searched on every call
     q.qparams = inner
+
+
+def test_static_activation_ranges_are_memoized_until_statistics_change():
+    spec = parse_text(WEIGHT_ONLY.replace("}", "  input = int(bits=8, signed, symmetric, per_tensor, "
+                                                "observer=histogram(percentile=99.9))\n}"), "a8.qspec")
+    model = models.conv_bn_relu_net(width=4)
+    handle = apply(model, spec)
+    from qdsl.patch import calibrate
+
+    calibrate(model, [_x((4, 3, 8, 8))])
+    obs = handle.layer("features.3").iq.observer
+    calls = []
+    compute = type(obs).range
+    type(obs).range = lambda self: calls.append(1) or compute(self)
+    try:
+        qdsl.qat.prepare_qat(model)
+        model.train()
+        first = obs.range()
+        for _ in range(3):
+            assert obs.range() is first
+        assert len(calls) == 1
+        calibrate(model, [_x((4, 3, 8, 8), seed=5)])  # new statistics: recomputed
+        second = obs.range()
+        assert len(calls) == 2 and second is not first
+        handle.layer("features.3").iq.observer.load_state_dict(obs.state_dict())
+        obs.range()
+        assert len(calls) == 3  # a loaded state (in-place copies) invalidates it too
+    finally:
+        type(obs).range = compute
