@@ -10,7 +10,9 @@ weight and input bits overridden to ``bits``:
 * *all but*: every layer but L at ``bits`` -> ``all_but = metric - all``.
 
 ``score = alone + all_but`` (both in metric units, larger = more sensitive) ranks the
-layers; the report lists them sorted.  Metrics: ``"accuracy"`` (top-1, in percent
+layers; the report lists them sorted.  With the accuracy metric (coarse on small test
+sets: one image is 0.2 points), the same score computed on the cross-entropy loss
+(``tiebreak``) orders layers whose accuracy scores tie.  Metrics: ``"accuracy"`` (top-1, in percent
 points), ``"loss"`` (minus mean cross-entropy) or a callable ``(model, x, y) -> float``
 where larger is better.
 
@@ -59,10 +61,18 @@ class LayerSensitivity:
     """The roles the sensitivity run overrode (weight, and input when quantized)."""
     alone: float
     all_but: float
+    tiebreak: float = 0.0
+    """The score on the loss (accuracy reports only): orders layers whose scores tie."""
 
     @property
     def score(self) -> float:
         return self.alone + self.all_but
+
+    @property
+    def key(self) -> float:
+        """What the ranking and the budget choice maximise: the score, ties broken by
+        ``tiebreak`` (scaled so it never outweighs a real score difference)."""
+        return self.score + 1e-6 * self.tiebreak
 
 
 @attrs.frozen
@@ -79,13 +89,16 @@ class SensitivityReport:
     def format(self) -> str:
         """A plain-text table, most sensitive layer first."""
         w = max([len(s.fqn) for s in self.layers] + [5])
+        tie = any(s.tiebreak for s in self.layers)
         lines = [
             f"sensitivity at {self.bits} bits (weights and inputs), metric {self.metric}: "
             f"float {self.float_metric:.2f}, all layers at {self.bits} bits {self.all_metric:.2f}",
-            f"{'layer':<{w}}  {'weights':>8}  {'drop alone':>10}  {'gain if float':>13}  {'score':>7}",
+            f"{'layer':<{w}}  {'weights':>8}  {'drop alone':>10}  {'gain if float':>13}  {'score':>7}"
+            + ("  loss score" if tie else ""),
         ]
         for s in self.layers:
-            lines.append(f"{s.fqn:<{w}}  {s.weights:>8}  {s.alone:>10.2f}  {s.all_but:>13.2f}  {s.score:>7.2f}")
+            lines.append(f"{s.fqn:<{w}}  {s.weights:>8}  {s.alone:>10.2f}  {s.all_but:>13.2f}  {s.score:>7.2f}"
+                         + (f"  {s.tiebreak:>10.4f}" if tie else ""))
         return "\n".join(lines)
 
 
@@ -105,12 +118,14 @@ def _predict(model: nn.Module, x: torch.Tensor, batch: int = 512) -> torch.Tenso
 
 
 def ptq_metric(model: nn.Module, spec: Any, x_calib: torch.Tensor, x_test: torch.Tensor, y_test: torch.Tensor,
-               metric: str | Callable[..., float] = "accuracy", *, overrides: Any = None,
-               batch_size: int = 64) -> float:
-    """Apply ``spec`` to ``model``, calibrate on ``x_calib``, freeze, measure, remove."""
+               metric: str | Callable[..., float] | Sequence[Any] = "accuracy", *, overrides: Any = None,
+               batch_size: int = 64) -> Any:
+    """Apply ``spec`` to ``model``, calibrate on ``x_calib``, freeze, measure, remove.
+    With a list of metrics, returns the list of their values (one PTQ run)."""
     import qdsl
 
-    _, fn = _metric_fn(metric)
+    many = isinstance(metric, (list, tuple))
+    fns = [_metric_fn(m)[1] for m in (metric if many else [metric])]
     was_training = model.training
     model.eval()
     qdsl.apply(model, spec, overrides=overrides)
@@ -118,7 +133,8 @@ def ptq_metric(model: nn.Module, spec: Any, x_calib: torch.Tensor, x_test: torch
         qdsl.calibrate(model, [x_calib[i : i + batch_size] for i in range(0, len(x_calib), batch_size)],
                        progress=False)
         qdsl.freeze(model)
-        return fn(model, x_test, y_test)
+        values = [fn(model, x_test, y_test) for fn in fns]
+        return values if many else values[0]
     finally:
         qdsl.remove(model)
         model.train(was_training)
@@ -159,6 +175,7 @@ def sensitivity(
         raise QdslError("sensitivity data must be (x_calib, x_test, y_test)")
     x_cal, x_test, y_test = data
     name, fn = _metric_fn(metric)
+    fns = [fn, _metric_fn("loss")[1]] if name == "accuracy" else [fn]
     base = load_for_resolve(spec)
     layers = _quantized_layers(model, base)
     if not layers:
@@ -168,44 +185,47 @@ def sensitivity(
     was_training = model.training
     model.eval()
     try:
-        float_metric = fn(model, x_test, y_test)
-        all_metric = ptq_metric(model, base, x_cal, x_test, y_test, fn, overrides=overrides)
+        float_m = [f(model, x_test, y_test) for f in fns]
+        all_m = ptq_metric(model, base, x_cal, x_test, y_test, fns, overrides=overrides)
         names = [f for f, _, _ in layers]
         out = []
         for i, (fqn, n, roles) in enumerate(layers):
             say(f"[{i + 1}/{len(layers)}] {fqn}")
             alone_spec = attrs.evolve(base, rules=base.rules + _skip_rules([x for x in names if x != fqn]))
             but_spec = attrs.evolve(base, rules=base.rules + _skip_rules([fqn]))
-            alone = float_metric - ptq_metric(model, alone_spec, x_cal, x_test, y_test, fn, overrides=overrides)
-            all_but = ptq_metric(model, but_spec, x_cal, x_test, y_test, fn, overrides=overrides) - all_metric
-            out.append(LayerSensitivity(fqn, n, roles, alone, all_but))
+            one = ptq_metric(model, alone_spec, x_cal, x_test, y_test, fns, overrides=overrides)
+            but = ptq_metric(model, but_spec, x_cal, x_test, y_test, fns, overrides=overrides)
+            alone = [f - o for f, o in zip(float_m, one)]
+            all_but = [b - a for b, a in zip(but, all_m)]
+            tiebreak = alone[1] + all_but[1] if len(fns) > 1 else 0.0
+            out.append(LayerSensitivity(fqn, n, roles, alone[0], all_but[0], tiebreak))
     finally:
         model.train(was_training)
-    out.sort(key=lambda s: (-s.score, -s.alone, s.fqn))
-    return SensitivityReport(base, bits, name, float_metric, all_metric, tuple(out))
+    out.sort(key=lambda s: (-s.key, -s.alone, s.fqn))
+    return SensitivityReport(base, bits, name, float_m[0], all_m[0], tuple(out))
 
 
 def _choose(layers: Sequence[LayerSensitivity], capacity: float, step: int) -> set[str]:
     """Names of layers to raise: max summed score with ``step · sum(n) <= capacity``."""
-    cands = [s for s in layers if s.score > 0 and s.weights * step <= capacity + 1e-9]
+    cands = [s for s in layers if s.key > 0 and s.weights * step <= capacity + 1e-9]
     if len(cands) <= _EXHAUSTIVE_MAX:
         best: tuple[float, int, tuple] = (0.0, 0, ())
         for r in range(1, len(cands) + 1):
             for combo in itertools.combinations(cands, r):
                 cost = sum(s.weights for s in combo) * step
                 if cost <= capacity + 1e-9:
-                    key = (sum(s.score for s in combo), -cost, tuple(s.fqn for s in combo))
+                    key = (sum(s.key for s in combo), -cost, tuple(s.fqn for s in combo))
                     if key[:2] > best[:2]:
                         best = key
         return set(best[2])
     picks = []
-    for order in (sorted(cands, key=lambda s: -s.score), sorted(cands, key=lambda s: -s.score / s.weights)):
+    for order in (sorted(cands, key=lambda s: -s.key), sorted(cands, key=lambda s: -s.key / s.weights)):
         chosen, used = [], 0.0
         for s in order:
             if used + s.weights * step <= capacity + 1e-9:
                 chosen.append(s)
                 used += s.weights * step
-        picks.append((sum(s.score for s in chosen), {s.fqn for s in chosen}))
+        picks.append((sum(s.key for s in chosen), {s.fqn for s in chosen}))
     return max(picks, key=lambda p: p[0])[1]
 
 
@@ -214,7 +234,7 @@ def _fill(layers: Sequence[LayerSensitivity], chosen: set[str], capacity: float,
     (scores at or below zero are measurement noise; more bits rarely hurt)."""
     used = sum(s.weights for s in layers if s.fqn in chosen) * step
     out = set(chosen)
-    for s in sorted(layers, key=lambda s: (-s.score, s.weights)):
+    for s in sorted(layers, key=lambda s: (-s.key, s.weights)):
         if s.fqn not in out and used + s.weights * step <= capacity + 1e-9:
             out.add(s.fqn)
             used += s.weights * step

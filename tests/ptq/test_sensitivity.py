@@ -130,3 +130,26 @@ def test_cli_errors_are_clear(argv, message, capsys):
             args += [k, v]
     assert main(args + argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_loss_breaks_accuracy_ties():
+    spec = load_spec(SPEC)
+    tied = (
+        LayerSensitivity("x", 100, ("weight",), 0.0, 0.0, tiebreak=0.3),
+        LayerSensitivity("y", 100, ("weight",), 0.0, 0.0, tiebreak=-0.1),
+        LayerSensitivity("z", 100, ("weight",), 0.2, 0.0, tiebreak=-5.0),
+    )
+    rep = SensitivityReport(spec, 3, "accuracy", 99.0, 98.0, tied)
+    # room for two of three layers: z (real score) first, then x (better loss score), not y
+    bits = _bits(emit_mixed_precision(rep, 3 + 200 / 300))
+    assert bits["z"]["weight"] == 4 and bits["x"]["weight"] == 4 and bits["y"]["weight"] == 3
+    assert "loss score" in rep.format()
+
+
+def test_tiny_model_accuracy_report_has_tiebreaks():
+    refs = _tiny()
+    model = refs.tiny()
+    xtr, _, xte, yte = refs.tiny_data()
+    rep = sensitivity(model, SPEC, (xtr, xte, yte), "accuracy", 2)
+    assert any(s.tiebreak != 0 for s in rep.layers)
+    assert [s.key for s in rep.layers] == sorted((s.key for s in rep.layers), reverse=True)
