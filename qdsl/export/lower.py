@@ -46,6 +46,7 @@ from qdsl.export.lower_layers import (
     concat_value,
     layer_pending,
     pool_pending,
+    raw,
     wide,
 )
 from qdsl.export.requant import make_rescale
@@ -250,9 +251,12 @@ class _Lowerer:
         if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
             return self.maxpool(x, m, shape, fqn)
         if isinstance(m, (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
-            # an unquantized layer result is pooled as int32 (exact for power-of-two scales)
-            v = wide(self.b, x, fqn) if isinstance(x, Pending) else self.need_q(x, fqn, "average pool")
-            return pool_pending(fqn, m, v, shape)
+            # an unquantized layer result is pooled from its int32 accumulator, the pool's
+            # per-channel stage applying s_acc[c] / (area · s_out) with one rounding
+            if isinstance(x, Pending):
+                v, scales = raw(self.b, x, fqn)
+                return pool_pending(fqn, m, v, shape, scales)
+            return pool_pending(fqn, m, self.need_q(x, fqn, "average pool"), shape)
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
                           "skip the layers from here on in the spec and run them in float after the graph")
 

@@ -19,7 +19,7 @@ from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
 from qdsl.spec.model import Kind, Overflow
 
-__all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints", "wide"]
+__all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints", "wide", "raw"]
 
 
 def act_target(proxy, where: str) -> Target:
@@ -82,7 +82,7 @@ def weight_ints(patch, where: str):
         n = 2 ** (bits - 1) - 1
         if n > 7:
             raise ExportError(where, f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
-        codes = np.where(codes == 0, 0, np.sign(codes) * (2 ** (np.abs(codes) - 1)))
+        codes = np.where(codes == 0, 0, np.sign(codes) * np.left_shift(1, np.maximum(np.abs(codes) - 1, 0)))
         scale = scale * 2.0 ** (1 - n)
         dtype = _int_dtype(n + 1, True, where)
     return codes, dtype, scale, zp, b
@@ -163,7 +163,10 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
         ins = list(inputs)
         if t.dtype is DType.BIN and sign_bias is not None and not np.array_equal(sign_bias, bias):
             ins[2] = bld.tensor(f"{fqn}.bias_sign", DType.I32, sign_bias.shape, sign_bias)
-        if t.dtype is not DType.BIN:
+        if t.raw:  # the accumulator itself (a per-channel consumer rescales it); ReLU only
+            a.update(Rescale(RescaleKind.POT, [1], [0]).attrs(), out_zp=0,
+                     out_min=0 if lo >= 0 else INT32_MIN, out_max=INT32_MAX)
+        elif t.dtype is not DType.BIN:
             out_min, out_max = t.clamp_codes(lo, hi)
             a.update(_rescale(bld, s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, ins, t.dtype, shape, a, out=fqn), shape
@@ -181,6 +184,16 @@ def wide(b: Builder, p: Pending, where: str) -> QVal:
     low = float(np.min(p.scales))
     s_t = math.ldexp(1.0, math.frexp(low)[1] - 1)  # largest power of two <= low
     return p.materialize(b, Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where))
+
+
+def raw(b: Builder, p: Pending, where: str) -> tuple[QVal, np.ndarray | None]:
+    """A layer result for a pool: its raw int32 accumulator and per-channel scales, so the
+    pool's per-channel stage rounds once (exact up to that rounding); :func:`wide` (and
+    ``None`` scales) when a clamp other than ReLU must be applied first."""
+    if p.kind == "acc" and not p.post and p.hi == math.inf and p.lo in (-math.inf, 0.0):
+        t = Target(1.0, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where, raw=True)
+        return p.materialize(b, t), np.asarray(p.scales, dtype=np.float64)
+    return wide(b, p, where), None
 
 
 def _is_pot(*scales) -> bool:
@@ -228,8 +241,9 @@ def add_pending(where: str, a, b_, shape) -> Pending:
     return Pending("add", where, shape, emit)
 
 
-def pool_pending(fqn: str, m: nn.Module, v: QVal, shape) -> Pending:
-    """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value."""
+def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | None = None) -> Pending:
+    """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value (or, with per-channel
+    ``scales``, on a raw accumulator from :func:`raw`)."""
     if v.dtype not in (DType.I8, DType.U8, DType.I32):
         raise ExportError(fqn, "average pooling of binary activations has no integer lowering")
     spatial = v.shape[2:]
@@ -254,7 +268,8 @@ def pool_pending(fqn: str, m: nn.Module, v: QVal, shape) -> Pending:
             raise ExportError(fqn, f"the pooled value must be int8-quantized, not {t.dtype.name} ({t.where})")
         out_min, out_max = t.clamp_codes(lo, hi)
         # the divisor is folded into the factor: exact shifts when area and scales are powers of two
-        attrs_ = dict(a, in_zp=v.zp, **_rescale(bld, v.scale / (area * t.scale), t.rounding, fqn).attrs(),
+        s_in = v.scale if scales is None else scales
+        attrs_ = dict(a, in_zp=v.zp, **_rescale(bld, s_in / (area * t.scale), t.rounding, fqn).attrs(),
                       out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, [v.name], t.dtype, shape, attrs_, out=fqn), shape
 

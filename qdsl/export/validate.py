@@ -268,7 +268,7 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D):
             c.int("in_zp", *x.dtype.range)
             dt(out, INT8_DTYPES, "output")
-            _check_out(c, out.dtype, 1)
+            _check_out(c, out.dtype, x.shape[1])
             return INT8_DTYPES, shape
         return (x.dtype,), shape
     if t is OpType.GLOBAL_AVGPOOL:
@@ -276,7 +276,7 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         c.need(len(x.shape) >= 3, f"input {x.name!r} must have spatial dims, has shape {x.shape}")
         c.int("in_zp", *x.dtype.range)
         dt(out, INT8_DTYPES, "output")
-        _check_out(c, out.dtype, 1)
+        _check_out(c, out.dtype, x.shape[1])
         return INT8_DTYPES, x.shape[:2] + (1,) * (len(x.shape) - 2)
     if t is OpType.RESHAPE:
         dt(x, ACTIVATION_DTYPES, "input")

@@ -55,6 +55,8 @@ class Target:
     dtype: DType
     rounding: Rounding
     where: str = attrs.field(eq=False)
+    raw: bool = False
+    """I32 only: keep a layer's accumulator as it is (per-channel scales, factor 1)."""
 
     def code(self, v: float) -> int:
         """The code the fake quantizer gives the real value ``v`` (binary32, multiply by 1/scale)."""

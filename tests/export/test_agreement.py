@@ -229,3 +229,46 @@ def test_trained_digits_top1_agrees(trained, spec):
     acc = float((got == yte.numpy()).mean())
     print(f"\n{spec}: top-1 agreement {agree:.2%}, integer-graph accuracy {acc:.2%} on {len(yte)} digits")
     assert agree >= 0.995
+
+
+class BiasFreeCNN(nn.Module):
+    """No biases and no BatchNorm: isolates the weight lowering from float-bias rounding."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3, padding=1, bias=False)
+        self.r1 = nn.ReLU()
+        self.c2 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False)
+        self.r2 = nn.ReLU()
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(16, 10, bias=False)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.r2(self.c2(self.r1(self.c1(x))))), 1))
+
+
+WEIGHT_KINDS = {
+    "int8 asymmetric unsigned": ("int(bits=8, unsigned, asymmetric, per_channel, observer=minmax)", "U8"),
+    "int4 asymmetric": ("int(bits=4, signed, asymmetric, per_channel, observer=minmax)", "I4"),
+    "int2": ("int(bits=2, signed, symmetric, per_channel, observer=minmax)", "I2"),
+    "ternary": ("ternary(per_channel)", "I2"),
+    "pot 4-bit": ("pot(bits=4, per_channel)", "I8"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(WEIGHT_KINDS))
+def test_weight_kinds_lower_exactly(kind, digits_data):
+    """Every weight kind becomes integers on its exact grid: with one-rounding requantization
+    the graph equals the fake-quant model (ties aside) on a bias-free CNN."""
+    wspec, dtype = WEIGHT_KINDS[kind]
+    text = (FLOAT.format(wbits=8, last="fc")
+            .replace("int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)", wspec)
+            .replace("  bias = int(bits=32, signed, symmetric, scale=input*weight)\n", ""))
+    torch.manual_seed(0)
+    model = _prepare(BiasFreeCNN(), text, digits_data[0][:256])
+    x = digits_data[2][:200]
+    graph = export(model, x[:2], requant="single")
+    assert dtype in {t.dtype.name for t in graph.constants}
+    got, fq, diff = _compare(model, graph, x, _out_scale(model, "fc"))
+    print(f"\n{kind} weights: {float((diff > 0).mean()):.4%} of output codes differ (max {diff.max():.0f})")
+    assert diff.max() <= 1 and float((diff > 0).mean()) < 0.005
