@@ -127,13 +127,19 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
-          example_input: Any = None) -> QdslHandle:
+          example_input: Any = None, hw: Any = None, hw_mode: str = "error") -> QdslHandle:
     """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
 
     ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
     keyword arguments), is run through the patched model once (no grad) so a problem
     shows up here rather than in the first real forward; if it fails, the model is
     restored and the error propagates.
+
+    ``hw`` (a hardware profile: bundled name, path or ``HardwareProfile``) lints the
+    resolved plan against that target before anything is patched: with
+    ``hw_mode="error"`` a plan the profile rejects raises :class:`SpecError` carrying the
+    whole lint report and the model is left untouched; ``hw_mode="warn"`` patches anyway
+    and emits the report as a ``LintWarning``.
     """
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
@@ -145,6 +151,10 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         )
     regs = registries if registries is not None else default_registries()
     plan = _to_plan(model, spec, overrides, regs)
+    if hw is not None:
+        from qdsl.lint import enforce  # lint sits above patch; imported only when asked for
+
+        enforce(plan, hw, model, mode=hw_mode)
     modules = dict(model.named_modules())
     diags = _check(model, plan, modules)
     if diags:
