@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import statistics
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -79,6 +81,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--backend", default="aot_eager")
     args = ap.parse_args(argv)
+    # torch.ao's deprecation notices and dynamo's graph-break reports are not results
+    warnings.filterwarnings("ignore")
+    torch._logging.set_logs(dynamo=logging.ERROR)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 

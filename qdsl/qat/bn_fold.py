@@ -82,7 +82,7 @@ def _qat_refresh(self) -> None:
     # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
     f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
     f = f.reshape(-1, *([1] * (w.dim() - 1)))
-    wq = w if self.wq is None else _quantize_weight(self, w * f) / f
+    wq = w if self.wq is None else self.wq(w * f) / f
     d = self.module.__dict__
     if "weight" in self._moved:
         d["weight"] = wq
@@ -97,23 +97,36 @@ def _searching(q) -> bool:
     return isinstance(q.observer, O.HistogramObserver)  # mse, histogram, percentile
 
 
-def _quantize_weight(self, wf: Tensor) -> Tensor:
-    """``wq(W·f)``, re-running a *searching* weight observer only every
-    ``weight_search_every`` training forwards (the previous qparams in between)."""
-    from qdsl.quantizers.proxy import TensorQuantizer
+def _throttle_search(q, every: int) -> None:
+    """Let a stateless weight proxy with a *searching* observer reuse its last qparams
+    for ``every - 1`` training forwards (grad enabled and the weight requires grad).
 
-    q = self.wq
-    every = getattr(self, "_qat_search_every", 1)
-    if (every <= 1 or q.learned or q.frozen or not q.enabled or q.observing or not _searching(q)
-            or TensorQuantizer.grad_path is None):
-        return q(wf)
-    n = getattr(self, "_qat_calls", 0)
-    self._qat_calls = n + 1
-    cached = getattr(self, "_qat_qparams", None)
-    if cached is None or n % every == 0:
-        p = q.qparams(wf.detach())
-        cached = self._qat_qparams = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)
-    return TensorQuantizer.grad_path(q, wf, *cached)
+    Eval, no-grad calls (``qdsl.freeze``, inference) and compiled regions always compute
+    fresh qparams, so frozen scales and exported weights are exactly PTQ's.
+    """
+    q._qat_search_every = int(every)
+    if "qparams" in q.__dict__:
+        return
+    compute = type(q).qparams
+    memo: dict = {"n": 0}
+
+    def qparams(x=None):
+        every_ = q._qat_search_every
+        training = x is not None and torch.is_grad_enabled() and x.requires_grad
+        if every_ <= 1 or not training or torch.compiler.is_compiling():
+            return compute(q, x)
+        n = memo["n"]
+        memo["n"] = n + 1
+        cached = memo.get("value")
+        if cached is None or n % every_ == 0 or memo.get("shape") != tuple(x.shape):
+            p = compute(q, x)
+            if p is None:
+                return None
+            memo["value"] = cached = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)
+            memo["shape"] = tuple(x.shape)
+        return cached
+
+    q.qparams = qparams
 
 
 def _make_bn_hooks(patch):
@@ -203,12 +216,15 @@ def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weig
     from qdsl.patch.handle import get_handle
 
     for q in get_handle(model).container.quantizers.values():
-        if q.observer is not None and not q.stateless:
+        if q.observer is None or q.learned:
+            continue
+        if not q.stateless:
             _memoize_range(q.observer)
+        elif q.role.value in ("weight", "bias") and not q.dynamic and _searching(q):
+            _throttle_search(q, weight_search_every)
     patches = _folded_patches(model)
     for patch in patches:
         patch._qat_freeze_after = freeze_bn_after
-        patch._qat_search_every = int(weight_search_every)
         _prepare_patch(patch)
     return len(patches)
 

@@ -149,25 +149,24 @@ def test_prepare_is_idempotent_and_remove_restores():
         assert k == k2 and torch.equal(v, v2)
 
 
-def test_searching_weight_observer_reruns_every_n_forwards():
+def test_searching_weight_observer_reruns_every_n_forwards(monkeypatch):
+    from qdsl.quantizers import range_search
+
     spec = parse_text(WEIGHT_ONLY.replace("observer=minmax", "observer=mse"), "w4mse.qspec")
     model = models.conv_bn_relu_net(width=4)
-    handle = apply(model, spec)
+    apply(model, spec)
     qdsl.qat.prepare_qat(model, weight_search_every=3)
-    q = handle.layer("features.0").wq
     calls = []
-    inner = q.qparams
-    q.qparams = lambda x=None: calls.append(1) or inner(x)
+    search = range_search.mse_range
+    monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
     model.train()
     for _ in range(4):
         model(_x((2, 3, 8, 8))).sum().backward()
-    assert len(calls) == 2  # forwards 0 and 3
+    assert len(calls) == 4 * 2  # 4 weight quantizers (3 folded convs + classifier), forwards 0 and 3
     model.eval()
     with torch.no_grad():
         model(_x((2, 3, 8, 8)))
-        model(_x((2, 3, 8, 8)))
-    assert len(calls) == 4  # eval: the inference fold, searched on every call
-    q.qparams = inner
+    assert len(calls) == 4 * 3  # eval: the inference fold searches on every call, as PTQ does
 
 
 def test_static_activation_ranges_are_memoized_until_statistics_change():
