@@ -24,8 +24,14 @@ normalised activations.  :func:`prepare_qat` gives every folded layer a training
 * after ``qdsl.freeze`` the layer always uses the inference fold, so export reads the
   folded weights.
 
+:func:`prepare_qat` also keeps QAT steps cheap without changing what is computed at
+inference: static activation observers reuse their range while their statistics are
+unchanged, and weight quantizers whose observer *searches* (mse, histogram,
+percentile) re-run the search every ``weight_search_every`` training forwards.
+
 Guarantees: in eval mode nothing changes versus plain ``qdsl.apply``; ``qdsl.remove``
-restores the model exactly as before (the patch layer owns and removes every hook).
+restores the model's state as before (the patch layer owns and removes every hook;
+QAT state lives on the patch and proxy objects, which go away with it).
 """
 
 from __future__ import annotations
@@ -61,11 +67,11 @@ def _frozen_state(patch) -> bool:
 def qat_fold_active(patch) -> bool:
     """Does this folded layer use the live-statistics training form right now?"""
     bn = patch.bn
-    if bn is None or not bn.training or _frozen_state(patch) or getattr(bn, "_qdsl_bn_frozen", False):
+    if bn is None or not bn.training or _frozen_state(patch) or getattr(patch, "_qat_bn_frozen", False):
         return False
     after = getattr(patch, "_qat_freeze_after", None)
     if after is not None and int(bn.num_batches_tracked) >= after:
-        bn._qdsl_bn_frozen = True
+        patch._qat_bn_frozen = True
         return False
     return True
 
@@ -239,8 +245,8 @@ def freeze_bn_stats(model: nn.Module) -> int:
     n = 0
     for patch in _folded_patches(model):
         _prepare_patch(patch)
-        if not getattr(patch.bn, "_qdsl_bn_frozen", False):
-            patch.bn._qdsl_bn_frozen = True
+        if not getattr(patch, "_qat_bn_frozen", False):
+            patch._qat_bn_frozen = True  # on the patch, not the BN: nothing outlives qdsl.remove
             n += 1
     return n
 
@@ -249,9 +255,8 @@ def unfreeze_bn_stats(model: nn.Module) -> int:
     """Undo :func:`freeze_bn_stats` (BN follows ``model.train()``/``eval()`` again)."""
     n = 0
     for patch in _folded_patches(model):
-        bn = patch.bn
-        if getattr(bn, "_qdsl_bn_frozen", False):
-            bn._qdsl_bn_frozen = False
-            bn.training = model.training
+        if getattr(patch, "_qat_bn_frozen", False):
+            patch._qat_bn_frozen = False
+            patch.bn.training = model.training
             n += 1
     return n
