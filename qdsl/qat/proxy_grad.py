@@ -65,6 +65,30 @@ class _MaskedValue(torch.autograd.Function):
         return g * mask, None, None, None, None
 
 
+class _XnorWeight(torch.autograd.Function):
+    """Binary weight with the proxy's value ``α·sign(W)`` and XNOR-Net's gradient, in one
+    node: ``Σ_j g_j sign(W_j)/n · sign(W_i) + α g_i 1{|W_i| <= 1}`` per slice along
+    ``axis`` with ``α = mean|W|`` (the closed form of ``ste.binary_weight``)."""
+
+    @staticmethod
+    def forward(ctx, w, value, axis):
+        ctx.save_for_backward(w)
+        ctx.axis = axis
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        axis = ctx.axis
+        dims = tuple(range(w.dim())) if axis is None else tuple(d for d in range(w.dim()) if d != axis % w.dim())
+        keep = axis is not None
+        sgn = torch.where(w >= 0, 1.0, -1.0).to(w.dtype)
+        n = w.numel() // (w.shape[axis] if keep else 1)
+        alpha = w.abs().mean(dim=dims, keepdim=keep)
+        gw = (g * sgn).sum(dim=dims, keepdim=keep) * sgn / n + alpha * g * (w.abs() <= 1)
+        return gw, None, None
+
+
 def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) -> Tensor:
     """Fake-quantize ``x`` with proxy ``q``'s parameters and the QAT surrogate gradient."""
     rule = q.scale_rule
@@ -85,6 +109,8 @@ def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) ->
         # activations are large: one autograd node, value and mask computed once
         return _MaskedValue.apply(x, q, scale, zero_point, threshold)
     value = q._fake(x.detach(), scale.detach(), zero_point, threshold)
+    if kind is Kind.BINARY and q.recipe.signed and is_weight and group is None and not scale.requires_grad:
+        return _XnorWeight.apply(x, value, axis)
     s_view = F.param_view(scale.to(x.dtype), x, axis, group)
     if kind is Kind.BINARY:
         if not q.recipe.signed:
