@@ -59,6 +59,7 @@ uint32_t CpuPaths() {
     if (vnni) paths |= kPathAvxVnni;
     // kPathAvx512 also uses the VNNI int kernels, so it needs them too
     if (vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512vpopcntdq")) {
       paths |= kPathAvx512;
     }
@@ -151,6 +152,14 @@ StageI32Kernel SelectStageI32Kernel(uint32_t path) {
 #endif
   (void)path;
   return StageI32Portable;
+}
+
+BinaryMicroKernel SelectBinaryColsKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx512) return x86::BinaryPopcountColsAvx512;
+#endif
+  (void)path;
+  return nullptr;
 }
 
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {

@@ -53,6 +53,9 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
+// Column-form binary kernel over transposed weights (PackedWeights::bits_cols); nullptr
+// when the path has none.  Same result as the row form.
+BinaryMicroKernel SelectBinaryColsKernel(uint32_t path);
 RequantKernel SelectRequantKernel(uint32_t path);
 
 // Threads (a small std::thread pool; no OpenMP, which would clash with torch's libgomp).

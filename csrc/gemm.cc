@@ -44,13 +44,13 @@ Status ValidateRescale(const Rescale& r, int64_t channels) {
   QDSL_CHECK_ARG(r.multiplier != nullptr && r.shift != nullptr, "rescale without multiplier/shift arrays");
   QDSL_CHECK_ARG(r.channels == 1 || r.channels == channels, "rescale has %lld channels, tensor has %lld",
                  (long long)r.channels, (long long)channels);
-  QDSL_CHECK_ARG(r.kind == RescaleKind::kFixed || r.kind == RescaleKind::kPot, "unknown rescale kind %d",
-                 static_cast<int>(r.kind));
+  QDSL_CHECK_ARG(r.kind == RescaleKind::kFixed || r.kind == RescaleKind::kPot || r.kind == RescaleKind::kFixedSingle,
+                 "unknown rescale kind %d", static_cast<int>(r.kind));
   const int rnd = static_cast<int>(r.rounding);
   QDSL_CHECK_ARG(rnd >= 0 && rnd <= 3, "unknown rounding code %d", rnd);
-  QDSL_CHECK_ARG(r.kind == RescaleKind::kPot || rnd == 0, "a FIXED rescale must use rounding 0 (half away)");
+  QDSL_CHECK_ARG(r.kind != RescaleKind::kFixed || rnd == 0, "a FIXED rescale must use rounding 0 (half away)");
   for (int64_t c = 0; c < r.channels; ++c) {
-    if (r.kind == RescaleKind::kFixed) {
+    if (r.kind != RescaleKind::kPot) {
       QDSL_CHECK_ARG(r.multiplier[c] >= 0, "FIXED multiplier %d is negative", r.multiplier[c]);
       QDSL_CHECK_ARG(r.shift[c] >= -31 && r.shift[c] <= 31, "FIXED shift %d outside [-31, 31]", r.shift[c]);
     } else {
@@ -226,19 +226,27 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
     return Status::Ok();
   }
   const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
+  const BinaryMicroKernel cols_kernel = w.bits_cols.empty() ? nullptr : SelectBinaryColsKernel(chosen);
   const int threads = NumThreads();
   const bool split_n = n >= 8 * threads || m < 2 * threads;
   const int tasks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, split_n ? n : m)));
   ParallelFor(tasks, [&](int t) {
     int64_t n0 = 0, n1 = n, m0 = 0, m1 = m;
     if (split_n) {
-      Split(n, tasks, t, 4, &n0, &n1);
+      Split(n, tasks, t, 8, &n0, &n1);
     } else {
       Split(m, tasks, t, 2, &m0, &m1);
     }
     if (n1 <= n0 || m1 <= m0) return;
+    if (cols_kernel) {  // transposed weights: column blocks of 256 keep the words in L1/L2
+      for (int64_t c = n0; c < n1; c += 256) {
+        const int64_t ce = std::min(n1, c + 256);
+        cols_kernel(a + m0 * lda, m1 - m0, lda, w.bits_cols.data() + c, ce - c, w.ncols_pad, w.kwords,
+                    acc.data() + m0 * ldc + c, ldc);
+      }
+    }
     // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
-    for (int64_t c = n0; c < n1; c += 64) {
+    for (int64_t c = n0; c < n1 && !cols_kernel; c += 64) {
       const int64_t ce = std::min(n1, c + 64);
       kernel(a + m0 * lda, m1 - m0, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
              acc.data() + m0 * ldc + c, ldc);

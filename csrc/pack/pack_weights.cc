@@ -120,7 +120,12 @@ Status PackBinaryWeights(const int8_t* wp, int64_t n, int64_t k, int64_t ldw, Pa
   w.bits = 1;
   w.kwords = (k + 63) / 64;
   w.bits_rows.assign(static_cast<size_t>(n * w.kwords + 4), 0);  // +4: vector over-read slack
-  return BitpackSigns(wp, n, k, ldw, w.bits_rows.data(), w.kwords);
+  QDSL_RETURN_IF_ERROR(BitpackSigns(wp, n, k, ldw, w.bits_rows.data(), w.kwords));
+  w.ncols_pad = (n + 7) / 8 * 8;
+  w.bits_cols.assign(static_cast<size_t>(w.kwords * w.ncols_pad + 8), 0);
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t j = 0; j < w.kwords; ++j) w.bits_cols[j * w.ncols_pad + c] = w.bits_rows[c * w.kwords + j];
+  return Status::Ok();
 }
 
 }  // namespace qdsl

@@ -90,7 +90,7 @@ void Pool(Ctx& c, const GraphOp& op, bool is_max) {
           }
         }
         const int64_t o = (pl * OH + oy) * OW + ox;
-        y[o] = static_cast<uint8_t>(is_max ? acc : ApplyStage(acc, *st, 0));
+        y[o] = static_cast<uint8_t>(is_max ? acc : ApplyStage(acc, *st, pl % xs[1]));
         (void)yd;
       }
     }
@@ -264,7 +264,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         for (int64_t pl = 0; pl < planes; ++pl) {
           int64_t acc = 0;
           for (int64_t j = 0; j < sp; ++j) acc += Get(x, xd, pl * sp + j) - zp;
-          y[pl] = static_cast<uint8_t>(ApplyStage(acc, op.prepared->out.stage, 0));
+          y[pl] = static_cast<uint8_t>(ApplyStage(acc, op.prepared->out.stage, pl % xs[1]));
         }
         break;
       }

@@ -96,7 +96,7 @@ Status ReadStage(const GraphOp& op, int index, int64_t channels, int out_dtype, 
     OP_CHECK(m[i] >= INT32_MIN && m[i] <= INT32_MAX && s[i] >= -64 && s[i] <= 64, "rescale value out of range");
   }
   const int64_t kind = a.at("rq_kind").i, rounding = a.at("rq_rounding").i;
-  OP_CHECK(kind == 0 || kind == 1, "unknown rq_kind %lld", (long long)kind);
+  OP_CHECK(kind >= 0 && kind <= 2, "unknown rq_kind %lld", (long long)kind);
   OP_CHECK(rounding >= 0 && rounding <= 3, "unknown rq_rounding %lld", (long long)rounding);
   OutputStage& st = sd->stage;
   st.rescale.kind = static_cast<RescaleKind>(kind);
@@ -194,7 +194,8 @@ Status PrepareGraph(Graph* g) {
         int64_t lo, hi;
         Range(x.dtype, &lo, &hi);
         OP_CHECK(A.at("in_zp").i >= lo && A.at("in_zp").i <= hi, "in_zp outside the input dtype");
-        QDSL_RETURN_IF_ERROR(ReadStage(op, index, op.opcode == kRequantize ? channels : 1, out.dtype, &prep->out));
+        // REQUANTIZE and GLOBAL_AVGPOOL stages may be per channel (axis 1)
+        QDSL_RETURN_IF_ERROR(ReadStage(op, index, channels, out.dtype, &prep->out));
         if (op.opcode == kGlobalAvgpool) {
           OP_CHECK(shape.size() >= 3, "GLOBAL_AVGPOOL needs rank >= 3");
           for (size_t d = 2; d < shape.size(); ++d) shape[d] = 1;
@@ -229,7 +230,7 @@ Status PrepareGraph(Graph* g) {
           sd.shift = {static_cast<int32_t>(A.at("in_shift").ints[i])};
           OP_CHECK(A.at("in_multiplier").ints[i] >= 0 && A.at("in_multiplier").ints[i] <= INT32_MAX &&
                        std::llabs(A.at("in_shift").ints[i]) <= 64 && A.at("in_kind").ints[i] >= 0 &&
-                       A.at("in_kind").ints[i] <= 1 && A.at("in_rounding").ints[i] >= 0 && A.at("in_rounding").ints[i] <= 3,
+                       A.at("in_kind").ints[i] <= 2 && A.at("in_rounding").ints[i] >= 0 && A.at("in_rounding").ints[i] <= 3,
                    "per-input rescale %zu out of range", i);
           sd.stage.rescale.kind = static_cast<RescaleKind>(A.at("in_kind").ints[i]);
           sd.stage.rescale.rounding = static_cast<Rounding>(A.at("in_rounding").ints[i]);
@@ -290,8 +291,7 @@ Status PrepareGraph(Graph* g) {
           int64_t lo, hi;
           Range(x.dtype, &lo, &hi);
           OP_CHECK(A.at("in_zp").i >= lo && A.at("in_zp").i <= hi, "in_zp outside the input dtype");
-          QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &prep->out));
-          OP_CHECK(prep->out.multiplier.size() == 1, "AVGPOOL rescales are per tensor");
+          QDSL_RETURN_IF_ERROR(ReadStage(op, index, shape[1], out.dtype, &prep->out));
         }
         break;
       }

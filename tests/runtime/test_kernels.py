@@ -105,15 +105,15 @@ _CORNERS = [0, 1, -1, 2, -2, 3, 127, -128, 255, 1 << 15, -(1 << 15), (1 << 30) +
 
 
 @settings(max_examples=60, deadline=None)
-@given(kind=st.sampled_from([0, 1]), rounding=st.integers(0, 3), channels=st.sampled_from([1, 3, 8, 11]),
+@given(kind=st.sampled_from([0, 1, 2]), rounding=st.integers(0, 3), channels=st.sampled_from([1, 3, 8, 11]),
        seed=st.integers(0, 2**31), out_signed=st.booleans())
 def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_signed):
     from qdsl.export.ir import Rescale
     from qdsl.export.requant import apply_rescale
 
     rng = np.random.default_rng(seed)
-    if kind == 0:
-        rounding = 0
+    if kind in (0, 2):  # FIXED (gemmlowp, rounding 0) and FIXED_SINGLE (any rounding)
+        rounding = 0 if kind == 0 else rounding
         mult = rng.integers(0, 1 << 31, channels)
         mult[rng.random(channels) < 0.2] = (1 << 31) - 1
         shift = rng.integers(-31, 32, channels)

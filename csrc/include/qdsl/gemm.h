@@ -49,6 +49,10 @@ struct PackedWeights {
   // Binary: bit rows [n][kwords], bit = 1 means -1.
   int64_t kwords = 0;
   std::vector<uint64_t> bits_rows;
+  // The same bits transposed, [kwords][ncols_pad] with ncols_pad = n rounded up to 8
+  // (AVX-512 column kernel: one load = one word of 8 weight rows).
+  int64_t ncols_pad = 0;
+  std::vector<uint64_t> bits_cols;
 };
 
 // Weights given as zero-point-subtracted values W - w_zp [n][k] (row stride ldw), each in

@@ -8,11 +8,13 @@
 //   Rescale(x), x first saturated to int32:
 //     FIXED (m in [0, 2^31-1], s in [-31, 31], factor m * 2^(-31-s)):
 //        t = sat32(x * 2^max(-s,0));  r = RDBP(SRDHM(t, m), max(s,0))
+//     FIXED_SINGLE (kind 2; m, s as FIXED, one rounding with the stated mode):
+//        t = sat32(x * 2^max(-s,0));  r = sat32(RoundShift(t * m, 31 + max(s,0)))   (t*m exact in int64)
 //     POT (s in [-31, 62], factor 2^-s):
 //        s <= 0: r = sat32(x * 2^-s)
-//        s > 0:  f = x >> s, rem = x - (f << s), h = 2^(s-1)
-//                HALF_AWAY f + (rem > h || (rem == h && x >= 0));  HALF_EVEN f + (rem > h || (rem == h && f odd))
-//                FLOOR f;  HALF_UP f + (rem >= h);   then sat32
+//        s > 0:  r = sat32(RoundShift(x, s)), where RoundShift(v, s): f = v >> s, rem = v - (f << s),
+//                h = 2^(s-1); HALF_AWAY f + (rem > h || (rem == h && v >= 0));
+//                HALF_EVEN f + (rem > h || (rem == h && f odd)); FLOOR f; HALF_UP f + (rem >= h)
 //   OutputStage: y = clamp(Rescale(acc) + zero_point, qmin, qmax)   (zero point after the rescale)
 #ifndef QDSL_REQUANT_H_
 #define QDSL_REQUANT_H_
@@ -21,7 +23,7 @@
 
 namespace qdsl {
 
-enum class RescaleKind : int32_t { kFixed = 0, kPot = 1 };
+enum class RescaleKind : int32_t { kFixed = 0, kPot = 1, kFixedSingle = 2 };
 enum class Rounding : int32_t { kHalfAway = 0, kHalfEven = 1, kFloor = 2, kHalfUp = 3 };
 
 struct Rescale {
@@ -54,25 +56,31 @@ inline int32_t RoundingDivideByPOT(int32_t x, int exponent) {
   return (x >> exponent) + (remainder > threshold ? 1 : 0);
 }
 
-inline int64_t RescaleOne(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
-  x = Sat32(x);
-  if (kind == RescaleKind::kFixed) {
-    const int left = s < 0 ? -s : 0, right = s > 0 ? s : 0;
-    const int32_t t = static_cast<int32_t>(Sat32(x * (int64_t{1} << left)));
-    return RoundingDivideByPOT(SaturatingRoundingDoublingHighMul(t, m), right);
-  }
-  if (s <= 0) return Sat32(x * (int64_t{1} << -s));  // |x| <= 2^31, -s <= 31: no int64 overflow
-  const int64_t f = x >> s;  // arithmetic (flooring) shift
-  const int64_t rem = x - f * (int64_t{1} << s);
+// v / 2^s rounded per `rounding`, s in [1, 62], v an int64 (docs/qgraph.md §4.1, POT rule).
+inline int64_t RoundShift(int64_t v, int s, Rounding rounding) {
+  const int64_t f = v >> s;  // arithmetic (flooring) shift
+  const int64_t rem = v & ((int64_t{1} << s) - 1);
   const int64_t h = int64_t{1} << (s - 1);
   bool up = false;
   switch (rounding) {
-    case Rounding::kHalfAway: up = rem > h || (rem == h && x >= 0); break;
+    case Rounding::kHalfAway: up = rem > h || (rem == h && v >= 0); break;
     case Rounding::kHalfEven: up = rem > h || (rem == h && (f & 1)); break;
     case Rounding::kFloor: up = false; break;
     case Rounding::kHalfUp: up = rem >= h; break;
   }
-  return Sat32(f + (up ? 1 : 0));
+  return f + (up ? 1 : 0);
+}
+
+inline int64_t RescaleOne(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
+  x = Sat32(x);
+  if (kind != RescaleKind::kPot) {
+    const int left = s < 0 ? -s : 0, right = s > 0 ? s : 0;
+    const int32_t t = static_cast<int32_t>(Sat32(x * (int64_t{1} << left)));
+    if (kind == RescaleKind::kFixedSingle) return Sat32(RoundShift(static_cast<int64_t>(t) * m, 31 + right, rounding));
+    return RoundingDivideByPOT(SaturatingRoundingDoublingHighMul(t, m), right);
+  }
+  if (s <= 0) return Sat32(x * (int64_t{1} << -s));  // |x| <= 2^31, -s <= 31: no int64 overflow
+  return Sat32(RoundShift(x, s, rounding));
 }
 
 inline int32_t ApplyStage(int64_t acc, const OutputStage& st, int64_t channel) {

@@ -28,6 +28,9 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 // AVX-512 VPOPCNTDQ (csrc/kernels/x86/bgemm_2x4_avx512.cc), same contract as the AVX2 one.
 void BinaryPopcountAvx512(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                           int64_t kwords, int32_t* pc, int64_t ldc);
+// Column form: wt[j][n] transposed weight words (row stride ldwt >= n, columns padded to 8).
+void BinaryPopcountColsAvx512(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* wt, int64_t n,
+                              int64_t ldwt, int64_t kwords, int32_t* pc, int64_t ldc);
 void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                         int64_t kwords, int32_t* pc, int64_t ldc);
 bool RequantAvx2Supports(const OutputStage& stage);
