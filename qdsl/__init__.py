@@ -51,6 +51,8 @@ _LAZY = {
     "save_graph": "qdsl.export:save_graph",
     "load_graph": "qdsl.export:load_graph",
     "run_graph": "qdsl.export:run_graph",
+    # low-bit PTQ
+    "sensitivity": "qdsl.ptq:sensitivity",
     # lint
     "lint": "qdsl.lint:lint",
     "load_profile": "qdsl.lint:load_profile",

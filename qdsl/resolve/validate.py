@@ -11,8 +11,8 @@ built-in default.
 
 Built-in defaults (provenance "built-in default"): kind int; bits 8 (binary 1, ternary
 2; a bias whose scale is ``input*weight`` gets 32); signed true; narrow_range false;
-symmetric true; scale float; granularity tensor; observer minmax (binary and ternary:
-mean_abs); rounding half_even; dynamic false.  ``channel`` without an axis means axis
+symmetric true; scale float; granularity tensor; observer auto (min/max at >= 8 bits,
+bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false.  ``channel`` without an axis means axis
 0 for weight and bias (output channels) and axis 1 for input and output (the channel
 dimension of NC... activations).
 
@@ -76,7 +76,10 @@ def builtin_value(field: str, role: Role, kind: Kind, scale: str | None) -> Any:
     if field == "granularity":
         return Granularity(GranularityKind.TENSOR)
     if field == "observer":
-        return ObserverSpec("mean_abs" if kind in (Kind.BINARY, Kind.TERNARY) else "minmax")
+        # "auto" is min/max at >= 8 bits and the bit-aware range search below (per-channel
+        # MSE for weights, histogram search for activations): the right default for
+        # low-bit PTQ, identical to min/max where min/max is already good.
+        return ObserverSpec("mean_abs" if kind in (Kind.BINARY, Kind.TERNARY) else "auto")
     if field == "rounding":
         return "half_even"
     raise KeyError(field)

@@ -241,7 +241,7 @@ def test_builtin_defaults_depend_on_kind_and_role(resnet):
     fc = resolve(resnet, s).layer("fc")
     w, b, x = fc.recipe("weight"), fc.recipe("bias"), fc.recipe("input")
     assert (w.bits, w.observer.name, w.granularity.axis) == (1, "mean_abs", 0)
-    assert x.granularity.axis == 1 and x.observer.name == "minmax" and x.bits == 8
+    assert x.granularity.axis == 1 and x.observer.name == "auto" and x.bits == 8
     assert (b.bits, b.signed, b.symmetric) == (32, True, True)
     assert fc.provenance[(Role.BIAS, "bits")].set_by.label == "built-in default"
 
