@@ -134,7 +134,11 @@ def _seeded(model: nn.Module, seed: int | None) -> nn.Module:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * (0.5 / max(1, p[0].numel()) ** 0.5) if p.dim() > 1 else p)
+                # kernels: scaled normal (fan-in); 1-D (biases; BN is set below): small normal,
+                # so the whole model depends on ``seed`` alone, not on torch's global RNG
+                fan_in = p[0].numel() if p.dim() > 1 else 1
+                std = (0.5 / fan_in) ** 0.5 if p.dim() > 1 else 0.01
+                p.copy_(torch.randn(p.shape, generator=g) * std)
             for m in model.modules():
                 if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
                     m.running_mean.copy_(torch.randn(m.num_features, generator=g) * 0.1)
