@@ -88,7 +88,8 @@ def accumulator_rows(graph, x) -> list[tuple[str, int, int, int, int, int, int]]
             continue
         a = op.attrs
         w_t = graph.tensor(op.inputs[1])
-        w = w_t.data.astype(np.int64) - np.asarray(a["w_zp"], dtype=np.int64).reshape((-1,) + (1,) * (w_t.data.ndim - 1))
+        w_zp = np.asarray(a["w_zp"], dtype=np.int64).reshape((-1,) + (1,) * (w_t.data.ndim - 1))
+        w = w_t.data.astype(np.int64) - w_zp
         bias = graph.tensor(op.inputs[2]).data.astype(np.int64) if len(op.inputs) > 2 else None
         lo, hi = _input_range(graph, op.inputs[0])
         lo, hi = lo - a["in_zp"], hi - a["in_zp"]
@@ -107,7 +108,8 @@ def accumulator_rows(graph, x) -> list[tuple[str, int, int, int, int, int, int]]
             acc = F.linear(xin, wt, bt)
         else:
             conv = F.conv1d if op.type is OpType.CONV1D else F.conv2d
-            acc = conv(xin, wt, bt, stride=a["stride"], padding=a["padding"], dilation=a["dilation"], groups=a["groups"])
+            acc = conv(xin, wt, bt, stride=a["stride"], padding=a["padding"], dilation=a["dilation"],
+                       groups=a["groups"])
         seen = bits_for(int(acc.min()), int(acc.max()))
         rows.append((op.name, fan_in, worst, exact, seen, int(a["acc_bits"]), res.overflow.get(op.name, 0)))
     return rows

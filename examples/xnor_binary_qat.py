@@ -74,7 +74,8 @@ def qat(model, data, epochs: int, lr: float, log) -> list[float]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=lr)
     batch = 64
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=epochs * ((len(x_train) + batch - 1) // batch))
+    steps = epochs * ((len(x_train) + batch - 1) // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps)
     g = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     accs = []

@@ -110,7 +110,8 @@ def test_pot_conv1d_asic_quick(capsys, one_thread):
     assert list(shifts) == ["features.0", "features.3", "features.6", "pool", "classifier"], out
     assert all(re.fullmatch(r"(>>\d+|0)(, >>\d+)* -> (I8|I32)", v[1]) for v in shifts.values()), out
     assert shifts["features.0"][1].endswith("-> I8") and shifts["pool"][1].endswith("-> I8"), out
-    acc_rows = tables["op | fan-in | worst case (bit widths) | exact bound (weights+bias) | observed | budget | saturated"]
+    acc_header = "op | fan-in | worst case (bit widths) | exact bound (weights+bias) | observed | budget | saturated"
+    acc_rows = tables[acc_header]
     assert list(acc_rows) == ["features.0", "features.3", "features.6", "classifier"], out
     for name, (fan_in, worst, exact, seen, budget, saturated) in acc_rows.items():
         assert int(seen) <= int(exact) <= int(worst), (name, out)
