@@ -126,7 +126,7 @@ def _out_scale(model, fqn):
 
 
 CASES = {
-    "digits_resnet": (lambda: digits_resnet(seed=0), "fc", lambda d: (d[0][:256], d[2][:200])),
+    "digits_resnet": (lambda: digits_resnet(seed=0), "fc", lambda d: (d[0][:256], d[2])),
     "conv1d_net": (lambda: conv1d_net(seed=0), "classifier",
                    lambda d: (lambda x: (x[:256], x[1500:1800]))(synthetic_keywords(n=1800)[0])),
 }
@@ -149,10 +149,12 @@ def test_pot_spec_is_bit_exact(case, wbits, digits_data):
 
 
 # gemmlowp's two roundings flip ~2^-right of each layer's codes and the flips compound
-# through the network (measured: ~3 % of Conv1dNet's and ~13 % of the 10-layer ResNet's
-# output codes, each by exactly 1); one rounding in the quantizer's own mode (FIXED_SINGLE)
-# leaves only the fake-quant model's own float32 rounding: well under 0.5 %.
-LIMITS = {"gemmlowp": 0.25, "single": 0.005}
+# through the network (measured: 2-3 % of Conv1dNet's and 14-21 % of the 10-layer ResNet's
+# output codes, each by exactly 1, depending on the weights); one rounding in the
+# quantizer's own mode (FIXED_SINGLE) leaves only the fake-quant model's own float32
+# rounding near ties (measured 0 % and 0.16-0.27 %; a 200-image subset once gave 0.55 %,
+# so the ResNet case uses all 449 test images).
+LIMITS = {"gemmlowp": 0.35, "single": 0.005}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
