@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${QDSL_SAN_DIR:-$(mktemp -d)}"
+mkdir -p "$OUT"
 SRCS=$(find . -name '*.cc' -not -path './tests/*' -not -path './bindings/*')
 FLAGS="-std=c++17 -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined -Iinclude -I."
 # shellcheck disable=SC2086

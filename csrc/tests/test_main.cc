@@ -50,7 +50,8 @@ void TestGemm(std::mt19937& rng) {
           o.ld = n;
           o.data = want.data();
           EXPECT(qdsl::Gemm(av, pw, nullptr, o, qdsl::kPathRef).ok(), "ref gemm");
-          for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}}) {
+          for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}, uint32_t{qdsl::kPathAvxVnni},
+                                 uint32_t{qdsl::kPathAvx512}}) {
             if (!(qdsl::CpuPaths() & path)) continue;
             o.data = got.data();
             EXPECT(qdsl::Gemm(av, pw, nullptr, o, path).ok(), "gemm path %u", path);
@@ -82,7 +83,8 @@ void TestBinary(std::mt19937& rng) {
             for (int c = 0; c < k; ++c) dot += a[i * k + c] * w[j * k + c];
             EXPECT(want[i * n + j] == dot, "binary ref dot");
           }
-        for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}}) {
+        for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}, uint32_t{qdsl::kPathAvxVnni},
+                                 uint32_t{qdsl::kPathAvx512}}) {
           if (!(qdsl::CpuPaths() & path)) continue;
           o.data = got.data();
           EXPECT(qdsl::BinaryGemm(bits.data(), m, kw, pw, nullptr, o, path).ok(), "binary path");
@@ -92,13 +94,13 @@ void TestBinary(std::mt19937& rng) {
 }
 
 void TestRequant(std::mt19937& rng) {
-  for (int kind = 0; kind < 2; ++kind)
+  for (int kind = 0; kind < 3; ++kind)
     for (int rounding = 0; rounding < (kind ? 4 : 1); ++rounding) {
       const int ch = 11, rows = 5;
       std::vector<int32_t> mult(ch), shift(ch), acc(rows * ch);
       for (int c = 0; c < ch; ++c) {
-        mult[c] = kind ? 1 : static_cast<int32_t>((1u << 30) + rng() % (1u << 30));
-        shift[c] = kind ? static_cast<int32_t>(rng() % 20) : static_cast<int32_t>(rng() % 63) - 31;
+        mult[c] = kind == 1 ? 1 : static_cast<int32_t>((1u << 30) + rng() % (1u << 30));
+        shift[c] = kind == 1 ? static_cast<int32_t>(rng() % 20) : static_cast<int32_t>(rng() % 63) - 31;
       }
       for (auto& v : acc) v = static_cast<int32_t>(rng());
       acc[0] = INT32_MIN;
@@ -109,7 +111,8 @@ void TestRequant(std::mt19937& rng) {
       st.zero_point = 3;
       std::vector<int8_t> want(acc.size()), got(acc.size());
       EXPECT(qdsl::Requantize(acc.data(), rows, ch, st, want.data(), qdsl::DType::kInt8, qdsl::kPathRef).ok(), "req");
-      for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}}) {
+      for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}, uint32_t{qdsl::kPathAvxVnni},
+                                 uint32_t{qdsl::kPathAvx512}}) {
         if (!(qdsl::CpuPaths() & path)) continue;
         EXPECT(qdsl::Requantize(acc.data(), rows, ch, st, got.data(), qdsl::DType::kInt8, path).ok(), "req path");
         EXPECT(got == want, "requant path %u kind %d rounding %d differs", path, kind, rounding);
