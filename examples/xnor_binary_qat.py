@@ -17,9 +17,10 @@ What it shows:
 The model is :class:`qdsl.testing.models.ConvBnReluNet` with its ReLUs replaced by
 Hardtanh.  That matters: a binary activation is ``sign(x)`` with ``sign(0) = +1``, so
 after a ReLU every code is +1 and the binary layers see a constant input (the ReLU
-models in ``qdsl.testing.models`` stay at chance level, ~10%, under this spec).
+models in ``qdsl.testing.models`` stay at chance level, ~10%, under this spec; see it
+with ``--activation relu``).
 
-Run: ``python examples/xnor_binary_qat.py [--quick] [--epochs N] [--lr LR]``.
+Run: ``python examples/xnor_binary_qat.py [--quick] [--epochs N] [--lr LR] [--activation relu]``.
 """
 
 from __future__ import annotations
@@ -35,21 +36,28 @@ from pathlib import Path
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "xnor-binary.qspec"
 
 
-def binary_digits_cnn(width: int = 32):
-    """ConvBnReluNet for 1×8×8 digits with Hardtanh activations (a distinct class, so the
-    float-training cache of ``qdsl.testing.train`` never confuses it with the ReLU net)."""
+ACTIVATIONS = ("hardtanh", "relu")
+
+
+def binary_digits_cnn(width: int = 32, activation: str = "hardtanh"):
+    """ConvBnReluNet for 1×8×8 digits with the given activation.  Each activation gets its
+    own class name: the float-training cache of ``qdsl.testing.train`` keys on the class
+    and the parameters, which an activation swap leaves unchanged."""
     from torch import nn
 
     from qdsl.testing.models import ConvBnReluNet
 
-    class HardtanhDigitsCNN(ConvBnReluNet):
+    act = {"hardtanh": nn.Hardtanh, "relu": nn.ReLU}[activation]
+
+    class DigitsCNN(ConvBnReluNet):
         def __init__(self, width: int):
             super().__init__(in_ch=1, width=width, num_classes=10)
             for i, m in enumerate(self.features):
                 if isinstance(m, nn.ReLU):
-                    self.features[i] = nn.Hardtanh()
+                    self.features[i] = act()
 
-    return HardtanhDigitsCNN(width)
+    DigitsCNN.__name__ = DigitsCNN.__qualname__ = f"{act.__name__}DigitsCNN"
+    return DigitsCNN(width)
 
 
 def _state_dict_bytes(model) -> int:
@@ -103,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="3 QAT epochs (smoke test)")
     parser.add_argument("--epochs", type=int, default=None, help="QAT epochs (default 8, 3 with --quick)")
     parser.add_argument("--lr", type=float, default=5e-3, help="peak QAT learning rate")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default="hardtanh",
+                        help="relu shows why a ReLU network cannot learn with sign() activations")
     parser.add_argument("--spec", default=str(SPEC))
     args = parser.parse_args(argv)
     epochs = args.epochs if args.epochs is not None else (3 if args.quick else 8)
@@ -123,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     x_train, y_train, x_test, y_test = data
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    float_model = train_float(binary_digits_cnn(), x_train, y_train, epochs=4, lr=0.01, seed=0)
+    float_model = train_float(binary_digits_cnn(activation=args.activation), x_train, y_train, epochs=4, lr=0.01, seed=0)
     float_acc = evaluate(float_model, x_test, y_test)
-    rows.append(("float", f"{float_acc * 100:.2f}%", f"Hardtanh ConvBnReluNet, {len(x_test)} test digits, "
-                 f"trained in {time.perf_counter() - t0:.1f} s (cached on disk)"))
+    rows.append(("float", f"{float_acc * 100:.2f}%", f"{type(float_model).__name__}, {len(x_test)} test digits, "
+                 f"{time.perf_counter() - t0:.1f} s to train (or load from the on-disk cache)"))
 
     model = copy.deepcopy(float_model)
     handle = qdsl.apply(model, args.spec)

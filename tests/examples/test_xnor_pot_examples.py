@@ -3,7 +3,7 @@
 Each runs its example's ``main(["--quick"])`` end to end and checks the printed figures:
 
 * xnor: binary QAT recovers from the calibration-only accuracy to >= 85 % on digits
-  (measured 96.7-96.9 % in the quick run), the C++ runtime equals the reference executor
+  (measured 96.7-97.1 % in the quick run), the C++ runtime equals the reference executor
   bit for bit, the integer graph agrees with the fake-quant model on >= 97 % of top-1
   (measured 99.8-100 %), and the ``.qgraph`` is > 10x smaller than the float weights.
 * pot: lint clean against pot-asic-24bit-acc, C++ == reference, integer graph == fake-quant
