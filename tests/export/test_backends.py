@@ -21,9 +21,24 @@ def test_cpp_equals_reference_on_exported_graphs(spec):
     qdsl.apply(model, qdsl.load_spec(f"specs/{spec}.qspec"))
     qdsl.calibrate(model, [xtr[:256]])
     qdsl.freeze(model)
-    graph = export(model, xte[:2])
     x = xte[:100].numpy()
-    np.testing.assert_array_equal(run_graph(graph, x, backend="cpp"), execute(graph, x).outputs[0])
+    for requant in ("gemmlowp", "single"):
+        graph = export(model, xte[:2], requant=requant)
+        np.testing.assert_array_equal(run_graph(graph, x, backend="cpp"), execute(graph, x).outputs[0])
+
+
+def test_cpp_equals_reference_with_raw_accumulator_pooling():
+    from qdsl.testing.data import synthetic_keywords
+    from qdsl.testing.models import conv1d_net
+
+    x = synthetic_keywords(n=300)[0]
+    model = conv1d_net(seed=0).eval()
+    qdsl.apply(model, qdsl.load_spec("specs/int8-default.qspec"))
+    qdsl.calibrate(model, [x[:200]])
+    qdsl.freeze(model)
+    graph = export(model, x[:2], requant="single")
+    xs = x[200:].numpy()
+    np.testing.assert_array_equal(run_graph(graph, xs, backend="cpp"), execute(graph, xs).outputs[0])
 
 
 def test_cpp_equals_reference_on_binary_graph():
