@@ -23,7 +23,7 @@ The numeric codes of :class:`DType`, :class:`OpType`, :class:`RescaleKind`,
 from __future__ import annotations
 
 import enum
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import attrs
 import numpy as np
@@ -428,9 +428,3 @@ class IntegerGraph:
             lines.append(f"  {i:3d} {op.type.name:<15} {op.name:<28} {', '.join(op.inputs)} -> {', '.join(op.outputs)}")
         return "\n".join(lines)
 
-
-def iter_consumers(graph: IntegerGraph, name: str) -> Iterable[tuple[int, Op]]:
-    """(index, op) of every op that reads tensor ``name``."""
-    for i, op in enumerate(graph.ops):
-        if name in op.inputs:
-            yield i, op

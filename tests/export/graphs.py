@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor
+from qdsl.export.ir import DType, IntegerGraph, Op, OutputStage, Rescale, Tensor
 from qdsl.export.validate import infer_output
 
 
