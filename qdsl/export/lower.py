@@ -126,6 +126,13 @@ _ADDS = (operator.add, operator.iadd, torch.add)
 _RESHAPES_F = (torch.flatten, torch.reshape)
 _RELU_F = (F.relu, torch.relu, F.relu6, F.hardtanh)
 _SHAPE_METHODS = ("size", "dim")
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)
+# functional pool -> (module class, positional options it shares with the constructor)
+_FUNCTIONAL_POOLS = {
+    F.max_pool1d: (nn.MaxPool1d, 4), F.max_pool2d: (nn.MaxPool2d, 4),
+    F.avg_pool1d: (nn.AvgPool1d, 5), F.avg_pool2d: (nn.AvgPool2d, 6),
+    F.adaptive_avg_pool1d: (nn.AdaptiveAvgPool1d, 1), F.adaptive_avg_pool2d: (nn.AdaptiveAvgPool2d, 1),
+}
 
 
 class _Lowerer:
@@ -248,17 +255,20 @@ class _Lowerer:
             return self.relu(x, 0.0, math.inf, fqn)
         if isinstance(m, nn.Flatten):
             return self.reshape(x, shape, fqn)
-        if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
-            return self.maxpool(x, m, shape, fqn)
-        if isinstance(m, (nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
-            # an unquantized layer result is pooled from its int32 accumulator, the pool's
-            # per-channel stage applying s_acc[c] / (area · s_out) with one rounding
-            if isinstance(x, Pending):
-                v, scales = raw(self.b, x, fqn)
-                return pool_pending(fqn, m, v, shape, scales)
-            return pool_pending(fqn, m, self.need_q(x, fqn, "average pool"), shape)
+        if isinstance(m, _POOLS):
+            return self.pool(x, m, shape, fqn)
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
                           "skip the layers from here on in the spec and run them in float after the graph")
+
+    def pool(self, x: Any, m: nn.Module, shape, where: str) -> Any:
+        if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
+            return self.maxpool(x, m, shape, where)
+        # an unquantized layer result is pooled from its int32 accumulator, the pool's
+        # per-channel stage applying s_acc[c] / (area · s_out) with one rounding
+        if isinstance(x, Pending):
+            v, scales = raw(self.b, x, where)
+            return pool_pending(where, m, v, shape, scales)
+        return pool_pending(where, m, self.need_q(x, where, "average pool"), shape)
 
     def need_layer_input(self, x: Any, fqn: str, patch) -> QVal:
         if patch is None or patch.wq is None:
@@ -288,6 +298,15 @@ class _Lowerer:
                 hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
                 return self.relu(args[0], float(lo), float(hi), where)
             return self.relu(args[0], 0.0, math.inf, where)
+        if fn in _FUNCTIONAL_POOLS:
+            module_type, n_positional = _FUNCTIONAL_POOLS[fn]
+            if len(args) - 1 > n_positional:
+                raise ExportError(where, f"pass the options of {fn.__name__} by keyword ('{node.name}')")
+            try:  # same parameter names (and leading order) as the module's constructor
+                m = module_type(*args[1:], **kwargs)
+            except TypeError as e:
+                raise ExportError(where, f"{fn.__name__} options not understood: {e}") from None
+            return self.pool(args[0], m, self.shape(node), where)
         if fn is torch.cat:
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             return concat_value(self.b, where, list(args[0]), dim, self.shape(node))

@@ -119,3 +119,29 @@ def test_concat_of_differently_scaled_branches_is_bit_exact_for_pot():
     with torch.no_grad():
         fq = model(X).numpy()
     assert (execute(graph, X.numpy()).outputs[0] == fq).all()
+
+
+class FunctionalPools(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.c2 = nn.Conv2d(4, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        x = torch.nn.functional.max_pool2d(torch.relu(self.c1(x)), 2)
+        x = torch.nn.functional.adaptive_avg_pool2d(torch.relu(self.c2(x)), 1)
+        return self.fc(x.view(x.size(0), -1))
+
+
+def test_functional_pools_and_view_export_bit_exact():
+    torch.manual_seed(0)
+    model = prepared(FunctionalPools(), "rule fc {\n  output = a\n}")
+    graph = export(model, X[:1])
+    types = [op.type for op in graph.ops]
+    assert OpType.MAXPOOL2D in types and OpType.GLOBAL_AVGPOOL in types
+    from qdsl.export import execute
+
+    with torch.no_grad():
+        fq = model(X).numpy()
+    assert (execute(graph, X.numpy()).outputs[0] == fq).all()
