@@ -145,3 +145,17 @@ def test_functional_pools_and_view_export_bit_exact():
     with torch.no_grad():
         fq = model(X).numpy()
     assert (execute(graph, X.numpy()).outputs[0] == fq).all()
+
+
+class TokenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc(x.view(x.size(0), 8, 8))
+
+
+def test_linear_on_a_sequence_is_rejected_with_the_layer_name():
+    with pytest.raises(ExportError, match=r"'fc'.*rank-3 input"):
+        export(prepared(TokenLinear()), X[:1])
