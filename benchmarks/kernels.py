@@ -38,6 +38,7 @@ def _ort_matmul_integer(a, w_t):
                               [helper.make_tensor_value_info("Y", TensorProto.INT32, (a.shape[0], w_t.shape[1]))],
                               [helper.make_tensor("B", TensorProto.INT8, w_t.shape, w_t.tobytes(), raw=True)])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8  # onnxruntime reads older IR versions than onnx writes
     return ort, model.SerializeToString()
 
 

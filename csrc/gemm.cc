@@ -116,8 +116,11 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   }
   const IntMicroKernel kernel = SelectIntMicroKernel(w.format, chosen);
   // int8-range weights use the exact u8 x s8 VNNI kernel where the CPU has it
-  const VnniMicroKernel vnni = w.colsum.empty() ? nullptr : SelectVnniMicroKernel(true, chosen);
   const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
+  // int4/int2 widening only pays off when several row strips reuse a widened block; GEMV-like
+  // calls keep the in-register unpacking of the int16 kernel (half the bytes streamed).
+  const bool widen_ok = sub_bits == 0 || m > kMaxRows;
+  const VnniMicroKernel vnni = (w.colsum.empty() || !widen_ok) ? nullptr : SelectVnniMicroKernel(true, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   const int threads = NumThreads();

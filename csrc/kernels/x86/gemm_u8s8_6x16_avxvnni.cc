@@ -41,7 +41,44 @@ void Kernel(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads,
       acc[r][1] = _mm256_setzero_si256();
     }
   }
-  for (int64_t q = 0; q < kquads; ++q) {
+  int64_t q = 0;
+  if (MR <= 2) {
+    // Few rows: vpdpbusd accumulates in place (latency ~5 cycles), so two accumulators per
+    // row would serialize; odd k-quads go to a second set, summed at the end.
+    __m256i odd[MR][2];
+#pragma GCC unroll 2
+    for (int r = 0; r < MR; ++r) odd[r][0] = odd[r][1] = _mm256_setzero_si256();
+    for (; q + 2 <= kquads; q += 2) {
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64 + 32));
+      const __m256i c0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64 + 64));
+      const __m256i c1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64 + 96));
+#pragma GCC unroll 2
+      for (int r = 0; r < MR; ++r) {
+        int32_t quad0, quad1;
+        std::memcpy(&quad0, a + r * lda + 4 * q, 4);
+        std::memcpy(&quad1, a + r * lda + 4 * q + 4, 4);
+        const __m256i a0 = _mm256_set1_epi32(quad0), a1 = _mm256_set1_epi32(quad1);
+        if (kBroadcastUnsigned) {
+          acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], a0, b0);
+          acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], a0, b1);
+          odd[r][0] = _mm256_dpbusd_avx_epi32(odd[r][0], a1, c0);
+          odd[r][1] = _mm256_dpbusd_avx_epi32(odd[r][1], a1, c1);
+        } else {
+          acc[r][0] = _mm256_dpbusd_avx_epi32(acc[r][0], b0, a0);
+          acc[r][1] = _mm256_dpbusd_avx_epi32(acc[r][1], b1, a0);
+          odd[r][0] = _mm256_dpbusd_avx_epi32(odd[r][0], c0, a1);
+          odd[r][1] = _mm256_dpbusd_avx_epi32(odd[r][1], c1, a1);
+        }
+      }
+    }
+#pragma GCC unroll 2
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = _mm256_add_epi32(acc[r][0], odd[r][0]);
+      acc[r][1] = _mm256_add_epi32(acc[r][1], odd[r][1]);
+    }
+  }
+  for (; q < kquads; ++q) {
     const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64));
     const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + q * 64 + 32));
 #pragma GCC unroll 6
