@@ -11,12 +11,26 @@ from pathlib import Path
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 
 
+class _HardtanhNet(torch.nn.Module):
+    """conv-BN-hardtanh (binary activations of a ReLU output would be constant)."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, width, 3, padding=1, bias=False), torch.nn.BatchNorm2d(width), torch.nn.Hardtanh(),
+            torch.nn.Conv2d(width, width, 3, padding=1, bias=False), torch.nn.BatchNorm2d(width), torch.nn.Hardtanh())
+        self.classifier = torch.nn.Linear(width, 10)
+
+    def forward(self, x):
+        return self.classifier(self.features(x).mean((2, 3)))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("spec", ["int8-default.qspec", "xnor-binary.qspec"])
+@pytest.mark.parametrize("spec", ["int8-default.qspec", "pot-asic.qspec", "xnor-binary.qspec"])
 def test_compiled_qat_step_matches_eager(spec):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = conv_bn_relu_net(width=8)
+    model = _HardtanhNet() if spec.startswith("xnor") else conv_bn_relu_net(width=8)
     apply(model, SPECS / spec)
     x = torch.randn(8, 3, 16, 16)
     calibrate(model, [x])
