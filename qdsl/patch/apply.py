@@ -110,8 +110,8 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
             why = None
             if iq is None or wq is None:
                 why = "its input and its weight must both be quantized"
-            elif iq.kind is not Kind.INT or wq.kind is not Kind.INT:
-                why = "its input and weight must be int quantizers"
+            elif iq.kind is Kind.FLOAT or wq.kind is Kind.FLOAT:
+                why = "its input and weight must be quantized"
             elif iq.granularity.kind is not GranularityKind.TENSOR:
                 why = "the input needs one scale (granularity tensor)"
             elif wq.granularity.kind is GranularityKind.GROUP:
