@@ -40,8 +40,19 @@ def test_sentences_are_deterministic_and_distinct():
     assert {s.split()[0] for s in a} >= {"Yesterday", "Why", "Nobody"}
     assert all(any(subj in s.lower() for s in a) for subj in ex._SUBJECTS)
     assert ex.make_sentences(5) == a[:5]
-    with pytest.raises(ValueError, match="n must be in"):
-        ex.make_sentences(0)
+    assert len(set(ex.make_sentences(ex.MAX_SENTENCES))) == ex.MAX_SENTENCES  # the stride visits all
+    for bad in (0, ex.MAX_SENTENCES + 1):
+        with pytest.raises(ValueError, match="n must be in"):
+            ex.make_sentences(bad)
+
+
+def test_bad_arguments_are_usage_errors(capsys):
+    ex = _example()
+    for argv in (["--sentences", "0"], ["--calib", "199"], ["--calib", "0"]):
+        with pytest.raises(SystemExit) as info:
+            ex.main(argv)  # rejected before the model is loaded
+        assert info.value.code == 2
+        assert "error: --" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
