@@ -91,68 +91,77 @@ inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, bool wi
 }
 
 
-// VNNI form of the conv GEMM: u8 codes x_u (s8 shifted by +128) in [k][position] rows,
-// padding taps hold the zero point's code (so x_u - z_u = 0 there), then
-// acc = sum_k x_u w' - z_u * rowsum(w'), mod 2^32 like the reference.
-void VnniConv(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b, int64_t gi, int xdtype, int64_t P,
-              int64_t Pp, int64_t npanels, VnniMicroKernel vnni, int32_t* acc) {
-  thread_local std::vector<uint8_t> cols8, panels8;
+// Valid output columns [lo, hi) for kernel column kx: 0 <= ox*sw - pw + kx*dw < W.
+inline void ValidRange(const PreparedOp& p, const Geometry& e, int64_t kx, int64_t* off, int64_t* lo, int64_t* hi) {
+  *off = kx * p.dw - p.pw;
+  int64_t l = *off >= 0 ? 0 : (-*off + p.sw - 1) / p.sw;
+  int64_t h = (e.W - 1 - *off) < 0 ? 0 : (e.W - 1 - *off) / p.sw + 1;
+  l = std::min(l, e.OW);
+  *lo = l;
+  *hi = std::min(std::max(h, l), e.OW);
+}
+
+// Transposed im2col of images [b0, b0 + nb), group gi: row k = (c, ky, kx) holds, at
+// column bi * P + oy * OW + ox, the tap of image b0 + bi.  T is int16 (x - zp, padding 0)
+// or uint8 (the VNNI code x ^ flip, padding the zero point's code `pad`).
+template <typename T>
+void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+             int xdtype, T pad, int64_t P, int64_t Pp, T* cols) {
   const uint8_t flip = xdtype == kI8 ? 0x80 : 0;
-  const int32_t zu = p.in_zp + (xdtype == kI8 ? 128 : 0);
-  const int64_t kdim = e.kdim, kquads = p.kp / 4;
-  cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
-  panels8.resize(static_cast<size_t>(npanels * kquads * 64));
+  const int32_t zp = p.in_zp;
+  const int64_t sw = p.sw;  // locals: byte stores may alias anything, which would force reloads
   int64_t k = 0;
   for (int64_t c = 0; c < e.cg; ++c) {
-    const uint8_t* plane = x + ((b * e.C + gi * e.cg + c) * e.H) * e.W;
     for (int64_t ky = 0; ky < p.kh; ++ky) {
       for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
-        uint8_t* row = cols8.data() + k * Pp;
-        std::memset(row, zu, static_cast<size_t>(P));
-        const int64_t off = kx * p.dw - p.pw;
-        int64_t lo = off >= 0 ? 0 : (-off + p.sw - 1) / p.sw;
-        int64_t hi = (e.W - 1 - off) < 0 ? 0 : (e.W - 1 - off) / p.sw + 1;
-        lo = std::min(lo, e.OW);
-        hi = std::min(std::max(hi, lo), e.OW);
-        for (int64_t oy = 0; oy < e.OH; ++oy) {
-          const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
-          if (iy < 0 || iy >= e.H) continue;
-          const uint8_t* src = plane + iy * e.W;
-          uint8_t* dst = row + oy * e.OW;
-          // locals, not p.*: byte stores may alias anything, which would force reloads
-          const int64_t sw = p.sw;
-          if (sw == 1) {
-            std::memcpy(dst + lo, src + lo + off, static_cast<size_t>(hi - lo));
-            if (flip)
-              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] ^= 0x80;
-          } else {
-            for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<uint8_t>(src[ox * sw + off] ^ flip);
+        T* row = cols + k * Pp;
+        int64_t off, lo, hi;
+        ValidRange(p, e, kx, &off, &lo, &hi);
+        for (int64_t i = 0; i < nb * P; ++i) row[i] = pad;
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          const uint8_t* plane = x + (((b0 + bi) * e.C + gi * e.cg + c) * e.H) * e.W;
+          for (int64_t oy = 0; oy < e.OH; ++oy) {
+            const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
+            if (iy < 0 || iy >= e.H) continue;
+            const uint8_t* src = plane + iy * e.W;
+            T* dst = row + bi * P + oy * e.OW;
+            if (sizeof(T) == 1) {
+              if (sw == 1 && hi - lo >= 64) {  // long rows: libc copy, then the sign flip
+                std::memcpy(dst + lo, src + lo + off, static_cast<size_t>(hi - lo));
+                if (flip)
+                  for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(dst[ox] ^ 0x80);
+              } else if (sw == 1) {  // short rows (small images): 8 bytes per move, no call
+                const uint8_t* s1 = src + off;
+                const uint64_t flip8 = flip ? 0x8080808080808080ull : 0;
+                int64_t ox = lo;
+                for (; ox + 8 <= hi; ox += 8) {
+                  uint64_t v;
+                  std::memcpy(&v, s1 + ox, 8);
+                  v ^= flip8;
+                  std::memcpy(dst + ox, &v, 8);
+                }
+                for (; ox < hi; ++ox) dst[ox] = static_cast<T>(s1[ox] ^ flip);
+              } else {
+                for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(src[ox * sw + off] ^ flip);
+              }
+            } else if (xdtype == kU8) {
+              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(src[ox * sw + off] - zp);
+            } else {
+              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(static_cast<int8_t>(src[ox * sw + off]) - zp);
+            }
           }
         }
       }
     }
   }
-  (void)kdim;
-  PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, panels8.data());
-  const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
-  for (int64_t q = 0; q < npanels; ++q) {
-    for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
-      vnni(rows, w + o0 * p.kp, p.kp, panels8.data() + q * kquads * 64, kquads, acc + o0 * Pp + q * 16, Pp, false);
-    }
-  }
-  for (int64_t o = 0; o < e.og; ++o) {
-    const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[gi * e.og + o]);
-    int32_t* row = acc + o * Pp;
-    for (int64_t i = 0; i < P; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
-  }
 }
 
-// Int conv with the weights as the broadcast operand: acc[o][p] = W'[o][:] . X'[:, p], so
-// the GEMM output is already NCHW.  X' (x - in_zp, padding 0) is built transposed as
-// [k][position] rows, by row copies, then interleaved into 16-position int16 panels.
-// One task per (image, group); the stage runs vectorized per output channel row when no
-// overflow is possible (fast_stage), else element by element with exact overflow rules.
+// Int conv with the weights as the broadcast operand: acc[o][col] = W'[o][:] . X'[:, col],
+// with the columns of several small images side by side (>= ~512 per GEMM), so the GEMM
+// output rows are NCHW planes.  Two forms: VNNI (u8 codes, zero point via row sums:
+// acc = sum x_u w' - z_u rowsum, mod 2^32 like the reference) and int16 vpmaddwd.  The
+// stage runs vectorized per channel row when no overflow is possible (fast_acc), else
+// element by element with the exact acc_bits rules.
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
   const PreparedOp& p = *op.prepared;
   const Geometry e = Geo(g, op, batch);
@@ -160,94 +169,92 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const int out_dtype = g->tensors[op.outputs[0]].dtype;
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
-  const int64_t P = e.OH * e.OW, Pp = (P + 15) / 16 * 16, npanels = Pp / 16, kpairs = p.kp / 2;
+  const int64_t P = e.OH * e.OW;
+  const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(e.n, (512 + P - 1) / P));
+  const int64_t chunks = (e.n + per_task - 1) / per_task;
+  const int64_t kpairs = p.kp / 2, kquads = p.kp / 4;
   const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
   const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectVnniMicroKernel(false, path);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
-  const int tasks = static_cast<int>(e.n * p.groups);
+  const int tasks = static_cast<int>(chunks * p.groups);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
   ParallelFor(tasks, [&](int t) {
-    const int64_t b = t / p.groups, gi = t % p.groups;
-    thread_local std::vector<int16_t> cols, panels;
+    const int64_t chunk = t / p.groups, gi = t % p.groups;
+    const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
+    const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
     thread_local std::vector<int32_t> acc;
     acc.resize(static_cast<size_t>(e.og * Pp));
     if (vnni) {
-      VnniConv(x, p, e, b, gi, xt.dtype, P, Pp, npanels, vnni, acc.data());
+      thread_local std::vector<uint8_t> cols8, panels8;
+      const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+      cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
+      panels8.resize(static_cast<size_t>(npanels * kquads * 64));
+      Im2colT<uint8_t>(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
+      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, panels8.data());
+      const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
+      for (int64_t q = 0; q < npanels; ++q)
+        for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
+          vnni(rows, w + o0 * p.kp, p.kp, panels8.data() + q * kquads * 64, kquads, acc.data() + o0 * Pp + q * 16, Pp,
+               false);
+        }
+      for (int64_t o = 0; o < e.og; ++o) {
+        const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[gi * e.og + o]);
+        int32_t* row = acc.data() + o * Pp;
+        for (int64_t i = 0; i < cols_n; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
+      }
     } else {
-    cols.assign(static_cast<size_t>(p.kp * Pp), 0);
-    panels.resize(static_cast<size_t>(npanels * kpairs * 32));
-    int64_t k = 0;
-    for (int64_t c = 0; c < e.cg; ++c) {
-      const uint8_t* plane = x + ((b * e.C + gi * e.cg + c) * e.H) * e.W;
-      for (int64_t ky = 0; ky < p.kh; ++ky) {
-        for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
-          int16_t* row = cols.data() + k * Pp;
-          // valid ox: 0 <= ox*sw - pw + kx*dw < W
-          const int64_t off = kx * p.dw - p.pw;
-          int64_t lo = off >= 0 ? 0 : (-off + p.sw - 1) / p.sw;
-          int64_t hi = (e.W - 1 - off) < 0 ? 0 : (e.W - 1 - off) / p.sw + 1;
-          lo = std::min(lo, e.OW);
-          hi = std::min(std::max(hi, lo), e.OW);
-          for (int64_t oy = 0; oy < e.OH; ++oy) {
-            const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
-            if (iy < 0 || iy >= e.H) continue;  // stays 0
-            const uint8_t* src = plane + iy * e.W;
-            int16_t* dst = row + oy * e.OW;
-            const int64_t sw = p.sw;
-            const int32_t zp = p.in_zp;
-            if (xt.dtype == kU8) {
-              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<int16_t>(src[ox * sw + off] - zp);
-            } else {
-              for (int64_t ox = lo; ox < hi; ++ox)
-                dst[ox] = static_cast<int16_t>(static_cast<int8_t>(src[ox * sw + off]) - zp);
-            }
+      thread_local std::vector<int16_t> cols, panels;
+      cols.assign(static_cast<size_t>(p.kp * Pp), 0);
+      panels.resize(static_cast<size_t>(npanels * kpairs * 32));
+      Im2colT<int16_t>(x, p, e, b0, nb, gi, xt.dtype, 0, P, Pp, cols.data());
+      for (int64_t q = 0; q < npanels; ++q)
+        for (int64_t j = 0; j < kpairs; ++j) {
+          int16_t* dst = panels.data() + (q * kpairs + j) * 32;
+          const int16_t* r0 = cols.data() + (2 * j) * Pp + q * 16;
+          const int16_t* r1 = r0 + Pp;
+          for (int i = 0; i < 8; ++i) {
+            dst[2 * i] = r0[i];
+            dst[2 * i + 1] = r1[i];
+            dst[16 + 2 * i] = r0[8 + i];
+            dst[16 + 2 * i + 1] = r1[8 + i];
           }
         }
-      }
-    }
-    for (int64_t q = 0; q < npanels; ++q) {
-      for (int64_t j = 0; j < kpairs; ++j) {
-        int16_t* dst = panels.data() + (q * kpairs + j) * 32;
-        const int16_t* r0 = cols.data() + (2 * j) * Pp + q * 16;
-        const int16_t* r1 = r0 + Pp;
-        for (int i = 0; i < 8; ++i) {
-          dst[2 * i] = r0[i];
-          dst[2 * i + 1] = r1[i];
-          dst[16 + 2 * i] = r0[8 + i];
-          dst[16 + 2 * i + 1] = r1[8 + i];
+      const int16_t* w = p.w16[gi].data();
+      for (int64_t q = 0; q < npanels; ++q) {
+        const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data() + q * kpairs * 32);
+        for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
+          kernel(rows, w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
         }
       }
     }
-    const int16_t* w = p.w16[gi].data();
-    for (int64_t q = 0; q < npanels; ++q) {
-      const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data() + q * kpairs * 32);
-      for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
-        kernel(rows, w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
-      }
-    }
-    }
-    uint8_t* out = y + (b * e.O + gi * e.og) * P * (out_dtype == kI32 ? 4 : 1);
+    const int64_t esize = out_dtype == kI32 ? 4 : 1;
     for (int64_t o = 0; o < e.og; ++o) {
       const int64_t oc = gi * e.og + o;
       int32_t* row = acc.data() + o * Pp;
       if (p.fast_acc) {
         if (!p.bias.empty())
-          for (int64_t i = 0; i < P; ++i) row[i] += p.bias[oc];
+          for (int64_t i = 0; i < cols_n; ++i) row[i] += p.bias[oc];
         const Rescale& r = p.out.stage.rescale;
         OutputStage one = p.out.stage;
         const int64_t ch = r.channels == 1 ? 0 : oc;
         one.rescale.multiplier = r.multiplier + ch;
         one.rescale.shift = r.shift + ch;
         one.rescale.channels = 1;
-        if (out_dtype == kI32) {
-          stage_i32(row, P, one, reinterpret_cast<int32_t*>(out) + o * P);
-        } else {
-          requant(row, 1, P, Pp, one, 0, out + o * P, P, out_dtype == kI8);
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          uint8_t* out = y + ((b0 + bi) * e.O + oc) * P * esize;
+          if (out_dtype == kI32) {
+            stage_i32(row + bi * P, P, one, reinterpret_cast<int32_t*>(out));
+          } else {
+            requant(row + bi * P, 1, P, P, one, 0, out, P, out_dtype == kI8);
+          }
         }
       } else {
-        for (int64_t i = 0; i < P; ++i) Emit(row[i], p, oc, y, out_dtype == kI32, (b * e.O + oc) * P + i, &counts[t]);
+        for (int64_t bi = 0; bi < nb; ++bi)
+          for (int64_t i = 0; i < P; ++i)
+            Emit(row[bi * P + i], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
       }
     }
   });
