@@ -12,13 +12,12 @@
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 import warnings
 from typing import Any
 
 import numpy as np
 
+from qdsl._callable import make_callable
 from qdsl.export.ir import GraphFormatError, IntegerGraph
 from qdsl.export.qgraph import graph_from_bytes, graph_to_bytes, load_graph, save_graph
 from qdsl.export.reference import execute, run_reference
@@ -98,14 +97,4 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any
     return run_reference(graph, x)
 
 
-class _CallableModule(types.ModuleType):
-    """``qdsl.export`` is both this package and the public function ``qdsl.export(...)``:
-    once ``import qdsl.export...`` has run, Python binds the package as the attribute
-    ``qdsl.export``, shadowing the lazily exported function; making the package callable
-    keeps ``qdsl.export(model, example_input)`` working either way."""
-
-    def __call__(self, model: Any, example_input: Any, **kwargs: Any) -> IntegerGraph:
-        return export(model, example_input, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+make_callable(__name__, export)  # qdsl.export(model, x) keeps working (qdsl/_callable.py)
