@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import qdsl  # noqa: E402
 from qdsl.testing.train import evaluate, trained_digits_resnet  # noqa: E402
 
-SPEC = ROOT / "tests" / "ptq" / "specs" / "low-bit.qspec"
+SPEC = ROOT / "specs" / "low-bit.qspec"
 
 OPTIONS = {
     "range search only": ["bias_correction=false"],

@@ -5,7 +5,7 @@
 Prints a markdown table of test accuracy (%) at each bit width (weights and activations
 at the same width).  Both sides calibrate on the same 256 training inputs (seeded):
 
-* **qdsl**: ``tests/ptq/specs/low-bit.qspec`` with ``--set weight.bits=B input.bits=B``
+* **qdsl**: ``specs/low-bit.qspec`` with ``--set weight.bits=B input.bits=B``
   (auto observer: bit-aware range search below 8 bits; bias correction; BN folded;
   int32 bias) and the same with ``learned_rounding = "gptq"``.
 * **torch.ao**: ``prepare_fx`` (BN folded) with ``FakeQuantize`` everywhere:
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 from qdsl.ptq.sensitivity import ptq_metric  # noqa: E402
 from qdsl.testing.train import evaluate, trained_conv1d_net, trained_digits_resnet  # noqa: E402
 
-SPEC = ROOT / "tests" / "ptq" / "specs" / "low-bit.qspec"
+SPEC = ROOT / "specs" / "low-bit.qspec"
 
 
 def torchao_ptq(model, bits, xcal, xte, yte):

@@ -11,7 +11,7 @@ What it does, on DigitsResNet trained on scikit-learn's digits (nothing download
 
 The same from the command line::
 
-    qdsl sensitivity tests/ptq/specs/low-bit.qspec --model qdsl.testing.zoo:digits_resnet \\
+    qdsl sensitivity specs/low-bit.qspec --model qdsl.testing.zoo:digits_resnet \\
         --data qdsl.testing.zoo:digits --bits 3 --emit mixed.qspec --budget 3.5
 
 Run: ``python examples/ptq_mixed_precision.py [--budget 3.5]``.
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SPEC = ROOT / "tests" / "ptq" / "specs" / "low-bit.qspec"
+SPEC = ROOT / "specs" / "low-bit.qspec"
 
 
 def main(argv: list[str] | None = None) -> int:

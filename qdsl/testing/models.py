@@ -22,27 +22,37 @@ __all__ = [
     "Conv1dNet",
     "MLP",
     "conv_bn_relu_net",
+    "digits_binary_cnn",
     "digits_resnet",
     "conv1d_net",
     "mlp",
 ]
 
 
-class ConvBnReluNet(nn.Module):
-    """``in_ch×H×W`` images -> ``num_classes`` logits: (conv3x3-bn-relu) ×3, GAP, linear."""
+_ACTIVATIONS = {"relu": nn.ReLU, "hardtanh": nn.Hardtanh}
 
-    def __init__(self, in_ch: int = 3, width: int = 32, num_classes: int = 10):
+
+class ConvBnReluNet(nn.Module):
+    """``in_ch×H×W`` images -> ``num_classes`` logits: (conv3x3-bn-act) ×3, GAP, linear.
+
+    ``activation="hardtanh"`` is the variant for binary networks: a signed binary
+    activation is ``sign(x)`` with ``sign(0) = +1``, so after a ReLU every code would be
+    +1 and the binary layers would see a constant input.
+    """
+
+    def __init__(self, in_ch: int = 3, width: int = 32, num_classes: int = 10, activation: str = "relu"):
         super().__init__()
+        act = _ACTIVATIONS[activation]
         self.features = nn.Sequential(
             nn.Conv2d(in_ch, width, 3, padding=1, bias=False),
             nn.BatchNorm2d(width),
-            nn.ReLU(),
+            act(),
             nn.Conv2d(width, width * 2, 3, stride=2, padding=1, bias=False),
             nn.BatchNorm2d(width * 2),
-            nn.ReLU(),
+            act(),
             nn.Conv2d(width * 2, width * 2, 3, padding=1, bias=False),
             nn.BatchNorm2d(width * 2),
-            nn.ReLU(),
+            act(),
         )
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.classifier = nn.Linear(width * 2, num_classes)
@@ -150,6 +160,11 @@ def _seeded(model: nn.Module, seed: int | None) -> nn.Module:
 
 def conv_bn_relu_net(*, seed: int | None = 0, **kw) -> ConvBnReluNet:
     return _seeded(ConvBnReluNet(**kw), seed).eval()
+
+
+def digits_binary_cnn(*, seed: int | None = 0, width: int = 32) -> ConvBnReluNet:
+    """ConvBnReluNet for 1×8×8 digits with Hardtanh activations (binary-friendly)."""
+    return _seeded(ConvBnReluNet(in_ch=1, width=width, num_classes=10, activation="hardtanh"), seed).eval()
 
 
 def digits_resnet(*, seed: int | None = 0, **kw) -> DigitsResNet:

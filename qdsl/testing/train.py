@@ -61,7 +61,8 @@ def train_float(
     cache: bool = True,
 ) -> nn.Module:
     """Train ``model`` (classification, cross-entropy) on ``(x, y)``; returns it in eval mode."""
-    key = _digest(type(model).__qualname__, model.state_dict(), x, y, epochs, lr, seed, batch_size,
+    # repr(model) covers parameter-free modules (ReLU vs Hardtanh) that state_dict misses
+    key = _digest(type(model).__qualname__, repr(model), model.state_dict(), x, y, epochs, lr, seed, batch_size,
                   weight_decay, torch.__version__)
     path = _cache_dir() / f"{type(model).__name__}-{key}.pt"
     if cache and path.is_file():

@@ -20,7 +20,7 @@ from qdsl.testing.train import evaluate, trained_conv1d_net, trained_digits_resn
 
 pytestmark = pytest.mark.slow
 
-SPEC = Path(__file__).parent / "specs" / "low-bit.qspec"
+SPEC = Path(__file__).resolve().parent.parent.parent / "specs" / "low-bit.qspec"
 
 
 def _calib(x, n=256, seed=0):

@@ -96,7 +96,10 @@ def test_mse_never_worse_than_minmax_and_contains_zero(values, bits, symmetric):
 
 
 @given(
-    st.lists(st.floats(-10, 10, allow_nan=False, width=32), min_size=2, max_size=64),
+    # no values near the subnormal range: scaling by 2^k is then not exact, so equivariance
+    # cannot hold bit for bit there (a float32 limit, not a property of the search)
+    st.lists(st.floats(-10, 10, allow_nan=False, width=32).filter(lambda v: v == 0 or abs(v) > 1e-30),
+             min_size=2, max_size=64),
     st.integers(-4, 4),
     st.booleans(),
 )

@@ -20,7 +20,7 @@ from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Role
 
 HERE = Path(__file__).parent
-SPEC = HERE / "specs" / "low-bit.qspec"
+SPEC = HERE.parent.parent / "specs" / "low-bit.qspec"
 PROFILE = HERE / "specs" / "lowbit-accel.toml"
 REFS = HERE / "_refs.py"
 
