@@ -73,10 +73,14 @@ def run_demo(
     from qdsl.testing.train import evaluate, trained_digits_resnet
     from qdsl.workflows.sweep import format_table, sweep
 
+    if spec is not None:
+        from qdsl.parse import load_spec
+
+        load_spec(spec)  # a bad spec fails here, located, before any training
     torch.manual_seed(0)
     res = DemoResult()
     total = 5
-    ptq_spec = spec or str(bundled_spec("w4a8-per-channel"))
+    ptq_spec = spec or str(bundled_spec("low-bit"))
     pot_spec = spec or str(bundled_spec("pot-asic"))
 
     t0 = _stage(log, 1, total, "training a float ResNet-style CNN on sklearn digits (1,797 8x8 images)")
