@@ -117,24 +117,6 @@ def model_size_bits(model: Any, plan: Any) -> int:
     return total
 
 
-def _train_qat(model: Any, data: tuple, epochs: int, lr: float, seed: int) -> None:
-    import torch
-    import torch.nn.functional as F
-
-    x, y = data[0], data[1]
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    for _ in range(epochs):
-        perm = torch.randperm(len(x), generator=g)
-        for i in range(0, len(x), 64):
-            idx = perm[i : i + 64]
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    model.eval()
-
-
 def run_point(
     float_model: Any,
     spec: Any,
@@ -160,7 +142,9 @@ def run_point(
     x_train = data[0]
     qdsl.calibrate(model, (x_train[i : i + 64] for i in range(0, min(calib, len(x_train)), 64)))
     if qat_epochs:
-        _train_qat(model, data, qat_epochs, qat_lr, seed)
+        from qdsl.qat import fit
+
+        fit(model, data[0], data[1], epochs=qat_epochs, lr=qat_lr, seed=seed)
     qdsl.freeze(model)
     acc = evaluate(model, data[2], data[3])
     size = model_size_bits(float_model, handle.plan)
