@@ -1,12 +1,9 @@
 """``qdsl demo --quick`` runs the whole pipeline and its summary says what it measured."""
 
-import torch
-
 from qdsl.cli.main import main
 
 
 def test_demo_quick_end_to_end(capsys):
-    torch.set_num_threads(1)
     assert main(["demo", "--quick", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     rows = {line[:28].strip(): line[28:].strip() for line in out.splitlines() if line.strip()}
