@@ -27,8 +27,7 @@ namespace {
 bool RequantAvx2Supports(const OutputStage& stage) {
   const Rescale& r = stage.rescale;
   if (stage.zero_point < -(1 << 16) || stage.zero_point > (1 << 16)) return false;
-  if (r.kind == RescaleKind::kFixedSingle) return false;  // one 64-bit rounding: scalar
-  if (r.kind == RescaleKind::kFixed) return true;
+  if (r.kind != RescaleKind::kPot) return true;  // FIXED / FIXED_SINGLE shifts are in [-31, 31]
   for (int64_t c = 0; c < r.channels; ++c) {
     if (r.shift[c] < -31 || r.shift[c] > 31) return false;
   }

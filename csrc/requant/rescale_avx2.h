@@ -64,13 +64,51 @@ inline __m256i PotShift(__m256i x, __m256i s, Rounding rounding) {
 }
 
 
-// Rescale of int32 lanes with per-lane multiplier and shift (FIXED), or POT with shifts
-// in [-31, 31] (callers check); equals RescaleOne for int32 inputs.
+// FIXED_SINGLE on four 64-bit lanes: r = sat32(RoundShift(p, s)) for p = t * m (|p| < 2^62)
+// and s = 31 + right in [31, 62].  AVX2 has no 64-bit arithmetic shift, so the floor is
+// taken on p + 2^62 >= 0 with a logical shift and the bias removed: 2^62 is a multiple
+// of 2^s, so the remainder p & (2^s - 1) is unchanged.
+inline __m256i RoundShift64(__m256i p, __m256i s, Rounding rounding) {
+  const __m256i one = _mm256_set1_epi64x(1), zero = _mm256_setzero_si256();
+  const __m256i bias = _mm256_set1_epi64x(int64_t{1} << 62);
+  const __m256i f = _mm256_sub_epi64(_mm256_srlv_epi64(_mm256_add_epi64(p, bias), s),
+                                     _mm256_srlv_epi64(bias, s));
+  const __m256i pow = _mm256_sllv_epi64(one, s);
+  const __m256i rem = _mm256_and_si256(p, _mm256_sub_epi64(pow, one));
+  const __m256i h = _mm256_srli_epi64(pow, 1);
+  const __m256i gt = _mm256_cmpgt_epi64(rem, h), eq = _mm256_cmpeq_epi64(rem, h);
+  __m256i up;
+  switch (rounding) {
+    case Rounding::kHalfAway: up = _mm256_or_si256(gt, _mm256_andnot_si256(_mm256_cmpgt_epi64(zero, p), eq)); break;
+    case Rounding::kHalfEven:
+      up = _mm256_or_si256(gt, _mm256_and_si256(eq, _mm256_cmpeq_epi64(_mm256_and_si256(f, one), one)));
+      break;
+    case Rounding::kHalfUp: up = _mm256_or_si256(gt, eq); break;
+    default: up = zero; break;
+  }
+  __m256i r = _mm256_sub_epi64(f, up);  // up is -1 where rounding up
+  const __m256i hi = _mm256_set1_epi64x(INT32_MAX), lo = _mm256_set1_epi64x(INT32_MIN);
+  r = _mm256_blendv_epi8(r, hi, _mm256_cmpgt_epi64(r, hi));
+  return _mm256_blendv_epi8(r, lo, _mm256_cmpgt_epi64(lo, r));
+}
+
+inline __m256i FixedSingle(__m256i t, __m256i m, __m256i right, Rounding rounding) {
+  const __m256i low32 = _mm256_set1_epi64x(0xFFFFFFFFll), c31 = _mm256_set1_epi64x(31);
+  const __m256i s_even = _mm256_add_epi64(_mm256_and_si256(right, low32), c31);
+  const __m256i s_odd = _mm256_add_epi64(_mm256_srli_epi64(right, 32), c31);
+  const __m256i even = RoundShift64(_mm256_mul_epi32(t, m), s_even, rounding);
+  const __m256i odd = RoundShift64(_mm256_mul_epi32(_mm256_srli_epi64(t, 32), _mm256_srli_epi64(m, 32)), s_odd, rounding);
+  return _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+}
+
+// Rescale of int32 lanes with per-lane multiplier and shift (FIXED, FIXED_SINGLE), or POT
+// with shifts in [-31, 31] (callers check); equals RescaleOne for int32 inputs.
 inline __m256i RescaleVec(__m256i x, RescaleKind kind, __m256i mult, __m256i shift, Rounding rounding) {
   const __m256i zero = _mm256_setzero_si256();
   const __m256i left = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
   const __m256i right = _mm256_max_epi32(shift, zero);
   if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(SatShiftLeft(x, left), mult), right);
+  if (kind == RescaleKind::kFixedSingle) return FixedSingle(SatShiftLeft(x, left), mult, right, rounding);
   return PotShift(SatShiftLeft(x, left), right, rounding);
 }
 

@@ -116,7 +116,9 @@ def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_si
         rounding = 0 if kind == 0 else rounding
         mult = rng.integers(0, 1 << 31, channels)
         mult[rng.random(channels) < 0.2] = (1 << 31) - 1
+        mult[rng.random(channels) < 0.2] = 1 << 30  # exact halves: rounding ties
         shift = rng.integers(-31, 32, channels)
+        shift[rng.random(channels) < 0.5] = rng.integers(0, 24)  # results inside the int8 range
     else:
         mult = np.ones(channels, np.int64)
         shift = rng.integers(-31, 63, channels)
@@ -124,6 +126,7 @@ def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_si
     acc = rng.integers(-(1 << 31), 1 << 31, (9, channels))
     acc[0, :] = rng.choice(_CORNERS, channels)
     acc[1, :] = rng.integers(-70000, 70000, channels)
+    acc[2, :] = rng.integers(-1000, 1000, channels) * (1 << int(rng.integers(0, 8)))  # ties for small shifts
     lo, hi = (-128, 127) if out_signed else (0, 255)
     zp = int(rng.integers(lo, hi + 1))
     stage = K.OutputStage(mult, shift, zero_point=zp, qmin=lo, qmax=hi, kind=kind, rounding=rounding)

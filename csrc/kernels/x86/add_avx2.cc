@@ -2,7 +2,7 @@
 //
 // Runs when every intermediate provably fits int32 lanes: I8/U8 inputs with pre_shift
 // <= 23 (|x - zp| <= 255), or I32 inputs with zero point 0 and pre_shift 0; per-tensor
-// FIXED or POT rescales with shifts in [-31, 31]; an output zero point within +-2^16.  Otherwise the
+// rescales of any kind with shifts in [-31, 31]; an output zero point within +-2^16.  Otherwise the
 // caller's scalar loop runs.  dtype codes are the file's: 2 I8, 3 U8, 4 I32.
 #pragma GCC target("avx2,fma,popcnt")
 #include <immintrin.h>
@@ -31,7 +31,7 @@ inline int32_t LoadOne(const void* x, int dtype, int64_t i) {
 
 bool InputOk(int dtype, const OutputStage& in, int pre) {
   const Rescale& r = in.rescale;
-  if (r.channels != 1 || r.shift[0] < -31 || r.shift[0] > 31 || r.kind == RescaleKind::kFixedSingle) return false;
+  if (r.channels != 1 || r.shift[0] < -31 || r.shift[0] > 31) return false;
   if (dtype == 4) return in.zero_point == 0 && pre == 0;
   return pre <= 23;
 }
