@@ -38,7 +38,9 @@ def _stage(rng, channels=1, lo=-128, hi=127, pot=None):
     if pot:
         r = Rescale(1, (1,) * channels, tuple(int(s) for s in rng.integers(0, 12, channels)), int(rng.integers(0, 4)))
     else:
-        r = make_rescale(rng.uniform(1e-4, 0.05, channels), allow_pot=False)
+        single = bool(rng.random() < 0.5)  # FIXED (gemmlowp) or FIXED_SINGLE (one rounding)
+        r = make_rescale(rng.uniform(1e-4, 0.05, channels), int(rng.integers(0, 4)) if single else 0,
+                         allow_pot=False, single=single)
     zp = int(rng.integers(lo, hi + 1)) if rng.random() < 0.5 else max(lo, 0)
     relu = rng.random() < 0.3
     return OutputStage(r, zp, zp if relu else lo, hi).attrs()
