@@ -32,9 +32,9 @@ Measured (200 sentences: 64 calibration, 136 evaluation; 2 shared CPU cores, 9 m
     | W4A8 per-tensor W | 0.8998      | 0.8521     | 75.0%           |
     | W4A4              | 0.2643      | 0.0895     | 11.0%           |
 
-Per-channel weights matter as much as bit width here, and 4-bit activations collapse
-(the FFN's GELU outputs and the attention output carry outliers a 16-level grid cannot
-cover); most of the 4-bit time is the per-channel MSE clip search of the weights.
+Per-channel weights matter as much as bit width here, and 4-bit per-tensor activations
+collapse (16 levels over a whole Linear input's range); most of the 4-bit PTQ time is the
+per-channel MSE clip search of the weights.
 
 Resolve the spec against the model to see what is quantized (36 Linear layers)::
 
