@@ -13,6 +13,7 @@ and CI should say so loudly.  To install without it (e.g. no compiler), set
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -22,11 +23,19 @@ ROOT = Path(__file__).parent
 CSRC = "csrc"
 
 
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "i386", "x86")
+_X86_SUFFIXES = ("_avx2.cc", "_avxvnni.cc", "_avx512.cc")
+
+
 def _sources() -> list[str]:
+    """Every .cc under csrc/ except the C++ tests; x86 kernels only on x86 machines
+    (dispatch.cc compiles its x86 branches only there, so the rest stays portable)."""
     out = []
     for path in sorted((ROOT / CSRC).rglob("*.cc")):
         rel = path.relative_to(ROOT).as_posix()
         if "/tests/" in rel:
+            continue
+        if not _X86 and ("/kernels/x86/" in rel or rel.endswith(_X86_SUFFIXES)):
             continue
         out.append(rel)
     return out
