@@ -217,11 +217,16 @@ def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weig
     layer's own gradient computation while the weights move little per step; min/max-
     type observers and learned scales are cheap and always follow the current weight.
     Static activation observers reuse their range while their statistics are unchanged
-    (same result, computed once).  Returns the number of folded layers.
+    (same result, computed once).  PTQ-only adjustments (bias-correction offsets, fixed
+    GPTQ codes) are dropped: they were computed for the calibrated weights, training
+    moves those weights, and fixed codes would block their gradient; QAT learns the
+    equivalent (measured: W2A2 DigitsResNet QAT 43.9% with stale offsets, 97.3% without).
+    Returns the number of folded layers.
     """
     from qdsl.patch.handle import get_handle
 
     for q in get_handle(model).container.quantizers.values():
+        q.clear_ptq_adjustments()
         if q.observer is None or q.learned:
             continue
         if not q.stateless:

@@ -179,6 +179,18 @@ class TensorQuantizer(LazyBuffers):
         self.offset = delta.clone() if self.offset.numel() == 0 else self.offset + delta
         return self.offset.clone()
 
+    def clear_ptq_adjustments(self) -> bool:
+        """Drop bias-correction offsets and fixed learned-rounding codes; True if any.
+
+        Both are computed for the weights as calibration left them; once training moves
+        the weights they are stale (and fixed codes would stop the gradient), so QAT
+        (``qdsl.qat.prepare_qat``) clears them and learns the equivalent itself.
+        """
+        had = bool(self.offset.numel() or self.codes.numel())
+        self.offset = torch.empty(0, device=self.offset.device)
+        self.codes = torch.empty(0, dtype=torch.int64, device=self.codes.device)
+        return had
+
     def set_codes(self, codes: torch.Tensor) -> None:
         """Learned rounding: from now on the tensor's integer codes are ``codes`` (same
         shape as the tensor; the scale and zero point still come from the tensor/observer)
