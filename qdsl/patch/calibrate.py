@@ -120,7 +120,12 @@ def _run(model: nn.Module, batch: Any) -> None:
 
 def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None = None,
               progress: bool | None = None) -> nn.Module:
-    """Run ``batches`` (at most ``num_batches``) through the model while observing."""
+    """Run ``batches`` (at most ``num_batches``) through the model while observing.
+
+    Under ``torch.distributed`` (initialised), the observer statistics of all ranks are
+    merged afterwards (``qdsl.qat.sync_observers``), so every rank holds the same scales;
+    the ``calibrating()`` context leaves that step to the caller.
+    """
     if num_batches is not None and num_batches < 1:
         raise QdslError(f"num_batches must be >= 1, got {num_batches}")
     total = num_batches
@@ -144,6 +149,12 @@ def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None 
     bar.close()
     if seen == 0:
         raise QdslError("calibrate got no batches: the iterable was empty")
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # every rank saw its own shard: merge the observer statistics (a collective, so
+        # every rank calls calibrate) so all ranks derive identical scales
+        from qdsl.qat.distributed import sync_observers
+
+        sync_observers(model)
     if kept:
         finish_calibration(model, kept)
     return model

@@ -37,15 +37,21 @@ def _data():
     return calib, x, y
 
 
-def _prepared(calib):
+def _prepared(calib, sync: bool = False):
+    """Applied and calibrated on ``calib``: through ``calibrate`` (which syncs observers
+    across ranks) when ``sync``, else observing in the ``calibrating`` context (no sync)."""
     import qdsl.qat
     from qdsl.parse import parse_text
-    from qdsl.patch import apply, calibrate
+    from qdsl.patch import apply, calibrate, calibrating
     from qdsl.testing.models import conv_bn_relu_net
 
     model = conv_bn_relu_net(width=4, seed=0)
     apply(model, parse_text(SPEC, "ddp.qspec"))
-    calibrate(model, [calib])
+    if sync:
+        calibrate(model, [calib])
+    else:
+        with calibrating(model), torch.no_grad():
+            model(calib)
     return model
 
 
@@ -84,6 +90,9 @@ def _worker(rank, world, init_file, out_dir):
         torch.save(_state(model), os.path.join(out_dir, f"calib_unsynced{rank}.pt"))
         qdsl.qat.sync_observers(model)
         torch.save(_state(model), os.path.join(out_dir, f"calib{rank}.pt"))
+        # calibrate() itself syncs under torch.distributed: same state as the explicit sync
+        auto = _prepared(calib[rank * half:(rank + 1) * half], sync=True)
+        torch.save(_state(auto), os.path.join(out_dir, f"calib_auto{rank}.pt"))
         _finish_setup(model, calib)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         b = GLOBAL_BATCH // world
@@ -114,6 +123,9 @@ def test_ddp_two_ranks_equal_single_process(tmp_path):
     assert obs and any(not torch.equal(u0[k], u1[k]) for k in obs)  # the shards really differed
     for k in obs:
         assert torch.equal(c0[k], c1[k]), k  # identical on every rank after the sync
+    a0 = torch.load(tmp_path / "calib_auto0.pt")
+    for k in obs:
+        assert torch.equal(a0[k], c0[k]), k  # calibrate() synced by itself
         if "min_val" in k or "max_val" in k:
             assert torch.equal(c0[k], ref_calib[k]), k  # minmax: exactly the single-process result
     f0, f1 = (torch.load(tmp_path / f"final{r}.pt") for r in (0, 1))
