@@ -43,6 +43,7 @@ plain straight-through estimator (value ``x̂``, gradient of the identity).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -119,6 +120,12 @@ class TensorQuantizer(LazyBuffers):
             self.axis, self.group_size = 0, None  # input_scale × weight_scale is [] or [C]
         self.dynamic = bool(recipe.dynamic)
         self.stateless = self.role in (Role.WEIGHT, Role.BIAS) or self.dynamic
+        # (weakref to the tensor last observed, its version counter): a stateless observer
+        # skips re-observing the very same, unmodified tensor (a per-channel range search
+        # costs far more than the layer; calibration and freeze both ask for the weight's
+        # parameters).  A weakref, not data_ptr: freed memory reused by a new tensor must
+        # never look like a hit; in-place updates (optimizer steps, copy_) bump _version.
+        self._observed: tuple[Any, int] | None = None
         self.enabled = True
         self.observing = False
         self.generator: torch.Generator | None = None
@@ -242,8 +249,11 @@ class TensorQuantizer(LazyBuffers):
             return scale, zp, thr
         obs = self.observer
         if self.stateless and x is not None:
-            obs.reset()
-            obs(x.detach())
+            last = self._observed
+            if last is None or last[0]() is not x or last[1] != x._version or not obs.observed:
+                obs.reset()
+                obs(x.detach())
+                self._observed = (weakref.ref(x), x._version)
         if not obs.observed:
             return None
         lo, hi = obs.range()

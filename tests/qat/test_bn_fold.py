@@ -160,13 +160,22 @@ def test_searching_weight_observer_reruns_every_n_forwards(monkeypatch):
     search = range_search.mse_range
     monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
     model.train()
+    # real optimizer steps: the weights change every step (an unchanged weight tensor is
+    # never searched twice, see TensorQuantizer._observed)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for _ in range(4):
+        opt.zero_grad()
         model(_x((2, 3, 8, 8))).sum().backward()
-    assert len(calls) == 4 * 2  # 4 weight quantizers (3 folded convs + classifier), forwards 0 and 3
+        opt.step()
+    # 3 folded convs search at forwards 0 and 3 (a folded weight is a new tensor each time);
+    # the classifier's plain weight was already searched at apply and is unchanged before
+    # forward 0, so it searches only at forward 3 (after optimizer steps changed it)
+    assert len(calls) == 3 * 2 + 1
     model.eval()
     with torch.no_grad():
         model(_x((2, 3, 8, 8)))
-    assert len(calls) == 4 * 3  # eval: the inference fold searches on every call, as PTQ does
+    # eval searches fresh: the 3 inference folds, and the classifier (stepped since forward 3)
+    assert len(calls) == 3 * 2 + 1 + 4
 
 
 def test_static_activation_ranges_are_memoized_until_statistics_change():

@@ -218,3 +218,42 @@ def test_fast_path_threads_setting_is_restored_and_value_neutral():
             TensorQuantizer.fast_path_threads = old
     assert torch.equal(y1, y2)
     assert torch.equal(y1, F.fake_quant_affine(x, q.scale, q.zero_point, q.qmin, q.qmax))
+
+
+def test_unchanged_weight_is_not_searched_twice_but_a_modified_one_is(monkeypatch):
+    import qdsl
+    from qdsl.quantizers import range_search
+    from qdsl.testing.models import mlp
+
+    model = mlp()
+    calls = []
+    search = range_search.mse_range
+    monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
+    qdsl.apply(model, "specs/w4a8-per-channel.qspec")  # mse weight search, no BN to fold
+    qdsl.calibrate(model, [torch.rand(8, 1, 8, 8)], progress=False)
+    qdsl.freeze(model)
+    n = len(calls)
+    assert n == 3  # one search per Linear weight across apply, calibrate and freeze
+    with torch.no_grad():
+        model(torch.rand(2, 1, 8, 8))
+    assert len(calls) == n  # frozen: scales fixed
+
+
+def test_unfrozen_weight_is_searched_again_after_an_in_place_change(monkeypatch):
+    import qdsl
+    from qdsl.quantizers import range_search
+    from qdsl.testing.models import mlp
+
+    model = mlp()
+    calls = []
+    search = range_search.mse_range
+    monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
+    handle = qdsl.apply(model, "specs/w4a8-per-channel.qspec")
+    n = len(calls)
+    with torch.no_grad():
+        model(torch.rand(2, 1, 8, 8))
+    assert len(calls) == n  # same tensors, same versions: cached
+    with torch.no_grad():
+        handle.layers["net.1"].master("weight").mul_(1.5)  # in-place change bumps _version
+        model(torch.rand(2, 1, 8, 8))
+    assert len(calls) == n + 1
