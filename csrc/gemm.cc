@@ -209,7 +209,7 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
       }
     }
     Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
-  });
+  }, /*work=*/m * n * w.k);
   return Status::Ok();
 }
 
@@ -260,7 +260,7 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
         acc[r * ldc + c] = static_cast<int32_t>(static_cast<uint32_t>(w.k) - 2u * static_cast<uint32_t>(pc));
       }
     Finish(acc.data() + m0 * ldc + n0, ldc, m0, m1 - m0, n0, n1 - n0, bias, out, chosen);
-  });
+  }, /*work=*/m * n * w.kwords * 8);
   return Status::Ok();
 }
 

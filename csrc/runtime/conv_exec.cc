@@ -257,7 +257,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             Emit(row[bi * P + i], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
       }
     }
-  });
+  }, /*work=*/e.n * P * p.cout * p.kp);
   for (int64_t c : counts) *overflow += c;
   return Status::Ok();
 }

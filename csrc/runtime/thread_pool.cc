@@ -111,9 +111,9 @@ int NumThreads() {
   return num_threads;
 }
 
-void ParallelFor(int n, const std::function<void(int)>& fn) {
+void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
   const int threads = NumThreads();
-  if (n <= 1 || threads <= 1 || in_parallel) {
+  if (n <= 1 || threads <= 1 || in_parallel || work < kMinParallelWork) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
