@@ -51,7 +51,9 @@ def test_low_bit_ptq_is_close_to_float(task, bits, tolerance, request):
     if task == "digits":
         assert fp >= 98.5
     q = ptq_metric(model, SPEC, xcal, xte, yte, overrides=_bits(bits))
-    assert q >= fp - tolerance, f"{task} W{bits}A{bits}: {q:.2f} vs float {fp:.2f}"
+    # accuracies are multiples of 100/len(test set) computed in float32: compare them at
+    # that resolution (an exact 2.00-point drop must count as "within 2 points")
+    assert round(q, 3) >= round(fp - tolerance, 3), f"{task} W{bits}A{bits}: {q:.2f} vs float {fp:.2f}"
 
 
 def test_range_search_and_bias_correction_are_what_make_it(digits):
