@@ -130,7 +130,40 @@ def check_plan(
             _check_bias(layer, op, profile, col, where_spec)
         _check_fixed_output(layer, op, profile, col, where_spec)
     _check_ops(plan, graph, profile, col, model_label)
+    _check_binary_after_relu(plan, graph, col, where_spec)
     return col.diagnostics()
+
+
+_NONNEGATIVE_OPS = frozenset({"relu", "relu6"})
+# ops that keep a non-negative input non-negative, looked through on the way back
+_SIGN_PRESERVING = frozenset({"max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool",
+                              "mean", "reshape"})
+
+
+def _check_binary_after_relu(plan: Plan, graph: ModelGraph, col: Collector, where_spec: Span) -> None:
+    """W319: a signed binary input fed only by ReLU/ReLU6 outputs is ``sign(x) = +1`` always.
+
+    ``sign(0) = +1``, so every code is +1: the layer sees a constant input and QAT cannot
+    learn (measured: DigitsResNet with xnor-binary stays at chance).  Profile-independent.
+    """
+    if not graph.traced:
+        return
+    calls = {n.module: n for n in graph.nodes if n.module is not None}
+    for layer in plan.layers:
+        x = layer.recipe(Role.INPUT)
+        if layer.skip or x is None or x.kind is not Kind.BINARY or not x.signed:
+            continue
+        node = calls.get(layer.fqn)
+        if node is None:
+            continue
+        producers = graph.producers(node, skip_ops=_SIGN_PRESERVING)
+        if producers and all(p.op in _NONNEGATIVE_OPS for p in producers):
+            span, origin = _written(layer, Role.INPUT, "kind", where_spec)
+            col.add(("W319", span.location()), Diagnostic.warning(
+                "W319", "a signed binary input after a ReLU is always +1 (sign(0) = +1): the layer sees a "
+                f"constant{' (' + origin + ')' if origin else ''}", span,
+                "use a sign-symmetric activation before binary layers (e.g. Hardtanh), or "
+                "unsigned binary activations ({0, 1})"), layer=layer.fqn)
 
 
 def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profile: HardwareProfile,

@@ -26,6 +26,7 @@ __all__ = [
     "digits_resnet",
     "conv1d_net",
     "mlp",
+    "binary_mlp",
 ]
 
 
@@ -124,15 +125,16 @@ class Conv1dNet(nn.Module):
 
 
 class MLP(nn.Module):
-    """Flatten, then linear-relu layers."""
+    """Flatten, then linear-activation layers (``activation="hardtanh"`` for binary nets)."""
 
-    def __init__(self, sizes: tuple[int, ...] = (64, 64, 32, 10)):
+    def __init__(self, sizes: tuple[int, ...] = (64, 64, 32, 10), activation: str = "relu"):
         super().__init__()
+        act = _ACTIVATIONS[activation]
         layers: list[nn.Module] = [nn.Flatten()]
         for i in range(len(sizes) - 1):
             layers.append(nn.Linear(sizes[i], sizes[i + 1]))
             if i < len(sizes) - 2:
-                layers.append(nn.ReLU())
+                layers.append(act())
         self.net = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,3 +179,8 @@ def conv1d_net(*, seed: int | None = 0, **kw) -> Conv1dNet:
 
 def mlp(*, seed: int | None = 0, **kw) -> MLP:
     return _seeded(MLP(**kw), seed).eval()
+
+
+def binary_mlp(*, seed: int | None = 0, **kw) -> MLP:
+    """MLP with Hardtanh activations: signed binary activations need signed inputs."""
+    return _seeded(MLP(activation="hardtanh", **kw), seed).eval()

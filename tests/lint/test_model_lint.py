@@ -18,7 +18,7 @@ from qdsl.parse import parse_text
 from qdsl.resolve import resolve
 from qdsl.resolve.plan import ModelIndex
 from qdsl.spec.diagnostics import SpecError
-from qdsl.testing.models import conv_bn_relu_net, mlp
+from qdsl.testing.models import binary_mlp, conv_bn_relu_net, mlp
 
 
 def spec(text: str, name: str = "t.qspec.toml"):
@@ -161,9 +161,9 @@ input = { kind = "binary" }
 target = ["net.1", "net.5"]
 weight = { kind = "int", bits = 8 }
 """
-    assert lint(spec(text), "xnor-fpga", mlp()) == []
+    assert lint(spec(text), "xnor-fpga", binary_mlp()) == []  # Hardtanh: no W319
     moved = text.replace('"net.1", "net.5"', '"net.3"')
-    diags = lint(spec(moved), "xnor-fpga", mlp())
+    diags = lint(spec(moved), "xnor-fpga", binary_mlp())
     assert codes(diags) == ["E301"] and "on layer net.3" in diags[0].notes
 
 
