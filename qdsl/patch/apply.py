@@ -216,6 +216,10 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
 def remove(model: nn.Module) -> nn.Module:
     """Undo :func:`apply` (see the module docstring); returns the model."""
     handle = get_handle(model)
+    lean = [fqn for fqn, p in handle.layers.items() if getattr(p.module, "_qdsl_lean", False)]
+    if lean:  # qdsl.qat.lean: the float master lives in an optimizer, not on the module
+        raise QdslError(f"layer(s) {', '.join(lean)} hold lean weights: "
+                        "call finish() on the LeanOptimizer before qdsl.remove(model)")
     for patch in reversed(list(handle.layers.values())):
         patch.uninstall()
     del model._modules["_qdsl"]

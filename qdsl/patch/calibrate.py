@@ -172,6 +172,10 @@ def freeze(model: nn.Module) -> nn.Module:
             f"{len(missing)} activation quantizer(s) never observed data: {shown}; "
             "run qdsl.calibrate(model, batches) (or use dynamic = true for them) before qdsl.freeze(model)"
         )
+    lean = [fqn for fqn, p in handle.layers.items() if getattr(p.module, "_qdsl_lean", False)]
+    if lean:  # qdsl.qat.lean: the float master lives in an optimizer, not on the module
+        raise QdslError(f"layer(s) {', '.join(lean)} hold lean weights: "
+                        "call finish() on the LeanOptimizer before qdsl.freeze(model)")
     for patch in handle.layers.values():
         patch.freeze()
     handle.state = State.FROZEN

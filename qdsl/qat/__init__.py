@@ -10,6 +10,8 @@
   :func:`freeze_bn_stats`).
 * :mod:`qdsl.qat.distributed` - :func:`sync_observers` for DDP calibration.
 * :mod:`qdsl.qat.loop` - :func:`fit`, a small seeded QAT fine-tuning loop.
+* :mod:`qdsl.qat.lean` - :class:`LeanOptimizer`: packed low-bit weights on the module,
+  fp32 masters only in the optimizer (memory-lean QAT).
 
 Importing this package installs :func:`qdsl.qat.proxy_grad.qat_grad_path` as
 ``TensorQuantizer.grad_path``.
@@ -18,6 +20,7 @@ Importing this package installs :func:`qdsl.qat.proxy_grad.qat_grad_path` as
 from qdsl.qat import ste
 from qdsl.qat.bn_fold import freeze_bn_stats, prepare_qat, unfreeze_bn_stats
 from qdsl.qat.distributed import sync_observers
+from qdsl.qat.lean import LeanOptimizer
 from qdsl.qat.learned import LearnedPotScale, LearnedScale
 from qdsl.qat.loop import fit
 from qdsl.qat.proxy_grad import install as _install, qat_grad_path
@@ -31,6 +34,7 @@ __all__ = [
     "qat_grad_path",
     "prepare_qat",
     "fit",
+    "LeanOptimizer",
     "sync_observers",
     "freeze_bn_stats",
     "unfreeze_bn_stats",
