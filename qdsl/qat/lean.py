@@ -42,7 +42,10 @@ per-channel scales are the rest), and the total including the optimizer's fp32 m
 by ~1.77x / ~1.6x (8 B per weight -> 4.5 B / 5 B).  Each step runs the weight quantizer
 once more than the normal path (to back-propagate to the master); a range search runs
 once per step either way (the proxy skips re-observing the unchanged master).
-During a forward/backward the dequantized fp32 leaf exists as it does in the normal path.
+During a forward/backward the dequantized fp32 leaf exists as the fake-quantized weight
+does in the normal path; its fp32 gradient lives from ``backward()`` until ``step()``
+moves it to the master (one layer at a time).  Gradients are fp32: a bf16 dequantized
+weight would not carry the exact fake-quantized values.
 
 ``model.state_dict()`` in lean form holds the masters under their usual keys
 (``layer.weight_float``), and loading a state dict fills the masters (codes follow at the
@@ -204,6 +207,10 @@ class _LeanLayer:
             return
         with torch.enable_grad():
             torch.autograd.backward(self.patch.wq(self.master), self.leaf.grad)
+        # free the leaf and its gradient now, not after the step: the extra fp32 copies
+        # exist for one layer at a time
+        self.leaf = None
+        self.module.__dict__["weight"] = None
 
     def finish(self) -> None:
         m = self.module
