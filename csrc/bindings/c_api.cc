@@ -1,6 +1,7 @@
 // C ABI implementation: converts arguments to views, calls the front doors, and turns
 // a Status (or a C++ exception such as std::bad_alloc) into a code + message.
 #include "bindings/c_api.h"
+#include "bindings/guard.h"
 
 #include <cstring>
 #include <memory>
@@ -13,26 +14,8 @@
 
 namespace {
 
-int Report(const qdsl::Status& st, char* err, int64_t errlen) {
-  if (st.ok()) return 0;
-  if (err != nullptr && errlen > 0) {
-    const size_t n = std::min<size_t>(st.message().size(), static_cast<size_t>(errlen - 1));
-    std::memcpy(err, st.message().data(), n);
-    err[n] = 0;
-  }
-  return static_cast<int>(st.code());
-}
-
-template <typename F>
-int Guard(char* err, int64_t errlen, F&& f) {
-  try {
-    return Report(f(), err, errlen);
-  } catch (const std::bad_alloc&) {
-    return Report(qdsl::Status(qdsl::StatusCode::kInternal, "out of memory"), err, errlen);
-  } catch (const std::exception& e) {
-    return Report(qdsl::Status(qdsl::StatusCode::kInternal, e.what()), err, errlen);
-  }
-}
+using qdsl::bindings::Guard;
+using qdsl::bindings::Report;
 
 qdsl::GemmOutput MakeOutput(void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
                             int64_t channels, int kind, int rounding, int32_t zp, int32_t qmin, int32_t qmax, qdsl::OutputStage* stage) {

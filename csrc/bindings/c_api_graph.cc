@@ -6,37 +6,20 @@
 #include <new>
 
 #include "bindings/c_api.h"
+#include "bindings/guard.h"
 #include "qdsl/graph.h"
 
 namespace {
 
-int ReportG(const qdsl::Status& st, char* err, int64_t errlen) {
-  if (st.ok()) return 0;
-  if (err != nullptr && errlen > 0) {
-    const size_t n = std::min<size_t>(st.message().size(), static_cast<size_t>(errlen - 1));
-    std::memcpy(err, st.message().data(), n);
-    err[n] = 0;
-  }
-  return static_cast<int>(st.code());
-}
-
-template <typename F>
-int GuardG(char* err, int64_t errlen, F&& f) {
-  try {
-    return ReportG(f(), err, errlen);
-  } catch (const std::bad_alloc&) {
-    return ReportG(qdsl::Status(qdsl::StatusCode::kInternal, "out of memory"), err, errlen);
-  } catch (const std::exception& e) {
-    return ReportG(qdsl::Status(qdsl::StatusCode::kInternal, e.what()), err, errlen);
-  }
-}
+using qdsl::bindings::Guard;
+using qdsl::bindings::Report;
 
 }  // namespace
 
 extern "C" {
 
 int qdsl_graph_load(const void* data, int64_t size, void** handle, char* err, int64_t errlen) {
-  return GuardG(err, errlen, [&]() -> qdsl::Status {
+  return Guard(err, errlen, [&]() -> qdsl::Status {
     QDSL_CHECK_ARG(handle != nullptr && size >= 0, "bad arguments");
     *handle = nullptr;
     std::unique_ptr<qdsl::Graph> g;
@@ -75,7 +58,7 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
 
 int qdsl_graph_run(void* handle, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path,
                    char* err, int64_t errlen) {
-  return GuardG(err, errlen, [&]() -> qdsl::Status {
+  return Guard(err, errlen, [&]() -> qdsl::Status {
     QDSL_CHECK_ARG(handle != nullptr && inputs != nullptr && outputs != nullptr, "null graph arguments");
     return qdsl::RunGraph(static_cast<qdsl::Graph*>(handle), batch, inputs, outputs, path);
   });
