@@ -9,6 +9,8 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define QDSL_HAVE_X86 1
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels/x86/x86_kernels.h"
 #endif
@@ -25,9 +27,28 @@ uint32_t EnvPaths() {
   if (std::strcmp(env, "portable") == 0) return kPathRef | kPathPortable;
   if (std::strcmp(env, "avx2") == 0) return kPathRef | kPathPortable | kPathAvx2;
   if (std::strcmp(env, "avxvnni") == 0) return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni;
-  if (std::strcmp(env, "avx512") == 0) return ~0u;
+  if (std::strcmp(env, "avx512") == 0) return ~0u & ~static_cast<uint32_t>(kPathAmx);
+  if (std::strcmp(env, "amx") == 0) return ~0u;
   return ~0u;  // unknown values are reported by the Python layer, not here
 }
+
+#ifdef QDSL_HAVE_X86
+// AMX-TILE + AMX-INT8 (CPUID.(EAX=7, ECX=0):EDX bits 24, 25), and the kernel's permission
+// to use the tile data state: Linux enables it per process on request (ARCH_REQ_XCOMP_PERM
+// = 0x1023, XFEATURE_XTILEDATA = 18); without it the first tile instruction faults.
+bool AmxUsable() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
+// Kernels other than the int GEMM treat the AMX path as the AVX-512 one.
+inline uint32_t Base(uint32_t path) { return path == kPathAmx ? static_cast<uint32_t>(kPathAvx512) : path; }
 
 uint32_t HighestBit(uint32_t mask) {
   uint32_t best = 0;
@@ -41,13 +62,16 @@ uint32_t HighestBit(uint32_t mask) {
 
 uint32_t CompiledPaths() {
 #ifdef QDSL_HAVE_X86
-  return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni | kPathAvx512;
+  return kPathRef | kPathPortable | kPathAvx2 | kPathAvxVnni | kPathAvx512 | kPathAmx;
 #else
   return kPathRef | kPathPortable;
 #endif
 }
 
-uint32_t CpuPaths() {
+namespace {
+// CPUID traps to the hypervisor on virtual machines (tens of microseconds), so the CPU
+// is probed once per process.
+uint32_t DetectCpuPaths() {
   uint32_t paths = kPathRef | kPathPortable;
 #ifdef QDSL_HAVE_X86
   __builtin_cpu_init();
@@ -62,9 +86,16 @@ uint32_t CpuPaths() {
         __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512vpopcntdq")) {
       paths |= kPathAvx512;
+      if (AmxUsable()) paths |= kPathAmx;
     }
   }
 #endif
+  return paths;
+}
+}  // namespace
+
+uint32_t CpuPaths() {
+  static const uint32_t paths = DetectCpuPaths();
   return paths;
 }
 
@@ -90,11 +121,20 @@ Status ResolvePath(uint32_t requested, uint32_t* chosen) {
 }
 
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvxVnni || path == kPathAvx512)
     return broadcast_unsigned ? x86::GemmU8S8AvxVnni : x86::GemmS8U8AvxVnni;
 #endif
   (void)broadcast_unsigned;
+  (void)path;
+  return nullptr;
+}
+
+AmxKernel SelectAmxKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAmx) return x86::GemmAmx;
+#endif
   (void)path;
   return nullptr;
 }
@@ -116,6 +156,7 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 }
 
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) {  // the int16 kernels serve both
     switch (format) {
@@ -139,6 +180,7 @@ void StageI32Portable(const int32_t* acc, int64_t n, const OutputStage& one, int
 }  // namespace
 
 AddKernel SelectAddKernel(uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::AddAvx2;
 #endif
@@ -147,6 +189,7 @@ AddKernel SelectAddKernel(uint32_t path) {
 }
 
 StageI32Kernel SelectStageI32Kernel(uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantI32Avx2;
 #endif
@@ -155,6 +198,7 @@ StageI32Kernel SelectStageI32Kernel(uint32_t path) {
 }
 
 BinaryMicroKernel SelectBinaryColsKernel(uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx512) return x86::BinaryPopcountColsAvx512;
 #endif
@@ -163,6 +207,7 @@ BinaryMicroKernel SelectBinaryColsKernel(uint32_t path) {
 }
 
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx512) return x86::BinaryPopcountAvx512;
   if (path == kPathAvx2 || path == kPathAvxVnni) return x86::BinaryPopcountAvx2;
@@ -171,6 +216,7 @@ BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
 }
 
 RequantKernel SelectRequantKernel(uint32_t path) {
+  path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantAvx2;
 #endif

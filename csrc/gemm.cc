@@ -91,6 +91,114 @@ void Split(int64_t total, int parts, int part, int64_t align, int64_t* b, int64_
   *e = std::min(total, hi * align);
 }
 
+// Rows [m0, m0 + rows) of `a` as u8 codes (s8 shifted by +128) into dst (row stride ld,
+// which the caller zeroed past K).  Locals only: a byte store may alias anything, so a
+// loop bound read through a reference would be reloaded per byte and never vectorized.
+void CopyRowsU8(const ActView& a, int64_t m0, int64_t rows, uint8_t* dst, int64_t ld) {
+  const uint8_t flip = a.dtype == DType::kInt8 ? 0x80 : 0;
+  const int64_t k = a.cols, lda = a.ld;
+  const uint8_t* src = static_cast<const uint8_t*>(a.data) + m0 * lda;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* s = src + r * lda;
+    uint8_t* d = dst + r * ld;
+    if (flip) {
+      for (int64_t i = 0; i < k; ++i) d[i] = static_cast<uint8_t>(s[i] ^ 0x80);
+    } else {
+      std::memcpy(d, s, static_cast<size_t>(k));
+    }
+  }
+}
+
+// Tasks for `threads` threads: enough to balance, none when one thread runs them all
+// (each task packs its own rows, so extra tasks would repeat that work).
+int64_t WantTasks(int threads) { return threads > 1 ? 2 * threads : 1; }
+
+// AMX driver (int8-range weights, m >= kAmxMinRows).  Tasks are (row block, panel group)
+// pairs as in the VNNI driver.  A task writes its rows as u8 codes into a buffer whose
+// rows are padded with zeros to a multiple of 16 and K to a multiple of 64 (so the tile
+// reads past K multiply zeros, whatever the weight panels hold there), then for each
+// K block of kAmxKBlocks tile steps runs the tile kernel over all its panels and rows:
+// a panel pair's K block (16 KiB) stays in L1 while the row tiles stream through it.
+// int4/int2 panels are widened to int8 per K block, once for all row tiles.
+constexpr int64_t kAmxMinRows = 8;
+constexpr int64_t kAmxRowBlock = 128;
+constexpr int64_t kAmxKBlocks = 1000;
+
+void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out,
+                   uint32_t chosen, AmxKernel amx) {
+  const int64_t m = a.rows, n = w.n;
+  const int64_t kquads = w.kp / 4, kblocks = (w.kp + kAmxKBlock - 1) / kAmxKBlock, kp64 = kblocks * kAmxKBlock;
+  const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
+  const int threads = NumThreads();
+  const int64_t mblocks = (m + kAmxRowBlock - 1) / kAmxRowBlock;
+  const int64_t want = WantTasks(threads);
+  const int64_t pairs = (w.panels + 1) / 2;
+  const int64_t groups = mblocks >= want ? 1 : std::min<int64_t>(pairs, (want + mblocks - 1) / mblocks);
+  const int tasks = static_cast<int>(mblocks * groups);
+  const uint32_t zu = static_cast<uint32_t>(a.zero_point + (a.dtype == DType::kInt8 ? 128 : 0));
+  ParallelFor(tasks, [&](int t) {
+    const int64_t mb = t / groups, pg = t % groups;
+    const int64_t m0 = mb * kAmxRowBlock, rows_total = std::min<int64_t>(kAmxRowBlock, m - m0);
+    const int64_t mtiles = (rows_total + 15) / 16;
+    int64_t p0 = 0, p1 = 0;
+    Split(pairs, static_cast<int>(groups), static_cast<int>(pg), 1, &p0, &p1);
+    p0 *= 2;
+    p1 = std::min(w.panels, p1 * 2);
+    if (p1 <= p0) return;
+    thread_local AlignedVector<uint8_t> a8, wide;
+    thread_local AlignedVector<int32_t> acc, cinit;
+    const int64_t n0 = p0 * kPanelCols, n1 = std::min(n, p1 * kPanelCols);
+    const int64_t ldacc = (p1 - p0) * kPanelCols;
+    // C starts at bias - z_u * colsum (mod 2^32): sum (a_u - z_u) w' = sum a_u w' - z_u colsum
+    cinit.resize(static_cast<size_t>(ldacc));
+    for (int64_t c = 0; c < ldacc; ++c) {
+      const int64_t col = n0 + c;
+      const uint32_t b = (bias != nullptr && col < n) ? static_cast<uint32_t>(bias[col]) : 0u;
+      cinit[c] = static_cast<int32_t>(b - zu * static_cast<uint32_t>(w.colsum[col]));
+    }
+    // int32 output of whole tiles: the tiles are stored straight into it
+    const bool direct = out.stage == nullptr && rows_total % 16 == 0 && n1 - n0 == ldacc &&
+                        reinterpret_cast<uintptr_t>(out.data) % 64 == 0 && out.ld % 16 == 0;
+    int32_t* c_base;
+    int64_t ldc;
+    if (direct) {
+      c_base = static_cast<int32_t*>(out.data) + m0 * out.ld + n0;
+      ldc = out.ld;
+    } else {
+      acc.resize(static_cast<size_t>(mtiles * 16 * ldacc));
+      c_base = acc.data();
+      ldc = ldacc;
+    }
+    a8.resize(static_cast<size_t>(mtiles * 16 * kp64));
+    CopyRowsU8(a, m0, rows_total, a8.data(), kp64);
+    for (int64_t r = 0; r < rows_total; ++r)  // zeros past K and in the padding rows
+      std::memset(a8.data() + r * kp64 + w.k, 0, static_cast<size_t>(kp64 - w.k));
+    std::memset(a8.data() + rows_total * kp64, 0, static_cast<size_t>((mtiles * 16 - rows_total) * kp64));
+    for (int64_t k0 = 0; k0 < kblocks; k0 += kAmxKBlocks) {
+      const int64_t nkb = std::min(kAmxKBlocks, kblocks - k0);
+      const uint8_t* b;
+      int64_t ldb;
+      if (sub_bits) {  // int4/int2: widen this K block of every panel once for all row tiles
+        ldb = nkb * 1024;
+        wide.resize(static_cast<size_t>((p1 - p0) * ldb));
+        const int64_t q0 = k0 * 16, len = std::min(nkb * 16, kquads - q0);
+        for (int64_t p = p0; p < p1; ++p) {
+          uint8_t* dst = wide.data() + (p - p0) * ldb;
+          UnpackPanelToVnni(sub_bits, w.packed.data() + p * w.panel_bytes + q0 * (w.panel_bytes / kquads), len, dst);
+          std::memset(dst + len * 64, 0, static_cast<size_t>(ldb - len * 64));
+        }
+        b = wide.data();
+      } else {  // past K the tiles read on into the next panel: A is zero there
+        ldb = kquads * 64;
+        b = w.vnni.data() + (p0 * kquads + k0 * 16) * 64;
+      }
+      amx(false, a8.data() + k0 * kAmxKBlock, kp64, mtiles, b, ldb, p1 - p0, nkb, c_base, ldc,
+          k0 > 0 ? AmxInit::kAccumulate : AmxInit::kCols, cinit.data());
+    }
+    if (!direct) Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, nullptr, out, chosen);
+  }, /*work=*/m * n * w.k);
+}
+
 }  // namespace
 
 Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out, uint32_t path) {
@@ -114,6 +222,12 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
     Finish(acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
     return Status::Ok();
   }
+  if (m >= kAmxMinRows && !w.colsum.empty()) {
+    if (const AmxKernel amx = SelectAmxKernel(chosen)) {
+      GemmAmxDriver(a, w, bias, out, chosen, amx);
+      return Status::Ok();
+    }
+  }
   const IntMicroKernel kernel = SelectIntMicroKernel(w.format, chosen);
   // int8-range weights use the exact u8 x s8 VNNI kernel where the CPU has it
   const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
@@ -129,7 +243,7 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   // groups only split the weights when there are too few row blocks to feed the threads
   // (GEMV-like shapes), so each thread then reads only its share of the weights.
   const int64_t mblocks = (m + kRowBlock - 1) / kRowBlock;
-  const int64_t want = 2 * threads;
+  const int64_t want = WantTasks(threads);
   const int64_t groups = mblocks >= want ? 1 : std::min<int64_t>(w.panels, (want + mblocks - 1) / mblocks);
   const int tasks = static_cast<int>(mblocks * groups);
   ParallelFor(tasks, [&](int t) {
@@ -146,14 +260,8 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
     const int64_t n0 = p0 * kPanelCols, n1 = std::min(n, p1 * kPanelCols);
     if (vnni) {
       // u8 codes (s8 shifted by +128), K padded with zeros (the weights' padding is 0)
-      a8.resize(static_cast<size_t>(rows_total * w.kp + 8));
-      const uint8_t flip = a.dtype == DType::kInt8 ? 0x80 : 0;
-      for (int64_t r = 0; r < rows_total; ++r) {
-        const uint8_t* src = static_cast<const uint8_t*>(a.data) + (m0 + r) * a.ld;
-        uint8_t* row = a8.data() + r * w.kp;
-        for (int64_t k = 0; k < w.k; ++k) row[k] = src[k] ^ flip;
-        for (int64_t k = w.k; k < w.kp; ++k) row[k] = 0;
-      }
+      a8.assign(static_cast<size_t>(rows_total * w.kp + 8), 0);
+      CopyRowsU8(a, m0, rows_total, a8.data(), w.kp);
       const int64_t kquads = w.kp / 4;
       for (int64_t q0 = 0; q0 < kquads; q0 += kKcPairs / 2) {
         const int64_t len = std::min(kKcPairs / 2, kquads - q0);

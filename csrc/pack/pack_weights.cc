@@ -77,7 +77,8 @@ Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedW
     // at run time (csrc/gemm.cc), so they keep their 4x / 8x smaller footprint.
     const int64_t kquads = w.kp / 4;
     const bool keep = w.format == PanelFormat::kI16;
-    if (keep) w.vnni.assign(static_cast<size_t>(w.panels * kquads * 64), 0);
+    // +1 KiB: the AMX tiles read up to 15 quads past the last panel's K (times zero activations)
+    if (keep) w.vnni.assign(static_cast<size_t>(w.panels * kquads * 64 + 1024), 0);
     w.colsum.assign(static_cast<size_t>(w.panels * kPanelCols), 0);
     for (int64_t col = 0; col < n; ++col) {
       const int64_t p = col / kPanelCols, h = (col % kPanelCols) / 8, i = col % 8;

@@ -32,7 +32,7 @@ struct PreparedOp {
   std::vector<std::vector<int32_t>> w_int;  // per group [og][K] (W - w_zp), for the exact int64 path
   std::vector<int32_t> bias;                // empty = none
   std::vector<std::vector<int16_t>> w16;    // convs: per group [og][kp] (W - w_zp), K padded to 4
-  std::vector<std::vector<int8_t>> w8;     // convs, when W - w_zp fits int8: VNNI rows [og][kp]
+  std::vector<AlignedVector<int8_t>> w8;    // convs, when W - w_zp fits int8: VNNI rows [og][kp]
   std::vector<int32_t> rowsum;              // [cout] sum_k (W - w_zp), the VNNI zero-point offset
   int64_t kp = 0;
   bool int32_exact = true;                  // every GEMM sum provably fits int32

@@ -129,7 +129,9 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
     if (wmax <= 127) {  // int8 weight rows for the VNNI conv (the offsets need the row sums)
       p.rowsum.assign(static_cast<size_t>(p.cout), 0);
       for (int64_t gi = 0; gi < p.groups; ++gi) {
-        std::vector<int8_t> rows(static_cast<size_t>(og * p.kp), 0);
+        // rows padded with zeros to a multiple of 16, +64 bytes: the AMX conv reads whole
+        // 16-row tiles and up to 60 bytes past the last row's K (times zero activations)
+        AlignedVector<int8_t> rows(static_cast<size_t>((og + 15) / 16 * 16 * p.kp + 64), 0);
         for (int64_t o = 0; o < og; ++o)
           for (int64_t k = 0; k < kdim; ++k) {
             const int32_t v = p.w_int[gi][o * kdim + k];

@@ -53,8 +53,9 @@ def get_num_threads() -> int:
 
 def set_kernel_paths(paths: str | None) -> None:
     """Restrict the enabled kernel paths process-wide: "reference", "portable", "avx2",
-    "avxvnni", "avx512", or None to restore the ``QDSL_KERNELS`` default."""
-    masks = {None: 0, "reference": 1, "portable": 1 | 2, "avx2": 1 | 2 | 4, "avxvnni": 1 | 2 | 4 | 8, "avx512": 31}
+    "avxvnni", "avx512", "amx", or None to restore the ``QDSL_KERNELS`` default."""
+    masks = {None: 0, "reference": 1, "portable": 1 | 2, "avx2": 1 | 2 | 4, "avxvnni": 1 | 2 | 4 | 8, "avx512": 31,
+             "amx": 63}
     if paths not in masks:
-        raise RuntimeError_(f"unknown kernel paths {paths!r}; known: reference, portable, avx2, avxvnni, avx512")
+        raise RuntimeError_(f"unknown kernel paths {paths!r}; known: {', '.join(k for k in masks if k)}")
     _lib().qdsl_set_enabled_paths(masks[paths])

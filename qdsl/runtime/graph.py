@@ -17,13 +17,13 @@ import numpy as np
 
 from qdsl.runtime import _native
 from qdsl.runtime.errors import STATUS_NAMES, RuntimeError_, RuntimeUnavailable
+from qdsl.runtime.kernels import PATHS
 
 __all__ = ["CompiledGraph"]
 
 _F32, _I8, _U8, _I32, _BIN = 1, 2, 3, 4, 9
 _NP = {_F32: np.float32, _I8: np.int8, _U8: np.uint8, _I32: np.int32, _BIN: np.int8}
 _RANGE = {_I8: (-128, 127), _U8: (0, 255)}
-_PATHS = {"auto": 0, "ref": 1, "portable": 2, "avx2": 4, "avxvnni": 8, "avx512": 16}
 
 
 class _IO:
@@ -106,8 +106,8 @@ class CompiledGraph:
 
         if len(xs) != len(self.inputs):
             raise GraphInputError(f"graph takes {len(self.inputs)} input(s), got {len(xs)}")
-        if path not in _PATHS:
-            raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(_PATHS)}")
+        if path not in PATHS:
+            raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(PATHS)}")
         arrays = [self._check(spec, x) for spec, x in zip(self.inputs, xs)]
         batch = arrays[0].shape[0]
         if any(a.shape[0] != batch for a in arrays):
@@ -117,7 +117,7 @@ class CompiledGraph:
         out_ptrs = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
         err = ctypes.create_string_buffer(1024)
         with self._lock:
-            code = self._lib.qdsl_graph_run(self._handle, batch, in_ptrs, out_ptrs, _PATHS[path], err, 1024)
+            code = self._lib.qdsl_graph_run(self._handle, batch, in_ptrs, out_ptrs, PATHS[path], err, 1024)
             if code == 0:
                 counts = (ctypes.c_int64 * max(1, len(self.op_names)))()
                 self._lib.qdsl_graph_overflow(self._handle, counts, len(self.op_names))

@@ -31,7 +31,7 @@ __all__ = [
     "paths",
 ]
 
-PATHS = {"auto": 0, "ref": 1, "portable": 2, "avx2": 4, "avxvnni": 8, "avx512": 16}
+PATHS = {"auto": 0, "ref": 1, "portable": 2, "avx2": 4, "avxvnni": 8, "avx512": 16, "amx": 32}
 _DTYPES = {np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.int32): 2}
 _ERRLEN = 1024
 

@@ -20,7 +20,7 @@ from qdsl.runtime import kernels as K  # noqa: E402
 from qdsl.testing.data import digits, synthetic_keywords  # noqa: E402
 from qdsl.testing.models import conv1d_net, digits_resnet  # noqa: E402
 
-PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512") if p in K.paths()["cpu"]]
+PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx") if p in K.paths()["cpu"]]
 
 SPEC = """
 version 1

@@ -21,7 +21,7 @@ from qdsl.spec.diagnostics import QdslError  # noqa: E402
 
 from qdsl.runtime import kernels as K  # noqa: E402
 
-PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512") if p in K.paths()["cpu"]]
+PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx") if p in K.paths()["cpu"]]
 _RAN: list = []
 
 

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not bui
 
 from qdsl.runtime import kernels as K  # noqa: E402
 
-PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512") if rt.available() and p in K.paths()["cpu"]]
+PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx") if rt.available() and p in K.paths()["cpu"]]
 SIZES = st.sampled_from([1, 2, 3, 5, 6, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 129])
 
 
@@ -45,6 +45,25 @@ def test_gemm_all_paths_equal_numpy(m, k, n, bits, signed_a, use_zp, seed):
     pw = K.pack_weights(w, bits=bits, zero_point=w_zp if use_zp else None)
     got = {p: K.gemm(a, pw, a_zero_point=a_zp, bias=bias, path=p) for p in PATHS}
     _agree(got, _expected(a, a_zp, w, w_zp, bias))
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.sampled_from([8, 9, 31, 129, 130, 257, 300]), k=st.sampled_from([63, 64, 65, 511, 512, 513, 1000, 2049]),
+       n=st.sampled_from([1, 16, 17, 31, 33, 96, 100]), bits=st.sampled_from([8, 4, 2]), signed_a=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_gemm_large_blocks_all_paths_equal_numpy(m, k, n, bits, signed_a, seed):
+    """Shapes past every blocking edge: several row blocks (AMX: 128 rows, VNNI: 96), several
+    K blocks (512 bytes of K), odd panel counts, K not a multiple of 64."""
+    rng = np.random.default_rng(seed)
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    w = rng.integers(lo, hi + 1, (n, k)).astype(np.int8)
+    if signed_a:
+        a, a_zp = rng.integers(-128, 128, (m, k)).astype(np.int8), int(rng.integers(-128, 128))
+    else:
+        a, a_zp = rng.integers(0, 256, (m, k)).astype(np.uint8), int(rng.integers(0, 256))
+    pw = K.pack_weights(w, bits=bits)
+    got = {p: K.gemm(a, pw, a_zero_point=a_zp, path=p) for p in PATHS if p != "ref"}
+    _agree(got, _expected(a, a_zp, w, np.zeros(n, np.int64), None))
 
 
 @pytest.mark.parametrize("path", PATHS)

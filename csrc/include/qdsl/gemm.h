@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "qdsl/aligned.h"
 #include "qdsl/requant.h"
 #include "qdsl/status.h"
 #include "qdsl/tensor_view.h"
@@ -25,7 +26,12 @@ enum Path : uint32_t {
   kPathAvx2 = 1u << 2,      // csrc/kernels/x86: AVX2 + FMA + POPCNT
   kPathAvxVnni = 1u << 3,   // csrc/kernels/x86: AVX-VNNI vpdpbusd (u8 x s8, exact); AVX2 for other ops
   kPathAvx512 = 1u << 4,    // csrc/kernels/x86: AVX-512 VPOPCNTDQ binary GEMM; otherwise as kPathAvxVnni
+  kPathAmx = 1u << 5,       // csrc/kernels/x86: AMX-INT8 tile GEMM (int8 linear/conv); otherwise as kPathAvx512
 };
+
+// How an AMX C block starts (csrc/kernels/x86/gemm_s8_2x2_amx.cc): zero, its old
+// value, a per-column row broadcast, or per-row tiles.
+enum class AmxInit : int32_t { kZero = 0, kAccumulate = 1, kCols = 2, kRows = 3 };
 
 // How the optimized paths store a 16-column weight panel (see csrc/pack/pack_weights.cc).
 enum class PanelFormat : int32_t { kI16 = 0, kI4 = 1, kI2 = 2 };
@@ -44,7 +50,7 @@ struct PackedWeights {
   std::vector<uint8_t> packed;
   // AVX-VNNI layout (only when every W - w_zp fits int8): per 16-column panel and k-quad,
   // 16 columns x 4 int8; colsum[n] = sum_k (W - w_zp)[n][k] for the zero-point offset.
-  std::vector<uint8_t> vnni;
+  AlignedVector<uint8_t> vnni;
   std::vector<int32_t> colsum;  // [panels * 16]
   // Binary: bit rows [n][kwords], bit = 1 means -1.
   int64_t kwords = 0;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "qdsl/gemm.h"
 #include "qdsl/requant.h"
 
 namespace qdsl {
@@ -21,6 +22,11 @@ void GemmU8S8AvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* pan
                      int64_t ldc, bool accumulate);
 void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
                      int64_t ldc, bool accumulate);
+// AMX-INT8 (csrc/kernels/x86/gemm_s8_2x2_amx.cc): C[16*mtiles][16*npanels] (+)= A x B over
+// kblocks blocks of 64 bytes of K; a_signed: s8 A rows x u8 B panels, else u8 x s8.
+// init/cinit: see the file comment (AmxInit in qdsl/requant.h's namespace, below).
+void GemmAmx(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b, int64_t ldb,
+             int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init, const int32_t* cinit);
 // int4/int2 panel (kI4/kI2 layout) -> VNNI int8 quad layout, `quads` k-quads.
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (positions).
