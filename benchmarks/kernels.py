@@ -88,6 +88,7 @@ def main() -> None:
                 so.intra_op_num_threads = threads
                 sess = ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
                 to = median_time(lambda: sess.run(None, {"A": a}), args.reps)
+                del sess  # its spinning pool threads would compete with the next measurement
             g = lambda t: ops / t / 1e9  # noqa: E731
             print(f"{str((m, k, n)):>16} {threads:>3} | {g(t8):6.0f} {g(tq):6.0f} {g(to):6.0f} {g(t4):6.0f} {g(tb):6.0f} "
                   f"{g(tf):6.0f}       | {tq / t8:11.2f} {to / t8:8.2f} {t8 / t4:9.2f} {tf / tb:8.2f}")

@@ -114,15 +114,16 @@ void CopyRowsU8(const ActView& a, int64_t m0, int64_t rows, uint8_t* dst, int64_
 int64_t WantTasks(int threads) { return threads > 1 ? 2 * threads : 1; }
 
 // AMX driver (int8-range weights, m >= kAmxMinRows).  Tasks are (row block, panel group)
-// pairs as in the VNNI driver.  A task writes its rows as u8 codes into a buffer whose
-// rows are padded with zeros to a multiple of 16 and K to a multiple of 64 (so the tile
-// reads past K multiply zeros, whatever the weight panels hold there), then for each
-// K block of kAmxKBlocks tile steps runs the tile kernel over all its panels and rows:
-// a panel pair's K block (16 KiB) stays in L1 while the row tiles stream through it.
-// int4/int2 panels are widened to int8 per K block, once for all row tiles.
+// pairs as in the VNNI driver.  A task writes its rows as u8 codes into an aligned buffer
+// whose rows are padded with zeros to a multiple of 16 and K to a multiple of 64 (so the
+// tile reads past K multiply zeros, whatever the weight panels hold there), then runs the
+// tile kernel over all of K: panel pairs outer, so a pair's panels (32 bytes per K) stay
+// in L1/L2 while the row tiles stream through, and each C tile is initialised once (bias
+// and zero-point offset) and stored once.  Splitting K into blocks with C reloaded per
+// block measured slower (C traffic) on every benchmark shape.
 constexpr int64_t kAmxMinRows = 8;
 constexpr int64_t kAmxRowBlock = 128;
-constexpr int64_t kAmxKBlocks = 1000;
+constexpr int64_t kAmxRowBlockSubByte = 512;  // int4/int2: fewer row blocks, fewer widenings
 
 void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out,
                    uint32_t chosen, AmxKernel amx) {
@@ -130,7 +131,8 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
   const int64_t kquads = w.kp / 4, kblocks = (w.kp + kAmxKBlock - 1) / kAmxKBlock, kp64 = kblocks * kAmxKBlock;
   const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
   const int threads = NumThreads();
-  const int64_t mblocks = (m + kAmxRowBlock - 1) / kAmxRowBlock;
+  const int64_t row_block = sub_bits ? kAmxRowBlockSubByte : kAmxRowBlock;
+  const int64_t mblocks = (m + row_block - 1) / row_block;
   const int64_t want = WantTasks(threads);
   const int64_t pairs = (w.panels + 1) / 2;
   const int64_t groups = mblocks >= want ? 1 : std::min<int64_t>(pairs, (want + mblocks - 1) / mblocks);
@@ -138,7 +140,7 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
   const uint32_t zu = static_cast<uint32_t>(a.zero_point + (a.dtype == DType::kInt8 ? 128 : 0));
   ParallelFor(tasks, [&](int t) {
     const int64_t mb = t / groups, pg = t % groups;
-    const int64_t m0 = mb * kAmxRowBlock, rows_total = std::min<int64_t>(kAmxRowBlock, m - m0);
+    const int64_t m0 = mb * row_block, rows_total = std::min<int64_t>(row_block, m - m0);
     const int64_t mtiles = (rows_total + 15) / 16;
     int64_t p0 = 0, p1 = 0;
     Split(pairs, static_cast<int>(groups), static_cast<int>(pg), 1, &p0, &p1);
@@ -174,26 +176,24 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
     for (int64_t r = 0; r < rows_total; ++r)  // zeros past K and in the padding rows
       std::memset(a8.data() + r * kp64 + w.k, 0, static_cast<size_t>(kp64 - w.k));
     std::memset(a8.data() + rows_total * kp64, 0, static_cast<size_t>((mtiles * 16 - rows_total) * kp64));
-    for (int64_t k0 = 0; k0 < kblocks; k0 += kAmxKBlocks) {
-      const int64_t nkb = std::min(kAmxKBlocks, kblocks - k0);
-      const uint8_t* b;
-      int64_t ldb;
-      if (sub_bits) {  // int4/int2: widen this K block of every panel once for all row tiles
-        ldb = nkb * 1024;
-        wide.resize(static_cast<size_t>((p1 - p0) * ldb));
-        const int64_t q0 = k0 * 16, len = std::min(nkb * 16, kquads - q0);
-        for (int64_t p = p0; p < p1; ++p) {
-          uint8_t* dst = wide.data() + (p - p0) * ldb;
-          UnpackPanelToVnni(sub_bits, w.packed.data() + p * w.panel_bytes + q0 * (w.panel_bytes / kquads), len, dst);
-          std::memset(dst + len * 64, 0, static_cast<size_t>(ldb - len * 64));
+    if (sub_bits) {
+      // int4/int2: widen one panel pair (all of K, <= 2 x 16 KiB per 256 bytes of K) at a
+      // time, then run every row tile over it while it is in L1/L2.
+      const int64_t ldb = kblocks * 1024;
+      wide.resize(static_cast<size_t>(2 * ldb));
+      for (int64_t p = p0; p < p1; p += 2) {
+        const int64_t np = std::min<int64_t>(2, p1 - p);
+        for (int64_t j = 0; j < np; ++j) {
+          uint8_t* dst = wide.data() + j * ldb;
+          UnpackPanelToVnni(sub_bits, w.packed.data() + (p + j) * w.panel_bytes, kquads, dst);
+          std::memset(dst + kquads * 64, 0, static_cast<size_t>(ldb - kquads * 64));
         }
-        b = wide.data();
-      } else {  // past K the tiles read on into the next panel: A is zero there
-        ldb = kquads * 64;
-        b = w.vnni.data() + (p0 * kquads + k0 * 16) * 64;
+        amx(false, a8.data(), kp64, mtiles, wide.data(), ldb, np, kblocks, c_base + (p - p0) * kPanelCols, ldc,
+            AmxInit::kCols, cinit.data() + (p - p0) * kPanelCols);
       }
-      amx(false, a8.data() + k0 * kAmxKBlock, kp64, mtiles, b, ldb, p1 - p0, nkb, c_base, ldc,
-          k0 > 0 ? AmxInit::kAccumulate : AmxInit::kCols, cinit.data());
+    } else {  // past K the tiles read on into the next panel: A is zero there
+      amx(false, a8.data(), kp64, mtiles, w.vnni.data() + p0 * kquads * 64, kquads * 64, p1 - p0, kblocks, c_base,
+          ldc, AmxInit::kCols, cinit.data());
     }
     if (!direct) Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, nullptr, out, chosen);
   }, /*work=*/m * n * w.k);
@@ -329,11 +329,11 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
   uint32_t chosen = 0;
   QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
   if (m == 0) return Status::Ok();
-  const int64_t n = w.n, ldc = n;
-  std::vector<int32_t> acc(static_cast<size_t>(m * ldc));
+  const int64_t n = w.n;
   if (chosen == kPathRef) {
-    ref::BinaryGemm(a, m, lda, w, nullptr, acc.data(), ldc);
-    Finish(acc.data(), ldc, 0, m, 0, n, bias, out, kPathRef);
+    std::vector<int32_t> acc(static_cast<size_t>(m * n));
+    ref::BinaryGemm(a, m, lda, w, nullptr, acc.data(), n);
+    Finish(acc.data(), n, 0, m, 0, n, bias, out, kPathRef);
     return Status::Ok();
   }
   const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
@@ -349,25 +349,28 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
       Split(m, tasks, t, 2, &m0, &m1);
     }
     if (n1 <= n0 || m1 <= m0) return;
+    // Each task owns its block's accumulators (no shared m x n buffer to allocate and
+    // zero serially on every call).
+    thread_local std::vector<int32_t> acc;
+    const int64_t ldc = n1 - n0;
+    acc.resize(static_cast<size_t>((m1 - m0) * ldc));
     if (cols_kernel) {  // transposed weights: column blocks of 256 keep the words in L1/L2
       for (int64_t c = n0; c < n1; c += 256) {
         const int64_t ce = std::min(n1, c + 256);
         cols_kernel(a + m0 * lda, m1 - m0, lda, w.bits_cols.data() + c, ce - c, w.ncols_pad, w.kwords,
-                    acc.data() + m0 * ldc + c, ldc);
+                    acc.data() + (c - n0), ldc);
       }
     }
     // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
     for (int64_t c = n0; c < n1 && !cols_kernel; c += 64) {
       const int64_t ce = std::min(n1, c + 64);
       kernel(a + m0 * lda, m1 - m0, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
-             acc.data() + m0 * ldc + c, ldc);
+             acc.data() + (c - n0), ldc);
     }
-    for (int64_t r = m0; r < m1; ++r)
-      for (int64_t c = n0; c < n1; ++c) {
-        const int32_t pc = acc[r * ldc + c];
-        acc[r * ldc + c] = static_cast<int32_t>(static_cast<uint32_t>(w.k) - 2u * static_cast<uint32_t>(pc));
-      }
-    Finish(acc.data() + m0 * ldc + n0, ldc, m0, m1 - m0, n0, n1 - n0, bias, out, chosen);
+    const uint32_t kk = static_cast<uint32_t>(w.k);
+    for (int64_t i = 0; i < (m1 - m0) * ldc; ++i)
+      acc[i] = static_cast<int32_t>(kk - 2u * static_cast<uint32_t>(acc[i]));
+    Finish(acc.data(), ldc, m0, m1 - m0, n0, n1 - n0, bias, out, chosen);
   }, /*work=*/m * n * w.kwords * 8);
   return Status::Ok();
 }

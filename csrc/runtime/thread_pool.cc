@@ -3,6 +3,7 @@
 #include "runtime/thread_pool.h"
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <mutex>
@@ -14,6 +15,43 @@
 namespace qdsl {
 namespace {
 
+// Waiting for work: spin (with a pause) for a short while, then sleep on the condition
+// variable.  Graph runs issue one parallel op after another with microseconds of serial
+// code between them, and a futex wake-up of a sleeping worker costs tens of microseconds
+// on these VMs, as long as a small op; a spinning worker picks the next op up at once.
+// QDSL_SPIN_US (default 200) bounds the spin; 0 always sleeps.
+int64_t SpinNanos() {
+  static const int64_t ns = [] {
+    const char* env = std::getenv("QDSL_SPIN_US");
+    const long us = env != nullptr ? std::atol(env) : 200;
+    return static_cast<int64_t>(us < 0 ? 0 : us) * 1000;
+  }();
+  return ns;
+}
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+// True as soon as done() holds, false if it still does not after SpinNanos().
+template <typename F>
+bool SpinUntil(F done) {
+  const int64_t budget = SpinNanos();
+  if (budget <= 0) return done();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1;; ++i) {
+    if (done()) return true;
+    CpuRelax();
+    if ((i & 63) == 0 &&
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count() > budget)
+      return done();
+  }
+}
+
 class Pool {
  public:
   ~Pool() { Resize(0); }
@@ -22,16 +60,17 @@ class Pool {
     std::unique_lock<std::mutex> run_lock(run_mu_);  // never while a job runs
     {
       std::unique_lock<std::mutex> lock(mu_);
-      stop_ = true;
-      ++generation_;
+      stop_.store(true);
+      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     for (auto& t : threads_) t.join();
     threads_.clear();
-    stop_ = false;
+    stop_.store(false);
     // Each worker starts from the current generation, so a job posted before the
     // thread first runs is still seen as new.
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, g = generation_] { Work(g); });
+    const uint64_t g = generation_.load();
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, g] { Work(g); });
   }
   int workers() const { return static_cast<int>(threads_.size()); }
 
@@ -42,13 +81,15 @@ class Pool {
       fn_ = &fn;
       n_ = n;
       next_.store(0);
-      pending_ = static_cast<int>(threads_.size());
-      ++generation_;
+      pending_.store(static_cast<int>(threads_.size()));
+      generation_.fetch_add(1, std::memory_order_release);  // publishes fn_, n_ to spinning workers
     }
     cv_.notify_all();
     Drain();
-    std::unique_lock<std::mutex> lock(mu_);
-    done_cv_.wait(lock, [this] { return pending_ == 0; });
+    if (!SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lock(mu_);
+      done_cv_.wait(lock, [this] { return pending_.load() == 0; });
+    }
     fn_ = nullptr;
   }
 
@@ -58,15 +99,15 @@ class Pool {
   }
   void Work(uint64_t seen) {
     for (;;) {
-      {
+      if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
         std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (stop_) return;
+        cv_.wait(lock, [&] { return generation_.load() != seen; });
       }
+      seen = generation_.load(std::memory_order_acquire);
+      if (stop_.load()) return;
       Drain();
-      std::unique_lock<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
+      std::lock_guard<std::mutex> lock(mu_);  // the waiter may be asleep on done_cv_
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_cv_.notify_one();
     }
   }
 
@@ -74,10 +115,11 @@ class Pool {
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> threads_;
   const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0, pending_ = 0;
+  int n_ = 0;
+  std::atomic<int> pending_{0};
   std::atomic<int> next_{0};
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 Pool& GetPool() {

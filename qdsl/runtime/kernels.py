@@ -115,10 +115,18 @@ def pack_weights(w: np.ndarray, bits: int = 8, zero_point=None) -> PackedWeights
     return PackedWeights(handle.value, w.shape[0], w.shape[1], bits)
 
 
+def _aligned_empty(shape: tuple[int, int], dtype) -> np.ndarray:
+    """An uninitialised array starting on a 64-byte boundary: the AMX path stores its
+    accumulator tiles straight into int32 outputs that are (csrc/gemm.cc)."""
+    dtype = np.dtype(dtype)
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 64
+    return raw[off:off + nbytes].view(dtype).reshape(shape)
+
+
 def _out(m: int, n: int, stage: OutputStage | None, out_dtype) -> np.ndarray:
-    if stage is None:
-        return np.empty((m, n), dtype=np.int32)
-    return np.empty((m, n), dtype=np.dtype(out_dtype))
+    return _aligned_empty((m, n), np.int32 if stage is None else out_dtype)
 
 
 def _stage_args(stage: OutputStage | None):
