@@ -139,6 +139,14 @@ AmxKernel SelectAmxKernel(uint32_t path) {
   return nullptr;
 }
 
+AmxGatherKernel SelectAmxGatherKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAmx) return x86::GemmAmxGather;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst) {
 #ifdef QDSL_HAVE_X86
   x86::UnpackPanelToVnni(bits, src, quads, dst);
@@ -147,11 +155,12 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 #endif
 }
 
-void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels) {
+void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
+                      uint8_t* panels) {
 #ifdef QDSL_HAVE_X86
-  x86::PackU8QuadPanels(rows, ld, kquads, npanels, panels);
+  x86::PackU8QuadPanels(rows, ld, kquads, npanels, panel_quads, panels);
 #else
-  (void)rows, (void)ld, (void)kquads, (void)npanels, (void)panels;
+  (void)rows, (void)ld, (void)kquads, (void)npanels, (void)panel_quads, (void)panels;
 #endif
 }
 

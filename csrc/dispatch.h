@@ -50,7 +50,8 @@ StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // int4/int2 panel block -> VNNI int8 layout (only called when a VNNI kernel was selected).
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (VNNI paths only).
-void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels);
+void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
+                      uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
 // unless `path` is kPathAmx.
@@ -58,6 +59,11 @@ using AmxKernel = void (*)(bool a_signed, const uint8_t* a, int64_t lda, int64_t
                            int64_t ldb, int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init,
                            const int32_t* cinit);
 AmxKernel SelectAmxKernel(uint32_t path);
+// Implicit-GEMM form (x86::GemmAmxGather): u8 A tiles at a + aoff[i] + koff[kb].
+using AmxGatherKernel = void (*)(const uint8_t* a, int64_t lda, const int64_t* aoff, const int64_t* koff,
+                                 int64_t mtiles, const uint8_t* b, int64_t ldb, int64_t npanels, int64_t kblocks,
+                                 int32_t* c, int64_t ldc, AmxInit init, const int32_t* cinit);
+AmxGatherKernel SelectAmxGatherKernel(uint32_t path);
 constexpr int64_t kAmxKBlock = 64;  // bytes of K per tile step; B panels hold 1 KiB per k-block
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
 // Column-form binary kernel over transposed weights (PackedWeights::bits_cols); nullptr

@@ -8,6 +8,9 @@
 // skipped exactly as the reference does.  Then bias (int64), acc_bits wrap/saturate with
 // overflow counting, and the output stage or the sign for BIN outputs.
 #include <cstdlib>
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#endif
 #include <cstring>
 
 #include "dispatch.h"
@@ -101,6 +104,52 @@ inline void ValidRange(const PreparedOp& p, const Geometry& e, int64_t kx, int64
   *hi = std::min(std::max(h, l), e.OW);
 }
 
+// Im2colT for u8 codes when the output rows have the input's pitch (stride 1 and
+// OW == W, e.g. "same" 3x3 convs): each (c, ky, kx) row of an image is then one shifted
+// copy of the input plane, plus the padding code in the rows and the few columns whose
+// taps fall outside.  About 30x fewer calls than a copy per output row on 32x32 images.
+void Im2colSamePitchU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+                       uint8_t flip, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
+  const int64_t W = e.W, H = e.H, OH = e.OH;
+  int64_t k = 0;
+  for (int64_t c = 0; c < e.cg; ++c) {
+    for (int64_t ky = 0; ky < p.kh; ++ky) {
+      const int64_t dy = ky * p.dh - p.ph;
+      const int64_t oy_lo = std::min(OH, std::max<int64_t>(0, -dy)), oy_hi = std::max(oy_lo, std::min(OH, H - dy));
+      for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
+        int64_t dx, lo, hi;
+        ValidRange(p, e, kx, &dx, &lo, &hi);
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          const uint8_t* plane = x + (((b0 + bi) * e.C + gi * e.cg + c) * H) * W;
+          uint8_t* dst = cols + k * Pp + bi * P;
+          std::memset(dst, pad, static_cast<size_t>(oy_lo * W));
+          std::memset(dst + oy_hi * W, pad, static_cast<size_t>((OH - oy_hi) * W));
+          if (oy_hi > oy_lo && hi > lo) {
+            // elements [oy_lo * W + lo, (oy_hi - 1) * W + hi) map to plane + index + dy * W + dx,
+            // all inside the plane; the columns outside [lo, hi) in between are fixed below
+            const int64_t first = oy_lo * W + lo, last = (oy_hi - 1) * W + hi;
+            const uint8_t* src = plane + first + dy * W + dx;
+            uint8_t* d = dst + first;
+            const int64_t len = last - first;
+            if (flip) {
+              for (int64_t i = 0; i < len; ++i) d[i] = static_cast<uint8_t>(src[i] ^ 0x80);
+            } else {
+              std::memcpy(d, src, static_cast<size_t>(len));
+            }
+            for (int64_t oy = oy_lo; oy < oy_hi; ++oy) {
+              uint8_t* row = dst + oy * W;
+              for (int64_t ox = 0; ox < lo; ++ox) row[ox] = pad;
+              for (int64_t ox = hi; ox < W; ++ox) row[ox] = pad;
+            }
+          } else {
+            std::memset(dst + oy_lo * W, pad, static_cast<size_t>((oy_hi - oy_lo) * W));
+          }
+        }
+      }
+    }
+  }
+}
+
 // Transposed im2col of images [b0, b0 + nb), group gi: row k = (c, ky, kx) holds, at
 // column bi * P + oy * OW + ox, the tap of image b0 + bi.  T is int16 (x - zp, padding 0)
 // or uint8 (the VNNI code x ^ flip, padding the zero point's code `pad`).
@@ -156,6 +205,202 @@ void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b
   }
 }
 
+void Im2colU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+              int xdtype, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
+  if (p.sw == 1 && p.sh == 1 && e.OW == e.W) {
+    Im2colSamePitchU8(x, p, e, b0, nb, gi, xdtype == kI8 ? 0x80 : 0, pad, P, Pp, cols);
+  } else {
+    Im2colT<uint8_t>(x, p, e, b0, nb, gi, xdtype, pad, P, Pp, cols);
+  }
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+// 16 x 16 byte transpose (SSE2): out row j = byte j of every input row; four rounds of
+// unpacks (8-, 16-, 32-, 64-bit), each doubling the run of one column's bytes.
+inline void Transpose16x16(const uint8_t* in, int64_t ldi, uint8_t* out, int64_t ldo) {
+  __m128i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i * ldi));
+  // stage 1: t[i] = rows 2i, 2i+1 interleaved, columns 0..7; t[8+i]: columns 8..15
+  for (int i = 0; i < 8; ++i) {
+    t[i] = _mm_unpacklo_epi8(r[2 * i], r[2 * i + 1]);
+    t[8 + i] = _mm_unpackhi_epi8(r[2 * i], r[2 * i + 1]);
+  }
+  // stage 2: rows 4k..4k+3; r[h*8 + k] columns h*8 + 0..3, r[h*8 + 4 + k] columns h*8 + 4..7
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 4; ++k) {
+      r[h * 8 + k] = _mm_unpacklo_epi16(t[h * 8 + 2 * k], t[h * 8 + 2 * k + 1]);
+      r[h * 8 + 4 + k] = _mm_unpackhi_epi16(t[h * 8 + 2 * k], t[h * 8 + 2 * k + 1]);
+    }
+  // stage 3: rows 8m..8m+7; for column group g (4 columns: r[g*4 + k], k = row quad)
+  //   t[g*4 + 2m] columns 4g + 0..1, t[g*4 + 2m + 1] columns 4g + 2..3
+  for (int g = 0; g < 4; ++g)
+    for (int m = 0; m < 2; ++m) {
+      t[g * 4 + 2 * m] = _mm_unpacklo_epi32(r[g * 4 + 2 * m], r[g * 4 + 2 * m + 1]);
+      t[g * 4 + 2 * m + 1] = _mm_unpackhi_epi32(r[g * 4 + 2 * m], r[g * 4 + 2 * m + 1]);
+    }
+  // stage 4: all 16 rows; column pair (4g + 2s .. +1) from t[g*4 + s] (rows 0..7) and t[g*4 + 2 + s] (rows 8..15)
+  for (int g = 0; g < 4; ++g)
+    for (int s = 0; s < 2; ++s) {
+      r[4 * g + 2 * s] = _mm_unpacklo_epi64(t[g * 4 + s], t[g * 4 + 2 + s]);
+      r[4 * g + 2 * s + 1] = _mm_unpackhi_epi64(t[g * 4 + s], t[g * 4 + 2 + s]);
+    }
+  for (int j = 0; j < 16; ++j) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j * ldo), r[j]);
+}
+#endif
+
+// out[j][i] = in[i][j] for an R x S byte block (the SSE2 path above for full 16 x 16 tiles).
+void TransposeBytes(const uint8_t* in, int64_t ldi, int64_t R, int64_t S, uint8_t* out, int64_t ldo) {
+  for (int64_t i0 = 0; i0 < R; i0 += 16)
+    for (int64_t j0 = 0; j0 < S; j0 += 16) {
+#if defined(__x86_64__) || defined(__i386__)
+      if (i0 + 16 <= R && j0 + 16 <= S) {
+        Transpose16x16(in + i0 * ldi + j0, ldi, out + j0 * ldo + i0, ldo);
+        continue;
+      }
+#endif
+      for (int64_t j = j0; j < std::min(S, j0 + 16); ++j)
+        for (int64_t i = i0; i < std::min(R, i0 + 16); ++i) out[j * ldo + i] = in[i * ldi + j];
+    }
+}
+
+// out[j][i] = in[i][j] for an R x S int32 block (4 x 4 SSE2 transposes, scalar edges).
+void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t* out, int64_t ldo) {
+  for (int64_t i0 = 0; i0 < R; i0 += 4)
+    for (int64_t j0 = 0; j0 < S; j0 += 4) {
+#if defined(__x86_64__) || defined(__i386__)
+      if (i0 + 4 <= R && j0 + 4 <= S) {
+        const int32_t* a = in + i0 * ldi + j0;
+        const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+        const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + ldi));
+        const __m128i r2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2 * ldi));
+        const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 3 * ldi));
+        const __m128i t0 = _mm_unpacklo_epi32(r0, r1), t1 = _mm_unpacklo_epi32(r2, r3);
+        const __m128i t2 = _mm_unpackhi_epi32(r0, r1), t3 = _mm_unpackhi_epi32(r2, r3);
+        int32_t* o = out + j0 * ldo + i0;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm_unpacklo_epi64(t0, t1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + ldo), _mm_unpackhi_epi64(t0, t1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 2 * ldo), _mm_unpacklo_epi64(t2, t3));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 3 * ldo), _mm_unpackhi_epi64(t2, t3));
+        continue;
+      }
+#endif
+      for (int64_t j = j0; j < std::min(S, j0 + 4); ++j)
+        for (int64_t i = i0; i < std::min(R, i0 + 4); ++i) out[j * ldo + i] = in[i * ldi + j];
+    }
+}
+
+// One image NCHW -> zero-point padded NHWC [Hp][Wp][C] (u8 codes: s8 flipped by 0x80).
+void ToPaddedNhwc(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t Wp, uint8_t flip,
+                  uint8_t pad, uint8_t* xp) {
+  const int64_t Hp = H + 2 * ph;
+  std::memset(xp, pad, static_cast<size_t>(ph * Wp * C));
+  std::memset(xp + (ph + H) * Wp * C, pad, static_cast<size_t>((Hp - ph - H) * Wp * C));
+  thread_local std::vector<uint8_t> plane;
+  plane.resize(static_cast<size_t>(C * W));
+  for (int64_t h = 0; h < H; ++h) {
+    uint8_t* row = xp + (ph + h) * Wp * C;
+    std::memset(row, pad, static_cast<size_t>(pw * C));
+    std::memset(row + (pw + W) * C, pad, static_cast<size_t>((Wp - pw - W) * C));
+    // gather row h of every channel ([C][W], flipped), then transpose it to [W][C]
+    for (int64_t c = 0; c < C; ++c) {
+      const uint8_t* src = x + (c * H + h) * W;
+      uint8_t* d = plane.data() + c * W;
+      if (flip) {
+        for (int64_t w = 0; w < W; ++w) d[w] = static_cast<uint8_t>(src[w] ^ 0x80);
+      } else {
+        std::memcpy(d, src, static_cast<size_t>(W));
+      }
+    }
+    TransposeBytes(plane.data(), W, C, W, row + pw * C, C);
+  }
+}
+
+// AMX implicit-GEMM conv (PreparedOp::amx_conv; needs fast_acc: no overflow possible, an
+// I8/U8/I32 output).  Phase 1 copies every image to a padded NHWC buffer; phase 2 tasks take
+// blocks of output rows: row tiles of 16 positions along a row read the buffer in place
+// (A rows sw * C bytes apart), C starts at bias - z_u * rowsum per output channel, and the
+// requantized [positions][channels] block is transposed into the NCHW output.
+Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, AmxGatherKernel amx) {
+  const PreparedOp& p = *op.prepared;
+  const Geometry e = Geo(g, op, batch);
+  const GraphTensor& xt = g->tensors[op.inputs[0]];
+  const bool out_signed = g->tensors[op.outputs[0]].dtype == kI8;
+  const bool out_i32 = g->tensors[op.outputs[0]].dtype == kI32;
+  const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
+  const uint8_t* x = g->buffers[op.inputs[0]].data();
+  uint8_t* y = g->buffers[op.outputs[0]].data();
+  const int64_t C = e.C, Wp = p.amx_wp, img = p.amx_hp * Wp * C;
+  const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+  const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
+  thread_local AlignedVector<uint8_t> xpad;
+  thread_local AlignedVector<int32_t> cinit;
+  // tiles read up to 15 positions past a row's end and 63 bytes past a segment's end
+  xpad.resize(static_cast<size_t>(e.n * img + (16 * p.sw + Wp) * C + 1024));
+  uint8_t* xp = xpad.data();
+  const int64_t ncols = p.amx_panels * 16;
+  cinit.resize(static_cast<size_t>(ncols));
+  for (int64_t oc = 0; oc < ncols; ++oc) {
+    uint32_t v = 0;
+    if (oc < e.O)
+      v = (p.bias.empty() ? 0u : static_cast<uint32_t>(p.bias[oc])) -
+          static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]);
+    cinit[oc] = static_cast<int32_t>(v);
+  }
+  const int32_t* ci = cinit.data();
+  ParallelFor(static_cast<int>(e.n), [&](int b) {
+    ToPaddedNhwc(x + b * C * e.H * e.W, C, e.H, e.W, p.ph, p.pw, Wp, flip, static_cast<uint8_t>(zu), xp + b * img);
+  }, /*work=*/e.n * C * e.H * e.W * 16);
+  const int64_t tr = (e.OW + 15) / 16;  // row tiles per output row
+  const int64_t rows_per_task = std::max<int64_t>(1, std::min<int64_t>(e.OH, 16 / tr));
+  const int64_t blocks = (e.OH + rows_per_task - 1) / rows_per_task;
+  const RequantKernel requant = SelectRequantKernel(path);
+  const int64_t P = e.OH * e.OW;
+  ParallelFor(static_cast<int>(e.n * blocks), [&](int t) {
+    const int64_t b = t / blocks, oy0 = (t % blocks) * rows_per_task, oy1 = std::min(e.OH, oy0 + rows_per_task);
+    const int64_t mtiles = (oy1 - oy0) * tr;
+    thread_local std::vector<int64_t> aoff;
+    thread_local AlignedVector<int32_t> acc;
+    thread_local std::vector<uint8_t> out8, planes;
+    aoff.resize(static_cast<size_t>(mtiles));
+    for (int64_t i = 0; i < mtiles; ++i) {
+      const int64_t oy = oy0 + i / tr, ox0 = (i % tr) * 16;
+      aoff[i] = b * img + ((oy * p.sh) * Wp + ox0 * p.sw) * C;
+    }
+    acc.resize(static_cast<size_t>(mtiles * 16 * ncols));
+    amx(xp, p.sw * C, aoff.data(), p.amx_koff.data(), mtiles, p.amx_w.data(), p.amx_kblocks * 1024, p.amx_panels,
+        p.amx_kblocks, acc.data(), ncols, AmxInit::kCols, ci);
+    const int64_t rows = mtiles * 16;
+    if (out_i32) {  // per-channel stage into int32 on the transposed [channels][positions] block
+      thread_local AlignedVector<int32_t> planes32;
+      planes32.resize(static_cast<size_t>(e.O * rows));
+      TransposeI32(acc.data(), ncols, rows, e.O, planes32.data(), rows);
+      for (int64_t oc = 0; oc < e.O; ++oc) {
+        OutputStage one = p.out.stage;
+        const int64_t ch = one.rescale.channels == 1 ? 0 : oc;
+        one.rescale.multiplier += ch;
+        one.rescale.shift += ch;
+        one.rescale.channels = 1;
+        int32_t* dst = reinterpret_cast<int32_t*>(y) + (b * e.O + oc) * P;
+        const int32_t* src = planes32.data() + oc * rows;
+        for (int64_t oy = oy0; oy < oy1; ++oy) stage_i32(src + (oy - oy0) * tr * 16, e.OW, one, dst + oy * e.OW);
+      }
+      return;
+    }
+    out8.resize(static_cast<size_t>(rows * e.O));
+    requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
+    // [positions][channels] -> [channels][positions], then each output row's valid part
+    planes.resize(static_cast<size_t>(e.O * rows));
+    TransposeBytes(out8.data(), e.O, rows, e.O, planes.data(), rows);
+    for (int64_t oc = 0; oc < e.O; ++oc) {
+      uint8_t* dst = y + (b * e.O + oc) * P;
+      const uint8_t* src = planes.data() + oc * rows;
+      for (int64_t oy = oy0; oy < oy1; ++oy)
+        std::memcpy(dst + oy * e.OW, src + (oy - oy0) * tr * 16, static_cast<size_t>(e.OW));
+    }
+  }, /*work=*/e.n * P * p.cout * p.kp);
+  return Status::Ok();
+}
+
 // Int conv with the weights as the broadcast operand: acc[o][col] = W'[o][:] . X'[:, col],
 // with the columns of several small images side by side (>= ~512 per GEMM), so the GEMM
 // output rows are NCHW planes.  Two forms: VNNI (u8 codes, zero point via row sums:
@@ -175,6 +420,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const int64_t kpairs = p.kp / 2, kquads = p.kp / 4;
   const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
   const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectVnniMicroKernel(false, path);
+  const AmxKernel amx = p.w8.empty() ? nullptr : SelectAmxKernel(path);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const int tasks = static_cast<int>(chunks * p.groups);
@@ -183,21 +429,48 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t chunk = t / p.groups, gi = t % p.groups;
     const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
     const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
-    thread_local std::vector<int32_t> acc;
-    acc.resize(static_cast<size_t>(e.og * Pp));
-    if (vnni) {
+    thread_local AlignedVector<int32_t> acc;
+    const int64_t og16 = (e.og + 15) / 16 * 16;
+    acc.resize(static_cast<size_t>(og16 * Pp));
+    bool bias_done = false;
+    if (amx) {
+      // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
+      // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
+      // possible), one 16 x 16 tile per 16 channels, so no pass over C remains.
+      thread_local AlignedVector<uint8_t> cols8, panels8;
+      thread_local AlignedVector<int32_t> cinit;
+      const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+      const int64_t kblocks = p.kp64 / kAmxKBlock, kq16 = kblocks * 16;
+      cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
+      panels8.resize(static_cast<size_t>(npanels * kq16 * 64));
+      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
+      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, kq16, panels8.data());
+      cinit.resize(static_cast<size_t>(og16 * 16));
+      bias_done = p.fast_acc && !p.bias.empty();
+      for (int64_t o = 0; o < og16; ++o) {
+        const int64_t oc = gi * e.og + o;
+        uint32_t v = 0;
+        if (o < e.og) {
+          v = (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u) -
+              static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]);
+        }
+        for (int i = 0; i < 16; ++i) cinit[o * 16 + i] = static_cast<int32_t>(v);
+      }
+      amx(true, reinterpret_cast<const uint8_t*>(p.w8[gi].data()), p.kp64, og16 / 16, panels8.data(), kq16 * 64,
+          npanels, kblocks, acc.data(), Pp, AmxInit::kRows, cinit.data());
+    } else if (vnni) {
       thread_local std::vector<uint8_t> cols8, panels8;
       const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
       cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
       panels8.resize(static_cast<size_t>(npanels * kquads * 64));
-      Im2colT<uint8_t>(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
-      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, panels8.data());
+      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
+      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, kquads, panels8.data());
       const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
       for (int64_t q = 0; q < npanels; ++q)
         for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
-          vnni(rows, w + o0 * p.kp, p.kp, panels8.data() + q * kquads * 64, kquads, acc.data() + o0 * Pp + q * 16, Pp,
-               false);
+          vnni(rows, w + o0 * p.kp64, p.kp64, panels8.data() + q * kquads * 64, kquads, acc.data() + o0 * Pp + q * 16,
+               Pp, false);
         }
       for (int64_t o = 0; o < e.og; ++o) {
         const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[gi * e.og + o]);
@@ -235,7 +508,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       const int64_t oc = gi * e.og + o;
       int32_t* row = acc.data() + o * Pp;
       if (p.fast_acc) {
-        if (!p.bias.empty())
+        if (!p.bias.empty() && !bias_done)
           for (int64_t i = 0; i < cols_n; ++i) row[i] += p.bias[oc];
         const Rescale& r = p.out.stage.rescale;
         OutputStage one = p.out.stage;
@@ -266,6 +539,9 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
 
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
   const PreparedOp& p = *op.prepared;
+  if (p.spatial > 0 && p.amx_conv && p.fast_acc) {
+    if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
+  }
   if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
   const Geometry e = Geo(g, op, batch);
   const GraphTensor& xt = g->tensors[op.inputs[0]];

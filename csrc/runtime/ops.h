@@ -32,9 +32,21 @@ struct PreparedOp {
   std::vector<std::vector<int32_t>> w_int;  // per group [og][K] (W - w_zp), for the exact int64 path
   std::vector<int32_t> bias;                // empty = none
   std::vector<std::vector<int16_t>> w16;    // convs: per group [og][kp] (W - w_zp), K padded to 4
-  std::vector<AlignedVector<int8_t>> w8;    // convs, when W - w_zp fits int8: VNNI rows [og][kp]
+  // convs, when W - w_zp fits int8: VNNI/AMX rows [og rounded up to 16][kp64], zero padded
+  std::vector<AlignedVector<int8_t>> w8;
   std::vector<int32_t> rowsum;              // [cout] sum_k (W - w_zp), the VNNI zero-point offset
+  // AMX implicit-GEMM conv (groups 1, int8 weights, >= 16 input channels): the input is
+  // copied to a zero-point padded NHWC image [Hp][Wp][C] and the tiles read it in place.
+  // K is cut into segments of a position's window (one per kernel row when dw == 1: kw * C
+  // contiguous bytes; else one per tap: C bytes), each padded to 64-byte blocks; koff[kb]
+  // is block kb's byte offset from the window's first tap, and amx_w holds one VNNI panel
+  // of 16 output channels per amx_kblocks KiB (bytes past a segment's end are zero).
+  bool amx_conv = false;
+  int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
+  std::vector<int64_t> amx_koff;
+  AlignedVector<uint8_t> amx_w;
   int64_t kp = 0;
+  int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
   bool int32_exact = true;                  // every GEMM sum provably fits int32
   bool fast_acc = false;                    // acc_bits 32, |sum + bias| < 2^31: no overflow possible
   bool fast_stage = false;                  // fast_acc and an I8/U8 output

@@ -6,6 +6,8 @@
 // bias is added afterwards in int64.  Otherwise the exact int64 reference path runs.
 #include <algorithm>
 #include <cstdlib>
+#include <utility>
+#include <vector>
 
 #include "runtime/ops.h"
 
@@ -20,6 +22,57 @@ Status ReadStageFor(const GraphOp& op, int index, int64_t channels, int out_dtyp
       return MakeStatus(StatusCode::kFormatError, "op %d '%s': %s", index, op.name.c_str(), _s.message().c_str()); \
     }                                                                                                \
   } while (0)
+
+namespace {
+
+// Segments and VNNI weight panels of the AMX implicit-GEMM conv (see PreparedOp::amx_conv).
+void PrepareAmxConv(const GraphTensor& x, PreparedOp* pp) {
+  PreparedOp& p = *pp;
+  const int64_t C = p.cin, H = p.spatial == 2 ? x.dims[2] : 1, W = x.dims.back();
+  p.amx_hp = H + 2 * p.ph;
+  p.amx_wp = W + 2 * p.pw;
+  struct Segment {
+    int64_t off, len, ky, kx;  // kx = -1: the whole kernel row (dw == 1)
+  };
+  std::vector<Segment> segs;
+  for (int64_t ky = 0; ky < p.kh; ++ky) {
+    const int64_t row = ky * p.dh * p.amx_wp * C;
+    if (p.dw == 1) {
+      segs.push_back({row, p.kw * C, ky, -1});
+    } else {
+      for (int64_t kx = 0; kx < p.kw; ++kx) segs.push_back({row + kx * p.dw * C, C, ky, kx});
+    }
+  }
+  p.amx_koff.clear();
+  std::vector<std::pair<size_t, int64_t>> block_seg;  // (segment, first byte) per block
+  for (size_t si = 0; si < segs.size(); ++si)
+    for (int64_t b = 0; b < segs[si].len; b += 64) {
+      p.amx_koff.push_back(segs[si].off + b);
+      block_seg.emplace_back(si, b);
+    }
+  p.amx_kblocks = static_cast<int64_t>(p.amx_koff.size());
+  p.amx_panels = (p.cout + 15) / 16;
+  p.amx_w.assign(static_cast<size_t>(p.amx_panels * p.amx_kblocks * 1024), 0);
+  const int64_t kdim = C * p.kh * p.kw;
+  for (int64_t oc = 0; oc < p.cout; ++oc) {
+    const int32_t* wrow = p.w_int[0].data() + oc * kdim;  // [c][ky][kx]
+    uint8_t* panel = p.amx_w.data() + (oc / 16) * p.amx_kblocks * 1024;
+    for (int64_t kb = 0; kb < p.amx_kblocks; ++kb) {
+      const Segment& sg = segs[block_seg[kb].first];
+      for (int64_t t = 0; t < 64; ++t) {
+        const int64_t byte = block_seg[kb].second + t;
+        if (byte >= sg.len) break;
+        const int64_t kx = sg.kx >= 0 ? sg.kx : byte / C, c = sg.kx >= 0 ? byte : byte % C;
+        const int32_t v = wrow[(c * p.kh + sg.ky) * p.kw + kx];
+        // quad row t / 4, column oc % 16, byte t % 4
+        panel[kb * 1024 + (t / 4) * 64 + (oc % 16) * 4 + t % 4] = static_cast<uint8_t>(static_cast<int8_t>(v));
+      }
+    }
+  }
+  p.amx_conv = true;
+}
+
+}  // namespace
 
 Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_shape) {
   PreparedOp& p = *op.prepared;
@@ -98,7 +151,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   const auto& wzp = A.at("w_zp").ints;
   OP_CHECK(wzp.size() == 1 || static_cast<int64_t>(wzp.size()) == p.cout, "w_zp needs 1 or O entries");
   for (int64_t v : wzp) OP_CHECK(std::llabs(v) <= 255, "w_zp %lld out of range", (long long)v);
-  int64_t wmax = 0;
+  int64_t wmax = 0, wmin_signed = 0, wmax_signed = 0;
   for (int64_t gi = 0; gi < p.groups; ++gi) {
     std::vector<int32_t> vals(static_cast<size_t>(og * kdim));
     for (int64_t o = 0; o < og; ++o) {
@@ -108,6 +161,8 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         const int64_t v = w.values[oc * kdim + k] - zp;
         vals[o * kdim + k] = static_cast<int32_t>(v);
         wmax = std::max<int64_t>(wmax, std::llabs(v));
+        wmin_signed = std::min<int64_t>(wmin_signed, v);
+        wmax_signed = std::max<int64_t>(wmax_signed, v);
       }
     }
     p.w_int.push_back(std::move(vals));
@@ -126,20 +181,22 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         for (int64_t k = 0; k < kdim; ++k) rows[o * p.kp + k] = static_cast<int16_t>(p.w_int[gi][o * kdim + k]);
       p.w16.push_back(std::move(rows));
     }
-    if (wmax <= 127) {  // int8 weight rows for the VNNI conv (the offsets need the row sums)
+    if (wmin_signed >= -128 && wmax_signed <= 127) {  // int8 rows for the VNNI/AMX convs (+ row sums)
       p.rowsum.assign(static_cast<size_t>(p.cout), 0);
       for (int64_t gi = 0; gi < p.groups; ++gi) {
-        // rows padded with zeros to a multiple of 16, +64 bytes: the AMX conv reads whole
-        // 16-row tiles and up to 60 bytes past the last row's K (times zero activations)
-        AlignedVector<int8_t> rows(static_cast<size_t>((og + 15) / 16 * 16 * p.kp + 64), 0);
+        // rows padded with zeros to a multiple of 16 and K to 64: the AMX conv reads whole
+        // 16-row x 64-byte tiles, each row on a cache line boundary
+        p.kp64 = (p.kp + 63) / 64 * 64;
+        AlignedVector<int8_t> rows(static_cast<size_t>((og + 15) / 16 * 16 * p.kp64), 0);
         for (int64_t o = 0; o < og; ++o)
           for (int64_t k = 0; k < kdim; ++k) {
             const int32_t v = p.w_int[gi][o * kdim + k];
-            rows[o * p.kp + k] = static_cast<int8_t>(v);
+            rows[o * p.kp64 + k] = static_cast<int8_t>(v);
             p.rowsum[gi * og + o] += v;
           }
         p.w8.push_back(std::move(rows));
       }
+      if (p.groups == 1) PrepareAmxConv(x, &p);
     }
   } else if (p.int32_exact) {
     for (int64_t gi = 0; gi < p.groups; ++gi) {

@@ -17,6 +17,9 @@
 //     column, loaded with row stride 0; kInitRows: cinit[16 * mtiles][16], a tile per 16
 //     rows, e.g. a per-row value repeated 16 times), or as zero.  Zero-point offsets and
 //     biases ride in cinit, so no pass over C is needed after the tiles are stored.
+// GemmAmxGather is the implicit-GEMM form used by convs (u8 activations x s8 weights): row
+// tile i's A starts at a + aoff[i] and its k-block kb at + koff[kb], rows lda bytes apart,
+// so the tiles read a padded NHWC image in place (no im2col buffer).
 // The tile configuration (palette 1, eight 16 x 64 byte tiles) is loaded per call and
 // released at the end, so no tile state leaks into other code on the thread.  Linux needs
 // the process to ask for the AMX state once (arch_prctl ARCH_REQ_XCOMP_PERM, done by
@@ -41,9 +44,11 @@ struct alignas(64) TileConfig {
 };
 
 // Tiles: C 0..3 (c[m][n] = tile 2m + n), A 4..5, B 6..7.
+// A k-block kb of row tile 0 is at a0 + koff(kb), of row tile 1 at a1 + koff(kb), where
+// koff(kb) = koff ? koff[kb] : 64 * kb.
 template <int MT, int NT, bool kSigned>
-void Block(const uint8_t* a, int64_t lda, const uint8_t* b, int64_t ldb, int64_t kblocks, int32_t* c, int64_t ldc,
-           AmxInit init, const int32_t* ci) {
+void Block(const uint8_t* a0, const uint8_t* a1, int64_t lda, const int64_t* koff, const uint8_t* b, int64_t ldb,
+           int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init, const int32_t* ci) {
   const int64_t cs = ldc * 4;
   int32_t* c10 = c + 16 * ldc;
   if (init == AmxInit::kAccumulate) {
@@ -67,13 +72,13 @@ void Block(const uint8_t* a, int64_t lda, const uint8_t* b, int64_t ldb, int64_t
     if (MT == 2) _tile_zero(2);
     if (MT == 2 && NT == 2) _tile_zero(3);
   }
-  const uint8_t* a1 = a + 16 * lda;
   const uint8_t* b1 = b + ldb;
   for (int64_t kb = 0; kb < kblocks; ++kb) {
-    _tile_loadd(4, a + 64 * kb, lda);
+    const int64_t ko = koff != nullptr ? koff[kb] : 64 * kb;
+    _tile_loadd(4, a0 + ko, lda);
     _tile_loadd(6, b + 1024 * kb, 64);
     if (NT == 2) _tile_loadd(7, b1 + 1024 * kb, 64);
-    if (MT == 2) _tile_loadd(5, a1 + 64 * kb, lda);
+    if (MT == 2) _tile_loadd(5, a1 + ko, lda);
     if (kSigned) {
       _tile_dpbsud(0, 4, 6);
       if (NT == 2) _tile_dpbsud(1, 4, 7);
@@ -92,9 +97,10 @@ void Block(const uint8_t* a, int64_t lda, const uint8_t* b, int64_t ldb, int64_t
   if (MT == 2 && NT == 2) _tile_stored(3, c10 + 16, cs);
 }
 
+// Row tile i's A starts at a + (aoff ? aoff[i] : 16 * i * lda).
 template <bool kSigned>
-void Run(const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b, int64_t ldb, int64_t npanels,
-         int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init, const int32_t* cinit) {
+void Run(const uint8_t* a, int64_t lda, const int64_t* aoff, const int64_t* koff, int64_t mtiles, const uint8_t* b,
+         int64_t ldb, int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init, const int32_t* cinit) {
   TileConfig cfg = {};
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) {
@@ -108,15 +114,16 @@ void Run(const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b, int64_
     const bool two = j + 1 < npanels;
     const uint8_t* bj = b + j * ldb;
     for (int64_t i = 0; i < mtiles; i += 2) {
-      const uint8_t* ai = a + 16 * i * lda;
+      const uint8_t* ai = a + (aoff != nullptr ? aoff[i] : 16 * i * lda);
+      const uint8_t* ai1 = i + 1 < mtiles ? a + (aoff != nullptr ? aoff[i + 1] : 16 * (i + 1) * lda) : nullptr;
       int32_t* cij = c + 16 * i * ldc + 16 * j;
       const int32_t* ci = init == AmxInit::kCols ? cinit + 16 * j : (init == AmxInit::kRows ? cinit + 256 * i : nullptr);
       if (i + 1 < mtiles) {
-        if (two) Block<2, 2, kSigned>(ai, lda, bj, ldb, kblocks, cij, ldc, init, ci);
-        else Block<2, 1, kSigned>(ai, lda, bj, ldb, kblocks, cij, ldc, init, ci);
+        if (two) Block<2, 2, kSigned>(ai, ai1, lda, koff, bj, ldb, kblocks, cij, ldc, init, ci);
+        else Block<2, 1, kSigned>(ai, ai1, lda, koff, bj, ldb, kblocks, cij, ldc, init, ci);
       } else {
-        if (two) Block<1, 2, kSigned>(ai, lda, bj, ldb, kblocks, cij, ldc, init, ci);
-        else Block<1, 1, kSigned>(ai, lda, bj, ldb, kblocks, cij, ldc, init, ci);
+        if (two) Block<1, 2, kSigned>(ai, ai1, lda, koff, bj, ldb, kblocks, cij, ldc, init, ci);
+        else Block<1, 1, kSigned>(ai, ai1, lda, koff, bj, ldb, kblocks, cij, ldc, init, ci);
       }
     }
   }
@@ -128,10 +135,16 @@ void Run(const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b, int64_
 void GemmAmx(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b, int64_t ldb,
              int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init, const int32_t* cinit) {
   if (a_signed) {
-    Run<true>(a, lda, mtiles, b, ldb, npanels, kblocks, c, ldc, init, cinit);
+    Run<true>(a, lda, nullptr, nullptr, mtiles, b, ldb, npanels, kblocks, c, ldc, init, cinit);
   } else {
-    Run<false>(a, lda, mtiles, b, ldb, npanels, kblocks, c, ldc, init, cinit);
+    Run<false>(a, lda, nullptr, nullptr, mtiles, b, ldb, npanels, kblocks, c, ldc, init, cinit);
   }
+}
+
+void GemmAmxGather(const uint8_t* a, int64_t lda, const int64_t* aoff, const int64_t* koff, int64_t mtiles,
+                   const uint8_t* b, int64_t ldb, int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc,
+                   AmxInit init, const int32_t* cinit) {
+  Run<false>(a, lda, aoff, koff, mtiles, b, ldb, npanels, kblocks, c, ldc, init, cinit);
 }
 
 }  // namespace x86

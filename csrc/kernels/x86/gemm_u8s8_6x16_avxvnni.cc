@@ -182,10 +182,12 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 namespace qdsl {
 namespace x86 {
 
-// u8 activation rows [k][ld] (k = 4 * kquads rows) -> VNNI panels of 16 positions:
+// u8 activation rows [k][ld] (k = 4 * kquads rows) -> VNNI panels of 16 positions, each
+// panel_quads >= kquads quads long (zero filled past kquads):
 // panel q, quad j: 64 bytes, position i's four bytes are rows 4j..4j+3 at column 16q + i
 // (a 4 x 16 byte transpose with two rounds of unpacks).
-void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels) {
+void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
+                      uint8_t* panels) {
   for (int64_t q = 0; q < npanels; ++q) {
     for (int64_t j = 0; j < kquads; ++j) {
       const uint8_t* r = rows + 4 * j * ld + 16 * q;
@@ -195,12 +197,14 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
       const __m128i r3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 3 * ld));
       const __m128i a_lo = _mm_unpacklo_epi8(r0, r1), a_hi = _mm_unpackhi_epi8(r0, r1);
       const __m128i b_lo = _mm_unpacklo_epi8(r2, r3), b_hi = _mm_unpackhi_epi8(r2, r3);
-      __m128i* out = reinterpret_cast<__m128i*>(panels + (q * kquads + j) * 64);
+      __m128i* out = reinterpret_cast<__m128i*>(panels + (q * panel_quads + j) * 64);
       _mm_storeu_si128(out, _mm_unpacklo_epi16(a_lo, b_lo));      // positions 0..3
       _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a_lo, b_lo));  // 4..7
       _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));  // 8..11
       _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));  // 12..15
     }
+    // quads past K (AMX pads each panel to whole 16-quad tiles) are zero
+    std::memset(panels + (q * panel_quads + kquads) * 64, 0, static_cast<size_t>((panel_quads - kquads) * 64));
   }
 }
 

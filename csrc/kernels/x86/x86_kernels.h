@@ -27,10 +27,14 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
 // init/cinit: see the file comment (AmxInit in qdsl/requant.h's namespace, below).
 void GemmAmx(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b, int64_t ldb,
              int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc, AmxInit init, const int32_t* cinit);
+void GemmAmxGather(const uint8_t* a, int64_t lda, const int64_t* aoff, const int64_t* koff, int64_t mtiles,
+                   const uint8_t* b, int64_t ldb, int64_t npanels, int64_t kblocks, int32_t* c, int64_t ldc,
+                   AmxInit init, const int32_t* cinit);
 // int4/int2 panel (kI4/kI2 layout) -> VNNI int8 quad layout, `quads` k-quads.
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (positions).
-void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, uint8_t* panels);
+void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
+                      uint8_t* panels);
 // AVX-512 VPOPCNTDQ (csrc/kernels/x86/bgemm_2x4_avx512.cc), same contract as the AVX2 one.
 void BinaryPopcountAvx512(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                           int64_t kwords, int32_t* pc, int64_t ldc);
