@@ -147,11 +147,15 @@ AmxGatherKernel SelectAmxGatherKernel(uint32_t path) {
   return nullptr;
 }
 
-void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst) {
+void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst, uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  x86::UnpackPanelToVnni(bits, src, quads, dst);
+  if (Base(path) == kPathAvx512) {
+    x86::UnpackPanelToVnniAvx512(bits, src, quads, dst);
+  } else {
+    x86::UnpackPanelToVnni(bits, src, quads, dst);
+  }
 #else
-  (void)bits, (void)src, (void)quads, (void)dst;
+  (void)bits, (void)src, (void)quads, (void)dst, (void)path;
 #endif
 }
 

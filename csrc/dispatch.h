@@ -48,7 +48,7 @@ IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
 AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // int4/int2 panel block -> VNNI int8 layout (only called when a VNNI kernel was selected).
-void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
+void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst, uint32_t path);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (VNNI paths only).
 void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
                       uint8_t* panels);

@@ -185,7 +185,7 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
         const int64_t np = std::min<int64_t>(2, p1 - p);
         for (int64_t j = 0; j < np; ++j) {
           uint8_t* dst = wide.data() + j * ldb;
-          UnpackPanelToVnni(sub_bits, w.packed.data() + (p + j) * w.panel_bytes, kquads, dst);
+          UnpackPanelToVnni(sub_bits, w.packed.data() + (p + j) * w.panel_bytes, kquads, dst, chosen);
           std::memset(dst + kquads * 64, 0, static_cast<size_t>(ldb - kquads * 64));
         }
         amx(false, a8.data(), kp64, mtiles, wide.data(), ldb, np, kblocks, c_base + (p - p0) * kPanelCols, ldc,
@@ -271,7 +271,7 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
             thread_local std::vector<uint8_t> wide;
             wide.resize(static_cast<size_t>(len * 64));
             UnpackPanelToVnni(sub_bits, w.packed.data() + p * w.panel_bytes + q0 * (w.panel_bytes / kquads), len,
-                              wide.data());
+                              wide.data(), chosen);
             panel = wide.data();
           } else {
             panel = w.vnni.data() + (p * kquads + q0) * 64;

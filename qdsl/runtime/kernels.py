@@ -50,8 +50,19 @@ def _call(fn, *args) -> None:
         raise RuntimeError_(err.value.decode("utf-8", "replace"), STATUS_NAMES.get(code, str(code)))
 
 
+_addressof, _char_from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
+
+
 def _ptr(arr: np.ndarray | None) -> int | None:
-    return None if arr is None else arr.ctypes.data
+    """Data address of a C-contiguous array.  ``c_char.from_buffer`` costs a quarter of
+    ``arr.ctypes.data`` (which builds a helper object per call); read-only or empty
+    buffers take the slow way."""
+    if arr is None:
+        return None
+    try:
+        return _addressof(_char_from_buffer(arr))
+    except (TypeError, ValueError):
+        return arr.ctypes.data
 
 
 def _path(path: str) -> int:
@@ -121,7 +132,7 @@ def _aligned_empty(shape: tuple[int, int], dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     nbytes = shape[0] * shape[1] * dtype.itemsize
     raw = np.empty(nbytes + 64, dtype=np.uint8)
-    off = (-raw.ctypes.data) % 64
+    off = (-_ptr(raw)) % 64
     return raw[off:off + nbytes].view(dtype).reshape(shape)
 
 
