@@ -131,13 +131,26 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
   const int64_t kquads = w.kp / 4, kblocks = (w.kp + kAmxKBlock - 1) / kAmxKBlock, kp64 = kblocks * kAmxKBlock;
   const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
   const int threads = NumThreads();
-  const int64_t row_block = sub_bits ? kAmxRowBlockSubByte : kAmxRowBlock;
+  // Threads split the rows first: a task packs its own rows and its tiles read them from
+  // its own core's L2, while the weights are only ever read, so both cores keep copies.
+  // (Splitting a row block by panels made the other core pull the packed rows over and
+  // the owner re-own them on the next call: 2 threads ran (256,1152,128) at 0.5x of one.)
+  // Panel groups split the weights only when there are fewer 16-row tiles than threads.
+  int64_t row_block = sub_bits ? kAmxRowBlockSubByte : kAmxRowBlock;
+  if (threads > 1) row_block = std::max<int64_t>(16, std::min(row_block, ((m + threads - 1) / threads + 15) / 16 * 16));
   const int64_t mblocks = (m + row_block - 1) / row_block;
-  const int64_t want = WantTasks(threads);
   const int64_t pairs = (w.panels + 1) / 2;
-  const int64_t groups = mblocks >= want ? 1 : std::min<int64_t>(pairs, (want + mblocks - 1) / mblocks);
+  const int64_t groups = mblocks >= threads ? 1 : std::min<int64_t>(pairs, (threads + mblocks - 1) / mblocks);
   const int tasks = static_cast<int>(mblocks * groups);
   const uint32_t zu = static_cast<uint32_t>(a.zero_point + (a.dtype == DType::kInt8 ? 128 : 0));
+  // Packs rows [m0, m0 + rows) (padded to whole tiles) into dst.
+  auto pack_rows = [&](int64_t m0, int64_t rows, uint8_t* dst) {
+    const int64_t padded = (rows + 15) / 16 * 16;
+    CopyRowsU8(a, m0, rows, dst, kp64);
+    for (int64_t r = 0; r < rows; ++r)  // zeros past K and in the padding rows
+      std::memset(dst + r * kp64 + w.k, 0, static_cast<size_t>(kp64 - w.k));
+    std::memset(dst + rows * kp64, 0, static_cast<size_t>((padded - rows) * kp64));
+  };
   ParallelFor(tasks, [&](int t) {
     const int64_t mb = t / groups, pg = t % groups;
     const int64_t m0 = mb * row_block, rows_total = std::min<int64_t>(row_block, m - m0);
@@ -172,10 +185,8 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
       ldc = ldacc;
     }
     a8.resize(static_cast<size_t>(mtiles * 16 * kp64));
-    CopyRowsU8(a, m0, rows_total, a8.data(), kp64);
-    for (int64_t r = 0; r < rows_total; ++r)  // zeros past K and in the padding rows
-      std::memset(a8.data() + r * kp64 + w.k, 0, static_cast<size_t>(kp64 - w.k));
-    std::memset(a8.data() + rows_total * kp64, 0, static_cast<size_t>((mtiles * 16 - rows_total) * kp64));
+    pack_rows(m0, rows_total, a8.data());
+    const uint8_t* a_rows = a8.data();
     if (sub_bits) {
       // int4/int2: widen one panel pair (all of K, <= 2 x 16 KiB per 256 bytes of K) at a
       // time, then run every row tile over it while it is in L1/L2.
@@ -188,11 +199,11 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
           UnpackPanelToVnni(sub_bits, w.packed.data() + (p + j) * w.panel_bytes, kquads, dst, chosen);
           std::memset(dst + kquads * 64, 0, static_cast<size_t>(ldb - kquads * 64));
         }
-        amx(false, a8.data(), kp64, mtiles, wide.data(), ldb, np, kblocks, c_base + (p - p0) * kPanelCols, ldc,
+        amx(false, a_rows, kp64, mtiles, wide.data(), ldb, np, kblocks, c_base + (p - p0) * kPanelCols, ldc,
             AmxInit::kCols, cinit.data() + (p - p0) * kPanelCols);
       }
     } else {  // past K the tiles read on into the next panel: A is zero there
-      amx(false, a8.data(), kp64, mtiles, w.vnni.data() + p0 * kquads * 64, kquads * 64, p1 - p0, kblocks, c_base,
+      amx(false, a_rows, kp64, mtiles, w.vnni.data() + p0 * kquads * 64, kquads * 64, p1 - p0, kblocks, c_base,
           ldc, AmxInit::kCols, cinit.data());
     }
     if (!direct) Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, nullptr, out, chosen);
@@ -339,8 +350,11 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
   const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
   const BinaryMicroKernel cols_kernel = w.bits_cols.empty() ? nullptr : SelectBinaryColsKernel(chosen);
   const int threads = NumThreads();
-  const bool split_n = n >= 8 * threads || m < 2 * threads;
-  const int tasks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, split_n ? n : m)));
+  // Several tasks per thread (claimed dynamically) so a thread slowed by the other
+  // process on its core does not hold the join: N blocks of >= 64 columns, else M blocks.
+  const int want = threads > 1 ? 4 * threads : 1;
+  const bool split_n = n >= 64 * threads || m < 2 * threads;
+  const int tasks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, split_n ? (n + 63) / 64 : m / 2)));
   ParallelFor(tasks, [&](int t) {
     int64_t n0 = 0, n1 = n, m0 = 0, m1 = m;
     if (split_n) {

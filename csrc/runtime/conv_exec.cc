@@ -289,16 +289,19 @@ void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t*
     }
 }
 
-// One image NCHW -> zero-point padded NHWC [Hp][Wp][C] (u8 codes: s8 flipped by 0x80).
-void ToPaddedNhwc(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t Wp, uint8_t flip,
-                  uint8_t pad, uint8_t* xp) {
-  const int64_t Hp = H + 2 * ph;
-  std::memset(xp, pad, static_cast<size_t>(ph * Wp * C));
-  std::memset(xp + (ph + H) * Wp * C, pad, static_cast<size_t>((Hp - ph - H) * Wp * C));
+// Rows [r0, r1) of one image's zero-point padded NHWC form [H + 2 ph][Wp][C] (u8 codes:
+// s8 flipped by 0x80) from its NCHW planes: padded row r is input row r - ph.
+void ToPaddedNhwcRows(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t Wp,
+                      int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp) {
   thread_local std::vector<uint8_t> plane;
   plane.resize(static_cast<size_t>(C * W));
-  for (int64_t h = 0; h < H; ++h) {
-    uint8_t* row = xp + (ph + h) * Wp * C;
+  for (int64_t r = r0; r < r1; ++r) {
+    uint8_t* row = xp + (r - r0) * Wp * C;
+    const int64_t h = r - ph;
+    if (h < 0 || h >= H) {
+      std::memset(row, pad, static_cast<size_t>(Wp * C));
+      continue;
+    }
     std::memset(row, pad, static_cast<size_t>(pw * C));
     std::memset(row + (pw + W) * C, pad, static_cast<size_t>((Wp - pw - W) * C));
     // gather row h of every channel ([C][W], flipped), then transpose it to [W][C]
@@ -316,10 +319,13 @@ void ToPaddedNhwc(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t ph,
 }
 
 // AMX implicit-GEMM conv (PreparedOp::amx_conv; needs fast_acc: no overflow possible, an
-// I8/U8/I32 output).  Phase 1 copies every image to a padded NHWC buffer; phase 2 tasks take
-// blocks of output rows: row tiles of 16 positions along a row read the buffer in place
-// (A rows sw * C bytes apart), C starts at bias - z_u * rowsum per output channel, and the
-// requantized [positions][channels] block is transposed into the NCHW output.
+// I8/U8/I32 output).  A task takes a block of output rows of one image (the whole image
+// when the batch feeds the threads), copies the padded input rows it needs to a
+// thread-local NHWC buffer (so its tiles read data in its own core's cache: sharing one
+// buffer between cores cost more in cache-line transfers than it saved), and runs row
+// tiles of 16 positions along an output row over it in place (A rows sw * C bytes apart).
+// C starts at bias - z_u * rowsum per output channel; the requantized [positions]
+// [channels] block is transposed into the NCHW output.
 Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, AmxGatherKernel amx) {
   const PreparedOp& p = *op.prepared;
   const Geometry e = Geo(g, op, batch);
@@ -329,14 +335,10 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
-  const int64_t C = e.C, Wp = p.amx_wp, img = p.amx_hp * Wp * C;
+  const int64_t C = e.C, Wp = p.amx_wp;
   const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
   const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
-  thread_local AlignedVector<uint8_t> xpad;
   thread_local AlignedVector<int32_t> cinit;
-  // tiles read up to 15 positions past a row's end and 63 bytes past a segment's end
-  xpad.resize(static_cast<size_t>(e.n * img + (16 * p.sw + Wp) * C + 1024));
-  uint8_t* xp = xpad.data();
   const int64_t ncols = p.amx_panels * 16;
   cinit.resize(static_cast<size_t>(ncols));
   for (int64_t oc = 0; oc < ncols; ++oc) {
@@ -347,55 +349,65 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
     cinit[oc] = static_cast<int32_t>(v);
   }
   const int32_t* ci = cinit.data();
-  ParallelFor(static_cast<int>(e.n), [&](int b) {
-    ToPaddedNhwc(x + b * C * e.H * e.W, C, e.H, e.W, p.ph, p.pw, Wp, flip, static_cast<uint8_t>(zu), xp + b * img);
-  }, /*work=*/e.n * C * e.H * e.W * 16);
   const int64_t tr = (e.OW + 15) / 16;  // row tiles per output row
-  const int64_t rows_per_task = std::max<int64_t>(1, std::min<int64_t>(e.OH, 16 / tr));
-  const int64_t blocks = (e.OH + rows_per_task - 1) / rows_per_task;
+  const int threads = NumThreads();
+  const int64_t per_image = e.n >= 2 * threads ? 1 : std::min<int64_t>(e.OH, (2 * threads + e.n - 1) / e.n);
+  const int64_t block_rows = (e.OH + per_image - 1) / per_image;
+  const int64_t blocks = (e.OH + block_rows - 1) / block_rows;
+  const int64_t sub_rows = std::max<int64_t>(1, std::min<int64_t>(block_rows, 16 / tr));  // <= 16 row tiles at once
   const RequantKernel requant = SelectRequantKernel(path);
   const int64_t P = e.OH * e.OW;
   ParallelFor(static_cast<int>(e.n * blocks), [&](int t) {
-    const int64_t b = t / blocks, oy0 = (t % blocks) * rows_per_task, oy1 = std::min(e.OH, oy0 + rows_per_task);
-    const int64_t mtiles = (oy1 - oy0) * tr;
-    thread_local std::vector<int64_t> aoff;
-    thread_local AlignedVector<int32_t> acc;
-    thread_local std::vector<uint8_t> out8, planes;
-    aoff.resize(static_cast<size_t>(mtiles));
-    for (int64_t i = 0; i < mtiles; ++i) {
-      const int64_t oy = oy0 + i / tr, ox0 = (i % tr) * 16;
-      aoff[i] = b * img + ((oy * p.sh) * Wp + ox0 * p.sw) * C;
-    }
-    acc.resize(static_cast<size_t>(mtiles * 16 * ncols));
-    amx(xp, p.sw * C, aoff.data(), p.amx_koff.data(), mtiles, p.amx_w.data(), p.amx_kblocks * 1024, p.amx_panels,
-        p.amx_kblocks, acc.data(), ncols, AmxInit::kCols, ci);
-    const int64_t rows = mtiles * 16;
-    if (out_i32) {  // per-channel stage into int32 on the transposed [channels][positions] block
-      thread_local AlignedVector<int32_t> planes32;
-      planes32.resize(static_cast<size_t>(e.O * rows));
-      TransposeI32(acc.data(), ncols, rows, e.O, planes32.data(), rows);
-      for (int64_t oc = 0; oc < e.O; ++oc) {
-        OutputStage one = p.out.stage;
-        const int64_t ch = one.rescale.channels == 1 ? 0 : oc;
-        one.rescale.multiplier += ch;
-        one.rescale.shift += ch;
-        one.rescale.channels = 1;
-        int32_t* dst = reinterpret_cast<int32_t*>(y) + (b * e.O + oc) * P;
-        const int32_t* src = planes32.data() + oc * rows;
-        for (int64_t oy = oy0; oy < oy1; ++oy) stage_i32(src + (oy - oy0) * tr * 16, e.OW, one, dst + oy * e.OW);
+    const int64_t b = t / blocks, by0 = (t % blocks) * block_rows, by1 = std::min(e.OH, by0 + block_rows);
+    // padded input rows this block reads
+    const int64_t pr0 = by0 * p.sh, pr1 = (by1 - 1) * p.sh + (p.kh - 1) * p.dh + 1;
+    thread_local AlignedVector<uint8_t> xp;
+    // tiles read up to 15 positions past a row's end and 63 bytes past a segment's end
+    xp.resize(static_cast<size_t>((pr1 - pr0) * Wp * C + (16 * p.sw + Wp) * C + 1024));
+    ToPaddedNhwcRows(x + b * C * e.H * e.W, C, e.H, e.W, p.ph, p.pw, Wp, pr0, pr1, flip, static_cast<uint8_t>(zu),
+                     xp.data());
+    for (int64_t oy0 = by0; oy0 < by1; oy0 += sub_rows) {
+      const int64_t oy1 = std::min(by1, oy0 + sub_rows);
+      const int64_t mtiles = (oy1 - oy0) * tr;
+      thread_local std::vector<int64_t> aoff;
+      thread_local AlignedVector<int32_t> acc;
+      thread_local std::vector<uint8_t> out8, planes;
+      aoff.resize(static_cast<size_t>(mtiles));
+      for (int64_t i = 0; i < mtiles; ++i) {
+        const int64_t oy = oy0 + i / tr, ox0 = (i % tr) * 16;
+        aoff[i] = ((oy * p.sh - pr0) * Wp + ox0 * p.sw) * C;
       }
-      return;
-    }
-    out8.resize(static_cast<size_t>(rows * e.O));
-    requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
-    // [positions][channels] -> [channels][positions], then each output row's valid part
-    planes.resize(static_cast<size_t>(e.O * rows));
-    TransposeBytes(out8.data(), e.O, rows, e.O, planes.data(), rows);
-    for (int64_t oc = 0; oc < e.O; ++oc) {
-      uint8_t* dst = y + (b * e.O + oc) * P;
-      const uint8_t* src = planes.data() + oc * rows;
-      for (int64_t oy = oy0; oy < oy1; ++oy)
-        std::memcpy(dst + oy * e.OW, src + (oy - oy0) * tr * 16, static_cast<size_t>(e.OW));
+      acc.resize(static_cast<size_t>(mtiles * 16 * ncols));
+      amx(xp.data(), p.sw * C, aoff.data(), p.amx_koff.data(), mtiles, p.amx_w.data(), p.amx_kblocks * 1024,
+          p.amx_panels, p.amx_kblocks, acc.data(), ncols, AmxInit::kCols, ci);
+      const int64_t rows = mtiles * 16;
+      if (out_i32) {  // per-channel stage into int32 on the transposed [channels][positions] block
+        thread_local AlignedVector<int32_t> planes32;
+        planes32.resize(static_cast<size_t>(e.O * rows));
+        TransposeI32(acc.data(), ncols, rows, e.O, planes32.data(), rows);
+        for (int64_t oc = 0; oc < e.O; ++oc) {
+          OutputStage one = p.out.stage;
+          const int64_t ch = one.rescale.channels == 1 ? 0 : oc;
+          one.rescale.multiplier += ch;
+          one.rescale.shift += ch;
+          one.rescale.channels = 1;
+          int32_t* dst = reinterpret_cast<int32_t*>(y) + (b * e.O + oc) * P;
+          const int32_t* src = planes32.data() + oc * rows;
+          for (int64_t oy = oy0; oy < oy1; ++oy) stage_i32(src + (oy - oy0) * tr * 16, e.OW, one, dst + oy * e.OW);
+        }
+        continue;
+      }
+      out8.resize(static_cast<size_t>(rows * e.O));
+      requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
+      // [positions][channels] -> [channels][positions], then each output row's valid part
+      planes.resize(static_cast<size_t>(e.O * rows));
+      TransposeBytes(out8.data(), e.O, rows, e.O, planes.data(), rows);
+      for (int64_t oc = 0; oc < e.O; ++oc) {
+        uint8_t* dst = y + (b * e.O + oc) * P;
+        const uint8_t* src = planes.data() + oc * rows;
+        for (int64_t oy = oy0; oy < oy1; ++oy)
+          std::memcpy(dst + oy * e.OW, src + (oy - oy0) * tr * 16, static_cast<size_t>(e.OW));
+      }
     }
   }, /*work=*/e.n * P * p.cout * p.kp);
   return Status::Ok();
