@@ -385,7 +385,7 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
     for (int64_t i = 0; i < (m1 - m0) * ldc; ++i)
       acc[i] = static_cast<int32_t>(kk - 2u * static_cast<uint32_t>(acc[i]));
     Finish(acc.data(), ldc, m0, m1 - m0, n0, n1 - n0, bias, out, chosen);
-  }, /*work=*/m * n * w.kwords * 8);
+  }, /*work=*/m * n * w.kwords * 32);  // a popcount word is ~64 MACs in ~2 instructions
   return Status::Ok();
 }
 
