@@ -293,8 +293,6 @@ void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t*
 // s8 flipped by 0x80) from its NCHW planes: padded row r is input row r - ph.
 void ToPaddedNhwcRows(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t Wp,
                       int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp) {
-  thread_local std::vector<uint8_t> plane;
-  plane.resize(static_cast<size_t>(C * W));
   for (int64_t r = r0; r < r1; ++r) {
     uint8_t* row = xp + (r - r0) * Wp * C;
     const int64_t h = r - ph;
@@ -304,17 +302,11 @@ void ToPaddedNhwcRows(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t
     }
     std::memset(row, pad, static_cast<size_t>(pw * C));
     std::memset(row + (pw + W) * C, pad, static_cast<size_t>((Wp - pw - W) * C));
-    // gather row h of every channel ([C][W], flipped), then transpose it to [W][C]
-    for (int64_t c = 0; c < C; ++c) {
-      const uint8_t* src = x + (c * H + h) * W;
-      uint8_t* d = plane.data() + c * W;
-      if (flip) {
-        for (int64_t w = 0; w < W; ++w) d[w] = static_cast<uint8_t>(src[w] ^ 0x80);
-      } else {
-        std::memcpy(d, src, static_cast<size_t>(W));
-      }
-    }
-    TransposeBytes(plane.data(), W, C, W, row + pw * C, C);
+    // row h of every channel ([C][W], planes H * W apart) transposed to [W][C]
+    uint8_t* mid = row + pw * C;
+    TransposeBytes(x + h * W, H * W, C, W, mid, C);
+    if (flip)
+      for (int64_t i = 0; i < W * C; ++i) mid[i] = static_cast<uint8_t>(mid[i] ^ 0x80);
   }
 }
 
@@ -399,14 +391,19 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
       }
       out8.resize(static_cast<size_t>(rows * e.O));
       requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
-      // [positions][channels] -> [channels][positions], then each output row's valid part
-      planes.resize(static_cast<size_t>(e.O * rows));
-      TransposeBytes(out8.data(), e.O, rows, e.O, planes.data(), rows);
-      for (int64_t oc = 0; oc < e.O; ++oc) {
-        uint8_t* dst = y + (b * e.O + oc) * P;
-        const uint8_t* src = planes.data() + oc * rows;
-        for (int64_t oy = oy0; oy < oy1; ++oy)
-          std::memcpy(dst + oy * e.OW, src + (oy - oy0) * tr * 16, static_cast<size_t>(e.OW));
+      // [positions][channels] -> [channels][positions]: straight into the output planes
+      // when the tiles cover whole output rows, else via a buffer, row by row
+      if (e.OW == tr * 16) {
+        TransposeBytes(out8.data(), e.O, rows, e.O, y + b * e.O * P + oy0 * e.OW, P);
+      } else {
+        planes.resize(static_cast<size_t>(e.O * rows));
+        TransposeBytes(out8.data(), e.O, rows, e.O, planes.data(), rows);
+        for (int64_t oc = 0; oc < e.O; ++oc) {
+          uint8_t* dst = y + (b * e.O + oc) * P;
+          const uint8_t* src = planes.data() + oc * rows;
+          for (int64_t oy = oy0; oy < oy1; ++oy)
+            std::memcpy(dst + oy * e.OW, src + (oy - oy0) * tr * 16, static_cast<size_t>(e.OW));
+        }
       }
     }
   }, /*work=*/e.n * P * p.cout * p.kp);
