@@ -406,7 +406,7 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
         }
       }
     }
-  }, /*work=*/e.n * P * p.cout * p.kp);
+  }, /*work=*/e.n * P * p.cout * (p.kp + 64));  // + the output stage and transposes per output
   return Status::Ok();
 }
 
@@ -539,7 +539,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             Emit(row[bi * P + i], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
       }
     }
-  }, /*work=*/e.n * P * p.cout * p.kp);
+  }, /*work=*/e.n * P * p.cout * (p.kp + 64));  // + the output stage and transposes per output
   for (int64_t c : counts) *overflow += c;
   return Status::Ok();
 }

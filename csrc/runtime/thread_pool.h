@@ -15,7 +15,7 @@
 namespace qdsl {
 
 // ~8M MACs: about 25 us of single-core int8 work, several times the fork-join cost.
-constexpr int64_t kMinParallelWork = int64_t{1} << 23;
+constexpr int64_t kMinParallelWork = int64_t{1} << 21;
 
 void ParallelFor(int n, const std::function<void(int)>& fn,
                  int64_t work = std::numeric_limits<int64_t>::max());
