@@ -51,7 +51,7 @@ void TestGemm(std::mt19937& rng) {
           o.data = want.data();
           EXPECT(qdsl::Gemm(av, pw, nullptr, o, qdsl::kPathRef).ok(), "ref gemm");
           for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}, uint32_t{qdsl::kPathAvxVnni},
-                                 uint32_t{qdsl::kPathAvx512}}) {
+                                 uint32_t{qdsl::kPathAvx512}, uint32_t{qdsl::kPathAmx}}) {
             if (!(qdsl::CpuPaths() & path)) continue;
             o.data = got.data();
             EXPECT(qdsl::Gemm(av, pw, nullptr, o, path).ok(), "gemm path %u", path);
@@ -84,7 +84,7 @@ void TestBinary(std::mt19937& rng) {
             EXPECT(want[i * n + j] == dot, "binary ref dot");
           }
         for (uint32_t path : {uint32_t{qdsl::kPathPortable}, uint32_t{qdsl::kPathAvx2}, uint32_t{qdsl::kPathAvxVnni},
-                                 uint32_t{qdsl::kPathAvx512}}) {
+                                 uint32_t{qdsl::kPathAvx512}, uint32_t{qdsl::kPathAmx}}) {
           if (!(qdsl::CpuPaths() & path)) continue;
           o.data = got.data();
           EXPECT(qdsl::BinaryGemm(bits.data(), m, kw, pw, nullptr, o, path).ok(), "binary path");
