@@ -192,6 +192,22 @@ void StageI32Portable(const int32_t* acc, int64_t n, const OutputStage& one, int
 }
 }  // namespace
 
+namespace {
+void StageI32RowsPortable(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
+                          int64_t c0, int32_t* out, int64_t ldo) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = ApplyStage(acc[r * lda + c], stage, c0 + c);
+}
+}  // namespace
+
+StageI32RowsKernel SelectStageI32RowsKernel(uint32_t path) {
+  path = Base(path);
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx512) return x86::StageI32RowsAvx512;
+#endif
+  return StageI32RowsPortable;
+}
+
 AddKernel SelectAddKernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86
@@ -204,6 +220,7 @@ AddKernel SelectAddKernel(uint32_t path) {
 StageI32Kernel SelectStageI32Kernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86
+  if (path == kPathAvx512) return x86::RequantI32Avx512;
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantI32Avx2;
 #endif
   (void)path;
@@ -231,6 +248,7 @@ BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
 RequantKernel SelectRequantKernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86
+  if (path == kPathAvx512) return x86::RequantAvx512;
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantAvx2;
 #endif
   return portable::Requant;

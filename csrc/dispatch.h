@@ -47,6 +47,10 @@ using StageI32Kernel = void (*)(const int32_t* acc, int64_t n, const OutputStage
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
 AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
+// Per-column (channel c0 + c) stage into int32 over a [rows][cols] block.
+using StageI32RowsKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
+                                    const OutputStage& stage, int64_t c0, int32_t* out, int64_t ldo);
+StageI32RowsKernel SelectStageI32RowsKernel(uint32_t path);
 // int4/int2 panel block -> VNNI int8 layout (only called when a VNNI kernel was selected).
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst, uint32_t path);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (VNNI paths only).

@@ -324,7 +324,7 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
   const GraphTensor& xt = g->tensors[op.inputs[0]];
   const bool out_signed = g->tensors[op.outputs[0]].dtype == kI8;
   const bool out_i32 = g->tensors[op.outputs[0]].dtype == kI32;
-  const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
+  const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const int64_t C = e.C, Wp = p.amx_wp;
@@ -373,19 +373,20 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
       amx(xp.data(), p.sw * C, aoff.data(), p.amx_koff.data(), mtiles, p.amx_w.data(), p.amx_kblocks * 1024,
           p.amx_panels, p.amx_kblocks, acc.data(), ncols, AmxInit::kCols, ci);
       const int64_t rows = mtiles * 16;
-      if (out_i32) {  // per-channel stage into int32 on the transposed [channels][positions] block
-        thread_local AlignedVector<int32_t> planes32;
-        planes32.resize(static_cast<size_t>(e.O * rows));
-        TransposeI32(acc.data(), ncols, rows, e.O, planes32.data(), rows);
-        for (int64_t oc = 0; oc < e.O; ++oc) {
-          OutputStage one = p.out.stage;
-          const int64_t ch = one.rescale.channels == 1 ? 0 : oc;
-          one.rescale.multiplier += ch;
-          one.rescale.shift += ch;
-          one.rescale.channels = 1;
-          int32_t* dst = reinterpret_cast<int32_t*>(y) + (b * e.O + oc) * P;
-          const int32_t* src = planes32.data() + oc * rows;
-          for (int64_t oy = oy0; oy < oy1; ++oy) stage_i32(src + (oy - oy0) * tr * 16, e.OW, one, dst + oy * e.OW);
+      if (out_i32) {  // per-channel stage into int32 on [positions][channels], then transposed
+        thread_local AlignedVector<int32_t> staged, planes32;
+        staged.resize(static_cast<size_t>(rows * e.O));
+        stage_rows(acc.data(), rows, e.O, ncols, p.out.stage, 0, staged.data(), e.O);
+        int32_t* y32 = reinterpret_cast<int32_t*>(y) + b * e.O * P;
+        if (e.OW == tr * 16) {
+          TransposeI32(staged.data(), e.O, rows, e.O, y32 + oy0 * e.OW, P);
+        } else {
+          planes32.resize(static_cast<size_t>(e.O * rows));
+          TransposeI32(staged.data(), e.O, rows, e.O, planes32.data(), rows);
+          for (int64_t oc = 0; oc < e.O; ++oc)
+            for (int64_t oy = oy0; oy < oy1; ++oy)
+              std::memcpy(y32 + oc * P + oy * e.OW, planes32.data() + oc * rows + (oy - oy0) * tr * 16,
+                          static_cast<size_t>(e.OW) * 4);
         }
         continue;
       }

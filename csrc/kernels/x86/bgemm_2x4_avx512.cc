@@ -4,6 +4,9 @@
 // Words past the last full 512-bit step use scalar popcnt; padding bits are 0 in both
 // operands.  Selected only when the CPU has AVX512F/BW/VL + VPOPCNTDQ (kPathAvx512).
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vpopcntdq,avx2,popcnt")
+// gcc 12 flags its own AVX-512 intrinsics (_mm512_undefined_* inside them) as uninitialized
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <cstdint>

@@ -3,6 +3,9 @@
 // gemm_u8s8_6x16_avxvnni.cc (which documents the layouts); the AMX driver widens a panel
 // pair per call, so on int4 layers this runs once per 16 weight columns x all of K.
 #pragma GCC target("avx512f,avx512bw,avx512vl")
+// gcc 12 flags its own AVX-512 intrinsics (_mm512_undefined_* inside them) as uninitialized
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <cstdint>

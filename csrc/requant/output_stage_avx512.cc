@@ -1,0 +1,208 @@
+// AVX-512 output stage: the formulas of qdsl/requant.h on 16 lanes, the same algorithm as
+// output_stage_avx2.cc (see its notes on SRDHM and the +-2^24 clamp) with what AVX-512
+// adds: 64-bit arithmetic shifts and min/max (FIXED_SINGLE rounds its 64-bit products
+// natively instead of through a biased logical shift), compare masks instead of blends,
+// and masked loads/stores for the last columns instead of a scalar tail.  Stages the AVX2
+// version refuses (POT shifts outside [-31, 31]) take the scalar reference here too.
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
+// gcc 12 flags its own AVX-512 intrinsics (_mm512_undefined_* inside them) as uninitialized
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cstdint>
+
+#include "kernels/x86/x86_kernels.h"
+#include "ref/ref.h"
+
+namespace qdsl {
+namespace x86 {
+namespace {
+
+inline __m512i Srdhm(__m512i a, __m512i b) {
+  const __m512i nudge = _mm512_set1_epi64(int64_t{1} << 30);
+  const __m512i even = _mm512_add_epi64(_mm512_mul_epi32(a, b), nudge);
+  const __m512i odd = _mm512_add_epi64(_mm512_mul_epi32(_mm512_srli_epi64(a, 32), _mm512_srli_epi64(b, 32)), nudge);
+  const __m512i res = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 31), _mm512_slli_epi64(odd, 1));
+  const __m512i minv = _mm512_set1_epi32(INT32_MIN);
+  const __mmask16 both = _mm512_cmpeq_epi32_mask(a, minv) & _mm512_cmpeq_epi32_mask(b, minv);
+  return _mm512_mask_mov_epi32(res, both, _mm512_set1_epi32(INT32_MAX));
+}
+
+inline __m512i Rdbp(__m512i x, __m512i e) {
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512i mask = _mm512_sub_epi32(_mm512_sllv_epi32(one, e), one);
+  const __m512i rem = _mm512_and_si512(x, mask);
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
+  const __m512i threshold = _mm512_mask_add_epi32(_mm512_srli_epi32(mask, 1), neg, _mm512_srli_epi32(mask, 1), one);
+  const __m512i f = _mm512_srav_epi32(x, e);
+  return _mm512_mask_add_epi32(f, _mm512_cmpgt_epi32_mask(rem, threshold), f, one);
+}
+
+inline __m512i SatShiftLeft(__m512i x, __m512i l) {
+  const __m512i y = _mm512_sllv_epi32(x, l);
+  const __mmask16 ok = _mm512_cmpeq_epi32_mask(_mm512_srav_epi32(y, l), x);
+  const __mmask16 neg = _mm512_cmplt_epi32_mask(x, _mm512_setzero_si512());
+  const __m512i sat = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), neg, _mm512_set1_epi32(INT32_MIN));
+  return _mm512_mask_mov_epi32(sat, ok, y);
+}
+
+// Rounding increment of RoundShift: rem = v mod 2^s, h = 2^(s-1), f = v >> s.
+template <typename Odd>
+inline __mmask16 UpMask(Rounding rounding, __mmask16 gt, __mmask16 eq, __mmask16 nonneg, Odd odd) {
+  switch (rounding) {
+    case Rounding::kHalfAway: return gt | (eq & nonneg);
+    case Rounding::kHalfEven: return gt | (eq & odd());
+    case Rounding::kHalfUp: return gt | eq;
+    default: return 0;
+  }
+}
+
+// POT right shift by s in [0, 31] (s = 0 passes through) with the stage's rounding.
+inline __m512i PotShift(__m512i x, __m512i s, Rounding rounding) {
+  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+  const __m512i f = _mm512_srav_epi32(x, s);
+  const __m512i pow = _mm512_sllv_epi32(one, s);
+  const __m512i rem = _mm512_and_si512(x, _mm512_sub_epi32(pow, one));
+  const __m512i h = _mm512_srli_epi32(pow, 1);  // 2^(s-1); 0 when s = 0
+  const __mmask16 gt = _mm512_cmpgt_epi32_mask(rem, h), eq = _mm512_cmpeq_epi32_mask(rem, h);
+  const __mmask16 nonneg = _mm512_cmpge_epi32_mask(x, zero);
+  __mmask16 up = UpMask(rounding, gt, eq, nonneg,
+                              [&] { return _mm512_test_epi32_mask(f, one); });
+  up &= _mm512_cmpneq_epi32_mask(s, zero);  // s = 0: exact, never round
+  return _mm512_mask_add_epi32(f, up, f, one);
+}
+
+// sat32(RoundShift(p, s)) on eight int64 lanes, s in [31, 62].
+inline __m512i RoundShift64(__m512i p, __m512i s, Rounding rounding) {
+  const __m512i one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
+  const __m512i f = _mm512_srav_epi64(p, s);
+  const __m512i pow = _mm512_sllv_epi64(one, s);
+  const __m512i rem = _mm512_and_si512(p, _mm512_sub_epi64(pow, one));
+  const __m512i h = _mm512_srli_epi64(pow, 1);
+  const __mmask8 gt = _mm512_cmpgt_epi64_mask(rem, h), eq = _mm512_cmpeq_epi64_mask(rem, h);
+  const __mmask8 nonneg = _mm512_cmpge_epi64_mask(p, zero);
+  const __mmask8 up = static_cast<__mmask8>(UpMask(rounding, gt, eq, nonneg,
+                                                         [&] { return static_cast<__mmask16>(_mm512_test_epi64_mask(f, one)); }));
+  __m512i r = _mm512_mask_add_epi64(f, up, f, one);
+  r = _mm512_min_epi64(r, _mm512_set1_epi64(INT32_MAX));
+  return _mm512_max_epi64(r, _mm512_set1_epi64(INT32_MIN));
+}
+
+inline __m512i FixedSingle(__m512i t, __m512i m, __m512i right, Rounding rounding) {
+  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFFll), c31 = _mm512_set1_epi64(31);
+  const __m512i s_even = _mm512_add_epi64(_mm512_and_si512(right, low32), c31);
+  const __m512i s_odd = _mm512_add_epi64(_mm512_srli_epi64(right, 32), c31);
+  const __m512i even = RoundShift64(_mm512_mul_epi32(t, m), s_even, rounding);
+  const __m512i odd =
+      RoundShift64(_mm512_mul_epi32(_mm512_srli_epi64(t, 32), _mm512_srli_epi64(m, 32)), s_odd, rounding);
+  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
+}
+
+inline __m512i RescaleVec(__m512i x, RescaleKind kind, __m512i mult, __m512i shift, Rounding rounding) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i left = _mm512_max_epi32(_mm512_sub_epi32(zero, shift), zero);
+  const __m512i right = _mm512_max_epi32(shift, zero);
+  if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(SatShiftLeft(x, left), mult), right);
+  if (kind == RescaleKind::kFixedSingle) return FixedSingle(SatShiftLeft(x, left), mult, right, rounding);
+  return PotShift(SatShiftLeft(x, left), right, rounding);
+}
+
+template <RescaleKind kKind, Rounding kRounding>
+void RequantRows(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                 uint8_t* out, int64_t ldo) {
+  const Rescale& rs = stage.rescale;
+  const bool per_tensor = rs.channels == 1;
+  const __m512i zp = _mm512_set1_epi32(stage.zero_point);
+  const __m512i qmin = _mm512_set1_epi32(stage.qmin), qmax = _mm512_set1_epi32(stage.qmax);
+  const __m512i lim = _mm512_set1_epi32(1 << 24), nlim = _mm512_set1_epi32(-(1 << 24));
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = cols - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (cols - c)) - 1);
+    __m512i mult, shift;
+    if (per_tensor) {
+      mult = _mm512_set1_epi32(rs.multiplier[0]);
+      shift = _mm512_set1_epi32(rs.shift[0]);
+    } else {
+      mult = _mm512_maskz_loadu_epi32(m, rs.multiplier + c0 + c);
+      shift = _mm512_maskz_loadu_epi32(m, rs.shift + c0 + c);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i x = _mm512_maskz_loadu_epi32(m, acc + r * lda + c);
+      __m512i y = RescaleVec(x, kKind, mult, shift, kRounding);
+      y = _mm512_min_epi32(_mm512_max_epi32(y, nlim), lim);
+      y = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(y, zp), qmin), qmax);
+      // y is within the output dtype: its low byte is the result for int8 and uint8
+      _mm_mask_storeu_epi8(out + r * ldo + c, m, _mm512_cvtepi32_epi8(y));
+    }
+  }
+}
+
+template <RescaleKind kKind>
+void RequantKind(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                 uint8_t* out, int64_t ldo) {
+  switch (stage.rescale.rounding) {
+    case Rounding::kHalfAway: return RequantRows<kKind, Rounding::kHalfAway>(acc, rows, cols, lda, stage, c0, out, ldo);
+    case Rounding::kHalfEven: return RequantRows<kKind, Rounding::kHalfEven>(acc, rows, cols, lda, stage, c0, out, ldo);
+    case Rounding::kFloor: return RequantRows<kKind, Rounding::kFloor>(acc, rows, cols, lda, stage, c0, out, ldo);
+    default: return RequantRows<kKind, Rounding::kHalfUp>(acc, rows, cols, lda, stage, c0, out, ldo);
+  }
+}
+
+}  // namespace
+
+void RequantAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                   void* out, int64_t ldo, bool out_signed) {
+  if (!RequantAvx2Supports(stage)) {
+    ref::Requant(acc, rows, cols, lda, stage, c0, out, ldo, out_signed);
+    return;
+  }
+  uint8_t* o = static_cast<uint8_t*>(out);
+  switch (stage.rescale.kind) {
+    case RescaleKind::kFixed: return RequantRows<RescaleKind::kFixed, Rounding::kHalfAway>(acc, rows, cols, lda, stage, c0, o, ldo);
+    case RescaleKind::kFixedSingle: return RequantKind<RescaleKind::kFixedSingle>(acc, rows, cols, lda, stage, c0, o, ldo);
+    default: return RequantKind<RescaleKind::kPot>(acc, rows, cols, lda, stage, c0, o, ldo);
+  }
+}
+
+void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
+                        int64_t c0, int32_t* out, int64_t ldo) {
+  // per-column (channel c0 + c) stage into int32: y = clamp(rescale(acc), qmin, qmax), zero point 0
+  if (!RequantAvx2Supports(stage) || stage.zero_point != 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = ApplyStage(acc[r * lda + c], stage, c0 + c);
+    return;
+  }
+  const Rescale& rs = stage.rescale;
+  const __m512i qmin = _mm512_set1_epi32(stage.qmin), qmax = _mm512_set1_epi32(stage.qmax);
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = cols - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (cols - c)) - 1);
+    const __m512i mult = rs.channels == 1 ? _mm512_set1_epi32(rs.multiplier[0])
+                                          : _mm512_maskz_loadu_epi32(m, rs.multiplier + c0 + c);
+    const __m512i shift = rs.channels == 1 ? _mm512_set1_epi32(rs.shift[0]) : _mm512_maskz_loadu_epi32(m, rs.shift + c0 + c);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i x = _mm512_maskz_loadu_epi32(m, acc + r * lda + c);
+      const __m512i y = RescaleVec(x, rs.kind, mult, shift, rs.rounding);
+      _mm512_mask_storeu_epi32(out + r * ldo + c, m, _mm512_min_epi32(_mm512_max_epi32(y, qmin), qmax));
+    }
+  }
+}
+
+void RequantI32Avx512(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out) {
+  // one channel, zero point 0 (an I32 output stage): y = clamp(rescale(acc), qmin, qmax)
+  if (!RequantAvx2Supports(one) || one.zero_point != 0) {
+    for (int64_t i = 0; i < n; ++i) out[i] = ref::StageOne(acc[i], one);
+    return;
+  }
+  const Rescale& rs = one.rescale;
+  const __m512i mult = _mm512_set1_epi32(rs.multiplier[0]), shift = _mm512_set1_epi32(rs.shift[0]);
+  const __m512i qmin = _mm512_set1_epi32(one.qmin), qmax = _mm512_set1_epi32(one.qmax);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512i x = _mm512_maskz_loadu_epi32(m, acc + i);
+    const __m512i y = RescaleVec(x, rs.kind, mult, shift, rs.rounding);
+    _mm512_mask_storeu_epi32(out + i, m, _mm512_min_epi32(_mm512_max_epi32(y, qmin), qmax));
+  }
+}
+
+}  // namespace x86
+}  // namespace qdsl
