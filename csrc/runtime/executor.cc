@@ -3,6 +3,7 @@
 // container type (int8 for I8 and BIN as +-1, uint8 for U8, float for F32) in buffers
 // planned once per batch size.  Conv/linear run through the packed GEMM (im2col for
 // convs, grouped) when the sum provably fits int32, otherwise through exact int64 loops.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,6 +13,7 @@
 
 #include "dispatch.h"
 #include "runtime/ops.h"
+#include "runtime/thread_pool.h"
 
 namespace qdsl {
 
@@ -207,21 +209,28 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const int64_t pre = Attr1(op, "pre_shift");
         const uint8_t* x1 = c.Buf(op.inputs[1]);
         const int xd1 = c.DType(op.inputs[1]);
-        if (const AddKernel vec = chosen == kPathRef ? nullptr : SelectAddKernel(chosen)) {
-          const OutputStage in2[2] = {p.in[0].stage, p.in[1].stage};
-          if (vec(x, xd, x1, xd1, n, in2, static_cast<int>(pre), p.out.stage, y, yd == kI8)) break;
-        }
-        for (int64_t i = 0; i < n; ++i) {
-          int64_t t = 0;
-          for (int k = 0; k < 2; ++k) {
-            const Rescale& r = p.in[k].stage.rescale;
-            const int64_t d = static_cast<int64_t>(k == 0 ? Get(x, xd, i) : Get(x1, xd1, i)) - p.in[k].stage.zero_point;
-            // numpy's int64 '<<' wraps; so does a uint64 shift (only reachable with I32 operands)
-            const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(d) << pre);
-            t += RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding);
+        const AddKernel vec = chosen == kPathRef ? nullptr : SelectAddKernel(chosen);
+        const OutputStage in2[2] = {p.in[0].stage, p.in[1].stage};
+        const int64_t e0 = xd == kI32 ? 4 : 1, e1 = xd1 == kI32 ? 4 : 1;
+        // chunks of 16K elements over the pool: the op streams its inputs once
+        const int64_t chunk = 16384, chunks = (n + chunk - 1) / chunk;
+        ParallelFor(static_cast<int>(chunks), [&](int ci) {
+          const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
+          if (vec && vec(x + i0 * e0, xd, x1 + i0 * e1, xd1, i1 - i0, in2, static_cast<int>(pre), p.out.stage, y + i0,
+                         yd == kI8))
+            return;
+          for (int64_t i = i0; i < i1; ++i) {
+            int64_t t = 0;
+            for (int k = 0; k < 2; ++k) {
+              const Rescale& r = p.in[k].stage.rescale;
+              const int64_t d = static_cast<int64_t>(k == 0 ? Get(x, xd, i) : Get(x1, xd1, i)) - p.in[k].stage.zero_point;
+              // numpy's int64 '<<' wraps; so does a uint64 shift (only reachable with I32 operands)
+              const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(d) << pre);
+              t += RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding);
+            }
+            y[i] = static_cast<uint8_t>(ApplyStage(Sat32(t), p.out.stage, 0));
           }
-          y[i] = static_cast<uint8_t>(ApplyStage(Sat32(t), p.out.stage, 0));
-        }
+        }, /*work=*/n * 64);
         break;
       }
       case kConcat: {
