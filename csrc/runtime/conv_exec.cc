@@ -363,7 +363,7 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
       const int64_t mtiles = (oy1 - oy0) * tr;
       thread_local std::vector<int64_t> aoff;
       thread_local AlignedVector<int32_t> acc;
-      thread_local std::vector<uint8_t> out8, planes;
+      thread_local std::vector<uint8_t> out8;
       aoff.resize(static_cast<size_t>(mtiles));
       for (int64_t i = 0; i < mtiles; ++i) {
         const int64_t oy = oy0 + i / tr, ox0 = (i % tr) * 16;
@@ -373,39 +373,37 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
       amx(xp.data(), p.sw * C, aoff.data(), p.amx_koff.data(), mtiles, p.amx_w.data(), p.amx_kblocks * 1024,
           p.amx_panels, p.amx_kblocks, acc.data(), ncols, AmxInit::kCols, ci);
       const int64_t rows = mtiles * 16;
-      if (out_i32) {  // per-channel stage into int32 on [positions][channels], then transposed
-        thread_local AlignedVector<int32_t> staged, planes32;
-        staged.resize(static_cast<size_t>(rows * e.O));
-        stage_rows(acc.data(), rows, e.O, ncols, p.out.stage, 0, staged.data(), e.O);
-        int32_t* y32 = reinterpret_cast<int32_t*>(y) + b * e.O * P;
-        if (e.OW == tr * 16) {
-          TransposeI32(staged.data(), e.O, rows, e.O, y32 + oy0 * e.OW, P);
+      // Stage [positions][channels] into NCHW plane order (the valid rows of each tile,
+      // back to back: output positions oy0 * OW ...), then one transpose straight into the
+      // output planes.  With whole-row tiles that is a single call over all rows.
+      const int64_t npos = (oy1 - oy0) * e.OW;
+      const bool whole = e.OW == tr * 16;
+      if (out_i32) {
+        thread_local AlignedVector<int32_t> staged;
+        staged.resize(static_cast<size_t>(npos * e.O));
+        if (whole) {
+          stage_rows(acc.data(), rows, e.O, ncols, p.out.stage, 0, staged.data(), e.O);
         } else {
-          planes32.resize(static_cast<size_t>(e.O * rows));
-          TransposeI32(staged.data(), e.O, rows, e.O, planes32.data(), rows);
-          for (int64_t oc = 0; oc < e.O; ++oc)
-            for (int64_t oy = oy0; oy < oy1; ++oy)
-              std::memcpy(y32 + oc * P + oy * e.OW, planes32.data() + oc * rows + (oy - oy0) * tr * 16,
-                          static_cast<size_t>(e.OW) * 4);
+          for (int64_t i = 0; i < mtiles; ++i) {
+            const int64_t ox0 = (i % tr) * 16, pos = (i / tr) * e.OW + ox0;
+            stage_rows(acc.data() + i * 16 * ncols, std::min<int64_t>(16, e.OW - ox0), e.O, ncols, p.out.stage, 0,
+                       staged.data() + pos * e.O, e.O);
+          }
         }
+        TransposeI32(staged.data(), e.O, npos, e.O, reinterpret_cast<int32_t*>(y) + b * e.O * P + oy0 * e.OW, P);
         continue;
       }
-      out8.resize(static_cast<size_t>(rows * e.O));
-      requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
-      // [positions][channels] -> [channels][positions]: straight into the output planes
-      // when the tiles cover whole output rows, else via a buffer, row by row
-      if (e.OW == tr * 16) {
-        TransposeBytes(out8.data(), e.O, rows, e.O, y + b * e.O * P + oy0 * e.OW, P);
+      out8.resize(static_cast<size_t>(npos * e.O));
+      if (whole) {
+        requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
       } else {
-        planes.resize(static_cast<size_t>(e.O * rows));
-        TransposeBytes(out8.data(), e.O, rows, e.O, planes.data(), rows);
-        for (int64_t oc = 0; oc < e.O; ++oc) {
-          uint8_t* dst = y + (b * e.O + oc) * P;
-          const uint8_t* src = planes.data() + oc * rows;
-          for (int64_t oy = oy0; oy < oy1; ++oy)
-            std::memcpy(dst + oy * e.OW, src + (oy - oy0) * tr * 16, static_cast<size_t>(e.OW));
+        for (int64_t i = 0; i < mtiles; ++i) {
+          const int64_t ox0 = (i % tr) * 16, pos = (i / tr) * e.OW + ox0;
+          requant(acc.data() + i * 16 * ncols, std::min<int64_t>(16, e.OW - ox0), e.O, ncols, p.out.stage, 0,
+                  out8.data() + pos * e.O, e.O, out_signed);
         }
       }
+      TransposeBytes(out8.data(), e.O, npos, e.O, y + b * e.O * P + oy0 * e.OW, P);
     }
   }, /*work=*/e.n * P * p.cout * (p.kp + 64));  // + the output stage and transposes per output
   return Status::Ok();
