@@ -325,6 +325,22 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
   const bool out_signed = g->tensors[op.outputs[0]].dtype == kI8;
   const bool out_i32 = g->tensors[op.outputs[0]].dtype == kI32;
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
+  // fused residual ADD (PreparedOp::fused_add): computed here, skipped by the executor
+  const GraphOp* add = (p.fused_add >= 0 && out_i32) ? &g->ops[p.fused_add] : nullptr;
+  const uint8_t* add_other = nullptr;
+  uint8_t* add_y = nullptr;
+  int add_other_dtype = 0;
+  int64_t add_other_size = 1;
+  bool add_signed = false;
+  if (add != nullptr) {
+    const uint32_t other = add->inputs[1 - p.fused_slot];
+    add_other = g->buffers[other].data();
+    add_other_dtype = g->tensors[other].dtype;
+    add_other_size = add_other_dtype == kI32 ? 4 : 1;
+    add_y = g->buffers[add->outputs[0]].data();
+    add_signed = g->tensors[add->outputs[0]].dtype == kI8;
+    g->fused_done[p.fused_add] = 1;
+  }
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const int64_t C = e.C, Wp = p.amx_wp;
@@ -379,7 +395,7 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
       const int64_t npos = (oy1 - oy0) * e.OW;
       const bool whole = e.OW == tr * 16;
       if (out_i32) {
-        thread_local AlignedVector<int32_t> staged;
+        thread_local AlignedVector<int32_t> staged, planes32;
         staged.resize(static_cast<size_t>(npos * e.O));
         if (whole) {
           stage_rows(acc.data(), rows, e.O, ncols, p.out.stage, 0, staged.data(), e.O);
@@ -390,7 +406,24 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
                        staged.data() + pos * e.O, e.O);
           }
         }
-        TransposeI32(staged.data(), e.O, npos, e.O, reinterpret_cast<int32_t*>(y) + b * e.O * P + oy0 * e.OW, P);
+        if (add == nullptr) {
+          TransposeI32(staged.data(), e.O, npos, e.O, reinterpret_cast<int32_t*>(y) + b * e.O * P + oy0 * e.OW, P);
+          continue;
+        }
+        // fused residual ADD: this block's I32 planes against the other input, straight to
+        // the ADD's output (same NCHW offsets: the ADD is elementwise on equal shapes)
+        planes32.resize(static_cast<size_t>(e.O * npos));
+        TransposeI32(staged.data(), e.O, npos, e.O, planes32.data(), npos);
+        for (int64_t oc = 0; oc < e.O; ++oc) {
+          const int64_t off = (b * e.O + oc) * P + oy0 * e.OW;
+          const uint8_t* mine = reinterpret_cast<const uint8_t*>(planes32.data() + oc * npos);
+          const uint8_t* theirs = add_other + off * add_other_size;
+          if (p.fused_slot == 0) {
+            AddRange(*add, mine, kI32, theirs, add_other_dtype, npos, add_y + off, add_signed, path);
+          } else {
+            AddRange(*add, theirs, add_other_dtype, mine, kI32, npos, add_y + off, add_signed, path);
+          }
+        }
         continue;
       }
       out8.resize(static_cast<size_t>(npos * e.O));

@@ -50,6 +50,31 @@ struct Ctx {
 
 int64_t Attr1(const GraphOp& op, const char* k) { return op.attrs.at(k).i; }
 
+}  // namespace
+
+void AddRange(const GraphOp& add, const uint8_t* x0, int d0, const uint8_t* x1, int d1, int64_t n, uint8_t* y,
+              bool y_signed, uint32_t path) {
+  const PreparedOp& p = *add.prepared;
+  const int64_t pre = Attr1(add, "pre_shift");
+  if (const AddKernel vec = path == kPathRef ? nullptr : SelectAddKernel(path)) {
+    const OutputStage in2[2] = {p.in[0].stage, p.in[1].stage};
+    if (vec(x0, d0, x1, d1, n, in2, static_cast<int>(pre), p.out.stage, y, y_signed)) return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t t = 0;
+    for (int k = 0; k < 2; ++k) {
+      const Rescale& r = p.in[k].stage.rescale;
+      const int64_t d = static_cast<int64_t>(k == 0 ? Get(x0, d0, i) : Get(x1, d1, i)) - p.in[k].stage.zero_point;
+      // numpy's int64 '<<' wraps; so does a uint64 shift (only reachable with I32 operands)
+      const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(d) << pre);
+      t += RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding);
+    }
+    y[i] = static_cast<uint8_t>(ApplyStage(Sat32(t), p.out.stage, 0));
+  }
+}
+
+namespace {
+
 // Spatial window iteration shared by the pools: calls f(out_index, taps...) per output.
 void Pool(Ctx& c, const GraphOp& op, bool is_max) {
   const uint32_t xi = op.inputs[0], yi = op.outputs[0];
@@ -138,6 +163,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
     std::memcpy(c.Buf(g->inputs[i]), inputs[i], g->buffers[g->inputs[i]].size());
   }
   std::fill(g->overflow.begin(), g->overflow.end(), 0);
+  g->fused_done.assign(g->ops.size(), 0);
   // QDSL_PROFILE=1 prints each op's wall time to stderr (for finding slow ops).
   // The CPU time of the calling thread is printed too: on a loaded machine it is the
   // steadier figure (worker threads are not included).
@@ -205,31 +231,15 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         QDSL_RETURN_IF_ERROR(RunConv(g, op, batch, chosen, &g->overflow[oi]));
         break;
       case kAdd: {
-        const PreparedOp& p = *op.prepared;
-        const int64_t pre = Attr1(op, "pre_shift");
+        if (g->fused_done[oi]) break;  // computed by the conv it was fused into
         const uint8_t* x1 = c.Buf(op.inputs[1]);
         const int xd1 = c.DType(op.inputs[1]);
-        const AddKernel vec = chosen == kPathRef ? nullptr : SelectAddKernel(chosen);
-        const OutputStage in2[2] = {p.in[0].stage, p.in[1].stage};
         const int64_t e0 = xd == kI32 ? 4 : 1, e1 = xd1 == kI32 ? 4 : 1;
         // chunks of 16K elements over the pool: the op streams its inputs once
         const int64_t chunk = 16384, chunks = (n + chunk - 1) / chunk;
         ParallelFor(static_cast<int>(chunks), [&](int ci) {
           const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
-          if (vec && vec(x + i0 * e0, xd, x1 + i0 * e1, xd1, i1 - i0, in2, static_cast<int>(pre), p.out.stage, y + i0,
-                         yd == kI8))
-            return;
-          for (int64_t i = i0; i < i1; ++i) {
-            int64_t t = 0;
-            for (int k = 0; k < 2; ++k) {
-              const Rescale& r = p.in[k].stage.rescale;
-              const int64_t d = static_cast<int64_t>(k == 0 ? Get(x, xd, i) : Get(x1, xd1, i)) - p.in[k].stage.zero_point;
-              // numpy's int64 '<<' wraps; so does a uint64 shift (only reachable with I32 operands)
-              const int64_t v = static_cast<int64_t>(static_cast<uint64_t>(d) << pre);
-              t += RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding);
-            }
-            y[i] = static_cast<uint8_t>(ApplyStage(Sat32(t), p.out.stage, 0));
-          }
+          AddRange(op, x + i0 * e0, xd, x1 + i0 * e1, xd1, i1 - i0, y + i0, yd == kI8, chosen);
         }, /*work=*/n * 64);
         break;
       }

@@ -42,6 +42,13 @@ struct PreparedOp {
   // is block kb's byte offset from the window's first tap, and amx_w holds one VNNI panel
   // of 16 output channels per amx_kblocks KiB (bytes past a segment's end are zero).
   bool amx_conv = false;
+  // Residual ADD fused into this conv (AMX implicit path only): when the conv's I32 output
+  // feeds exactly one op, an ADD whose other input is ready before the conv runs, the conv's
+  // epilogue computes the ADD's output directly (no I32 tensor written and read back) and
+  // the executor skips the ADD.  fused_add: that ADD's op index (-1: none); fused_slot:
+  // which ADD input the conv is.
+  int32_t fused_add = -1;
+  int fused_slot = 0;
   int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
   std::vector<int64_t> amx_koff;
   AlignedVector<uint8_t> amx_w;
@@ -56,6 +63,11 @@ struct PreparedOp {
   // ADD / CONCAT per-input rescales (per tensor).
   std::vector<StageData> in;
 };
+
+// ADD (docs/qgraph.md §4.4) over elements [0, n) of flat inputs x0 (dtype d0), x1 (d1) into
+// y: the path's vector kernel where it handles the parameters, else the exact scalar rule.
+void AddRange(const GraphOp& add, const uint8_t* x0, int d0, const uint8_t* x1, int d1, int64_t n, uint8_t* y,
+              bool y_signed, uint32_t path);
 
 inline int64_t Numel(const std::vector<int64_t>& s) {
   int64_t n = 1;

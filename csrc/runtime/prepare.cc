@@ -127,6 +127,39 @@ Status ReadStageFor(const GraphOp& op, int index, int64_t channels, int out_dtyp
   return ReadStage(op, index, channels, out_dtype, sd);
 }
 
+// Marks convs that can compute the ADD consuming their output (PreparedOp::fused_add).
+void FuseResidualAdds(Graph* g) {
+  const size_t nt = g->tensors.size();
+  std::vector<int> producer(nt, -1), consumers(nt, 0);
+  std::vector<char> is_output(nt, 0);
+  for (uint32_t t : g->outputs) is_output[t] = 1;
+  for (size_t i = 0; i < g->ops.size(); ++i) {
+    producer[g->ops[i].outputs[0]] = static_cast<int>(i);
+    for (uint32_t t : g->ops[i].inputs) ++consumers[t];
+  }
+  for (size_t bi = 0; bi < g->ops.size(); ++bi) {
+    const GraphOp& add = g->ops[bi];
+    if (add.opcode != kAdd || add.inputs.size() != 2 || add.inputs[0] == add.inputs[1]) continue;
+    // the later-produced input's conv takes the ADD: the other one is ready by then
+    int best = -1;
+    for (int slot = 0; slot < 2; ++slot) {
+      const uint32_t t = add.inputs[slot];
+      const int a = producer[t];
+      if (a < 0 || consumers[t] != 1 || is_output[t] || g->tensors[t].dtype != kI32) continue;
+      const GraphOp& conv = g->ops[a];
+      const PreparedOp* p = conv.prepared.get();
+      if (p == nullptr || !p->amx_conv || !p->fast_acc || p->spatial == 0) continue;
+      const int other = producer[add.inputs[1 - slot]];
+      if (other >= a) continue;  // (graph inputs have no producer: -1)
+      if (best < 0 || a > producer[add.inputs[best]]) best = slot;
+    }
+    if (best < 0) continue;
+    PreparedOp& p = *g->ops[producer[add.inputs[best]]].prepared;
+    p.fused_add = static_cast<int32_t>(bi);
+    p.fused_slot = best;
+  }
+}
+
 Status PrepareGraph(Graph* g) {
   const int n_tensors = static_cast<int>(g->tensors.size());
   std::vector<char> ready(n_tensors, 0);
@@ -323,6 +356,7 @@ Status PrepareGraph(Graph* g) {
   for (int i = 0; i < n_tensors; ++i)
     QDSL_CHECK(ready[i], StatusCode::kFormatError, "activation '%s' is never produced", g->tensors[i].name.c_str());
   g->overflow.assign(g->ops.size(), 0);
+  FuseResidualAdds(g);
   return Status::Ok();
 }
 

@@ -45,3 +45,43 @@ def test_int8_conv_geometry_matches_reference(seed, rank, xdtype, out, bias):
     except GraphFormatError:
         return  # drawn geometry is invalid (window larger than the padded input)
     _check(graph, _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, *spatial)))
+
+
+def _conv_attrs(rng, cout, out_dtype):
+    lo, hi = (-(2**31), 2**31 - 1) if out_dtype is DType.I32 else out_dtype.range
+    return {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1, "in_zp": 3, "w_zp": [0],
+            "acc_bits": 32, "overflow": 0, **_stage(rng, cout, lo, hi, pot=False if out_dtype is DType.I32 else None)}
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31), order=st.sampled_from(["input", "conv_first", "conv_second"]),
+       pot=st.booleans(), ow=st.sampled_from([8, 16, 19]))
+def test_residual_add_fused_into_conv_matches_reference(seed, order, pot, ow):
+    """A conv whose I32 output feeds only an ADD computes the ADD in its epilogue on the AMX
+    path (the executor skips the ADD).  The ADD's other input is the graph input, or a
+    second conv run before or after this one; all paths equal the reference."""
+    from qdsl.export.ir import IntegerGraph, Op
+
+    rng = np.random.default_rng(seed)
+    c = 16
+    shape = (-1, c, 9, ow)
+    w1, w2 = (rng.integers(-127, 128, (c, c, 3, 3)).astype(np.int8) for _ in range(2))
+    tensors = [Tensor("x", DType.U8, shape), Tensor("w1", DType.I8, w1.shape, w1), Tensor("w2", DType.I8, w2.shape, w2),
+               Tensor("a", DType.I32, shape), Tensor("b", DType.I32, shape), Tensor("y", DType.U8, shape)]
+    conv_a = Op(OpType.CONV2D, "a", ["x", "w1"], ["a"], _conv_attrs(rng, c, DType.I32))
+    conv_b = Op(OpType.CONV2D, "b", ["x", "w2"], ["b"], _conv_attrs(rng, c, DType.I32))
+    in_rq = {"in_zp": [0, 0], "in_kind": [1, 1] if pot else [2, 2], "in_multiplier": [1, 1] if pot else
+             [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)], "in_shift": [0, 0] if pot else [-2, 0],
+             "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
+    other = "x" if order == "input" else "b"
+    if order == "input":
+        in_rq["in_zp"] = [0, 3]
+        tensors = [t for t in tensors if t.name != "b"]
+    inputs = ["a", other]
+    if rng.random() < 0.5:  # the conv as the second ADD input, rescales swapped with it
+        inputs = [other, "a"]
+        in_rq = {k: list(reversed(v)) for k, v in in_rq.items()}
+    add = Op(OpType.ADD, "add", inputs, ["y"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 255)})
+    ops = {"input": [conv_a, add], "conv_first": [conv_a, conv_b, add], "conv_second": [conv_b, conv_a, add]}[order]
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    _check(graph, _rand(rng, DType.U8, (2, c, 9, ow)))

@@ -56,6 +56,8 @@ struct Graph {
   // Run-time buffers, reused while the batch size stays the same.
   int64_t planned_batch = -1;
   std::vector<std::vector<uint8_t>> buffers;
+  // Per run: ADD ops already computed by the conv they were fused into (PreparedOp::fused_add).
+  std::vector<char> fused_done;
 };
 
 Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out);
