@@ -211,6 +211,7 @@ StageI32RowsKernel SelectStageI32RowsKernel(uint32_t path) {
 AddKernel SelectAddKernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86
+  if (path == kPathAvx512) return x86::AddAvx512;
   if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::AddAvx2;
 #endif
   (void)path;

@@ -187,6 +187,65 @@ void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t 
   }
 }
 
+// ADD (docs/qgraph.md §4.4), the AVX2 kernel's algorithm and preconditions on 16 lanes with
+// masked tails; dtype codes are the file's: 2 I8, 3 U8, 4 I32.
+namespace {
+
+inline __m512i LoadAdd(const void* x, int dtype, int64_t i, __mmask16 m) {
+  if (dtype == 4) return _mm512_maskz_loadu_epi32(m, static_cast<const int32_t*>(x) + i);
+  const __m128i b = _mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(x) + i);
+  return dtype == 2 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+}
+
+bool AddInputOk(int dtype, const OutputStage& in, int pre) {
+  const Rescale& r = in.rescale;
+  if (r.channels != 1 || r.shift[0] < -31 || r.shift[0] > 31) return false;
+  if (dtype == 4) return in.zero_point == 0 && pre == 0;
+  return pre <= 23;
+}
+
+}  // namespace
+
+bool AddAvx512(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in, int pre_shift,
+               const OutputStage& out_stage, uint8_t* out, bool out_signed) {
+  (void)out_signed;  // the clamped value's low byte is the result for either dtype
+  if (!AddInputOk(dtype0, in[0], pre_shift) || !AddInputOk(dtype1, in[1], pre_shift)) return false;
+  if (out_stage.rescale.channels != 1 || !RequantAvx2Supports(out_stage)) return false;
+  const void* xs[2] = {x0, x1};
+  const int dts[2] = {dtype0, dtype1};
+  __m512i zp[2], mult[2], shift[2];
+  for (int k = 0; k < 2; ++k) {
+    zp[k] = _mm512_set1_epi32(in[k].zero_point);
+    mult[k] = _mm512_set1_epi32(in[k].rescale.multiplier[0]);
+    shift[k] = _mm512_set1_epi32(in[k].rescale.shift[0]);
+  }
+  const Rescale& ro = out_stage.rescale;
+  const __m512i omult = _mm512_set1_epi32(ro.multiplier[0]), oshift = _mm512_set1_epi32(ro.shift[0]);
+  const __m512i ozp = _mm512_set1_epi32(out_stage.zero_point);
+  const __m512i qmin = _mm512_set1_epi32(out_stage.qmin), qmax = _mm512_set1_epi32(out_stage.qmax);
+  const __m512i lim = _mm512_set1_epi32(1 << 24), nlim = _mm512_set1_epi32(-(1 << 24));
+  const __m512i imax = _mm512_set1_epi32(INT32_MAX);
+  const __m128i pre = _mm_cvtsi32_si128(pre_shift);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512i t[2];
+    for (int k = 0; k < 2; ++k) {
+      const __m512i d = _mm512_sll_epi32(_mm512_sub_epi32(LoadAdd(xs[k], dts[k], i, m), zp[k]), pre);
+      t[k] = RescaleVec(d, in[k].rescale.kind, mult[k], shift[k], in[k].rescale.rounding);
+    }
+    // saturating int32 add: overflow iff both signs agree and the sum's sign differs
+    const __m512i sum = _mm512_add_epi32(t[0], t[1]);
+    const __m512i ovf = _mm512_andnot_si512(_mm512_xor_si512(t[0], t[1]), _mm512_xor_si512(t[0], sum));
+    const __m512i sat = _mm512_xor_si512(_mm512_srai_epi32(t[0], 31), imax);
+    const __m512i total = _mm512_mask_mov_epi32(sum, _mm512_movepi32_mask(ovf), sat);
+    __m512i y = RescaleVec(total, ro.kind, omult, oshift, ro.rounding);
+    y = _mm512_min_epi32(_mm512_max_epi32(y, nlim), lim);
+    y = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(y, ozp), qmin), qmax);
+    _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(y));
+  }
+  return true;
+}
+
 void RequantI32Avx512(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out) {
   // one channel, zero point 0 (an I32 output stage): y = clamp(rescale(acc), qmin, qmax)
   if (!RequantAvx2Supports(one) || one.zero_point != 0) {

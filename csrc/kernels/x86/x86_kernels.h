@@ -57,6 +57,9 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
 void RequantAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                    void* out, int64_t ldo, bool out_signed);
 void RequantI32Avx512(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
+// ADD on 16 lanes, same contract and preconditions as AddAvx2.
+bool AddAvx512(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in, int pre_shift,
+               const OutputStage& out_stage, uint8_t* out, bool out_signed);
 // Per-column stage into int32 over a [rows][cols] block (column c is channel c0 + c).
 void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                         int64_t c0, int32_t* out, int64_t ldo);
