@@ -290,9 +290,9 @@ void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t*
 }
 
 // Rows [r0, r1) of one image's zero-point padded NHWC form [H + 2 ph][Wp][C] (u8 codes:
-// s8 flipped by 0x80) from its NCHW planes: padded row r is input row r - ph.
-void ToPaddedNhwcRows(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t Wp,
-                      int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp) {
+// s8 flipped by 0x80) from its NCHW planes (or NHWC rows): padded row r is input row r - ph.
+void ToPaddedNhwcRows(const uint8_t* x, bool x_nhwc, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw,
+                      int64_t Wp, int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp) {
   for (int64_t r = r0; r < r1; ++r) {
     uint8_t* row = xp + (r - r0) * Wp * C;
     const int64_t h = r - ph;
@@ -302,9 +302,14 @@ void ToPaddedNhwcRows(const uint8_t* x, int64_t C, int64_t H, int64_t W, int64_t
     }
     std::memset(row, pad, static_cast<size_t>(pw * C));
     std::memset(row + (pw + W) * C, pad, static_cast<size_t>((Wp - pw - W) * C));
-    // row h of every channel ([C][W], planes H * W apart) transposed to [W][C]
+    // row h of every channel ([C][W], planes H * W apart) transposed to [W][C], or copied
+    // when the image is already NHWC (Graph::nhwc)
     uint8_t* mid = row + pw * C;
-    TransposeBytes(x + h * W, H * W, C, W, mid, C);
+    if (x_nhwc) {
+      std::memcpy(mid, x + h * W * C, static_cast<size_t>(W * C));
+    } else {
+      TransposeBytes(x + h * W, H * W, C, W, mid, C);
+    }
     if (flip)
       for (int64_t i = 0; i < W * C; ++i) mid[i] = static_cast<uint8_t>(mid[i] ^ 0x80);
   }
@@ -343,6 +348,7 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
   }
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
+  const bool in_nhwc = g->nhwc[op.inputs[0]] != 0, out_nhwc = g->nhwc[op.outputs[0]] != 0;
   const int64_t C = e.C, Wp = p.amx_wp;
   const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
   const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
@@ -372,8 +378,8 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
     thread_local AlignedVector<uint8_t> xp;
     // tiles read up to 15 positions past a row's end and 63 bytes past a segment's end
     xp.resize(static_cast<size_t>((pr1 - pr0) * Wp * C + (16 * p.sw + Wp) * C + 1024));
-    ToPaddedNhwcRows(x + b * C * e.H * e.W, C, e.H, e.W, p.ph, p.pw, Wp, pr0, pr1, flip, static_cast<uint8_t>(zu),
-                     xp.data());
+    ToPaddedNhwcRows(x + b * C * e.H * e.W, in_nhwc, C, e.H, e.W, p.ph, p.pw, Wp, pr0, pr1, flip,
+                     static_cast<uint8_t>(zu), xp.data());
     for (int64_t oy0 = by0; oy0 < by1; oy0 += sub_rows) {
       const int64_t oy1 = std::min(by1, oy0 + sub_rows);
       const int64_t mtiles = (oy1 - oy0) * tr;
@@ -394,20 +400,34 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
       // output planes.  With whole-row tiles that is a single call over all rows.
       const int64_t npos = (oy1 - oy0) * e.OW;
       const bool whole = e.OW == tr * 16;
+      const int64_t first = b * P + oy0 * e.OW;  // NHWC: the block's first position
       if (out_i32) {
         thread_local AlignedVector<int32_t> staged, planes32;
-        staged.resize(static_cast<size_t>(npos * e.O));
+        // NHWC without a fused ADD: staged straight into the output
+        int32_t* dst = (out_nhwc && add == nullptr) ? reinterpret_cast<int32_t*>(y) + first * e.O
+                                                    : (staged.resize(static_cast<size_t>(npos * e.O)), staged.data());
         if (whole) {
-          stage_rows(acc.data(), rows, e.O, ncols, p.out.stage, 0, staged.data(), e.O);
+          stage_rows(acc.data(), rows, e.O, ncols, p.out.stage, 0, dst, e.O);
         } else {
           for (int64_t i = 0; i < mtiles; ++i) {
             const int64_t ox0 = (i % tr) * 16, pos = (i / tr) * e.OW + ox0;
             stage_rows(acc.data() + i * 16 * ncols, std::min<int64_t>(16, e.OW - ox0), e.O, ncols, p.out.stage, 0,
-                       staged.data() + pos * e.O, e.O);
+                       dst + pos * e.O, e.O);
           }
         }
         if (add == nullptr) {
-          TransposeI32(staged.data(), e.O, npos, e.O, reinterpret_cast<int32_t*>(y) + b * e.O * P + oy0 * e.OW, P);
+          if (!out_nhwc)
+            TransposeI32(staged.data(), e.O, npos, e.O, reinterpret_cast<int32_t*>(y) + b * e.O * P + oy0 * e.OW, P);
+          continue;
+        }
+        const uint8_t* mine = reinterpret_cast<const uint8_t*>(dst);
+        if (out_nhwc) {  // the ADD's tensors are NHWC too (PlanNhwc): one elementwise run
+          const uint8_t* theirs = add_other + first * e.O * add_other_size;
+          if (p.fused_slot == 0) {
+            AddRange(*add, mine, kI32, theirs, add_other_dtype, npos * e.O, add_y + first * e.O, add_signed, path);
+          } else {
+            AddRange(*add, theirs, add_other_dtype, mine, kI32, npos * e.O, add_y + first * e.O, add_signed, path);
+          }
           continue;
         }
         // fused residual ADD: this block's I32 planes against the other input, straight to
@@ -416,27 +436,27 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
         TransposeI32(staged.data(), e.O, npos, e.O, planes32.data(), npos);
         for (int64_t oc = 0; oc < e.O; ++oc) {
           const int64_t off = (b * e.O + oc) * P + oy0 * e.OW;
-          const uint8_t* mine = reinterpret_cast<const uint8_t*>(planes32.data() + oc * npos);
+          const uint8_t* plane = reinterpret_cast<const uint8_t*>(planes32.data() + oc * npos);
           const uint8_t* theirs = add_other + off * add_other_size;
           if (p.fused_slot == 0) {
-            AddRange(*add, mine, kI32, theirs, add_other_dtype, npos, add_y + off, add_signed, path);
+            AddRange(*add, plane, kI32, theirs, add_other_dtype, npos, add_y + off, add_signed, path);
           } else {
-            AddRange(*add, theirs, add_other_dtype, mine, kI32, npos, add_y + off, add_signed, path);
+            AddRange(*add, theirs, add_other_dtype, plane, kI32, npos, add_y + off, add_signed, path);
           }
         }
         continue;
       }
-      out8.resize(static_cast<size_t>(npos * e.O));
+      uint8_t* dst8 = out_nhwc ? y + first * e.O : (out8.resize(static_cast<size_t>(npos * e.O)), out8.data());
       if (whole) {
-        requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, out8.data(), e.O, out_signed);
+        requant(acc.data(), rows, e.O, ncols, p.out.stage, 0, dst8, e.O, out_signed);
       } else {
         for (int64_t i = 0; i < mtiles; ++i) {
           const int64_t ox0 = (i % tr) * 16, pos = (i / tr) * e.OW + ox0;
           requant(acc.data() + i * 16 * ncols, std::min<int64_t>(16, e.OW - ox0), e.O, ncols, p.out.stage, 0,
-                  out8.data() + pos * e.O, e.O, out_signed);
+                  dst8 + pos * e.O, e.O, out_signed);
         }
       }
-      TransposeBytes(out8.data(), e.O, npos, e.O, y + b * e.O * P + oy0 * e.OW, P);
+      if (!out_nhwc) TransposeBytes(out8.data(), e.O, npos, e.O, y + b * e.O * P + oy0 * e.OW, P);
     }
   }, /*work=*/e.n * P * p.cout * (p.kp + 64));  // + the output stage and transposes per output
   return Status::Ok();

@@ -160,6 +160,45 @@ void FuseResidualAdds(Graph* g) {
   }
 }
 
+bool AmxImplicitConv(const GraphOp& op) {
+  const PreparedOp* p = op.prepared.get();
+  return p != nullptr && p->amx_conv && p->fast_acc && p->spatial > 0;
+}
+
+// Graph::nhwc: start from every tensor an AMX implicit conv or an ADD produces, then drop
+// tensors with another reader (or that are graph outputs) until stable; an ADD keeps both
+// inputs and its output in one layout (it is elementwise: any layout, but the same).
+void PlanNhwc(Graph* g) {
+  const size_t nt = g->tensors.size();
+  std::vector<char>& s = g->nhwc;
+  s.assign(nt, 0);
+  for (const GraphOp& op : g->ops)
+    if (AmxImplicitConv(op) || op.opcode == kAdd) s[op.outputs[0]] = 1;
+  for (uint32_t t : g->outputs) s[t] = 0;
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (const GraphOp& op : g->ops) {
+      for (size_t k = 0; k < op.inputs.size(); ++k) {
+        const uint32_t t = op.inputs[k];
+        const bool reads_nhwc = (AmxImplicitConv(op) && k == 0) || op.opcode == kAdd;
+        if (s[t] && !reads_nhwc) {
+          s[t] = 0;
+          changed = true;
+        }
+      }
+      if (op.opcode == kAdd) {
+        bool all = s[op.outputs[0]] != 0;
+        for (uint32_t t : op.inputs) all = all && s[t];
+        if (!all && (s[op.outputs[0]] || s[op.inputs[0]] || s[op.inputs[1]])) {
+          s[op.outputs[0]] = 0;
+          for (uint32_t t : op.inputs) s[t] = 0;
+          changed = true;
+        }
+      }
+    }
+  }
+}
+
 Status PrepareGraph(Graph* g) {
   const int n_tensors = static_cast<int>(g->tensors.size());
   std::vector<char> ready(n_tensors, 0);
@@ -357,6 +396,7 @@ Status PrepareGraph(Graph* g) {
     QDSL_CHECK(ready[i], StatusCode::kFormatError, "activation '%s' is never produced", g->tensors[i].name.c_str());
   g->overflow.assign(g->ops.size(), 0);
   FuseResidualAdds(g);
+  PlanNhwc(g);
   return Status::Ok();
 }
 

@@ -85,3 +85,33 @@ def test_residual_add_fused_into_conv_matches_reference(seed, order, pot, ow):
     ops = {"input": [conv_a, add], "conv_first": [conv_a, conv_b, add], "conv_second": [conv_b, conv_a, add]}[order]
     graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
     _check(graph, _rand(rng, DType.U8, (2, c, 9, ow)))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31), ow=st.sampled_from([8, 16, 21]), stride=st.sampled_from([1, 2]),
+       fuse=st.booleans())
+def test_nhwc_chain_matches_reference(seed, ow, stride, fuse):
+    """x -> conv a (U8) -> conv b (I32) -> ADD(b, a) -> conv c -> y: on AMX runs a, b and the
+    ADD's output are kept NHWC (only AMX convs and the ADD read them), b takes the ADD when
+    its output is I32; c reads NHWC and writes the NCHW graph output."""
+    from qdsl.export.ir import IntegerGraph, Op
+
+    rng = np.random.default_rng(seed)
+    c = 16
+    shape = (-1, c, 10, ow)
+    ws = [rng.integers(-127, 128, (c, c, 3, 3)).astype(np.int8) for _ in range(3)]
+    b_dtype = DType.I32 if fuse else DType.U8
+    c_attrs = _conv_attrs(rng, c, DType.U8)
+    c_attrs["stride"] = [stride, stride]
+    out_shape = (-1, c, (10 - 1) // stride + 1, (ow - 1) // stride + 1)
+    tensors = [Tensor("x", DType.U8, shape)] + [Tensor(f"w{i}", DType.I8, w.shape, w) for i, w in enumerate(ws)] + [
+        Tensor("a", DType.U8, shape), Tensor("b", b_dtype, shape), Tensor("s", DType.U8, shape),
+        Tensor("y", DType.U8, out_shape)]
+    in_rq = {"in_zp": [0, 3], "in_kind": [1, 2], "in_multiplier": [1, int(rng.integers(1 << 30, 1 << 31))],
+             "in_shift": [0, -3], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
+    ops = [Op(OpType.CONV2D, "a", ["x", "w0"], ["a"], _conv_attrs(rng, c, DType.U8)),
+           Op(OpType.CONV2D, "b", ["a", "w1"], ["b"], _conv_attrs(rng, c, b_dtype)),
+           Op(OpType.ADD, "add", ["b", "a"], ["s"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 255)}),
+           Op(OpType.CONV2D, "c", ["s", "w2"], ["y"], c_attrs)]
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    _check(graph, _rand(rng, DType.U8, (int(rng.integers(1, 4)), c, 10, ow)))

@@ -58,6 +58,10 @@ struct Graph {
   std::vector<std::vector<uint8_t>> buffers;
   // Per run: ADD ops already computed by the conv they were fused into (PreparedOp::fused_add).
   std::vector<char> fused_done;
+  // Per tensor: stored NHWC instead of NCHW on AMX runs (runtime/prepare.cc PlanNhwc): only
+  // tensors that AMX implicit convs produce or ADDs pass on, and that only such convs and
+  // ADDs read, so no other op ever sees the layout.  Other paths ignore it.
+  std::vector<char> nhwc;
 };
 
 Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out);
