@@ -118,6 +118,14 @@ int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int
   });
 }
 
+int qdsl_gemm_i32(const void* a, int a_dtype, int64_t m, int64_t k, int32_t a_zp, const void* weights, void* out,
+                  uint32_t path) {
+  if (weights == nullptr) return static_cast<int>(qdsl::StatusCode::kInvalidArgument);
+  const int64_t n = static_cast<const qdsl::PackedWeights*>(weights)->n;
+  return qdsl_gemm(a, a_dtype, m, k, k, a_zp, weights, nullptr, out, 2, n, nullptr, nullptr, 0, 0, 0, 0, 0, 0, path,
+                   nullptr, 0);
+}
+
 int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias, void* out,
                      int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift, int64_t channels,
                      int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err, int64_t errlen) {

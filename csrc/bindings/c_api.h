@@ -37,6 +37,11 @@ QDSL_API int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t
                        const void* weights, const int32_t* bias, void* out, int out_dtype, int64_t ldo,
                        const int32_t* mult, const int32_t* shift, int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin,
                        int32_t qmax, uint32_t path, char* err, int64_t errlen);
+// Fast call for the common case (int32 output, no bias or stage, dense rows): the status
+// only; callers repeat a failed call through qdsl_gemm for the message.  Eight arguments
+// instead of twenty-two: ctypes converts each one on every call (~0.1 us apiece).
+QDSL_API int qdsl_gemm_i32(const void* a, int a_dtype, int64_t m, int64_t k, int32_t a_zp, const void* weights,
+                           void* out, uint32_t path);
 QDSL_API int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias,
                               void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
                               int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,

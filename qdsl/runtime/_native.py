@@ -39,6 +39,7 @@ _SIGNATURES = {
         _c_int,
         [_p, _c_int, _i64, _i64, _i64, _i32, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],
     ),
+    "qdsl_gemm_i32": (_c_int, [_p, _c_int, _i64, _i64, _i32, _p, _p, _u32]),
     "qdsl_binary_gemm": (
         _c_int,
         [_p, _i64, _i64, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],

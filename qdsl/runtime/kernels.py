@@ -156,9 +156,19 @@ def _bias(bias, n: int):
     return b
 
 
+_A_CODES = {"b": 0, "B": 1}  # dtype.char of int8 / uint8
+
+
 def gemm(a: np.ndarray, w: PackedWeights, *, a_zero_point: int = 0, bias=None, stage: OutputStage | None = None,
          out_dtype=np.int8, path: str = "auto") -> np.ndarray:
     """``a[m, k]`` (int8/uint8) x packed int weights -> int32, or int8/uint8 with ``stage``."""
+    if stage is None and bias is None and type(a) is np.ndarray and a.ndim == 2 and a.flags.c_contiguous:
+        code, mask = _A_CODES.get(a.dtype.char), PATHS.get(path)
+        if code is not None and mask is not None:  # fast call; a failure is redone below for its message
+            out = _aligned_empty((a.shape[0], w.n), np.int32)
+            if _lib().qdsl_gemm_i32(_ptr(a), code, a.shape[0], a.shape[1], a_zero_point, w._handle, _ptr(out),
+                                    mask) == 0:
+                return out
     if a.dtype not in (np.int8, np.uint8) or a.ndim != 2:
         raise RuntimeError_(f"activations must be a 2-D int8/uint8 array, got {a.dtype} {a.shape}")
     a = np.ascontiguousarray(a)
