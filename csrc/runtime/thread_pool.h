@@ -2,9 +2,9 @@
 // caller and returns when all are done.  Nested calls run serially in the caller.
 //
 // `work` estimates the call's cost in multiply-accumulates (or equivalent).  Below
-// kMinParallelWork the tasks run serially in the caller: waking a sleeping worker and
-// joining it costs tens of microseconds, more than a small GEMM takes (measured: 2
-// threads ran (64,576,64) at 0.7x and a 768x768 GEMV at 0.3x of one thread).
+// kMinParallelWork the tasks run serially in the caller: even with a spinning worker a
+// fork-join costs a few microseconds, as much as a 4M-MAC GEMM takes on the AMX path
+// (measured: 2 threads ran (64,576,64) at 0.97x of one).
 #ifndef QDSL_RUNTIME_THREAD_POOL_H_
 #define QDSL_RUNTIME_THREAD_POOL_H_
 
@@ -14,8 +14,8 @@
 
 namespace qdsl {
 
-// ~8M MACs: about 25 us of single-core int8 work, several times the fork-join cost.
-constexpr int64_t kMinParallelWork = int64_t{1} << 21;
+// ~4M MAC-equivalents: a few microseconds of AMX work, tens of AVX2.
+constexpr int64_t kMinParallelWork = int64_t{1} << 22;
 
 void ParallelFor(int n, const std::function<void(int)>& fn,
                  int64_t work = std::numeric_limits<int64_t>::max());
