@@ -130,14 +130,17 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
   const int64_t m = a.rows, n = w.n;
   const int64_t kquads = w.kp / 4, kblocks = (w.kp + kAmxKBlock - 1) / kAmxKBlock, kp64 = kblocks * kAmxKBlock;
   const int sub_bits = w.format == PanelFormat::kI4 ? 4 : (w.format == PanelFormat::kI2 ? 2 : 0);
-  const int threads = NumThreads();
+  const int threads = ThreadsFor(m * n * w.k);
   // Threads split the rows first: a task packs its own rows and its tiles read them from
   // its own core's L2, while the weights are only ever read, so both cores keep copies.
   // (Splitting a row block by panels made the other core pull the packed rows over and
   // the owner re-own them on the next call: 2 threads ran (256,1152,128) at 0.5x of one.)
-  // Panel groups split the weights only when there are fewer 16-row tiles than threads.
+  // Panel groups split the weights only when there are fewer 16-row tiles than threads,
+  // and always for int4/int2 weights, which each task widens: split by rows, every thread
+  // would widen all of them (each task packs its own copy of the rows instead).
   int64_t row_block = sub_bits ? kAmxRowBlockSubByte : kAmxRowBlock;
-  if (threads > 1) row_block = std::max<int64_t>(16, std::min(row_block, ((m + threads - 1) / threads + 15) / 16 * 16));
+  if (threads > 1 && !sub_bits)
+    row_block = std::max<int64_t>(16, std::min(row_block, ((m + threads - 1) / threads + 15) / 16 * 16));
   const int64_t mblocks = (m + row_block - 1) / row_block;
   const int64_t pairs = (w.panels + 1) / 2;
   const int64_t groups = mblocks >= threads ? 1 : std::min<int64_t>(pairs, (threads + mblocks - 1) / mblocks);
@@ -248,7 +251,7 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   const VnniMicroKernel vnni = (w.colsum.empty() || !widen_ok) ? nullptr : SelectVnniMicroKernel(true, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
-  const int threads = NumThreads();
+  const int threads = ThreadsFor(m * n * w.k);
   // Tasks are (row block, panel group) pairs.  Row blocks of kRowBlock rows keep their
   // int16 activations (packed by the task itself) in L1/L2 across all panels; panel
   // groups only split the weights when there are too few row blocks to feed the threads
@@ -349,7 +352,7 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
   }
   const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
   const BinaryMicroKernel cols_kernel = w.bits_cols.empty() ? nullptr : SelectBinaryColsKernel(chosen);
-  const int threads = NumThreads();
+  const int threads = ThreadsFor(m * n * w.kwords * 32);
   // Several tasks per thread (claimed dynamically) so a thread slowed by the other
   // process on its core does not hold the join: N blocks of >= 64 columns, else M blocks.
   const int want = threads > 1 ? 4 * threads : 1;

@@ -364,7 +364,7 @@ Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path
   }
   const int32_t* ci = cinit.data();
   const int64_t tr = (e.OW + 15) / 16;  // row tiles per output row
-  const int threads = NumThreads();
+  const int threads = ThreadsFor(e.n * e.OH * e.OW * p.cout * (p.kp + 64));
   const int64_t per_image = e.n >= 2 * threads ? 1 : std::min<int64_t>(e.OH, (2 * threads + e.n - 1) / e.n);
   const int64_t block_rows = (e.OH + per_image - 1) / per_image;
   const int64_t blocks = (e.OH + block_rows - 1) / block_rows;

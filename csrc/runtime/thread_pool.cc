@@ -153,6 +153,8 @@ int NumThreads() {
   return num_threads;
 }
 
+int ThreadsFor(int64_t work) { return work < kMinParallelWork ? 1 : NumThreads(); }
+
 void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
   const int threads = NumThreads();
   if (n <= 1 || threads <= 1 || in_parallel || work < kMinParallelWork) {

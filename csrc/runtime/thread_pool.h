@@ -17,6 +17,10 @@ namespace qdsl {
 // ~4M MAC-equivalents: a few microseconds of AMX work, tens of AVX2.
 constexpr int64_t kMinParallelWork = int64_t{1} << 22;
 
+// Threads a ParallelFor with this `work` will use (1 below kMinParallelWork), for callers
+// that size their tasks by it.
+int ThreadsFor(int64_t work);
+
 void ParallelFor(int n, const std::function<void(int)>& fn,
                  int64_t work = std::numeric_limits<int64_t>::max());
 
