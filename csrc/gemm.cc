@@ -367,27 +367,31 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
     }
     if (n1 <= n0 || m1 <= m0) return;
     // Each task owns its block's accumulators (no shared m x n buffer to allocate and
-    // zero serially on every call).
+    // zero serially on every call), 64 rows at a time so they stay in L1/L2 until the
+    // output stage has read them.
     thread_local std::vector<int32_t> acc;
     const int64_t ldc = n1 - n0;
-    acc.resize(static_cast<size_t>((m1 - m0) * ldc));
-    if (cols_kernel) {  // transposed weights: column blocks of 256 keep the words in L1/L2
-      for (int64_t c = n0; c < n1; c += 256) {
-        const int64_t ce = std::min(n1, c + 256);
-        cols_kernel(a + m0 * lda, m1 - m0, lda, w.bits_cols.data() + c, ce - c, w.ncols_pad, w.kwords,
-                    acc.data() + (c - n0), ldc);
+    constexpr int64_t kRowsPerStep = 64;
+    acc.resize(static_cast<size_t>(std::min(kRowsPerStep, m1 - m0) * ldc));
+    for (int64_t r0 = m0; r0 < m1; r0 += kRowsPerStep) {
+      const int64_t rows = std::min(kRowsPerStep, m1 - r0);
+      if (cols_kernel) {  // transposed weights: column blocks of 256 keep the words in L1/L2
+        for (int64_t c = n0; c < n1; c += 256) {
+          const int64_t ce = std::min(n1, c + 256);
+          cols_kernel(a + r0 * lda, rows, lda, w.bits_cols.data() + c, ce - c, w.ncols_pad, w.kwords,
+                      acc.data() + (c - n0), ldc);
+        }
       }
+      // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
+      for (int64_t c = n0; c < n1 && !cols_kernel; c += 64) {
+        const int64_t ce = std::min(n1, c + 64);
+        kernel(a + r0 * lda, rows, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
+               acc.data() + (c - n0), ldc);
+      }
+      const uint32_t kk = static_cast<uint32_t>(w.k);
+      for (int64_t i = 0; i < rows * ldc; ++i) acc[i] = static_cast<int32_t>(kk - 2u * static_cast<uint32_t>(acc[i]));
+      Finish(acc.data(), ldc, r0, rows, n0, n1 - n0, bias, out, chosen);
     }
-    // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
-    for (int64_t c = n0; c < n1 && !cols_kernel; c += 64) {
-      const int64_t ce = std::min(n1, c + 64);
-      kernel(a + m0 * lda, m1 - m0, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
-             acc.data() + (c - n0), ldc);
-    }
-    const uint32_t kk = static_cast<uint32_t>(w.k);
-    for (int64_t i = 0; i < (m1 - m0) * ldc; ++i)
-      acc[i] = static_cast<int32_t>(kk - 2u * static_cast<uint32_t>(acc[i]));
-    Finish(acc.data(), ldc, m0, m1 - m0, n0, n1 - n0, bias, out, chosen);
   }, /*work=*/m * n * w.kwords * 32);  // a popcount word is ~64 MACs in ~2 instructions
   return Status::Ok();
 }
