@@ -214,10 +214,12 @@ bool AddAvx512(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n
   const void* xs[2] = {x0, x1};
   const int dts[2] = {dtype0, dtype1};
   __m512i zp[2], mult[2], shift[2];
+  bool ident[2];  // POT by 2^0 (residual inputs on a common scale): the rescale is the identity
   for (int k = 0; k < 2; ++k) {
     zp[k] = _mm512_set1_epi32(in[k].zero_point);
     mult[k] = _mm512_set1_epi32(in[k].rescale.multiplier[0]);
     shift[k] = _mm512_set1_epi32(in[k].rescale.shift[0]);
+    ident[k] = in[k].rescale.kind == RescaleKind::kPot && in[k].rescale.shift[0] == 0;
   }
   const Rescale& ro = out_stage.rescale;
   const __m512i omult = _mm512_set1_epi32(ro.multiplier[0]), oshift = _mm512_set1_epi32(ro.shift[0]);
@@ -231,7 +233,7 @@ bool AddAvx512(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n
     __m512i t[2];
     for (int k = 0; k < 2; ++k) {
       const __m512i d = _mm512_sll_epi32(_mm512_sub_epi32(LoadAdd(xs[k], dts[k], i, m), zp[k]), pre);
-      t[k] = RescaleVec(d, in[k].rescale.kind, mult[k], shift[k], in[k].rescale.rounding);
+      t[k] = ident[k] ? d : RescaleVec(d, in[k].rescale.kind, mult[k], shift[k], in[k].rescale.rounding);
     }
     // saturating int32 add: overflow iff both signs agree and the sum's sign differs
     const __m512i sum = _mm512_add_epi32(t[0], t[1]);
