@@ -73,20 +73,28 @@ inline __m512i PotShift(__m512i x, __m512i s, Rounding rounding) {
   return _mm512_mask_add_epi32(f, up, f, one);
 }
 
-// sat32(RoundShift(p, s)) on eight int64 lanes, s in [31, 62].
+// sat32(RoundShift(p, s)) on eight int64 lanes, s in [31, 62], |p| < 2^62 (so p + 2^(s-1)
+// cannot overflow).  With f = p >> s, h = 2^(s-1), every mode is one biased shift:
+//   HALF_AWAY (p + h - [p < 0]) >> s    HALF_UP (p + h) >> s    FLOOR p >> s
+//   HALF_EVEN (p + h - 1 + (f & 1)) >> s
+// (up iff rem > h, or rem >= h for the modes that round the tie up).
 inline __m512i RoundShift64(__m512i p, __m512i s, Rounding rounding) {
-  const __m512i one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
-  const __m512i f = _mm512_srav_epi64(p, s);
-  const __m512i pow = _mm512_sllv_epi64(one, s);
-  const __m512i rem = _mm512_and_si512(p, _mm512_sub_epi64(pow, one));
-  const __m512i h = _mm512_srli_epi64(pow, 1);
-  const __mmask8 gt = _mm512_cmpgt_epi64_mask(rem, h), eq = _mm512_cmpeq_epi64_mask(rem, h);
-  const __mmask8 nonneg = _mm512_cmpge_epi64_mask(p, zero);
-  const __mmask8 up = static_cast<__mmask8>(UpMask(rounding, gt, eq, nonneg,
-                                                         [&] { return static_cast<__mmask16>(_mm512_test_epi64_mask(f, one)); }));
-  __m512i r = _mm512_mask_add_epi64(f, up, f, one);
-  r = _mm512_min_epi64(r, _mm512_set1_epi64(INT32_MAX));
-  return _mm512_max_epi64(r, _mm512_set1_epi64(INT32_MIN));
+  const __m512i one = _mm512_set1_epi64(1);
+  const __m512i h = _mm512_srli_epi64(_mm512_sllv_epi64(one, s), 1);
+  __m512i biased;
+  switch (rounding) {
+    case Rounding::kHalfAway:
+      biased = _mm512_add_epi64(p, _mm512_add_epi64(h, _mm512_srai_epi64(p, 63)));  // srai: -1 where p < 0
+      break;
+    case Rounding::kHalfEven:
+      biased = _mm512_add_epi64(_mm512_add_epi64(p, _mm512_sub_epi64(h, one)),
+                                _mm512_and_si512(_mm512_srav_epi64(p, s), one));
+      break;
+    case Rounding::kHalfUp: biased = _mm512_add_epi64(p, h); break;
+    default: biased = p; break;
+  }
+  const __m512i r = _mm512_srav_epi64(biased, s);
+  return _mm512_max_epi64(_mm512_min_epi64(r, _mm512_set1_epi64(INT32_MAX)), _mm512_set1_epi64(INT32_MIN));
 }
 
 inline __m512i FixedSingle(__m512i t, __m512i m, __m512i right, Rounding rounding) {
