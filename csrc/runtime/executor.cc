@@ -192,17 +192,20 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const int64_t zp = Attr1(op, "zero_point"), lo = Attr1(op, "qmin"), hi = Attr1(op, "qmax");
         const int64_t mode = Attr1(op, "rounding");
         const float* xf = reinterpret_cast<const float*>(x);
-        for (int64_t i = 0; i < n; ++i) {
-          const float v = xf[i] * inv;  // binary32 multiply, as the reference
-          int64_t q;
-          if (std::isnan(v)) {
-            q = Clamp(zp, lo, hi);
-          } else {
-            const double r = RoundF(static_cast<double>(v), mode) + static_cast<double>(zp);
-            q = r < static_cast<double>(lo) ? lo : (r > static_cast<double>(hi) ? hi : static_cast<int64_t>(r));
+        const int64_t chunk = 16384;
+        ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
+          for (int64_t i = ci * chunk, e = std::min(n, i + chunk); i < e; ++i) {
+            const float v = xf[i] * inv;  // binary32 multiply, as the reference
+            int64_t q;
+            if (std::isnan(v)) {
+              q = Clamp(zp, lo, hi);
+            } else {
+              const double r = RoundF(static_cast<double>(v), mode) + static_cast<double>(zp);
+              q = r < static_cast<double>(lo) ? lo : (r > static_cast<double>(hi) ? hi : static_cast<int64_t>(r));
+            }
+            y[i] = static_cast<uint8_t>(q);
           }
-          y[i] = static_cast<uint8_t>(q);
-        }
+        }, /*work=*/n * 64);
         break;
       }
       case kDequantize: {
@@ -280,11 +283,21 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const std::vector<int64_t> xs = c.Shape(xi);
         const int64_t planes = xs[0] * xs[1], sp = n / planes;
         const int64_t zp = Attr1(op, "in_zp");
-        for (int64_t pl = 0; pl < planes; ++pl) {
-          int64_t acc = 0;
-          for (int64_t j = 0; j < sp; ++j) acc += Get(x, xd, pl * sp + j) - zp;
+        ParallelFor(static_cast<int>(planes), [&](int pl) {
+          int64_t acc = 0;  // per-dtype loops: sums the compiler vectorizes
+          if (xd == kU8) {
+            const uint8_t* src = x + pl * sp;
+            for (int64_t j = 0; j < sp; ++j) acc += src[j];
+          } else if (xd == kI32) {
+            const int32_t* src = reinterpret_cast<const int32_t*>(x) + pl * sp;
+            for (int64_t j = 0; j < sp; ++j) acc += src[j];
+          } else {
+            const int8_t* src = reinterpret_cast<const int8_t*>(x) + pl * sp;
+            for (int64_t j = 0; j < sp; ++j) acc += src[j];
+          }
+          acc -= zp * sp;
           y[pl] = static_cast<uint8_t>(ApplyStage(acc, op.prepared->out.stage, pl % xs[1]));
-        }
+        }, /*work=*/n * 8);
         break;
       }
       case kReshape: std::memcpy(y, x, static_cast<size_t>(n) * ((xd == kF32 || xd == kI32) ? 4 : 1)); break;

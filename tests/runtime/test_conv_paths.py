@@ -115,3 +115,29 @@ def test_nhwc_chain_matches_reference(seed, ow, stride, fuse):
            Op(OpType.CONV2D, "c", ["s", "w2"], ["y"], c_attrs)]
     graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
     _check(graph, _rand(rng, DType.U8, (int(rng.integers(1, 4)), c, 10, ow)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31), xdtype=st.sampled_from([DType.I8, DType.U8, DType.I32]))
+def test_global_avgpool_every_input_dtype(seed, xdtype):
+    """GLOBAL_AVGPOOL reads I8/U8 and wide I32 inputs (per-dtype sums, planes in parallel);
+    an I32 input comes from a conv (graph inputs are never I32)."""
+    from qdsl.export.ir import IntegerGraph, Op
+
+    rng = np.random.default_rng(seed)
+    c = int(rng.integers(1, 40))
+    shape = (-1, c, int(rng.integers(1, 20)), int(rng.integers(1, 20)))
+    pool_attrs = {"in_zp": 0, **_stage(rng, c, 0, 255)}
+    if xdtype is DType.I32:
+        w = rng.integers(-127, 128, (c, c, 1, 1)).astype(np.int8)
+        conv = {**_conv_attrs(rng, c, DType.I32), "padding": [0, 0]}
+        tensors = [Tensor("x", DType.U8, shape), Tensor("w", DType.I8, w.shape, w), Tensor("h", DType.I32, shape),
+                   Tensor("y", DType.U8, (-1, c, 1, 1))]
+        ops = [Op(OpType.CONV2D, "conv", ["x", "w"], ["h"], conv),
+               Op(OpType.GLOBAL_AVGPOOL, "pool", ["h"], ["y"], pool_attrs)]
+        graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+        xdtype = DType.U8
+    else:
+        pool_attrs["in_zp"] = int(rng.integers(*xdtype.range))
+        graph = _graph(OpType.GLOBAL_AVGPOOL, [("x", xdtype, shape)], pool_attrs, DType.U8)
+    _check(graph, _rand(rng, xdtype, (int(rng.integers(1, 4)), *shape[1:])))
