@@ -120,6 +120,72 @@ void TestRequant(std::mt19937& rng) {
     }
 }
 
+// Corner accumulators (0, +-1, INT32_MIN/MAX, +-2^k +- {0, 1}) x extreme multipliers and
+// shifts, every kind and rounding, int8/uint8 outputs over column counts 1..40 (vector
+// blocks plus masked / scalar tails), and the int32 stages, on every path vs ApplyStage.
+void TestRequantCorners(std::mt19937& rng) {
+  std::vector<int32_t> accs = {0, 1, -1, INT32_MAX, INT32_MIN, INT32_MIN + 1, INT32_MAX - 1};
+  for (int k = 1; k <= 30; ++k)
+    for (int d = -1; d <= 1; ++d) {
+      accs.push_back(static_cast<int32_t>((int64_t{1} << k) + d));
+      accs.push_back(static_cast<int32_t>(-(int64_t{1} << k) + d));
+    }
+  const int32_t mults[] = {0, 1, 3, (1 << 30) - 1, 1 << 30, (1 << 30) + 1, INT32_MAX - 1, INT32_MAX};
+  const int32_t fixed_shifts[] = {-31, -30, -1, 0, 1, 2, 15, 30, 31};
+  const int32_t pot_shifts[] = {-31, -1, 0, 1, 2, 30, 31, 32, 62};
+  const uint32_t paths[] = {qdsl::kPathPortable, qdsl::kPathAvx2, qdsl::kPathAvxVnni, qdsl::kPathAvx512,
+                            qdsl::kPathAmx};
+  for (int kind = 0; kind < 3; ++kind)
+    for (int rounding = 0; rounding < (kind ? 4 : 1); ++rounding)
+      for (int32_t m : mults)
+        for (int32_t s : kind == 1 ? pot_shifts : fixed_shifts) {
+          if (kind == 1 && m != 1) continue;
+          int32_t mult = m, shift = s;
+          qdsl::OutputStage st;
+          st.rescale = {static_cast<qdsl::RescaleKind>(kind), &mult, &shift, 1, static_cast<qdsl::Rounding>(rounding)};
+          const int cols = 1 + static_cast<int>(rng() % 40);
+          const int rows = static_cast<int>((accs.size() + cols - 1) / cols);
+          std::vector<int32_t> acc(static_cast<size_t>(rows) * cols);
+          const size_t rot = rng() % accs.size();
+          for (size_t i = 0; i < acc.size(); ++i) acc[i] = accs[(i + rot) % accs.size()];
+          for (bool sgn : {true, false}) {
+            st.zero_point = sgn ? -3 : 7;
+            st.qmin = sgn ? -128 : 0;
+            st.qmax = sgn ? 127 : 255;
+            const qdsl::DType dt = sgn ? qdsl::DType::kInt8 : qdsl::DType::kUInt8;
+            std::vector<uint8_t> want(acc.size()), got(acc.size());
+            for (size_t i = 0; i < acc.size(); ++i) want[i] = static_cast<uint8_t>(qdsl::ApplyStage(acc[i], st, 0));
+            for (uint32_t path : paths) {
+              if (!(qdsl::CpuPaths() & path)) continue;
+              std::fill(got.begin(), got.end(), uint8_t{0xAB});
+              EXPECT(qdsl::Requantize(acc.data(), rows, cols, st, got.data(), dt, path).ok(), "req corners");
+              EXPECT(got == want, "requant corners path %u kind %d rounding %d m %d s %d cols %d signed %d", path, kind,
+                     rounding, m, s, cols, sgn);
+            }
+          }
+          // int32 stages (zero point 0), full and narrowed clamps, n = cols past a sentinel
+          for (int clamp = 0; clamp < 2; ++clamp) {
+            st.zero_point = 0;
+            st.qmin = clamp ? -1000 : INT32_MIN;
+            st.qmax = clamp ? 123456 : INT32_MAX;
+            const int64_t n = static_cast<int64_t>(acc.size());
+            std::vector<int32_t> want(acc.size());
+            for (size_t i = 0; i < acc.size(); ++i) want[i] = qdsl::ApplyStage(acc[i], st, 0);
+            for (uint32_t path : paths) {
+              if (!(qdsl::CpuPaths() & path)) continue;
+              std::vector<int32_t> got(acc.size() + 1, 0x5A5A5A5A);
+              qdsl::SelectStageI32Kernel(path)(acc.data(), n, st, got.data());
+              EXPECT(std::equal(want.begin(), want.end(), got.begin()) && got[acc.size()] == 0x5A5A5A5A,
+                     "i32 stage path %u kind %d rounding %d m %d s %d n %lld", path, kind, rounding, m, s, (long long)n);
+              std::vector<int32_t> got2(acc.size(), 0x5A5A5A5A);
+              qdsl::SelectStageI32RowsKernel(path)(acc.data(), rows, cols, cols, st, 0, got2.data(), cols);
+              EXPECT(std::equal(want.begin(), want.end(), got2.begin()), "i32 rows path %u kind %d m %d s %d cols %d",
+                     path, kind, m, s, cols);
+            }
+          }
+        }
+}
+
 void TestLoaderGarbage(std::mt19937& rng) {
   for (int trial = 0; trial < 2000; ++trial) {
     std::vector<uint8_t> blob(static_cast<size_t>(rng() % 400));
@@ -137,6 +203,7 @@ int main() {
   TestGemm(rng);
   TestBinary(rng);
   TestRequant(rng);
+  TestRequantCorners(rng);
   TestLoaderGarbage(rng);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
   return failures ? 1 : 0;

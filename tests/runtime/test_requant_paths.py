@@ -54,3 +54,59 @@ def test_output_stage_paths_equal_formula(kind, rounding, cols, per_tensor, rows
     for path in PATHS:
         got = K.requantize(acc.astype(np.int32), stage, np.int8 if out_signed else np.uint8, path=path)
         np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")
+
+
+def _corner_accumulators() -> np.ndarray:
+    vals = {0, 1, -1, 2**31 - 1, -(2**31), -(2**31) + 1, 2**31 - 2}
+    for k in range(1, 31):
+        for d in (-1, 0, 1):
+            vals.update({(1 << k) + d, -(1 << k) + d})
+    return np.array(sorted(vals), np.int64)
+
+
+_ACC = _corner_accumulators()  # 187 values
+_MULTS = [0, 1, 2, 3, (1 << 30) - 1, 1 << 30, (1 << 30) + 1, (1 << 31) - 2, (1 << 31) - 1, 1518500250]
+_SHIFTS = {0: [-31, -30, -17, -1, 0, 1, 2, 15, 24, 30, 31], 2: [-31, -30, -17, -1, 0, 1, 2, 15, 24, 30, 31],
+           1: [-31, -30, -1, 0, 1, 2, 15, 30, 31, 32, 45, 62]}  # POT shifts past 31 fall back to the reference
+
+
+def _grid(kind: int) -> tuple[np.ndarray, np.ndarray]:
+    if kind == 1:
+        shift = np.array(_SHIFTS[1], np.int64)
+        return np.ones_like(shift), shift
+    m, s = np.meshgrid(_MULTS, _SHIFTS[kind], indexing="ij")
+    return m.ravel().astype(np.int64), s.ravel().astype(np.int64)
+
+
+@pytest.mark.parametrize("kind,rounding", [(0, 0)] + [(k, r) for k in (1, 2) for r in range(4)])
+@pytest.mark.parametrize("out_signed", [True, False])
+def test_output_stage_paths_corner_grid(kind, rounding, out_signed):
+    """Every corner accumulator (0, +-1, INT32_MIN/MAX, +-2^k and +-2^k +- 1) against every
+    extreme multiplier and shift, per channel (one column per (multiplier, shift) pair,
+    a column count that leaves a masked / scalar tail) and per tensor (odd column counts),
+    and zero points at the edges of the allowed range."""
+    mult, shift = _grid(kind)
+    r = Rescale(kind, tuple(int(v) for v in mult), tuple(int(v) for v in shift), rounding)
+    lo, hi = (-128, 127) if out_signed else (0, 255)
+    dtype = np.int8 if out_signed else np.uint8
+    cols = mult.size
+    # column c sees every accumulator (rotated rows), so each (m, s) pair meets each corner
+    acc = _ACC[(np.arange(_ACC.size)[:, None] + np.arange(cols)[None, :]) % _ACC.size]
+    for zp, qmin, qmax in ((0, lo, hi), (lo + 1, lo, hi), (-(1 << 16), lo, hi), (1 << 16, lo, hi),
+                           (3, lo + 7, hi - 9)):
+        stage = K.OutputStage(mult, shift, zero_point=zp, qmin=qmin, qmax=qmax, kind=kind, rounding=rounding)
+        want = np.clip(apply_rescale(acc, r, axis=1) + zp, qmin, qmax)
+        for path in PATHS:
+            got = K.requantize(acc.astype(np.int32), stage, dtype, path=path)
+            np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path} zp {zp}")
+    # per tensor: each (m, s) pair alone over odd column counts (masked tails of every length)
+    for i in range(cols):
+        one = Rescale(kind, (int(mult[i]),), (int(shift[i]),), rounding)
+        stage = K.OutputStage(mult[i:i + 1], shift[i:i + 1], zero_point=5, qmin=lo, qmax=hi, kind=kind,
+                              rounding=rounding)
+        n = 1 + 2 * (i % 20)  # 1..39
+        a = np.resize(np.roll(_ACC, i), (_ACC.size // n, n))
+        want = np.clip(apply_rescale(a, one, axis=1) + 5, lo, hi)
+        for path in PATHS:
+            got = K.requantize(a.astype(np.int32), stage, dtype, path=path)
+            np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path} m {mult[i]} s {shift[i]}")
