@@ -116,43 +116,150 @@ inline __m512i RescaleVec(__m512i x, RescaleKind kind, __m512i mult, __m512i shi
   return PotShift(SatShiftLeft(x, left), right, rounding);
 }
 
-template <RescaleKind kKind, Rounding kRounding>
-void RequantRows(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
-                 uint8_t* out, int64_t ldo) {
+// The stage of one 16-column block with everything that does not depend on the row
+// hoisted: y = clamp(Rescale(x), lo, hi) + zp with lo = qmin - zp, hi = qmax - zp, which
+// equals clamp(Rescale(x) + zp, qmin, qmax) (no int32 overflow: |zp| <= 2^16).  kLeft =
+// false when no lane shifts left (shift >= 0 everywhere, the usual case): no saturating
+// left shift.  FIXED_SINGLE clamps its int64 results to [lo, hi] directly (sat32 first
+// would not change that, [lo, hi] lies in int32) and interleaves the even and odd lanes
+// with one permute.
+template <RescaleKind kKind, Rounding kRounding, bool kLeft>
+struct BlockStage {
+  __m512i mult, left, right, lo, hi;
+  __m512i m_odd, s_even, s_odd, h_even, h_odd, lo64, hi64;  // FIXED_SINGLE only
+
+  BlockStage(__m512i m, __m512i shift, int32_t lo32, int32_t hi32) : mult(m) {
+    const __m512i zero = _mm512_setzero_si512();
+    left = _mm512_max_epi32(_mm512_sub_epi32(zero, shift), zero);
+    right = _mm512_max_epi32(shift, zero);
+    lo = _mm512_set1_epi32(lo32);
+    hi = _mm512_set1_epi32(hi32);
+    if (kKind == RescaleKind::kFixedSingle) {
+      const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFFll), c31 = _mm512_set1_epi64(31), one = _mm512_set1_epi64(1);
+      m_odd = _mm512_srli_epi64(m, 32);
+      s_even = _mm512_add_epi64(_mm512_and_si512(right, low32), c31);
+      s_odd = _mm512_add_epi64(_mm512_srli_epi64(right, 32), c31);
+      // bias added before the floor shift: 2^(s-1) (HALF_EVEN: 2^(s-1) - 1, plus f & 1)
+      h_even = _mm512_srli_epi64(_mm512_sllv_epi64(one, s_even), 1);
+      h_odd = _mm512_srli_epi64(_mm512_sllv_epi64(one, s_odd), 1);
+      if (kRounding == Rounding::kHalfEven) {
+        h_even = _mm512_sub_epi64(h_even, one);
+        h_odd = _mm512_sub_epi64(h_odd, one);
+      }
+      lo64 = _mm512_set1_epi64(lo32);
+      hi64 = _mm512_set1_epi64(hi32);
+    }
+  }
+
+  // clamp(RoundShift(p, s), lo, hi) on eight int64 lanes (|p| < 2^62, s in [31, 62]: the
+  // bias cannot overflow); every mode is one biased arithmetic shift:
+  //   HALF_AWAY (p + h - [p < 0]) >> s    HALF_UP (p + h) >> s    FLOOR p >> s
+  //   HALF_EVEN (p + h - 1 + ((p >> s) & 1)) >> s
+  static inline __m512i Round64(__m512i p, __m512i s, __m512i h, __m512i lo64, __m512i hi64) {
+    __m512i b;
+    switch (kRounding) {
+      case Rounding::kHalfAway: b = _mm512_add_epi64(p, _mm512_add_epi64(h, _mm512_srai_epi64(p, 63))); break;
+      case Rounding::kHalfEven:
+        b = _mm512_add_epi64(_mm512_add_epi64(p, h), _mm512_and_si512(_mm512_srav_epi64(p, s), _mm512_set1_epi64(1)));
+        break;
+      case Rounding::kHalfUp: b = _mm512_add_epi64(p, h); break;
+      default: b = p; break;
+    }
+    return _mm512_max_epi64(_mm512_min_epi64(_mm512_srav_epi64(b, s), hi64), lo64);
+  }
+
+  inline __m512i operator()(__m512i x) const {
+    const __m512i t = kLeft ? SatShiftLeft(x, left) : x;
+    if (kKind == RescaleKind::kFixedSingle) {
+      const __m512i even = Round64(_mm512_mul_epi32(t, mult), s_even, h_even, lo64, hi64);
+      const __m512i odd = Round64(_mm512_mul_epi32(_mm512_srli_epi64(t, 32), m_odd), s_odd, h_odd, lo64, hi64);
+      const __m512i idx = _mm512_set_epi32(30, 14, 28, 12, 26, 10, 24, 8, 22, 6, 20, 4, 18, 2, 16, 0);
+      return _mm512_permutex2var_epi32(even, idx, odd);  // low dword of each int64 result
+    }
+    const __m512i r = kKind == RescaleKind::kFixed ? Rdbp(Srdhm(t, mult), right) : PotShift(t, right, kRounding);
+    return _mm512_min_epi32(_mm512_max_epi32(r, lo), hi);
+  }
+};
+
+// Stage of acc[rows][cols] (column c is channel c0 + c) into int8/uint8 (kBytes, the
+// low byte of the clamped value is the result for either dtype) or int32.
+template <RescaleKind kKind, Rounding kRounding, bool kLeft, bool kBytes>
+void StageBlock(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                void* out, int64_t ldo) {
   const Rescale& rs = stage.rescale;
   const bool per_tensor = rs.channels == 1;
   const __m512i zp = _mm512_set1_epi32(stage.zero_point);
-  const __m512i qmin = _mm512_set1_epi32(stage.qmin), qmax = _mm512_set1_epi32(stage.qmax);
-  const __m512i lim = _mm512_set1_epi32(1 << 24), nlim = _mm512_set1_epi32(-(1 << 24));
-  for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 m = cols - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (cols - c)) - 1);
-    __m512i mult, shift;
-    if (per_tensor) {
-      mult = _mm512_set1_epi32(rs.multiplier[0]);
-      shift = _mm512_set1_epi32(rs.shift[0]);
+  const int32_t lo = stage.qmin - stage.zero_point, hi = stage.qmax - stage.zero_point;
+  using F = BlockStage<kKind, kRounding, kLeft>;
+  const auto block = [&](const F& f, int64_t c, __mmask16 m) {
+    if (m == 0xFFFF) {
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512i y = f(_mm512_loadu_si512(acc + r * lda + c));
+        if (kBytes) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint8_t*>(out) + r * ldo + c),
+                           _mm512_cvtepi32_epi8(_mm512_add_epi32(y, zp)));
+        } else {
+          _mm512_storeu_si512(static_cast<int32_t*>(out) + r * ldo + c, y);
+        }
+      }
     } else {
-      mult = _mm512_maskz_loadu_epi32(m, rs.multiplier + c0 + c);
-      shift = _mm512_maskz_loadu_epi32(m, rs.shift + c0 + c);
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512i y = f(_mm512_maskz_loadu_epi32(m, acc + r * lda + c));
+        if (kBytes) {
+          _mm_mask_storeu_epi8(static_cast<uint8_t*>(out) + r * ldo + c, m, _mm512_cvtepi32_epi8(_mm512_add_epi32(y, zp)));
+        } else {
+          _mm512_mask_storeu_epi32(static_cast<int32_t*>(out) + r * ldo + c, m, y);
+        }
+      }
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512i x = _mm512_maskz_loadu_epi32(m, acc + r * lda + c);
-      __m512i y = RescaleVec(x, kKind, mult, shift, kRounding);
-      y = _mm512_min_epi32(_mm512_max_epi32(y, nlim), lim);
-      y = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(y, zp), qmin), qmax);
-      // y is within the output dtype: its low byte is the result for int8 and uint8
-      _mm_mask_storeu_epi8(out + r * ldo + c, m, _mm512_cvtepi32_epi8(y));
-    }
+  };
+  const auto tail = [&](int64_t c) {
+    return cols - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (cols - c)) - 1);
+  };
+  if (per_tensor) {  // parameters set up once (the runtime calls this per row of 1 x P)
+    const F f(_mm512_set1_epi32(rs.multiplier[0]), _mm512_set1_epi32(rs.shift[0]), lo, hi);
+    for (int64_t c = 0; c < cols; c += 16) block(f, c, tail(c));
+    return;
+  }
+  for (int64_t c = 0; c < cols; c += 16) {
+    const __mmask16 m = tail(c);
+    const F f(_mm512_maskz_loadu_epi32(m, rs.multiplier + c0 + c), _mm512_maskz_loadu_epi32(m, rs.shift + c0 + c), lo, hi);
+    block(f, c, m);
   }
 }
 
-template <RescaleKind kKind>
-void RequantKind(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
-                 uint8_t* out, int64_t ldo) {
-  switch (stage.rescale.rounding) {
-    case Rounding::kHalfAway: return RequantRows<kKind, Rounding::kHalfAway>(acc, rows, cols, lda, stage, c0, out, ldo);
-    case Rounding::kHalfEven: return RequantRows<kKind, Rounding::kHalfEven>(acc, rows, cols, lda, stage, c0, out, ldo);
-    case Rounding::kFloor: return RequantRows<kKind, Rounding::kFloor>(acc, rows, cols, lda, stage, c0, out, ldo);
-    default: return RequantRows<kKind, Rounding::kHalfUp>(acc, rows, cols, lda, stage, c0, out, ldo);
+using StageFn = void (*)(const int32_t*, int64_t, int64_t, int64_t, const OutputStage&, int64_t, void*, int64_t);
+
+template <bool kBytes, RescaleKind kKind, Rounding kRounding>
+StageFn PickLeft(bool left) {
+  return left ? StageBlock<kKind, kRounding, true, kBytes> : StageBlock<kKind, kRounding, false, kBytes>;
+}
+
+template <bool kBytes, RescaleKind kKind>
+StageFn PickRounding(Rounding rounding, bool left) {
+  switch (rounding) {
+    case Rounding::kHalfAway: return PickLeft<kBytes, kKind, Rounding::kHalfAway>(left);
+    case Rounding::kHalfEven: return PickLeft<kBytes, kKind, Rounding::kHalfEven>(left);
+    case Rounding::kFloor: return PickLeft<kBytes, kKind, Rounding::kFloor>(left);
+    default: return PickLeft<kBytes, kKind, Rounding::kHalfUp>(left);
+  }
+}
+
+// The kernel for a stage whose parameters RequantAvx2Supports accepts (columns c0 ..
+// c0 + cols - 1).
+template <bool kBytes>
+StageFn Pick(const OutputStage& stage, int64_t c0, int64_t cols) {
+  const Rescale& rs = stage.rescale;
+  bool left = false;
+  if (rs.channels == 1) {
+    left = rs.shift[0] < 0;
+  } else {
+    for (int64_t c = 0; c < cols && !left; ++c) left = rs.shift[c0 + c] < 0;
+  }
+  switch (rs.kind) {
+    case RescaleKind::kFixed: return PickLeft<kBytes, RescaleKind::kFixed, Rounding::kHalfAway>(left);  // rounding unused
+    case RescaleKind::kFixedSingle: return PickRounding<kBytes, RescaleKind::kFixedSingle>(rs.rounding, left);
+    default: return PickRounding<kBytes, RescaleKind::kPot>(rs.rounding, left);
   }
 }
 
@@ -164,12 +271,7 @@ void RequantAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
     ref::Requant(acc, rows, cols, lda, stage, c0, out, ldo, out_signed);
     return;
   }
-  uint8_t* o = static_cast<uint8_t*>(out);
-  switch (stage.rescale.kind) {
-    case RescaleKind::kFixed: return RequantRows<RescaleKind::kFixed, Rounding::kHalfAway>(acc, rows, cols, lda, stage, c0, o, ldo);
-    case RescaleKind::kFixedSingle: return RequantKind<RescaleKind::kFixedSingle>(acc, rows, cols, lda, stage, c0, o, ldo);
-    default: return RequantKind<RescaleKind::kPot>(acc, rows, cols, lda, stage, c0, o, ldo);
-  }
+  Pick<true>(stage, c0, cols)(acc, rows, cols, lda, stage, c0, out, ldo);
 }
 
 void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
@@ -180,19 +282,7 @@ void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t 
       for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = ApplyStage(acc[r * lda + c], stage, c0 + c);
     return;
   }
-  const Rescale& rs = stage.rescale;
-  const __m512i qmin = _mm512_set1_epi32(stage.qmin), qmax = _mm512_set1_epi32(stage.qmax);
-  for (int64_t c = 0; c < cols; c += 16) {
-    const __mmask16 m = cols - c >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (cols - c)) - 1);
-    const __m512i mult = rs.channels == 1 ? _mm512_set1_epi32(rs.multiplier[0])
-                                          : _mm512_maskz_loadu_epi32(m, rs.multiplier + c0 + c);
-    const __m512i shift = rs.channels == 1 ? _mm512_set1_epi32(rs.shift[0]) : _mm512_maskz_loadu_epi32(m, rs.shift + c0 + c);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512i x = _mm512_maskz_loadu_epi32(m, acc + r * lda + c);
-      const __m512i y = RescaleVec(x, rs.kind, mult, shift, rs.rounding);
-      _mm512_mask_storeu_epi32(out + r * ldo + c, m, _mm512_min_epi32(_mm512_max_epi32(y, qmin), qmax));
-    }
-  }
+  Pick<false>(stage, c0, cols)(acc, rows, cols, lda, stage, c0, out, ldo);
 }
 
 // ADD (docs/qgraph.md §4.4), the AVX2 kernel's algorithm and preconditions on 16 lanes with
@@ -262,15 +352,7 @@ void RequantI32Avx512(const int32_t* acc, int64_t n, const OutputStage& one, int
     for (int64_t i = 0; i < n; ++i) out[i] = ref::StageOne(acc[i], one);
     return;
   }
-  const Rescale& rs = one.rescale;
-  const __m512i mult = _mm512_set1_epi32(rs.multiplier[0]), shift = _mm512_set1_epi32(rs.shift[0]);
-  const __m512i qmin = _mm512_set1_epi32(one.qmin), qmax = _mm512_set1_epi32(one.qmax);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    const __m512i x = _mm512_maskz_loadu_epi32(m, acc + i);
-    const __m512i y = RescaleVec(x, rs.kind, mult, shift, rs.rounding);
-    _mm512_mask_storeu_epi32(out + i, m, _mm512_min_epi32(_mm512_max_epi32(y, qmin), qmax));
-  }
+  Pick<false>(one, 0, 1)(acc, 1, n, n, one, 0, out, n);  // one row of n columns, per-tensor parameters
 }
 
 }  // namespace x86
