@@ -12,6 +12,10 @@
 #include <ctime>
 
 #include "dispatch.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define QDSL_EXEC_X86 1
+#include "kernels/x86/x86_kernels.h"
+#endif
 #include "runtime/ops.h"
 #include "runtime/thread_pool.h"
 
@@ -59,6 +63,12 @@ void AddRange(const GraphOp& add, const uint8_t* x0, int d0, const uint8_t* x1, 
   if (const AddKernel vec = path == kPathRef ? nullptr : SelectAddKernel(path)) {
     const OutputStage in2[2] = {p.in[0].stage, p.in[1].stage};
     if (vec(x0, d0, x1, d1, n, in2, static_cast<int>(pre), p.out.stage, y, y_signed)) return;
+    // the AVX2 kernel takes every ADD the format allows; paths above AVX2 have it too
+    const AddKernel general = path > kPathAvx2 ? SelectAddKernel(kPathAvx2) : nullptr;
+    if (general != nullptr && general != vec &&
+        general(x0, d0, x1, d1, n, in2, static_cast<int>(pre), p.out.stage, y, y_signed)) {
+      return;
+    }
   }
   for (int64_t i = 0; i < n; ++i) {
     int64_t t = 0;
@@ -98,7 +108,7 @@ void Pool(Ctx& c, const GraphOp& op, bool is_max) {
   const int64_t planes = xs[0] * xs[1];
   const int32_t in_zp = is_max ? 0 : static_cast<int32_t>(Attr1(op, "in_zp"));
   const OutputStage* st = is_max ? nullptr : &op.prepared->out.stage;
-  for (int64_t pl = 0; pl < planes; ++pl) {
+  ParallelFor(static_cast<int>(planes), [&](int pl) {
     for (int64_t oy = 0; oy < OH; ++oy) {
       for (int64_t ox = 0; ox < OW; ++ox) {
         int64_t acc = is_max ? INT64_MIN : 0;
@@ -121,20 +131,65 @@ void Pool(Ctx& c, const GraphOp& op, bool is_max) {
         (void)yd;
       }
     }
-  }
+  }, /*work=*/planes * OH * OW * kh * kw * 4);
 }
 
-void ElementwiseStage(Ctx& c, const GraphOp& op) {  // REQUANTIZE, per channel along axis 1
+// REQUANTIZE: y = stage(x - in_zp), per channel along axis 1.  Segments of one channel
+// (a plane, or 16K-element chunks of a per-tensor stage) run over the pool; I8/U8 inputs
+// (and I32 with in_zp 0) go through the vector output stage of the path on int32 rows.
+void ElementwiseStage(Ctx& c, const GraphOp& op, uint32_t path) {
   const uint32_t xi = op.inputs[0], yi = op.outputs[0];
   const std::vector<int64_t> xs = c.Shape(xi);
-  const int64_t C = xs.size() >= 2 ? xs[1] : 1, inner = xs.size() >= 2 ? Numel(xs) / (xs[0] * C) : 1;
+  const int64_t n = Numel(xs);
+  const int64_t C = xs.size() >= 2 ? xs[1] : 1, inner = xs.size() >= 2 ? n / (xs[0] * C) : 1;
   const int32_t in_zp = static_cast<int32_t>(Attr1(op, "in_zp"));
   const OutputStage& st = op.prepared->out.stage;
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
-  const int xd = c.DType(xi);
-  const int64_t n = Numel(xs);
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint8_t>(ApplyStage(Get(x, xd, i) - in_zp, st, (i / inner) % C));
+  const int xd = c.DType(xi), yd = c.DType(yi);
+  const bool per_tensor = st.rescale.channels == 1;
+  const int64_t chunk = 16384;
+  // segments: per tensor, chunks of the flat tensor; per channel, chunks of each plane
+  const int64_t seg = per_tensor ? chunk : std::min(inner, chunk);
+  const int64_t per_plane = per_tensor ? 0 : (inner + seg - 1) / seg;
+  const int64_t segs = per_tensor ? (n + seg - 1) / seg : (n / inner) * per_plane;
+  const RequantKernel vec = path == kPathRef ? nullptr : SelectRequantKernel(path);
+  const bool vec_ok = vec != nullptr && (yd == kI8 || yd == kU8) && (xd != kI32 || in_zp == 0) && seg >= 16;
+  ParallelFor(static_cast<int>(segs), [&](int si) {
+    int64_t i0, len, ch = 0;
+    if (per_tensor) {
+      i0 = si * seg;
+      len = std::min(seg, n - i0);
+    } else {
+      const int64_t plane = si / per_plane, part = si % per_plane;
+      ch = plane % C;
+      i0 = plane * inner + part * seg;
+      len = std::min(seg, inner - part * seg);
+    }
+    if (!vec_ok) {
+      for (int64_t i = i0; i < i0 + len; ++i) y[i] = static_cast<uint8_t>(ApplyStage(Get(x, xd, i) - in_zp, st, ch));
+      return;
+    }
+    OutputStage one = st;  // this segment's channel as a per-tensor stage
+    one.rescale.multiplier += ch;
+    one.rescale.shift += ch;
+    one.rescale.channels = 1;
+    thread_local std::vector<int32_t> tmp;
+    const int32_t* src;
+    if (xd == kI32) {
+      src = reinterpret_cast<const int32_t*>(x) + i0;
+    } else {
+      tmp.resize(static_cast<size_t>(len));
+      if (xd == kU8) {
+        for (int64_t j = 0; j < len; ++j) tmp[j] = static_cast<int32_t>(x[i0 + j]) - in_zp;
+      } else {
+        const int8_t* xs8 = reinterpret_cast<const int8_t*>(x);
+        for (int64_t j = 0; j < len; ++j) tmp[j] = static_cast<int32_t>(xs8[i0 + j]) - in_zp;
+      }
+      src = tmp.data();
+    }
+    vec(src, 1, len, len, one, 0, y + i0, len, yd == kI8);
+  }, /*work=*/n * 32);
 }
 
 }  // namespace
@@ -194,6 +249,15 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const float* xf = reinterpret_cast<const float*>(x);
         const int64_t chunk = 16384;
         ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
+#ifdef QDSL_EXEC_X86
+          if (chosen >= kPathAvx2 && (yd == kI8 || yd == kU8)) {  // chosen >= AVX2: the CPU has AVX2
+            const int64_t i0 = ci * chunk;
+            x86::QuantizeF32Avx2(xf + i0, std::min(chunk, n - i0), inv, static_cast<int32_t>(zp),
+                                 static_cast<int32_t>(lo), static_cast<int32_t>(hi), static_cast<int>(mode), y + i0,
+                                 yd == kI8);
+            return;
+          }
+#endif
           for (int64_t i = ci * chunk, e = std::min(n, i + chunk); i < e; ++i) {
             const float v = xf[i] * inv;  // binary32 multiply, as the reference
             int64_t q;
@@ -212,7 +276,11 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const float scale = op.attrs.at("scale").f;
         const int64_t zp = Attr1(op, "zero_point");
         float* yf = reinterpret_cast<float*>(y);
-        for (int64_t i = 0; i < n; ++i) yf[i] = static_cast<float>(static_cast<int64_t>(Get(x, xd, i)) - zp) * scale;
+        const int64_t chunk = 16384;
+        ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
+          for (int64_t i = ci * chunk, e = std::min(n, i + chunk); i < e; ++i)
+            yf[i] = static_cast<float>(static_cast<int64_t>(Get(x, xd, i)) - zp) * scale;
+        }, /*work=*/n * 16);
         break;
       }
       case kBinarize: {
@@ -229,7 +297,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         }
         break;
       }
-      case kRequantize: ElementwiseStage(c, op); break;
+      case kRequantize: ElementwiseStage(c, op, chosen); break;
       case kConv1d: case kConv2d: case kLinear: case kBconv1d: case kBconv2d: case kBlinear:
         QDSL_RETURN_IF_ERROR(RunConv(g, op, batch, chosen, &g->overflow[oi]));
         break;
@@ -274,7 +342,21 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
       }
       case kClamp: {
         const int64_t lo = Attr1(op, "out_min"), hi = Attr1(op, "out_max");
-        for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint8_t>(Clamp(Get(x, xd, i), lo, hi));
+        const int64_t chunk = 16384;
+        ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
+          const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
+          if (xd == kU8) {  // per-dtype loops the compiler vectorizes
+            const uint8_t l = static_cast<uint8_t>(Clamp(lo, 0, 255)), h = static_cast<uint8_t>(Clamp(hi, 0, 255));
+            for (int64_t i = i0; i < i1; ++i) y[i] = std::min(std::max(x[i], l), h);
+          } else if (xd == kI8) {
+            const int8_t l = static_cast<int8_t>(Clamp(lo, -128, 127)), h = static_cast<int8_t>(Clamp(hi, -128, 127));
+            const int8_t* s8 = reinterpret_cast<const int8_t*>(x);
+            int8_t* d8 = reinterpret_cast<int8_t*>(y);
+            for (int64_t i = i0; i < i1; ++i) d8[i] = std::min(std::max(s8[i], l), h);
+          } else {
+            for (int64_t i = i0; i < i1; ++i) y[i] = static_cast<uint8_t>(Clamp(Get(x, xd, i), lo, hi));
+          }
+        }, /*work=*/n * 8);
         break;
       }
       case kMaxpool1d: case kMaxpool2d: Pool(c, op, true); break;

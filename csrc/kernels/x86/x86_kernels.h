@@ -64,6 +64,12 @@ bool AddAvx512(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n
 void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                         int64_t c0, int32_t* out, int64_t ldo);
 
+// QUANTIZE of float input (quantize_f32_avx2.cc): out[i] = clamp(round(x[i] * inv) + zp,
+// qmin, qmax) as int8/uint8, rounding codes as the file's (0 half away, 1 half even, 2 floor,
+// 3 half up), NaN -> clamp(zp); qmin, qmax within [-128, 255].
+void QuantizeF32Avx2(const float* x, int64_t n, float inv, int32_t zp, int32_t qmin, int32_t qmax, int rounding,
+                     uint8_t* out, bool out_signed);
+
 }  // namespace x86
 }  // namespace qdsl
 
