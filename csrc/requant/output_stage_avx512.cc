@@ -1,15 +1,19 @@
 // AVX-512 output stage: the formulas of qdsl/requant.h on 16 lanes, the same algorithm as
-// output_stage_avx2.cc (see its notes on SRDHM and the +-2^24 clamp) with what AVX-512
-// adds: 64-bit arithmetic shifts and min/max (FIXED_SINGLE rounds its 64-bit products
-// natively instead of through a biased logical shift), compare masks instead of blends,
-// and masked loads/stores for the last columns instead of a scalar tail.  Stages the AVX2
-// version refuses (POT shifts outside [-31, 31]) take the scalar reference here too.
+// output_stage_avx2.cc (see its notes on SRDHM) with what AVX-512 adds: 64-bit arithmetic
+// shifts and min/max (FIXED_SINGLE rounds its 64-bit products natively instead of through
+// a biased logical shift), compare masks instead of blends, and masked loads/stores for
+// the last columns instead of a scalar tail.  Every loop is specialized by kind, rounding
+// and whether any lane shifts left; the final clamp is applied before the zero point is
+// added (clamp(r, qmin - zp, qmax - zp) + zp), which replaces the AVX2 +-2^24 clamp.
+// Stages the AVX2 version refuses (POT shifts outside [-31, 31]) take the scalar
+// reference here too.
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")
 // gcc 12 flags its own AVX-512 intrinsics (_mm512_undefined_* inside them) as uninitialized
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/x86/x86_kernels.h"
@@ -71,49 +75,6 @@ inline __m512i PotShift(__m512i x, __m512i s, Rounding rounding) {
                               [&] { return _mm512_test_epi32_mask(f, one); });
   up &= _mm512_cmpneq_epi32_mask(s, zero);  // s = 0: exact, never round
   return _mm512_mask_add_epi32(f, up, f, one);
-}
-
-// sat32(RoundShift(p, s)) on eight int64 lanes, s in [31, 62], |p| < 2^62 (so p + 2^(s-1)
-// cannot overflow).  With f = p >> s, h = 2^(s-1), every mode is one biased shift:
-//   HALF_AWAY (p + h - [p < 0]) >> s    HALF_UP (p + h) >> s    FLOOR p >> s
-//   HALF_EVEN (p + h - 1 + (f & 1)) >> s
-// (up iff rem > h, or rem >= h for the modes that round the tie up).
-inline __m512i RoundShift64(__m512i p, __m512i s, Rounding rounding) {
-  const __m512i one = _mm512_set1_epi64(1);
-  const __m512i h = _mm512_srli_epi64(_mm512_sllv_epi64(one, s), 1);
-  __m512i biased;
-  switch (rounding) {
-    case Rounding::kHalfAway:
-      biased = _mm512_add_epi64(p, _mm512_add_epi64(h, _mm512_srai_epi64(p, 63)));  // srai: -1 where p < 0
-      break;
-    case Rounding::kHalfEven:
-      biased = _mm512_add_epi64(_mm512_add_epi64(p, _mm512_sub_epi64(h, one)),
-                                _mm512_and_si512(_mm512_srav_epi64(p, s), one));
-      break;
-    case Rounding::kHalfUp: biased = _mm512_add_epi64(p, h); break;
-    default: biased = p; break;
-  }
-  const __m512i r = _mm512_srav_epi64(biased, s);
-  return _mm512_max_epi64(_mm512_min_epi64(r, _mm512_set1_epi64(INT32_MAX)), _mm512_set1_epi64(INT32_MIN));
-}
-
-inline __m512i FixedSingle(__m512i t, __m512i m, __m512i right, Rounding rounding) {
-  const __m512i low32 = _mm512_set1_epi64(0xFFFFFFFFll), c31 = _mm512_set1_epi64(31);
-  const __m512i s_even = _mm512_add_epi64(_mm512_and_si512(right, low32), c31);
-  const __m512i s_odd = _mm512_add_epi64(_mm512_srli_epi64(right, 32), c31);
-  const __m512i even = RoundShift64(_mm512_mul_epi32(t, m), s_even, rounding);
-  const __m512i odd =
-      RoundShift64(_mm512_mul_epi32(_mm512_srli_epi64(t, 32), _mm512_srli_epi64(m, 32)), s_odd, rounding);
-  return _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
-}
-
-inline __m512i RescaleVec(__m512i x, RescaleKind kind, __m512i mult, __m512i shift, Rounding rounding) {
-  const __m512i zero = _mm512_setzero_si512();
-  const __m512i left = _mm512_max_epi32(_mm512_sub_epi32(zero, shift), zero);
-  const __m512i right = _mm512_max_epi32(shift, zero);
-  if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(SatShiftLeft(x, left), mult), right);
-  if (kind == RescaleKind::kFixedSingle) return FixedSingle(SatShiftLeft(x, left), mult, right, rounding);
-  return PotShift(SatShiftLeft(x, left), right, rounding);
 }
 
 // The stage of one 16-column block with everything that does not depend on the row
@@ -306,43 +267,63 @@ bool AddInputOk(int dtype, const OutputStage& in, int pre) {
 
 bool AddAvx512(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in, int pre_shift,
                const OutputStage& out_stage, uint8_t* out, bool out_signed) {
-  (void)out_signed;  // the clamped value's low byte is the result for either dtype
   if (!AddInputOk(dtype0, in[0], pre_shift) || !AddInputOk(dtype1, in[1], pre_shift)) return false;
   if (out_stage.rescale.channels != 1 || !RequantAvx2Supports(out_stage)) return false;
+  // Chunks of kChunk elements (in L1) in passes, each a loop specialized by Pick:
+  //   d_k = (x_k - zp_k) << pre;  t_k = sat32(rescale_k(d_k)) (skipped for POT by 2^0,
+  //   the identity, and read in place for int32 inputs without zero point or pre-shift);
+  //   total = sat32(t_0 + t_1);  out = the output stage of total.
+  constexpr int64_t kChunk = 512;
+  alignas(64) int32_t buf[2][kChunk];
   const void* xs[2] = {x0, x1};
   const int dts[2] = {dtype0, dtype1};
-  __m512i zp[2], mult[2], shift[2];
-  bool ident[2];  // POT by 2^0 (residual inputs on a common scale): the rescale is the identity
+  OutputStage wide[2];  // the input rescales as int32 stages: zero point 0, no clamp
+  StageFn fn[2];
   for (int k = 0; k < 2; ++k) {
-    zp[k] = _mm512_set1_epi32(in[k].zero_point);
-    mult[k] = _mm512_set1_epi32(in[k].rescale.multiplier[0]);
-    shift[k] = _mm512_set1_epi32(in[k].rescale.shift[0]);
-    ident[k] = in[k].rescale.kind == RescaleKind::kPot && in[k].rescale.shift[0] == 0;
+    wide[k].rescale = in[k].rescale;
+    wide[k].zero_point = 0;
+    wide[k].qmin = INT32_MIN;
+    wide[k].qmax = INT32_MAX;
+    const bool ident = in[k].rescale.kind == RescaleKind::kPot && in[k].rescale.shift[0] == 0;
+    fn[k] = ident ? nullptr : Pick<false>(wide[k], 0, 1);
   }
-  const Rescale& ro = out_stage.rescale;
-  const __m512i omult = _mm512_set1_epi32(ro.multiplier[0]), oshift = _mm512_set1_epi32(ro.shift[0]);
-  const __m512i ozp = _mm512_set1_epi32(out_stage.zero_point);
-  const __m512i qmin = _mm512_set1_epi32(out_stage.qmin), qmax = _mm512_set1_epi32(out_stage.qmax);
-  const __m512i lim = _mm512_set1_epi32(1 << 24), nlim = _mm512_set1_epi32(-(1 << 24));
+  const StageFn ofn = Pick<true>(out_stage, 0, 1);
   const __m512i imax = _mm512_set1_epi32(INT32_MAX);
   const __m128i pre = _mm_cvtsi32_si128(pre_shift);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
-    __m512i t[2];
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    const int32_t* t[2];
     for (int k = 0; k < 2; ++k) {
-      const __m512i d = _mm512_sll_epi32(_mm512_sub_epi32(LoadAdd(xs[k], dts[k], i, m), zp[k]), pre);
-      t[k] = ident[k] ? d : RescaleVec(d, in[k].rescale.kind, mult[k], shift[k], in[k].rescale.rounding);
+      const int32_t* src;
+      if (dts[k] == 4 && in[k].zero_point == 0 && pre_shift == 0) {
+        src = static_cast<const int32_t*>(xs[k]) + i0;
+      } else {
+        const __m512i zp = _mm512_set1_epi32(in[k].zero_point);
+        for (int64_t i = 0; i < len; i += 16) {
+          const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+          const __m512i d = _mm512_sll_epi32(_mm512_sub_epi32(LoadAdd(xs[k], dts[k], i0 + i, m), zp), pre);
+          _mm512_store_si512(buf[k] + i, d);
+        }
+        src = buf[k];
+      }
+      if (fn[k]) {
+        fn[k](src, 1, len, len, wide[k], 0, buf[k], len);
+        src = buf[k];
+      }
+      t[k] = src;
     }
     // saturating int32 add: overflow iff both signs agree and the sum's sign differs
-    const __m512i sum = _mm512_add_epi32(t[0], t[1]);
-    const __m512i ovf = _mm512_andnot_si512(_mm512_xor_si512(t[0], t[1]), _mm512_xor_si512(t[0], sum));
-    const __m512i sat = _mm512_xor_si512(_mm512_srai_epi32(t[0], 31), imax);
-    const __m512i total = _mm512_mask_mov_epi32(sum, _mm512_movepi32_mask(ovf), sat);
-    __m512i y = RescaleVec(total, ro.kind, omult, oshift, ro.rounding);
-    y = _mm512_min_epi32(_mm512_max_epi32(y, nlim), lim);
-    y = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(y, ozp), qmin), qmax);
-    _mm_mask_storeu_epi8(out + i, m, _mm512_cvtepi32_epi8(y));
+    for (int64_t i = 0; i < len; i += 16) {
+      const __mmask16 m = len - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (len - i)) - 1);
+      const __m512i a = _mm512_maskz_loadu_epi32(m, t[0] + i), b = _mm512_maskz_loadu_epi32(m, t[1] + i);
+      const __m512i sum = _mm512_add_epi32(a, b);
+      const __m512i ovf = _mm512_andnot_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(a, sum));
+      const __m512i sat = _mm512_xor_si512(_mm512_srai_epi32(a, 31), imax);
+      _mm512_store_si512(buf[0] + i, _mm512_mask_mov_epi32(sum, _mm512_movepi32_mask(ovf), sat));
+    }
+    ofn(buf[0], 1, len, len, out_stage, 0, out + i0, len);
   }
+  (void)out_signed;  // the clamped value's low byte is the result for either dtype
   return true;
 }
 
