@@ -326,22 +326,42 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         for (int64_t d = 0; d < axis; ++d) outer *= ys[d];
         for (size_t d = axis + 1; d < ys.size(); ++d) inner *= ys[d];
         const int64_t zp = Attr1(op, "out_zp"), lo = Attr1(op, "out_min"), hi = Attr1(op, "out_max");
-        int64_t offset = 0;
-        for (size_t k = 0; k < op.inputs.size(); ++k) {
+        // one task per (input, outer index) row; I8/U8 rows through the path's vector stage
+        std::vector<int64_t> offsets(op.inputs.size() + 1, 0);
+        for (size_t k = 0; k < op.inputs.size(); ++k) offsets[k + 1] = offsets[k] + c.Shape(op.inputs[k])[axis] * inner;
+        const int64_t nin = static_cast<int64_t>(op.inputs.size());
+        const RequantKernel vec = chosen == kPathRef ? nullptr : SelectRequantKernel(chosen);
+        ParallelFor(static_cast<int>(nin * outer), [&](int task) {
+          const int64_t k = task / outer, o = task % outer;
           const uint32_t ti = op.inputs[k];
-          const int64_t len = c.Shape(ti)[axis] * inner;
+          const int64_t len = offsets[k + 1] - offsets[k];
           const uint8_t* xs = c.Buf(ti);
           const int xdk = c.DType(ti);
           const Rescale& r = p.in[k].stage.rescale;
-          for (int64_t o = 0; o < outer; ++o) {
-            for (int64_t j = 0; j < len; ++j) {
-              const int64_t v = Get(xs, xdk, o * len + j) - p.in[k].stage.zero_point;
-              y[o * ys[axis] * inner + offset + j] =
-                  static_cast<uint8_t>(Clamp(RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding) + zp, lo, hi));
+          const int32_t in_zp = p.in[k].stage.zero_point;
+          uint8_t* dst = y + o * offsets[nin] + offsets[k];
+          if (vec != nullptr && (xdk == kI8 || xdk == kU8) && (yd == kI8 || yd == kU8) && len >= 16) {
+            OutputStage st;
+            st.rescale = r;
+            st.zero_point = static_cast<int32_t>(zp);
+            st.qmin = static_cast<int32_t>(lo);
+            st.qmax = static_cast<int32_t>(hi);
+            thread_local std::vector<int32_t> tmp;
+            tmp.resize(static_cast<size_t>(len));
+            const uint8_t* src = xs + o * len;
+            if (xdk == kU8) {
+              for (int64_t j = 0; j < len; ++j) tmp[j] = static_cast<int32_t>(src[j]) - in_zp;
+            } else {
+              for (int64_t j = 0; j < len; ++j) tmp[j] = static_cast<int32_t>(static_cast<int8_t>(src[j])) - in_zp;
             }
+            vec(tmp.data(), 1, len, len, st, 0, dst, len, yd == kI8);
+            return;
           }
-          offset += len;
-        }
+          for (int64_t j = 0; j < len; ++j) {
+            const int64_t v = Get(xs, xdk, o * len + j) - in_zp;
+            dst[j] = static_cast<uint8_t>(Clamp(RescaleOne(v, r.kind, r.multiplier[0], r.shift[0], r.rounding) + zp, lo, hi));
+          }
+        }, /*work=*/Numel(ys) * 32);
         break;
       }
       case kClamp: {

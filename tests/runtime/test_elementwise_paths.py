@@ -109,3 +109,26 @@ def test_requantize_clamp_dequantize_match_reference(seed, xdtype, out, per_chan
     _check(_graph(OpType.DEQUANTIZE, [("x", xdtype, shape)], {"scale": float(rng.uniform(1e-3, 1)),
                                                                "zero_point": int(rng.integers(*xdtype.range))},
                   DType.F32), x)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), out=st.sampled_from([DType.I8, DType.U8]), axis=st.sampled_from([1, 2, 3]))
+def test_concat_any_rescales_matches_reference(seed, out, axis):
+    rng = np.random.default_rng(seed)
+    base = [int(rng.integers(1, 4)), int(rng.integers(1, 5)), int(rng.choice([1, 7, 16, 17, 40]))]
+    dts = [DType.I8 if rng.random() < 0.5 else DType.U8 for _ in range(int(rng.integers(2, 4)))]
+    shapes = []
+    for _ in dts:
+        s = list(base)
+        s[axis - 1] = int(rng.integers(1, 5))
+        shapes.append((-1, *s))
+    rs = [_any_rescale(rng) for _ in dts]
+    lo, hi = out.range
+    omin = int(rng.integers(lo, hi + 1))
+    attrs = {"axis": axis, "in_zp": [int(rng.integers(*d.range)) for d in dts], "in_kind": [int(r.kind) for r in rs],
+             "in_multiplier": [r.multiplier[0] for r in rs], "in_shift": [r.shift[0] for r in rs],
+             "in_rounding": [r.rounding for r in rs], "out_zp": int(rng.integers(lo, hi + 1)), "out_min": omin,
+             "out_max": int(rng.integers(omin, hi + 1))}
+    graph = _graph(OpType.CONCAT, [(f"x{i}", d, s) for i, (d, s) in enumerate(zip(dts, shapes))], attrs, out)
+    b = int(rng.integers(1, 3))
+    _check(graph, *(_rand(rng, d, (b, *s[1:])) for d, s in zip(dts, shapes)))
