@@ -102,39 +102,61 @@ void Pool(Ctx& c, const GraphOp& op, bool is_max) {
     dh = rank == 2 ? d[0] : 1;
     dw = d.back();
   }
-  const int xd = c.DType(xi), yd = c.DType(yi);
+  const int xd = c.DType(xi);
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
   const int64_t planes = xs[0] * xs[1];
   const int32_t in_zp = is_max ? 0 : static_cast<int32_t>(Attr1(op, "in_zp"));
   const OutputStage* st = is_max ? nullptr : &op.prepared->out.stage;
-  // blocks of planes per task (the claim of a task costs more than a small plane)
-  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(planes, 4096 / std::max<int64_t>(OH * OW * kh * kw, 1)));
-  ParallelFor(static_cast<int>((planes + block - 1) / block), [&](int bi) {
-   for (int64_t pl = bi * block, pe = std::min(planes, pl + block); pl < pe; ++pl) {
+  // the taps inside the input per output row / column, once per op (padding taps never
+  // win a max and contribute 0 to a sum)
+  auto ranges = [](int64_t outs, int64_t in, int64_t stride, int64_t pad, int64_t k, int64_t dil) {
+    std::vector<int64_t> r(2 * outs);
+    for (int64_t o = 0; o < outs; ++o) {
+      int64_t lo = 0, hi = k;
+      while (lo < k && o * stride - pad + lo * dil < 0) ++lo;
+      while (hi > lo && o * stride - pad + (hi - 1) * dil >= in) --hi;
+      r[2 * o] = lo;
+      r[2 * o + 1] = hi;
+    }
+    return r;
+  };
+  const std::vector<int64_t> ry = ranges(OH, H, sh, ph, kh, dh), rx = ranges(OW, W, sw, pw, kw, dw);
+  auto plane = [&](auto tag, int64_t pl) {
+    using T = decltype(tag);
+    const T* src = reinterpret_cast<const T*>(x) + pl * H * W;
     for (int64_t oy = 0; oy < OH; ++oy) {
       for (int64_t ox = 0; ox < OW; ++ox) {
         int64_t acc = is_max ? INT64_MIN : 0;
-        for (int64_t ky = 0; ky < kh; ++ky) {
-          const int64_t iy = oy * sh - ph + ky * dh;
-          if (iy < 0 || iy >= H) continue;  // padding: never wins / contributes 0
-          for (int64_t kx = 0; kx < kw; ++kx) {
-            const int64_t ix = ox * sw - pw + kx * dw;
-            if (ix < 0 || ix >= W) continue;
-            const int32_t v = Get(x, xd, (pl * H + iy) * W + ix);
-            if (is_max) {
-              acc = v > acc ? v : acc;
-            } else {
-              acc += v - in_zp;
-            }
+        for (int64_t ky = ry[2 * oy]; ky < ry[2 * oy + 1]; ++ky) {
+          const T* row = src + (oy * sh - ph + ky * dh) * W + (ox * sw - pw);
+          if (is_max) {
+            int32_t m = INT32_MIN;
+            for (int64_t kx = rx[2 * ox]; kx < rx[2 * ox + 1]; ++kx) m = std::max<int32_t>(m, row[kx * dw]);
+            acc = std::max<int64_t>(acc, m);
+          } else {
+            int64_t sum = 0;
+            for (int64_t kx = rx[2 * ox]; kx < rx[2 * ox + 1]; ++kx) sum += row[kx * dw] - in_zp;
+            acc += sum;
           }
         }
         const int64_t o = (pl * OH + oy) * OW + ox;
         y[o] = static_cast<uint8_t>(is_max ? acc : ApplyStage(acc, *st, pl % xs[1]));
-        (void)yd;
       }
     }
-   }
+  };
+  // blocks of planes per task (the claim of a task costs more than a small plane)
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(planes, 4096 / std::max<int64_t>(OH * OW * kh * kw, 1)));
+  ParallelFor(static_cast<int>((planes + block - 1) / block), [&](int bi) {
+    for (int64_t pl = bi * block, pe = std::min(planes, pl + block); pl < pe; ++pl) {
+      if (xd == kU8) {
+        plane(uint8_t{}, pl);
+      } else if (xd == kI32) {
+        plane(int32_t{}, pl);
+      } else {
+        plane(int8_t{}, pl);
+      }
+    }
   }, /*work=*/planes * OH * OW * kh * kw * 4);
 }
 

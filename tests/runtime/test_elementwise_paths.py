@@ -132,3 +132,51 @@ def test_concat_any_rescales_matches_reference(seed, out, axis):
     graph = _graph(OpType.CONCAT, [(f"x{i}", d, s) for i, (d, s) in enumerate(zip(dts, shapes))], attrs, out)
     b = int(rng.integers(1, 3))
     _check(graph, *(_rand(rng, d, (b, *s[1:])) for d, s in zip(dts, shapes)))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), xdtype=st.sampled_from([DType.I8, DType.U8, DType.I32]), rank=st.sampled_from([1, 2]),
+       is_max=st.booleans())
+def test_pools_any_geometry_match_reference(seed, xdtype, rank, is_max):
+    """Max/avg pools (windows clipped at the padding once per op) on I8/U8 inputs and, for
+    average pools, I32 inputs from a conv; kernels, strides, dilations and padding up to
+    kernel/2, planes of 1..~600 outputs over the thread pool."""
+    rng = np.random.default_rng(seed)
+    if is_max and xdtype is DType.I32:
+        xdtype = DType.I8
+    c = int(rng.integers(1, 5))
+    spatial = [int(rng.integers(3, 26)) for _ in range(rank)]
+    k = [int(rng.integers(1, 4)) for _ in range(rank)]
+    attrs = {"kernel": k, "stride": [int(rng.integers(1, 3)) for _ in range(rank)],
+             "padding": [int(rng.integers(0, kk // 2 + 1)) for kk in k]}
+    if is_max:
+        attrs["dilation"] = [int(rng.integers(1, 3)) for _ in range(rank)]
+        op_type = OpType.MAXPOOL1D if rank == 1 else OpType.MAXPOOL2D
+    else:
+        attrs.update(in_zp=0 if xdtype is DType.I32 else int(rng.integers(*xdtype.range)), **_stage(rng, c))
+        op_type = OpType.AVGPOOL1D if rank == 1 else OpType.AVGPOOL2D
+    shape = (-1, c, *spatial)
+    b = int(rng.integers(1, 3))
+    if xdtype is not DType.I32:
+        try:
+            graph = _graph(op_type, [("x", xdtype, shape)], attrs, DType.I8 if not is_max else xdtype)
+        except Exception:  # the drawn window does not fit the input
+            return
+        _check(graph, _rand(rng, xdtype, (b, *shape[1:])))
+        return
+    from qdsl.export.validate import infer_output
+
+    xu = (-1, c, *spatial)
+    w = rng.integers(-127, 128, (c, c) + (1,) * rank).astype(np.int8)
+    conv = Op(OpType.CONV1D if rank == 1 else OpType.CONV2D, "conv", ["x", "w"], ["a"],
+              {"stride": [1] * rank, "padding": [0] * rank, "dilation": [1] * rank, "groups": 1, "in_zp": 0,
+               "w_zp": [0], "acc_bits": 32, "overflow": 0,
+               **OutputStage(Rescale(1, (1,), (int(rng.integers(-12, 1)),), 0), 0, INT32_MIN, INT32_MAX).attrs()})
+    pool = Op(op_type, "pool", ["a"], ["y"], attrs)
+    tensors = [Tensor("x", DType.U8, xu), Tensor("w", DType.I8, w.shape, w), Tensor("a", DType.I32, xu)]
+    try:
+        _, yshape = infer_output(1, pool, tensors, Tensor("y", DType.I8, (1,)))
+    except Exception:
+        return
+    graph = IntegerGraph(tensors + [Tensor("y", DType.I8, yshape)], ["x"], ["y"], [conv, pool]).validate()
+    _check(graph, _rand(rng, DType.U8, (b, *xu[1:])))
