@@ -48,5 +48,14 @@ def test_ptq_mixed_precision(capsys):
     mixed = next(k for k in table if k.startswith("mixed"))
     bits = float(table[mixed][0])
     assert 3.0 < bits <= 3.5
-    assert float(table[mixed][1]) >= float(table["uniform W3A3"][1])
+    def acc(row):
+        return float(row[1])
+
+    def loss(row):
+        return float(row[2])
+
+    # the mixed spec costs less than uniform 3 bits: lower test loss (the fine measure);
+    # accuracy (near 100% on digits) may differ by a sample or two either way across CPUs
+    assert loss(table[mixed]) < loss(table["uniform W3A3"])
+    assert acc(table[mixed]) >= acc(table["uniform W3A3"]) - 0.5
     assert "rule " in out  # the emitted spec is printed
