@@ -14,8 +14,11 @@ becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
   fake-quant model keeps in float) stay float.
 
 Binary (XNOR) layers have no QDQ form and raise :class:`ExportError`. onnxruntime runs the
-result in float, like the fake-quant model; tests/export/test_onnx.py states and checks
-the agreement tolerance.
+result in float, like the fake-quant model, at its basic optimization level;
+tests/export/test_onnx.py states and checks the agreement tolerance. At its full level
+onnxruntime fuses QDQ into integer kernels whose u8·s8 form saturates at int16 on CPUs
+without VNNI (AVX2 only): a model bound for such a CPU wants 7-bit weights
+(``weight = (bits=7)``), or the qdsl runtime, which is exact on every CPU.
 """
 
 from __future__ import annotations

@@ -5,6 +5,13 @@ Tolerance (stated): power-of-two specs agree with the fake-quant model exactly; 
 residue comes from onnxruntime dividing by the scale in QuantizeLinear where torch's
 fake quantization multiplies by the float32 reciprocal (a rare one-code flip), and from
 float summation order.
+
+The agreement is checked with onnxruntime's graph optimizations at the basic level, which
+runs QuantizeLinear/DequantizeLinear and float Conv/Gemm as written. At the full level
+onnxruntime fuses them into QLinearConv/MatMulInteger; on CPUs without VNNI its u8·s8
+kernel (``vpmaddubsw``) saturates pairs of products at int16 (onnxruntime's documented
+limit, fixed by ``reduce_range`` 7-bit weights), which on an AVX2 machine moved this
+model's outputs by 6 % of their maximum: there only top-1 agreement is required.
 """
 
 import numpy as np
@@ -38,9 +45,13 @@ def test_qdq_model_runs_in_onnxruntime_and_agrees(spec, data, tmp_path):
     ops = {n.op_type for n in proto.graph.node}
     assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Add", "Gemm", "GlobalAveragePool"} <= ops
     x = data[2][:200]
-    y = ort.InferenceSession(str(path)).run(None, {"input": x.numpy()})[0]
+    basic = ort.SessionOptions()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    y = ort.InferenceSession(str(path), basic).run(None, {"input": x.numpy()})[0]
+    fused = ort.InferenceSession(str(path)).run(None, {"input": x.numpy()})[0]
     with torch.no_grad():
         fq = model(x).numpy()
+    assert (fused.argmax(1) == fq.argmax(1)).mean() >= 0.99
     err = float(np.abs(y - fq).max())
     print(f"\n{spec}: onnxruntime vs fake-quant max |diff| {err:.3g} ({err / np.abs(fq).max():.3%} of max |y|)")
     if spec == "pot-asic":
@@ -59,7 +70,9 @@ def test_conv1d_net_exports(tmp_path):
     qdsl.calibrate(model, [x[:200]])
     qdsl.freeze(model)
     proto = export_onnx(model, x[:2])
-    sess = ort.InferenceSession(proto.SerializeToString())
+    basic = ort.SessionOptions()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(proto.SerializeToString(), basic)
     y = sess.run(None, {"input": x[200:].numpy()})[0]
     with torch.no_grad():
         fq = model(x[200:]).numpy()
