@@ -131,6 +131,23 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
+VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path) {
+  if (VnniMicroKernel k = SelectVnniMicroKernel(broadcast_unsigned, path)) return k;
+#ifdef QDSL_HAVE_X86
+  if (Base(path) == kPathAvx2 && maddubs_steps >= 1) {
+    const int s = maddubs_steps >= 8 ? 8 : (maddubs_steps >= 4 ? 4 : (maddubs_steps >= 2 ? 2 : 1));
+    switch (s) {
+      case 8: return broadcast_unsigned ? x86::GemmU8S8Avx2S8 : x86::GemmS8U8Avx2S8;
+      case 4: return broadcast_unsigned ? x86::GemmU8S8Avx2S4 : x86::GemmS8U8Avx2S4;
+      case 2: return broadcast_unsigned ? x86::GemmU8S8Avx2S2 : x86::GemmS8U8Avx2S2;
+      default: return broadcast_unsigned ? x86::GemmU8S8Avx2S1 : x86::GemmS8U8Avx2S1;
+    }
+  }
+#endif
+  (void)broadcast_unsigned, (void)maddubs_steps, (void)path;
+  return nullptr;
+}
+
 AmxKernel SelectAmxKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path == kPathAmx) return x86::GemmAmx;

@@ -57,6 +57,10 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
                       uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
+// The exact kernel for VNNI-layout panels whose weights allow `maddubs_steps` int16 pair
+// sums (MaddubsSteps): the VNNI one where the CPU has it, else on AVX2 the vpmaddubsw one
+// (maddubs_steps >= 1); nullptr when neither applies (the int16 kernels run).
+VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
 // unless `path` is kPathAmx.
 using AmxKernel = void (*)(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b,

@@ -248,7 +248,9 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   // int4/int2 widening only pays off when several row strips reuse a widened block; GEMV-like
   // calls keep the in-register unpacking of the int16 kernel (half the bytes streamed).
   const bool widen_ok = sub_bits == 0 || m > kMaxRows;
-  const VnniMicroKernel vnni = (w.colsum.empty() || !widen_ok) ? nullptr : SelectVnniMicroKernel(true, chosen);
+  // (AVX2 without VNNI: the vpmaddubsw kernel when the weights' pair bound makes it exact)
+  const VnniMicroKernel vnni =
+      (w.colsum.empty() || !widen_ok) ? nullptr : SelectQuadMicroKernel(true, w.maddubs_steps, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   const int threads = ThreadsFor(m * n * w.k);

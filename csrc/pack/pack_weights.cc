@@ -11,6 +11,7 @@
 //   kI2 : byte i = B0_j[i] & 3 | B1_j[i] << 2 | B0_j+1[i] << 4 | B1_j+1[i] << 6:
 //         16 bytes per two k-pairs (symmetric int2).
 // The micro-kernels sign-extend bytes and use arithmetic shifts to recover the fields.
+#include <algorithm>
 #include <cstring>
 
 #include "qdsl/gemm.h"
@@ -25,7 +26,25 @@ int16_t Slot(const PackedWeights& w, int64_t panel, int64_t j, int half, int i) 
   return w.raw[col * w.k + k];
 }
 
+template <typename T>
+int MaddubsStepsT(const T* w, int64_t rows, int64_t k, int64_t ld) {
+  int worst = 0;  // max over pairs of max(positive part, -negative part)
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = w + r * ld;
+    for (int64_t c = 0; c < k; c += 2) {
+      const int w0 = row[c], w1 = c + 1 < k ? static_cast<int>(row[c + 1]) : 0;
+      const int pos = (w0 > 0 ? w0 : 0) + (w1 > 0 ? w1 : 0), neg = -((w0 < 0 ? w0 : 0) + (w1 < 0 ? w1 : 0));
+      worst = std::max(worst, std::max(pos, neg));
+    }
+  }
+  if (worst == 0) return 8;
+  return static_cast<int>(std::min<int64_t>(8, 32767 / (int64_t{255} * worst)));
+}
+
 }  // namespace
+
+int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld) { return MaddubsStepsT(w, rows, k, ld); }
+int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld) { return MaddubsStepsT(w, rows, k, ld); }
 
 Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedWeights* out) {
   QDSL_CHECK_ARG(wp != nullptr && out != nullptr, "null weight pointer");
@@ -92,6 +111,7 @@ Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedW
       }
       w.colsum[col] = sum;
     }
+    w.maddubs_steps = MaddubsSteps(w.raw.data(), n, k, k);
   }
   return Status::Ok();
 }

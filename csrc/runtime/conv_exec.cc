@@ -480,7 +480,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const int64_t chunks = (e.n + per_task - 1) / per_task;
   const int64_t kpairs = p.kp / 2, kquads = p.kp / 4;
   const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
-  const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectVnniMicroKernel(false, path);
+  const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectQuadMicroKernel(false, p.maddubs_steps, path);
   const AmxKernel amx = p.w8.empty() ? nullptr : SelectAmxKernel(path);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);

@@ -194,6 +194,8 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
             rows[o * p.kp64 + k] = static_cast<int8_t>(v);
             p.rowsum[gi * og + o] += v;
           }
+        const int steps = MaddubsSteps(rows.data(), og, p.kp64, p.kp64);
+        p.maddubs_steps = gi == 0 ? steps : std::min(p.maddubs_steps, steps);
         p.w8.push_back(std::move(rows));
       }
       if (p.groups == 1) PrepareAmxConv(x, &p);

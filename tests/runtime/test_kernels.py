@@ -78,6 +78,34 @@ def test_gemm_saturation_corners(path):
             np.testing.assert_array_equal(got, _expected(a, a_zp, w, 0, None))
 
 
+@pytest.mark.parametrize("wmag", [8, 16, 32, 64, 65, 127])
+@pytest.mark.parametrize("m", [1, 6, 7, 100])
+def test_gemm_maddubs_bound_all_paths(wmag, m):
+    """AVX2 runs vpmaddubsw when no weight pair can saturate int16, adding S = 32767 //
+    (255 * pair bound) pair sums in int16 (|w| <= 8: S = 8; 16: 4; 32: 2; 64: 1; a pair
+    of 65 + 64 can saturate: the int16 kernel).  Activations at 255 with every pair at the
+    bound reach exactly S * 255 * bound, so an S one too large would wrap."""
+    rng = np.random.default_rng(wmag * 1000 + m)
+    k, n = 517, 37
+    for case in range(4):
+        if case == 0:  # every pair at the positive bound
+            w = np.full((n, k), wmag, np.int8)
+        elif case == 1:  # at the negative bound
+            w = np.full((n, k), -wmag, np.int8)
+        else:
+            w = rng.integers(-wmag, wmag + 1, (n, k)).astype(np.int8)
+            w[:, :2] = wmag  # keep the bound reached
+        if wmag == 65:  # one pair 65 + 64: may saturate, so no vpmaddubsw
+            w = np.clip(w, -64, 64)
+            w[3, 10:12] = (65, 64)
+        for a, a_zp in [(np.full((m, k), 255, np.uint8), 0), (np.full((m, k), 127, np.int8), -128),
+                        (rng.integers(0, 256, (m, k)).astype(np.uint8), int(rng.integers(0, 256))),
+                        (rng.integers(-128, 128, (m, k)).astype(np.int8), 3)]:
+            pw = K.pack_weights(w)
+            got = {p: K.gemm(a, pw, a_zero_point=a_zp, path=p) for p in PATHS}
+            _agree(got, _expected(a, a_zp, w, np.zeros(n, np.int64), None))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_gemm_requantized_output_equals_reference_stage(path):
     from qdsl.export.ir import Rescale

@@ -52,6 +52,9 @@ struct PackedWeights {
   // 16 columns x 4 int8; colsum[n] = sum_k (W - w_zp)[n][k] for the zero-point offset.
   AlignedVector<uint8_t> vnni;
   std::vector<int32_t> colsum;  // [panels * 16]
+  // How many vpmaddubsw pair sums of these weights (x any u8 activations) can be added in
+  // int16 exactly: 0 = one pair can saturate (MaddubsSteps).  Set with colsum.
+  int maddubs_steps = 0;
   // Binary: bit rows [n][kwords], bit = 1 means -1.
   int64_t kwords = 0;
   std::vector<uint64_t> bits_rows;
@@ -64,6 +67,12 @@ struct PackedWeights {
 // Weights given as zero-point-subtracted values W - w_zp [n][k] (row stride ldw), each in
 // [-512, 511] so every product with an activation difference fits the int16 kernels.
 Status PackWeights(const int16_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
+// For int8-range weight rows [rows][k] (stride ld, k-pairs (2i, 2i+1) as the quad layouts
+// pair them): the largest S <= 8 such that S vpmaddubsw pair sums with any u8 activations
+// add up exactly in int16, i.e. S * 255 * max_pair(max(w0+ + w1+, -(w0- + w1-))) <= 32767;
+// 0 when a single pair can saturate.  All-zero weights give 8.
+int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld);
+int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld);
 // Binary weights given as +1/-1 int8 values [n][k].
 Status PackBinaryWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
 // Bit-packs +1/-1 int8 activations [m][k] into [m][kwords] words (bit = 1 means -1),

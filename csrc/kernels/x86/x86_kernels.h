@@ -22,6 +22,18 @@ void GemmU8S8AvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* pan
                      int64_t ldc, bool accumulate);
 void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
                      int64_t ldc, bool accumulate);
+// AVX2 vpmaddubsw on the same panels (csrc/kernels/x86/gemm_u8s8_6x16_avx2.cc), exact for
+// weights whose MaddubsSteps() >= S: S pair sums are added in int16 before widening.
+#define QDSL_DECLARE_MADDUBS(S)                                                                                  \
+  void GemmU8S8Avx2S##S(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c, \
+                        int64_t ldc, bool accumulate);                                                           \
+  void GemmS8U8Avx2S##S(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c, \
+                        int64_t ldc, bool accumulate);
+QDSL_DECLARE_MADDUBS(1)
+QDSL_DECLARE_MADDUBS(2)
+QDSL_DECLARE_MADDUBS(4)
+QDSL_DECLARE_MADDUBS(8)
+#undef QDSL_DECLARE_MADDUBS
 // AMX-INT8 (csrc/kernels/x86/gemm_s8_2x2_amx.cc): C[16*mtiles][16*npanels] (+)= A x B over
 // kblocks blocks of 64 bytes of K; a_signed: s8 A rows x u8 B panels, else u8 x s8.
 // init/cinit: see the file comment (AmxInit in qdsl/requant.h's namespace, below).
