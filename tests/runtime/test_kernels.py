@@ -124,7 +124,7 @@ def test_gemm_requantized_output_equals_reference_stage(path):
 
 
 @settings(max_examples=30, deadline=None)
-@given(m=SIZES, k=st.sampled_from([1, 7, 63, 64, 65, 127, 128, 129, 255, 256, 257, 2049]), n=SIZES,
+@given(m=SIZES, k=st.sampled_from([1, 7, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1024, 2049, 7936, 8192]), n=SIZES,
        seed=st.integers(0, 2**31))
 def test_binary_gemm_all_paths_equal_numpy(m, k, n, seed):
     rng = np.random.default_rng(seed)
