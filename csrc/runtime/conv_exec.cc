@@ -205,9 +205,74 @@ void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b
   }
 }
 
+// Im2colT for u8 codes through a padded copy of the images: each task first copies its
+// images' planes (codes, x ^ flip) into padded planes with the padding code around, after
+// which every tap row of every output row is one plain run of OW bytes: no bounds, no
+// per-row calls.  Strided convs get their padded planes split into sh x sw phase planes
+// (space-to-depth: phase (py, px) holds padded[py::sh][px::sw]), so that tap (ky, kx)
+// reads phase (ky*dh % sh, kx*dw % sw) at offset (ky*dh / sh, kx*dw / sw) with unit
+// stride as well.  On small images (8 x 8: 64-byte rows, a call and two memsets each in
+// the same-pitch copy; 4 x 4 stride-2 outputs: a byte gather) several times faster.
+void Im2colPaddedU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+                    uint8_t flip, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
+  const int64_t H = e.H, W = e.W, Hp = H + 2 * p.ph, Wp = W + 2 * p.pw, OH = e.OH, OW = e.OW, cg = e.cg;
+  const int64_t sh = p.sh, sw = p.sw, dh = p.dh, dw = p.dw, kh = p.kh, kw = p.kw;
+  const int64_t Hq = (Hp + sh - 1) / sh, Wq = (Wp + sw - 1) / sw;  // one phase plane
+  const int64_t phase = Hq * Wq, chan = sh * sw * phase, img = cg * chan;
+  thread_local std::vector<uint8_t> padded;
+  padded.assign(static_cast<size_t>(nb * img + 16), pad);
+  for (int64_t bi = 0; bi < nb; ++bi)
+    for (int64_t c = 0; c < cg; ++c) {
+      const uint8_t* src = x + (((b0 + bi) * e.C + gi * cg + c) * H) * W;
+      uint8_t* dst = padded.data() + bi * img + c * chan;
+      for (int64_t y = 0; y < H; ++y) {
+        const int64_t yp = y + p.ph, py = yp % sh, qy = yp / sh;  // per row: no division per byte
+        const uint8_t* s = src + y * W;
+        if (sw == 1) {
+          uint8_t* d = dst + py * phase + qy * Wq + p.pw;
+          for (int64_t i = 0; i < W; ++i) d[i] = static_cast<uint8_t>(s[i] ^ flip);
+          continue;
+        }
+        int64_t px = p.pw % sw, qx = p.pw / sw;
+        for (int64_t i = 0; i < W; ++i) {
+          dst[(py * sw + px) * phase + qy * Wq + qx] = static_cast<uint8_t>(s[i] ^ flip);
+          if (++px == sw) px = 0, ++qx;
+        }
+      }
+    }
+  const uint8_t* base = padded.data();
+  int64_t k = 0;
+  for (int64_t c = 0; c < cg; ++c)
+    for (int64_t ky = 0; ky < kh; ++ky)
+      for (int64_t kx = 0; kx < kw; ++kx, ++k) {
+        const int64_t y0 = ky * dh, x0 = kx * dw;
+        const uint8_t* src0 = base + c * chan + ((y0 % sh) * sw + x0 % sw) * phase + (y0 / sh) * Wq + x0 / sw;
+        uint8_t* dst0 = cols + k * Pp;
+        for (int64_t bi = 0; bi < nb; ++bi) {
+          const uint8_t* src = src0 + bi * img;
+          uint8_t* dst = dst0 + bi * P;
+          if (OW == 8) {  // small images: one move per output row
+            for (int64_t oy = 0; oy < OH; ++oy) std::memcpy(dst + oy * 8, src + oy * Wq, 8);
+          } else if (OW == 4) {
+            for (int64_t oy = 0; oy < OH; ++oy) std::memcpy(dst + oy * 4, src + oy * Wq, 4);
+          } else {
+            for (int64_t oy = 0; oy < OH; ++oy) {
+              const uint8_t* s = src + oy * Wq;
+              uint8_t* d = dst + oy * OW;
+              int64_t i = 0;
+              for (; i + 8 <= OW; i += 8) std::memcpy(d + i, s + i, 8);
+              for (; i < OW; ++i) d[i] = s[i];
+            }
+          }
+        }
+      }
+}
+
 void Im2colU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
               int xdtype, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
-  if (p.sw == 1 && p.sh == 1 && e.OW == e.W) {
+  if (e.W < 32 || p.sw > 1 || p.sh > 1) {
+    Im2colPaddedU8(x, p, e, b0, nb, gi, xdtype == kI8 ? 0x80 : 0, pad, P, Pp, cols);
+  } else if (p.sw == 1 && p.sh == 1 && e.OW == e.W) {
     Im2colSamePitchU8(x, p, e, b0, nb, gi, xdtype == kI8 ? 0x80 : 0, pad, P, Pp, cols);
   } else {
     Im2colT<uint8_t>(x, p, e, b0, nb, gi, xdtype, pad, P, Pp, cols);
@@ -476,7 +541,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const int64_t P = e.OH * e.OW;
-  const int64_t per_task = std::max<int64_t>(1, std::min<int64_t>(e.n, (512 + P - 1) / P));
+  // >= ~512 columns per GEMM, but at least two tasks per thread when the batch allows
+  // (one task of 32 small images kept the second core idle)
+  const int64_t want = 2 * ThreadsFor(e.n * P * p.cout * (p.kp + 64));
+  const int64_t per_task =
+      std::max<int64_t>(1, std::min<int64_t>({e.n, (512 + P - 1) / P, (e.n + want - 1) / want}));
   const int64_t chunks = (e.n + per_task - 1) / per_task;
   const int64_t kpairs = p.kp / 2, kquads = p.kp / 4;
   const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
@@ -539,22 +608,16 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
         for (int64_t i = 0; i < cols_n; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
       }
     } else {
-      thread_local std::vector<int16_t> cols, panels;
-      cols.assign(static_cast<size_t>(p.kp * Pp), 0);
+      // u8 codes (the fast byte im2col), then one vectorized pass to int16 pair panels
+      // (code - zu; the padding code zu becomes 0).  Rows past K multiply zero weights.
+      thread_local std::vector<uint8_t> cols8;
+      thread_local std::vector<int16_t> panels;
+      const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+      cols8.resize(static_cast<size_t>(p.kp * Pp));
+      if (cols_n < Pp || p.kp > p.kh * p.kw * e.cg) std::memset(cols8.data(), zu, cols8.size());
       panels.resize(static_cast<size_t>(npanels * kpairs * 32));
-      Im2colT<int16_t>(x, p, e, b0, nb, gi, xt.dtype, 0, P, Pp, cols.data());
-      for (int64_t q = 0; q < npanels; ++q)
-        for (int64_t j = 0; j < kpairs; ++j) {
-          int16_t* dst = panels.data() + (q * kpairs + j) * 32;
-          const int16_t* r0 = cols.data() + (2 * j) * Pp + q * 16;
-          const int16_t* r1 = r0 + Pp;
-          for (int i = 0; i < 8; ++i) {
-            dst[2 * i] = r0[i];
-            dst[2 * i + 1] = r1[i];
-            dst[16 + 2 * i] = r0[8 + i];
-            dst[16 + 2 * i + 1] = r1[8 + i];
-          }
-        }
+      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
+      PackI16PairPanels(cols8.data(), Pp, kpairs, npanels, static_cast<uint8_t>(zu), panels.data(), path);
       const int16_t* w = p.w16[gi].data();
       for (int64_t q = 0; q < npanels; ++q) {
         const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data() + q * kpairs * 32);
