@@ -209,6 +209,27 @@ void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t 
     }
 }
 
+void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
+                         int64_t npanels, uint8_t zu, int16_t* panels, uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  const uint32_t b = Base(path);
+  if (b == kPathAvx2 || b == kPathAvxVnni || b == kPathAvx512) {
+    x86::PackI16PanelsGather(base, tap, kpairs, pos, npanels, zu, panels);
+    return;
+  }
+#endif
+  (void)path;
+  for (int64_t q = 0; q < npanels; ++q)
+    for (int64_t j = 0; j < kpairs; ++j) {
+      int16_t* dst = panels + (q * kpairs + j) * 32;
+      for (int i = 0; i < 16; ++i) {
+        const int64_t o = pos[16 * q + i];
+        dst[(i / 8) * 16 + 2 * (i % 8)] = static_cast<int16_t>(base[tap[2 * j] + o] - zu);
+        dst[(i / 8) * 16 + 2 * (i % 8) + 1] = static_cast<int16_t>(base[tap[2 * j + 1] + o] - zu);
+      }
+    }
+}
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86

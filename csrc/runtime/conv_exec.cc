@@ -213,10 +213,23 @@ void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b
 // reads phase (ky*dh % sh, kx*dw % sw) at offset (ky*dh / sh, kx*dw / sw) with unit
 // stride as well.  On small images (8 x 8: 64-byte rows, a call and two memsets each in
 // the same-pitch copy; 4 x 4 stride-2 outputs: a byte gather) several times faster.
-void Im2colPaddedU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
-                    uint8_t flip, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
-  const int64_t H = e.H, W = e.W, Hp = H + 2 * p.ph, Wp = W + 2 * p.pw, OH = e.OH, OW = e.OW, cg = e.cg;
-  const int64_t sh = p.sh, sw = p.sw, dh = p.dh, dw = p.dw, kh = p.kh, kw = p.kw;
+// A task's images as padded (phase-split when strided) u8 code planes, and the offsets
+// that address them: tap row k of output position t is base[tap[k] + pos(t)], with
+// pos(t) = image * img + oy * Wq + ox.
+struct PaddedImages {
+  const uint8_t* base = nullptr;
+  int64_t Wq = 0, img = 0;
+  std::vector<int64_t> tap;  // [kp]: rows past kdim point at offset 0 (their weights are 0)
+};
+
+// Padded planes with the padding code around; strided convs get them split into sh x sw
+// phase planes (space-to-depth: phase (py, px) holds padded[py::sh][px::sw]), so that tap
+// (ky, kx) reads phase (ky*dh % sh, kx*dw % sw) at offset (ky*dh / sh, kx*dw / sw) with
+// unit stride as well.
+PaddedImages PadImagesU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+                         uint8_t flip, uint8_t pad, int64_t kp) {
+  const int64_t H = e.H, W = e.W, Hp = H + 2 * p.ph, Wp = W + 2 * p.pw, cg = e.cg;
+  const int64_t sh = p.sh, sw = p.sw;
   const int64_t Hq = (Hp + sh - 1) / sh, Wq = (Wp + sw - 1) / sw;  // one phase plane
   const int64_t phase = Hq * Wq, chan = sh * sw * phase, img = cg * chan;
   thread_local std::vector<uint8_t> padded;
@@ -225,47 +238,65 @@ void Im2colPaddedU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, in
     for (int64_t c = 0; c < cg; ++c) {
       const uint8_t* src = x + (((b0 + bi) * e.C + gi * cg + c) * H) * W;
       uint8_t* dst = padded.data() + bi * img + c * chan;
-      for (int64_t y = 0; y < H; ++y) {
-        const int64_t yp = y + p.ph, py = yp % sh, qy = yp / sh;  // per row: no division per byte
+      int64_t py = p.ph % sh, qy = p.ph / sh;  // phase row of input row y (counters: idiv is slow)
+      for (int64_t y = 0; y < H; ++y, (++py == sh ? (py = 0, ++qy) : 0)) {
         const uint8_t* s = src + y * W;
         if (sw == 1) {
           uint8_t* d = dst + py * phase + qy * Wq + p.pw;
           for (int64_t i = 0; i < W; ++i) d[i] = static_cast<uint8_t>(s[i] ^ flip);
           continue;
         }
-        int64_t px = p.pw % sw, qx = p.pw / sw;
-        for (int64_t i = 0; i < W; ++i) {
-          dst[(py * sw + px) * phase + qy * Wq + qx] = static_cast<uint8_t>(s[i] ^ flip);
-          if (++px == sw) px = 0, ++qx;
+        for (int64_t i0 = 0; i0 < sw && i0 < W; ++i0) {  // input columns i0, i0 + sw, ... share a phase
+          const int64_t xp = i0 + p.pw;
+          uint8_t* d = dst + (py * sw + xp % sw) * phase + qy * Wq + xp / sw;
+          for (int64_t i = i0; i < W; i += sw) *d++ = static_cast<uint8_t>(s[i] ^ flip);
         }
       }
     }
-  const uint8_t* base = padded.data();
+  PaddedImages r;
+  r.base = padded.data();
+  r.Wq = Wq;
+  r.img = img;
+  r.tap.assign(static_cast<size_t>(kp), 0);
   int64_t k = 0;
   for (int64_t c = 0; c < cg; ++c)
-    for (int64_t ky = 0; ky < kh; ++ky)
-      for (int64_t kx = 0; kx < kw; ++kx, ++k) {
-        const int64_t y0 = ky * dh, x0 = kx * dw;
-        const uint8_t* src0 = base + c * chan + ((y0 % sh) * sw + x0 % sw) * phase + (y0 / sh) * Wq + x0 / sw;
-        uint8_t* dst0 = cols + k * Pp;
-        for (int64_t bi = 0; bi < nb; ++bi) {
-          const uint8_t* src = src0 + bi * img;
-          uint8_t* dst = dst0 + bi * P;
-          if (OW == 8) {  // small images: one move per output row
-            for (int64_t oy = 0; oy < OH; ++oy) std::memcpy(dst + oy * 8, src + oy * Wq, 8);
-          } else if (OW == 4) {
-            for (int64_t oy = 0; oy < OH; ++oy) std::memcpy(dst + oy * 4, src + oy * Wq, 4);
-          } else {
-            for (int64_t oy = 0; oy < OH; ++oy) {
-              const uint8_t* s = src + oy * Wq;
-              uint8_t* d = dst + oy * OW;
-              int64_t i = 0;
-              for (; i + 8 <= OW; i += 8) std::memcpy(d + i, s + i, 8);
-              for (; i < OW; ++i) d[i] = s[i];
-            }
-          }
+    for (int64_t ky = 0; ky < p.kh; ++ky)
+      for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
+        const int64_t y0 = ky * p.dh, x0 = kx * p.dw;
+        r.tap[k] = c * chan + ((y0 % sh) * sw + x0 % sw) * phase + (y0 / sh) * Wq + x0 / sw;
+      }
+  return r;
+}
+
+// Im2colT for u8 codes through PadImagesU8: every tap row of every output row is one plain
+// run of OW bytes: no bounds, no per-row calls, no byte gathers for strided convs (on 8 x 8
+// images the same-pitch copy spent a call and two memsets per 64-byte row).
+void Im2colPaddedU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+                    uint8_t flip, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
+  const PaddedImages pi = PadImagesU8(x, p, e, b0, nb, gi, flip, pad, e.kdim);
+  const int64_t OH = e.OH, OW = e.OW, Wq = pi.Wq, img = pi.img;
+  (void)Pp;
+  for (int64_t k = 0; k < e.kdim; ++k) {
+    const uint8_t* src0 = pi.base + pi.tap[k];
+    uint8_t* dst0 = cols + k * Pp;
+    for (int64_t bi = 0; bi < nb; ++bi) {
+      const uint8_t* src = src0 + bi * img;
+      uint8_t* dst = dst0 + bi * P;
+      if (OW == 8) {  // small images: one move per output row
+        for (int64_t oy = 0; oy < OH; ++oy) std::memcpy(dst + oy * 8, src + oy * Wq, 8);
+      } else if (OW == 4) {
+        for (int64_t oy = 0; oy < OH; ++oy) std::memcpy(dst + oy * 4, src + oy * Wq, 4);
+      } else {
+        for (int64_t oy = 0; oy < OH; ++oy) {
+          const uint8_t* s = src + oy * Wq;
+          uint8_t* d = dst + oy * OW;
+          int64_t i = 0;
+          for (; i + 8 <= OW; i += 8) std::memcpy(d + i, s + i, 8);
+          for (; i < OW; ++i) d[i] = s[i];
         }
       }
+    }
+  }
 }
 
 void Im2colU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
@@ -608,16 +639,21 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
         for (int64_t i = 0; i < cols_n; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
       }
     } else {
-      // u8 codes (the fast byte im2col), then one vectorized pass to int16 pair panels
-      // (code - zu; the padding code zu becomes 0).  Rows past K multiply zero weights.
-      thread_local std::vector<uint8_t> cols8;
+      // int16 pair panels (code - zu) gathered straight from the padded images: no im2col
+      // matrix (its row copies cost more than the GEMM on small images).  Positions past
+      // cols_n and K rows past kdim read offset 0: their products are dropped / times 0.
       thread_local std::vector<int16_t> panels;
+      thread_local std::vector<int64_t> pos;
       const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
-      cols8.resize(static_cast<size_t>(p.kp * Pp));
-      if (cols_n < Pp || p.kp > p.kh * p.kw * e.cg) std::memset(cols8.data(), zu, cols8.size());
+      const PaddedImages pi =
+          PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
+      pos.assign(static_cast<size_t>(Pp), 0);
+      for (int64_t t = 0, bi = 0; bi < nb; ++bi)
+        for (int64_t oy = 0; oy < e.OH; ++oy)
+          for (int64_t ox = 0; ox < e.OW; ++ox, ++t) pos[t] = bi * pi.img + oy * pi.Wq + ox;
       panels.resize(static_cast<size_t>(npanels * kpairs * 32));
-      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
-      PackI16PairPanels(cols8.data(), Pp, kpairs, npanels, static_cast<uint8_t>(zu), panels.data(), path);
+      PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pos.data(), npanels, static_cast<uint8_t>(zu),
+                          panels.data(), path);
       const int16_t* w = p.w16[gi].data();
       for (int64_t q = 0; q < npanels; ++q) {
         const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data() + q * kpairs * 32);

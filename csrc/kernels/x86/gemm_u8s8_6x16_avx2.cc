@@ -327,5 +327,45 @@ void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t 
   }
 }
 
+// The same panels gathered from padded images: byte i of tap row k for panel q is
+// base[tap[k] + pos[16q + i]].  Runs of 16 (or two of 8) consecutive positions load as
+// one (two) vectors; anything else gathers bytes.
+void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
+                         int64_t npanels, uint8_t zu, int16_t* panels) {
+  const __m256i z = _mm256_set1_epi16(zu);
+  for (int64_t q = 0; q < npanels; ++q) {
+    const int64_t* po = pos + 16 * q;
+    bool run16 = true, run8 = true;
+    for (int i = 1; i < 16; ++i) {
+      if (po[i] != po[0] + i) run16 = false;
+      if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) run8 = false;
+    }
+    for (int64_t j = 0; j < kpairs; ++j) {
+      const uint8_t* a = base + tap[2 * j];
+      const uint8_t* b = base + tap[2 * j + 1];
+      __m128i r0, r1;
+      if (run16) {
+        r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
+        r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + po[0]));
+      } else if (run8) {
+        r0 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
+                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
+        r1 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + po[0])),
+                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + po[8])));
+      } else {
+        alignas(16) uint8_t ga[16], gb[16];
+        for (int i = 0; i < 16; ++i) ga[i] = a[po[i]], gb[i] = b[po[i]];
+        r0 = _mm_load_si128(reinterpret_cast<const __m128i*>(ga));
+        r1 = _mm_load_si128(reinterpret_cast<const __m128i*>(gb));
+      }
+      const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
+      const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
+      __m256i* out = reinterpret_cast<__m256i*>(panels + (q * kpairs + j) * 32);
+      _mm256_storeu_si256(out, b0);
+      _mm256_storeu_si256(out + 1, b1);
+    }
+  }
+}
+
 }  // namespace x86
 }  // namespace qdsl

@@ -49,6 +49,8 @@ void UnpackPanelToVnniAvx512(int bits, const uint8_t* src, int64_t quads, uint8_
 // u8 code rows [2 * kpairs][ld] -> int16 (code - zu) pair panels of 16 columns.
 void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t npanels, uint8_t zu,
                        int16_t* panels);
+void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
+                         int64_t npanels, uint8_t zu, int16_t* panels);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (positions).
 void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
                       uint8_t* panels);
