@@ -659,12 +659,14 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       for (int64_t t = 0, bi = 0; bi < nb; ++bi)
         for (int64_t oy = 0; oy < e.OH; ++oy)
           for (int64_t ox = 0; ox < e.OW; ++ox, ++t) pos[t] = bi * pi.img + oy * pi.Wq + ox;
-      panels.resize(static_cast<size_t>(npanels * kpairs * 32));
-      PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pos.data(), npanels, static_cast<uint8_t>(zu),
-                          panels.data(), path);
+      // one panel at a time, packed right before its row strips read it (from L1; packing
+      // all panels first left them in L2 for the kernel)
+      panels.resize(static_cast<size_t>(kpairs * 32));
       const int16_t* w = p.w16[gi].data();
       for (int64_t q = 0; q < npanels; ++q) {
-        const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data() + q * kpairs * 32);
+        PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
+                            panels.data(), path);
+        const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
         for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
           kernel(rows, w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
