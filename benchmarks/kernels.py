@@ -8,6 +8,13 @@ Run: python benchmarks/kernels.py [--reps 7]
 
 from __future__ import annotations
 
+import os
+
+# numpy's OpenBLAS is never measured here, but after each call (the Python reference
+# executor, data preparation) its idle threads busy-wait for a while and take a core
+# from whatever is timed next; one BLAS thread removes that noise for every contender.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import argparse
 import time
 import warnings
@@ -18,7 +25,10 @@ SHAPES = [(64, 576, 64), (256, 1152, 128), (128, 768, 768), (128, 3072, 768), (1
 
 
 def median_time(fn, reps: int) -> float:
+    end = time.perf_counter() + 0.1  # steady state first (clock ramp-up, other pools' spinning)
     fn()
+    while time.perf_counter() < end:
+        fn()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
