@@ -594,6 +594,13 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const int tasks = static_cast<int>(chunks * p.groups);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
+  // twin convs (PreparedOp::twins) whose stages this run applies too: (op, output dtype)
+  std::vector<std::pair<const GraphOp*, int>> twins;
+  if (p.fast_acc)
+    for (int32_t j : p.twins) {
+      twins.emplace_back(&g->ops[j], g->tensors[g->ops[j].outputs[0]].dtype);
+      g->fused_done[j] = 1;
+    }
   ParallelFor(tasks, [&](int t) {
     const int64_t chunk = t / p.groups, gi = t % p.groups;
     const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
@@ -673,25 +680,30 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
         }
       }
     }
-    const int64_t esize = out_dtype == kI32 ? 4 : 1;
     for (int64_t o = 0; o < e.og; ++o) {
       const int64_t oc = gi * e.og + o;
       int32_t* row = acc.data() + o * Pp;
       if (p.fast_acc) {
         if (!p.bias.empty() && !bias_done)
           for (int64_t i = 0; i < cols_n; ++i) row[i] += p.bias[oc];
-        const Rescale& r = p.out.stage.rescale;
-        OutputStage one = p.out.stage;
-        const int64_t ch = r.channels == 1 ? 0 : oc;
-        one.rescale.multiplier = r.multiplier + ch;
-        one.rescale.shift = r.shift + ch;
-        one.rescale.channels = 1;
-        if (out_dtype != kI32) {  // all nb images in one call: rows = images, output stride O * P
-          requant(row, nb, P, P, one, 0, y + (b0 * e.O + oc) * P, e.O * P, out_dtype == kI8);
-          continue;
+        // this op's stage, then each twin's on the same accumulators
+        for (size_t tw = 0; tw <= twins.size(); ++tw) {
+          const StageData& sd = tw == 0 ? p.out : twins[tw - 1].first->prepared->out;
+          const int dt = tw == 0 ? out_dtype : twins[tw - 1].second;
+          uint8_t* dst = tw == 0 ? y : g->buffers[twins[tw - 1].first->outputs[0]].data();
+          const Rescale& r = sd.stage.rescale;
+          OutputStage one = sd.stage;
+          const int64_t ch = r.channels == 1 ? 0 : oc;
+          one.rescale.multiplier = r.multiplier + ch;
+          one.rescale.shift = r.shift + ch;
+          one.rescale.channels = 1;
+          if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
+            requant(row, nb, P, P, one, 0, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
+            continue;
+          }
+          for (int64_t bi = 0; bi < nb; ++bi)
+            stage_i32(row + bi * P, P, one, reinterpret_cast<int32_t*>(dst) + ((b0 + bi) * e.O + oc) * P);
         }
-        for (int64_t bi = 0; bi < nb; ++bi)
-          stage_i32(row + bi * P, P, one, reinterpret_cast<int32_t*>(y + ((b0 + bi) * e.O + oc) * P * esize));
       } else {
         for (int64_t bi = 0; bi < nb; ++bi)
           for (int64_t i = 0; i < P; ++i)

@@ -325,6 +325,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
       }
       case kRequantize: ElementwiseStage(c, op, chosen); break;
       case kConv1d: case kConv2d: case kLinear: case kBconv1d: case kBconv2d: case kBlinear:
+        if (g->fused_done[oi]) break;  // a twin conv already wrote this output (PreparedOp::twins)
         QDSL_RETURN_IF_ERROR(RunConv(g, op, batch, chosen, &g->overflow[oi]));
         break;
       case kAdd: {
@@ -332,12 +333,19 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
         const uint8_t* x1 = c.Buf(op.inputs[1]);
         const int xd1 = c.DType(op.inputs[1]);
         const int64_t e0 = xd == kI32 ? 4 : 1, e1 = xd1 == kI32 ? 4 : 1;
-        // chunks of 16K elements over the pool: the op streams its inputs once
-        const int64_t chunk = 16384, chunks = (n + chunk - 1) / chunk;
+        // chunks of 8K elements over the pool: the op streams its inputs once.  A
+        // FIXED_SINGLE rescale (64-bit products, rounded in 64-bit lanes on AVX2) costs
+        // about three times a FIXED or POT one per element: weigh the work by it, so a
+        // 32K-element ADD with one such input (0.08 ms alone) takes both cores.
+        const PreparedOp& ap = *op.prepared;
+        int64_t weight = 1;
+        for (int k = 0; k < 2; ++k) weight += ap.in[k].stage.rescale.kind == RescaleKind::kFixedSingle ? 2 : 0;
+        weight += ap.out.stage.rescale.kind == RescaleKind::kFixedSingle ? 2 : 0;
+        const int64_t chunk = 8192, chunks = (n + chunk - 1) / chunk;
         ParallelFor(static_cast<int>(chunks), [&](int ci) {
           const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
           AddRange(op, x + i0 * e0, xd, x1 + i0 * e1, xd1, i1 - i0, y + i0, yd == kI8, chosen);
-        }, /*work=*/n * 64);
+        }, /*work=*/n * 64 * weight);
         break;
       }
       case kConcat: {

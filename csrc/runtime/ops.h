@@ -50,6 +50,11 @@ struct PreparedOp {
   // which ADD input the conv is.
   int32_t fused_add = -1;
   int fused_slot = 0;
+  // Twin convs: later ops with the same input, weights, bias and geometry but their own
+  // output stage (the exporter emits one per consumer kind, e.g. a requantized U8 output
+  // and an I32 one for a residual ADD).  The im2col conv path applies every twin's stage to
+  // this op's accumulators and marks the twin done; other paths leave it to run itself.
+  std::vector<int32_t> twins;
   int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
   std::vector<int64_t> amx_koff;
   AlignedVector<uint8_t> amx_w;

@@ -160,6 +160,30 @@ void FuseResidualAdds(Graph* g) {
   }
 }
 
+// PreparedOp::twins: a conv whose inputs (activation, weight and bias tensors) and prepared
+// geometry equal an earlier conv's, both with the fast output stage (fast_acc) and no fused
+// ADD.  The later conv's output is then written when the earlier one runs: only that conv
+// produces it, and its inputs are the earlier one's, so they are ready.
+void FindTwinConvs(Graph* g) {
+  for (size_t j = 0; j < g->ops.size(); ++j) {
+    const GraphOp& b = g->ops[j];
+    const PreparedOp* pb = b.prepared.get();
+    if (pb == nullptr || pb->spatial == 0 || pb->w16.empty() || !pb->fast_acc) continue;
+    for (size_t i = 0; i < j; ++i) {
+      GraphOp& a = g->ops[i];
+      PreparedOp* pa = a.prepared.get();
+      if (pa == nullptr || a.opcode != b.opcode || a.inputs != b.inputs || pa->w16.empty() || !pa->fast_acc) continue;
+      if (pa->groups != pb->groups || pa->cin != pb->cin || pa->cout != pb->cout || pa->kh != pb->kh ||
+          pa->kw != pb->kw || pa->sh != pb->sh || pa->sw != pb->sw || pa->ph != pb->ph || pa->pw != pb->pw ||
+          pa->dh != pb->dh || pa->dw != pb->dw || pa->in_zp != pb->in_zp || pa->w_int != pb->w_int ||
+          pa->bias != pb->bias || pa->fused_add >= 0 || pb->fused_add >= 0)
+        continue;
+      pa->twins.push_back(static_cast<int32_t>(j));
+      break;
+    }
+  }
+}
+
 bool AmxImplicitConv(const GraphOp& op) {
   const PreparedOp* p = op.prepared.get();
   return p != nullptr && p->amx_conv && p->fast_acc && p->spatial > 0;
@@ -396,6 +420,7 @@ Status PrepareGraph(Graph* g) {
     QDSL_CHECK(ready[i], StatusCode::kFormatError, "activation '%s' is never produced", g->tensors[i].name.c_str());
   g->overflow.assign(g->ops.size(), 0);
   FuseResidualAdds(g);
+  FindTwinConvs(g);
   PlanNhwc(g);
   return Status::Ok();
 }

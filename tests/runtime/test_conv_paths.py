@@ -16,7 +16,8 @@ pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not bui
 
 from qdsl.export.ir import DType, GraphFormatError, OpType, Tensor  # noqa: E402
 
-from tests.runtime.test_graph import _check, _graph, _rand, _stage  # noqa: E402
+from qdsl.export import execute  # noqa: E402
+from tests.runtime.test_graph import PATHS, _check, _graph, _rand, _stage  # noqa: E402
 
 
 @settings(max_examples=40, deadline=None)
@@ -146,3 +147,34 @@ def test_global_avgpool_every_input_dtype(seed, xdtype):
         pool_attrs["in_zp"] = int(rng.integers(*xdtype.range))
         graph = _graph(OpType.GLOBAL_AVGPOOL, [("x", xdtype, shape)], pool_attrs, DType.U8)
     _check(graph, _rand(rng, xdtype, (int(rng.integers(1, 4)), *shape[1:])))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31), out2=st.sampled_from([DType.U8, DType.I8, DType.I32]))
+def test_twin_convs_share_accumulators(seed, out2):
+    """Two convs with the same input, weights, bias and geometry but their own output stage
+    (the exporter's requantized + I32 residual pair): the im2col path computes the second
+    from the first one's accumulators; both outputs must equal the reference."""
+    from qdsl.export.ir import IntegerGraph, Op
+
+    rng = np.random.default_rng(seed)
+    cin, cout, hw = int(rng.choice([1, 3, 16])), int(rng.choice([8, 16, 17])), int(rng.choice([5, 8, 12]))
+    w = _rand(rng, DType.I8, (cout, cin, 3, 3))
+    b = rng.integers(-5000, 5000, cout)
+    base = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1, "in_zp": int(rng.integers(0, 256)),
+            "w_zp": [0], "acc_bits": 32, "overflow": 0}
+    a1 = dict(base, **_stage(rng, cout, 0, 255))
+    lo, hi = (-(2**31), 2**31 - 1) if out2 is DType.I32 else out2.range
+    a2 = dict(base, **_stage(rng, cout, lo, hi, pot=False if out2 is DType.I32 else None))
+    x = Tensor("x", DType.U8, (-1, cin, hw, hw))
+    consts = [Tensor("w", DType.I8, w.shape, w), Tensor("b", DType.I32, (cout,), b)]
+    ops = [Op(OpType.CONV2D, "c1", ["x", "w", "b"], ["y1"], a1), Op(OpType.CONV2D, "c2", ["x", "w", "b"], ["y2"], a2)]
+    tensors = [x, *consts, Tensor("y1", DType.U8, (-1, cout, hw, hw)), Tensor("y2", out2, (-1, cout, hw, hw))]
+    graph = IntegerGraph(tensors, ["x"], ["y1", "y2"], ops).validate()
+    cg = rt.CompiledGraph(graph)
+    for path in PATHS:  # a fresh input per run: a skipped twin would leave the last run's output
+        xs = _rand(rng, DType.U8, (int(rng.integers(1, 40)), cin, hw, hw))
+        want = execute(graph, [xs]).outputs
+        got = cg.run(xs, path=path)
+        for g, w_ in zip(got, want):
+            np.testing.assert_array_equal(g, w_, err_msg=f"path {path}")
