@@ -161,9 +161,10 @@ void FuseResidualAdds(Graph* g) {
 }
 
 // PreparedOp::twins: a conv whose inputs (activation, weight and bias tensors) and prepared
-// geometry equal an earlier conv's, both with the fast output stage (fast_acc) and no fused
-// ADD.  The later conv's output is then written when the earlier one runs: only that conv
-// produces it, and its inputs are the earlier one's, so they are ready.
+// geometry equal an earlier conv's, both with the fast output stage (fast_acc).  The later
+// conv's output is then written when the earlier one runs: only that conv produces it, and
+// its inputs are the earlier one's, so they are ready.  (A fused ADD on the later conv only
+// runs on the AMX path, which computes twins separately: the two never meet.)
 void FindTwinConvs(Graph* g) {
   for (size_t j = 0; j < g->ops.size(); ++j) {
     const GraphOp& b = g->ops[j];
@@ -176,7 +177,7 @@ void FindTwinConvs(Graph* g) {
       if (pa->groups != pb->groups || pa->cin != pb->cin || pa->cout != pb->cout || pa->kh != pb->kh ||
           pa->kw != pb->kw || pa->sh != pb->sh || pa->sw != pb->sw || pa->ph != pb->ph || pa->pw != pb->pw ||
           pa->dh != pb->dh || pa->dw != pb->dw || pa->in_zp != pb->in_zp || pa->w_int != pb->w_int ||
-          pa->bias != pb->bias || pa->fused_add >= 0 || pb->fused_add >= 0)
+          pa->bias != pb->bias)
         continue;
       pa->twins.push_back(static_cast<int32_t>(j));
       break;
