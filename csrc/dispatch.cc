@@ -299,6 +299,15 @@ BinaryMicroKernel SelectBinaryColsKernel(uint32_t path) {
   return nullptr;
 }
 
+BinaryMicroKernel SelectBinarySplitKernel(uint32_t path) {
+  path = Base(path);
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::BinaryPopcountSplitAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86

@@ -45,6 +45,9 @@ using AddKernel = bool (*)(const void* x0, int dtype0, const void* x1, int dtype
 using StageI32Kernel = void (*)(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
 
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
+// Binary popcounts on nibble-split rows (PackedWeights::bits_split; strides and kwords as
+// for the plain kernel, rows 2 * kwords words long); nullptr where the path has none.
+BinaryMicroKernel SelectBinarySplitKernel(uint32_t path);
 AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block.

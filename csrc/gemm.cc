@@ -354,6 +354,11 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
   }
   const BinaryMicroKernel kernel = SelectBinaryMicroKernel(chosen);
   const BinaryMicroKernel cols_kernel = w.bits_cols.empty() ? nullptr : SelectBinaryColsKernel(chosen);
+  // AVX2: nibble-split rows (weights split at pack time, each task splits its activation
+  // rows once), one vpshufb per 256 bits instead of and/shift/and + two; K <= 7936 bits
+  // (31 steps: the byte counters are widened once, at the end)
+  const BinaryMicroKernel split_kernel =
+      (cols_kernel || w.bits_split.empty() || w.kwords > 4 * 31) ? nullptr : SelectBinarySplitKernel(chosen);
   const int threads = ThreadsFor(m * n * w.kwords * 32);
   // Several tasks per thread (claimed dynamically) so a thread slowed by the other
   // process on its core does not hold the join: N blocks of >= 64 columns, else M blocks.
@@ -384,8 +389,18 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
                       acc.data() + (c - n0), ldc);
         }
       }
+      if (split_kernel) {
+        thread_local std::vector<uint64_t> as;
+        as.resize(static_cast<size_t>(rows * 2 * w.kwords));
+        for (int64_t r = 0; r < rows; ++r) SplitNibbles(a + (r0 + r) * lda, w.kwords, as.data() + r * 2 * w.kwords);
+        for (int64_t c = n0; c < n1; c += 64) {
+          const int64_t ce = std::min(n1, c + 64);
+          split_kernel(as.data(), rows, 2 * w.kwords, w.bits_split.data() + c * 2 * w.kwords, ce - c, 2 * w.kwords,
+                       w.kwords, acc.data() + (c - n0), ldc);
+        }
+      }
       // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
-      for (int64_t c = n0; c < n1 && !cols_kernel; c += 64) {
+      for (int64_t c = n0; c < n1 && !cols_kernel && !split_kernel; c += 64) {
         const int64_t ce = std::min(n1, c + 64);
         kernel(a + r0 * lda, rows, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
                acc.data() + (c - n0), ldc);

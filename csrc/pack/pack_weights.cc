@@ -116,6 +116,15 @@ Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedW
   return Status::Ok();
 }
 
+void SplitNibbles(const uint64_t* src, int64_t words, uint64_t* dst) {
+  constexpr uint64_t kLow = 0x0F0F0F0F0F0F0F0Full;
+  for (int64_t g = 0; g < words; g += 4)
+    for (int i = 0; i < 4; ++i) {
+      dst[2 * g + i] = src[g + i] & kLow;
+      dst[2 * g + 4 + i] = (src[g + i] >> 4) & kLow;
+    }
+}
+
 Status BitpackSigns(const int8_t* a, int64_t m, int64_t k, int64_t lda, uint64_t* out, int64_t kwords) {
   QDSL_CHECK_ARG(a != nullptr && out != nullptr && m >= 0 && k > 0 && lda >= k, "bad bitpack arguments");
   QDSL_CHECK_ARG(kwords * 64 >= k, "kwords=%lld too small for k=%lld", (long long)kwords, (long long)k);
@@ -142,6 +151,11 @@ Status PackBinaryWeights(const int8_t* wp, int64_t n, int64_t k, int64_t ldw, Pa
   w.kwords = (k + 63) / 64;
   w.bits_rows.assign(static_cast<size_t>(n * w.kwords + 4), 0);  // +4: vector over-read slack
   QDSL_RETURN_IF_ERROR(BitpackSigns(wp, n, k, ldw, w.bits_rows.data(), w.kwords));
+  if (w.kwords % 4 == 0) {
+    w.bits_split.assign(static_cast<size_t>(2 * n * w.kwords), 0);
+    for (int64_t c = 0; c < n; ++c)
+      SplitNibbles(w.bits_rows.data() + c * w.kwords, w.kwords, w.bits_split.data() + 2 * c * w.kwords);
+  }
   w.ncols_pad = (n + 7) / 8 * 8;
   w.bits_cols.assign(static_cast<size_t>(w.kwords * w.ncols_pad + 8), 0);
   for (int64_t c = 0; c < n; ++c)

@@ -62,6 +62,9 @@ struct PackedWeights {
   // (AVX-512 column kernel: one load = one word of 8 weight rows).
   int64_t ncols_pad = 0;
   std::vector<uint64_t> bits_cols;
+  // The bit rows nibble-split for the AVX2 kernel, when kwords % 4 == 0: per 256-bit group,
+  // 4 words of low nibbles (bits & 0x0F per byte) then 4 of high nibbles (SplitNibbles).
+  std::vector<uint64_t> bits_split;
 };
 
 // Weights given as zero-point-subtracted values W - w_zp [n][k] (row stride ldw), each in
@@ -75,6 +78,9 @@ int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld);
 int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld);
 // Binary weights given as +1/-1 int8 values [n][k].
 Status PackBinaryWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
+// words (a multiple of 4) bit-packed words -> 2 * words: per group of 4, the 4 words
+// & 0x0F0F.. then the 4 words >> 4 & 0x0F0F..; popcounts and XORs commute with it.
+void SplitNibbles(const uint64_t* src, int64_t words, uint64_t* dst);
 // Bit-packs +1/-1 int8 activations [m][k] into [m][kwords] words (bit = 1 means -1),
 // padding bits are 0 in both operands so they never change the popcount.
 Status BitpackSigns(const int8_t* a, int64_t m, int64_t k, int64_t lda, uint64_t* out, int64_t kwords);

@@ -60,6 +60,9 @@ void BinaryPopcountAvx512(const uint64_t* a, int64_t m, int64_t lda, const uint6
 // Column form: wt[j][n] transposed weight words (row stride ldwt >= n, columns padded to 8).
 void BinaryPopcountColsAvx512(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* wt, int64_t n,
                               int64_t ldwt, int64_t kwords, int32_t* pc, int64_t ldc);
+// The same on nibble-split rows (SplitNibbles; 2 * kwords words each, kwords % 4 == 0).
+void BinaryPopcountSplitAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
+                             int64_t kwords, int32_t* pc, int64_t ldc);
 void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                         int64_t kwords, int32_t* pc, int64_t ldc);
 bool RequantAvx2Supports(const OutputStage& stage);
