@@ -248,7 +248,10 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
   // QDSL_PROFILE=1 prints each op's wall time to stderr (for finding slow ops).
   // The CPU time of the calling thread is printed too: on a loaded machine it is the
   // steadier figure (worker threads are not included).
-  static const bool profile = std::getenv("QDSL_PROFILE") != nullptr;
+  static const bool profile = [] {  // set and not "0" / empty
+    const char* v = std::getenv("QDSL_PROFILE");
+    return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+  }();
   auto t0 = std::chrono::steady_clock::now();
   std::clock_t c0 = std::clock();
   for (size_t oi = 0; oi <= g->ops.size(); ++oi) {
