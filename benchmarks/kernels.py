@@ -2,7 +2,7 @@
 fp32 matmul) and onnxruntime MatMulInteger when installed, with 1 and 2 threads.
 
 Prints GOP/s (2*M*K*N / time) and ratios, all measured side by side in one process,
-medians of repeats.  No assertions: the targets are in issue 6 and the report.
+medians of repeats, and then whether each int8 result is exact on this CPU.  No assertions: the targets are in issue 6 and the report.
 Run: python benchmarks/kernels.py [--reps 7]
 """
 
@@ -116,6 +116,36 @@ def main() -> None:
                             median_time(lambda: K.binary_gemm(abits, pb), args.reps))
         print(f"{str((m, k, n)):>16}  int8 {res[1][0] / res[2][0]:.2f}x  binary {res[1][1] / res[2][1]:.2f}x")
     rt.set_num_threads(0)
+    exactness(rng, torch)
+
+
+def exactness(rng, torch) -> None:
+    """Are the int8 peers exact on this CPU?  Without VNNI, u8 x s8 kernels built on
+    vpmaddubsw saturate pairs of products at int16 (255 * 127 * 2 > 32767)."""
+    from qdsl.runtime import kernels as K
+
+    m, k, n = 128, 768, 768
+    print(f"\n== exactness of the int8 results, {(m, k, n)}, random data as above ==")
+    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+    w8 = rng.integers(-127, 128, (n, k)).astype(np.int8)
+    exact = (a.astype(np.int64) - 128) @ w8.astype(np.int64).T
+    q = K.gemm(a, K.pack_weights(w8), a_zero_point=128).astype(np.int64)
+    print(f"qdsl gemm:                   {np.mean(q != exact):.3%} of outputs differ from the exact product")
+    ort_model = _ort_matmul_integer(a, np.ascontiguousarray(w8.T))
+    if ort_model is not None:
+        ort, blob = ort_model
+        y = ort.InferenceSession(blob, providers=["CPUExecutionProvider"]).run(None, {"A": a})[0].astype(np.int64)
+        ref = a.astype(np.int64) @ w8.astype(np.int64).T
+        print(f"onnxruntime MatMulInteger:   {np.mean(y != ref):.3%} of outputs differ, max |error| "
+              f"{np.abs(y - ref).max() / np.abs(ref).max():.1%} of max |y|")
+    # torch quantized linear: weights exactly w8 (scale 1), activations exactly a - 128 (scale s)
+    s_in = 0.05
+    qx = torch.quantize_per_tensor(torch.tensor((a.astype(np.float32) - 128) * s_in), s_in, 128, torch.quint8)
+    qw = torch.quantize_per_tensor(torch.tensor(w8.astype(np.float32)), 1.0, 0, torch.qint8)
+    s_out = float(np.abs(exact).max()) * s_in / 100.0  # outputs in [-100, 100] steps: no clipping
+    yq = torch.ops.quantized.linear(qx, torch.ops.quantized.linear_prepack(qw, None), s_out, 128)
+    err = np.abs(yq.dequantize().numpy().astype(np.float64) - exact * s_in).max() / s_out
+    print(f"torch quantized linear:      max |error| {err:.1f} output steps (exact rounding: <= 0.5)")
 
 
 if __name__ == "__main__":
