@@ -185,30 +185,6 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 #endif
 }
 
-void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t npanels, uint8_t zu,
-                       int16_t* panels, uint32_t path) {
-#ifdef QDSL_HAVE_X86
-  const uint32_t base = Base(path);
-  if (base == kPathAvx2 || base == kPathAvxVnni || base == kPathAvx512) {
-    x86::PackI16PairPanels(rows, ld, kpairs, npanels, zu, panels);
-    return;
-  }
-#endif
-  (void)path;
-  for (int64_t q = 0; q < npanels; ++q)
-    for (int64_t j = 0; j < kpairs; ++j) {
-      const uint8_t* r0 = rows + 2 * j * ld + 16 * q;
-      const uint8_t* r1 = r0 + ld;
-      int16_t* dst = panels + (q * kpairs + j) * 32;
-      for (int i = 0; i < 8; ++i) {
-        dst[2 * i] = static_cast<int16_t>(r0[i] - zu);
-        dst[2 * i + 1] = static_cast<int16_t>(r1[i] - zu);
-        dst[16 + 2 * i] = static_cast<int16_t>(r0[8 + i] - zu);
-        dst[16 + 2 * i + 1] = static_cast<int16_t>(r1[8 + i] - zu);
-      }
-    }
-}
-
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels, uint32_t path) {
 #ifdef QDSL_HAVE_X86

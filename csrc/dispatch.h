@@ -59,11 +59,9 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (VNNI paths only).
 void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
                       uint8_t* panels);
-// u8 code rows [2 * kpairs][ld] -> int16 pair panels (code - zu) of 16 columns, the
-// activation operand of the int16 kernels (every path that has them; portable fallback).
-void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t npanels, uint8_t zu,
-                       int16_t* panels, uint32_t path);
-// The same panels gathered: byte i of tap row k for panel q is base[tap[k] + pos[16q + i]].
+// int16 pair panels (code - zu) of 16 columns, the activation operand of the int16 conv
+// kernels, gathered from padded images: byte i of tap row k for panel q is
+// base[tap[k] + pos[16q + i]] (every path that has the int16 kernels; portable fallback).
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels, uint32_t path);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);

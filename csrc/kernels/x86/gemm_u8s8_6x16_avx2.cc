@@ -306,30 +306,12 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 namespace qdsl {
 namespace x86 {
 
-// u8 code rows [2 * kpairs][ld] -> int16 pair panels of 16 columns for GemmI16Avx2 (the
-// activation operand of the int16 convs): panel q, pair j = 32 int16, slot 2i / 2i + 1 =
-// rows 2j / 2j + 1 at column 16q + i, minus the zero point's code `zu`.  One byte
+// int16 pair panels of 16 columns for GemmI16Avx2 (the activation operand of the int16
+// convs): panel q, pair j = 32 int16, slot 2i / 2i + 1 = tap rows 2j / 2j + 1 at position
+// 16q + i, minus the zero point's code `zu`, gathered from padded images: byte i of tap
+// row k for panel q is base[tap[k] + pos[16q + i]].  Runs of 16 (or two of 8) consecutive
+// positions load as one (two) vectors, anything else gathers bytes; then one byte
 // interleave and two widenings per 32 values.
-void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t npanels, uint8_t zu,
-                       int16_t* panels) {
-  const __m256i z = _mm256_set1_epi16(zu);
-  for (int64_t q = 0; q < npanels; ++q) {
-    for (int64_t j = 0; j < kpairs; ++j) {
-      const uint8_t* r = rows + 2 * j * ld + 16 * q;
-      const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r));
-      const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + ld));
-      const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
-      const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
-      __m256i* out = reinterpret_cast<__m256i*>(panels + (q * kpairs + j) * 32);
-      _mm256_storeu_si256(out, b0);
-      _mm256_storeu_si256(out + 1, b1);
-    }
-  }
-}
-
-// The same panels gathered from padded images: byte i of tap row k for panel q is
-// base[tap[k] + pos[16q + i]].  Runs of 16 (or two of 8) consecutive positions load as
-// one (two) vectors; anything else gathers bytes.
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels) {
   const __m256i z = _mm256_set1_epi16(zu);

@@ -46,9 +46,8 @@ void GemmAmxGather(const uint8_t* a, int64_t lda, const int64_t* aoff, const int
 void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 // The same with AVX-512BW, four quads per step (csrc/kernels/x86/unpack_vnni_avx512.cc).
 void UnpackPanelToVnniAvx512(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
-// u8 code rows [2 * kpairs][ld] -> int16 (code - zu) pair panels of 16 columns.
-void PackI16PairPanels(const uint8_t* rows, int64_t ld, int64_t kpairs, int64_t npanels, uint8_t zu,
-                       int16_t* panels);
+// int16 (code - zu) pair panels of 16 columns gathered from padded images: byte i of tap
+// row k for panel q is base[tap[k] + pos[16q + i]] (csrc/runtime/conv_exec.cc).
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (positions).
