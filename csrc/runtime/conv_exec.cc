@@ -582,7 +582,10 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const int64_t P = e.OH * e.OW;
   // >= ~512 columns per GEMM, but at least two tasks per thread when the batch allows
   // (one task of 32 small images kept the second core idle)
-  const int64_t want = 2 * ThreadsFor(e.n * P * p.cout * (p.kp + 64));
+  // work: the MACs plus ~64 per output and output stage (twins add theirs, see below)
+  const int64_t stages = 1 + (p.fast_acc ? static_cast<int64_t>(p.twins.size()) : 0);
+  const int64_t work = e.n * P * p.cout * (p.kp + 64 * stages);
+  const int64_t want = 2 * ThreadsFor(work);
   const int64_t per_task =
       std::max<int64_t>(1, std::min<int64_t>({e.n, (512 + P - 1) / P, (e.n + want - 1) / want}));
   const int64_t chunks = (e.n + per_task - 1) / per_task;
@@ -710,7 +713,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             Emit(row[bi * P + i], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
       }
     }
-  }, /*work=*/e.n * P * p.cout * (p.kp + 64));  // + the output stage and transposes per output
+  }, /*work=*/work);
   for (int64_t c : counts) *overflow += c;
   return Status::Ok();
 }
