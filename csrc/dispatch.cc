@@ -256,6 +256,15 @@ AddKernel SelectAddKernel(uint32_t path) {
   return nullptr;
 }
 
+StageI32StridedKernel SelectStageI32StridedKernel(uint32_t path) {
+  path = Base(path);
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::RequantI32RowsAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 StageI32Kernel SelectStageI32Kernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86

@@ -50,6 +50,11 @@ IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
 BinaryMicroKernel SelectBinarySplitKernel(uint32_t path);
 AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
+// One-channel stage into int32 over rows x cols with row strides (the conv's images of one
+// channel); nullptr where the path has none (call the StageI32Kernel per row).
+using StageI32StridedKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
+                                       const OutputStage& one, int32_t* out, int64_t ldo);
+StageI32StridedKernel SelectStageI32StridedKernel(uint32_t path);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block.
 using StageI32RowsKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
                                     const OutputStage& stage, int64_t c0, int32_t* out, int64_t ldo);

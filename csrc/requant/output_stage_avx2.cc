@@ -89,5 +89,28 @@ void RequantI32Avx2(const int32_t* acc, int64_t n, const OutputStage& one, int32
   for (; i < n; ++i) out[i] = ref::StageOne(acc[i], one);
 }
 
+// The same over `rows` runs of `cols` (acc rows lda apart, out rows ldo apart), one
+// channel: the conv's images of one output channel in one call instead of one per image.
+void RequantI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& one,
+                        int32_t* out, int64_t ldo) {
+  const Rescale& rs = one.rescale;
+  const __m256i mult = _mm256_set1_epi32(rs.multiplier[0]), shift = _mm256_set1_epi32(rs.shift[0]);
+  const __m256i qmin = _mm256_set1_epi32(one.qmin), qmax = _mm256_set1_epi32(one.qmax);
+  const bool vec = RequantAvx2Supports(one) && one.zero_point == 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* a = acc + r * lda;
+    int32_t* o = out + r * ldo;
+    int64_t i = 0;
+    if (vec) {
+      for (; i + 8 <= cols; i += 8) {
+        const __m256i y = RescaleVec(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)), rs.kind, mult,
+                                     shift, rs.rounding);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_min_epi32(_mm256_max_epi32(y, qmin), qmax));
+      }
+    }
+    for (; i < cols; ++i) o[i] = ref::StageOne(a[i], one);
+  }
+}
+
 }  // namespace x86
 }  // namespace qdsl

@@ -595,6 +595,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const AmxKernel amx = p.w8.empty() ? nullptr : SelectAmxKernel(path);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
+  const StageI32StridedKernel stage_i32_rows = SelectStageI32StridedKernel(path);
   const int tasks = static_cast<int>(chunks * p.groups);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
   // twin convs (PreparedOp::twins) whose stages this run applies too: (op, output dtype)
@@ -704,8 +705,12 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             requant(row, nb, P, P, one, 0, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
             continue;
           }
-          for (int64_t bi = 0; bi < nb; ++bi)
-            stage_i32(row + bi * P, P, one, reinterpret_cast<int32_t*>(dst) + ((b0 + bi) * e.O + oc) * P);
+          int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P;
+          if (stage_i32_rows != nullptr) {  // all nb images in one call, like requant above
+            stage_i32_rows(row, nb, P, P, one, dst32, e.O * P);
+          } else {
+            for (int64_t bi = 0; bi < nb; ++bi) stage_i32(row + bi * P, P, one, dst32 + bi * e.O * P);
+          }
         }
       } else {
         for (int64_t bi = 0; bi < nb; ++bi)

@@ -67,6 +67,9 @@ void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_
 bool RequantAvx2Supports(const OutputStage& stage);
 // One-channel stage to int32 (I32 outputs): out[i] = clamp(rescale(acc[i]) + zp, qmin, qmax).
 void RequantI32Avx2(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
+// The same over rows x cols (acc and out row strides lda, ldo), one channel.
+void RequantI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& one,
+                        int32_t* out, int64_t ldo);
 // ADD (docs/qgraph.md §4.4) over n elements; false = unsupported parameters, nothing written.
 bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in, int pre_shift,
              const OutputStage& out_stage, uint8_t* out, bool out_signed);
