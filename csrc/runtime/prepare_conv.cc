@@ -171,7 +171,10 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   p.int32_exact = wmax <= 511 && kdim * xmax * wmax <= INT32_MAX;
   int64_t bmax = 0;
   for (int32_t b : p.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
-  p.fast_acc = p.int32_exact && p.acc_bits == 32 && out.dtype != kBin && kdim * xmax * wmax + bmax <= INT32_MAX;
+  // no accumulator of acc_bits can overflow (so wrap/saturate and the overflow counts are
+  // moot): |sum + bias| <= 2^(acc_bits - 1) - 1, e.g. a 24-bit accumulator with 4-bit weights
+  const int64_t acc_max = (int64_t{1} << (p.acc_bits - 1)) - 1;
+  p.fast_acc = p.int32_exact && out.dtype != kBin && kdim * xmax * wmax + bmax <= acc_max;
   p.fast_stage = p.fast_acc && out.dtype != kI32;
   if (p.int32_exact && p.spatial > 0) {  // convs: weights are the broadcast (A) operand
     p.kp = (kdim + 3) / 4 * 4;
