@@ -206,6 +206,18 @@ void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs
     }
 }
 
+void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
+                            int64_t npanels, uint8_t* panels) {
+#ifdef QDSL_HAVE_X86
+  x86::PackU8QuadPanelsGather(base, tap, kquads, pos, npanels, panels);
+#else
+  for (int64_t q = 0; q < npanels; ++q)
+    for (int64_t j = 0; j < kquads; ++j)
+      for (int i = 0; i < 16; ++i)
+        for (int t = 0; t < 4; ++t) panels[(q * kquads + j) * 64 + i * 4 + t] = base[tap[4 * j + t] + pos[16 * q + i]];
+#endif
+}
+
 IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86

@@ -69,6 +69,10 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 // base[tap[k] + pos[16q + i]] (every path that has the int16 kernels; portable fallback).
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels, uint32_t path);
+// VNNI activation panels gathered from padded images: byte i of tap row k for panel q is
+// base[tap[k] + pos[16q + i]] (x86 paths; portable fallback).
+void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
+                            int64_t npanels, uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 // The exact kernel for VNNI-layout panels whose weights allow `maddubs_steps` int16 pair
 // sums (MaddubsSteps): the VNNI one where the CPU has it, else on AVX2 the vpmaddubsw one

@@ -639,19 +639,26 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       amx(true, reinterpret_cast<const uint8_t*>(p.w8[gi].data()), p.kp64, og16 / 16, panels8.data(), kq16 * 64,
           npanels, kblocks, acc.data(), Pp, AmxInit::kRows, cinit.data());
     } else if (vnni) {
-      thread_local std::vector<uint8_t> cols8, panels8;
+      // u8 quad panels gathered from padded images one panel at a time (as the int16 path
+      // below; no im2col matrix).  K rows past kdim read offset 0 (their weights are 0).
+      thread_local std::vector<uint8_t> panels8;
+      thread_local std::vector<int64_t> pos8;
       const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
-      cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
-      panels8.resize(static_cast<size_t>(npanels * kquads * 64));
-      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
-      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, kquads, panels8.data());
+      const PaddedImages pi =
+          PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
+      pos8.assign(static_cast<size_t>(Pp), 0);
+      for (int64_t t = 0, bi = 0; bi < nb; ++bi)
+        for (int64_t oy = 0; oy < e.OH; ++oy)
+          for (int64_t ox = 0; ox < e.OW; ++ox, ++t) pos8[t] = bi * pi.img + oy * pi.Wq + ox;
+      panels8.resize(static_cast<size_t>(kquads * 64));
       const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
-      for (int64_t q = 0; q < npanels; ++q)
+      for (int64_t q = 0; q < npanels; ++q) {
+        PackU8QuadPanelsGather(pi.base, pi.tap.data(), kquads, pos8.data() + 16 * q, 1, panels8.data());
         for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
-          vnni(rows, w + o0 * p.kp64, p.kp64, panels8.data() + q * kquads * 64, kquads, acc.data() + o0 * Pp + q * 16,
-               Pp, false);
+          vnni(rows, w + o0 * p.kp64, p.kp64, panels8.data(), kquads, acc.data() + o0 * Pp + q * 16, Pp, false);
         }
+      }
       for (int64_t o = 0; o < e.og; ++o) {
         const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[gi * e.og + o]);
         int32_t* row = acc.data() + o * Pp;

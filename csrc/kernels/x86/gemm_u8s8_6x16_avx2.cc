@@ -349,5 +349,44 @@ void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs
   }
 }
 
+// PackU8QuadPanels' layout gathered from padded images (the u8 convs): byte i of tap row k
+// for panel q is base[tap[k] + pos[16q + i]]; quad j's 64 bytes hold position i's four
+// taps 4j..4j+3.  Runs of 16 (or two of 8) consecutive positions load as one (two)
+// vectors, anything else gathers bytes.
+void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
+                            int64_t npanels, uint8_t* panels) {
+  for (int64_t q = 0; q < npanels; ++q) {
+    const int64_t* po = pos + 16 * q;
+    bool run16 = true, run8 = true;
+    for (int i = 1; i < 16; ++i) {
+      if (po[i] != po[0] + i) run16 = false;
+      if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) run8 = false;
+    }
+    for (int64_t j = 0; j < kquads; ++j) {
+      __m128i r[4];
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t* a = base + tap[4 * j + t];
+        if (run16) {
+          r[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
+        } else if (run8) {
+          r[t] = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
+                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
+        } else {
+          alignas(16) uint8_t g[16];
+          for (int i = 0; i < 16; ++i) g[i] = a[po[i]];
+          r[t] = _mm_load_si128(reinterpret_cast<const __m128i*>(g));
+        }
+      }
+      const __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
+      const __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
+      __m128i* out = reinterpret_cast<__m128i*>(panels + (q * kquads + j) * 64);
+      _mm_storeu_si128(out, _mm_unpacklo_epi16(a_lo, b_lo));
+      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a_lo, b_lo));
+      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));
+      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+    }
+  }
+}
+
 }  // namespace x86
 }  // namespace qdsl

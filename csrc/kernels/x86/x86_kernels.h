@@ -50,6 +50,10 @@ void UnpackPanelToVnniAvx512(int bits, const uint8_t* src, int64_t quads, uint8_
 // row k for panel q is base[tap[k] + pos[16q + i]] (csrc/runtime/conv_exec.cc).
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels);
+// The same panels gathered from padded images: byte i of tap row k for panel q is
+// base[tap[k] + pos[16q + i]].
+void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
+                            int64_t npanels, uint8_t* panels);
 // u8 rows [4 * kquads][ld] -> VNNI activation panels of 16 columns (positions).
 void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t npanels, int64_t panel_quads,
                       uint8_t* panels);
