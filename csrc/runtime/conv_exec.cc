@@ -220,6 +220,16 @@ struct PaddedImages {
   const uint8_t* base = nullptr;
   int64_t Wq = 0, img = 0;
   std::vector<int64_t> tap;  // [kp]: rows past kdim point at offset 0 (their weights are 0)
+  // pos[t] for output positions t < nb * OH * OW, then 0 up to Pp (padding positions read
+  // image 0's first taps: their products are dropped)
+  std::vector<int64_t> pos;
+
+  void FillPositions(int64_t nb, int64_t OH, int64_t OW, int64_t Pp) {
+    pos.assign(static_cast<size_t>(Pp), 0);
+    for (int64_t t = 0, bi = 0; bi < nb; ++bi)
+      for (int64_t oy = 0; oy < OH; ++oy)
+        for (int64_t ox = 0; ox < OW; ++ox, ++t) pos[t] = bi * img + oy * Wq + ox;
+  }
 };
 
 // Padded planes with the padding code around; strided convs get them split into sh x sw
@@ -613,13 +623,18 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t og16 = (e.og + 15) / 16 * 16;
     acc.resize(static_cast<size_t>(og16 * Pp));
     bool bias_done = false;
+    const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+    PaddedImages pi;
+    if (!amx) {  // both gathered forms below read padded images at these offsets
+      pi = PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
+      pi.FillPositions(nb, e.OH, e.OW, Pp);
+    }
     if (amx) {
       // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
       // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
       // possible), one 16 x 16 tile per 16 channels, so no pass over C remains.
       thread_local AlignedVector<uint8_t> cols8, panels8;
       thread_local AlignedVector<int32_t> cinit;
-      const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
       const int64_t kblocks = p.kp64 / kAmxKBlock, kq16 = kblocks * 16;
       cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
       panels8.resize(static_cast<size_t>(npanels * kq16 * 64));
@@ -642,18 +657,10 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       // u8 quad panels gathered from padded images one panel at a time (as the int16 path
       // below; no im2col matrix).  K rows past kdim read offset 0 (their weights are 0).
       thread_local std::vector<uint8_t> panels8;
-      thread_local std::vector<int64_t> pos8;
-      const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
-      const PaddedImages pi =
-          PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
-      pos8.assign(static_cast<size_t>(Pp), 0);
-      for (int64_t t = 0, bi = 0; bi < nb; ++bi)
-        for (int64_t oy = 0; oy < e.OH; ++oy)
-          for (int64_t ox = 0; ox < e.OW; ++ox, ++t) pos8[t] = bi * pi.img + oy * pi.Wq + ox;
       panels8.resize(static_cast<size_t>(kquads * 64));
       const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
       for (int64_t q = 0; q < npanels; ++q) {
-        PackU8QuadPanelsGather(pi.base, pi.tap.data(), kquads, pos8.data() + 16 * q, 1, panels8.data());
+        PackU8QuadPanelsGather(pi.base, pi.tap.data(), kquads, pi.pos.data() + 16 * q, 1, panels8.data());
         for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, e.og - o0));
           vnni(rows, w + o0 * p.kp64, p.kp64, panels8.data(), kquads, acc.data() + o0 * Pp + q * 16, Pp, false);
@@ -669,20 +676,12 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       // matrix (its row copies cost more than the GEMM on small images).  Positions past
       // cols_n and K rows past kdim read offset 0: their products are dropped / times 0.
       thread_local std::vector<int16_t> panels;
-      thread_local std::vector<int64_t> pos;
-      const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
-      const PaddedImages pi =
-          PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
-      pos.assign(static_cast<size_t>(Pp), 0);
-      for (int64_t t = 0, bi = 0; bi < nb; ++bi)
-        for (int64_t oy = 0; oy < e.OH; ++oy)
-          for (int64_t ox = 0; ox < e.OW; ++ox, ++t) pos[t] = bi * pi.img + oy * pi.Wq + ox;
       // one panel at a time, packed right before its row strips read it (from L1; packing
       // all panels first left them in L2 for the kernel)
       panels.resize(static_cast<size_t>(kpairs * 32));
       const int16_t* w = p.w16[gi].data();
       for (int64_t q = 0; q < npanels; ++q) {
-        PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
+        PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pi.pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
                             panels.data(), path);
         const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
         for (int64_t o0 = 0; o0 < e.og; o0 += kMaxRows) {

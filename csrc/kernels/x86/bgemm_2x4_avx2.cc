@@ -33,6 +33,21 @@ namespace {
 #define QDSL_BIN_COL(waddr, acc0, acc1) \
   "vmovdqu " waddr ", %%ymm13\n\t" QDSL_BIN_ROW("%%ymm11", acc0) QDSL_BIN_ROW("%%ymm12", acc1)
 
+// One 256-bit step of the 2 x 4 block into the byte counters b00..b13 (named variables in
+// the caller; lut, low, lda and ldw_bytes too): rows a0 and a0 + lda, weight rows w0,
+// w0 + ldw, w0 + 2 ldw and w3.
+#define QDSL_BIN_STEP(a0_, w0_, w3_)                                                                         \
+  asm volatile("vmovdqu (%[a0]), %%ymm11\n\t"                                                                \
+               "vmovdqu (%[a0],%[lda]), %%ymm12\n\t" QDSL_BIN_COL("(%[w0])", "%[b00]", "%[b10]")            \
+                   QDSL_BIN_COL("(%[w0],%[ldw])", "%[b01]", "%[b11]")                                          \
+                       QDSL_BIN_COL("(%[w0],%[ldw],2)", "%[b02]", "%[b12]")                                    \
+                           QDSL_BIN_COL("(%[w3])", "%[b03]", "%[b13]")                                         \
+               : [b00] "+x"(b00), [b01] "+x"(b01), [b02] "+x"(b02), [b03] "+x"(b03), [b10] "+x"(b10),          \
+                 [b11] "+x"(b11), [b12] "+x"(b12), [b13] "+x"(b13)                                             \
+               : [a0] "r"(a0_), [lda] "r"(lda * 8), [w0] "r"(w0_), [w3] "r"(w3_), [ldw] "r"(ldw_bytes),        \
+                 [lut] "x"(lut), [low] "x"(low)                                                                \
+               : "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory")
+
 // The four totals of four u64x4 vectors (each < 2^31) as int32 lanes.
 inline __m128i Sums4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
   const __m256i t01 = _mm256_or_si256(s0, _mm256_slli_epi64(s1, 32));  // [s0_i, s1_i] per 64-bit lane
@@ -62,17 +77,7 @@ void Block(const uint64_t* a, int64_t lda, const uint64_t* w, int64_t ldw, int64
       const uint64_t* w3 = w + 3 * ldw;
       const int64_t ldw_bytes = ldw * 8;
       for (int64_t s = s0; s < s1; ++s) {
-        asm volatile("vmovdqu (%[a0]), %%ymm11\n\t"
-                     "vmovdqu (%[a0],%[lda]), %%ymm12\n\t"
-                     QDSL_BIN_COL("(%[w0])", "%[b00]", "%[b10]")
-                     QDSL_BIN_COL("(%[w0],%[ldw])", "%[b01]", "%[b11]")
-                     QDSL_BIN_COL("(%[w0],%[ldw],2)", "%[b02]", "%[b12]")
-                     QDSL_BIN_COL("(%[w3])", "%[b03]", "%[b13]")
-                     : [b00] "+x"(b00), [b01] "+x"(b01), [b02] "+x"(b02), [b03] "+x"(b03), [b10] "+x"(b10),
-                       [b11] "+x"(b11), [b12] "+x"(b12), [b13] "+x"(b13)
-                     : [a0] "r"(a + 4 * s), [lda] "r"(lda * 8), [w0] "r"(w + 4 * s), [w3] "r"(w3 + 4 * s),
-                       [ldw] "r"(ldw_bytes), [lut] "x"(lut), [low] "x"(low)
-                     : "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+        QDSL_BIN_STEP(a + 4 * s, w + 4 * s, w3 + 4 * s);
       }
       bytes[0][0] = b00, bytes[0][1] = b01, bytes[0][2] = b02, bytes[0][3] = b03;
       bytes[MR - 1][0] = b10, bytes[MR - 1][1] = b11, bytes[MR - 1][2] = b12, bytes[MR - 1][NR - 1] = b13;
@@ -134,17 +139,7 @@ void Rows2Short(const uint64_t* a, int64_t lda, const uint64_t* w, int64_t nbloc
     const uint64_t* w3 = wb + 3 * ldw;
     __m256i b00 = _mm256_setzero_si256(), b01 = b00, b02 = b00, b03 = b00, b10 = b00, b11 = b00, b12 = b00, b13 = b00;
     for (int64_t s = 0; s < steps; ++s) {
-      asm volatile("vmovdqu (%[a0]), %%ymm11\n\t"
-                   "vmovdqu (%[a0],%[lda]), %%ymm12\n\t"
-                   QDSL_BIN_COL("(%[w0])", "%[b00]", "%[b10]")
-                   QDSL_BIN_COL("(%[w0],%[ldw])", "%[b01]", "%[b11]")
-                   QDSL_BIN_COL("(%[w0],%[ldw],2)", "%[b02]", "%[b12]")
-                   QDSL_BIN_COL("(%[w3])", "%[b03]", "%[b13]")
-                   : [b00] "+x"(b00), [b01] "+x"(b01), [b02] "+x"(b02), [b03] "+x"(b03), [b10] "+x"(b10),
-                     [b11] "+x"(b11), [b12] "+x"(b12), [b13] "+x"(b13)
-                   : [a0] "r"(a + 4 * s), [lda] "r"(lda * 8), [w0] "r"(wb + 4 * s), [w3] "r"(w3 + 4 * s),
-                     [ldw] "r"(ldw_bytes), [lut] "x"(lut), [low] "x"(low)
-                   : "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory");
+      QDSL_BIN_STEP(a + 4 * s, wb + 4 * s, w3 + 4 * s);
     }
     const __m256i z = _mm256_setzero_si256();
     _mm_storeu_si128(reinterpret_cast<__m128i*>(pc + 4 * cb),

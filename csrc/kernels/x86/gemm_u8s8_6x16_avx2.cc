@@ -306,6 +306,20 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 namespace qdsl {
 namespace x86 {
 
+namespace {
+
+// How a panel's 16 position offsets can be loaded: one run of 16 consecutive bytes, two
+// runs of 8, or neither (byte gather).
+inline void PanelRuns(const int64_t* po, bool* run16, bool* run8) {
+  *run16 = *run8 = true;
+  for (int i = 1; i < 16; ++i) {
+    if (po[i] != po[0] + i) *run16 = false;
+    if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) *run8 = false;
+  }
+}
+
+}  // namespace
+
 // int16 pair panels of 16 columns for GemmI16Avx2 (the activation operand of the int16
 // convs): panel q, pair j = 32 int16, slot 2i / 2i + 1 = tap rows 2j / 2j + 1 at position
 // 16q + i, minus the zero point's code `zu`, gathered from padded images: byte i of tap
@@ -317,11 +331,8 @@ void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs
   const __m256i z = _mm256_set1_epi16(zu);
   for (int64_t q = 0; q < npanels; ++q) {
     const int64_t* po = pos + 16 * q;
-    bool run16 = true, run8 = true;
-    for (int i = 1; i < 16; ++i) {
-      if (po[i] != po[0] + i) run16 = false;
-      if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) run8 = false;
-    }
+    bool run16, run8;
+    PanelRuns(po, &run16, &run8);
     for (int64_t j = 0; j < kpairs; ++j) {
       const uint8_t* a = base + tap[2 * j];
       const uint8_t* b = base + tap[2 * j + 1];
@@ -357,11 +368,8 @@ void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kqu
                             int64_t npanels, uint8_t* panels) {
   for (int64_t q = 0; q < npanels; ++q) {
     const int64_t* po = pos + 16 * q;
-    bool run16 = true, run8 = true;
-    for (int i = 1; i < 16; ++i) {
-      if (po[i] != po[0] + i) run16 = false;
-      if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) run8 = false;
-    }
+    bool run16, run8;
+    PanelRuns(po, &run16, &run8);
     for (int64_t j = 0; j < kquads; ++j) {
       __m128i r[4];
       for (int t = 0; t < 4; ++t) {
