@@ -18,11 +18,11 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import copy
-import time
 import warnings
 
 import numpy as np
 import torch
+from _timing import steady_median
 
 
 def median_ms(fns, reps: int) -> list[float]:
@@ -31,18 +31,7 @@ def median_ms(fns, reps: int) -> list[float]:
     previous contender (idle cores clocking up again; torch's OpenMP workers, which
     busy-wait after each call: interleaved call by call on two cores, qdsl ran 4x slower
     and torch 1.3-1.4x slower here, and deployments do not interleave two runtimes)."""
-    out = []
-    for fn in fns:
-        end = time.perf_counter() + 0.3
-        while time.perf_counter() < end:
-            fn()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        out.append(1e3 * float(np.median(times)))
-    return out
+    return [1e3 * steady_median(fn, reps, warmup_s=0.3) for fn in fns]
 
 
 def main() -> None:

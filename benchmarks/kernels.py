@@ -16,25 +16,16 @@ import os
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
-import time
 import warnings
 
 import numpy as np
+from _timing import steady_median
 
 SHAPES = [(64, 576, 64), (256, 1152, 128), (128, 768, 768), (128, 3072, 768), (1, 768, 768), (1024, 1024, 1024)]
 
 
 def median_time(fn, reps: int) -> float:
-    end = time.perf_counter() + 0.1  # steady state first (clock ramp-up, other pools' spinning)
-    fn()
-    while time.perf_counter() < end:
-        fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+    return steady_median(fn, reps, warmup_s=0.1)
 
 
 def _ort_matmul_integer(a, w_t):
