@@ -389,7 +389,8 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
                       acc.data() + (c - n0), ldc);
         }
       }
-      if (split_kernel && rows >= 2) {  // (one row: the plain kernel's 1 x 4 blocks)
+      const bool use_split = split_kernel != nullptr && rows >= 2;  // one row: the plain 1 x 4 blocks
+      if (use_split) {
         thread_local std::vector<uint64_t> as;
         as.resize(static_cast<size_t>(rows * 2 * w.kwords));
         for (int64_t r = 0; r < rows; ++r) SplitNibbles(a + (r0 + r) * lda, w.kwords, as.data() + r * 2 * w.kwords);
@@ -400,7 +401,7 @@ Status BinaryGemm(const uint64_t* a, int64_t m, int64_t lda, const PackedWeights
         }
       }
       // Column blocks of 64 weight rows keep the weight block in L1 across row pairs.
-      for (int64_t c = n0; c < n1 && !cols_kernel && !(split_kernel && rows >= 2); c += 64) {
+      for (int64_t c = n0; c < n1 && !cols_kernel && !use_split; c += 64) {
         const int64_t ce = std::min(n1, c + 64);
         kernel(a + r0 * lda, rows, lda, w.bits_rows.data() + c * w.kwords, ce - c, w.kwords, w.kwords,
                acc.data() + (c - n0), ldc);

@@ -293,7 +293,6 @@ void Im2colPaddedU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, in
                     uint8_t flip, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
   const PaddedImages pi = PadImagesU8(x, p, e, b0, nb, gi, flip, pad, e.kdim);
   const int64_t OH = e.OH, OW = e.OW, Wq = pi.Wq, img = pi.img;
-  (void)Pp;
   for (int64_t k = 0; k < e.kdim; ++k) {
     const uint8_t* src0 = pi.base + pi.tap[k];
     uint8_t* dst0 = cols + k * Pp;
