@@ -109,6 +109,17 @@ void CopyRowsU8(const ActView& a, int64_t m0, int64_t rows, uint8_t* dst, int64_
   }
 }
 
+// The largest activation code of `a` as the u8 kernels see it (int8: value + 128).
+int32_t MaxCode(const ActView& a) {
+  const uint8_t flip = a.dtype == DType::kInt8 ? 0x80 : 0;
+  uint8_t hi = 0;
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const uint8_t* s = static_cast<const uint8_t*>(a.data) + r * a.ld;
+    for (int64_t i = 0; i < a.cols; ++i) hi = std::max<uint8_t>(hi, static_cast<uint8_t>(s[i] ^ flip));
+  }
+  return hi;
+}
+
 // Tasks for `threads` threads: enough to balance, none when one thread runs them all
 // (each task packs its own rows, so extra tasks would repeat that work).
 int64_t WantTasks(int threads) { return threads > 1 ? 2 * threads : 1; }
@@ -223,6 +234,7 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   const int32_t zlo = a.dtype == DType::kInt8 ? -128 : 0, zhi = a.dtype == DType::kInt8 ? 127 : 255;
   QDSL_CHECK_ARG(a.zero_point >= zlo && a.zero_point <= zhi, "activation zero point %d outside [%d, %d]",
                  a.zero_point, zlo, zhi);
+  QDSL_CHECK_ARG(a.max_code >= 0 && a.max_code <= 255, "activation code bound %d outside [0, 255]", a.max_code);
   QDSL_RETURN_IF_ERROR(ValidateOutput(out, a.rows, w.n));
   uint32_t chosen = 0;
   QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
@@ -249,8 +261,17 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   // calls keep the in-register unpacking of the int16 kernel (half the bytes streamed).
   const bool widen_ok = sub_bits == 0 || m > kMaxRows;
   // (AVX2 without VNNI: the vpmaddubsw kernel when the weights' pair bound makes it exact)
+  // Bounded activation codes (e.g. 7-bit, as torch.ao's reduce_range) allow more int16
+  // pair sums; the bound is checked here (one pass over A) before a kernel relies on it.
+  int steps = w.maddubs_steps;
+  if (a.max_code < 255 && !w.colsum.empty() && MaddubsStepsFor(w.maddubs_pair, a.max_code) > steps) {
+    const int32_t seen = MaxCode(a);
+    QDSL_CHECK_ARG(seen <= a.max_code, "an activation code is %d, above the stated bound max_code=%d", seen,
+                   a.max_code);
+    steps = MaddubsStepsFor(w.maddubs_pair, a.max_code);
+  }
   const VnniMicroKernel vnni =
-      (w.colsum.empty() || !widen_ok) ? nullptr : SelectQuadMicroKernel(true, w.maddubs_steps, chosen);
+      (w.colsum.empty() || !widen_ok) ? nullptr : SelectQuadMicroKernel(true, steps, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   const int threads = ThreadsFor(m * n * w.k);

@@ -97,7 +97,8 @@ int qdsl_bitpack(const int8_t* a, int64_t m, int64_t k, uint64_t* out, int64_t k
   return Guard(err, errlen, [&] { return qdsl::BitpackSigns(a, m, k, k, out, kwords); });
 }
 
-int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp, const void* weights,
+int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp, int32_t a_max,
+              const void* weights,
               const int32_t* bias, void* out, int out_dtype, int64_t ldo, const int32_t* mult, const int32_t* shift,
               int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin, int32_t qmax, uint32_t path, char* err,
               int64_t errlen) {
@@ -112,6 +113,7 @@ int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int
     av.cols = k;
     av.ld = lda;
     av.zero_point = a_zp;
+    av.max_code = a_max;
     qdsl::OutputStage stage;
     const qdsl::GemmOutput o = MakeOutput(out, out_dtype, ldo, mult, shift, channels, kind, rounding, out_zp, qmin, qmax, &stage);
     return qdsl::Gemm(av, *static_cast<const qdsl::PackedWeights*>(weights), bias, o, path);
@@ -122,7 +124,7 @@ int qdsl_gemm_i32(const void* a, int a_dtype, int64_t m, int64_t k, int32_t a_zp
                   uint32_t path) {
   if (weights == nullptr) return static_cast<int>(qdsl::StatusCode::kInvalidArgument);
   const int64_t n = static_cast<const qdsl::PackedWeights*>(weights)->n;
-  return qdsl_gemm(a, a_dtype, m, k, k, a_zp, weights, nullptr, out, 2, n, nullptr, nullptr, 0, 0, 0, 0, 0, 0, path,
+  return qdsl_gemm(a, a_dtype, m, k, k, a_zp, 255, weights, nullptr, out, 2, n, nullptr, nullptr, 0, 0, 0, 0, 0, 0, path,
                    nullptr, 0);
 }
 

@@ -32,14 +32,14 @@ QDSL_API void qdsl_free_weights(void* handle);
 QDSL_API int64_t qdsl_weights_bytes(const void* handle);
 QDSL_API int qdsl_bitpack(const int8_t* a, int64_t m, int64_t k, uint64_t* out, int64_t kwords, char* err,
                           int64_t errlen);
-/* mult/shift null => int32 output (out_dtype 2). */
-QDSL_API int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp,
+/* mult/shift null => int32 output (out_dtype 2).  a_max: ActView::max_code (255: none). */
+QDSL_API int qdsl_gemm(const void* a, int a_dtype, int64_t m, int64_t k, int64_t lda, int32_t a_zp, int32_t a_max,
                        const void* weights, const int32_t* bias, void* out, int out_dtype, int64_t ldo,
                        const int32_t* mult, const int32_t* shift, int64_t channels, int kind, int rounding, int32_t out_zp, int32_t qmin,
                        int32_t qmax, uint32_t path, char* err, int64_t errlen);
 // Fast call for the common case (int32 output, no bias or stage, dense rows): the status
 // only; callers repeat a failed call through qdsl_gemm for the message.  Eight arguments
-// instead of twenty-two: ctypes converts each one on every call (~0.1 us apiece).
+// instead of twenty-three: ctypes converts each one on every call (~0.1 us apiece).
 QDSL_API int qdsl_gemm_i32(const void* a, int a_dtype, int64_t m, int64_t k, int32_t a_zp, const void* weights,
                            void* out, uint32_t path);
 QDSL_API int qdsl_binary_gemm(const uint64_t* a, int64_t m, int64_t lda, const void* weights, const int32_t* bias,
@@ -63,7 +63,10 @@ extern "C" {
 QDSL_API int qdsl_graph_load(const void* data, int64_t size, void** handle, char* err, int64_t errlen);
 QDSL_API void qdsl_graph_free(void* handle);
 /* which 0 = inputs, 1 = outputs, 2 = ops: returns the count (index < 0) or fills info for
- * one entry: info[0] dtype (ops: opcode), info[1] rank, info[2..10) dims; name into buf. */
+ * one entry: info[0] dtype (ops: opcode), info[1] rank, info[2..10) dims; name into buf.
+ * Ops (rank 0) also get what the validator proved and chose: info[2], info[3] the first
+ * input's value range, info[4] the AVX2 vpmaddubsw steps of an int conv/linear (-1: not
+ * one; 0: the int16 kernel), info[5] 1 when no accumulator can overflow (fast_acc). */
 QDSL_API int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, char* name, int64_t namelen);
 QDSL_API int qdsl_graph_run(void* handle, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path,
                             char* err, int64_t errlen);

@@ -27,7 +27,7 @@ int16_t Slot(const PackedWeights& w, int64_t panel, int64_t j, int half, int i) 
 }
 
 template <typename T>
-int MaddubsStepsT(const T* w, int64_t rows, int64_t k, int64_t ld) {
+int PairBoundT(const T* w, int64_t rows, int64_t k, int64_t ld) {
   int worst = 0;  // max over pairs of max(positive part, -negative part)
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = w + r * ld;
@@ -37,14 +37,23 @@ int MaddubsStepsT(const T* w, int64_t rows, int64_t k, int64_t ld) {
       worst = std::max(worst, std::max(pos, neg));
     }
   }
-  if (worst == 0) return 8;
-  return static_cast<int>(std::min<int64_t>(8, 32767 / (int64_t{255} * worst)));
+  return worst;
 }
 
 }  // namespace
 
-int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld) { return MaddubsStepsT(w, rows, k, ld); }
-int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld) { return MaddubsStepsT(w, rows, k, ld); }
+int MaddubsStepsFor(int pair_bound, int max_code) {
+  if (pair_bound <= 0 || max_code <= 0) return 8;
+  return static_cast<int>(std::min<int64_t>(8, 32767 / (int64_t{max_code} * pair_bound)));
+}
+int MaddubsPairBound(const int16_t* w, int64_t rows, int64_t k, int64_t ld) { return PairBoundT(w, rows, k, ld); }
+int MaddubsPairBound(const int8_t* w, int64_t rows, int64_t k, int64_t ld) { return PairBoundT(w, rows, k, ld); }
+int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld) {
+  return MaddubsStepsFor(PairBoundT(w, rows, k, ld), 255);
+}
+int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld) {
+  return MaddubsStepsFor(PairBoundT(w, rows, k, ld), 255);
+}
 
 Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedWeights* out) {
   QDSL_CHECK_ARG(wp != nullptr && out != nullptr, "null weight pointer");
@@ -111,7 +120,8 @@ Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedW
       }
       w.colsum[col] = sum;
     }
-    w.maddubs_steps = MaddubsSteps(w.raw.data(), n, k, k);
+    w.maddubs_pair = MaddubsPairBound(w.raw.data(), n, k, k);
+    w.maddubs_steps = MaddubsStepsFor(w.maddubs_pair, 255);
   }
   return Status::Ok();
 }

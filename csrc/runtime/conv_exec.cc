@@ -750,6 +750,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
     av.cols = e.kdim;
     av.ld = e.kdim;
     av.zero_point = p.in_zp;
+    av.max_code = p.in_max_code;
     GemmOutput o;
     o.data = g->buffers[op.outputs[0]].data();
     o.dtype = out_dtype == kI8 ? DType::kInt8 : DType::kUInt8;
@@ -789,6 +790,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
       av.cols = e.kdim;
       av.ld = e.kdim;
       av.zero_point = p.in_zp;
+      av.max_code = p.in_max_code;
       GemmOutput o;
       o.data = acc.data();
       o.ld = e.og;

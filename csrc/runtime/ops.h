@@ -35,7 +35,8 @@ struct PreparedOp {
   // convs, when W - w_zp fits int8: VNNI/AMX rows [og rounded up to 16][kp64], zero padded
   std::vector<AlignedVector<int8_t>> w8;
   std::vector<int32_t> rowsum;              // [cout] sum_k (W - w_zp), the VNNI zero-point offset
-  int maddubs_steps = 0;                    // MaddubsSteps of w8 (AVX2 vpmaddubsw convs when >= 1)
+  int32_t in_max_code = 255;                // largest u8 code of the input (int8: + 128), padding included
+  int maddubs_steps = 0;                    // MaddubsStepsFor(w8, in_max_code) (AVX2 vpmaddubsw convs when >= 1)
   // AMX implicit-GEMM conv (groups 1, int8 weights, >= 16 input channels): the input is
   // copied to a zero-point padded NHWC image [Hp][Wp][C] and the tiles read it in place.
   // K is cut into segments of a position's window (one per kernel row when dw == 1: kw * C

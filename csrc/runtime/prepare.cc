@@ -224,6 +224,37 @@ void PlanNhwc(Graph* g) {
   }
 }
 
+// The output's proven value range (GraphTensor::value_min/max): the clamp the op applies
+// (checked within the dtype above), the input's range for ops that only move values, else
+// the dtype's range.
+void SetValueRange(const GraphOp& op, const GraphTensor& x, GraphTensor* out) {
+  if (!IsInt8(out->dtype)) return;
+  const auto& A = op.attrs;
+  switch (op.opcode) {
+    case kQuantize:
+      out->value_min = A.at("qmin").i;
+      out->value_max = A.at("qmax").i;
+      return;
+    case kClamp: {  // monotone: the ends of the input range map to the ends of the output's
+      const int64_t lo = A.at("out_min").i, hi = A.at("out_max").i;
+      out->value_min = std::clamp(x.value_min, lo, hi);
+      out->value_max = std::clamp(x.value_max, lo, hi);
+      return;
+    }
+    case kMaxpool1d: case kMaxpool2d: case kReshape:  // padding taps never win a max pool
+      out->value_min = x.value_min;
+      out->value_max = x.value_max;
+      return;
+    default: {
+      const auto lo = A.find("out_min"), hi = A.find("out_max");
+      if (lo != A.end() && hi != A.end()) {  // every stage (and CONCAT) clamps its output
+        out->value_min = lo->second.i;
+        out->value_max = hi->second.i;
+      }
+    }
+  }
+}
+
 Status PrepareGraph(Graph* g) {
   const int n_tensors = static_cast<int>(g->tensors.size());
   std::vector<char> ready(n_tensors, 0);
@@ -234,6 +265,7 @@ Status PrepareGraph(Graph* g) {
                "graph input '%s' must be an F32/I8/U8 activation", in.name.c_str());
     ready[t] = 1;
   }
+  for (GraphTensor& t : g->tensors) Range(t.dtype, &t.value_min, &t.value_max);
   for (int index = 0; index < static_cast<int>(g->ops.size()); ++index) {
     GraphOp& op = g->ops[index];
     const Schema& sc = GetSchema(op.opcode);
@@ -412,6 +444,7 @@ Status PrepareGraph(Graph* g) {
       default:
         OP_CHECK(false, "unknown opcode %d", op.opcode);
     }
+    SetValueRange(op, x, &out);
     OP_CHECK(out.dims == shape, "declared output shape of '%s' differs from the inferred shape", out.name.c_str());
   }
   for (uint32_t t : g->outputs)

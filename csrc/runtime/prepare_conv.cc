@@ -167,7 +167,12 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
     }
     p.w_int.push_back(std::move(vals));
   }
+  // the input's proven range (GraphTensor::value_min/max; padding taps read in_zp itself)
+  xlo = std::max(xlo, x.value_min);
+  xhi = std::min(xhi, x.value_max);
   const int64_t xmax = std::max(std::llabs(xlo - p.in_zp), std::llabs(xhi - p.in_zp));
+  // the largest u8 code the kernels see (int8: value + 128), padding included
+  p.in_max_code = static_cast<int32_t>(std::max<int64_t>(xhi, p.in_zp) + (x.dtype == kI8 ? 128 : 0));
   p.int32_exact = wmax <= 511 && kdim * xmax * wmax <= INT32_MAX;
   int64_t bmax = 0;
   for (int32_t b : p.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
@@ -197,7 +202,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
             rows[o * p.kp64 + k] = static_cast<int8_t>(v);
             p.rowsum[gi * og + o] += v;
           }
-        const int steps = MaddubsSteps(rows.data(), og, p.kp64, p.kp64);
+        const int steps = MaddubsStepsFor(MaddubsPairBound(rows.data(), og, p.kp64, p.kp64), p.in_max_code);
         p.maddubs_steps = gi == 0 ? steps : std::min(p.maddubs_steps, steps);
         p.w8.push_back(std::move(rows));
       }
@@ -208,6 +213,10 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
       std::vector<int16_t> v16(p.w_int[gi].begin(), p.w_int[gi].end());
       p.packed.emplace_back();
       QDSL_RETURN_IF_ERROR(PackWeights(v16.data(), og, kdim, kdim, &p.packed.back()));
+      // what Gemm derives from the input's code bound (ActView::max_code)
+      const PackedWeights& pw = p.packed.back();
+      const int steps = pw.colsum.empty() ? 0 : MaddubsStepsFor(pw.maddubs_pair, p.in_max_code);
+      p.maddubs_steps = gi == 0 ? steps : std::min(p.maddubs_steps, steps);
     }
   }
   return Status::Ok();

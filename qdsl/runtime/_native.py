@@ -37,7 +37,7 @@ _SIGNATURES = {
     "qdsl_bitpack": (_c_int, [_p, _i64, _i64, _p, _i64, _ERR, _i64]),
     "qdsl_gemm": (
         _c_int,
-        [_p, _c_int, _i64, _i64, _i64, _i32, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],
+        [_p, _c_int, _i64, _i64, _i64, _i32, _i32, _p, _p, _p, _c_int, _i64] + _STAGE + [_u32, _ERR, _i64],
     ),
     "qdsl_gemm_i32": (_c_int, [_p, _c_int, _i64, _i64, _i32, _p, _p, _u32]),
     "qdsl_binary_gemm": (

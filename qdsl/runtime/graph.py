@@ -72,6 +72,24 @@ class CompiledGraph:
             out.append(_IO(name.value.decode("utf-8", "replace"), int(info[0]), tuple(int(info[2 + d]) for d in range(info[1]))))
         return out
 
+    def plan(self) -> list[dict[str, Any]]:
+        """Per op, what the validator proved and chose: ``input_range`` (the first input's
+        proven value range: the clamp of its producer, else its dtype's range),
+        ``maddubs_steps`` (int conv/linear only: S >= 1 means AVX2 CPUs without VNNI run the
+        exact ``vpmaddubsw`` kernel, adding S pair sums in int16; 0 the int16 kernel) and
+        ``no_overflow`` (no accumulator can overflow, so the fast output stage runs)."""
+        info = (ctypes.c_int64 * 10)()
+        name = ctypes.create_string_buffer(4100)
+        out = []
+        for i in range(len(self.op_names)):
+            self._lib.qdsl_graph_entry(self._handle, 2, i, info, name, 4100)
+            entry: dict[str, Any] = {"name": name.value.decode("utf-8", "replace"),
+                                     "input_range": (int(info[2]), int(info[3])), "no_overflow": bool(info[5])}
+            if info[4] >= 0:
+                entry["maddubs_steps"] = int(info[4])
+            out.append(entry)
+        return out
+
     def __del__(self):
         handle = getattr(self, "_handle", None)
         if handle:

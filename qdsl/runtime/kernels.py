@@ -160,9 +160,13 @@ _A_CODES = {"b": 0, "B": 1}  # dtype.char of int8 / uint8
 
 
 def gemm(a: np.ndarray, w: PackedWeights, *, a_zero_point: int = 0, bias=None, stage: OutputStage | None = None,
-         out_dtype=np.int8, path: str = "auto") -> np.ndarray:
-    """``a[m, k]`` (int8/uint8) x packed int weights -> int32, or int8/uint8 with ``stage``."""
-    if stage is None and bias is None and type(a) is np.ndarray and a.ndim == 2 and a.flags.c_contiguous:
+         out_dtype=np.int8, path: str = "auto", a_max_code: int = 255) -> np.ndarray:
+    """``a[m, k]`` (int8/uint8) x packed int weights -> int32, or int8/uint8 with ``stage``.
+
+    ``a_max_code`` bounds the activation codes (uint8: the values, int8: the values + 128),
+    e.g. 127 for 7-bit or 15 for 4-bit unsigned activations: on AVX2 without VNNI this lets
+    wider weights take the exact ``vpmaddubsw`` kernel.  It is checked: codes above it raise."""
+    if stage is None and bias is None and a_max_code == 255 and type(a) is np.ndarray and a.ndim == 2 and a.flags.c_contiguous:
         code, mask = _A_CODES.get(a.dtype.char), PATHS.get(path)
         if code is not None and mask is not None:  # fast call; a failure is redone below for its message
             out = _aligned_empty((a.shape[0], w.n), np.int32)
@@ -175,7 +179,7 @@ def gemm(a: np.ndarray, w: PackedWeights, *, a_zero_point: int = 0, bias=None, s
     b = _bias(bias, w.n)
     out = _out(a.shape[0], w.n, stage, out_dtype)
     _call(_lib().qdsl_gemm, _ptr(a), _DTYPES[a.dtype], a.shape[0], a.shape[1], a.shape[1], int(a_zero_point),
-          w._handle, _ptr(b), _ptr(out), _DTYPES[out.dtype], w.n, *_stage_args(stage), _path(path))
+          int(a_max_code), w._handle, _ptr(b), _ptr(out), _DTYPES[out.dtype], w.n, *_stage_args(stage), _path(path))
     return out
 
 

@@ -274,3 +274,46 @@ def test_run_graph_cpp_backend_and_batch_change():
 def test_conv_examples_were_not_all_rejected():
     test_conv_matches_reference()
     assert len(_RAN) >= 10, f"only {len(_RAN)} conv geometries were valid"
+
+
+@pytest.mark.parametrize("a_bits", [4, 7, 8])
+def test_proven_activation_ranges_pick_the_kernels(a_bits):
+    """The validator carries each activation's proven range (QUANTIZE qmin/qmax, stage
+    out_min/out_max, CLAMP; unchanged through MAXPOOL and RESHAPE) into the convs: with
+    a_bits-bit activations, full-range int8 weights take the exact vpmaddubsw kernel on
+    AVX2 (S = 32767 // (max code * 254)).  Inputs saturate the quantizer so the codes reach
+    the bound, and every path must still equal the reference."""
+    rng = np.random.default_rng(a_bits)
+    hi = (1 << a_bits) - 1
+    w1 = np.where(rng.random((8, 3, 3, 3)) < 0.5, 127, -127).astype(np.int8)
+    w2 = np.where(rng.random((8, 8, 3, 3)) < 0.5, 127, -127).astype(np.int8)
+    w3 = np.where(rng.random((5, 8 * 4 * 4)) < 0.5, 127, -127).astype(np.int8)
+    conv = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1, "w_zp": [0], "acc_bits": 32,
+            "overflow": 0}
+    stage = OutputStage(make_rescale(0.0004), 0, 0, hi).attrs()  # ReLU to a_bits bits
+    tensors = [Tensor("x", DType.F32, (-1, 3, 8, 8)), Tensor("q", DType.U8, (-1, 3, 8, 8)),
+               Tensor("c", DType.U8, (-1, 3, 8, 8)), Tensor("w1", DType.I8, w1.shape, w1),
+               Tensor("h1", DType.U8, (-1, 8, 8, 8)), Tensor("w2", DType.I8, w2.shape, w2),
+               Tensor("h2", DType.U8, (-1, 8, 8, 8)), Tensor("p", DType.U8, (-1, 8, 4, 4)),
+               Tensor("r", DType.U8, (-1, 128)), Tensor("w3", DType.I8, w3.shape, w3), Tensor("y", DType.I8, (-1, 5))]
+    ops = [
+        Op(OpType.QUANTIZE, "q", ["x"], ["q"], {"scale": 0.01, "zero_point": 0, "qmin": 0, "qmax": 255, "rounding": 1}),
+        Op(OpType.CLAMP, "clamp", ["q"], ["c"], {"out_min": 0, "out_max": hi}),
+        Op(OpType.CONV2D, "conv1", ["c", "w1"], ["h1"], {**conv, "in_zp": 0, **stage}),
+        Op(OpType.CONV2D, "conv2", ["h1", "w2"], ["h2"], {**conv, "in_zp": 0, **stage}),
+        Op(OpType.MAXPOOL2D, "pool", ["h2"], ["p"], {"kernel": [2, 2], "stride": [2, 2], "padding": [0, 0],
+                                                    "dilation": [1, 1]}),
+        Op(OpType.RESHAPE, "flat", ["p"], ["r"], {"shape": [128]}),
+        Op(OpType.LINEAR, "fc", ["r", "w3"], ["y"], {"in_zp": 0, "w_zp": [0], "acc_bits": 32, "overflow": 0,
+                                                   **OutputStage(make_rescale(0.0001), 0, -128, 127).attrs()}),
+    ]
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = rng.uniform(-1, 4, (6, 3, 8, 8)).astype(np.float32)
+    x[:, :, :4] = 100.0  # saturates: codes at the bound
+    cg = _check(graph, x)
+    plan = {p["name"]: p for p in cg.plan()}
+    assert plan["clamp"]["input_range"] == (0, 255)
+    for name in ("conv1", "conv2", "fc"):
+        assert plan[name]["input_range"] == (0, hi), name
+        assert plan[name]["maddubs_steps"] == min(8, 32767 // (hi * 254)), name
+    assert "maddubs_steps" not in plan["pool"]

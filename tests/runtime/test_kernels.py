@@ -106,6 +106,44 @@ def test_gemm_maddubs_bound_all_paths(wmag, m):
             _agree(got, _expected(a, a_zp, w, np.zeros(n, np.int64), None))
 
 
+@pytest.mark.parametrize("max_code", [1, 15, 16, 17, 63, 64, 127, 128, 129, 130, 254, 255])
+@pytest.mark.parametrize("m", [1, 7, 100])
+def test_gemm_activation_bound_all_paths(max_code, m):
+    """Activation codes bounded by ``a_max_code`` let full-range int8 weights take the
+    vpmaddubsw kernel with S = 32767 // (max_code * pair bound) (weights 127: pair 254;
+    129 -> S 1, 130 -> S 0, 16 -> 8, 17 -> 7, run as 4).  Every activation at the bound and
+    every pair at the bound reach S * max_code * pair exactly, so an S one too large (or a
+    bound taken one too small: 130 as 129, 17 as 16) would saturate or wrap."""
+    rng = np.random.default_rng(max_code * 100 + m)
+    k, n = 261, 35
+    w_cases = [np.full((n, k), -128, np.int8), np.full((n, k), 127, np.int8),
+               rng.integers(-128, 128, (n, k)).astype(np.int8)]
+    for w in w_cases:
+        pw = K.pack_weights(w)
+        for a, a_zp, bound in [
+            (np.full((m, k), max_code, np.uint8), 0, max_code),
+            (rng.integers(0, max_code + 1, (m, k)).astype(np.uint8), int(rng.integers(0, max_code + 1)), max_code),
+            # int8 activations: the bound is on value + 128
+            (np.full((m, k), max_code - 128, np.int8), -128, max_code),
+        ]:
+            got = {p: K.gemm(a, pw, a_zero_point=a_zp, path=p, a_max_code=bound) for p in PATHS}
+            _agree(got, _expected(a, a_zp, w, np.zeros(n, np.int64), None))
+
+
+def test_gemm_activation_bound_is_checked():
+    w = np.full((16, 64), -128, np.int8)
+    pw = K.pack_weights(w)
+    a = np.full((7, 64), 127, np.uint8)  # 7 rows: below the AMX driver, which needs no bound
+    a[5, 33] = 128  # one code above the stated bound: saturating pairs if it were trusted
+    for path in PATHS:
+        if path != "ref":  # the reference kernel needs no bound and ignores it
+            with pytest.raises(rt.RuntimeError_, match="above the stated bound max_code=127"):
+                K.gemm(a, pw, path=path, a_max_code=127)
+    with pytest.raises(rt.RuntimeError_, match="outside"):
+        K.gemm(a, pw, a_max_code=256)
+    np.testing.assert_array_equal(K.gemm(a, pw), _expected(a, 0, w, np.zeros(16, np.int64), None))
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_gemm_requantized_output_equals_reference_stage(path):
     from qdsl.export.ir import Rescale

@@ -53,8 +53,11 @@ struct PackedWeights {
   AlignedVector<uint8_t> vnni;
   std::vector<int32_t> colsum;  // [panels * 16]
   // How many vpmaddubsw pair sums of these weights (x any u8 activations) can be added in
-  // int16 exactly: 0 = one pair can saturate (MaddubsSteps).  Set with colsum.
+  // int16 exactly: 0 = one pair can saturate (MaddubsSteps).  Set with colsum, as is the
+  // weights' pair bound (MaddubsPairBound), from which Gemm derives the steps for
+  // activations bounded below 255 (ActView::max_code).
   int maddubs_steps = 0;
+  int maddubs_pair = 0;
   // Binary: bit rows [n][kwords], bit = 1 means -1.
   int64_t kwords = 0;
   std::vector<uint64_t> bits_rows;
@@ -76,6 +79,12 @@ Status PackWeights(const int16_t* w, int64_t n, int64_t k, int64_t ldw, PackedWe
 // 0 when a single pair can saturate.  All-zero weights give 8.
 int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld);
 int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld);
+// The pair bound behind MaddubsSteps: max over pairs of max(w0+ + w1+, -(w0- + w1-)).
+int MaddubsPairBound(const int16_t* w, int64_t rows, int64_t k, int64_t ld);
+int MaddubsPairBound(const int8_t* w, int64_t rows, int64_t k, int64_t ld);
+// S for activation codes in [0, max_code]: the largest S <= 8 with S * max_code * pair <=
+// 32767 (8 when either is 0).  MaddubsSteps(w) == MaddubsStepsFor(MaddubsPairBound(w), 255).
+int MaddubsStepsFor(int pair_bound, int max_code);
 // Binary weights given as +1/-1 int8 values [n][k].
 Status PackBinaryWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
 // words (a multiple of 4) bit-packed words -> 2 * words: per group of 4, the 4 words
