@@ -2,7 +2,10 @@
 torch.ao's converted int8 model (FX mode, x86 engine), at batch 1 and 32.
 
 Models: the digits ResNet (1x8x8, as in the tests) and a wider version of the same
-architecture on 3x32x32 inputs (CIFAR-sized), both quantized with specs/int8-default.qspec.
+architecture on 3x32x32 inputs (CIFAR-sized), both quantized with specs/int8-default.qspec,
+and again with 7-bit activations (``input.bits=7 output.bits=7``), the precision of torch.ao's
+x86 qconfig (``reduce_range=True``), which lets AVX2 run int8 weights on the exact vpmaddubsw
+kernel.
 Times are medians of repeats measured side by side in one process (each after a warm-up), float32 input to
 float32 output for all three.  Run: python benchmarks/e2e.py [--threads 1] [--reps 30]
 """
@@ -53,18 +56,21 @@ def main() -> None:
     rt.set_num_threads(args.threads)
     torch.backends.quantized.engine = "x86"
     print(f"threads: {args.threads} (qdsl and torch)")
-    print(f"{'model':<26} {'batch':>5} | {'qdsl':>8} {'fp32':>8} {'ao int8':>8} ms | fp32/qdsl ao/qdsl")
+    print(f"{'model':<26} {'batch':>5} | {'qdsl':>8} {'qdsl a7':>8} {'fp32':>8} {'ao int8':>8} ms | "
+          f"fp32/qdsl ao/qdsl ao/qdsl-a7")
     for name, width, in_ch, size in [("digits ResNet 1x8x8", 16, 1, 8), ("ResNet w32 3x32x32", 32, 3, 32)]:
         torch.manual_seed(0)
         model = DigitsResNet(width=width, in_ch=in_ch).eval()
         calib = torch.randn(256, in_ch, size, size)
         fp32 = copy.deepcopy(model)
-        qmodel = copy.deepcopy(model)
-        qdsl.apply(qmodel, qdsl.load_spec("specs/int8-default.qspec"))
-        qdsl.calibrate(qmodel, [calib[i:i + 64] for i in range(0, 256, 64)])
-        qdsl.freeze(qmodel)
-        graph = export(qmodel, calib[:2])
-        compiled = rt.CompiledGraph(graph)
+        graphs = []
+        for overrides in ([], ["input.bits=7", "output.bits=7"]):
+            qmodel = copy.deepcopy(model)
+            qdsl.apply(qmodel, qdsl.load_spec("specs/int8-default.qspec"), overrides=overrides)
+            qdsl.calibrate(qmodel, [calib[i:i + 64] for i in range(0, 256, 64)], progress=False)
+            qdsl.freeze(qmodel)
+            graphs.append(export(qmodel, calib[:2]))
+        compiled, compiled7 = (rt.CompiledGraph(g) for g in graphs)
         ao = prepare_fx(copy.deepcopy(model), get_default_qconfig_mapping("x86"), (calib[:2],))
         with torch.no_grad():
             ao(calib)
@@ -72,10 +78,13 @@ def main() -> None:
         for batch in (1, 32):
             x = torch.randn(batch, in_ch, size, size)
             xn = x.numpy()
-            assert np.array_equal(compiled.run(xn), execute(graph, xn).outputs[0])
+            for g, c in zip(graphs, (compiled, compiled7)):
+                assert np.array_equal(c.run(xn), execute(g, xn).outputs[0])
             with torch.no_grad():
-                t_q, t_f, t_a = median_ms([lambda: compiled.run(xn), lambda: fp32(x), lambda: ao(x)], args.reps)
-            print(f"{name:<26} {batch:>5} | {t_q:8.3f} {t_f:8.3f} {t_a:8.3f}    | {t_f / t_q:9.2f} {t_a / t_q:7.2f}")
+                t_q, t_7, t_f, t_a = median_ms(
+                    [lambda: compiled.run(xn), lambda: compiled7.run(xn), lambda: fp32(x), lambda: ao(x)], args.reps)
+            print(f"{name:<26} {batch:>5} | {t_q:8.3f} {t_7:8.3f} {t_f:8.3f} {t_a:8.3f}    | {t_f / t_q:9.2f} "
+                  f"{t_a / t_q:7.2f} {t_a / t_7:11.2f}")
 
 
 if __name__ == "__main__":

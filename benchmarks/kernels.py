@@ -2,7 +2,8 @@
 fp32 matmul) and onnxruntime MatMulInteger when installed, with 1 and 2 threads.
 
 Prints GOP/s (2*M*K*N / time) and ratios, all measured side by side in one process,
-medians of repeats, and then whether each int8 result is exact on this CPU.  No assertions: the targets are in issue 6 and the report.
+medians of repeats, then int8 weights with 7-bit activations (a bounded activation code
+lets AVX2 run the exact vpmaddubsw kernel), then whether each int8 result is exact on this CPU.  No assertions: the targets are in issue 6 and the report.
 Run: python benchmarks/kernels.py [--reps 7]
 """
 
@@ -106,8 +107,27 @@ def main() -> None:
             res[threads] = (median_time(lambda: K.gemm(a, p8, a_zero_point=128), args.reps),
                             median_time(lambda: K.binary_gemm(abits, pb), args.reps))
         print(f"{str((m, k, n)):>16}  int8 {res[1][0] / res[2][0]:.2f}x  binary {res[1][1] / res[2][1]:.2f}x")
+    reduced_range(rng, args.reps)
     rt.set_num_threads(0)
     exactness(rng, torch)
+
+
+def reduced_range(rng, reps: int) -> None:
+    """int8 weights with 7-bit activations (torch.ao's reduce_range on x86): the code bound
+    lets AVX2 run the exact vpmaddubsw kernel; figures beside 8-bit activations, 1 thread."""
+    import qdsl.runtime as rt
+    from qdsl.runtime import kernels as K
+
+    rt.set_num_threads(1)
+    print("\n== int8 weights, 8- vs 7-bit activations (a_max_code=127), 1 thread, GOP/s ==")
+    for m, k, n in SHAPES:
+        ops = 2.0 * m * k * n
+        p8 = K.pack_weights(rng.integers(-127, 128, (n, k)).astype(np.int8))
+        a8 = rng.integers(0, 256, (m, k)).astype(np.uint8)
+        a7 = rng.integers(0, 128, (m, k)).astype(np.uint8)
+        t8 = median_time(lambda: K.gemm(a8, p8, a_zero_point=128), reps)
+        t7 = median_time(lambda: K.gemm(a7, p8, a_zero_point=64, a_max_code=127), reps)
+        print(f"{str((m, k, n)):>16}  u8 {ops / t8 / 1e9:6.0f}  u7 {ops / t7 / 1e9:6.0f}  ({t8 / t7:.2f}x)")
 
 
 def exactness(rng, torch) -> None:

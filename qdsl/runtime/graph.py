@@ -74,7 +74,8 @@ class CompiledGraph:
 
     def plan(self) -> list[dict[str, Any]]:
         """Per op, what the validator proved and chose: ``input_range`` (the first input's
-        proven value range: the clamp of its producer, else its dtype's range),
+        proven value range: the clamp of its producer, else its dtype's range; None for
+        F32/I32/BIN inputs),
         ``maddubs_steps`` (int conv/linear only: S >= 1 means AVX2 CPUs without VNNI run the
         exact ``vpmaddubsw`` kernel, adding S pair sums in int16; 0 the int16 kernel) and
         ``no_overflow`` (no accumulator can overflow, so the fast output stage runs)."""
@@ -83,8 +84,10 @@ class CompiledGraph:
         out = []
         for i in range(len(self.op_names)):
             self._lib.qdsl_graph_entry(self._handle, 2, i, info, name, 4100)
+            lo, hi = int(info[2]), int(info[3])
             entry: dict[str, Any] = {"name": name.value.decode("utf-8", "replace"),
-                                     "input_range": (int(info[2]), int(info[3])), "no_overflow": bool(info[5])}
+                                     "input_range": (lo, hi) if -128 <= lo <= hi <= 255 else None,
+                                     "no_overflow": bool(info[5])}
             if info[4] >= 0:
                 entry["maddubs_steps"] = int(info[4])
             out.append(entry)

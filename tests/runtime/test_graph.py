@@ -317,3 +317,4 @@ def test_proven_activation_ranges_pick_the_kernels(a_bits):
         assert plan[name]["input_range"] == (0, hi), name
         assert plan[name]["maddubs_steps"] == min(8, 32767 // (hi * 254)), name
     assert "maddubs_steps" not in plan["pool"]
+    assert plan["q"]["input_range"] is None  # F32
