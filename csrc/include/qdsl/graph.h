@@ -37,7 +37,7 @@ struct GraphTensor {
   std::vector<int32_t> values;  // constants: logical values, row-major
   // Activations: a proven range of the values, from the clamp of the op that produces them
   // (QUANTIZE qmin/qmax, a stage's out_min/out_max, CLAMP), else the dtype's range; set by
-  // the validator.  Convs use it to bound their sums (docs/qgraph.md §4.3, §6).
+  // the validator.  Convs use it to bound their sums (docs/qgraph.md §4.3).
   int64_t value_min = 0, value_max = 0;
 };
 
