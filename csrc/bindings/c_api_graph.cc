@@ -47,7 +47,7 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     const bool int_gemm = op.prepared && (op.opcode == qdsl::kConv1d || op.opcode == qdsl::kConv2d ||
                                           op.opcode == qdsl::kLinear);
     info[4] = int_gemm && op.prepared->int32_exact ? op.prepared->maddubs_steps : -1;
-    info[5] = op.prepared && op.prepared->fast_acc ? 1 : 0;
+    info[5] = int_gemm ? (op.prepared->fast_acc ? 1 : 0) : -1;  // (binary ops: not tracked)
     nm = op.name;
   } else {
     const qdsl::GraphTensor& t = g->tensors[which == 0 ? g->inputs[index] : g->outputs[index]];

@@ -1,9 +1,11 @@
-"""``qdsl run GRAPH --input FILE.npy [--output FILE.npy] [--backend auto|reference|cpp]``.
+"""``qdsl run GRAPH --input FILE.npy [--output FILE.npy] [--backend auto|reference|cpp] [--plan]``.
 
 Loads and validates a ``.qgraph`` file, runs it on the array stored in the ``.npy`` input
 file, and writes the output array (``.npy``) or prints a short summary. ``--overflow``
-prints the per-layer accumulator overflow counts (reference backend). A corrupt graph,
-a missing file or an input of the wrong shape/dtype exits 2 with a message.
+prints the per-layer accumulator overflow counts (reference backend). ``--plan`` prints,
+per op, what the C++ runtime proved and chose: the input's value range, the AVX2 int
+kernel of convs and linears, and whether an accumulator can overflow (no input needed).
+A corrupt graph, a missing file or an input of the wrong shape/dtype exits 2 with a message.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("run", help="run an integer graph (.qgraph) on a .npy input",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("graph", help="the .qgraph file")
-    p.add_argument("--input", "-i", required=True, help="input array (.npy), batch first")
+    p.add_argument("--input", "-i", help="input array (.npy), batch first (required unless --plan)")
     p.add_argument("--output", "-o", help="write the output array here (.npy); several outputs: .npz")
     p.add_argument("--backend", choices=("auto", "reference", "cpp"), default="auto")
     p.add_argument("--overflow", action="store_true", help="print accumulator overflow counts per layer (reference)")
+    p.add_argument("--plan", action="store_true",
+                   help="print per op the proven input range and the kernel choice of the C++ runtime")
     p.set_defaults(func=run)
 
 
@@ -41,7 +45,15 @@ def run(args: argparse.Namespace) -> int:
 
     from qdsl.export import execute, load_graph, run_graph
 
+    from qdsl.spec.diagnostics import QdslError
+
     graph = load_graph(args.graph)
+    if args.plan:
+        print_plan(graph)
+        if not args.input:
+            return 0
+    if not args.input:
+        raise QdslError("qdsl run needs --input FILE.npy (or --plan alone)")
     x = _load_npy(args.input)
     if args.overflow:
         res = execute(graph, x)
@@ -63,3 +75,21 @@ def run(args: argparse.Namespace) -> int:
                 line += f" argmax {o.argmax(axis=1)[:16].tolist()}{' ...' if o.shape[0] > 16 else ''}"
             print(line, file=sys.stdout)
     return 0
+
+
+def print_plan(graph) -> None:
+    import qdsl.runtime as rt
+
+    if not rt.available():
+        from qdsl.spec.diagnostics import QdslError
+
+        raise QdslError(f"--plan needs the C++ runtime, which is unavailable: {rt.load_error()}")
+    plan = rt.CompiledGraph(graph).plan()
+    width = max([len(p["name"]) for p in plan] + [2])
+    print(f"{'op':<{width}}  {'input range':<12}  {'AVX2 int kernel':<22}  no overflow")
+    for p in plan:
+        rng = "-" if p["input_range"] is None else f"[{p['input_range'][0]}, {p['input_range'][1]}]"
+        steps = p.get("maddubs_steps")
+        kernel = "-" if steps is None else ("vpmaddwd (int16)" if steps == 0 else f"vpmaddubsw, {steps} in int16")
+        overflow = {True: "yes", False: "no", None: "-"}[p.get("no_overflow")]
+        print(f"{p['name']:<{width}}  {rng:<12}  {kernel:<22}  {overflow}")

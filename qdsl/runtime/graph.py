@@ -78,7 +78,8 @@ class CompiledGraph:
         F32/I32/BIN inputs),
         ``maddubs_steps`` (int conv/linear only: S >= 1 means AVX2 CPUs without VNNI run the
         exact ``vpmaddubsw`` kernel, adding S pair sums in int16; 0 the int16 kernel) and
-        ``no_overflow`` (no accumulator can overflow, so the fast output stage runs)."""
+        ``no_overflow`` (int conv/linear only: no accumulator can overflow, so the fast output
+        stage runs)."""
         info = (ctypes.c_int64 * 10)()
         name = ctypes.create_string_buffer(4100)
         out = []
@@ -86,8 +87,9 @@ class CompiledGraph:
             self._lib.qdsl_graph_entry(self._handle, 2, i, info, name, 4100)
             lo, hi = int(info[2]), int(info[3])
             entry: dict[str, Any] = {"name": name.value.decode("utf-8", "replace"),
-                                     "input_range": (lo, hi) if -128 <= lo <= hi <= 255 else None,
-                                     "no_overflow": bool(info[5])}
+                                     "input_range": (lo, hi) if -128 <= lo <= hi <= 255 else None}
+            if info[5] >= 0:
+                entry["no_overflow"] = bool(info[5])
             if info[4] >= 0:
                 entry["maddubs_steps"] = int(info[4])
             out.append(entry)

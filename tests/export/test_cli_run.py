@@ -33,3 +33,22 @@ def test_run_reports_bad_files(tmp_path, capsys):
     assert "expects shape" in capsys.readouterr().err
     assert main(["run", str(g), "--input", str(tmp_path / "none.npy")]) == 2
     assert "cannot read input" in capsys.readouterr().err
+
+
+def test_run_plan_prints_ranges_and_kernels(tmp_path, capsys):
+    import pytest
+
+    import qdsl.runtime as rt
+
+    if not rt.available():
+        pytest.skip(f"C++ runtime not built: {rt.load_error()}")
+    g = tmp_path / "g.qgraph"
+    save_graph(GRAPH, g)
+    assert main(["run", str(g), "--plan"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["op", "input", "range"]
+    conv = next(line for line in lines if line.startswith("conv "))
+    q = next(op for op in GRAPH.ops if op.type.name == "QUANTIZE")
+    assert f"[{q.attrs['qmin']}, {q.attrs['qmax']}]" in conv and "vpmadd" in conv
+    assert main(["run", str(g)]) == 2
+    assert "needs --input" in capsys.readouterr().err
