@@ -55,6 +55,8 @@ def _extensions() -> list[Extension]:
         Extension(
             "qdsl.runtime._qdsl_native",
             sources=_sources(),
+            # headers too: without them an edit to a header alone leaves the library as it was
+            depends=sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / CSRC).rglob("*.h")),
             include_dirs=[f"{CSRC}/include", CSRC],
             language="c++",
             extra_compile_args=args,

@@ -64,32 +64,30 @@ inline __m256i PotShift(__m256i x, __m256i s, Rounding rounding) {
 }
 
 
-// FIXED_SINGLE on four 64-bit lanes: r = sat32(RoundShift(p, s)) for p = t * m (|p| < 2^62)
-// and s = 31 + right in [31, 62].  AVX2 has no 64-bit arithmetic shift, so the floor is
-// taken on p + 2^62 >= 0 with a logical shift and the bias removed: 2^62 is a multiple
-// of 2^s, so the remainder p & (2^s - 1) is unchanged.
+// FIXED_SINGLE on four 64-bit lanes: r = round(p / 2^s) for p = t * m and s = 31 + right
+// in [31, 62], taken as floor((p + bias) / 2^s) with the rounding in the bias (2^(s-1) for
+// the half modes, minus 1 for negative p in HALF_AWAY) and, for HALF_EVEN, bit 0 cleared on
+// exact ties.  AVX2 has no 64-bit arithmetic shift: the floor is taken on p + bias + 2^62,
+// which is in (0, 2^64) as an unsigned number (|p| < 2^62), with a logical shift, and
+// 2^(62 - s) is subtracted (2^62 is a multiple of 2^s, so the low s bits are unchanged).
+// No sat32 is needed: t is an int32 and m in [0, 2^31) (validated), so |p| / 2^s <=
+// (2^31 - 1)^2 / 2^31 < 2^31 - 1.5 and p / 2^s >= -m > -2^31: every rounding fits int32.
+// The per-channel terms (2^s, 2^(s-1), 2^(62-s)) depend on s only: callers' loops over
+// rows hoist them.
 inline __m256i RoundShift64(__m256i p, __m256i s, Rounding rounding) {
-  const __m256i one = _mm256_set1_epi64x(1), zero = _mm256_setzero_si256();
-  const __m256i bias = _mm256_set1_epi64x(int64_t{1} << 62);
-  const __m256i f = _mm256_sub_epi64(_mm256_srlv_epi64(_mm256_add_epi64(p, bias), s),
-                                     _mm256_srlv_epi64(bias, s));
+  const __m256i one = _mm256_set1_epi64x(1);
+  const __m256i big = _mm256_set1_epi64x(int64_t{1} << 62);
   const __m256i pow = _mm256_sllv_epi64(one, s);
-  const __m256i rem = _mm256_and_si256(p, _mm256_sub_epi64(pow, one));
-  const __m256i h = _mm256_srli_epi64(pow, 1);
-  const __m256i gt = _mm256_cmpgt_epi64(rem, h), eq = _mm256_cmpeq_epi64(rem, h);
-  __m256i up;
-  switch (rounding) {
-    case Rounding::kHalfAway: up = _mm256_or_si256(gt, _mm256_andnot_si256(_mm256_cmpgt_epi64(zero, p), eq)); break;
-    case Rounding::kHalfEven:
-      up = _mm256_or_si256(gt, _mm256_and_si256(eq, _mm256_cmpeq_epi64(_mm256_and_si256(f, one), one)));
-      break;
-    case Rounding::kHalfUp: up = _mm256_or_si256(gt, eq); break;
-    default: up = zero; break;
+  const __m256i off = _mm256_srlv_epi64(big, s);
+  __m256i x = _mm256_add_epi64(p, big);
+  if (rounding != Rounding::kFloor) x = _mm256_add_epi64(x, _mm256_srli_epi64(pow, 1));
+  if (rounding == Rounding::kHalfAway) x = _mm256_add_epi64(x, _mm256_cmpgt_epi64(_mm256_setzero_si256(), p));
+  __m256i q = _mm256_sub_epi64(_mm256_srlv_epi64(x, s), off);
+  if (rounding == Rounding::kHalfEven) {  // a tie rounded up to an odd q goes back to even
+    const __m256i tie = _mm256_cmpeq_epi64(_mm256_and_si256(x, _mm256_sub_epi64(pow, one)), _mm256_setzero_si256());
+    q = _mm256_andnot_si256(_mm256_and_si256(tie, one), q);
   }
-  __m256i r = _mm256_sub_epi64(f, up);  // up is -1 where rounding up
-  const __m256i hi = _mm256_set1_epi64x(INT32_MAX), lo = _mm256_set1_epi64x(INT32_MIN);
-  r = _mm256_blendv_epi8(r, hi, _mm256_cmpgt_epi64(r, hi));
-  return _mm256_blendv_epi8(r, lo, _mm256_cmpgt_epi64(lo, r));
+  return q;
 }
 
 inline __m256i FixedSingle(__m256i t, __m256i m, __m256i right, Rounding rounding) {
@@ -108,7 +106,10 @@ inline __m256i RescaleVec(__m256i x, RescaleKind kind, __m256i mult, __m256i shi
   const __m256i left = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
   const __m256i right = _mm256_max_epi32(shift, zero);
   if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(SatShiftLeft(x, left), mult), right);
-  if (kind == RescaleKind::kFixedSingle) return FixedSingle(SatShiftLeft(x, left), mult, right, rounding);
+  if (kind == RescaleKind::kFixedSingle) {  // left shifts are rare (factors >= 1)
+    const __m256i t = _mm256_testz_si256(left, left) ? x : SatShiftLeft(x, left);
+    return FixedSingle(t, mult, right, rounding);
+  }
   return PotShift(SatShiftLeft(x, left), right, rounding);
 }
 

@@ -222,6 +222,30 @@ def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_si
         np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")
 
 
+@pytest.mark.parametrize("kind", [1, 2])
+@pytest.mark.parametrize("rounding", [0, 1, 2, 3])
+def test_requantize_ties_every_rounding(kind, rounding):
+    """Exact halves, both signs, odd and even neighbours, on 16 channels (two full AVX2
+    vectors per row) and per-tensor: every rounding rule must pick the reference's side."""
+    from qdsl.export.ir import Rescale
+    from qdsl.export.requant import apply_rescale
+
+    right = np.arange(16) % 8  # FIXED_SINGLE: factor 2^30 / 2^(31 + right); POT: 2^-(right + 1)
+    mult = np.full(16, 1 << 30 if kind == 2 else 1, np.int64)
+    shift = right if kind == 2 else right + 1
+    k = np.arange(-20, 20)[:, None]
+    acc = ((2 * k + 1) << right) + np.zeros((1, 16), np.int64)  # (2k + 1) / 2: ties
+    acc = np.concatenate([acc, acc + 1, acc - 1])
+    for channels in (16, 1):
+        m, sh = (mult, shift) if channels == 16 else (mult[:1], shift[3:4])
+        a = acc if channels == 16 else ((2 * k + 1) << int(sh[0] - (kind == 1))) + np.zeros((1, 16), np.int64)
+        stage = K.OutputStage(m, sh, zero_point=0, qmin=-128, qmax=127, kind=kind, rounding=rounding)
+        want = np.clip(apply_rescale(a, Rescale(kind, tuple(m), tuple(sh), rounding), axis=1), -128, 127)
+        for path in PATHS:
+            got = K.requantize(a.astype(np.int32), stage, np.int8, path=path)
+            np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")
+
+
 def test_bad_arguments_raise():
     with pytest.raises(rt.RuntimeError_, match="outside int4 range"):
         K.pack_weights(np.full((2, 3), 9, np.int8), bits=4)
