@@ -48,6 +48,14 @@ using Tile = int32_t[4][16];
   "vmovdqu %%ymm2, 64(%[out])\n\tvmovdqu %%ymm3, 96(%[out])\n\t"                \
   "vmovdqu %%ymm4, 128(%[out])\n\tvmovdqu %%ymm5, 160(%[out])\n\t"              \
   "vmovdqu %%ymm6, 192(%[out])\n\tvmovdqu %%ymm7, 224(%[out])\n\t"
+// The K loop around four row bodies: two weight vectors per step, 16 (or 8) bytes of
+// activations per step for the four rows, then the store of the tile.
+#define QC_ROWS(ROW) ROW(0, 0, 1) ROW(4, 2, 3) ROW(8, 4, 5) ROW(12, 6, 7)
+#define QC_LOOP(BODY, ADVANCE_A)                                                     \
+  "1:\n\tvmovdqa (%[w]), %%ymm8\n\tvmovdqa 32(%[w]), %%ymm9\n\t" QC_ROWS(BODY) ADVANCE_A \
+  "add $64, %[w]\n\tdec %[n]\n\tjnz 1b\n\t" QC_STORE
+#define QC_ONES "vmovdqu (%[one]), %%ymm15\n\t"
+const int16_t kOnes[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 #define QC_CLOBBER                                                                      \
   "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10", \
       "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "memory", "cc"
@@ -64,14 +72,9 @@ __attribute__((noinline)) void Saturating(Tile out) {
   const uint8_t* a = &a_quads[0][0][0];
   const int8_t* w = &w_quads[0][0][0];
   long steps = kQuads;
-  const int16_t one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-  asm volatile(QC_ZERO "vmovdqu (%[one]), %%ymm15\n\t"
-               "1:\n\t"
-               "vmovdqa (%[w]), %%ymm8\n\tvmovdqa 32(%[w]), %%ymm9\n\t"
-               QC_SAT_ROW(0, 0, 1) QC_SAT_ROW(4, 2, 3) QC_SAT_ROW(8, 4, 5) QC_SAT_ROW(12, 6, 7)
-               "add $16, %[a]\n\tadd $64, %[w]\n\tdec %[n]\n\tjnz 1b\n\t" QC_STORE
+  asm volatile(QC_ZERO QC_ONES QC_LOOP(QC_SAT_ROW, "add $16, %[a]\n\t")
                : [a] "+r"(a), [w] "+r"(w), [n] "+r"(steps)
-               : [out] "r"(&out[0][0]), [one] "r"(one)
+               : [out] "r"(&out[0][0]), [one] "r"(kOnes)
                : QC_CLOBBER);
 }
 
@@ -85,11 +88,7 @@ __attribute__((noinline)) void Int16(Tile out) {
   const int16_t* a = &a_pairs[0][0][0];
   const int16_t* w = &w_pairs[0][0][0];
   long steps = kK / 2;
-  asm volatile(QC_ZERO
-               "1:\n\t"
-               "vmovdqa (%[w]), %%ymm8\n\tvmovdqa 32(%[w]), %%ymm9\n\t"
-               QC_I16_ROW(0, 0, 1) QC_I16_ROW(4, 2, 3) QC_I16_ROW(8, 4, 5) QC_I16_ROW(12, 6, 7)
-               "add $16, %[a]\n\tadd $64, %[w]\n\tdec %[n]\n\tjnz 1b\n\t" QC_STORE
+  asm volatile(QC_ZERO QC_LOOP(QC_I16_ROW, "add $16, %[a]\n\t")
                : [a] "+r"(a), [w] "+r"(w), [n] "+r"(steps)
                : [out] "r"(&out[0][0])
                : QC_CLOBBER);
@@ -108,14 +107,9 @@ __attribute__((noinline)) void Sign(Tile out) {
   const int8_t* s = &a_sgn[0][0][0];
   const int8_t* w = &w_quads[0][0][0];
   long steps = kQuads;
-  const int16_t one[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
-  asm volatile(QC_ZERO "vmovdqu (%[one]), %%ymm15\n\t"
-               "1:\n\t"
-               "vmovdqa (%[w]), %%ymm8\n\tvmovdqa 32(%[w]), %%ymm9\n\t"
-               QC_SIGN_ROW(0, 0, 1) QC_SIGN_ROW(4, 2, 3) QC_SIGN_ROW(8, 4, 5) QC_SIGN_ROW(12, 6, 7)
-               "add $16, %[a]\n\tadd $16, %[s]\n\tadd $64, %[w]\n\tdec %[n]\n\tjnz 1b\n\t" QC_STORE
+  asm volatile(QC_ZERO QC_ONES QC_LOOP(QC_SIGN_ROW, "add $16, %[a]\n\tadd $16, %[s]\n\t")
                : [a] "+r"(a), [s] "+r"(s), [w] "+r"(w), [n] "+r"(steps)
-               : [out] "r"(&out[0][0]), [one] "r"(one)
+               : [out] "r"(&out[0][0]), [one] "r"(kOnes)
                : QC_CLOBBER);
   // sum (a - 128) w + 128 sum w
   for (int m = 0; m < 4; ++m)
