@@ -318,3 +318,69 @@ def test_proven_activation_ranges_pick_the_kernels(a_bits):
         assert plan[name]["maddubs_steps"] == min(8, 32767 // (hi * 254)), name
     assert "maddubs_steps" not in plan["pool"]
     assert plan["q"]["input_range"] is None  # F32
+
+
+@pytest.mark.parametrize("rounding", [0, 1, 2, 3])
+@pytest.mark.parametrize("other", ["i32", "u8_single", "u8_pot", "i8_single_pre"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_add_shapes_the_exporter_emits(rounding, other, swap):
+    """ADD as exporters emit it (the AVX2 fast loop): an I32 residual accumulator taken as
+    is (POT shift 0), plus another I32 one or an 8-bit input rescaled up to the accumulator
+    scale (FIXED_SINGLE with a left shift, or POT), then a POT or FIXED_SINGLE output stage,
+    all with one rounding; the inputs in both orders, 200 elements (vector body and tail)."""
+    rng = np.random.default_rng(rounding * 10 + len(other) + swap)
+    n_feat, n_out = 23, 40
+    i32_stage = OutputStage(Rescale(1, (1,), (0,), 0), 0, -(2**31), 2**31 - 1).attrs()
+    w1, w2 = _rand(rng, DType.I8, (n_out, n_feat)), _rand(rng, DType.I8, (n_out, n_feat))
+    tensors = [Tensor("x", DType.F32, (-1, n_feat)), Tensor("q", DType.U8, (-1, n_feat)),
+               Tensor("w1", DType.I8, w1.shape, w1), Tensor("w2", DType.I8, w2.shape, w2),
+               Tensor("a", DType.I32, (-1, n_out))]
+    lin = {"in_zp": 128, "w_zp": [0], "acc_bits": 32, "overflow": 0}
+    ops = [Op(OpType.QUANTIZE, "q", ["x"], ["q"], {"scale": 0.05, "zero_point": 128, "qmin": 0, "qmax": 255,
+                                                 "rounding": 1}),
+           Op(OpType.LINEAR, "fa", ["q", "w1"], ["a"], {**lin, **i32_stage})]
+    if other == "i32":
+        tensors.append(Tensor("b", DType.I32, (-1, n_out)))
+        ops.append(Op(OpType.LINEAR, "fb", ["q", "w2"], ["b"], {**lin, **i32_stage}))
+        kind, mult, shift, zp, pre = 1, 1, 0, 0, 0
+    else:
+        dt = DType.I8 if other.startswith("i8") else DType.U8
+        lo, hi = dt.range
+        tensors.append(Tensor("b", dt, (-1, n_out)))
+        ops.append(Op(OpType.LINEAR, "fb", ["q", "w2"], ["b"],
+                      {**lin, **OutputStage(make_rescale(0.004), 7 if dt is DType.U8 else -3, lo, hi).attrs()}))
+        single = other.endswith("single") or other.endswith("single_pre")
+        kind, mult, shift = (2, int(rng.integers(1 << 30, 1 << 31)), -6) if single else (1, 1, -5)
+        zp, pre = (7, 0) if dt is DType.U8 else (-3, 2 if other.endswith("pre") else 0)
+    tensors.append(Tensor("y", DType.U8, (-1, n_out)))
+    ins = ["b", "a"] if swap else ["a", "b"]
+    per = [(0, 1, 1, 0, rounding), (zp, kind, mult, shift, rounding)]
+    if swap:
+        per.reverse()
+    out = OutputStage(Rescale(1, (1,), (11,), rounding) if rounding % 2 else make_rescale(2.0**-11 * 1.37, rounding,
+                                                                                          allow_pot=False, single=True),
+                      128, 0, 255).attrs()
+    ops.append(Op(OpType.ADD, "add", ins, ["y"], {
+        "in_zp": [p[0] for p in per], "in_kind": [p[1] for p in per], "in_multiplier": [p[2] for p in per],
+        "in_shift": [p[3] for p in per], "in_rounding": [p[4] for p in per], "pre_shift": pre, **out}))
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = rng.standard_normal((5, n_feat)).astype(np.float32) * 3
+    _check(graph, x)
+
+
+@pytest.mark.parametrize("rounding", [0, 1, 2, 3])
+@pytest.mark.parametrize("kinds", [(2, 1), (1, 2), (2, 2), (1, 1)])
+def test_add_of_two_8bit_inputs_rounds_each_like_the_reference(rounding, kinds):
+    """Two U8 inputs scaled down with ties (FIXED_SINGLE 2^30 / 2^33 = 1/4, POT shift 2), the
+    output stage near 1: each input's rounding shows in the output."""
+    rng = np.random.default_rng(rounding * 7 + kinds[0] * 3 + kinds[1])
+    x = rng.integers(0, 256, (3, 70)).astype(np.uint8)
+    x2 = rng.integers(0, 256, (3, 70)).astype(np.uint8)
+    rescale = {2: (1 << 30, 2), 1: (1, 2)}  # (multiplier, shift): x / 4 either way
+    out = OutputStage(Rescale(1, (1,), (0,), rounding) if kinds[0] == 1 else
+                      make_rescale(1.0, rounding, allow_pot=False, single=True), 64, 0, 255).attrs()
+    attrs = {"in_zp": [3, 250], "in_kind": list(kinds), "in_multiplier": [rescale[k][0] for k in kinds],
+             "in_shift": [rescale[k][1] for k in kinds], "in_rounding": [rounding, rounding], "pre_shift": 0, **out}
+    graph = _graph(OpType.ADD, [("x", DType.U8, (-1, 70)), ("x2", DType.U8, (-1, 70))], attrs, DType.U8)
+    got = _check(graph, x, x2).run(x, x2)
+    assert 20 < len(np.unique(got)) and (got > 0).mean() > 0.3  # not all clamped
