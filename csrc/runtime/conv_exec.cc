@@ -665,8 +665,14 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
           vnni(rows, w + o0 * p.kp64, p.kp64, panels8.data(), kquads, acc.data() + o0 * Pp + q * 16, Pp, false);
         }
       }
+      // one pass for the zero-point offset and (when no overflow is possible) the bias;
+      // none when both are 0 (e.g. ReLU outputs with zero point 0 and no bias)
+      bias_done = p.fast_acc && !p.bias.empty();
       for (int64_t o = 0; o < e.og; ++o) {
-        const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[gi * e.og + o]);
+        const int64_t oc = gi * e.og + o;
+        const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]) -
+                              (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u);
+        if (corr == 0) continue;
         int32_t* row = acc.data() + o * Pp;
         for (int64_t i = 0; i < cols_n; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
       }
