@@ -27,40 +27,68 @@ namespace {
 // order (a column-block walk down rows lda apart maps every row to the same L1 set when
 // lda is a multiple of 1 KiB: 1.7x slower for FIXED_SINGLE on 64 x 1024).
 template <RescaleKind K, Rounding R>
-void RequantRows(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
-                 uint8_t* out, int64_t ldo, bool out_signed) {
-  const Rescale& rs = stage.rescale;
-  const bool per_tensor = rs.channels == 1;
-  const __m256i zp = _mm256_set1_epi32(stage.zero_point);
-  const __m256i qmin = _mm256_set1_epi32(stage.qmin), qmax = _mm256_set1_epi32(stage.qmax);
-  const __m256i lim = _mm256_set1_epi32(1 << 24), nlim = _mm256_set1_epi32(-(1 << 24));
-  const __m256i mult1 = _mm256_set1_epi32(rs.multiplier[0]), shift1 = _mm256_set1_epi32(rs.shift[0]);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* a = acc + r * lda;
-    uint8_t* o = out + r * ldo;
-    for (int64_t c = 0; c + 8 <= cols; c += 8) {
-      const __m256i mult =
-          per_tensor ? mult1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.multiplier + c0 + c));
-      const __m256i shift = per_tensor ? shift1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.shift + c0 + c));
-      __m256i y = RescaleVec(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)), K, mult, shift, R);
-      y = _mm256_min_epi32(_mm256_max_epi32(y, nlim), lim);
-      y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, zp), qmin), qmax);
-      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-      const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), b);
+struct RequantRows {
+  static void Run(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                  uint8_t* out, int64_t ldo, bool out_signed) {
+    const Rescale& rs = stage.rescale;
+    const bool per_tensor = rs.channels == 1;
+    const __m256i zp = _mm256_set1_epi32(stage.zero_point);
+    const __m256i qmin = _mm256_set1_epi32(stage.qmin), qmax = _mm256_set1_epi32(stage.qmax);
+    const __m256i lim = _mm256_set1_epi32(1 << 24), nlim = _mm256_set1_epi32(-(1 << 24));
+    const __m256i mult1 = _mm256_set1_epi32(rs.multiplier[0]), shift1 = _mm256_set1_epi32(rs.shift[0]);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* a = acc + r * lda;
+      uint8_t* o = out + r * ldo;
+      for (int64_t c = 0; c + 8 <= cols; c += 8) {
+        const __m256i mult =
+            per_tensor ? mult1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.multiplier + c0 + c));
+        const __m256i shift = per_tensor ? shift1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.shift + c0 + c));
+        __m256i y = RescaleVec(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)), K, mult, shift, R);
+        y = _mm256_min_epi32(_mm256_max_epi32(y, nlim), lim);
+        y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, zp), qmin), qmax);
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+        const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), b);
+      }
     }
   }
-}
+};
 
-using RowsFn = decltype(&RequantRows<RescaleKind::kFixed, Rounding::kHalfAway>);
+// I32 output stage rows (one channel, zero point 0): y = clamp(rescale(acc), qmin, qmax);
+// kIdent: a POT shift of 0 (the exporter's residual accumulators), a clamped copy.
+template <RescaleKind K, Rounding R, bool kIdent = false>
+struct I32Rows {
+  static void Run(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& one, int32_t* out,
+                  int64_t ldo) {
+    const Rescale& rs = one.rescale;
+    const __m256i mult = _mm256_set1_epi32(rs.multiplier[0]), shift = _mm256_set1_epi32(rs.shift[0]);
+    const __m256i qmin = _mm256_set1_epi32(one.qmin), qmax = _mm256_set1_epi32(one.qmax);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* a = acc + r * lda;
+      int32_t* o = out + r * ldo;
+      int64_t i = 0;
+      for (; i + 8 <= cols; i += 8) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i));
+        const __m256i y = kIdent ? x : RescaleVec(x, K, mult, shift, R);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_min_epi32(_mm256_max_epi32(y, qmin), qmax));
+      }
+      for (; i < cols; ++i) o[i] = ref::StageOne(a[i], one);
+    }
+  }
+};
 
-template <RescaleKind K>
-RowsFn PickRounding(Rounding r) {
-  switch (r) {
-    case Rounding::kHalfEven: return RequantRows<K, Rounding::kHalfEven>;
-    case Rounding::kFloor: return RequantRows<K, Rounding::kFloor>;
-    case Rounding::kHalfUp: return RequantRows<K, Rounding::kHalfUp>;
-    default: return RequantRows<K, Rounding::kHalfAway>;
+// F<K, R>::Run for a run-time kind and rounding (FIXED rounds half away only).
+template <template <RescaleKind, Rounding, bool...> class F>
+auto Pick(const Rescale& rs) -> decltype(&F<RescaleKind::kFixed, Rounding::kHalfAway>::Run) {
+  using K = RescaleKind;
+  using R = Rounding;
+  if (rs.kind == K::kFixed) return F<K::kFixed, R::kHalfAway>::Run;
+  const bool pot = rs.kind == K::kPot;
+  switch (rs.rounding) {
+    case R::kHalfEven: return pot ? F<K::kPot, R::kHalfEven>::Run : F<K::kFixedSingle, R::kHalfEven>::Run;
+    case R::kFloor: return pot ? F<K::kPot, R::kFloor>::Run : F<K::kFixedSingle, R::kFloor>::Run;
+    case R::kHalfUp: return pot ? F<K::kPot, R::kHalfUp>::Run : F<K::kFixedSingle, R::kHalfUp>::Run;
+    default: return pot ? F<K::kPot, R::kHalfAway>::Run : F<K::kFixedSingle, R::kHalfAway>::Run;
   }
 }
 
@@ -83,10 +111,7 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
     return;
   }
   const Rescale& rs = stage.rescale;
-  const RowsFn rows_fn = rs.kind == RescaleKind::kFixed  ? RequantRows<RescaleKind::kFixed, Rounding::kHalfAway>
-                         : rs.kind == RescaleKind::kPot ? PickRounding<RescaleKind::kPot>(rs.rounding)
-                                                        : PickRounding<RescaleKind::kFixedSingle>(rs.rounding);
-  rows_fn(acc, rows, cols, lda, stage, c0, static_cast<uint8_t*>(out), ldo, out_signed);
+  Pick<RequantRows>(rs)(acc, rows, cols, lda, stage, c0, static_cast<uint8_t*>(out), ldo, out_signed);
   // Tail columns: the scalar reference (defined in another translation unit, so no
   // AVX2-compiled copy of an inline helper can leak to portable callers).
   const int64_t done = cols / 8 * 8;
@@ -97,19 +122,7 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
 }
 
 void RequantI32Avx2(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out) {
-  // one channel, zero point 0 (an I32 output stage): y = clamp(rescale(acc), qmin, qmax)
-  const Rescale& rs = one.rescale;
-  const __m256i mult = _mm256_set1_epi32(rs.multiplier[0]), shift = _mm256_set1_epi32(rs.shift[0]);
-  const __m256i qmin = _mm256_set1_epi32(one.qmin), qmax = _mm256_set1_epi32(one.qmax);
-  int64_t i = 0;
-  if (RequantAvx2Supports(one) && one.zero_point == 0) {
-    for (; i + 8 <= n; i += 8) {
-      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc + i));
-      const __m256i y = RescaleVec(x, rs.kind, mult, shift, rs.rounding);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm256_min_epi32(_mm256_max_epi32(y, qmin), qmax));
-    }
-  }
-  for (; i < n; ++i) out[i] = ref::StageOne(acc[i], one);
+  RequantI32RowsAvx2(acc, 1, n, n, one, out, n);
 }
 
 // The same over `rows` runs of `cols` (acc rows lda apart, out rows ldo apart), one
@@ -117,22 +130,16 @@ void RequantI32Avx2(const int32_t* acc, int64_t n, const OutputStage& one, int32
 void RequantI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& one,
                         int32_t* out, int64_t ldo) {
   const Rescale& rs = one.rescale;
-  const __m256i mult = _mm256_set1_epi32(rs.multiplier[0]), shift = _mm256_set1_epi32(rs.shift[0]);
-  const __m256i qmin = _mm256_set1_epi32(one.qmin), qmax = _mm256_set1_epi32(one.qmax);
-  const bool vec = RequantAvx2Supports(one) && one.zero_point == 0;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int32_t* a = acc + r * lda;
-    int32_t* o = out + r * ldo;
-    int64_t i = 0;
-    if (vec) {
-      for (; i + 8 <= cols; i += 8) {
-        const __m256i y = RescaleVec(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i)), rs.kind, mult,
-                                     shift, rs.rounding);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), _mm256_min_epi32(_mm256_max_epi32(y, qmin), qmax));
-      }
-    }
-    for (; i < cols; ++i) o[i] = ref::StageOne(a[i], one);
+  if (!RequantAvx2Supports(one) || one.zero_point != 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < cols; ++i) out[r * ldo + i] = ref::StageOne(acc[r * lda + i], one);
+    return;
   }
+  if (rs.kind == RescaleKind::kPot && rs.shift[0] == 0) {
+    I32Rows<RescaleKind::kPot, Rounding::kHalfAway, true>::Run(acc, rows, cols, lda, one, out, ldo);
+    return;
+  }
+  Pick<I32Rows>(rs)(acc, rows, cols, lda, one, out, ldo);
 }
 
 }  // namespace x86
