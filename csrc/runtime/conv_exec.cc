@@ -104,7 +104,7 @@ inline void ValidRange(const PreparedOp& p, const Geometry& e, int64_t kx, int64
   *hi = std::min(std::max(h, l), e.OW);
 }
 
-// Im2colT for u8 codes when the output rows have the input's pitch (stride 1 and
+// Im2colGenericU8 when the output rows have the input's pitch (stride 1 and
 // OW == W, e.g. "same" 3x3 convs): each (c, ky, kx) row of an image is then one shifted
 // copy of the input plane, plus the padding code in the rows and the few columns whose
 // taps fall outside.  About 30x fewer calls than a copy per output row on 32x32 images.
@@ -150,20 +150,32 @@ void Im2colSamePitchU8(const uint8_t* x, const PreparedOp& p, const Geometry& e,
   }
 }
 
+// d[i] = s[i] ^ flip for i < n, 8 bytes per move (short runs: no call; a byte loop of 8
+// was mostly loop overhead).
+void CopyCodes(const uint8_t* s, uint8_t* d, int64_t n, uint8_t flip) {
+  const uint64_t flip8 = flip ? 0x8080808080808080ull : 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t v;
+    std::memcpy(&v, s + i, 8);
+    v ^= flip8;
+    std::memcpy(d + i, &v, 8);
+  }
+  for (; i < n; ++i) d[i] = static_cast<uint8_t>(s[i] ^ flip);
+}
+
 // Transposed im2col of images [b0, b0 + nb), group gi: row k = (c, ky, kx) holds, at
-// column bi * P + oy * OW + ox, the tap of image b0 + bi.  T is int16 (x - zp, padding 0)
-// or uint8 (the VNNI code x ^ flip, padding the zero point's code `pad`).
-template <typename T>
-void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
-             int xdtype, T pad, int64_t P, int64_t Pp, T* cols) {
+// column bi * P + oy * OW + ox, the u8 code (x ^ flip) of image b0 + bi's tap, padding the
+// zero point's code `pad`.
+void Im2colGenericU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+                     int xdtype, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols) {
   const uint8_t flip = xdtype == kI8 ? 0x80 : 0;
-  const int32_t zp = p.in_zp;
   const int64_t sw = p.sw;  // locals: byte stores may alias anything, which would force reloads
   int64_t k = 0;
   for (int64_t c = 0; c < e.cg; ++c) {
     for (int64_t ky = 0; ky < p.kh; ++ky) {
       for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
-        T* row = cols + k * Pp;
+        uint8_t* row = cols + k * Pp;
         int64_t off, lo, hi;
         ValidRange(p, e, kx, &off, &lo, &hi);
         for (int64_t i = 0; i < nb * P; ++i) row[i] = pad;
@@ -173,30 +185,15 @@ void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b
             const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
             if (iy < 0 || iy >= e.H) continue;
             const uint8_t* src = plane + iy * e.W;
-            T* dst = row + bi * P + oy * e.OW;
-            if (sizeof(T) == 1) {
-              if (sw == 1 && hi - lo >= 64) {  // long rows: libc copy, then the sign flip
-                std::memcpy(dst + lo, src + lo + off, static_cast<size_t>(hi - lo));
-                if (flip)
-                  for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(dst[ox] ^ 0x80);
-              } else if (sw == 1) {  // short rows (small images): 8 bytes per move, no call
-                const uint8_t* s1 = src + off;
-                const uint64_t flip8 = flip ? 0x8080808080808080ull : 0;
-                int64_t ox = lo;
-                for (; ox + 8 <= hi; ox += 8) {
-                  uint64_t v;
-                  std::memcpy(&v, s1 + ox, 8);
-                  v ^= flip8;
-                  std::memcpy(dst + ox, &v, 8);
-                }
-                for (; ox < hi; ++ox) dst[ox] = static_cast<T>(s1[ox] ^ flip);
-              } else {
-                for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(src[ox * sw + off] ^ flip);
-              }
-            } else if (xdtype == kU8) {
-              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(src[ox * sw + off] - zp);
+            uint8_t* dst = row + bi * P + oy * e.OW;
+            if (sw == 1 && hi - lo >= 64) {  // long rows: libc copy, then the sign flip
+              std::memcpy(dst + lo, src + lo + off, static_cast<size_t>(hi - lo));
+              if (flip)
+                for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<uint8_t>(dst[ox] ^ 0x80);
+            } else if (sw == 1) {  // short rows (small images)
+              CopyCodes(src + off + lo, dst + lo, hi - lo, flip);
             } else {
-              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<T>(static_cast<int8_t>(src[ox * sw + off]) - zp);
+              for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = static_cast<uint8_t>(src[ox * sw + off] ^ flip);
             }
           }
         }
@@ -205,14 +202,6 @@ void Im2colT(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b
   }
 }
 
-// Im2colT for u8 codes through a padded copy of the images: each task first copies its
-// images' planes (codes, x ^ flip) into padded planes with the padding code around, after
-// which every tap row of every output row is one plain run of OW bytes: no bounds, no
-// per-row calls.  Strided convs get their padded planes split into sh x sw phase planes
-// (space-to-depth: phase (py, px) holds padded[py::sh][px::sw]), so that tap (ky, kx)
-// reads phase (ky*dh % sh, kx*dw % sw) at offset (ky*dh / sh, kx*dw / sw) with unit
-// stride as well.  On small images (8 x 8: 64-byte rows, a call and two memsets each in
-// the same-pitch copy; 4 x 4 stride-2 outputs: a byte gather) several times faster.
 // A task's images as padded (phase-split when strided) u8 code planes, and the offsets
 // that address them: tap row k of output position t is base[tap[k] + pos(t)], with
 // pos(t) = image * img + oy * Wq + ox.
@@ -253,7 +242,6 @@ PaddedImages PadImagesU8(const uint8_t* x, const PreparedOp& p, const Geometry& 
   const int64_t phase = Hq * Wq, chan = sh * sw * phase, img = cg * chan;
   thread_local std::vector<uint8_t> padded;
   padded.assign(static_cast<size_t>(nb * img + 16), pad);
-  const uint64_t flip8 = flip ? 0x8080808080808080ull : 0;
   for (int64_t bi = 0; bi < nb; ++bi)
     for (int64_t c = 0; c < cg; ++c) {
       const uint8_t* src = x + (((b0 + bi) * e.C + gi * cg + c) * H) * W;
@@ -261,16 +249,8 @@ PaddedImages PadImagesU8(const uint8_t* x, const PreparedOp& p, const Geometry& 
       int64_t py = p.ph % sh, qy = p.ph / sh;  // phase row of input row y (counters: idiv is slow)
       for (int64_t y = 0; y < H; ++y, (++py == sh ? (py = 0, ++qy) : 0)) {
         const uint8_t* s = src + y * W;
-        if (sw == 1) {  // 8 bytes per move (a byte loop of 8 was mostly loop overhead)
-          uint8_t* d = dst + py * phase + qy * Wq + p.pw;
-          int64_t i = 0;
-          for (; i + 8 <= W; i += 8) {
-            uint64_t v;
-            std::memcpy(&v, s + i, 8);
-            v ^= flip8;
-            std::memcpy(d + i, &v, 8);
-          }
-          for (; i < W; ++i) d[i] = static_cast<uint8_t>(s[i] ^ flip);
+        if (sw == 1) {
+          CopyCodes(s, dst + py * phase + qy * Wq + p.pw, W, flip);
           continue;
         }
         for (int64_t i0 = 0; i0 < sw && i0 < W; ++i0) {  // input columns i0, i0 + sw, ... share a phase
@@ -295,7 +275,7 @@ PaddedImages PadImagesU8(const uint8_t* x, const PreparedOp& p, const Geometry& 
   return r;
 }
 
-// Im2colT for u8 codes through PadImagesU8: every tap row of every output row is one plain
+// Im2colGenericU8 through PadImagesU8: every tap row of every output row is one plain
 // run of OW bytes: no bounds, no per-row calls, no byte gathers for strided convs (on 8 x 8
 // images the same-pitch copy spent a call and two memsets per 64-byte row).
 void Im2colPaddedU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
@@ -332,7 +312,7 @@ void Im2colU8(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t 
   } else if (p.sw == 1 && p.sh == 1 && e.OW == e.W) {
     Im2colSamePitchU8(x, p, e, b0, nb, gi, xdtype == kI8 ? 0x80 : 0, pad, P, Pp, cols);
   } else {
-    Im2colT<uint8_t>(x, p, e, b0, nb, gi, xdtype, pad, P, Pp, cols);
+    Im2colGenericU8(x, p, e, b0, nb, gi, xdtype, pad, P, Pp, cols);
   }
 }
 
