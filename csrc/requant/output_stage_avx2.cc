@@ -34,7 +34,6 @@ struct RequantRows {
     const bool per_tensor = rs.channels == 1;
     const __m256i zp = _mm256_set1_epi32(stage.zero_point);
     const __m256i qmin = _mm256_set1_epi32(stage.qmin), qmax = _mm256_set1_epi32(stage.qmax);
-    const __m256i lim = _mm256_set1_epi32(1 << 24), nlim = _mm256_set1_epi32(-(1 << 24));
     const __m256i mult1 = _mm256_set1_epi32(rs.multiplier[0]), shift1 = _mm256_set1_epi32(rs.shift[0]);
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* a = acc + r * lda;
@@ -43,12 +42,8 @@ struct RequantRows {
         const __m256i mult =
             per_tensor ? mult1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.multiplier + c0 + c));
         const __m256i shift = per_tensor ? shift1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.shift + c0 + c));
-        __m256i y = RescaleVec(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)), K, mult, shift, R);
-        y = _mm256_min_epi32(_mm256_max_epi32(y, nlim), lim);
-        y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, zp), qmin), qmax);
-        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-        const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), b);
+        const __m256i y = RescaleVec(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c)), K, mult, shift, R);
+        StoreCodes8(y, zp, qmin, qmax, out_signed, o + c);
       }
     }
   }

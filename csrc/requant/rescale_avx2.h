@@ -113,6 +113,25 @@ inline __m256i RescaleVec(__m256i x, RescaleKind kind, __m256i mult, __m256i shi
   return PotShift(SatShiftLeft(x, left), right, rounding);
 }
 
+// sat32(a + b): overflow iff both signs agree and the sum's sign differs.
+inline __m256i SatAdd32(__m256i a, __m256i b) {
+  const __m256i sum = _mm256_add_epi32(a, b);
+  const __m256i ovf = _mm256_andnot_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(a, sum));
+  const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(a, 31), _mm256_set1_epi32(INT32_MAX));
+  return _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
+}
+
+// The end of an I8/U8 output stage on eight rescaled lanes y: clamp(y + zp, qmin, qmax)
+// stored as 8 bytes.  y is clamped to +-2^24 first, which cannot change the result
+// (|zp| <= 2^16 and [qmin, qmax] lies in [-128, 255]) and keeps y + zp in int32.
+inline void StoreCodes8(__m256i y, __m256i zp, __m256i qmin, __m256i qmax, bool out_signed, uint8_t* out) {
+  y = _mm256_min_epi32(_mm256_max_epi32(y, _mm256_set1_epi32(-(1 << 24))), _mm256_set1_epi32(1 << 24));
+  y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, zp), qmin), qmax);
+  const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+  const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), b);
+}
+
 }  // namespace
 }  // namespace x86
 }  // namespace qdsl

@@ -129,20 +129,9 @@ void FastLoop(const FastArgs& a) {
   const int64_t n = a.n;
   uint8_t* const out = a.out;
   const bool out_signed = a.out_signed;
-  const __m256i lim = _mm256_set1_epi32(1 << 24), nlim = _mm256_set1_epi32(-(1 << 24));
-  const __m256i imax = _mm256_set1_epi32(INT32_MAX);
   for (int64_t i = 0; i + 8 <= n; i += 8) {
     const __m256i t0 = FastIn<M0, R>(x0, d0, zp0, pre, m0, s0, i), t1 = FastIn<M1, R>(x1, d1, zp1, pre, m1, s1, i);
-    // saturating int32 add: overflow iff both signs agree and the sum's sign differs
-    const __m256i sum = _mm256_add_epi32(t0, t1);
-    const __m256i ovf = _mm256_andnot_si256(_mm256_xor_si256(t0, t1), _mm256_xor_si256(t0, sum));
-    const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(t0, 31), imax);
-    __m256i y = RescaleVec(_mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31)), KO, omult, oshift, R);
-    y = _mm256_min_epi32(_mm256_max_epi32(y, nlim), lim);
-    y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, ozp), qmin), qmax);
-    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-    const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), b);
+    StoreCodes8(RescaleVec(SatAdd32(t0, t1), KO, omult, oshift, R), ozp, qmin, qmax, out_signed, out + i);
   }
 }
 
@@ -184,12 +173,13 @@ bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, 
              const OutputStage& out_stage, uint8_t* out, bool out_signed) {
   if (in[0].rescale.channels != 1 || in[1].rescale.channels != 1 || out_stage.rescale.channels != 1) return false;
   if (out_stage.zero_point < -(1 << 16) || out_stage.zero_point > (1 << 16)) return false;  // not an I8/U8 ADD
+  const void* xs[2] = {x0, x1};
+  const int dts[2] = {dtype0, dtype1};
   {  // the fast loop when every part fits it (FastLoop)
     const Rescale& ro = out_stage.rescale;
     const Rounding rnd = ro.rounding;
     bool ok = ro.kind != RescaleKind::kFixed && ShortShift(ro);
     InMode mode[2] = {InMode::kIdent, InMode::kIdent};
-    const int dts[2] = {dtype0, dtype1};
     for (int k = 0; k < 2 && ok; ++k) {
       const Rescale& r = in[k].rescale;
       if (dts[k] == 4 && in[k].zero_point == 0 && pre_shift == 0 && r.kind == RescaleKind::kPot && r.shift[0] == 0) {
@@ -203,7 +193,6 @@ bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, 
     if (ok) {
       const int first = mode[0] <= mode[1] ? 0 : 1;  // (t0 + t1 is symmetric)
       FastArgs a;
-      const void* xs[2] = {x0, x1};
       for (int j = 0; j < 2; ++j) {
         const int k = j == 0 ? first : 1 - first;
         a.x[j] = xs[k];
@@ -226,8 +215,6 @@ bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, 
       return true;
     }
   }
-  const void* xs[2] = {x0, x1};
-  const int dts[2] = {dtype0, dtype1};
   __m256i zp[2], zp64[2];
   bool narrow[2];
   const Rq rin[2] = {Rq(in[0].rescale), Rq(in[1].rescale)};
@@ -239,7 +226,6 @@ bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, 
   const Rq rout(out_stage.rescale);
   const __m256i ozp = _mm256_set1_epi32(out_stage.zero_point);
   const __m256i qmin = _mm256_set1_epi32(out_stage.qmin), qmax = _mm256_set1_epi32(out_stage.qmax);
-  const __m256i lim = _mm256_set1_epi32(1 << 24), nlim = _mm256_set1_epi32(-(1 << 24));
   const __m128i pre = _mm_cvtsi32_si128(pre_shift);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -249,17 +235,7 @@ bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, 
                                   : PrepWide(xs[k], dts[k], i, zp64[k], pre);
       t[k] = rin[k](d);
     }
-    // saturating int32 add: overflow iff both signs agree and the sum's sign differs
-    const __m256i sum = _mm256_add_epi32(t[0], t[1]);
-    const __m256i ovf = _mm256_andnot_si256(_mm256_xor_si256(t[0], t[1]), _mm256_xor_si256(t[0], sum));
-    const __m256i sat = _mm256_xor_si256(_mm256_srai_epi32(t[0], 31), _mm256_set1_epi32(INT32_MAX));
-    const __m256i total = _mm256_blendv_epi8(sum, sat, _mm256_srai_epi32(ovf, 31));
-    __m256i y = rout(total);
-    y = _mm256_min_epi32(_mm256_max_epi32(y, nlim), lim);
-    y = _mm256_min_epi32(_mm256_max_epi32(_mm256_add_epi32(y, ozp), qmin), qmax);
-    const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-    const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i), b);
+    StoreCodes8(rout(SatAdd32(t[0], t[1])), ozp, qmin, qmax, out_signed, out + i);
   }
   for (; i < n; ++i) out[i] = ScalarAdd(x0, dtype0, x1, dtype1, i, in, pre_shift, out_stage);
   return true;
