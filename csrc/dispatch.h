@@ -75,7 +75,7 @@ void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kqu
                             int64_t npanels, uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 // The exact kernel for VNNI-layout panels whose weights allow `maddubs_steps` int16 pair
-// sums (MaddubsSteps): the VNNI one where the CPU has it, else on AVX2 the vpmaddubsw one
+// sums (MaddubsStepsFor): the VNNI one where the CPU has it, else on AVX2 the vpmaddubsw one
 // (maddubs_steps >= 1); nullptr when neither applies (the int16 kernels run).
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr

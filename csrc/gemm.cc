@@ -264,11 +264,14 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   // Bounded activation codes (e.g. 7-bit, as torch.ao's reduce_range) allow more int16
   // pair sums; the bound is checked here (one pass over A) before a kernel relies on it.
   int steps = w.maddubs_steps;
-  if (a.max_code < 255 && !w.colsum.empty() && MaddubsStepsFor(w.maddubs_pair, a.max_code) > steps) {
-    const int32_t seen = MaxCode(a);
-    QDSL_CHECK_ARG(seen <= a.max_code, "an activation code is %d, above the stated bound max_code=%d", seen,
-                   a.max_code);
-    steps = MaddubsStepsFor(w.maddubs_pair, a.max_code);
+  if (a.max_code < 255 && !w.colsum.empty()) {
+    const int bounded = MaddubsStepsFor(w.maddubs_pair, a.max_code);
+    if (bounded > steps) {
+      const int32_t seen = MaxCode(a);
+      QDSL_CHECK_ARG(seen <= a.max_code, "an activation code is %d, above the stated bound max_code=%d", seen,
+                     a.max_code);
+      steps = bounded;
+    }
   }
   const VnniMicroKernel vnni =
       (w.colsum.empty() || !widen_ok) ? nullptr : SelectQuadMicroKernel(true, steps, chosen);

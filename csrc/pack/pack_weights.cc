@@ -48,12 +48,6 @@ int MaddubsStepsFor(int pair_bound, int max_code) {
 }
 int MaddubsPairBound(const int16_t* w, int64_t rows, int64_t k, int64_t ld) { return PairBoundT(w, rows, k, ld); }
 int MaddubsPairBound(const int8_t* w, int64_t rows, int64_t k, int64_t ld) { return PairBoundT(w, rows, k, ld); }
-int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld) {
-  return MaddubsStepsFor(PairBoundT(w, rows, k, ld), 255);
-}
-int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld) {
-  return MaddubsStepsFor(PairBoundT(w, rows, k, ld), 255);
-}
 
 Status PackWeights(const int16_t* wp, int64_t n, int64_t k, int64_t ldw, PackedWeights* out) {
   QDSL_CHECK_ARG(wp != nullptr && out != nullptr, "null weight pointer");

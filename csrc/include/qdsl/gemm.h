@@ -53,7 +53,7 @@ struct PackedWeights {
   AlignedVector<uint8_t> vnni;
   std::vector<int32_t> colsum;  // [panels * 16]
   // How many vpmaddubsw pair sums of these weights (x any u8 activations) can be added in
-  // int16 exactly: 0 = one pair can saturate (MaddubsSteps).  Set with colsum, as is the
+  // int16 exactly: 0 = one pair can saturate (MaddubsStepsFor(maddubs_pair, 255)).  Set with colsum, as is the
   // weights' pair bound (MaddubsPairBound), from which Gemm derives the steps for
   // activations bounded below 255 (ActView::max_code).
   int maddubs_steps = 0;
@@ -74,16 +74,13 @@ struct PackedWeights {
 // [-512, 511] so every product with an activation difference fits the int16 kernels.
 Status PackWeights(const int16_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);
 // For int8-range weight rows [rows][k] (stride ld, k-pairs (2i, 2i+1) as the quad layouts
-// pair them): the largest S <= 8 such that S vpmaddubsw pair sums with any u8 activations
-// add up exactly in int16, i.e. S * 255 * max_pair(max(w0+ + w1+, -(w0- + w1-))) <= 32767;
-// 0 when a single pair can saturate.  All-zero weights give 8.
-int MaddubsSteps(const int16_t* w, int64_t rows, int64_t k, int64_t ld);
-int MaddubsSteps(const int8_t* w, int64_t rows, int64_t k, int64_t ld);
-// The pair bound behind MaddubsSteps: max over pairs of max(w0+ + w1+, -(w0- + w1-)).
+// pair them): max over pairs of max(w0+ + w1+, -(w0- + w1-)), the largest int16 pair sum
+// of vpmaddubsw per unit of activation code.
 int MaddubsPairBound(const int16_t* w, int64_t rows, int64_t k, int64_t ld);
 int MaddubsPairBound(const int8_t* w, int64_t rows, int64_t k, int64_t ld);
-// S for activation codes in [0, max_code]: the largest S <= 8 with S * max_code * pair <=
-// 32767 (8 when either is 0).  MaddubsSteps(w) == MaddubsStepsFor(MaddubsPairBound(w), 255).
+// S for activation codes in [0, max_code] (255: any u8): the largest S <= 8 such that S
+// vpmaddubsw pair sums add up exactly in int16, S * max_code * pair_bound <= 32767; 0 when
+// a single pair can saturate, 8 when either bound is 0.
 int MaddubsStepsFor(int pair_bound, int max_code);
 // Binary weights given as +1/-1 int8 values [n][k].
 Status PackBinaryWeights(const int8_t* w, int64_t n, int64_t k, int64_t ldw, PackedWeights* out);

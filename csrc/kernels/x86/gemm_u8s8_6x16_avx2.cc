@@ -7,7 +7,7 @@
 // only: with P = max over weight pairs of 255 * max(w0+ + w1+, -(w0- + w1-)) (the largest
 // magnitude one pair can reach for ANY activations), a layer with P <= 32767 never
 // saturates, and S = floor(32767 / P) pair sums can even be added in int16 before they
-// are widened.  The packer computes S per weight matrix (MaddubsSteps, csrc/pack):
+// are widened.  The packer computes S per weight matrix (MaddubsStepsFor, csrc/pack):
 //   S = 0       some pair can saturate (e.g. uniform int8 weights): the int16 vpmaddwd
 //               kernel runs instead (gemm_i16_6x16_avx2.cc);
 //   S = 1       int8 weights whose pairs stay within 128 in magnitude (7-bit weights, or

@@ -23,7 +23,7 @@ void GemmU8S8AvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* pan
 void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
                      int64_t ldc, bool accumulate);
 // AVX2 vpmaddubsw on the same panels (csrc/kernels/x86/gemm_u8s8_6x16_avx2.cc), exact for
-// weights whose MaddubsSteps() >= S: S pair sums are added in int16 before widening.
+// weights whose MaddubsStepsFor() >= S: S pair sums are added in int16 before widening.
 #define QDSL_DECLARE_MADDUBS(S)                                                                                  \
   void GemmU8S8Avx2S##S(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c, \
                         int64_t ldc, bool accumulate);                                                           \
