@@ -72,6 +72,7 @@ inline __m256i PotShift(__m256i x, __m256i s, Rounding rounding) {
 // 2^(62 - s) is subtracted (2^62 is a multiple of 2^s, so the low s bits are unchanged).
 // No sat32 is needed: t is an int32 and m in [0, 2^31) (validated), so |p| / 2^s <=
 // (2^31 - 1)^2 / 2^31 < 2^31 - 1.5 and p / 2^s >= -m > -2^31: every rounding fits int32.
+// (The ADD's POT right shifts in [32, 62] use it on int32 values p too: |p / 2^s| <= 1.)
 // The per-channel terms (2^s, 2^(s-1), 2^(62-s)) depend on s only: callers' loops over
 // rows hoist them.
 inline __m256i RoundShift64(__m256i p, __m256i s, Rounding rounding) {
@@ -105,12 +106,10 @@ inline __m256i RescaleVec(__m256i x, RescaleKind kind, __m256i mult, __m256i shi
   const __m256i zero = _mm256_setzero_si256();
   const __m256i left = _mm256_max_epi32(_mm256_sub_epi32(zero, shift), zero);
   const __m256i right = _mm256_max_epi32(shift, zero);
-  if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(SatShiftLeft(x, left), mult), right);
-  if (kind == RescaleKind::kFixedSingle) {  // left shifts are rare (factors >= 1)
-    const __m256i t = _mm256_testz_si256(left, left) ? x : SatShiftLeft(x, left);
-    return FixedSingle(t, mult, right, rounding);
-  }
-  return PotShift(SatShiftLeft(x, left), right, rounding);
+  const __m256i t = _mm256_testz_si256(left, left) ? x : SatShiftLeft(x, left);  // left shifts are rare
+  if (kind == RescaleKind::kFixed) return Rdbp(Srdhm(t, mult), right);
+  if (kind == RescaleKind::kFixedSingle) return FixedSingle(t, mult, right, rounding);
+  return PotShift(t, right, rounding);
 }
 
 // sat32(a + b): overflow iff both signs agree and the sum's sign differs.
