@@ -300,12 +300,6 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
   }
 }
 
-}  // namespace x86
-}  // namespace qdsl
-
-namespace qdsl {
-namespace x86 {
-
 namespace {
 
 // How a panel's 16 position offsets can be loaded: one run of 16 consecutive bytes, two
@@ -316,6 +310,17 @@ inline void PanelRuns(const int64_t* po, bool* run16, bool* run8) {
     if (po[i] != po[0] + i) *run16 = false;
     if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) *run8 = false;
   }
+}
+
+// The 16 bytes a[po[i]] of one tap row at a panel's positions (PanelRuns says how).
+inline __m128i LoadPositions(const uint8_t* a, const int64_t* po, bool run16, bool run8) {
+  if (run16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
+  if (run8)
+    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
+                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
+  alignas(16) uint8_t g[16];
+  for (int i = 0; i < 16; ++i) g[i] = a[po[i]];
+  return _mm_load_si128(reinterpret_cast<const __m128i*>(g));
 }
 
 }  // namespace
@@ -334,23 +339,8 @@ void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs
     bool run16, run8;
     PanelRuns(po, &run16, &run8);
     for (int64_t j = 0; j < kpairs; ++j) {
-      const uint8_t* a = base + tap[2 * j];
-      const uint8_t* b = base + tap[2 * j + 1];
-      __m128i r0, r1;
-      if (run16) {
-        r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
-        r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + po[0]));
-      } else if (run8) {
-        r0 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
-                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
-        r1 = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + po[0])),
-                                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + po[8])));
-      } else {
-        alignas(16) uint8_t ga[16], gb[16];
-        for (int i = 0; i < 16; ++i) ga[i] = a[po[i]], gb[i] = b[po[i]];
-        r0 = _mm_load_si128(reinterpret_cast<const __m128i*>(ga));
-        r1 = _mm_load_si128(reinterpret_cast<const __m128i*>(gb));
-      }
+      const __m128i r0 = LoadPositions(base + tap[2 * j], po, run16, run8);
+      const __m128i r1 = LoadPositions(base + tap[2 * j + 1], po, run16, run8);
       const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
       const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
       __m256i* out = reinterpret_cast<__m256i*>(panels + (q * kpairs + j) * 32);
@@ -372,19 +362,7 @@ void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kqu
     PanelRuns(po, &run16, &run8);
     for (int64_t j = 0; j < kquads; ++j) {
       __m128i r[4];
-      for (int t = 0; t < 4; ++t) {
-        const uint8_t* a = base + tap[4 * j + t];
-        if (run16) {
-          r[t] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
-        } else if (run8) {
-          r[t] = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
-                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
-        } else {
-          alignas(16) uint8_t g[16];
-          for (int i = 0; i < 16; ++i) g[i] = a[po[i]];
-          r[t] = _mm_load_si128(reinterpret_cast<const __m128i*>(g));
-        }
-      }
+      for (int t = 0; t < 4; ++t) r[t] = LoadPositions(base + tap[4 * j + t], po, run16, run8);
       const __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
       const __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
       __m128i* out = reinterpret_cast<__m128i*>(panels + (q * kquads + j) * 64);
