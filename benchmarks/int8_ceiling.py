@@ -45,7 +45,8 @@ def main() -> None:
         flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
     if "avx2" not in flags:
         sys.exit("int8_ceiling: this CPU has no AVX2")
-    print("CPU VNNI:", "yes (the peers are exact and faster there)" if {"avx_vnni", "avx512_vnni"} & set(flags) else "no")
+    vnni = {"avx_vnni", "avx512_vnni"} & set(flags)
+    print("CPU VNNI:", "yes (the peers are exact and faster there)" if vnni else "no")
     with tempfile.TemporaryDirectory() as tmp:
         exe = Path(tmp) / "int8_ceiling"
         subprocess.run([cxx, "-O2", "-std=c++17", "-mavx2", str(SOURCE), "-o", str(exe)], check=True)

@@ -3,7 +3,8 @@ fp32 matmul) and onnxruntime MatMulInteger when installed, with 1 and 2 threads.
 
 Prints GOP/s (2*M*K*N / time) and ratios, all measured side by side in one process,
 medians of repeats, then int8 weights with 7-bit activations (a bounded activation code
-lets AVX2 run the exact vpmaddubsw kernel), then whether each int8 result is exact on this CPU.  No assertions: the targets are in issue 6 and the report.
+lets AVX2 run the exact vpmaddubsw kernel), then whether each int8 result is exact on
+this CPU.  No assertions: the targets are in issue 6 and the report.
 Run: python benchmarks/kernels.py [--reps 7]
 """
 
