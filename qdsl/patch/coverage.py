@@ -48,6 +48,7 @@ from typing import Any, Iterator, Mapping
 import attrs
 from torch import nn
 
+from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
 from qdsl.resolve.plan import WEIGHTED_TYPES, LayerPlan, Plan
@@ -215,7 +216,14 @@ def _label(body: Body, role: Role) -> tuple[str, Span] | None:
 
 
 def _kernels(m: nn.Module) -> list[str]:
-    return [n for n, p in m._parameters.items() if p is not None and p.dim() >= 2]
+    """Names of ``m``'s own parameters with 2+ dims; a master qdsl moved aside while
+    patched (``weight`` -> ``weight_float``) counts under its own name."""
+    out = []
+    for n, p in m._parameters.items():
+        if p is not None and p.dim() >= 2:
+            moved = n.endswith(MASTER_SUFFIX) and n[: -len(MASTER_SUFFIX)] not in m._parameters
+            out.append(n[: -len(MASTER_SUFFIX)] if moved else n)
+    return out
 
 
 def _module_reason(fqn: str, m: nn.Module, kernels: list[str], parent: nn.Module | None) -> tuple[str, str]:

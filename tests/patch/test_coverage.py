@@ -216,6 +216,8 @@ def test_untraceable_model_counts_calls_in_the_example_forward():
     assert [f.name for f in shared[0].coverage.shared] == ["fc"]
     (left,) = [m for m in found if isinstance(m, LeftFloatWarning)]
     assert "modules called more than once" not in str(left)  # counted after all
+    # checked again on the patched model: fc's moved master weight is still fc's quantized weight
+    assert [f.name for f in left.coverage.floats] == ["<model>"]
 
 
 def test_module_whose_forward_never_runs():
