@@ -27,6 +27,7 @@ _LAZY = {
     "Diagnostic": "qdsl.spec.diagnostics:Diagnostic",
     "SpecError": "qdsl.spec.diagnostics:SpecError",
     "QdslError": "qdsl.spec.diagnostics:QdslError",
+    "QdslWarning": "qdsl.spec.diagnostics:QdslWarning",
     "Registries": "qdsl.spec.registry:Registries",
     "load_spec": "qdsl.parse:load_spec",
     "parse_spec": "qdsl.parse:parse_text",
@@ -45,6 +46,9 @@ _LAZY = {
     "int_tensors": "qdsl.patch:int_tensors",
     "save": "qdsl.patch:save",
     "load": "qdsl.patch:load",
+    "LeftFloatWarning": "qdsl.patch.coverage:LeftFloatWarning",
+    "LeftFloatError": "qdsl.patch.coverage:LeftFloatError",
+    "SharedModuleWarning": "qdsl.patch.coverage:SharedModuleWarning",
     # export + runtime
     "export": "qdsl.export:export",
     "IntegerGraph": "qdsl.export:IntegerGraph",

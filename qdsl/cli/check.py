@@ -2,8 +2,12 @@
 
 Reads the spec (either front end), applies ``--set`` overrides, runs every model-free
 check and, with ``--model``, resolves it against the model too.  Prints
-``ok: SPEC (N presets, M rules[, K layers quantized])`` and exits 0, or prints every
-diagnostic in the house format and exits 2.  Warnings are printed but do not fail.
+``ok: SPEC (N presets, M rules[, K layers quantized, F left float])`` and exits 0, or
+prints every diagnostic in the house format and exits 2.  Warnings are printed but do
+not fail.  With ``--model``, every module and functional op the spec reaches but qdsl
+leaves in float (``nn.LSTM``, ``torch.matmul``...; :mod:`qdsl.patch.coverage`) and every
+quantized module called more than once is listed on stderr; ``--strict`` makes the
+former an error (exit 2, ``E505``), as ``qdsl.apply(..., strict=True)`` does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ def add_parser(subparsers) -> None:
                    help="also resolve against this model, e.g. qdsl.testing.models:digits_resnet or file.py:build")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
                    help="override a field, e.g. --set weight.bits=4 (repeatable)")
+    p.add_argument("--strict", action="store_true",
+                   help="with --model: fail when the spec reaches modules or ops that would stay float")
     p.set_defaults(func=run)
 
 
@@ -48,6 +54,20 @@ def run(args) -> int:
         # problems of both kinds is reported in one pass (SpecError -> exit 2 in main)
         plan = resolve(model, spec)
         summary += f", {_plural(sum(1 for lp in plan.layers if lp.quantized), 'layer')} quantized"
+        # torch is loaded anyway (the model); the coverage check needs its fx trace
+        from qdsl.patch.coverage import check_coverage
+        from qdsl.patch.trace import trace_model
+
+        coverage = check_coverage(model, plan, trace_model(model))
+        if args.strict and coverage.floats:
+            raise coverage.error()
+        if coverage.floats:
+            summary += f", {len(coverage.floats)} left float"
+        for text in (coverage.report(), coverage.shared_report() if coverage.shared else ""):
+            if text:
+                print(text, file=sys.stderr)
+    elif args.strict:
+        print("note: --strict checks what a model leaves in float; it needs --model", file=sys.stderr)
     if diags:
         print(render_all(diags), file=sys.stderr)
     print(f"ok: {args.spec} ({summary})")

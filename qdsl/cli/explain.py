@@ -3,7 +3,9 @@
 Prints the provenance table of DESIGN.md §8 (layer, role, field, value, set by), or
 with ``--format json`` the full records (``qdsl.resolve.to_records``).  ``--layer``
 takes globs over layer names (repeatable), ``--role`` role names.  Bad specs or models
-exit 2 with located diagnostics.
+exit 2 with located diagnostics.  After the table: what the spec reaches but stays in
+float, and quantized modules called more than once (:mod:`qdsl.patch.coverage`; JSON
+keys ``left_float``, ``shared``, ``untraced``).
 """
 
 from __future__ import annotations
@@ -35,10 +37,22 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from qdsl.resolve import explain, load_model_ref, resolve, to_records
 
-    plan = resolve(load_model_ref(args.model), args.spec, overrides=args.overrides or None)
+    from qdsl.patch.coverage import check_coverage
+    from qdsl.patch.trace import trace_model
+
+    model = load_model_ref(args.model)
+    plan = resolve(model, args.spec, overrides=args.overrides or None)
+    coverage = check_coverage(model, plan, trace_model(model))
     if args.format == "json":
         records = to_records(plan, args.layer, args.role)
-        print(json.dumps({"spec": str(args.spec), "model": args.model, "rows": records}, indent=2))
+        left = [{"name": f.name, "reason": f.reason, "reached_by": f.reached_by,
+                 "at": f.span.location() if f.span.known else None} for f in coverage.floats]
+        shared = [{"name": f.name, "reason": f.reason} for f in coverage.shared]
+        print(json.dumps({"spec": str(args.spec), "model": args.model, "rows": records,
+                          "left_float": left, "shared": shared, "untraced": coverage.untraced}, indent=2))
     else:
         print(explain(plan, args.layer, args.role))
+        for text in (coverage.report(), coverage.shared_report() if coverage.shared else ""):
+            if text:
+                print("\n" + text)
     return 0

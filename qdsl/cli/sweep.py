@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
     p.add_argument("--qat-epochs", type=int, default=0, help="QAT epochs after calibration (default 0: PTQ only)")
     p.add_argument("--csv", help="write the table as CSV here")
     p.add_argument("--plot", help="write accuracy vs size as a PNG here (needs matplotlib)")
+    p.add_argument("--strict", action="store_true",
+                   help="fail (exit 2) when the spec reaches modules or ops that would stay float")
     p.set_defaults(func=run)
 
 
@@ -38,7 +40,7 @@ def run(args) -> int:
     model = load_model_ref(args.model).eval()
     data = load_data_ref(args.data)
     points = sweep(model, spec, data, settings, calib=args.calib, qat_epochs=args.qat_epochs,
-                   progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+                   progress=lambda msg: print(msg, file=sys.stderr, flush=True), strict=args.strict)
     print(format_table(points))
     if args.csv:
         write_csv(points, args.csv)

@@ -34,7 +34,7 @@ from qdsl.lint.spec_checks import check_prepared
 from qdsl.resolve.check import prepare
 from qdsl.resolve.plan import ModelIndex, Plan
 from qdsl.spec.builtins import builtin_registries
-from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError
+from qdsl.spec.diagnostics import Diagnostic, QdslError, QdslWarning, Span, SpecError
 from qdsl.spec.model import QuantSpec
 from qdsl.spec.profile import HardwareProfile
 from qdsl.spec.registry import Registries
@@ -42,7 +42,7 @@ from qdsl.spec.registry import Registries
 __all__ = ["lint", "lint_plan", "enforce", "LintWarning"]
 
 
-class LintWarning(UserWarning):
+class LintWarning(QdslWarning):
     """Issued by ``enforce(..., mode="warn")`` with the rendered lint report."""
 
 

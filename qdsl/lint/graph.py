@@ -1,6 +1,6 @@
 """The model's op graph as lint needs it: op types, producers, first and last layers.
 
-:func:`model_graph` traces an ``nn.Module`` with ``torch.fx.symbolic_trace`` so that
+:func:`model_graph` traces an ``nn.Module`` with torch.fx (:mod:`qdsl.patch.trace`) so that
 functional ops (``x + y``, ``torch.cat``, ``F.relu``) are seen as well as modules.  When
 tracing fails (data-dependent control flow) or only a :class:`ModelIndex` is available,
 :func:`index_graph` falls back to the leaf modules in registration order, chained one
@@ -102,12 +102,10 @@ def _fn_name(target: Any) -> str:
 
 def model_graph(model: Any) -> ModelGraph:
     """Trace ``model`` with torch.fx; on failure fall back to :func:`index_graph`."""
-    try:
-        import torch.fx
+    from qdsl.patch.trace import trace_model  # torch: only when a model is traced
 
-        # the Graph alone: building a GraphModule (code generation) would double the cost
-        graph = torch.fx.Tracer().trace(model)
-    except Exception:  # noqa: BLE001 - any tracing failure means: use the module list
+    graph = trace_model(model).graph
+    if graph is None:  # any tracing failure means: use the module list
         return index_graph(ModelIndex.from_module(model))
     modules = dict(model.named_modules())
     nodes: list[OpNode] = []

@@ -15,6 +15,9 @@ tensors out, state.
   QAT use (``get_handle``), the lifecycle (``state_of``, :class:`State`);
 * :mod:`qdsl.patch.layer` - what a patched layer does (hooks, int32 bias, BN folding);
 * :mod:`qdsl.patch.fold` - which Conv/Linear -> BatchNorm pairs are folded;
+* :mod:`qdsl.patch.coverage` - what the spec reaches but stays float (apply's warning,
+  ``strict=True``), and modules one observer shares; :mod:`qdsl.patch.trace` - the one
+  torch.fx trace folding, coverage and lint share;
 * :mod:`qdsl.patch.calibrate` - calibration semantics and freezing;
 * :mod:`qdsl.patch.ints`, :mod:`qdsl.patch.state` - integer tensors out, save/load.
 """

@@ -20,7 +20,9 @@ residual block, the model itself via fqn ``""`` for the model input); any module
 groups and dilation are what export understands).  With ``fold_bn``, a folded layer
 whose model has no bias gets the folded bias quantized as int32 with scale
 ``input × weight`` when both its input and weight are quantized (an integer graph needs
-an integer bias), and left float otherwise.
+an integer bias), and left float otherwise.  Whatever else the spec reaches (an
+``nn.LSTM``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
+in a warning, or refused with ``strict=True``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from qdsl.patch.coverage import check_coverage, count_calls
 from qdsl.patch.fold import find_bn_pairs
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
 from qdsl.patch.layer import LayerPatch
+from qdsl.patch.trace import trace_model
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.parts import channel_axis, default_registries
 from qdsl.quantizers.proxy import TensorQuantizer
@@ -127,7 +131,7 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
-          example_input: Any = None, hw: Any = None, hw_mode: str = "error") -> QdslHandle:
+          example_input: Any = None, hw: Any = None, hw_mode: str = "error", strict: bool = False) -> QdslHandle:
     """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
 
     ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
@@ -140,6 +144,15 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``hw_mode="error"`` a plan the profile rejects raises :class:`SpecError` carrying the
     whole lint report and the model is left untouched; ``hw_mode="warn"`` patches anyway
     and emits the report as a ``LintWarning``.
+
+    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.LSTM``,
+    ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
+    a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
+    :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
+    Quantized modules called more than once per forward get a ``SharedModuleWarning``.
+    Both come from one torch.fx trace; when fx cannot trace the model the warning says
+    that functional ops were not checked, and the call counts come from the
+    ``example_input`` forward if there is one.
     """
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
@@ -159,7 +172,11 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     diags = _check(model, plan, modules)
     if diags:
         raise SpecError(diags)
-    pairs = find_bn_pairs(model) if plan.fold_bn else {}
+    trace = trace_model(model)  # one fx trace for folding and the coverage check
+    pairs = find_bn_pairs(model, trace) if plan.fold_bn else {}
+    coverage = check_coverage(model, plan, trace, regs)
+    if strict and coverage.floats:
+        raise coverage.error()
     container = QdslContainer()
     handle = QdslHandle(model, plan, container, regs)
     container.handle = handle
@@ -196,13 +213,17 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         for patch in installed:
             patch.install_bn_skip()
         if example_input is not None:
-            with torch.no_grad():
+            with torch.no_grad(), count_calls(model) as calls:
                 if isinstance(example_input, (tuple, list)):
                     model(*example_input)
                 elif isinstance(example_input, dict):
                     model(**example_input)
                 else:
                     model(example_input)
+            if not trace.traced:  # fx could not count the calls: this forward did
+                coverage = check_coverage(model, plan, trace, regs, calls)
+                if strict and coverage.floats:
+                    raise coverage.error()
     except BaseException:
         for patch in reversed(installed):
             patch.uninstall()
@@ -210,6 +231,7 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         container.handle = None
         raise
     handle.state = State.PREPARED
+    coverage.warn(stacklevel=3)
     return handle
 
 

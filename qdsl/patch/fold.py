@@ -2,10 +2,10 @@
 
 A pair is a BatchNorm whose input is the output of a Conv1d/Conv2d/Linear that nothing
 else reads, both modules called exactly once, with ``num_features`` equal to the
-layer's output channels and running statistics present.  Found with ``torch.fx``
-tracing; when tracing fails (data-dependent control flow, ...) the fallback pairs a
-layer with the BatchNorm registered right after it in the same parent (what
-``nn.Sequential`` and most hand-written blocks do), with a warning saying so.
+layer's output channels and running statistics present.  Found with the ``torch.fx``
+trace of :mod:`qdsl.patch.trace`; when tracing fails (data-dependent control flow, ...)
+the fallback pairs a layer with the BatchNorm registered right after it in the same
+parent (what ``nn.Sequential`` and most hand-written blocks do), with a warning saying so.
 
 The folding arithmetic itself lives in :meth:`qdsl.patch.layer.LayerPatch.float_params`.
 """
@@ -15,6 +15,9 @@ from __future__ import annotations
 import warnings
 
 from torch import nn
+
+from qdsl.patch.trace import ModelTrace, trace_model
+from qdsl.spec.diagnostics import QdslWarning
 
 __all__ = ["find_bn_pairs", "FOLDABLE", "BATCHNORMS"]
 
@@ -30,17 +33,16 @@ def _compatible(layer: nn.Module, bn: nn.Module) -> bool:
             and bn.running_mean is not None and bn.running_var is not None)
 
 
-def _by_trace(model: nn.Module) -> dict[str, str]:
+def _by_trace(model: nn.Module, graph) -> dict[str, str]:
     import torch.fx
 
-    gm = torch.fx.symbolic_trace(model)
     modules = dict(model.named_modules())
     calls: dict[str, int] = {}
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
     pairs = {}
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op != "call_module" or not isinstance(modules.get(node.target), BATCHNORMS):
             continue
         src = node.args[0] if node.args else None
@@ -64,14 +66,15 @@ def _by_order(model: nn.Module) -> dict[str, str]:
     return pairs
 
 
-def find_bn_pairs(model: nn.Module) -> dict[str, str]:
-    """``{layer_fqn: bn_fqn}`` for every foldable pair (see the module docstring)."""
-    try:
-        return _by_trace(model)
-    except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
-        warnings.warn(
-            f"qdsl: torch.fx could not trace {type(model).__name__} ({type(exc).__name__}: {exc}); "
-            "BatchNorm folding pairs each layer with the BatchNorm registered right after it",
-            stacklevel=3,
-        )
-        return _by_order(model)
+def find_bn_pairs(model: nn.Module, trace: ModelTrace | None = None) -> dict[str, str]:
+    """``{layer_fqn: bn_fqn}`` for every foldable pair (see the module docstring);
+    ``trace`` is the model's :func:`~qdsl.patch.trace.trace_model` if the caller has it."""
+    trace = trace if trace is not None else trace_model(model)
+    if trace.graph is not None:
+        return _by_trace(model, trace.graph)
+    warnings.warn(
+        f"qdsl: torch.fx could not trace {trace.model_type} ({trace.error}); "
+        "BatchNorm folding pairs each layer with the BatchNorm registered right after it",
+        QdslWarning, stacklevel=3,
+    )
+    return _by_order(model)

@@ -276,15 +276,13 @@ class _Resolver:
         applied = []
         for i, lvl in matches:
             b = self.prep.rules[i]
-            if lvl is Level.EXACT:
+            # an exact name, or a class (every instance of which lacks a weight kernel),
+            # that cannot hold the tensor is the same mistake, reported the same way
+            if lvl is Level.EXACT or (lvl is Level.TYPE and Role.WEIGHT not in has):
                 for r in b.roles:
                     if r not in has:
                         self._e203_rules.add(i)
-                        diags.append(Diagnostic.error(
-                            "E203", f"{b.label} sets the {r.value} of a {entry.type_name}, which has no "
-                            f"{r.value} parameter", b.role_spans.get(r, b.span),
-                            f"{entry.type_name} can take: {', '.join(x.value for x in entry.roles)}",
-                        ))
+                        diags.append(self._e203(b, r, entry))
             if b.skip is not None or b.accumulator is not None or any(r in has for r in b.roles):
                 applied.append(i)
                 bodies.append((lvl, b))
@@ -326,6 +324,20 @@ class _Resolver:
         # frozen once here so every layer with this outcome shares the maps (no per-layer copies)
         return _Outcome(
             attrs_frozendict(roles), attrs_frozendict(prov), skip, acc, tuple(applied), gran_spans, diags, conflicts
+        )
+
+    @staticmethod
+    def _e203(b: Body, r: Role, entry: ModuleEntry) -> Diagnostic:
+        kernels = [n for n, shape in entry.param_shapes.items() if len(shape) >= 2]
+        notes = ()
+        if kernels:
+            shown = ", ".join(kernels[:4]) + (" ..." if len(kernels) > 4 else "")
+            notes = (f"{entry.type_name} keeps its weights in {shown}: "
+                     f"qdsl does not quantize {entry.type_name} weights yet",)
+        return Diagnostic.error(
+            "E203", f"{b.label} sets the {r.value} of a {entry.type_name}, which has no "
+            f"{r.value} parameter", b.role_spans.get(r, b.span),
+            f"{entry.type_name} can take: {', '.join(x.value for x in entry.roles)}", notes=notes,
         )
 
     def _role(

@@ -30,6 +30,7 @@ __all__ = [
     "Span",
     "Diagnostic",
     "QdslError",
+    "QdslWarning",
     "SpecError",
     "did_you_mean",
     "render_all",
@@ -161,6 +162,12 @@ class QdslError(Exception):
     Examples: calibrating a model qdsl was never applied to, applying twice, a
     corrupt ``.qgraph`` file (``GraphFormatError``).
     """
+
+
+class QdslWarning(UserWarning):
+    """Base of every warning qdsl issues about a user's model or spec (something works,
+    but probably not as meant): filter them all with
+    ``warnings.filterwarnings("error", category=QdslWarning)``."""
 
 
 class SpecError(QdslError):

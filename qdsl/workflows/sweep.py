@@ -128,17 +128,19 @@ def run_point(
     qat_lr: float = 1e-3,
     seed: int = 0,
     keep: bool = False,
+    strict: bool = False,
 ) -> tuple[float, int, Any]:
     """Quantize a copy of ``float_model`` with ``spec`` + ``setting``; ``(accuracy, size_bits, model)``.
 
-    The returned model is the quantized copy when ``keep`` is true, else ``None``.
+    The returned model is the quantized copy when ``keep`` is true, else ``None``;
+    ``strict`` is ``qdsl.apply``'s (refuse a spec that leaves reached layers in float).
     """
     import qdsl
     from qdsl.testing.train import evaluate
 
     model = copy.deepcopy(float_model).eval()
     overrides = [f"{k}={v}" for k, v in setting]
-    handle = qdsl.apply(model, spec, overrides=overrides or None)
+    handle = qdsl.apply(model, spec, overrides=overrides or None, strict=strict)
     x_train = data[0]
     qdsl.calibrate(model, (x_train[i : i + 64] for i in range(0, min(calib, len(x_train)), 64)))
     if qat_epochs:
@@ -160,6 +162,7 @@ def sweep(
     calib: int = 256,
     qat_epochs: int = 0,
     progress: Callable[[str], None] | None = None,
+    strict: bool = False,
 ) -> list[SweepPoint]:
     """Run every setting; the float model is evaluated once for reference."""
     from qdsl.testing.train import evaluate
@@ -171,7 +174,8 @@ def sweep(
         if progress:
             progress(f"[{i + 1}/{len(settings)}] " + (" ".join(f"{k}={v}" for k, v in setting) or "spec as written"))
         t0 = time.perf_counter()
-        acc, size, _ = run_point(float_model, spec, data, setting, calib=calib, qat_epochs=qat_epochs)
+        acc, size, _ = run_point(float_model, spec, data, setting, calib=calib, qat_epochs=qat_epochs,
+                                 strict=strict)
         points.append(SweepPoint(tuple(setting), acc, float_acc, size, float_size, time.perf_counter() - t0))
     return points
 

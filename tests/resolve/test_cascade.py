@@ -151,9 +151,17 @@ def test_optional_rule_may_match_nothing(resnet):
 
 def test_rule_matching_modules_without_its_tensor_is_an_error(resnet):
     with pytest.raises(SpecError) as exc:
-        resolve(resnet, spec(rules=[rule(4, "type:ReLU", weight=tq(4, bits=4))]))
+        resolve(resnet, spec(rules=[rule(4, "re:.*relu.*", weight=tq(4, bits=4))]))
     (d,) = exc.value.diagnostics
     assert d.code == "E202" and "weight" in d.message and d.span.line == 4
+
+
+def test_type_rule_on_a_class_without_the_parameter_is_e203(resnet):
+    # a class without a weight kernel is the same mistake as an exact name without one
+    with pytest.raises(SpecError) as exc:
+        resolve(resnet, spec(rules=[rule(4, "type:ReLU", weight=tq(4, bits=4))]))
+    (d,) = exc.value.diagnostics
+    assert d.code == "E203" and "ReLU" in d.message and d.span.line == 4
 
 
 def test_exact_rule_on_a_module_without_the_parameter(resnet):
@@ -287,7 +295,7 @@ def test_module_and_index_resolve_the_same(cbr):
 def test_every_error_is_reported_at_once(resnet):
     s = spec(rules=[
         rule(3, "nope", weight=tq(3, bits=4)),
-        rule(4, "type:ReLU", weight=tq(4, bits=4)),
+        rule(4, "re:.*relu.*", weight=tq(4, bits=4)),
         rule(5, "fc", weight=tq(5, bits=40)),
         rule(6, "layer1.*.conv1", weight=tq(6, bits=4)),
         rule(7, "re:layer1.0.conv1", weight=tq(7, bits=5)),

@@ -20,7 +20,9 @@ from resolve_specs import body, ref_glob, rule, spec, tq
 
 INDEX = ModelIndex.from_module(digits_resnet())
 TARGETS = [
-    "type:Conv2d", "type:Linear", "type:BatchNorm2d",
+    # no type:BatchNorm2d: a type rule setting a weight on a class without a weight
+    # kernel is an E203 error (test_cascade.py), not a rule the cascade ignores
+    "type:Conv2d", "type:Linear",
     "layer1.*.conv1", "layer*.*.conv?", "**.conv2", "layer2.**", "stem.*",
     r"re:layer1\..*", r"re:.*\.conv1", r"re:.*downsample.*",
     "stem.0", "fc", "layer1.0.conv1", "layer2.1.conv2",

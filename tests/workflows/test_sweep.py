@@ -101,3 +101,18 @@ def test_sweep_cli_bad_spec_is_located(tmp_path, capsys):
     assert main(["sweep", str(bad), "--model", "qdsl.testing.models:mlp", "--data", "qdsl.testing.zoo:digits"]) == 2
     err = capsys.readouterr().err
     assert "bad.qspec:2:" in err and "^" in err
+
+
+def test_sweep_strict_refuses_layers_left_float(tmp_path, capsys):
+    (tmp_path / "m.py").write_text(
+        "import torch.nn as nn\n"
+        "from qdsl.testing.models import mlp\n"
+        "def build():\n"
+        "    m = mlp()\n"
+        "    m.table = nn.Embedding(4, 4)  # reached by the defaults' weight, never quantized\n"
+        "    return m\n")
+    args = ["sweep", SPEC, "--model", f"{tmp_path / 'm.py'}:build", "--data", "qdsl.testing.zoo:digits",
+            "--calib", "64"]
+    assert main(args + ["--strict"]) == 2
+    err = capsys.readouterr().err
+    assert "error[E505]: table: nn.Embedding weights are not supported yet" in err

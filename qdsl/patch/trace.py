@@ -1,0 +1,78 @@
+"""One torch.fx trace of a model, shared by every stage that needs its graph.
+
+:func:`trace_model` traces an (unpatched or patched: fx bypasses forward hooks) model
+once and returns a :class:`ModelTrace`:
+
+* ``graph``: the ``torch.fx.Graph`` (no ``GraphModule``: code generation would double the
+  cost), or ``None`` when fx cannot trace the model; then ``error`` says why
+  (``"TraceError: symbolically traced variables cannot be used as inputs to control
+  flow"``) so callers can tell the user what was not checked instead of skipping it;
+* ``calls``: how many times each module was called during the trace, by fqn.  fx routes
+  every ``module(...)`` call through ``Tracer.call_module``, leaf or not, so a block
+  called twice counts 2 even though its body is inlined; the root counts 1;
+* ``leaves``: the fqns fx kept as ``call_module`` nodes.  Their children are invisible
+  to the trace (``nn.MultiheadAttention`` and every other ``torch.nn`` class is a leaf),
+  so :meth:`ModelTrace.seen` tells a module fx watched from one it could not see into.
+
+Users: BatchNorm folding (:mod:`qdsl.patch.fold`), the coverage check of ``apply``
+(:mod:`qdsl.patch.coverage`) and lint's op graph (:mod:`qdsl.lint.graph`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch.fx
+from torch import nn
+
+__all__ = ["ModelTrace", "trace_model"]
+
+
+@attrs.frozen
+class ModelTrace:
+    """See the module docstring."""
+
+    model_type: str
+    graph: Any = attrs.field(eq=False, repr=False)
+    calls: dict[str, int] = attrs.field(factory=dict)
+    leaves: frozenset[str] = frozenset()
+    error: str | None = None
+
+    @property
+    def traced(self) -> bool:
+        return self.graph is not None
+
+    def seen(self, fqn: str) -> bool:
+        """Whether the trace watched calls of ``fqn``: traced, and not inside a leaf."""
+        if self.graph is None:
+            return False
+        parts = fqn.split(".")
+        return not any(".".join(parts[:i]) in self.leaves for i in range(1, len(parts)))
+
+
+class _CountingTracer(torch.fx.Tracer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, int] = {"": 1}
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            fqn = self.path_of_module(m)
+        except NameError:  # a module built inside forward: not part of the model's tree
+            fqn = None
+        if fqn is not None:
+            self.calls[fqn] = self.calls.get(fqn, 0) + 1
+        return super().call_module(m, forward, args, kwargs)
+
+
+def trace_model(model: nn.Module) -> ModelTrace:
+    """Trace ``model`` with torch.fx (default leaves); never raises for an untraceable model."""
+    tracer = _CountingTracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # noqa: BLE001 - fx raises many types (TraceError, TypeError, ...)
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return ModelTrace(type(model).__name__, None, error=f"{type(exc).__name__}: {msg}"[:300])
+    leaves = frozenset(str(n.target) for n in graph.nodes if n.op == "call_module")
+    return ModelTrace(type(model).__name__, graph, tracer.calls, leaves)
