@@ -105,8 +105,15 @@ def model_graph(model: Any) -> ModelGraph:
     try:
         import torch.fx
 
+        tracer = torch.fx.Tracer()
+        if tracer.is_leaf_module(model, ""):
+            # the model is one torch.nn layer (a bare nn.Linear): fx would trace its forward
+            # into get_attr + F.linear, losing the module; it is one module call, as export sees it
+            node = OpNode("root", module_op(type(model).__name__), "", ("x",), "<model>")
+            at = frozenset({""}) if node.op in WEIGHTED_OPS else frozenset()
+            return ModelGraph((node,), at, at, traced=True)
         # the Graph alone: building a GraphModule (code generation) would double the cost
-        graph = torch.fx.Tracer().trace(model)
+        graph = tracer.trace(model)
     except Exception:  # noqa: BLE001 - any tracing failure means: use the module list
         return index_graph(ModelIndex.from_module(model))
     modules = dict(model.named_modules())
