@@ -6,7 +6,8 @@
 // values with padding +1, bit-packing, popcount GEMM, then for windows that touch the
 // padding the padded taps' contribution (+1 * w) is subtracted again, so padding taps are
 // skipped exactly as the reference does.  Then bias (int64), acc_bits wrap/saturate with
-// overflow counting, and the output stage or the sign for BIN outputs.
+// overflow counting, and the output stage (the wide rescale when acc_bits > 32) or the sign
+// for BIN outputs.
 #include <cstdlib>
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
@@ -72,11 +73,12 @@ void Im2col(const uint8_t* x, const PreparedOp& p, const Geometry& e, int64_t gi
 }
 
 int64_t FinishAcc(int64_t s, const PreparedOp& p, int64_t* overflow) {
+  if (p.acc_bits >= 64) return s;  // the exact sum is an int64 (like the reference's)
   const int64_t half = int64_t{1} << (p.acc_bits - 1);
   if (s < -half || s >= half) {
     ++*overflow;
     if (p.overflow_mode == 1) return s < 0 ? -half : half - 1;
-    const uint64_t mask = (p.acc_bits == 64) ? ~uint64_t{0} : ((uint64_t{1} << p.acc_bits) - 1);
+    const uint64_t mask = (uint64_t{1} << p.acc_bits) - 1;
     return static_cast<int64_t>((static_cast<uint64_t>(s) + static_cast<uint64_t>(half)) & mask) - half;
   }
   return s;
@@ -86,10 +88,10 @@ inline void Emit(int64_t s, const PreparedOp& p, int64_t oc, uint8_t* y, bool wi
   if (!p.bias.empty()) s += p.bias[oc];
   s = FinishAcc(s, p, overflow);
   if (wide) {  // I32 output: the stage clamps to the int32 range
-    const int32_t v = ApplyStage(s, p.out.stage, oc);
+    const int32_t v = ApplyStage(s, p.out.stage, oc, p.acc_bits > 32);
     std::memcpy(y + 4 * idx, &v, 4);
   } else {
-    y[idx] = static_cast<uint8_t>(p.bin_out ? (s < 0 ? -1 : 1) : ApplyStage(s, p.out.stage, oc));
+    y[idx] = static_cast<uint8_t>(p.bin_out ? (s < 0 ? -1 : 1) : ApplyStage(s, p.out.stage, oc, p.acc_bits > 32));
   }
 }
 

@@ -62,7 +62,7 @@ struct PreparedOp {
   int64_t kp = 0;
   int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
   bool int32_exact = true;                  // every GEMM sum provably fits int32
-  bool fast_acc = false;                    // acc_bits 32, |sum + bias| < 2^31: no overflow possible
+  bool fast_acc = false;                    // |sum + bias| < min(2^(acc_bits-1), 2^31): no overflow possible
   bool fast_stage = false;                  // fast_acc and an I8/U8 output
   int acc_bits = 32, overflow_mode = 0;
   bool bin_out = false;

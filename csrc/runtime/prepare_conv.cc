@@ -129,7 +129,8 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   }
   p.acc_bits = static_cast<int>(std::min<int64_t>(std::max<int64_t>(A.at("acc_bits").i, 0), 64));
   p.overflow_mode = static_cast<int>(A.at("overflow").i);
-  OP_CHECK(A.at("acc_bits").i >= 2 && A.at("acc_bits").i <= 32, "acc_bits outside [2, 32]");
+  OP_CHECK(A.at("acc_bits").i >= 2 && A.at("acc_bits").i <= 64, "acc_bits outside [2, 64]");
+  OP_CHECK(p.acc_bits <= 32 || kHasWideRescale, "acc_bits %d > 32 needs a compiler with 128-bit integers", p.acc_bits);
   OP_CHECK(p.overflow_mode == 0 || p.overflow_mode == 1, "overflow must be 0 (wrap) or 1 (saturate)");
   p.bin_out = out.dtype == kBin;
   if (!p.bin_out) QDSL_RETURN_IF_ERROR(ReadStageFor(op, index, p.cout, out.dtype, &p.out));
@@ -178,7 +179,9 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   for (int32_t b : p.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
   // no accumulator of acc_bits can overflow (so wrap/saturate and the overflow counts are
   // moot): |sum + bias| <= 2^(acc_bits - 1) - 1, e.g. a 24-bit accumulator with 4-bit weights
-  const int64_t acc_max = (int64_t{1} << (p.acc_bits - 1)) - 1;
+  // (and, for a wider accumulator, the int32 range: the fast stages rescale int32 sums, where
+  // the wide rescale equals the int32 one)
+  const int64_t acc_max = p.acc_bits >= 32 ? INT32_MAX : (int64_t{1} << (p.acc_bits - 1)) - 1;
   p.fast_acc = p.int32_exact && out.dtype != kBin && kdim * xmax * wmax + bmax <= acc_max;
   p.fast_stage = p.fast_acc && out.dtype != kI32;
   if (p.int32_exact && p.spatial > 0) {  // convs: weights are the broadcast (A) operand

@@ -108,16 +108,29 @@ class _ShapeRecorder(torch.fx.Interpreter):
             n.meta["qdsl_shape"] = tuple(out.shape)
         return out
 
+    def fetch_attr(self, target: str) -> Any:
+        return self.module if target == "" else super().fetch_attr(target)  # the model is the layer
 
-def trace_quantized(model: nn.Module, handle) -> torch.fx.GraphModule:
-    """The model's fx graph with explicit quantizer markers (see module doc)."""
+
+def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
+    """The model's fx graph with explicit quantizer markers (see module doc); its module
+    targets are paths in ``model`` (``""`` when the model itself is the one layer)."""
     tracer = _Tracer(handle)
+    if tracer.is_leaf_module(model, ""):
+        # fx traces the root's forward and never treats the root as a call, so a model that
+        # is one quantized layer (a bare nn.Linear) would read its weight as a tensor
+        # attribute: build the one-call graph input -> layer -> output instead (the root's
+        # input and output quantizers apply at the placeholder and the output, as always)
+        graph = torch.fx.Graph()
+        call = graph.call_module("", (graph.placeholder("x"),))
+        call.meta["qdsl_scope"] = ""
+        graph.output(call)
+        return graph
     try:
-        graph = tracer.trace(model)
+        return tracer.trace(model)
     except Exception as exc:  # fx raises many types for untraceable code
         raise ExportError("", f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}",
                           "export needs a model without data-dependent control flow") from None
-    return torch.fx.GraphModule(model, graph)
 
 
 _RELUS = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
@@ -136,8 +149,8 @@ _FUNCTIONAL_POOLS = {
 
 
 class _Lowerer:
-    def __init__(self, model: nn.Module, handle, gm: torch.fx.GraphModule, single_rounding: bool):
-        self.model, self.handle, self.gm = model, handle, gm
+    def __init__(self, model: nn.Module, handle, graph: torch.fx.Graph, single_rounding: bool):
+        self.model, self.handle, self.graph = model, handle, graph
         self.modules = dict(model.named_modules())
         self.folded_bns = {p.bn_fqn for p in handle.layers.values() if p.bn_fqn}
         self.b = Builder(single_rounding)
@@ -330,7 +343,7 @@ class _Lowerer:
     # ---------------------------------------------------------------- walk
     def run(self, graph_name: str) -> Any:
         outputs: list[str] = []
-        for node in self.gm.graph.nodes:
+        for node in self.graph.nodes:
             args = torch.fx.node.map_arg(node.args, lambda n: self.env[n])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
             if node.op == "placeholder":
@@ -405,10 +418,10 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        gm = trace_quantized(model, handle)
-        with torch.no_grad():
-            _ShapeRecorder(gm).run(x)
-        lowerer = _Lowerer(model, handle, gm, requant == "single")
+        graph_fx = trace_quantized(model, handle)
+        with torch.no_grad():  # the graph's targets are the model's own submodules (as a GraphModule's would be)
+            _ShapeRecorder(model, graph=graph_fx).run(x)
+        lowerer = _Lowerer(model, handle, graph_fx, requant == "single")
         graph = lowerer.run(name or type(model).__name__)
     finally:
         for m, mode in modes.items():

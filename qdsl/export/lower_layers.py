@@ -146,7 +146,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     op = {(0, False): OpType.LINEAR, (1, False): OpType.CONV1D, (2, False): OpType.CONV2D,
           (0, True): OpType.BLINEAR, (1, True): OpType.BCONV1D, (2, True): OpType.BCONV2D}[(rank, binary)]
     acc = patch.plan.accumulator
-    attrs_ = {"acc_bits": min(int(acc.bits), 32),
+    attrs_ = {"acc_bits": int(acc.bits),
               "overflow": int(OverflowMode.SATURATE if acc.overflow is Overflow.SATURATE else OverflowMode.WRAP)}
     if rank:
         attrs_.update(_spatial(m, rank, fqn))

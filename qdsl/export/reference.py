@@ -8,7 +8,9 @@ Shared rules (docs/qgraph.md gives the formulas op by op):
 
 * accumulators are computed exactly (int64), the bias is added, and the exact sum is then
   wrapped (two's complement) or saturated to ``acc_bits``; an element whose exact sum does
-  not fit ``acc_bits`` counts as one overflow for that op (``ExecResult.overflow``);
+  not fit ``acc_bits`` counts as one overflow for that op (``ExecResult.overflow``); an
+  accumulator wider than 32 bits is rescaled without saturating it to int32 first
+  (``requant.apply_rescale_wide``);
 * padding of conv and average pool uses the input zero point (it contributes 0), max pool
   padding never wins, binary conv padding contributes 0 (taps outside are skipped);
 * output stage: ``clamp(rescale(acc) + out_zp, out_min, out_max)`` (requant.py);
@@ -24,7 +26,7 @@ import attrs
 import numpy as np
 
 from qdsl.export.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Rounding, Tensor
-from qdsl.export.requant import apply_rescale, sat, wrap
+from qdsl.export.requant import apply_rescale, apply_rescale_wide, sat, wrap
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["GraphInputError", "ExecResult", "execute", "run_reference"]
@@ -109,8 +111,9 @@ def _finish_acc(acc: np.ndarray, bias: np.ndarray | None, a, counts: dict, name:
     if bias is not None:
         acc = acc + bias.reshape((1, -1) + (1,) * (acc.ndim - 2))
     bits = a["acc_bits"]
-    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    counts[name] = counts.get(name, 0) + int(((acc < lo) | (acc > hi)).sum())
+    if bits < 64:  # a 64-bit accumulator holds the exact (int64) sum
+        lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        counts[name] = counts.get(name, 0) + int(((acc < lo) | (acc > hi)).sum())
     return sat(acc, bits) if a["overflow"] == 1 else wrap(acc, bits)
 
 
@@ -118,7 +121,8 @@ def _output(acc: np.ndarray, a, out: Tensor) -> np.ndarray:
     if out.dtype is DType.BIN:
         return np.where(acc < 0, -1, 1).astype(np.int64)
     stage = OutputStage.from_attrs(a)
-    y = apply_rescale(acc, stage.rescale, axis=1) + stage.zero_point
+    rescale = apply_rescale_wide if a.get("acc_bits", 32) > 32 else apply_rescale
+    y = rescale(acc, stage.rescale, axis=1) + stage.zero_point
     return np.clip(y, stage.qmin, stage.qmax)
 
 

@@ -43,6 +43,15 @@ POT (exact power of two, ``M = 2^-s``)
     op's :class:`Rounding`, then ``sat32``. Bit-exact against ``round(x·M)`` by construction.
 
 :func:`quantize_multiplier` decomposes a float factor for FIXED; :func:`pot_shift` for POT.
+
+Wide form (:func:`apply_rescale_wide`, the output stage of a conv/linear whose ``acc_bits``
+is above 32): the int64 accumulator is not saturated to int32 first. POT ``s <= 0`` as
+above; POT ``s > 0``: ``sat32(round(x / 2^s))``; FIXED / FIXED_SINGLE with
+``t = sat32(x · 2^left)`` when ``left > 0`` (a factor >= 1 saturates anyway), else ``t = x``:
+FIXED ``r = sat32(RDBP(floor((t·m + 2^30) / 2^31), right))``, FIXED_SINGLE
+``r = sat32(round(t·m / 2^(31+right)))``, with ``t·m`` exact (Python integers here, 128-bit in
+C++). For int32-range ``x`` each equals the form above (``floor((t·m + 2^30)/2^31)`` is
+SRDHM for ``m >= 0``), so the wide form only extends it.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ __all__ = [
     "rdbp",
     "rounding_shift",
     "apply_rescale",
+    "apply_rescale_wide",
     "sat",
     "wrap",
 ]
@@ -135,12 +145,16 @@ def make_rescale(factors, rounding: Rounding = Rounding.HALF_AWAY, allow_pot: bo
 
 
 def sat(x: np.ndarray, bits: int = 32) -> np.ndarray:
-    """Clamp int64 values to the signed ``bits`` range."""
+    """Clamp int64 values to the signed ``bits`` range (64: the identity)."""
+    if bits >= 64:
+        return np.asarray(x, dtype=np.int64)
     return np.clip(x, -(1 << (bits - 1)), (1 << (bits - 1)) - 1)
 
 
 def wrap(x: np.ndarray, bits: int = 32) -> np.ndarray:
-    """Two's complement wrap of int64 values to ``bits``."""
+    """Two's complement wrap of int64 values to ``bits`` (64: the identity)."""
+    if bits >= 64:
+        return np.asarray(x, dtype=np.int64)
     half = 1 << (bits - 1)
     return ((x + half) & ((1 << bits) - 1)) - half
 
@@ -213,3 +227,50 @@ def apply_rescale(x: np.ndarray, rescale: Rescale, axis: int | None = 1) -> np.n
         # |t·m| < 2^62: exact in int64; one rounding of t·m / 2^(31+right)
         return sat(rounding_shift(t * m, 31 + right, rescale.rounding))
     return rdbp(srdhm(t, m), right)
+
+
+def _round_shift_int(v: int, s: int, rounding: Rounding) -> int:
+    """``v / 2^s`` (``s >= 1``) rounded per ``rounding``, on Python integers (exact at any width)."""
+    f = v >> s
+    rem = v - (f << s)
+    h = 1 << (s - 1)
+    if rounding == Rounding.FLOOR:
+        return f
+    if rounding == Rounding.HALF_UP:
+        return f + (rem >= h)
+    if rounding == Rounding.HALF_AWAY:
+        return f + (rem > h or (rem == h and v >= 0))
+    if rounding == Rounding.HALF_EVEN:
+        return f + (rem > h or (rem == h and (f & 1) == 1))
+    raise GraphFormatError(f"unknown rounding code {int(rounding)}")
+
+
+def _wide_one(x: int, kind: int, m: int, s: int, rounding: int) -> int:
+    x, m, s = int(x), int(m), int(s)
+    if kind == RescaleKind.POT:
+        if s <= 0:
+            return min(max(min(max(x, INT32_MIN), INT32_MAX) << -s, INT32_MIN), INT32_MAX)
+        return min(max(_round_shift_int(x, s, Rounding(rounding)), INT32_MIN), INT32_MAX)
+    left, right = max(-s, 0), max(s, 0)
+    t = min(max(min(max(x, INT32_MIN), INT32_MAX) << left, INT32_MIN), INT32_MAX) if left else x
+    if kind == RescaleKind.FIXED_SINGLE:
+        r = _round_shift_int(t * m, 31 + right, Rounding(rounding))
+    else:
+        u = (t * m + (1 << 30)) >> 31
+        r = _round_shift_int(u, right, Rounding.HALF_AWAY) if right else u
+    return min(max(r, INT32_MIN), INT32_MAX)
+
+
+def apply_rescale_wide(x: np.ndarray, rescale: Rescale, axis: int | None = 1) -> np.ndarray:
+    """``rescale`` applied to int64 accumulators wider than 32 bits (the module docstring's
+    wide form): element by element on Python integers, slow and exact; int64 out, int32 range."""
+    x = np.asarray(x, dtype=np.int64)
+    m = np.asarray(rescale.multiplier, dtype=np.int64)
+    s = np.asarray(rescale.shift, dtype=np.int64)
+    if m.size > 1:
+        shape = [1] * x.ndim
+        shape[axis] = m.size
+        m, s = m.reshape(shape), s.reshape(shape)
+    one = np.vectorize(lambda v, mm, ss: _wide_one(v, int(rescale.kind), mm, ss, int(rescale.rounding)),
+                       otypes=[np.int64])
+    return one(x, m, s) if x.size else x.copy()

@@ -148,7 +148,7 @@ def _spatial(c: _Check, x: Tensor, rank: int, kernel: tuple[int, ...], pads_limi
 
 
 def _acc(c: _Check) -> None:
-    c.int("acc_bits", 2, 32)
+    c.int("acc_bits", 2, 64)
     c.int("overflow", 0, len(OverflowMode) - 1)
 
 

@@ -103,7 +103,14 @@ def _fn_name(target: Any) -> str:
 def model_graph(model: Any) -> ModelGraph:
     """Trace ``model`` with torch.fx; on failure fall back to :func:`index_graph`."""
     from qdsl.patch.trace import trace_model  # torch: only when a model is traced
+    import torch.fx
 
+    if torch.fx.Tracer().is_leaf_module(model, ""):
+        # the model is one torch.nn layer (a bare nn.Linear): fx would trace its forward
+        # into get_attr + F.linear, losing the module; it is one module call, as export sees it
+        node = OpNode("root", module_op(type(model).__name__), "", ("x",), "<model>")
+        at = frozenset({""}) if node.op in WEIGHTED_OPS else frozenset()
+        return ModelGraph((node,), at, at, traced=True)
     graph = trace_model(model).graph
     if graph is None:  # any tracing failure means: use the module list
         return index_graph(ModelIndex.from_module(model))

@@ -7,7 +7,8 @@ collected, then raised together as one ``SpecError``):
   E104 value out of range, E105 unknown enum value, E106 duplicate, E107 bad name,
   E108 bad target, E109 unsupported version.
 * Ranges: ``bits`` 1..16 on weight/input/output, 1..32 on bias and in presets (a preset
-  may serve the bias role); accumulator bits 1..64; observer params finite.
+  may serve the bias role); accumulator bits 2..64 (the integer graph's range); observer
+  params finite.
 
 Not checked here (the resolver does, after ``extends`` and the cascade): whether a
 preset exists, whether a field combination is valid (binary + zero point ...), and
@@ -287,7 +288,7 @@ class SchemaLowerer:
                      'e.g. { bits = 24, overflow = "saturate" }')
             return None
         entries = self._table(node, ("bits", "overflow"), "in accumulator")
-        bits = self.integer(entries["bits"], "accumulator bits", 1, 64) if "bits" in entries else 32
+        bits = self.integer(entries["bits"], "accumulator bits", 2, 64) if "bits" in entries else 32
         overflow = (self.choice(entries["overflow"], tuple(o.value for o in Overflow), "overflow")
                     if "overflow" in entries else Overflow.WRAP.value)
         if bits is None or overflow is None:

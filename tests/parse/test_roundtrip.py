@@ -76,7 +76,7 @@ def bodies(draw):
     roles = {}
     for role in draw(st.lists(st.sampled_from(Role), unique=True, max_size=4)):
         roles[role] = draw(quants(role))
-    acc = draw(st.none() | st.builds(Accumulator, st.integers(1, 64), st.sampled_from(Overflow)))
+    acc = draw(st.none() | st.builds(Accumulator, st.integers(2, 64), st.sampled_from(Overflow)))
     return RuleBody(roles, draw(st.none() | st.booleans()), acc)
 
 

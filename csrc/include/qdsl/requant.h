@@ -15,7 +15,8 @@
 //        s > 0:  r = sat32(RoundShift(x, s)), where RoundShift(v, s): f = v >> s, rem = v - (f << s),
 //                h = 2^(s-1); HALF_AWAY f + (rem > h || (rem == h && v >= 0));
 //                HALF_EVEN f + (rem > h || (rem == h && f odd)); FLOOR f; HALF_UP f + (rem >= h)
-//   OutputStage: y = clamp(Rescale(acc) + zero_point, qmin, qmax)   (zero point after the rescale)
+//   OutputStage: y = clamp(Rescale(acc) + zero_point, qmin, qmax)   (zero point after the rescale;
+//   RescaleOneWide below for an accumulator wider than 32 bits)
 #ifndef QDSL_REQUANT_H_
 #define QDSL_REQUANT_H_
 
@@ -83,10 +84,59 @@ inline int64_t RescaleOne(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rou
   return Sat32(RoundShift(x, s, rounding));
 }
 
-inline int32_t ApplyStage(int64_t acc, const OutputStage& st, int64_t channel) {
+// Wide rescale, for accumulators of acc_bits > 32 (docs/qgraph.md §4.3): the int64 value x
+// is not saturated to int32 first, so a sum beyond int32 still rescales exactly.
+//   POT, s <= 0: as RescaleOne (a factor >= 1 saturates any |x| >= 2^31 anyway)
+//   POT, s > 0:  sat32(RoundShift(x, s))
+//   FIXED/FIXED_SINGLE: t = left > 0 ? sat32(x * 2^left) : x   (left > 0 means a factor >= 1)
+//     FIXED:        r = sat32(RDBP(floor((t*m + 2^30) / 2^31), right))
+//     FIXED_SINGLE: r = sat32(RoundShift(t*m, 31 + right))
+//   with t*m exact (up to 94 bits: a 128-bit integer).  For x in the int32 range every line
+//   equals RescaleOne (floor((t*m + 2^30) / 2^31) is SRDHM(t, m) for m >= 0), so the wide
+//   form extends the int32 one.  Needs a compiler with __int128 (GCC, Clang); elsewhere the
+//   runtime refuses acc_bits > 32 when it loads the graph (kHasWideRescale).
+#if defined(__SIZEOF_INT128__)
+constexpr bool kHasWideRescale = true;
+__extension__ typedef __int128 Int128;
+
+inline Int128 RoundShift128(Int128 v, int s, Rounding rounding) {
+  const Int128 f = v >> s;  // arithmetic (flooring) shift
+  const Int128 rem = v - (f << s);
+  const Int128 h = Int128{1} << (s - 1);
+  bool up = false;
+  switch (rounding) {
+    case Rounding::kHalfAway: up = rem > h || (rem == h && v >= 0); break;
+    case Rounding::kHalfEven: up = rem > h || (rem == h && (f & 1)); break;
+    case Rounding::kFloor: up = false; break;
+    case Rounding::kHalfUp: up = rem >= h; break;
+  }
+  return f + (up ? 1 : 0);
+}
+
+inline int64_t RescaleOneWide(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
+  if (kind == RescaleKind::kPot) return s <= 0 ? RescaleOne(x, kind, m, s, rounding) : Sat32(RoundShift(x, s, rounding));
+  const int left = s < 0 ? -s : 0, right = s > 0 ? s : 0;
+  const int64_t t = left > 0 ? Sat32(Sat32(x) * (int64_t{1} << left)) : x;
+  const Int128 p = static_cast<Int128>(t) * m;
+  if (kind == RescaleKind::kFixedSingle) {
+    const Int128 r = RoundShift128(p, 31 + right, rounding);
+    return r < INT32_MIN ? INT32_MIN : (r > INT32_MAX ? INT32_MAX : static_cast<int64_t>(r));
+  }
+  const int64_t u = static_cast<int64_t>((p + (Int128{1} << 30)) >> 31);  // |u| < 2^63
+  return Sat32(right > 0 ? RoundShift(u, right, Rounding::kHalfAway) : u);
+}
+#else
+constexpr bool kHasWideRescale = false;
+inline int64_t RescaleOneWide(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
+  return RescaleOne(x, kind, m, s, rounding);  // never reached: acc_bits > 32 is refused
+}
+#endif
+
+inline int32_t ApplyStage(int64_t acc, const OutputStage& st, int64_t channel, bool wide = false) {
   const Rescale& r = st.rescale;
   const int64_t c = r.channels == 1 ? 0 : channel;
-  int64_t v = RescaleOne(acc, r.kind, r.multiplier[c], r.shift[c], r.rounding) + st.zero_point;
+  int64_t v = (wide ? RescaleOneWide(acc, r.kind, r.multiplier[c], r.shift[c], r.rounding)
+                    : RescaleOne(acc, r.kind, r.multiplier[c], r.shift[c], r.rounding)) + st.zero_point;
   if (v < st.qmin) v = st.qmin;
   if (v > st.qmax) v = st.qmax;
   return static_cast<int32_t>(v);
