@@ -58,6 +58,7 @@ PRESET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PART_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # registry names are snake_case
 RESERVED_PRESET_NAMES = frozenset([k.value for k in Kind] + ["true", "false"])
 LEARNED_ROUNDINGS = ("none", "adaround", "gptq")
+_NON_FINITE_NAMES = ("inf", "infinity", "nan")
 ROLE_NAMES = tuple(r.value for r in Role)
 QUANT_KEYS = ("kind", "bits", "signed", "narrow_range", "symmetric", "scale", "granularity",
               "observer", "rounding", "dynamic", "extends")
@@ -257,7 +258,9 @@ class SchemaLowerer:
         params = {}
         for key, child in entries.items():
             v = child.value
-            if isinstance(v, float) and not math.isfinite(v):
+            if isinstance(v, float) and not math.isfinite(v) or (
+                    child.form == "name" and isinstance(v, str) and v.lower() in _NON_FINITE_NAMES):
+                # the DSL has no inf/nan literals: `percentile=inf` is the name "inf", meant as a number
                 self.err("E104", f"observer parameter {key} must be finite", child.span)
             elif isinstance(v, (bool, int, float, str)):
                 params[key] = v
