@@ -94,7 +94,9 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     lbrace, rbrace = S("{").set_name("'{'"), S("}").set_name("'}'")
     eq = S("=").set_name("'='")
 
-    ident = pp.Regex(r"[A-Za-z_][A-Za-z0-9_]*").set_name("a name")
+    # any Unicode word (not only ASCII) so a name like 'wé8' parses as one name and the
+    # schema reports it once, located (E107); cut at 'é' it would derail the statement
+    ident = pp.Regex(r"[^\W\d]\w*").set_name("a name")
     name = _located(ident, lambda a, b, t: ast.Name(t[0], a, b), "a name")
     number_re = pp.Regex(r"[+-]?\d+(\.\d+)?([eE][+-]?\d+)?").set_name("a number")
 
@@ -137,7 +139,10 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     not_top = pp.NotAny(pp.Regex(r"(?:" + "|".join(TOP_KEYWORDS) + r")(?![A-Za-z0-9_])"))
     body_stmt = _located(not_top + name + pp.Opt(eq - value | stmt_call), build_stmt,
                          "a setting (weight = ..., skip, accumulator(...))")
-    body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + pp.Opt(S(";")))) + rbrace,
+    # settings are separated by whitespace; a ';' or ',' between them is accepted too
+    # (writing `{ weight = w8, input = a8 }` is natural after the comma-separated args)
+    sep = pp.Opt(S(";") | S(",")).set_name("';' or ','")
+    body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + sep)) + rbrace,
                     lambda a, b, t: ast.Body(tuple(t[0]), a, b), "'{'")
 
     def kw(word: str, ident_chars: str | None = None) -> pp.ParserElement:

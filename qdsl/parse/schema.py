@@ -20,6 +20,8 @@ import math
 import re
 from typing import Any, Callable
 
+import attrs
+
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
@@ -79,6 +81,9 @@ class SchemaLowerer:
 
     def __init__(self) -> None:
         self.diags: list[Diagnostic] = []
+        self._bad_names: dict[str, int] = {}
+        """Invalid preset names already reported -> index of their diagnostic: a bad name
+        is one error (at its first occurrence, noting the others), not one per use."""
 
     def err(self, code: str, message: str, span: Span, *hints: str, notes: tuple[str, ...] = ()) -> None:
         self.diags.append(Diagnostic.error(code, message, span, *hints, notes=notes))
@@ -140,8 +145,14 @@ class SchemaLowerer:
 
     def preset_name(self, name: str, span: Span) -> bool:
         if not PRESET_NAME_RE.match(name):
+            first = self._bad_names.get(name)
+            if first is not None:
+                d = self.diags[first]
+                self.diags[first] = attrs.evolve(d, notes=d.notes + (f"also written at {span.line}:{span.col}",))
+                return False
+            self._bad_names[name] = len(self.diags)
             self.err("E107", f"'{name}' is not a valid quantizer name", span,
-                     "names are letters, digits and '_', not starting with a digit")
+                     "names are ASCII letters, digits and '_', not starting with a digit")
             return False
         if name in RESERVED_PRESET_NAMES:
             self.err("E107", f"'{name}' is reserved and cannot name a quantizer", span,
@@ -261,7 +272,8 @@ class SchemaLowerer:
             if isinstance(v, float) and not math.isfinite(v) or (
                     child.form == "name" and isinstance(v, str) and v.lower() in _NON_FINITE_NAMES):
                 # the DSL has no inf/nan literals: `percentile=inf` is the name "inf", meant as a number
-                self.err("E104", f"observer parameter {key} must be finite", child.span)
+                self.err("E104", f"observer parameter {key} must be finite", child.span,
+                         "give a finite number, e.g. percentile = 99.99")
             elif isinstance(v, (bool, int, float, str)):
                 params[key] = v
             else:
