@@ -18,40 +18,14 @@ import re
 import pyparsing as pp
 
 from qdsl.parse import dsl_ast as ast
+from qdsl.parse.dsl_fast import RULE_OPTIONS, TARGET_CHARS, TOP_KEYWORDS, Fallback, parse_statement_fast, unescape
 from qdsl.parse.located_toml import LineIndex
 from qdsl.spec.diagnostics import Diagnostic, did_you_mean
 
 __all__ = ["parse_statements", "parse_value", "TOP_KEYWORDS", "RULE_OPTIONS", "unescape"]
 
-TOP_KEYWORDS = ("version", "fold_bn", "bias_correction", "learned_rounding", "include",
-                "quantizer", "defaults", "rule")
-RULE_OPTIONS = ("optional", "priority", "as")
 _BLOCKS = ("defaults", "rule")
-_TARGET_CHARS = "A-Za-z0-9_.*?\\[\\]!\\-"
-
-_ESCAPES = {'"': '"', "\\": "\\", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-_ESC_RE = re.compile(r"\\(u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
-
-
-def unescape(raw: str) -> str:
-    """Decode the escapes of a double-quoted string body (TOML basic-string escapes).
-
-    Raises ``ValueError`` naming the first escape that is not one of those.
-    """
-
-    def sub(m: re.Match) -> str:
-        e = m.group(1)
-        if e[0] in "uU" and len(e) > 1:
-            code = int(e[1:], 16)
-            if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
-                raise ValueError(f"\\{e} is not a valid character")
-            return chr(code)
-        if e not in _ESCAPES:
-            raise ValueError(f"\\{e}")
-        return _ESCAPES[e]
-
-    return _ESC_RE.sub(sub, raw)
-
+_TARGET_CHARS = TARGET_CHARS
 
 _BAD_ESCAPE = "invalid escape in string: "
 
@@ -358,7 +332,10 @@ class _Recovering:
         pos = _SKIP.match(text, 0).end()
         while pos < len(text):
             try:
-                stmt, nxt = _parse_statement_at(text, pos)
+                try:
+                    stmt, nxt = parse_statement_fast(text, pos)
+                except Fallback:  # anything unusual, and every error: pyparsing decides
+                    stmt, nxt = _parse_statement_at(text, pos)
             except pp.ParseBaseException as exc:
                 self.diagnose(exc, pos)
                 pos = self.resync(pos, exc.loc)

@@ -100,9 +100,10 @@ class SchemaLowerer:
                          did_you_mean(key, allowed, what + "s"))
         return out
 
-    def _want(self, node: Node, ok: Callable[[Any], bool], want: str, name: str) -> bool:
+    def _want(self, node: Node, ok: Callable[[Any], bool], want: str | Callable[[], str], name: str) -> bool:
         if ok(node.value):
             return True
+        want = want() if callable(want) else want  # built only for the message
         self.err("E102", f"{name} must be {want}, got {self._shown(node)}", node.span)
         return False
 
@@ -127,7 +128,7 @@ class SchemaLowerer:
         return node.value
 
     def choice(self, node: Node, choices: tuple[str, ...], name: str) -> str | None:
-        if not self._want(node, lambda v: isinstance(v, str), "one of " + ", ".join(choices), name):
+        if not self._want(node, lambda v: isinstance(v, str), lambda: "one of " + ", ".join(choices), name):
             return None
         if node.value not in choices:
             self.err("E105", f"unknown {name} '{node.value}'", node.span, did_you_mean(node.value, choices))
