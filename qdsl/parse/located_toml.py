@@ -26,6 +26,7 @@ This module never imports torch.
 from __future__ import annotations
 
 import bisect
+import itertools
 import re
 import sys
 from typing import Any, Iterable, Mapping, Sequence
@@ -61,7 +62,8 @@ class LineIndex:
 
     def __init__(self, text: str):
         self.text = text
-        self.starts = [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
+        # cumulative line lengths: C-speed on multi-MB specs (a per-character loop was not)
+        self.starts = list(itertools.accumulate((len(line) + 1 for line in text.split("\n")), initial=0))[:-1]
 
     def pos(self, offset: int) -> tuple[int, int]:
         offset = max(0, min(offset, len(self.text)))

@@ -19,6 +19,7 @@ Duplicates (two ``defaults`` blocks, a field given twice) are E106 with both pla
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import attrs
@@ -55,9 +56,27 @@ class Desugarer:
         self.lines = LineIndex(text)
         self.filename = filename
         self.diags: list[Diagnostic] = []
+        self._starts = self.lines.starts + [len(text) + 1]
+        self._text, self._n = text, len(text)
+        self._spans: dict[tuple[int, int], Span] = {}
+        """Spans are immutable: one per (start, end), shared by the nodes written there."""
 
     def span(self, item: Any) -> Span:
-        return self.lines.span(self.filename, item.start, max(item.end, item.start + 1))
+        start, end = item.start, item.end
+        key = (start, end)
+        s = self._spans.get(key)
+        if s is None:
+            # LineIndex.span inlined: one bisect for the start; an end on the same line (the
+            # usual case) needs none.  Called for every node, so it sets the parse speed.
+            starts = self._starts  # with a sentinel past the end
+            if not 0 <= start < end <= self._n:  # clamp as LineIndex.span(start, max(end, start + 1))
+                end = min(max(start + 1, end, 0), self._n)
+                start = min(max(start, 0), self._n)
+            i = bisect.bisect_right(starts, start) - 1
+            j = i if end < starts[i + 1] else bisect.bisect_right(starts, end) - 1
+            s = self._spans[key] = Span(self.filename, i + 1, start - starts[i] + 1, j + 1, end - starts[j] + 1,
+                                        None, self._text)
+        return s
 
     def err(self, code: str, message: str, item: Any, *hints: str, notes: tuple[str, ...] = ()) -> None:
         self.diags.append(Diagnostic.error(code, message, self.span(item), *hints, notes=notes))

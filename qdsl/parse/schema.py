@@ -21,6 +21,8 @@ import math
 import re
 from typing import Any, Callable
 
+import attrs
+
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
@@ -59,6 +61,7 @@ PRESET_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 PART_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # registry names are snake_case
 RESERVED_PRESET_NAMES = frozenset([k.value for k in Kind] + ["true", "false"])
 LEARNED_ROUNDINGS = ("none", "adaround", "gptq")
+_NON_FINITE_NAMES = ("inf", "infinity", "nan")
 ROLE_NAMES = tuple(r.value for r in Role)
 QUANT_KEYS = ("kind", "bits", "signed", "narrow_range", "symmetric", "scale", "granularity",
               "observer", "rounding", "dynamic", "extends")
@@ -79,6 +82,9 @@ class SchemaLowerer:
 
     def __init__(self) -> None:
         self.diags: list[Diagnostic] = []
+        self._bad_names: dict[str, int] = {}
+        """Invalid preset names already reported -> index of their diagnostic: a bad name
+        is one error (at its first occurrence, noting the others), not one per use."""
 
     def err(self, code: str, message: str, span: Span, *hints: str, notes: tuple[str, ...] = ()) -> None:
         self.diags.append(Diagnostic.error(code, message, span, *hints, notes=notes))
@@ -95,9 +101,10 @@ class SchemaLowerer:
                          did_you_mean(key, allowed, what + "s"))
         return out
 
-    def _want(self, node: Node, ok: Callable[[Any], bool], want: str, name: str) -> bool:
+    def _want(self, node: Node, ok: Callable[[Any], bool], want: str | Callable[[], str], name: str) -> bool:
         if ok(node.value):
             return True
+        want = want() if callable(want) else want  # built only for the message
         self.err("E102", f"{name} must be {want}, got {self._shown(node)}", node.span)
         return False
 
@@ -122,7 +129,7 @@ class SchemaLowerer:
         return node.value
 
     def choice(self, node: Node, choices: tuple[str, ...], name: str) -> str | None:
-        if not self._want(node, lambda v: isinstance(v, str), "one of " + ", ".join(choices), name):
+        if not self._want(node, lambda v: isinstance(v, str), lambda: "one of " + ", ".join(choices), name):
             return None
         if node.value not in choices:
             self.err("E105", f"unknown {name} '{node.value}'", node.span, did_you_mean(node.value, choices))
@@ -140,8 +147,14 @@ class SchemaLowerer:
 
     def preset_name(self, name: str, span: Span) -> bool:
         if not PRESET_NAME_RE.match(name):
+            first = self._bad_names.get(name)
+            if first is not None:
+                d = self.diags[first]
+                self.diags[first] = attrs.evolve(d, notes=d.notes + (f"also written at {span.line}:{span.col}",))
+                return False
+            self._bad_names[name] = len(self.diags)
             self.err("E107", f"'{name}' is not a valid quantizer name", span,
-                     "names are letters, digits and '_', not starting with a digit")
+                     "names are ASCII letters, digits and '_', not starting with a digit")
             return False
         if name in RESERVED_PRESET_NAMES:
             self.err("E107", f"'{name}' is reserved and cannot name a quantizer", span,
@@ -258,8 +271,11 @@ class SchemaLowerer:
         params = {}
         for key, child in entries.items():
             v = child.value
-            if isinstance(v, float) and not math.isfinite(v):
-                self.err("E104", f"observer parameter {key} must be finite", child.span)
+            if isinstance(v, float) and not math.isfinite(v) or (
+                    child.form == "name" and isinstance(v, str) and v.lower() in _NON_FINITE_NAMES):
+                # the DSL has no inf/nan literals: `percentile=inf` is the name "inf", meant as a number
+                self.err("E104", f"observer parameter {key} must be finite", child.span,
+                         "give a finite number, e.g. percentile = 99.99")
             elif isinstance(v, (bool, int, float, str)):
                 params[key] = v
             else:

@@ -42,6 +42,7 @@ from qdsl.quantizers import functional as F
 from qdsl.quantizers.parts import channel_axis, default_registries
 from qdsl.quantizers.proxy import TensorQuantizer
 from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
+from qdsl.resolve.validate import derived_bias_problem
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError, UNKNOWN_SPAN
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Granularity, GranularityKind, Kind, ObserverSpec, Role
 
@@ -110,18 +111,8 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
                     _span(lp, role, "granularity")))
         bias = roles.get(Role.BIAS)
         if bias is not None and bias.scale == DERIVED_BIAS_SCALE:
-            iq, wq = roles.get(Role.INPUT), roles.get(Role.WEIGHT)
-            why = None
-            if iq is None or wq is None:
-                why = "its input and its weight must both be quantized"
-            elif iq.kind is Kind.FLOAT or wq.kind is Kind.FLOAT:
-                why = "its input and weight must be quantized"
-            elif iq.granularity.kind is not GranularityKind.TENSOR:
-                why = "the input needs one scale (granularity tensor)"
-            elif wq.granularity.kind is GranularityKind.GROUP:
-                why = "the weight needs per-tensor or per-channel scales, not groups"
-            elif wq.granularity.kind is GranularityKind.CHANNEL and channel_axis(wq, Role.WEIGHT)[0] != 0:
-                why = "per-channel weight scales must be along the output channels (axis 0)"
+            # resolve reports this as E214; a Plan built by hand reaches it here
+            why = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT))
             if why:
                 diags.append(Diagnostic.error(
                     "E504", f"the bias of '{lp.fqn}' has scale input*weight, but {why}",

@@ -60,7 +60,7 @@ from qdsl.quantizers.parts import (
     default_registries,
 )
 from qdsl.resolve.plan import QuantizerRecipe
-from qdsl.spec.diagnostics import QdslError
+from qdsl.spec.diagnostics import Diagnostic, QdslError, SpecError
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role
 from qdsl.spec.registry import Registries
 
@@ -347,6 +347,8 @@ class TensorQuantizer(LazyBuffers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
+        if self.axis is not None and not -x.dim() <= self.axis < x.dim():
+            self._bad_axis(x)
         if self.observing:
             if not self.stateless and self.observer is not None:
                 self.observer(x.detach())
@@ -363,6 +365,14 @@ class TensorQuantizer(LazyBuffers):
             return x
         self._last_scale = p[0]
         return self._with_grad(x, *p)
+
+    def _bad_axis(self, x: torch.Tensor) -> None:
+        # activation ranks are only known at run time (resolve checks weights and convs)
+        g = self.recipe.granularity
+        raise SpecError(Diagnostic.error(
+            "E505", f"channel axis {self.axis} of {self.name or self.role.value} is out of range for "
+            f"the {x.dim()}-d tensor it quantizes (shape {tuple(x.shape)})", g.span,
+            f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
         """Frozen int path: four passes over one fresh buffer.

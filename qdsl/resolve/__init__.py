@@ -36,15 +36,20 @@ E206    bad observer parameter value
 E207    ``extends`` names an unknown preset
 E208    cycle in preset ``extends`` chains (the whole chain is shown)
 E209    two rules at the same specificity and priority set one field differently
-E210    bits out of range (1..16; bias up to 32)
+E210    bits out of range (1..16; bias up to 32), or a 1-bit int grid with < 2 codes
+        (signed: -1..0; narrow: 0..0)
 E211    kind constraint: binary needs bits 1, ternary 2, pot >= 2; all are symmetric
 E212    group granularity on a non-weight tensor, or group size not positive
 E213    learned scale on a dynamic quantizer
-E214    ``input*weight`` scale on a non-bias tensor, or without quantized input and weight
+E214    ``input*weight`` scale on a non-bias tensor, without quantized input and weight, or
+        with scales that do not multiply into one per output channel (input not per
+        tensor, weight per group / along another axis / dynamic)
 E215    observer not allowed for the kind (``mean_abs`` is for binary/ternary)
-E216    channel axis out of range for the tensor's dimensions
+E216    channel axis out of range for the tensor's dimensions (weights; a convolution's
+        activations, which have its weight's rank; other activations: E505 at run time)
 E217    group size does not divide the weight's reduction size
 E218    malformed target (empty, bad regex, unterminated ``[``) or rule without targets
+E219    ``dynamic`` on a weight or bias (it is for activations)
 E222    a rule that sets nothing
 E223    a rule that both skips and sets quantizers
 ======  ==============================================================================

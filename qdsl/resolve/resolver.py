@@ -63,7 +63,14 @@ from qdsl.resolve.plan import (
 )
 from qdsl.resolve.presets import Contribution
 from qdsl.resolve.targets import Level, TargetMatcher, unmatched_hint
-from qdsl.resolve.validate import builtin_value, check_shapes, fill_channel_axis, validate_fields, validate_observer
+from qdsl.resolve.validate import (
+    builtin_value,
+    check_shapes,
+    derived_bias_problem,
+    fill_channel_axis,
+    validate_fields,
+    validate_observer,
+)
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
@@ -214,7 +221,7 @@ class _Resolver:
             for i in out.applied:
                 applied_to[i].append(entry.fqn)
             for role, recipe in out.roles.items():
-                if recipe is not None and role in _PARAM_ROLES and recipe.granularity.kind is not GranularityKind.TENSOR:
+                if recipe is not None and recipe.granularity.kind is not GranularityKind.TENSOR:
                     for d in check_shapes(recipe, role, entry, out.gran_spans.get(role, Span())):
                         self._layer_diags.setdefault(d, []).append(entry.fqn)
             layers.append(LayerPlan(
@@ -321,6 +328,15 @@ class _Resolver:
                     p.via[-1].span if p.via else p.set_by.span,
                     "quantize the input and weight of these layers, or give the bias its own scale",
                 ))
+            else:
+                why = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT))
+                if why is not None:
+                    p = prov[(Role.BIAS, "scale")]
+                    diags.append(Diagnostic.error(
+                        "E214", f"bias scale '{DERIVED_BIAS_SCALE}' cannot be formed on these layers: {why}",
+                        p.via[-1].span if p.via else p.set_by.span,
+                        "change the input/weight granularity, or give the bias its own scale",
+                    ))
         # frozen once here so every layer with this outcome shares the maps (no per-layer copies)
         return _Outcome(
             attrs_frozendict(roles), attrs_frozendict(prov), skip, acc, tuple(applied), gran_spans, diags, conflicts

@@ -49,6 +49,7 @@ __all__ = [
     "validate_recipe",
     "validate_observer",
     "check_shapes",
+    "derived_bias_problem",
     "MAX_BITS",
     "MAX_BIAS_BITS",
 ]
@@ -143,6 +144,21 @@ def validate_fields(
                 "biases may use up to 32 bits; every other tensor up to 16" if role is not Role.BIAS else
                 "an int32 bias is bits = 32",
             ))
+    if kind is Kind.INT and bits == 1 and (fields.get("signed") is not False or fields.get("narrow_range")):
+        # qrange(1, signed) is {-1, 0} (no positive code) and a narrow 1-bit grid has one
+        # code: neither can represent a tensor.  An absent ``signed`` is the built-in true.
+        grid = "-1..0" if fields.get("signed") is not False else "0..0"
+        d.append(Diagnostic.error(
+            "E210", f"a 1-bit {'signed' if grid == '-1..0' else 'narrow'} int quantizer has the code "
+            f"range {grid}, which cannot represent a tensor", _spot(spans, "bits", "signed", "narrow_range"),
+            "use kind = binary for {-1, +1}, 'unsigned' (without 'narrow') for {0, 1}, or bits >= 2",
+        ))
+    if fields.get("dynamic") is True and role in _PARAM_ROLES:
+        d.append(Diagnostic.error(
+            "E219", f"dynamic applies to activations (input, output), not the {role.value}",
+            _spot(spans, "dynamic"),
+            f"a {role.value}'s scale already follows its own values until freeze; drop 'dynamic' here",
+        ))
     if kind in (Kind.BINARY, Kind.TERNARY, Kind.POT):
         need = {Kind.BINARY: "== 1", Kind.TERNARY: "== 2", Kind.POT: ">= 2"}[kind]
         ok = bits is None or (bits == 1 if kind is Kind.BINARY else bits == 2 if kind is Kind.TERNARY else bits >= 2)
@@ -190,6 +206,28 @@ def validate_fields(
     return d
 
 
+def derived_bias_problem(input_recipe: QuantizerRecipe | None,
+                         weight_recipe: QuantizerRecipe | None) -> str | None:
+    """Why an ``input*weight`` bias scale cannot be formed from these recipes, or None.
+
+    The bias scale is ``s_in · s_w`` per output channel, so the input needs one scale
+    and the weight one scale per output channel (or per tensor), both fixed at freeze
+    or, for a dynamic input, recomputed together per batch.
+    """
+    iq, wq = input_recipe, weight_recipe
+    if iq is None or wq is None or iq.kind is Kind.FLOAT or wq.kind is Kind.FLOAT:
+        return "its input and its weight must both be quantized"
+    if iq.granularity.kind is not GranularityKind.TENSOR:
+        return "the input needs one scale (granularity tensor)"
+    if wq.granularity.kind is GranularityKind.GROUP:
+        return "the weight needs per-tensor or per-channel scales, not groups"
+    if wq.granularity.kind is GranularityKind.CHANNEL and (wq.granularity.axis or 0) != 0:
+        return "per-channel weight scales must be along the output channels (axis 0)"
+    if wq.dynamic:
+        return "the weight scale must be static (not dynamic)"
+    return None
+
+
 def validate_observer(
     observer: ObserverSpec, span: Span, registries: Registries
 ) -> tuple[Any, Any, list[Diagnostic]]:
@@ -218,10 +256,24 @@ def check_shapes(
     recipe: QuantizerRecipe, role: Role, entry: ModuleEntry, span: Span
 ) -> list[Diagnostic]:
     """Checks that need the parameter's shape: channel axis in range, group size divides rows."""
-    shape = entry.param_shapes.get(role.value) if role in _PARAM_ROLES else None
+    gran = recipe.granularity
+    if role not in _PARAM_ROLES:
+        # activation shapes are not indexed, but a convolution's input and output have the
+        # rank of its weight (N, C, *spatial); other layers are checked at the first forward
+        wshape = entry.param_shapes.get(Role.WEIGHT.value)
+        if (gran.kind is GranularityKind.CHANNEL and gran.axis is not None and wshape is not None
+                and len(wshape) >= 3 and entry.type_name.startswith("Conv")):
+            nd = len(wshape)
+            if not -nd <= gran.axis < nd:
+                return [Diagnostic.error(
+                    "E216", f"channel axis {gran.axis} is out of range for the {nd}-d {role.value} of "
+                    f"{entry.type_name} layers", span,
+                    f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis 1 is the channels",
+                )]
+        return []
+    shape = entry.param_shapes.get(role.value)
     if shape is None:
         return []
-    gran = recipe.granularity
     # no layer name in the message: layers sharing a shape share one diagnostic, and the
     # resolver appends the list of layers as a note
     what = f"{role.value} of {entry.type_name} layers with shape {tuple(shape)}"

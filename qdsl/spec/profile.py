@@ -222,6 +222,13 @@ class HardwareProfile:
     spans: Mapping[str, Span] = attrs.field(factory=dict, eq=False, repr=False, converter=attrs_frozendict)
     """Where top-level settings are written: ``integer_only``, ``ops``, ``fusions``."""
 
+    @property
+    def constrains_nothing(self) -> bool:
+        """True when no setting restricts anything (e.g. a file with only ``version = 1``):
+        every spec passes lint against it, which is more likely a mistake than a target."""
+        blank = HardwareProfile(name=self.name, version=self.version, description=self.description)
+        return self == blank
+
     def caps(self, role: Role | str, op: str | None = None, positions: tuple[Position, ...] = ()) -> TensorCaps:
         """The effective capabilities of ``role`` for ``op`` at ``positions`` (cascade)."""
         role = Role(role)

