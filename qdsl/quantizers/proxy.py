@@ -370,7 +370,7 @@ class TensorQuantizer(LazyBuffers):
         # activation ranks are only known at run time (resolve checks weights and convs)
         g = self.recipe.granularity
         raise SpecError(Diagnostic.error(
-            "E505", f"channel axis {self.axis} of {self.name or self.role.value} is out of range for "
+            "E507", f"channel axis {self.axis} of {self.name or self.role.value} is out of range for "
             f"the {x.dim()}-d tensor it quantizes (shape {tuple(x.shape)})", g.span,
             f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
 

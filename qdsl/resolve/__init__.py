@@ -46,7 +46,7 @@ E214    ``input*weight`` scale on a non-bias tensor, without quantized input and
         tensor, weight per group / along another axis / dynamic)
 E215    observer not allowed for the kind (``mean_abs`` is for binary/ternary)
 E216    channel axis out of range for the tensor's dimensions (weights; a convolution's
-        activations, which have its weight's rank; other activations: E505 at run time)
+        activations, which have its weight's rank; other activations: E507 at run time)
 E217    group size does not divide the weight's reduction size
 E218    malformed target (empty, bad regex, unterminated ``[``) or rule without targets
 E219    ``dynamic`` on a weight or bias (it is for activations)

@@ -10,7 +10,7 @@ quantizer, float), ``fold_bn`` and type rules on top of the defaults.
 When it raises, every error must be a located E0xx/E1xx/E2xx diagnostic.  When it
 passes, apply + forward + calibrate + freeze + forward must succeed; the one refusal
 left to run time is a channel axis beyond a (non-conv) activation's rank, which only
-the data reveals, and that is a located E505 ``SpecError``.
+the data reveals, and that is a located E507 ``SpecError``.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def _located(err: SpecError) -> None:
 
 def check_then_apply(text: str) -> str:
     """``"check"`` when check refuses ``text`` (asserting the errors are located), ``"runtime"``
-    for a located E505 at the first forward, ``"ok"`` when it applies, calibrates and freezes
+    for a located E507 at the first forward, ``"ok"`` when it applies, calibrates and freezes
     cleanly; anything else raises."""
     model = _model()
     try:
@@ -113,7 +113,7 @@ def check_then_apply(text: str) -> str:
     except SpecError as err:
         # the one data-dependent refusal: an activation's rank is only known when it flows
         # (resolve checks weights and convolution activations), still located at the spec
-        assert err.codes == ["E505"], err.render()
+        assert err.codes == ["E507"], err.render()
         assert err.diagnostics[0].span.known, err.render()
         return "runtime"
     qdsl.calibrate(model, [x, x])
@@ -175,7 +175,7 @@ def test_activation_channel_axis_beyond_rank():
     # a conv's activations have its weight's rank: refused at check
     conv = "version 1\ndefaults { weight = int\n input = int(granularity=channel(5)) }\n"
     assert check_then_apply(conv) == "check"
-    # a Linear's input rank is only known at run time: a located E505 there, not an IndexError
+    # a Linear's input rank is only known at run time: a located E507 there, not an IndexError
     lin = ("version 1\ndefaults { weight = int\n input = int }\n"
            "rule type:Linear { input = int(granularity=channel(5)) }\n")
     assert check_then_apply(lin) == "runtime"
