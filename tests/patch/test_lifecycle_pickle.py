@@ -244,3 +244,20 @@ def test_state_dict_loads_into_a_freshly_applied_model(case, state):
     fresh.load_state_dict(torch.load(buf, weights_only=True))
     assert state_of(fresh) is state_of(model)
     assert _same_outputs(model, fresh, _x(ch, 70))
+
+
+def test_ema_of_a_qat_model_with_averaged_model():
+    """torch's AveragedModel deep-copies the model mid-training (the EMA workflow)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model, ch = _model_in("qat", "lsq")
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    for seed in (80, 81):
+        _train_step(model, _x(ch, seed))
+        ema.update_parameters(model)
+    x = _x(ch, 82)
+    ema.eval(), model.eval()
+    with torch.no_grad():
+        y_ema, y = ema(x), model(x)
+    assert torch.isfinite(y_ema).all() and not torch.equal(y_ema, y)
+    assert get_handle(ema.module).model is ema.module and state_of(ema.module) is state_of(model)
