@@ -17,7 +17,11 @@ def add_parser(sub) -> None:
     p.add_argument("--spec", help="use this spec for the PTQ sweep and the export instead of the bundled ones")
     p.add_argument("--hw", default="pot-asic-24bit-acc", help="hardware profile for the lint step")
     p.add_argument("--quick", action="store_true", help="fewer sweep points and QAT epochs")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    # one thread by default: the digits models' layers are too small to gain from more,
+    # and on a shared machine a second thread made a training step 17x slower (measured:
+    # 41 vs 716 ms per DigitsResNet step at load 6.5 on 2 cores; OpenMP waits at barriers)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1; 0 = torch's default, all cores)")
     p.set_defaults(func=run)
 
 
@@ -31,6 +35,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     result = run_demo(args.spec, quick=args.quick, profile=args.hw)
     print()
-    print(f"qdsl demo summary ({time.perf_counter() - t0:.0f} s on {torch.get_num_threads()} threads)")
+    n = torch.get_num_threads()
+    print(f"qdsl demo summary ({time.perf_counter() - t0:.0f} s on {n} thread{'s' if n != 1 else ''})")
     print(result.table())
     return 0 if result.ok else 1

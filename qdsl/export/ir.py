@@ -42,6 +42,7 @@ __all__ = [
     "Tensor",
     "Op",
     "IntegerGraph",
+    "GraphCache",
     "OpSchema",
     "OP_SCHEMAS",
     "RQ_ATTRS",
@@ -387,6 +388,18 @@ class OutputStage:
         return cls(Rescale.from_attrs(a), a["out_zp"], a["out_min"], a["out_max"])
 
 
+class GraphCache(dict):
+    """Scratch space an executor keeps on one :class:`IntegerGraph` object
+    (:func:`qdsl.export.run_graph` keeps the compiled form here).  Not part of the graph:
+    never compared, and a pickled or deep-copied graph starts with an empty one."""
+
+    def __reduce__(self):
+        return GraphCache, ()
+
+    def __deepcopy__(self, memo) -> "GraphCache":
+        return GraphCache()
+
+
 @attrs.frozen
 class IntegerGraph:
     """Tensors, graph inputs/outputs (names) and the topologically ordered op list."""
@@ -397,6 +410,7 @@ class IntegerGraph:
     ops: tuple[Op, ...] = attrs.field(converter=tuple)
     name: str = "graph"
     _by_name: Mapping[str, Tensor] = attrs.field(init=False, eq=False, repr=False, hash=False)
+    _cache: GraphCache = attrs.field(init=False, factory=GraphCache, eq=False, repr=False, hash=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {t.name: t for t in self.tensors})

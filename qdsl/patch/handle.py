@@ -22,6 +22,20 @@ Where things live on a patched model
   lint and QAT use: the plan, the state, and the proxies per ``(fqn, role)``.
 
 Lifecycle: ``PREPARED -> CALIBRATING -> FROZEN -> EXPORTED`` (export sets the last one).
+
+Copying and pickling
+--------------------
+``copy.deepcopy(model)``, ``pickle.dumps(model)`` and ``torch.save(model, path)`` (load
+with ``torch.load(path, weights_only=False)``: a whole model is code, not weights) work
+in every state, during QAT too (after a backward and an optimizer step).  The copy
+carries its own container, handle, patches and hooks: it gives the same outputs, shares
+no tensor or state with the original (observer statistics, scales, QAT caches), and
+``qdsl.get_handle(copy)`` / ``qdsl.remove(copy)`` act on the copy alone; the handle
+``apply`` returned keeps pointing at the original.  Caches keyed on one model's tensors
+are dropped in the copy and rebuilt on its next forward (same values).  Until then, an
+unpickled layer's ``module.weight`` is the saved value without its autograd history.
+Not covered: a model in :class:`qdsl.qat.LeanOptimizer` form (finish() it first).
+``model.state_dict()`` remains the portable form (:mod:`qdsl.patch.state`).
 """
 
 from __future__ import annotations

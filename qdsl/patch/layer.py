@@ -24,6 +24,7 @@ or the handle's generation (bumped by freeze/load) change.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -252,6 +253,30 @@ class LayerPatch:
                     self.bq.set_derived_scale(self.iq.scale * self.wq.scale)
                 self.bq.freeze(b)
         self._cache_key = None
+
+    # ---------------------------------------------------------- pickle, copy
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_cache_key"] = None  # names this model's tensors by id(): meaningless in a copy
+        return state
+
+    def __deepcopy__(self, memo: dict) -> "LayerPatch":
+        # ``module.weight`` / ``module.bias`` are plain attributes holding the last
+        # forward's fake-quantized value: after a forward with grad, a non-leaf tensor,
+        # which ``Tensor.__deepcopy__`` refuses.  deepcopy reaches this patch first (the
+        # module's hook dicts, holding our bound methods, precede those attributes in its
+        # ``__dict__``; the container's handle is another way in), so hand it a detached
+        # copy of each through its memo.  ``pickle`` needs nothing: it stores a non-leaf
+        # tensor's value, and the next forward recomputes the attribute anyway.
+        d = self.module.__dict__
+        for name in self._moved:
+            t = d.get(name)
+            if isinstance(t, torch.Tensor) and not t.is_leaf and id(t) not in memo:
+                memo[id(t)] = t.detach().clone()
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
+        return new
 
     def refresh_now(self) -> None:
         """Recompute ``module.weight``/``bias`` outside a forward (after freeze, calibration)."""

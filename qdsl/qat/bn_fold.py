@@ -36,7 +36,6 @@ QAT state lives on the patch and proxy objects, which go away with it).
 
 from __future__ import annotations
 
-import types
 from typing import Optional
 
 import torch
@@ -76,31 +75,84 @@ def qat_fold_active(patch) -> bool:
     return True
 
 
-def _qat_refresh(self) -> None:
-    # bound to a LayerPatch as its ``refresh`` (instance attribute); the class's own
-    # refresh (the inference fold) runs whenever the live form is not active
-    from qdsl.patch.layer import LayerPatch
+class _QatFold:
+    """The QAT training form of one folded layer: the patch's ``refresh`` and its BN's
+    hooks.  An object (held by the patch and the BN's hook dicts), not closures, so an
+    applied model pickles and deep-copies, and a copy's hooks act on the copy's layer."""
 
-    if not qat_fold_active(self):
-        return LayerPatch.refresh(self)
-    w, b = self.master("weight"), self.master("bias")
-    f = fold_factor(self.bn)
-    # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
-    f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
-    f = f.reshape(-1, *([1] * (w.dim() - 1)))
-    wq = w if self.wq is None else self.wq(w * f) / f
-    d = self.module.__dict__
-    if "weight" in self._moved:
-        d["weight"] = wq
-    if "bias" in self._moved:
-        d["bias"] = b  # float during live-statistics training; the folded bias is quantized once frozen
-    self._cache_key = None
+    def __init__(self, patch) -> None:
+        self.patch = patch
+        self.stash: list = []
+
+    def refresh(self) -> None:
+        # installed as the patch's ``refresh`` (instance attribute); the class's own
+        # refresh (the inference fold) runs whenever the live form is not active
+        from qdsl.patch.layer import LayerPatch
+
+        patch = self.patch
+        if not qat_fold_active(patch):
+            return LayerPatch.refresh(patch)
+        w, b = patch.master("weight"), patch.master("bias")
+        f = fold_factor(patch.bn)
+        # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
+        f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
+        f = f.reshape(-1, *([1] * (w.dim() - 1)))
+        wq = w if patch.wq is None else patch.wq(w * f) / f
+        d = patch.module.__dict__
+        if "weight" in patch._moved:
+            d["weight"] = wq
+        if "bias" in patch._moved:
+            d["bias"] = b  # float during live-statistics training; the folded bias is quantized once frozen
+        patch._cache_key = None
+
+    def pre(self, module, args):
+        if qat_fold_active(self.patch) or not args or not isinstance(args[0], torch.Tensor):
+            self.stash.append(None)
+            return None
+        # Inference fold: the layer already applied the BN.  Run the BN in eval mode
+        # (its statistics must not learn from normalised activations; model.train()
+        # sets training again, so this is re-asserted every call) on an empty batch
+        # (free), and hand the real input on in the forward hook.
+        module.training = False
+        self.stash.append(args[0])
+        return (args[0][:0],) + tuple(args[1:])
+
+    def post(self, module, args, output):
+        x = self.stash.pop()
+        return output if x is None else x
 
 
 def _searching(q) -> bool:
     from qdsl.quantizers import observers as O
 
     return isinstance(q.observer, O.HistogramObserver)  # mse, histogram, percentile
+
+
+class _ThrottledQparams:
+    """``q.qparams`` after :func:`_throttle_search` (an object, not a closure: the model
+    pickles, and a deep copy's proxy computes with its own state)."""
+
+    def __init__(self, q) -> None:
+        self.q = q
+        self.n = 0
+        self.value: tuple | None = None
+        self.shape: tuple | None = None
+
+    def __call__(self, x=None):
+        q = self.q
+        every = q._qat_search_every
+        training = x is not None and torch.is_grad_enabled() and x.requires_grad
+        if every <= 1 or not training or torch.compiler.is_compiling():
+            return type(q).qparams(q, x)
+        n = self.n
+        self.n = n + 1
+        if self.value is None or n % every == 0 or self.shape != tuple(x.shape):
+            p = type(q).qparams(q, x)
+            if p is None:
+                return None
+            self.value = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)
+            self.shape = tuple(x.shape)
+        return self.value
 
 
 def _throttle_search(q, every: int) -> None:
@@ -111,50 +163,8 @@ def _throttle_search(q, every: int) -> None:
     fresh qparams, so frozen scales and exported weights are exactly PTQ's.
     """
     q._qat_search_every = int(every)
-    if "qparams" in q.__dict__:
-        return
-    compute = type(q).qparams
-    memo: dict = {"n": 0}
-
-    def qparams(x=None):
-        every_ = q._qat_search_every
-        training = x is not None and torch.is_grad_enabled() and x.requires_grad
-        if every_ <= 1 or not training or torch.compiler.is_compiling():
-            return compute(q, x)
-        n = memo["n"]
-        memo["n"] = n + 1
-        cached = memo.get("value")
-        if cached is None or n % every_ == 0 or memo.get("shape") != tuple(x.shape):
-            p = compute(q, x)
-            if p is None:
-                return None
-            memo["value"] = cached = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)
-            memo["shape"] = tuple(x.shape)
-        return cached
-
-    q.qparams = qparams
-
-
-def _make_bn_hooks(patch):
-    stash: list = []
-
-    def pre(module, args):
-        if qat_fold_active(patch) or not args or not isinstance(args[0], torch.Tensor):
-            stash.append(None)
-            return None
-        # Inference fold: the layer already applied the BN.  Run the BN in eval mode
-        # (its statistics must not learn from normalised activations; model.train()
-        # sets training again, so this is re-asserted every call) on an empty batch
-        # (free), and hand the real input on in the forward hook.
-        module.training = False
-        stash.append(args[0])
-        return (args[0][:0],) + tuple(args[1:])
-
-    def post(module, args, output):
-        x = stash.pop()
-        return output if x is None else x
-
-    return pre, post
+    if "qparams" not in q.__dict__:
+        q.qparams = _ThrottledQparams(q)
 
 
 def _prepare_patch(patch) -> None:
@@ -166,11 +176,11 @@ def _prepare_patch(patch) -> None:
         if h.id in bn._forward_hooks or h.id in bn._forward_pre_hooks:
             h.remove()
             patch._hooks.remove(h)
-    pre, post = _make_bn_hooks(patch)
+    fold = _QatFold(patch)
     # registered through the patch's own hook list, so qdsl.remove() removes them
-    patch._hooks.append(bn.register_forward_pre_hook(pre))
-    patch._hooks.append(bn.register_forward_hook(post))
-    patch.refresh = types.MethodType(_qat_refresh, patch)
+    patch._hooks.append(bn.register_forward_pre_hook(fold.pre))
+    patch._hooks.append(bn.register_forward_hook(fold.post))
+    patch.refresh = fold.refresh
     patch._qat_prepared = True
 
 
@@ -178,6 +188,30 @@ def _folded_patches(model: nn.Module):
     from qdsl.patch.handle import get_handle
 
     return [p for p in get_handle(model).layers.values() if p.bn is not None]
+
+
+class _MemoRange:
+    """``obs.range`` after :func:`_memoize_range` (an object, not a closure; see
+    :class:`_ThrottledQparams`)."""
+
+    def __init__(self, obs: nn.Module) -> None:
+        self.obs = obs
+        self.key: tuple | None = None
+        self.value = None
+
+    def __getstate__(self) -> dict:
+        # the key names the observer's buffers by id(): meaningless in a copy
+        return {**self.__dict__, "key": None, "value": None}
+
+    def __call__(self):
+        obs = self.obs
+        if torch.compiler.is_compiling():
+            return type(obs).range(obs)
+        key = tuple((id(t), t._version) for t in (getattr(obs, k) for k in obs._state))
+        if self.key != key:
+            self.value = type(obs).range(obs)
+            self.key = key
+        return self.value
 
 
 def _memoize_range(obs: nn.Module) -> None:
@@ -191,19 +225,7 @@ def _memoize_range(obs: nn.Module) -> None:
     """
     if "range" in obs.__dict__ or not getattr(obs, "_state", None):
         return
-    compute = type(obs).range
-    memo: dict = {}
-
-    def range_():
-        if torch.compiler.is_compiling():
-            return compute(obs)
-        key = tuple((id(t), t._version) for t in (getattr(obs, k) for k in obs._state))
-        if memo.get("key") != key:
-            memo["value"] = compute(obs)
-            memo["key"] = key
-        return memo["value"]
-
-    obs.range = range_
+    obs.range = _MemoRange(obs)
 
 
 def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weight_search_every: int = 8) -> int:

@@ -8,6 +8,8 @@ It calls no ``qdsl.freeze``: freeze (and export) after it.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 import torch.nn.functional as F
@@ -26,8 +28,12 @@ def fit(
     seed: int = 0,
     freeze_bn_after: int | None = None,
     weight_search_every: int = 8,
+    progress: Callable[[int, int, int, float], None] | None = None,
 ) -> nn.Module:
-    """QAT-train an applied (and calibrated) classification model in place; returns it."""
+    """QAT-train an applied (and calibrated) classification model in place; returns it.
+
+    ``progress(epoch, step, steps_per_epoch, loss)`` is called after every optimizer step
+    (e.g. :class:`qdsl.workflows.progress.TrainProgress`)."""
     from qdsl.qat.bn_fold import prepare_qat
 
     prepare_qat(model, freeze_bn_after=freeze_bn_after, weight_search_every=weight_search_every)
@@ -37,14 +43,19 @@ def fit(
     per_epoch = max(1, sum(1 for i in range(0, len(x), batch_size) if len(x) - i >= 2))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, epochs * per_epoch))
     model.train()
-    for _ in range(epochs):
+    for epoch in range(epochs):
         perm = torch.randperm(len(x), generator=g)
+        step = 0
         for i in range(0, len(x), batch_size):
             idx = perm[i : i + batch_size]
             if len(idx) < 2:  # BatchNorm needs 2+ samples
                 continue
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            loss = F.cross_entropy(model(x[idx]), y[idx])
+            loss.backward()
             opt.step()
             sched.step()
+            if progress is not None:
+                progress(epoch, step, per_epoch, loss.item())
+            step += 1
     return model.eval()

@@ -125,6 +125,7 @@ class TensorQuantizer(LazyBuffers):
         # costs far more than the layer; calibration and freeze both ask for the weight's
         # parameters).  A weakref, not data_ptr: freed memory reused by a new tensor must
         # never look like a hit; in-place updates (optimizer steps, copy_) bump _version.
+        # Not pickled (see __getstate__): a copy re-observes once.
         self._observed: tuple[Any, int] | None = None
         self.enabled = True
         self.observing = False
@@ -444,3 +445,21 @@ class TensorQuantizer(LazyBuffers):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._refresh()
+
+    # ---------------------------------------------------------- pickle, copy
+    def __getstate__(self) -> dict:
+        """``pickle`` / ``torch.save(model)`` and ``copy.deepcopy`` both come through here.
+
+        Caches are dropped, not copied: ``_observed`` holds a weakref (not picklable, and
+        it names a tensor of *this* model), ``_views`` is rebuilt from the buffers on the
+        next call.  ``_last_scale`` (a learned scale's output after a forward with grad
+        is a non-leaf tensor, which ``deepcopy`` refuses) keeps its value, detached.
+        """
+        state = super().__getstate__()
+        state["_observed"] = None
+        state["_views"] = {}
+        for name in ("_last_scale", "_derived_scale"):
+            t = state.get(name)
+            if isinstance(t, torch.Tensor):
+                state[name] = t.detach()
+        return state

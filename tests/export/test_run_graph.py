@@ -85,3 +85,19 @@ def test_qdsl_export_is_callable_even_after_importing_the_package():
     assert callable(qdsl.export)
     with pytest.raises(QdslError, match="qdsl.apply"):
         qdsl.export(object.__new__(type("M", (), {})), None)
+
+
+def test_compiled_form_is_cached_per_graph_and_runtime(monkeypatch):
+    from .test_qgraph import sample_graph
+
+    g = sample_graph()
+    rt, calls = fake_runtime(True)
+    monkeypatch.setitem(sys.modules, "qdsl.runtime", rt)
+    for _ in range(3):
+        assert run_graph(g, X) == "cpp-result"
+    assert calls == [g]
+    rt2, calls2 = fake_runtime(True)  # another runtime (CompiledGraph class): its own entry
+    monkeypatch.setitem(sys.modules, "qdsl.runtime", rt2)
+    run_graph(g, X)
+    run_graph(g, X)
+    assert calls2 == [g] and calls == [g]
