@@ -87,6 +87,14 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
             continue
         m = modules[lp.fqn]
         roles = {r: q for r, q in lp.roles.items() if q is not None and q.kind is not Kind.FLOAT}
+        if isinstance(m, torch.jit.ScriptModule):
+            # TorchScript modules take no Python hooks and their parameters cannot move
+            role = next(iter(roles), Role.INPUT)
+            diags.append(Diagnostic.error(
+                "E510", f"'{lp.fqn}' is a TorchScript module ({type(m).__name__}); qdsl cannot patch it",
+                _span(lp, role, "kind"),
+                "apply qdsl to the eager module and script it afterwards, or skip this layer"))
+            continue
         for role in (Role.WEIGHT, Role.BIAS):
             q = roles.get(role)
             if q is None or (role is Role.BIAS and q.scale == DERIVED_BIAS_SCALE):
@@ -143,6 +151,12 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     """
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise QdslError(
+            f"qdsl.apply needs an eager nn.Module, got a TorchScript {type(model).__name__} "
+            "(torch.jit.script / torch.jit.trace output): TorchScript modules take no Python hooks; "
+            "apply qdsl to the eager model before scripting or tracing it"
+        )
     st = state_of(model)
     if st is not None:
         raise QdslError(

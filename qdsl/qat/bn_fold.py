@@ -116,16 +116,16 @@ def _throttle_search(q, every: int) -> None:
     compute = type(q).qparams
     memo: dict = {"n": 0}
 
-    def qparams(x=None):
+    def qparams(x=None, **kw):  # kw: ``src`` (TensorQuantizer.qparams)
         every_ = q._qat_search_every
         training = x is not None and torch.is_grad_enabled() and x.requires_grad
         if every_ <= 1 or not training or torch.compiler.is_compiling():
-            return compute(q, x)
+            return compute(q, x, **kw)
         n = memo["n"]
         memo["n"] = n + 1
         cached = memo.get("value")
         if cached is None or n % every_ == 0 or memo.get("shape") != tuple(x.shape):
-            p = compute(q, x)
+            p = compute(q, x, **kw)
             if p is None:
                 return None
             memo["value"] = cached = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)

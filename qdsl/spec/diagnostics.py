@@ -31,6 +31,7 @@ __all__ = [
     "Diagnostic",
     "QdslError",
     "SpecError",
+    "NonFiniteError",
     "did_you_mean",
     "render_all",
 ]
@@ -161,6 +162,13 @@ class QdslError(Exception):
     Examples: calibrating a model qdsl was never applied to, applying twice, a
     corrupt ``.qgraph`` file (``GraphFormatError``).
     """
+
+
+class NonFiniteError(QdslError):
+    """A NaN or infinite value reached a quantizer while the caller asked to be told
+    (``check_finite=True`` on ``qdsl.apply``, ``run_graph``, ``CompiledGraph.run`` or the
+    reference executor).  Without the option non-finite values follow the documented
+    policy (docs/qgraph.md: NaN -> the zero point, +inf -> qmax, -inf -> qmin)."""
 
 
 class SpecError(QdslError):
