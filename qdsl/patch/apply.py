@@ -135,7 +135,8 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
-          example_input: Any = None, hw: Any = None, hw_mode: str = "error") -> QdslHandle:
+          example_input: Any = None, hw: Any = None, hw_mode: str = "error",
+          check_finite: bool = False) -> QdslHandle:
     """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
 
     ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
@@ -148,6 +149,11 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``hw_mode="error"`` a plan the profile rejects raises :class:`SpecError` carrying the
     whole lint report and the model is left untouched; ``hw_mode="warn"`` patches anyway
     and emits the report as a ``LintWarning``.
+
+    ``check_finite=True``: an input/output quantizer that meets a NaN or an infinity raises
+    :class:`~qdsl.spec.diagnostics.NonFiniteError` (naming it) instead of quantizing it by
+    the policy the integer graph shares (NaN -> the zero point's code, +inf -> qmax,
+    -inf -> qmin; docs/qgraph.md §4.4).
     """
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
@@ -198,6 +204,7 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         if not proxies and bn_fqn is None:
             continue
         for role, q in proxies.items():
+            q.check_finite = bool(check_finite)
             container.quantizers[proxy_key(lp.fqn, role)] = q
         bn = modules[bn_fqn] if bn_fqn is not None else None
         handle.layers[lp.fqn] = LayerPatch(handle, lp, module, proxies, bn, bn_fqn)
