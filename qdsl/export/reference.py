@@ -59,7 +59,8 @@ def quantize(x: np.ndarray, a, out: Tensor) -> np.ndarray:
     # v = x * (1/scale), both steps in binary32 (torch's fake-quant kernels multiply by the
     # f32 reciprocal; qdsl.quantizers.functional does the same), widened exactly to f64
     inv = np.float32(1.0) / np.float32(a["scale"])
-    v = (x.astype(np.float32) * inv).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to ±inf then clamps: the documented policy
+        v = (x.astype(np.float32) * inv).astype(np.float64)
     r = _round_f(v, a["rounding"]) + a["zero_point"]
     r = np.where(np.isnan(r), a["zero_point"], r)  # NaN maps to the zero point
     return np.clip(r, a["qmin"], a["qmax"]).astype(np.int64)

@@ -21,6 +21,11 @@ groups and dilation are what export understands).  With ``fold_bn``, a folded la
 whose model has no bias gets the folded bias quantized as int32 with scale
 ``input × weight`` when both its input and weight are quantized (an integer graph needs
 an integer bias), and left float otherwise.
+
+Dtypes: float32, float64, float16 and bfloat16 models; the proxies compute in float32
+and keep float32 state, module outputs keep the model's dtype (see
+:mod:`qdsl.quantizers.proxy`).  TorchScript models (and an eager model's scripted layer
+that the plan quantizes, E510) are refused: they take no Python hooks.
 """
 
 from __future__ import annotations

@@ -35,6 +35,12 @@ Lifecycle of one proxy
 * :meth:`freeze` computes the scale once (for weights, from the weight passed in),
   stores it in the buffers and precomputes the broadcast views the fast path uses.
 
+Dtypes: a float16/bfloat16 tensor is upcast to float32 (exactly) on entry and the
+result cast back, so the codes equal those of a float32 tensor with the same values; the
+state above stays float32 even through ``model.to(torch.bfloat16)`` (``_apply``).
+``check_finite`` (``qdsl.apply(..., check_finite=True)``): an activation holding a NaN/inf
+raises ``NonFiniteError``; otherwise non-finite values follow qdsl.quantizers.functional.
+
 Gradients: values always come from :mod:`qdsl.quantizers.functional`.  When autograd
 needs a gradient, the proxy calls ``TensorQuantizer.grad_path(self, x, scale, zp,
 threshold)`` if QAT installed one (:mod:`qdsl.qat` sets it), otherwise it uses the

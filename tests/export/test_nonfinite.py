@@ -56,6 +56,8 @@ def _inputs(x: torch.Tensor) -> torch.Tensor:
     x[5] = -float("inf")
     x[6, 0, ::2] = float("nan")
     x[6, 0, 1::2] = float("inf")
+    x[7, 0, :4] = 3e38  # finite, but x * (1/scale) overflows binary32: clamps like ±inf
+    x[7, 0, 4:] = -3e38
     return x
 
 
@@ -79,6 +81,7 @@ def test_input_codes_follow_the_policy(setup):
     assert int(codes[0, 0, 0, 0]) == zp and (codes[3] == zp).all()
     assert int(codes[1, 0, 3, 3]) == qmax and (codes[4] == qmax).all()
     assert int(codes[2, 0, 5, 1]) == qmin and (codes[5] == qmin).all()
+    assert (codes[7, 0, :4] == qmax).all() and (codes[7, 0, 4:] == qmin).all()
     fq = iq(x)
     assert bool(torch.isfinite(fq).all()) and (fq[3] == 0).all()
     q_op = next(op for op in graph.ops if op.type is OpType.QUANTIZE)
@@ -155,3 +158,14 @@ def test_empty_batch_gives_empty_output(setup, backend):
     res = execute(graph, x[:0].numpy(), keep_values=True)
     assert all(v.shape[0] == 0 for v in res.values.values())
     assert set(res.overflow.values()) <= {0}
+
+
+def test_binary_and_ternary_codes_of_non_finite_values():
+    from qdsl.export.reference import binarize
+    from qdsl.quantizers import functional as F
+
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.5])
+    assert F.binary_codes(x).tolist() == [1, 1, -1, 1, -1]
+    assert binarize(x.numpy(), {"zero_point": 0}).tolist() == [1, 1, -1, 1, -1]
+    assert F.fake_quant_binary(x, torch.tensor(0.5)).tolist() == [0.5, 0.5, -0.5, 0.5, -0.5]
+    assert F.ternary_codes(x, torch.tensor(0.25)).tolist() == [0, 1, -1, 0, -1]
