@@ -191,3 +191,44 @@ rule a { weight = w8 }
     assert "script.qspec:4:" in str(err.value) and "TorchScript" in str(err.value)
     assert not hasattr(model, "_qdsl")
     assert [(k, v) for k, v in before] and all(torch.equal(v, model.state_dict()[k]) for k, v in before)
+
+
+@pytest.mark.parametrize("name", ["int8-default", "low-bit", "mixed-precision", "pot-asic", "w4a8-per-channel",
+                                  "xnor-binary"])
+def test_shipped_specs_on_a_bfloat16_model(name, data):
+    xtr, xte = data
+    model = digits_resnet(seed=0, width=8).eval().to(torch.bfloat16)
+    apply(model, qdsl.load_spec(f"specs/{name}.qspec"))
+    calibrate(model, [xtr.to(torch.bfloat16)])
+    freeze(model)
+    x = xte.to(torch.bfloat16)
+    with torch.no_grad():
+        fq = model(x)
+    assert fq.dtype == torch.bfloat16
+    got = qdsl.run_graph(qdsl.export(model, xte[:2]), x, backend="reference")
+    assert (got.argmax(1) == fq.float().argmax(1).numpy()).mean() >= 0.9
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_lean_optimizer_on_a_half_model(dtype):
+    import qdsl.qat
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).to(dtype)
+    apply(model, spec("""version 1
+defaults {
+  weight = int(bits=4, signed, narrow, symmetric, per_channel, observer=minmax)
+  input = int(bits=8, signed, symmetric, per_tensor, observer=minmax)
+}
+""", "lean.qspec"))
+    x = torch.randn(16, 8).to(dtype)
+    calibrate(model, [x])
+    opt = qdsl.qat.LeanOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.train()
+    before = model(x).detach()
+    model(x).float().square().mean().backward()
+    opt.step()
+    after = model(x)
+    assert after.dtype == dtype and not torch.equal(before, after.detach())
+    opt.finish()
+    assert model(x).dtype == dtype
