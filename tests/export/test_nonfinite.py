@@ -24,6 +24,8 @@ try:
     CPP = rt.available()
 except ImportError:  # the runtime package is optional
     CPP = False
+PATHS = ["auto"] + ([p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx")
+                     if p in rt.kernels.paths()["cpu"]] if CPP else [])
 
 needs_cpp = pytest.mark.skipif(not CPP, reason="C++ runtime not built")
 
@@ -103,7 +105,7 @@ def test_fake_quant_and_reference_agree_bit_for_bit(setup):
 
 
 @needs_cpp
-@pytest.mark.parametrize("path", ["auto", "ref"])
+@pytest.mark.parametrize("path", PATHS)
 def test_cpp_agrees_with_reference_and_fake_quant(setup, path):
     model, graph, x = setup
     ref = execute(graph, x.numpy()).outputs[0]
