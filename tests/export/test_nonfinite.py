@@ -171,3 +171,27 @@ def test_binary_and_ternary_codes_of_non_finite_values():
     assert binarize(x.numpy(), {"zero_point": 0}).tolist() == [1, 1, -1, 1, -1]
     assert F.fake_quant_binary(x, torch.tensor(0.5)).tolist() == [0.5, 0.5, -0.5, 0.5, -0.5]
     assert F.ternary_codes(x, torch.tensor(0.25)).tolist() == [0, 1, -1, 0, -1]
+
+
+def test_calibration_leaves_non_finite_values_out_of_the_statistics():
+    from qdsl.quantizers.observers import MeanAbsObserver, _ctx
+
+    xtr = digits()[0][:256] - 0.3
+    bad, zero = xtr.clone(), xtr.clone()
+    bad[0, 0, 0, :3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    zero[0, 0, 0, :3] = 0.0  # inside the finite range: minmax statistics ignore it too
+    scales = []
+    for x in (bad, zero):
+        model = digits_resnet(seed=0).eval()
+        qdsl.apply(model, parse_text(SPEC, "nonfinite.qspec"))
+        qdsl.calibrate(model, [x])
+        qdsl.freeze(model)
+        scales.append({k: (q.scale.clone(), q.zero_point.clone())
+                       for k, q in get_handle(model).container.quantizers.items()})
+    assert scales[0].keys() == scales[1].keys()
+    for k in scales[0]:
+        assert bool(torch.isfinite(scales[0][k][0]).all()), k
+        assert torch.equal(scales[0][k][0], scales[1][k][0]) and torch.equal(scales[0][k][1], scales[1][k][1]), k
+    obs = MeanAbsObserver(None, _ctx())
+    obs(torch.tensor([1.0, -3.0, float("nan"), float("inf")]))
+    assert [t.item() for t in obs.range()] == [-2.0, 2.0]
