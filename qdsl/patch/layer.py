@@ -214,7 +214,8 @@ class LayerPatch:
         if "weight" in self._moved:
             d["weight"] = w if w is None or w0 is None else w.to(w0.dtype)
         if "bias" in self._moved:
-            d["bias"] = b if b is None or w0 is None else b.to(w0.dtype)
+            ref = b0 if b0 is not None else w0
+            d["bias"] = b if b is None or ref is None else b.to(ref.dtype)
         self._cache_key = key
 
     # ----------------------------------------------------------------- hooks
