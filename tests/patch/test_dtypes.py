@@ -232,3 +232,27 @@ defaults {
     assert after.dtype == dtype and not torch.equal(before, after.detach())
     opt.finish()
     assert model(x).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_digits_cnn_qat_with_bn_folding(dtype):
+    import qdsl.qat
+
+    xtr, ytr, xte, _ = digits()
+    model = digits_resnet(seed=0, width=8).to(dtype)
+    apply(model, spec())
+    calibrate(model, [xtr[:128].to(dtype)])
+    qdsl.qat.prepare_qat(model)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(2):
+        loss = nn.functional.cross_entropy(model(xtr[:64].to(dtype)).float(), ytr[:64])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(p.dtype == dtype for n, p in model.named_parameters() if not n.startswith("_qdsl."))
+    model.eval()
+    freeze(model)
+    y = model(xte.to(dtype))
+    out = qdsl.run_graph(qdsl.export(model, xte[:2]), xte.to(dtype), backend="reference")
+    assert (out.argmax(1) == y.float().argmax(1).numpy()).mean() >= 0.9
