@@ -166,6 +166,8 @@ def test_torchscript_model_is_refused_at_apply(convert):
         apply(sm, spec())
     with pytest.raises(QdslError, match="qdsl was not applied"):
         calibrate(sm, [torch.zeros(1, 1, 8, 8)])
+    with pytest.raises(QdslError, match="eager nn.Module"):  # `qdsl check --model` resolves
+        qdsl.resolve(sm, spec())
 
 
 def test_scripted_submodule_the_spec_quantizes_is_a_located_error():
