@@ -23,7 +23,7 @@ import numpy as np
 from qdsl._callable import make_callable
 from qdsl.export.ir import GraphFormatError, IntegerGraph
 from qdsl.export.qgraph import graph_from_bytes, graph_to_bytes, load_graph, save_graph
-from qdsl.export.reference import execute, run_reference
+from qdsl.export.reference import as_array, execute, require_finite, run_reference
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = [
@@ -106,8 +106,14 @@ def _compiled(rt: Any, graph: IntegerGraph) -> Any:
     return compiled
 
 
-def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any:
-    """Run ``graph`` on ``x`` (a numpy array or torch tensor; float32 or int8/uint8).
+def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto", *, check_finite: bool = False) -> Any:
+    """Run ``graph`` on ``x`` (a numpy array or torch tensor; float32, float16/bfloat16
+    (converted exactly to float32), float64 (rounded to float32) or int8/uint8; a batch of
+    0 gives empty outputs).
+
+    ``check_finite``: raise :class:`~qdsl.spec.diagnostics.NonFiniteError` when a float
+    input holds a NaN or an infinity, instead of quantizing it by the policy (NaN -> zero
+    point, +inf -> qmax, -inf -> qmin; docs/qgraph.md §4.4).
 
     ``backend``: ``"reference"`` (Python, defines the semantics), ``"cpp"`` (the compiled
     runtime; an error if it is not built) or ``"auto"`` (cpp when available, else the
@@ -124,9 +130,9 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto") -> Any
         raise QdslError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if isinstance(graph, (bytes, bytearray)):
         graph = graph_from_bytes(graph)
-    if hasattr(x, "detach"):
-        x = x.detach().cpu().numpy()
-    x = np.asarray(x)
+    x = as_array(x)
+    if check_finite and np.issubdtype(x.dtype, np.floating):
+        require_finite(x, graph.inputs[0] if len(graph.inputs) == 1 else "x")
     if backend in ("auto", "cpp"):
         rt = _runtime()
         available = bool(rt is not None and rt.available())

@@ -415,6 +415,12 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
         raise ExportError("", f"the model is {handle.state.value}, not frozen",
                           "calibrate it (qdsl.calibrate) and call qdsl.freeze(model) before exporting")
     x = example_input if isinstance(example_input, torch.Tensor) else torch.as_tensor(np.asarray(example_input))
+    # the trace only records shapes: run it in the model's own dtype (a float32 example
+    # for a bfloat16 model, or the reverse); the integer graph itself has no float dtype
+    dt = next((p.dtype for n, p in model.named_parameters() if not n.startswith("_qdsl.") and p.is_floating_point()),
+              None)
+    if dt is not None and x.is_floating_point() and x.dtype != dt:
+        x = x.to(dt)
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:

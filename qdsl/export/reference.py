@@ -27,9 +27,9 @@ import numpy as np
 
 from qdsl.export.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Rounding, Tensor
 from qdsl.export.requant import apply_rescale, apply_rescale_wide, sat, wrap
-from qdsl.spec.diagnostics import QdslError
+from qdsl.spec.diagnostics import NonFiniteError, QdslError
 
-__all__ = ["GraphInputError", "ExecResult", "execute", "run_reference"]
+__all__ = ["GraphInputError", "ExecResult", "execute", "run_reference", "require_finite", "as_array"]
 
 
 class GraphInputError(QdslError):
@@ -61,7 +61,8 @@ def quantize(x: np.ndarray, a, out: Tensor) -> np.ndarray:
     # v = x * (1/scale), both steps in binary32 (torch's fake-quant kernels multiply by the
     # f32 reciprocal; qdsl.quantizers.functional does the same), widened exactly to f64
     inv = np.float32(1.0) / np.float32(a["scale"])
-    v = (x.astype(np.float32) * inv).astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow to ±inf then clamps: the documented policy
+        v = (x.astype(np.float32) * inv).astype(np.float64)
     r = _round_f(v, a["rounding"]) + a["zero_point"]
     r = np.where(np.isnan(r), a["zero_point"], r)  # NaN maps to the zero point
     return np.clip(r, a["qmin"], a["qmax"]).astype(np.int64)
@@ -213,15 +214,18 @@ def global_avgpool(x: np.ndarray, a) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- the interpreter
-def _check_input(t: Tensor, x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x)
+def _check_input(t: Tensor, x: np.ndarray, check_finite: bool = False) -> np.ndarray:
+    x = as_array(x)
     want = t.shape[1:]
     if x.ndim != len(t.shape) or tuple(x.shape[1:]) != want or (t.shape[0] != -1 and x.shape[0] != t.shape[0]):
         raise GraphInputError(f"input {t.name!r} expects shape {t.shape} (-1 = any batch), got {tuple(x.shape)}")
     if t.dtype is DType.F32:
         if not np.issubdtype(x.dtype, np.floating):
             raise GraphInputError(f"input {t.name!r} expects float32 values, got {x.dtype}")
-        return x.astype(np.float32)
+        x = x.astype(np.float32)
+        if check_finite:
+            require_finite(x, t.name)
+        return x
     if not np.issubdtype(x.dtype, np.integer):
         raise GraphInputError(f"input {t.name!r} expects {t.dtype.name} integers, got {x.dtype}")
     lo, hi = t.dtype.range
@@ -264,11 +268,34 @@ def _run_op(op: Op, graph: IntegerGraph, env: dict, counts: dict) -> np.ndarray:
     raise AssertionError(f"unhandled op {t!r}")  # OpType is closed and validated
 
 
-def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep_values: bool = False) -> ExecResult:
+def as_array(x) -> np.ndarray:
+    """A graph input as a numpy array: torch tensors are detached and moved to the CPU,
+    float16/bfloat16 ones upcast to float32 first (exact; numpy has no bfloat16)."""
+    if hasattr(x, "detach"):  # a torch tensor (duck-typed: this module never imports torch)
+        x = x.detach()
+        if str(x.dtype) in ("torch.bfloat16", "torch.float16"):
+            x = x.float()
+        x = x.cpu().numpy()
+    return np.asarray(x)
+
+
+def require_finite(x: np.ndarray, name: str) -> None:
+    """Raise :class:`NonFiniteError` if the float input ``x`` holds a NaN or an infinity
+    (``check_finite=True``; without it the QUANTIZE policy above applies)."""
+    bad = ~np.isfinite(x)
+    if bad.any():
+        raise NonFiniteError(f"input {name!r}: {int(bad.sum())} non-finite value(s) (NaN or inf) "
+                             f"in an array of shape {tuple(x.shape)}")
+
+
+def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep_values: bool = False,
+            check_finite: bool = False) -> ExecResult:
     """Run ``graph`` on ``inputs`` (one array per graph input) with integer semantics.
 
     Integer outputs come back as their container dtype (int8/uint8; BIN as int8 ±1),
-    float outputs as float32.
+    float outputs as float32.  A batch of 0 gives empty outputs of the declared shapes.
+    ``check_finite``: a NaN or infinity in a float input raises :class:`NonFiniteError`
+    instead of being quantized by the policy (NaN -> zero point, ±inf -> qmax/qmin).
     """
     if isinstance(inputs, np.ndarray) or not isinstance(inputs, (list, tuple)):
         inputs = [inputs]
@@ -276,17 +303,24 @@ def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep
         raise GraphInputError(f"graph takes {len(graph.inputs)} input(s), got {len(inputs)}")
     env: dict[str, np.ndarray] = {}
     for name, x in zip(graph.inputs, inputs):
-        env[name] = _check_input(graph.tensor(name), x)
+        env[name] = _check_input(graph.tensor(name), x, check_finite)
+    if len({x.shape[0] for x in env.values()}) > 1:
+        raise GraphInputError("all graph inputs must have the same batch size")
     counts: dict[str, int] = {}
+    empty = next(iter(env.values())).shape[0] == 0 if env else False
     for op in graph.ops:
         if op.type in (OpType.CONV1D, OpType.CONV2D, OpType.LINEAR, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
             counts.setdefault(op.name, 0)
+        if empty:  # every value is an empty batch of its declared shape; nothing overflows
+            t = graph.tensor(op.outputs[0])
+            env[op.outputs[0]] = np.empty((0,) + tuple(t.shape[1:]), dtype=np.int64)
+            continue
         env[op.outputs[0]] = _run_op(op, graph, env, counts)
     outs = tuple(env[n].astype(graph.tensor(n).dtype.numpy) for n in graph.outputs)
     return ExecResult(outs, counts, env if keep_values else {})
 
 
-def run_reference(graph: IntegerGraph, x) -> np.ndarray | tuple[np.ndarray, ...]:
+def run_reference(graph: IntegerGraph, x, check_finite: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
     """Outputs only: one array for a single-output graph, else a tuple."""
-    res = execute(graph, x)
+    res = execute(graph, x, check_finite=check_finite)
     return res.outputs[0] if len(res.outputs) == 1 else res.outputs

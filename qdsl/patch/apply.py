@@ -23,6 +23,11 @@ whose model has no bias gets the folded bias quantized as int32 with scale
 an integer bias), and left float otherwise.  Whatever else the spec reaches (an
 ``nn.LSTM``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
 in a warning, or refused with ``strict=True``.
+
+Dtypes: float32, float64, float16 and bfloat16 models; the proxies compute in float32
+and keep float32 state, module outputs keep the model's dtype (see
+:mod:`qdsl.quantizers.proxy`).  TorchScript models (and an eager model's scripted layer
+that the plan quantizes, E510) are refused: they take no Python hooks.
 """
 
 from __future__ import annotations
@@ -92,6 +97,14 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
             continue
         m = modules[lp.fqn]
         roles = {r: q for r, q in lp.roles.items() if q is not None and q.kind is not Kind.FLOAT}
+        if isinstance(m, torch.jit.ScriptModule):
+            # TorchScript modules take no Python hooks and their parameters cannot move
+            role = next(iter(roles), Role.INPUT)
+            diags.append(Diagnostic.error(
+                "E510", f"'{lp.fqn}' is a TorchScript module ({type(m).__name__}); qdsl cannot patch it",
+                _span(lp, role, "kind"),
+                "apply qdsl to the eager module and script it afterwards, or skip this layer"))
+            continue
         for role in (Role.WEIGHT, Role.BIAS):
             q = roles.get(role)
             if q is None or (role is Role.BIAS and q.scale == DERIVED_BIAS_SCALE):
@@ -122,7 +135,8 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
-          example_input: Any = None, hw: Any = None, hw_mode: str = "error", strict: bool = False) -> QdslHandle:
+          example_input: Any = None, hw: Any = None, hw_mode: str = "error", strict: bool = False,
+          check_finite: bool = False) -> QdslHandle:
     """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
 
     ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
@@ -144,9 +158,20 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     Both come from one torch.fx trace; when fx cannot trace the model the warning says
     that functional ops were not checked, and the call counts come from the
     ``example_input`` forward if there is one.
+
+    ``check_finite=True``: an input/output quantizer that meets a NaN or an infinity raises
+    :class:`~qdsl.spec.diagnostics.NonFiniteError` (naming it) instead of quantizing it by
+    the policy the integer graph shares (NaN -> the zero point's code, +inf -> qmax,
+    -inf -> qmin; docs/qgraph.md §4.4).
     """
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise QdslError(
+            f"qdsl.apply needs an eager nn.Module, got a TorchScript {type(model).__name__} "
+            "(torch.jit.script / torch.jit.trace output): TorchScript modules take no Python hooks; "
+            "apply qdsl to the eager model before scripting or tracing it"
+        )
     st = state_of(model)
     if st is not None:
         raise QdslError(
@@ -192,6 +217,7 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         if not proxies and bn_fqn is None:
             continue
         for role, q in proxies.items():
+            q.check_finite = bool(check_finite)
             container.quantizers[proxy_key(lp.fqn, role)] = q
         bn = modules[bn_fqn] if bn_fqn is not None else None
         handle.layers[lp.fqn] = LayerPatch(handle, lp, module, proxies, bn, bn_fqn)

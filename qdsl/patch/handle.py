@@ -164,9 +164,14 @@ class QdslHandle:
         return f"QdslHandle(state={self.state.value}, layers={len(self.layers)})"
 
 
+def _eager(model: Any) -> bool:
+    # a TorchScript module is an nn.Module whose _modules has no .get (qdsl is never applied to one)
+    return isinstance(model, nn.Module) and not isinstance(model, torch.jit.ScriptModule)
+
+
 def get_handle(model: nn.Module) -> QdslHandle:
     """The handle of a model qdsl was applied to (a clear error otherwise)."""
-    container = model._modules.get("_qdsl") if isinstance(model, nn.Module) else None
+    container = model._modules.get("_qdsl") if _eager(model) else None
     if not isinstance(container, QdslContainer) or container.handle is None:
         raise QdslError(
             f"qdsl was not applied to this {type(model).__name__}: call qdsl.apply(model, spec) first"
@@ -176,7 +181,7 @@ def get_handle(model: nn.Module) -> QdslHandle:
 
 def state_of(model: nn.Module) -> State | None:
     """The lifecycle state of an applied model, or None if qdsl is not applied."""
-    container = model._modules.get("_qdsl") if isinstance(model, nn.Module) else None
+    container = model._modules.get("_qdsl") if _eager(model) else None
     if not isinstance(container, QdslContainer) or container.handle is None:
         return None
     return container.handle.state

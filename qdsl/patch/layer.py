@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qdsl.quantizers.functional import HALF_DTYPES
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Role
@@ -37,6 +38,10 @@ from qdsl.spec.model import Role
 __all__ = ["LayerPatch", "MASTER_SUFFIX"]
 
 MASTER_SUFFIX = "_float"
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.float() if t is not None and t.dtype in HALF_DTYPES else t
 
 
 class _SkipBN:
@@ -152,13 +157,16 @@ class LayerPatch:
         bn = self.bn
         if bn is None or w is None:
             return w, b
-        inv_std = torch.rsqrt(bn.running_var + bn.eps)
-        k = inv_std * bn.weight if bn.weight is not None else inv_std
+        # a half-precision model folds in float32 (the proxies compute in float32 anyway):
+        # the folded values are then those of a float32 model holding the same parameters
+        w, b, mean, var, gamma, beta = (_f32(t) for t in (w, b, bn.running_mean, bn.running_var, bn.weight, bn.bias))
+        inv_std = torch.rsqrt(var + bn.eps)
+        k = inv_std * gamma if gamma is not None else inv_std
         w = w * k.reshape(-1, *([1] * (w.dim() - 1)))
-        shifted = -bn.running_mean if b is None else b - bn.running_mean
+        shifted = -mean if b is None else b - mean
         b = shifted * k
-        if bn.bias is not None:
-            b = b + bn.bias
+        if beta is not None:
+            b = b + beta
         return w, b
 
     def _cacheable(self, w, b) -> tuple | None:
@@ -172,7 +180,8 @@ class LayerPatch:
             return None
         key = [self.handle.generation]
         for t in self._grad_sources(w, b):
-            key += [id(t), t._version] if t is not None else [None, None]
+            # dtype: ``model.to(torch.bfloat16)`` swaps ``.data`` without bumping _version
+            key += [id(t), t._version, t.dtype] if t is not None else [None, None, None]
         if self.bn is not None:
             for name in ("running_mean", "running_var"):
                 t = getattr(self.bn, name)
@@ -201,10 +210,13 @@ class LayerPatch:
                 self.bq.set_derived_scale(None if s_in is None or s_w is None else s_in.detach() * s_w.detach())
             b = self.bq(b)
         d = self.module.__dict__
+        # the module computes in its own dtype (a folded half-precision layer came out of
+        # float_params in float32)
         if "weight" in self._moved:
-            d["weight"] = w
+            d["weight"] = w if w is None or w0 is None else w.to(w0.dtype)
         if "bias" in self._moved:
-            d["bias"] = b
+            ref = b0 if b0 is not None else w0
+            d["bias"] = b if b is None or ref is None else b.to(ref.dtype)
         self._cache_key = key
 
     # ----------------------------------------------------------------- hooks

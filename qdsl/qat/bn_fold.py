@@ -138,16 +138,16 @@ class _ThrottledQparams:
         self.value: tuple | None = None
         self.shape: tuple | None = None
 
-    def __call__(self, x=None):
+    def __call__(self, x=None, **kw):  # kw: ``src`` (TensorQuantizer.qparams)
         q = self.q
         every = q._qat_search_every
         training = x is not None and torch.is_grad_enabled() and x.requires_grad
         if every <= 1 or not training or torch.compiler.is_compiling():
-            return type(q).qparams(q, x)
+            return type(q).qparams(q, x, **kw)
         n = self.n
         self.n = n + 1
         if self.value is None or n % every == 0 or self.shape != tuple(x.shape):
-            p = type(q).qparams(q, x)
+            p = type(q).qparams(q, x, **kw)
             if p is None:
                 return None
             self.value = tuple(t.detach() if isinstance(t, Tensor) else t for t in p)

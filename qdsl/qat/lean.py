@@ -168,7 +168,8 @@ class _LeanLayer:
         codes = unpack_codes(getattr(m, _CODES), numel, self.qmin, self.qmax).to(torch.float32).reshape(self.shape)
         s = F.param_view(getattr(m, _SCALE), codes, q.axis, q.group_size)
         z = F.param_view(getattr(m, _ZP).to(torch.float32), codes, q.axis, q.group_size)
-        return (codes - z) * s  # the order of F.fake_quant_affine: the same float value
+        w = (codes - z) * s  # the order of F.fake_quant_affine: the same float value
+        return w.to(self.master.dtype)  # a half-precision model computes in its own dtype
 
     def _save_master(self, module, state_dict, prefix, local_metadata):
         state_dict[prefix + "weight" + MASTER_SUFFIX] = self.master.detach()

@@ -28,6 +28,14 @@ Guarantees
   exact: they use ``frexp``/comparisons, never ``log2`` rounding, so a value exactly on
   a boundary always goes the documented way.
 
+Non-finite values (the policy the integer graph shares, docs/qgraph.md): a NaN gets the
+code of 0 (the zero point; binary: +1, ternary: 0), ``+inf`` the largest code and
+``-inf`` the smallest, so fake quantization never lets a NaN through; ``check_finite``
+raises :class:`~qdsl.spec.diagnostics.NonFiniteError` instead, for callers that ask.
+
+Half precision: callers upcast float16/bfloat16 to float32 before these functions
+(``HALF_DTYPES``); every function here computes in the dtype it is given.
+
 Rounding modes: ``half_even`` (``torch.round``, what torch's kernels do), ``half_away``
 (ties away from zero, what gemmlowp requantization does), ``floor``, ``stochastic``
 (``floor(x) + [u < frac(x)]`` with ``u ~ U[0, 1)`` from an optional generator).
@@ -39,8 +47,13 @@ import math
 
 import torch
 
+from qdsl.spec.diagnostics import NonFiniteError
+
 __all__ = [
     "ROUNDINGS",
+    "HALF_DTYPES",
+    "check_finite",
+    "scaled",
     "qrange",
     "round_",
     "reciprocal",
@@ -65,6 +78,35 @@ __all__ = [
 ]
 
 ROUNDINGS = ("half_even", "half_away", "floor", "stochastic")
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""Dtypes a quantizer upcasts to float32 (exactly) before computing, and casts back after."""
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Raise :class:`NonFiniteError` if ``x`` holds a NaN or an infinity.
+
+    >>> check_finite(torch.tensor([1.0, float("nan")]), "conv1:input")
+    Traceback (most recent call last):
+    ...
+    qdsl.spec.diagnostics.NonFiniteError: conv1:input: 1 non-finite value(s) (NaN or inf) in a tensor of shape (2,)
+    """
+    if x.is_floating_point():
+        bad = ~torch.isfinite(x)
+        if bool(bad.any()):
+            raise NonFiniteError(f"{what}: {int(bad.sum())} non-finite value(s) (NaN or inf) in a tensor of "
+                                 f"shape {tuple(x.shape)}")
+
+
+def scaled(x: torch.Tensor, inv) -> torch.Tensor:
+    """``x · inv`` with NaN replaced by 0 (so it rounds to the zero point's code); the
+    infinities become the largest finite values, which every clamp maps to qmin/qmax.
+
+    >>> scaled(torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0]), 0.5).tolist()[::3]
+    [0.0, 1.5]
+    """
+    return torch.nan_to_num_(x * inv, nan=0.0)
+
 
 # 1/sqrt(2) as float32: the boundary between two powers of two in the log domain.
 _INV_SQRT2 = float(torch.tensor(1.0 / math.sqrt(2.0), dtype=torch.float32))
@@ -209,8 +251,9 @@ def _prep(x, scale, zero_point, axis, group_size):
 
 
 def _codes(x, inv, z, qmin, qmax, rounding, generator):
-    # Same order of float32 operations as torch's kernel: round(x * inv) + z, then clamp.
-    return torch.clamp(round_(x * inv, rounding, generator) + z, qmin, qmax)
+    # Same order of float32 operations as torch's kernel: round(x * inv) + z, then clamp
+    # (NaN -> code z: see "Non-finite values" in the module docstring).
+    return torch.clamp(round_(scaled(x, inv), rounding, generator) + z, qmin, qmax)
 
 
 def fake_quant_affine(
@@ -318,7 +361,7 @@ def binary_codes(x: torch.Tensor, alpha=None, signed: bool = True, axis=None, gr
     [0, 1, 1]
     """
     if signed:
-        return torch.where(x >= 0, 1, -1).to(torch.int8)
+        return torch.where(x < 0, -1, 1).to(torch.int8)  # NaN compares false: +1, like 0
     a = param_view(torch.as_tensor(alpha, dtype=x.dtype, device=x.device), x, axis, group_size)
     return (x >= a * 0.5).to(torch.int8)
 
@@ -331,7 +374,7 @@ def fake_quant_binary(x: torch.Tensor, alpha, signed: bool = True, axis=None, gr
     """
     a = param_view(torch.as_tensor(alpha, dtype=x.dtype, device=x.device), x, axis, group_size)
     if signed:
-        return torch.where(x >= 0, a, -a)
+        return torch.where(x < 0, -a, a)  # NaN -> +α, as binary_codes
     return torch.where(x >= a * 0.5, a, torch.zeros_like(a))
 
 
@@ -358,7 +401,8 @@ def ternary_codes(x: torch.Tensor, threshold, axis=None, group_size=None) -> tor
     [-1, 0, 0, 1, 1]
     """
     d = param_view(torch.as_tensor(threshold, dtype=x.dtype, device=x.device), x, axis, group_size)
-    return (torch.sign(x) * (x.abs() > d)).to(torch.int8)
+    # NaN: |x| > Δ is false -> 0 (``sign(NaN) * False`` would be NaN, whose int cast is undefined)
+    return torch.where(x.abs() > d, torch.sign(x), torch.zeros_like(x)).to(torch.int8)
 
 
 def fake_quant_ternary(x: torch.Tensor, threshold, alpha, axis=None, group_size=None) -> torch.Tensor:

@@ -18,6 +18,11 @@ mse            weights / dynamic: exact per-slot search :func:`range_search.mse_
                over the last observed tensor; static activations: histogram search
 =============  ==================================================================
 
+Non-finite values (NaN, ±inf) are left out of every statistic: a range covers the
+finite values only (a slot with none gets ``(0, 0)``), so one bad calibration sample
+cannot turn a scale into NaN or inf.  Quantizing them is the proxies' policy
+(:mod:`qdsl.quantizers.functional`).
+
 The searches live in :mod:`qdsl.quantizers.range_search` (owned by the PTQ-accuracy
 work); these classes only keep the statistics and call them.
 """
@@ -89,6 +94,18 @@ class Observer(LazyBuffers):
         shape = self.ctx.param_shape(tuple(x.shape))
         return F.reduce_view(x.detach().float(), self.ctx.axis, self.ctx.group_size), shape
 
+    @staticmethod
+    def _minmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row min and max of the finite values (the masked pass only when needed)."""
+        lo, hi = rows.amin(dim=1), rows.amax(dim=1)
+        if bool(torch.isfinite(lo).all()) and bool(torch.isfinite(hi).all()):
+            return lo, hi
+        ok = torch.isfinite(rows)
+        lo = torch.where(ok, rows, torch.inf).amin(dim=1)
+        hi = torch.where(ok, rows, -torch.inf).amax(dim=1)
+        none = ~ok.any(dim=1)
+        return lo.masked_fill(none, 0.0), hi.masked_fill(none, 0.0)
+
     def _check(self) -> None:
         if not self.observed:
             raise RuntimeError(f"{type(self).__name__} has not observed any data")
@@ -111,7 +128,7 @@ class MinMaxObserver(Observer):
 
     def forward(self, x: torch.Tensor) -> None:
         rows, shape = self._rows(x)
-        lo, hi = rows.amin(dim=1).reshape(shape), rows.amax(dim=1).reshape(shape)
+        lo, hi = (t.reshape(shape) for t in self._minmax(rows))
         if self.observed:
             lo, hi = torch.minimum(lo, self.min_val), torch.maximum(hi, self.max_val)
         self.min_val, self.max_val = lo, hi
@@ -134,7 +151,7 @@ class EmaObserver(Observer):
 
     def forward(self, x: torch.Tensor) -> None:
         rows, shape = self._rows(x)
-        lo, hi = rows.amin(dim=1).reshape(shape), rows.amax(dim=1).reshape(shape)
+        lo, hi = (t.reshape(shape) for t in self._minmax(rows))
         if self.observed:
             m = float(self.params.momentum)
             lo = torch.lerp(self.min_val, lo, m)
@@ -161,6 +178,10 @@ class MeanAbsObserver(Observer):
         rows, shape = self._rows(x)
         s = rows.abs().sum(dim=1).reshape(shape)
         n = torch.full(shape, float(rows.shape[1]))
+        if not bool(torch.isfinite(s).all()):  # leave NaN/inf out of the mean
+            ok = torch.isfinite(rows)
+            s = torch.where(ok, rows.abs(), 0.0).sum(dim=1).reshape(shape)
+            n = ok.sum(dim=1).to(torch.float32).reshape(shape)
         if self.observed:
             s, n = s + self.abs_sum, n + self.count
         self.abs_sum, self.count = s, n

@@ -35,6 +35,12 @@ Lifecycle of one proxy
 * :meth:`freeze` computes the scale once (for weights, from the weight passed in),
   stores it in the buffers and precomputes the broadcast views the fast path uses.
 
+Dtypes: a float16/bfloat16 tensor is upcast to float32 (exactly) on entry and the
+result cast back, so the codes equal those of a float32 tensor with the same values; the
+state above stays float32 even through ``model.to(torch.bfloat16)`` (``_apply``).
+``check_finite`` (``qdsl.apply(..., check_finite=True)``): an activation holding a NaN/inf
+raises ``NonFiniteError``; otherwise non-finite values follow qdsl.quantizers.functional.
+
 Gradients: values always come from :mod:`qdsl.quantizers.functional`.  When autograd
 needs a gradient, the proxy calls ``TensorQuantizer.grad_path(self, x, scale, zp,
 threshold)`` if QAT installed one (:mod:`qdsl.qat` sets it), otherwise it uses the
@@ -50,6 +56,7 @@ import torch
 
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import range_search as RS
+from qdsl.quantizers.functional import HALF_DTYPES, check_finite
 from qdsl.quantizers.observers import LazyBuffers
 from qdsl.quantizers.parts import (
     PartContext,
@@ -98,7 +105,7 @@ class TensorQuantizer(LazyBuffers):
     _qdsl_internal = True
     grad_path: ClassVar[Callable[..., torch.Tensor] | None] = None
     fast_path_threads: ClassVar[int | None] = 1
-    """Intra-op threads for the frozen fast path's four elementwise passes (None: torch's
+    """Intra-op threads for the frozen fast path's five elementwise passes (None: torch's
     setting).  They are memory-bound, so extra threads gain little, while every
     multi-threaded op is a barrier that waits for all threads: on an oversubscribed
     machine (measured: load 7 on 2 cores) one pass over 2M floats took 64 ms on 2
@@ -129,6 +136,9 @@ class TensorQuantizer(LazyBuffers):
         self._observed: tuple[Any, int] | None = None
         self.enabled = True
         self.observing = False
+        self.check_finite = False
+        """True: a NaN/inf reaching this (input/output) quantizer raises NonFiniteError
+        (``qdsl.apply(..., check_finite=True)``) instead of following the policy."""
         self.generator: torch.Generator | None = None
         self.observer: Any = None
         self.scale_rule: Any = None
@@ -232,9 +242,14 @@ class TensorQuantizer(LazyBuffers):
                 f"scale={self.recipe.scale} frozen={self.frozen}")
 
     # --------------------------------------------------------------- qparams
-    def qparams(self, x: torch.Tensor | None = None):
+    def qparams(self, x: torch.Tensor | None = None, *, src: torch.Tensor | None = None):
         """``(scale, zero_point, threshold)`` the next ``forward(x)`` would use, or None if
-        there is nothing to quantize with yet (static activation never observed)."""
+        there is nothing to quantize with yet (static activation never observed).
+
+        ``src``: the tensor ``x`` was upcast from (half-precision models), which keys the
+        stateless observer's "same tensor, unchanged" cache."""
+        if x is not None and x.dtype in HALF_DTYPES:
+            x, src = x.float(), x if src is None else src
         if self.frozen and not self.dynamic:
             return self.scale, self.zero_point, (self.threshold if self.threshold.numel() else None)
         if self.derived:
@@ -250,11 +265,12 @@ class TensorQuantizer(LazyBuffers):
             return scale, zp, thr
         obs = self.observer
         if self.stateless and x is not None:
+            key = x if src is None else src
             last = self._observed
-            if last is None or last[0]() is not x or last[1] != x._version or not obs.observed:
+            if last is None or last[0]() is not key or last[1] != key._version or not obs.observed:
                 obs.reset()
                 obs(x.detach())
-                self._observed = (weakref.ref(x), x._version)
+                self._observed = (weakref.ref(key), key._version)
         if not obs.observed:
             return None
         lo, hi = obs.range()
@@ -287,7 +303,7 @@ class TensorQuantizer(LazyBuffers):
             return F.fake_quant_affine(x, s, zp, self.qmin, self.qmax, self._round_mode,
                                        self.axis, self.group_size, self.generator)
         sv, inv, z = self._param_views(x, s, zp)
-        q = torch.clamp(self._round_fn(x * inv, generator=self.generator) + z, self.qmin, self.qmax)
+        q = torch.clamp(self._round_fn(F.scaled(x, inv), generator=self.generator) + z, self.qmin, self.qmax)
         return (q - z) * sv
 
     def _param_views(self, x, s, zp):
@@ -321,6 +337,8 @@ class TensorQuantizer(LazyBuffers):
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """The integer codes ``forward(x)`` uses (int8/uint8/int16/int32 by range)."""
+        if x.dtype in HALF_DTYPES:
+            x = x.float()
         if self.offset.numel():
             x = x + self.offset
         p = self.qparams(x)
@@ -336,7 +354,7 @@ class TensorQuantizer(LazyBuffers):
                 return F.quantize_affine(x, scale, zp, self.qmin, self.qmax, self._round_mode,
                                          self.axis, self.group_size, generator=self.generator)
             _, inv, z = self._param_views(x, scale, zp)
-            q = torch.clamp(self._round_fn(x * inv, generator=self.generator) + z, self.qmin, self.qmax)
+            q = torch.clamp(self._round_fn(F.scaled(x, inv), generator=self.generator) + z, self.qmin, self.qmax)
             return q.to(F.int_dtype(self.qmin, self.qmax))
         if k is Kind.BINARY:
             return F.binary_codes(x, scale, self.recipe.signed, self.axis, self.group_size)
@@ -350,17 +368,28 @@ class TensorQuantizer(LazyBuffers):
             return x
         if self.axis is not None and not -x.dim() <= self.axis < x.dim():
             self._bad_axis(x)
+        if self.check_finite and self.role in (Role.INPUT, Role.OUTPUT):
+            check_finite(x, self.name or self.role.value)
         if self.observing:
             if not self.stateless and self.observer is not None:
-                self.observer(x.detach())
+                self.observer(x.detach().float() if x.dtype in HALF_DTYPES else x.detach())
             return x
+        if x.dtype in HALF_DTYPES:
+            # half-precision models: the arithmetic runs in float32 (exact upcast; the same
+            # codes as a float32 model holding the same values), the result goes back to the
+            # model's dtype.  ``src`` keeps the stateless observer's cache keyed on the
+            # caller's tensor, not on a fresh upcast copy.
+            return self._forward(x.float(), x).to(x.dtype)
+        return self._forward(x, x)
+
+    def _forward(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         if self.offset.numel():
             x = x + self.offset
         if self.codes.numel():
             return self._from_codes(x)
         if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad):
             return self._fast(x)
-        p = self.qparams(x)
+        p = self.qparams(x, src=src)
         if p is None:
             self._last_scale = None
             return x
@@ -376,12 +405,13 @@ class TensorQuantizer(LazyBuffers):
             f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
-        """Frozen int path: four passes over one fresh buffer.
+        """Frozen int path: five passes over one fresh buffer.
 
         ``(clamp(round(v) + z, qmin, qmax) − z)·s`` equals ``clamp(round(v), qmin − z,
         qmax − z)·s`` exactly (integers below 2^24 add exactly in float32), so the zero
         point moves into per-slot clamp bounds; only the sign of a zero may differ (−0.0
-        here where the reference gives +0.0), which compares equal.
+        here where the reference gives +0.0), which compares equal.  A NaN becomes 0 after
+        the rounding (the zero point's code, as :func:`functional.scaled` does before it).
         """
         key = x.dim() if self.group_size is None else tuple(x.shape)
         v = self._views.get(key)
@@ -401,12 +431,14 @@ class TensorQuantizer(LazyBuffers):
             try:
                 q = torch.mul(x, inv)
                 q.round_()
+                q.nan_to_num_(0.0)
                 q.clamp_(lo, hi)
                 return q.mul_(s)
             finally:
                 torch.set_num_threads(prev)
         q = torch.mul(x, inv)
         q.round_()
+        q.nan_to_num_(0.0)
         q.clamp_(lo, hi)
         return q.mul_(s)
 
@@ -422,6 +454,8 @@ class TensorQuantizer(LazyBuffers):
             return
         if self.role in (Role.WEIGHT, Role.BIAS) and not self.derived and x is None:
             raise ValueError("freezing a parameter quantizer needs the parameter")
+        if x is not None and x.dtype in HALF_DTYPES:
+            x = x.float()
         if x is not None and self.offset.numel():
             x = x + self.offset
         p = self.qparams(x)
@@ -463,3 +497,24 @@ class TensorQuantizer(LazyBuffers):
             if isinstance(t, torch.Tensor):
                 state[name] = t.detach()
         return state
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` / ``.half()`` / ``.double()`` reach every buffer: the
+        # quantizer's state (scales, zero points, statistics, learned scales) keeps its
+        # dtype so the integer grid stays the float32 one export and the runtime use;
+        # device moves still apply.  The fast path's cached views are rebuilt.
+        before = {n: t.dtype for n, t in self.named_parameters()}
+        before.update((n, t.dtype) for n, t in self.named_buffers())
+        super()._apply(fn, recurse)
+        for mod_name, mod in self.named_modules():
+            prefix = mod_name + "." if mod_name else ""
+            for k, p in mod._parameters.items():
+                want = before.get(prefix + k)
+                if p is not None and want is not None and p.dtype != want:
+                    p.data = p.data.to(want)
+            for k, b in mod._buffers.items():
+                want = before.get(prefix + k)
+                if b is not None and want is not None and b.dtype != want:
+                    mod._buffers[k] = b.to(want)
+        self._refresh()
+        return self

@@ -139,8 +139,9 @@ class ModelIndex:
             for pname, p in mod.named_parameters(recurse=False):
                 shapes[pname] = tuple(p.shape)
             submodules = vars(mod).get("_modules")
+            # a TorchScript module's OrderedModuleDict has no .get (and no parametrizations)
             parametrizations = (
-                submodules.get("parametrizations") if submodules is not None
+                submodules.get("parametrizations") if isinstance(submodules, dict)
                 else getattr(mod, "parametrizations", None)
             )
             if parametrizations is not None:

@@ -71,7 +71,7 @@ from qdsl.resolve.validate import (
     validate_fields,
     validate_observer,
 )
-from qdsl.spec.diagnostics import Diagnostic, Span, SpecError
+from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -95,6 +95,11 @@ def index_of(model_or_index: Any) -> ModelIndex:
     """A :class:`ModelIndex` as given, or built from an ``nn.Module`` (duck-typed)."""
     if isinstance(model_or_index, ModelIndex):
         return model_or_index
+    if type(model_or_index).__module__.startswith("torch.jit"):
+        # scripted/traced: every module is a RecursiveScriptModule, so type rules and
+        # defaults would silently reach nothing (duck-typed: this layer never imports torch)
+        raise QdslError(f"qdsl needs an eager nn.Module, got a TorchScript {type(model_or_index).__name__}: "
+                        "resolve and apply the eager model before scripting or tracing it")
     if hasattr(model_or_index, "named_modules"):
         return ModelIndex.from_module(model_or_index)
     raise TypeError(f"resolve() needs an nn.Module or a ModelIndex, got {type(model_or_index).__name__}")

@@ -101,19 +101,20 @@ class CompiledGraph:
             self._lib.qdsl_graph_free(handle)
             self._handle = None
 
-    def _check(self, spec: _IO, x: Any) -> np.ndarray:
-        from qdsl.export.reference import GraphInputError
+    def _check(self, spec: _IO, x: Any, check_finite: bool = False) -> np.ndarray:
+        from qdsl.export.reference import GraphInputError, as_array, require_finite
 
-        x = np.asarray(x)
+        x = as_array(x)
         want = spec.dims
         if x.ndim != len(want) or tuple(x.shape[1:]) != want[1:] or (want[0] != -1 and x.shape[0] != want[0]):
             raise GraphInputError(f"input {spec.name!r} expects shape {want} (-1 = any batch), got {tuple(x.shape)}")
-        if x.shape[0] < 1:
-            raise GraphInputError(f"input {spec.name!r} needs a batch of at least 1")
         if spec.dtype == _F32:
             if not np.issubdtype(x.dtype, np.floating):
                 raise GraphInputError(f"input {spec.name!r} expects float32 values, got {x.dtype}")
-            return np.ascontiguousarray(x, dtype=np.float32)
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            if check_finite:
+                require_finite(x, spec.name)
+            return x
         if not np.issubdtype(x.dtype, np.integer):
             raise GraphInputError(f"input {spec.name!r} expects integers, got {x.dtype}")
         lo, hi = _RANGE[spec.dtype]
@@ -121,8 +122,11 @@ class CompiledGraph:
             raise GraphInputError(f"input {spec.name!r} values must be in [{lo}, {hi}]")
         return np.ascontiguousarray(x, dtype=_NP[spec.dtype])
 
-    def run(self, *xs: Any, path: str = "auto") -> np.ndarray | tuple[np.ndarray, ...]:
-        """Run on one array per graph input; one array back for a single-output graph."""
+    def run(self, *xs: Any, path: str = "auto", check_finite: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
+        """Run on one array per graph input; one array back for a single-output graph.
+
+        A batch of 0 gives empty outputs.  ``check_finite``: a NaN/inf in a float input
+        raises ``NonFiniteError`` instead of following the QUANTIZE policy."""
         if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
             xs = tuple(xs[0])
         from qdsl.export.reference import GraphInputError
@@ -131,11 +135,14 @@ class CompiledGraph:
             raise GraphInputError(f"graph takes {len(self.inputs)} input(s), got {len(xs)}")
         if path not in PATHS:
             raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(PATHS)}")
-        arrays = [self._check(spec, x) for spec, x in zip(self.inputs, xs)]
+        arrays = [self._check(spec, x, check_finite) for spec, x in zip(self.inputs, xs)]
         batch = arrays[0].shape[0]
         if any(a.shape[0] != batch for a in arrays):
             raise GraphInputError("all graph inputs must have the same batch size")
         outs = [np.empty((batch,) + o.dims[1:], dtype=_NP[o.dtype]) for o in self.outputs]
+        if batch == 0:  # nothing to compute (the reference executor agrees); nothing overflowed
+            self._overflow = {n: 0 for n in self.op_names}
+            return outs[0] if len(outs) == 1 else tuple(outs)
         in_ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
         err = ctypes.create_string_buffer(1024)

@@ -32,6 +32,7 @@ __all__ = [
     "QdslError",
     "QdslWarning",
     "SpecError",
+    "NonFiniteError",
     "did_you_mean",
     "render_all",
 ]
@@ -168,6 +169,13 @@ class QdslWarning(UserWarning):
     """Base of every warning qdsl issues about a user's model or spec (something works,
     but probably not as meant): filter them all with
     ``warnings.filterwarnings("error", category=QdslWarning)``."""
+
+
+class NonFiniteError(QdslError):
+    """A NaN or infinite value reached a quantizer while the caller asked to be told
+    (``check_finite=True`` on ``qdsl.apply``, ``run_graph``, ``CompiledGraph.run`` or the
+    reference executor).  Without the option non-finite values follow the documented
+    policy (docs/qgraph.md: NaN -> the zero point, +inf -> qmax, -inf -> qmin)."""
 
 
 class SpecError(QdslError):
