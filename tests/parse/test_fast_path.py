@@ -185,3 +185,14 @@ def test_parsing_runs_no_garbage_collection(fmt):
     # at most the one collection that follows re-enabling it (before: ~100 for this spec)
     assert len(runs) <= 1, runs
     assert gc.isenabled()
+
+
+@pytest.mark.parametrize("text", ["version 1\nquantizer q = int(bits=" + "9" * 5000 + ")\n",
+                                  "version " + "1" * 5000 + "\n"])
+def test_too_long_number_is_a_located_error(text):
+    # int() refuses > 4300 digits with a ValueError, which escaped parse_text before
+    from qdsl.spec.diagnostics import SpecError
+
+    with pytest.raises(SpecError) as info:
+        parse_text(text, "n.qspec")
+    assert info.value.codes == ["E002"] and "number too long" in info.value.render()
