@@ -295,5 +295,5 @@ def parse_statement_fast(text: str, pos: int) -> tuple[ast.Statement, int]:
     or :class:`Fallback` when this path does not handle it."""
     try:
         return _Scanner(text).statement(pos)
-    except (IndexError, RecursionError):
+    except (IndexError, RecursionError, ValueError):  # ValueError: int() of a too-long number
         raise Fallback from None

@@ -14,6 +14,7 @@ text yields (statements, diagnostics).
 from __future__ import annotations
 
 import re
+import sys
 
 import pyparsing as pp
 
@@ -28,6 +29,7 @@ _BLOCKS = ("defaults", "rule")
 _TARGET_CHARS = TARGET_CHARS
 
 _BAD_ESCAPE = "invalid escape in string: "
+_BAD_NUMBER = "number too long"
 
 
 def _located(expr: pp.ParserElement, build, name: str) -> pp.ParserElement:
@@ -73,6 +75,15 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     ident = pp.Regex(r"[^\W\d]\w*").set_name("a name")
     name = _located(ident, lambda a, b, t: ast.Name(t[0], a, b), "a name")
     number_re = pp.Regex(r"[+-]?\d+(\.\d+)?([eE][+-]?\d+)?").set_name("a number")
+
+    def check_num(s, loc, toks):
+        # int() refuses more than sys.get_int_max_str_digits() digits with a ValueError
+        try:
+            int(toks[0]) if re.fullmatch(r"[+-]?\d+", toks[0]) else float(toks[0])
+        except ValueError:
+            raise pp.ParseFatalException(s, loc, _BAD_NUMBER) from None
+
+    number_re.set_parse_action(check_num)
 
     def build_num(a, b, t):
         text = t[0]
@@ -240,6 +251,11 @@ class _Recovering:
         notes = ()
         if kind in TOP_KEYWORDS and self.lines.pos(loc)[0] > line:
             notes = (f"inside {kind} started at {line}:{col}",)
+        if exc.msg == _BAD_NUMBER:
+            end = re.match(r"[+-]?[\w.]*", text[loc:]).end() + loc
+            self.error("E002", "number too long", loc, max(end, loc + 1),
+                       f"numbers have at most {sys.get_int_max_str_digits() or 'unlimited'} digits", notes=notes)
+            return
         if exc.msg.startswith(_BAD_ESCAPE):
             self.error("E006", f"invalid escape '{exc.msg[len(_BAD_ESCAPE):]}' in a double-quoted string", loc,
                        loc + 1, "escapes are \\\\ \\\" \\n \\t \\uXXXX; write regexes in single quotes: "

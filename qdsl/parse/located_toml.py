@@ -75,9 +75,15 @@ class LineIndex:
         return min(len(self.text), self.starts[line - 1] + max(0, col - 1))
 
     def span(self, filename: str, start: int, end: int, path: str | None = None) -> Span:
-        line, col = self.pos(start)
-        end_line, end_col = self.pos(max(start, end))
-        return Span(filename, line, col, end_line, end_col, path=path, source=self.text)
+        n = len(self.text)
+        if not 0 <= start <= end <= n:
+            end = min(max(start, end, 0), n)
+            start = min(max(start, 0), n)
+        starts = self.starts
+        i = bisect.bisect_right(starts, start) - 1
+        # an end on the start's line (the usual case) needs no second search
+        j = i if i + 1 == len(starts) or end < starts[i + 1] else bisect.bisect_right(starts, end) - 1
+        return Span(filename, i + 1, start - starts[i] + 1, j + 1, end - starts[j] + 1, path, self.text)
 
 
 def format_path(path: Sequence[Any]) -> str:

@@ -156,7 +156,7 @@ def validate_params(
     for key, value in clean.items():
         # a string or boolean where a number belongs would reach the params' converters
         # and validators as a Python TypeError ("'<' not supported ..."): say it plainly
-        if _numeric_field(info.params, key) and (isinstance(value, (str, bool)) or not isinstance(value, (int, float))):
+        if _numeric_field(info.params, key) and (isinstance(value, bool) or not isinstance(value, (int, float))):
             diags.append(Diagnostic.error(
                 "E206", f"parameter '{key}' of {info.name} must be a number, got {value!r}", span))
     if diags:

@@ -179,3 +179,19 @@ def test_activation_channel_axis_beyond_rank():
     lin = ("version 1\ndefaults { weight = int\n input = int }\n"
            "rule type:Linear { input = int(granularity=channel(5)) }\n")
     assert check_then_apply(lin) == "runtime"
+
+
+@pytest.mark.parametrize("obs, code, says", [
+    ("histogram(percentile='x')", "E206", "parameter 'percentile' of histogram must be a number, got 'x'"),
+    ("histogram(percentile=true)", "E206", "must be a number, got True"),
+    ("histogram(percentile=inf)", "E104", "observer parameter percentile must be finite"),  # DSL: a name
+    ("ema(momentum=nan)", "E104", "must be finite"),
+])
+def test_observer_parameter_types_are_plain_located_errors(obs, code, says):
+    # before: E206 "bad parameters for histogram: '<' not supported between instances of 'float' and 'str'"
+    text = f"version 1\ndefaults {{ weight = int\n input = int(observer={obs}) }}\n"
+    with pytest.raises(SpecError) as info:
+        resolve(_model(), parse_text(text, "o.qspec"))
+    assert info.value.codes == [code]
+    d = info.value.diagnostics[0]
+    assert says in d.message and d.span.line == 3
