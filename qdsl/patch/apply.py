@@ -20,7 +20,9 @@ residual block, the model itself via fqn ``""`` for the model input); any module
 groups and dilation are what export understands).  With ``fold_bn``, a folded layer
 whose model has no bias gets the folded bias quantized as int32 with scale
 ``input × weight`` when both its input and weight are quantized (an integer graph needs
-an integer bias), and left float otherwise.
+an integer bias; any weight kind, the same codes the exporter writes), and left float
+otherwise, or when only binary quantizers read the layer's result (the exporter then
+lowers the float bias exactly as a sign threshold; :mod:`qdsl.patch.consumers`).
 """
 
 from __future__ import annotations
