@@ -196,6 +196,42 @@ void TestLoaderGarbage(std::mt19937& rng) {
   }
 }
 
+// RescaleOneWide (accumulators wider than 32 bits) equals RescaleOne on int32 values, and on
+// wide values it rescales without saturating first; run under UBSan, it also checks that no
+// shift or 128-bit product overflows for |x| up to 2^63.
+void TestWideRescale() {
+  if (!qdsl::kHasWideRescale) return;
+  std::vector<int64_t> xs = {0, 1, -1, INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN + 1};
+  for (int k = 1; k <= 62; ++k)
+    for (int d = -1; d <= 1; ++d) {
+      xs.push_back((int64_t{1} << k) + d);
+      xs.push_back(-(int64_t{1} << k) + d);
+    }
+  const int32_t mults[] = {0, 1, (1 << 30) - 1, 1 << 30, INT32_MAX};
+  for (int kind = 0; kind < 3; ++kind)
+    for (int rounding = 0; rounding < 4; ++rounding)
+      for (int32_t m : mults)
+        for (int32_t s = -31; s <= (kind == 1 ? 62 : 31); ++s) {
+          const auto kd = static_cast<qdsl::RescaleKind>(kind);
+          const auto rd = static_cast<qdsl::Rounding>(kind == 0 ? 0 : rounding);
+          const int32_t mm = kind == 1 ? 1 : m;
+          for (int64_t x : xs) {
+            const int64_t wide = qdsl::RescaleOneWide(x, kd, mm, s, rd);
+            EXPECT(wide >= INT32_MIN && wide <= INT32_MAX, "wide rescale out of int32: kind %d", kind);
+            if (x >= INT32_MIN && x <= INT32_MAX)
+              EXPECT(wide == qdsl::RescaleOne(x, kd, mm, s, rd), "wide != int32 rescale: kind %d m %d s %d x %lld",
+                     kind, mm, s, static_cast<long long>(x));
+          }
+        }
+  // 2^40 >> 24 = 2^16 exactly (the int32 form would saturate 2^40 to 2^31 - 1 first: 128)
+  EXPECT(qdsl::RescaleOneWide(int64_t{1} << 40, qdsl::RescaleKind::kPot, 1, 24, qdsl::Rounding::kHalfAway) == 65536,
+         "POT wide");
+  // factor 2^30 * 2^-(31+10) = 2^-11: 2^40 -> 2^29, both FIXED forms
+  for (int kind : {0, 2})
+    EXPECT(qdsl::RescaleOneWide(int64_t{1} << 40, static_cast<qdsl::RescaleKind>(kind), 1 << 30, 10,
+                                qdsl::Rounding::kHalfAway) == (1 << 29), "FIXED wide kind %d", kind);
+}
+
 }  // namespace
 
 int main() {
@@ -204,6 +240,7 @@ int main() {
   TestBinary(rng);
   TestRequant(rng);
   TestRequantCorners(rng);
+  TestWideRescale();
   TestLoaderGarbage(rng);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
   return failures ? 1 : 0;

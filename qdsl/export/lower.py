@@ -401,8 +401,9 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     ``x·m / 2^(31+s)`` with the quantizer's own rounding mode - TFLite's single-rounding
     form - which agrees with the fake-quant model on > 99.7% of codes) or ``"gemmlowp"``
     (FIXED: SRDHM then RDBP, two roundings half away, for targets that implement exactly
-    that; 14-21% of codes are then 1 LSB off on a 10-layer CNN, because the two roundings
-    flip a code in a few hundred per layer and that compounds; see docs/qgraph.md §4.1). ``with_info`` also
+    that; 14-21% of output codes are then 1 LSB off on a 10-layer CNN, and codes inside it up
+    to 3 LSB, because the two roundings flip a code in a few hundred per layer and that
+    compounds; see docs/qgraph.md §4.1 and §6). ``with_info`` also
     returns ``{tensor name: (scale, zero point)}``, the real-value grid of every integer
     tensor (the ONNX exporter builds its QDQ graph from it).
     """

@@ -177,16 +177,33 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
 
 
-def wide(b: Builder, p: Pending, where: str) -> QVal:
-    """A layer result kept as int32 at the power-of-two scale ``s_t = 2^floor(log2 min_c s[c])``:
-    exact when the scales are powers of two, else within half an accumulator LSB; no extra
-    fraction bits, so sums over pooling windows keep their headroom in int32."""
+def wide(b: Builder, p: Pending, where: str, fraction_bits: int = 0) -> QVal:
+    """A layer result kept as int32 at the power-of-two scale
+    ``s_t = 2^(floor(log2 min_c s[c]) - fraction_bits)``: exact when the scales are powers of
+    two, else within half an ``s_t`` step (``fraction_bits`` 0: half an accumulator LSB)."""
     if p.kind != "acc" or p.post:
         raise ExportError(where, f"reads the unquantized result of a {p.kind} in '{p.origin}'",
                           f"add `output = a8` (an activation quantizer) for '{p.origin}'")
     low = float(np.min(p.scales))
-    s_t = math.ldexp(1.0, math.frexp(low)[1] - 1)  # largest power of two <= low
+    s_t = math.ldexp(1.0, math.frexp(low)[1] - 1 - fraction_bits)  # a power of two <= low
     return p.materialize(b, Target(s_t, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where))
+
+
+def _pool_fraction_bits(p: Pending) -> int:
+    """Fraction bits below the accumulator LSB for a clamped layer result that a pool sums:
+    as many (up to 16) as keep the sum over the whole spatial extent (the largest window)
+    of ``[lo, hi]`` values within int32. A binary layer's accumulator unit ``α_x·α_w`` is
+    often coarser than the consumer's grid; without them the rounding to ``s_t`` alone moved
+    the pooled value by up to one consumer LSB."""
+    bound = max(abs(p.lo), abs(p.hi))
+    if not math.isfinite(bound):
+        return 0
+    n = max(1, math.prod(d for d in p.shape[2:] if d > 0))
+    s_t = math.ldexp(1.0, math.frexp(float(np.min(p.scales)))[1] - 1)
+    k = 0
+    while k < 16 and (math.ceil(bound / s_t) + 1) * n << (k + 1) <= INT32_MAX:
+        k += 1
+    return k
 
 
 def raw(b: Builder, p: Pending, where: str) -> tuple[QVal, np.ndarray | None]:
@@ -196,7 +213,8 @@ def raw(b: Builder, p: Pending, where: str) -> tuple[QVal, np.ndarray | None]:
     if p.kind == "acc" and not p.post and p.hi == math.inf and p.lo in (-math.inf, 0.0):
         t = Target(1.0, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where, raw=True)
         return p.materialize(b, t), np.asarray(p.scales, dtype=np.float64)
-    return wide(b, p, where), None
+    frac = _pool_fraction_bits(p) if p.kind == "acc" and not p.post else 0
+    return wide(b, p, where, frac), None
 
 
 def _is_pot(*scales) -> bool:

@@ -20,7 +20,10 @@ residual block, the model itself via fqn ``""`` for the model input); any module
 groups and dilation are what export understands).  With ``fold_bn``, a folded layer
 whose model has no bias gets the folded bias quantized as int32 with scale
 ``input × weight`` when both its input and weight are quantized (an integer graph needs
-an integer bias), and left float otherwise.  Whatever else the spec reaches (an
+an integer bias; any weight kind, the same codes the exporter writes), and left float
+otherwise, or when only binary quantizers read the layer's result (the exporter then
+lowers the float bias exactly as a sign threshold; :mod:`qdsl.patch.consumers`).
+Whatever else the spec reaches (an
 ``nn.LSTM``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
 in a warning, or refused with ``strict=True``.
 
@@ -32,12 +35,14 @@ that the plan quantizes, E510) are refused: they take no Python hooks.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from qdsl.patch.consumers import read_only_by_binary
 from qdsl.patch.coverage import check_coverage, count_calls
 from qdsl.patch.fold import find_bn_pairs
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
@@ -58,6 +63,17 @@ def folded_bias_recipe() -> QuantizerRecipe:
     """int32, symmetric, scale ``input*weight``: the bias a folded BN adds to a bias-less layer."""
     return QuantizerRecipe(Kind.INT, 32, True, False, True, DERIVED_BIAS_SCALE, Granularity(),
                            ObserverSpec("minmax"), "half_even", False)
+
+
+# A folded BN's bias (or bias correction's) gets an int32 proxy at scale input × weight for
+# every kind whose accumulator has that scale: int or binary inputs; int, binary, ternary or
+# power-of-two weights. The exporter puts the same codes in the graph, so the fake-quant
+# model and the graph add the same bias (a float bias would be rounded to the accumulator
+# grid by the exporter alone: up to half an accumulator LSB, several output LSBs for the
+# coarse accumulator of a binary layer). Layers read only by binary quantizers are the
+# exception (qdsl.patch.consumers).
+_BIAS_INPUT_KINDS = (Kind.INT, Kind.BINARY)
+_BIAS_WEIGHT_KINDS = (Kind.INT, Kind.BINARY, Kind.TERNARY, Kind.POT)
 
 
 def _to_plan(model: nn.Module, spec: Any, overrides: Any, registries: Any) -> Plan:
@@ -193,6 +209,10 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     coverage = check_coverage(model, plan, trace, regs)
     if strict and coverage.floats:
         raise coverage.error()
+    sign_only = functools.cache(lambda: read_only_by_binary(
+        model, trace.graph, [lp.fqn for lp in plan.layers if lp.quantized],
+        {lp.fqn: r.kind for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None},
+        {lp.fqn: r.kind for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.OUTPUT)) is not None}))
     container = QdslContainer()
     handle = QdslHandle(model, plan, container, regs)
     container.handle = handle
@@ -209,11 +229,13 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
             proxies[role] = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}")
         iq, wq = proxies.get(Role.INPUT), proxies.get(Role.WEIGHT)
         if ((bn_fqn is not None or plan.bias_correction) and Role.BIAS not in lp.roles and iq is not None and wq is not None
-                and iq.kind is Kind.INT and wq.kind is Kind.INT and iq.axis is None and wq.group_size is None
+                and iq.kind in _BIAS_INPUT_KINDS and wq.kind in _BIAS_WEIGHT_KINDS and iq.axis is None and wq.group_size is None
                 and wq.axis in (None, 0)):
             # the model has no bias but folding (or bias correction) creates one: int32 at
-            # input × weight scale
-            proxies[Role.BIAS] = TensorQuantizer(folded_bias_recipe(), Role.BIAS, regs, name=f"{lp.fqn}:bias")
+            # input × weight scale; a folded bias read only by binary quantizers stays float
+            # (consumers.py: the exporter lowers it exactly as a sign threshold)
+            if plan.bias_correction or lp.fqn not in sign_only():
+                proxies[Role.BIAS] = TensorQuantizer(folded_bias_recipe(), Role.BIAS, regs, name=f"{lp.fqn}:bias")
         if not proxies and bn_fqn is None:
             continue
         for role, q in proxies.items():

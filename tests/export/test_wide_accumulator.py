@@ -82,3 +82,20 @@ def test_one_bit_accumulator_is_refused_at_check_with_a_location():
         qdsl.parse_spec(SPEC.format(bits=1, overflow="wrap"), "acc.qspec")
     text = str(err.value)
     assert "E104" in text and "acc.qspec:8:" in text and "accumulator bits" in text
+
+
+@pytest.mark.parametrize("hw_bits", [32, 40])
+def test_lint_agrees_with_the_exported_accumulator(tmp_path, hw_bits):
+    """The bound lint checks is the one the graph computes: a 70000-term 8-bit layer needs 33
+    bits (W313 on a 32-bit target, clean on a 40-bit one), and a spec's 48-bit accumulator on a
+    40-bit target is E315."""
+    from qdsl.lint import lint
+
+    profile = tmp_path / "wide.toml"
+    profile.write_text(f'version = 1\nname = "wide"\n[accumulator]\nbits = {hw_bits}\noverflow = "wrap"\n')
+    model = Wide(70_000)
+    spec = qdsl.parse_spec(SPEC.format(bits=hw_bits, overflow="wrap"), "acc.qspec")
+    codes = [d.code for d in lint(spec, str(profile), model, calibrated=False)]
+    assert codes == (["W313"] if hw_bits == 32 else [])
+    wider = qdsl.parse_spec(SPEC.format(bits=48, overflow="wrap"), "acc.qspec")
+    assert "E315" in [d.code for d in lint(wider, str(profile), model, calibrated=False)]

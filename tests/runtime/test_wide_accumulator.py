@@ -113,3 +113,34 @@ def test_cpp_equals_reference_on_random_wide_sums(kind, acc_bits):
         cg = rt.CompiledGraph(graph)
         np.testing.assert_array_equal(cg.run(x, path="ref"), want.outputs[0])
         np.testing.assert_array_equal(cg.run(x), want.outputs[0])
+
+
+@native
+@pytest.mark.parametrize("kind", sorted(_rescales()))
+@pytest.mark.parametrize("acc_bits,overflow", [(32, 0), (40, 1), (48, 0), (64, 1)])
+def test_wide_conv_paths_equal_reference(kind, acc_bits, overflow):
+    """CONV1D/CONV2D with fan-in 32768·3 / 8192·3·3 of near-max codes (interior sums ~±5e9,
+    beyond int32), padding 1 (border taps read the zero point): every C++ path == reference."""
+    from qdsl.runtime import kernels as K
+
+    rng = np.random.default_rng(acc_bits + overflow)
+    for rank, cin in ((1, 32768), (2, 8192)):
+        k = (3,) * rank
+        w = rng.integers(250, 256, size=(2, cin) + k).astype(np.uint8)
+        w[1] = rng.integers(0, 6, size=w.shape[1:])  # - 255: the negative row
+        lo, hi = DType.I32.range
+        attrs = {"stride": [1] * rank, "padding": [1] * rank, "dilation": [1] * rank, "groups": 1, "in_zp": 0,
+                 "w_zp": [0, 255], "acc_bits": acc_bits, "overflow": overflow,
+                 **OutputStage(_rescales()[kind], 0, lo, hi).attrs()}
+        acts = [Tensor("x", DType.U8, (-1, cin) + (3,) * rank)]
+        consts = [Tensor("w", DType.U8, w.shape, w)]
+        op = Op(OpType.CONV2D if rank == 2 else OpType.CONV1D, "conv", ["x", "w"], ["y"], attrs)
+        _, shape = infer_output(0, op, acts + consts, Tensor("y", DType.I32, (1,)))
+        graph = IntegerGraph(acts + consts + [Tensor("y", DType.I32, shape)], ["x"], ["y"], [op]).validate()
+        x = rng.integers(250, 256, size=(2, cin) + (3,) * rank).astype(np.uint8)
+        want = execute(graph, x)
+        assert (want.overflow["conv"] > 0) == (acc_bits == 32)
+        cg = rt.CompiledGraph(graph)
+        for path in [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx") if p in K.paths()["cpu"]]:
+            np.testing.assert_array_equal(cg.run(x, path=path), want.outputs[0], err_msg=f"path {path} rank {rank}")
+            assert cg.overflow_counts()["conv"] == want.overflow["conv"], path

@@ -101,7 +101,7 @@ __extension__ typedef __int128 Int128;
 
 inline Int128 RoundShift128(Int128 v, int s, Rounding rounding) {
   const Int128 f = v >> s;  // arithmetic (flooring) shift
-  const Int128 rem = v - (f << s);
+  const Int128 rem = v & ((Int128{1} << s) - 1);  // in [0, 2^s) (no left shift of a negative value)
   const Int128 h = Int128{1} << (s - 1);
   bool up = false;
   switch (rounding) {
