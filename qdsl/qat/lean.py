@@ -143,6 +143,10 @@ class _LeanLayer:
         ]
         self.stale = False
         self.qmin, self.qmax = q.qmin, q.qmax
+        if hasattr(q.observer, "start_carrying"):
+            # requantize() observes the master without grad, but it is training: a searched
+            # range is carried as in the normal QAT path (qdsl.quantizers.observers.MseObserver)
+            q.observer.start_carrying()
         self.requantize()
 
     def requantize(self) -> None:

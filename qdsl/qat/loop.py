@@ -25,7 +25,7 @@ def fit(
     batch_size: int = 64,
     seed: int = 0,
     freeze_bn_after: int | None = None,
-    weight_search_every: int = 8,
+    weight_search_every: int | None = None,
 ) -> nn.Module:
     """QAT-train an applied (and calibrated) classification model in place; returns it."""
     from qdsl.qat.bn_fold import prepare_qat

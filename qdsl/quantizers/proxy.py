@@ -252,6 +252,10 @@ class TensorQuantizer(LazyBuffers):
             last = self._observed
             if last is None or last[0]() is not x or last[1] != x._version or not obs.observed:
                 obs.reset()
+                # a searching weight observer carries its searched clip ratio through
+                # training forwards instead of searching again (observers.MseObserver)
+                obs.training_forward = (self.role in (Role.WEIGHT, Role.BIAS) and torch.is_grad_enabled()
+                                        and x.requires_grad)
                 obs(x.detach())
                 self._observed = (weakref.ref(x), x._version)
         if not obs.observed:
