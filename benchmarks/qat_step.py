@@ -43,6 +43,7 @@ import copy
 import logging
 import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -50,7 +51,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
+SPECS = ROOT / "specs"
 
 
 def _step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward=None):
