@@ -285,6 +285,13 @@ class MseObserver(HistogramObserver):
     def _bins(self) -> int:
         return 2048
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self._exact:
+            # a checkpoint from before ratios were carried: keep ours (empty: search next time)
+            for name in ("clip_ratio", "carrying", "since_search"):
+                state_dict.setdefault(prefix + name, getattr(self, name))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def request_search(self) -> None:
         """Search again at the next observation (then carry the new ratio)."""
         self._search_requested = True

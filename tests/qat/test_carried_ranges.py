@@ -260,3 +260,18 @@ def test_state_dict_round_trips_carried_ratios(monkeypatch):
     fresh.train()
     assert torch.equal(fresh(x[:8]), model(x[:8]))  # resumes with the carried ratios
     assert calls == []
+
+
+def test_checkpoint_without_carried_state_still_loads():
+    # a state dict saved before ratios were carried has no clip_ratio/carrying keys
+    x, _ = _data()
+    model = mlp(seed=0, sizes=(64, 48, 32, 10))
+    apply(model, _spec())
+    calibrate(model, [x[:32]])
+    old = {k: v for k, v in model.state_dict().items()
+           if not k.endswith(("clip_ratio", "carrying", "since_search"))}
+    fresh = mlp(seed=0, sizes=(64, 48, 32, 10))
+    apply(fresh, _spec())
+    fresh.load_state_dict(old)  # strict: no missing keys
+    with torch.no_grad():
+        assert torch.equal(fresh(x), model(x))
