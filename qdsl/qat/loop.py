@@ -25,9 +25,16 @@ def fit(
     batch_size: int = 64,
     seed: int = 0,
     freeze_bn_after: int | None = None,
-    weight_search_every: int | None = None,
+    weight_search_every: int | None = 8,
 ) -> nn.Module:
-    """QAT-train an applied (and calibrated) classification model in place; returns it."""
+    """QAT-train an applied (and calibrated) classification model in place; returns it.
+
+    ``weight_search_every`` goes to :func:`prepare_qat`.  Its default here, 8, searches
+    ``mse``/``auto`` weight ranges again every 8 steps (carried in between), unlike
+    ``prepare_qat``'s own default (carry only): this loop is for small models, where a
+    search is cheap, and on the digits ResNet at W3A3 it measured about half a point
+    better than carrying alone (4 seeds); ``None`` carries only (large layers, where a
+    search costs tens of training steps)."""
     from qdsl.qat.bn_fold import prepare_qat
 
     prepare_qat(model, freeze_bn_after=freeze_bn_after, weight_search_every=weight_search_every)

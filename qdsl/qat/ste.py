@@ -229,7 +229,7 @@ class _ChannelFakeQuant(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (mask,) = ctx.saved_tensors
-        # a 0-d tensor, not the Python scalar 0.0: measured 2x faster (no scalar wrapping path)
+        # a 0-d tensor, not the Python scalar 0.0: torch's scalar-other overload is slower
         return torch.where(mask, g, g.new_zeros(())), None, None, None, None, None
 
 
@@ -271,8 +271,8 @@ def fake_quant(
                else zero_point.detach().to(torch.int32))
         if axis is None:
             return torch.fake_quantize_per_tensor_affine(x, s32.reshape(()), z32.reshape(()), qmin, qmax)
-        # per channel: torch's fused per-channel kernel is scalar code (measured 2-3x slower
-        # than the blocked in-place ops below on a 2048x2048 weight, 1 thread)
+        # per channel: torch's fused per-channel kernel is scalar (not vectorised) code,
+        # slower than the blocked in-place ops below (benchmarks/qat_step.py, w4-auto)
         sv, inv, zv = F._prep(x, s32, z32, axis, None)
         return _ChannelFakeQuant.apply(x, sv, inv, None if zero_point is None else zv, qmin, qmax)
     s = _view(scale, x, axis, group_size)
