@@ -247,7 +247,7 @@ def mse_clip_ratio(
 
     >>> w = torch.tensor([[0.1, -0.2, 4.0], [1.0, -1.0, 0.5]])
     >>> mse_clip_ratio(w, -1, 1, symmetric=True, axis=0, grid=4).tolist()
-    [0.25, 1.0]
+    [1.0, 0.75]
     """
     _check_grid(qmin, qmax)
     if norm <= 0:
