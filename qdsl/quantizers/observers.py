@@ -259,8 +259,9 @@ class MseObserver(HistogramObserver):
     changes, and with ``search_every = N`` (spec ``observer=mse(search_every=N)``, or
     ``qdsl.qat.prepare_qat(weight_search_every=N)`` when the spec leaves it unset) every
     N observations while carrying (the proxy observes a weight only when it changed, so
-    this is about every N optimizer steps).  ``clip_ratio``, ``carrying`` and the step counter are
-    buffers, so ``state_dict`` carries them.  ``searches`` counts searches (tests).
+    about every N optimizer steps).  ``clip_ratio``, ``carrying`` and the counter
+    ``since_search`` are buffers, so ``state_dict`` carries them; ``searches`` counts the
+    searches of this object (tests, benchmarks).
     """
 
     training_forward: bool = False
@@ -322,7 +323,7 @@ class MseObserver(HistogramObserver):
             ratio = RS.mse_clip_ratio(rows, ctx.qmin, ctx.qmax, symmetric=ctx.recipe.symmetric, axis=0,
                                       grid=int(self.params.grid), norm=float(self.params.norm), pot=ctx.pot)
             self.clip_ratio = ratio.to(torch.float32)
-            self.since_search = torch.zeros((), dtype=torch.int64)
+            self.since_search = torch.zeros_like(self.since_search)
             self.searches += 1
             self._search_requested = False
         elif carry:
