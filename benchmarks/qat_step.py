@@ -135,6 +135,12 @@ def _time_round_robin(steps: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
+def _searches(model: nn.Module) -> int:
+    from qdsl.patch.handle import get_handle
+
+    return sum(getattr(q.observer, "searches", 0) for q in get_handle(model).container.quantizers.values())
+
+
 def w4_auto_suite(rounds: int, batch: int) -> None:
     """Issue 24: default-observer 4-bit QAT vs float, Adam, 1 thread (see the docstring)."""
     import qdsl.qat
@@ -149,16 +155,19 @@ def w4_auto_suite(rounds: int, batch: int) -> None:
     }
     for name, (base, x) in cases.items():
         y = torch.randint(0, 10, (batch,), generator=g)
+        plain = _w4_qdsl(base, x)
         steps = {"float": _adam_step(copy.deepcopy(base).train(), x, y),
-                 "qdsl w4 auto": _adam_step(_w4_qdsl(base, x), x, y),
+                 "qdsl w4 auto": _adam_step(plain, x, y),
                  "qdsl w4 auto, prepare_qat": _adam_step(_w4_qdsl(base, x, prepare=True), x, y)}
         lean_model = _w4_qdsl(base, x)
         steps["qdsl w4 auto, LeanOptimizer"] = _adam_step(
             lean_model, x, y, opt=qdsl.qat.LeanOptimizer(lean_model, torch.optim.Adam, lr=1e-4))
         steps["qdsl w4 minmax"] = _adam_step(_w4_qdsl(base, x, observer=", observer=minmax"), x, y)
+        searches0 = _searches(plain)
         times = _time_round_robin(steps, rounds)
         ref = statistics.median(times["float"])
-        print(f"QAT step (fwd+bwd+Adam), {name}, batch {batch}, 1 thread, median of {rounds} rounds")
+        print(f"QAT step (fwd+bwd+Adam), {name}, batch {batch}, 1 thread, median of {rounds} rounds "
+              f"(range searches during the {rounds + 2} 'qdsl w4 auto' steps: {_searches(plain) - searches0})")
         for label, ts in times.items():
             med = statistics.median(ts)
             print(f"  {label:<30s} {med * 1e3:9.1f} ms  (range {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
