@@ -17,7 +17,23 @@ changes on a shared machine hit all of them alike; the figure is the median over
 
 Target (issue 4): qdsl eager QAT step ≤ 1.4× float.
 
-    python benchmarks/qat_step.py [--rounds 15] [--no-compile] [--backend inductor]
+Suite ``w4-auto`` (issue 24): the simplest 4-bit spec, observer left to ``auto`` (below 8
+bits the bit-aware range search, carried as a per-channel clip ratio during QAT),
+``defaults { weight = int(bits=4, signed, narrow, symmetric, per_channel) }``, trained
+with Adam at 1 thread, batch 64, on ``ConvBnReluNet`` (3×32×32) and on an MLP of four
+2048×2048 Linears (+ a 2048×10 head).  Per model, float and the qdsl variants are timed
+round-robin in this process (apply + calibrate on one batch, then train):
+
+* ``qdsl w4 auto``              plain QAT: ``import qdsl.qat``, apply, calibrate, train
+* ``qdsl w4 auto, prepare_qat`` the same after ``qdsl.qat.prepare_qat(model)``
+* ``qdsl w4 auto, LeanOptimizer`` packed weights, masters in the optimizer
+* ``qdsl w4 minmax``            ``observer=minmax`` (no search at all), for reference
+
+It prints the median, the range (min-max) and the ratio to float's median, and the load
+average.  Target (issue 24): ``qdsl w4 auto`` ≤ 1.5× float on both models.
+
+    python benchmarks/qat_step.py [--suite specs|w4-auto|all] [--rounds 15] [--no-compile]
+                                  [--backend inductor]
 """
 
 from __future__ import annotations
@@ -25,7 +41,9 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -33,7 +51,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
+SPECS = ROOT / "specs"
 
 
 def _step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward=None):
@@ -73,17 +93,104 @@ def build_torch_ao(base: nn.Module) -> nn.Module:
     return prepare_qat(model, inplace=True)
 
 
+W4_AUTO = "version 1\ndefaults {{ weight = int(bits=4, signed, narrow, symmetric, per_channel{obs}) }}\n"
+
+
+def _adam_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt=None):
+    if opt is None:
+        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _w4_qdsl(base: nn.Module, calib: torch.Tensor, observer: str = "", prepare: bool = False) -> nn.Module:
+    import qdsl
+    import qdsl.qat
+    from qdsl.parse import parse_text
+
+    model = copy.deepcopy(base)
+    qdsl.apply(model, parse_text(W4_AUTO.format(obs=observer), "w4.qspec"))
+    qdsl.calibrate(model, [calib], progress=False)
+    if prepare:
+        qdsl.qat.prepare_qat(model)
+    return model.train()
+
+
+def _time_round_robin(steps: dict, rounds: int) -> dict[str, list[float]]:
+    for step in steps.values():  # warm-up (allocator, oneDNN primitives, lazy init)
+        step()
+        step()
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for label, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[label].append(time.perf_counter() - t0)
+    return times
+
+
+def _searches(model: nn.Module) -> int:
+    from qdsl.patch.handle import get_handle
+
+    return sum(getattr(q.observer, "searches", 0) for q in get_handle(model).container.quantizers.values())
+
+
+def w4_auto_suite(rounds: int, batch: int) -> None:
+    """Issue 24: default-observer 4-bit QAT vs float, Adam, 1 thread (see the docstring)."""
+    import qdsl.qat
+    from qdsl.testing.models import conv_bn_relu_net, mlp
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "ConvBnReluNet 3x32x32": (conv_bn_relu_net(seed=0), torch.randn(batch, 3, 32, 32, generator=g)),
+        "MLP 4x Linear(2048, 2048)": (mlp(seed=0, sizes=(2048, 2048, 2048, 2048, 2048, 10)),
+                                      torch.randn(batch, 2048, generator=g)),
+    }
+    for name, (base, x) in cases.items():
+        y = torch.randint(0, 10, (batch,), generator=g)
+        plain = _w4_qdsl(base, x)
+        steps = {"float": _adam_step(copy.deepcopy(base).train(), x, y),
+                 "qdsl w4 auto": _adam_step(plain, x, y),
+                 "qdsl w4 auto, prepare_qat": _adam_step(_w4_qdsl(base, x, prepare=True), x, y)}
+        lean_model = _w4_qdsl(base, x)
+        steps["qdsl w4 auto, LeanOptimizer"] = _adam_step(
+            lean_model, x, y, opt=qdsl.qat.LeanOptimizer(lean_model, torch.optim.Adam, lr=1e-4))
+        steps["qdsl w4 minmax"] = _adam_step(_w4_qdsl(base, x, observer=", observer=minmax"), x, y)
+        searches0 = _searches(plain)
+        times = _time_round_robin(steps, rounds)
+        ref = statistics.median(times["float"])
+        print(f"QAT step (fwd+bwd+Adam), {name}, batch {batch}, 1 thread, median of {rounds} rounds "
+              f"(range searches during the {rounds + 2} 'qdsl w4 auto' steps: {_searches(plain) - searches0})")
+        for label, ts in times.items():
+            med = statistics.median(ts)
+            print(f"  {label:<30s} {med * 1e3:9.1f} ms  (range {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
+                  f"   {med / ref:5.2f}x float")
+        print(f"  load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", choices=("specs", "w4-auto", "all"), default="all")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="threads of the specs suite (w4-auto: 1)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--backend", default="aot_eager")
     args = ap.parse_args(argv)
     # torch.ao's deprecation notices and dynamo's graph-break reports are not results
     warnings.filterwarnings("ignore")
     torch._logging.set_logs(dynamo=logging.ERROR)
+    if args.suite in ("w4-auto", "all"):
+        w4_auto_suite(args.rounds, args.batch)
+    if args.suite == "w4-auto":
+        return 0
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
@@ -109,15 +216,7 @@ def main(argv=None) -> int:
         compile_s = time.perf_counter() - t0
         steps[f"qdsl int8 compiled ({args.backend})"] = step
 
-    for step in steps.values():  # warm-up (allocator, oneDNN primitives, lazy init)
-        step()
-        step()
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.rounds):
-        for label, step in steps.items():
-            t0 = time.perf_counter()
-            step()
-            times[label].append(time.perf_counter() - t0)
+    times = _time_round_robin(steps, args.rounds)
 
     ref = statistics.median(times["float"])
     print(f"QAT step (fwd+bwd+SGD), ConvBnReluNet 3x32x32, batch {args.batch}, {args.threads} threads, "
@@ -127,6 +226,7 @@ def main(argv=None) -> int:
         print(f"  {label:<34s} {med * 1e3:8.1f} ms   {med / ref:5.2f}x float")
     if compile_s is not None:
         print(f"  (torch.compile first step incl. compilation: {compile_s:.1f} s)")
+    print(f"  load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     return 0
 
 

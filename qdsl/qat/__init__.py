@@ -10,6 +10,7 @@
   :func:`freeze_bn_stats`).
 * :mod:`qdsl.qat.distributed` - :func:`sync_observers` for DDP calibration.
 * :mod:`qdsl.qat.loop` - :func:`fit`, a small seeded QAT fine-tuning loop.
+* :mod:`qdsl.qat.ranges` - :func:`research_ranges`: search carried weight ranges again.
 * :mod:`qdsl.qat.lean` - :class:`LeanOptimizer`: packed low-bit weights on the module,
   fp32 masters only in the optimizer (memory-lean QAT).
 
@@ -24,6 +25,7 @@ from qdsl.qat.lean import LeanOptimizer
 from qdsl.qat.learned import LearnedPotScale, LearnedScale
 from qdsl.qat.loop import fit
 from qdsl.qat.proxy_grad import install as _install, qat_grad_path
+from qdsl.qat.ranges import research_ranges
 
 _install()
 
@@ -38,4 +40,5 @@ __all__ = [
     "sync_observers",
     "freeze_bn_stats",
     "unfreeze_bn_stats",
+    "research_ranges",
 ]

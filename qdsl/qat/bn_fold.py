@@ -26,8 +26,11 @@ normalised activations.  :func:`prepare_qat` gives every folded layer a training
 
 :func:`prepare_qat` also keeps QAT steps cheap without changing what is computed at
 inference: static activation observers reuse their range while their statistics are
-unchanged, and weight quantizers whose observer *searches* (mse, histogram,
-percentile) re-run the search every ``weight_search_every`` training forwards.
+unchanged; ``mse``/``auto`` weight observers carry their searched clip ratio on their
+own (see :class:`qdsl.quantizers.observers.MseObserver`) and search again only on
+request or every ``weight_search_every`` training forwards when that is set; histogram
+and percentile weight observers re-run their search every ``weight_search_every``
+(default 8) training forwards.
 
 Guarantees: in eval mode nothing changes versus plain ``qdsl.apply``; ``qdsl.remove``
 restores the model's state as before (the patch layer owns and removes every hook;
@@ -122,10 +125,16 @@ class _QatFold:
         return output if x is None else x
 
 
+def _carries(q) -> bool:
+    """Does the weight observer carry a searched clip ratio itself (MseObserver, exact)?"""
+    return bool(getattr(q.observer, "_exact", False)) and hasattr(q.observer, "clip_ratio")
+
+
 def _searching(q) -> bool:
     from qdsl.quantizers import observers as O
 
-    return isinstance(q.observer, O.HistogramObserver)  # mse, histogram, percentile
+    # histogram, percentile (and any searching subclass that does not carry its result)
+    return isinstance(q.observer, O.HistogramObserver) and not _carries(q)
 
 
 class _ThrottledQparams:
@@ -228,16 +237,26 @@ def _memoize_range(obs: nn.Module) -> None:
     obs.range = _MemoRange(obs)
 
 
-def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weight_search_every: int = 8) -> int:
+_THROTTLE_DEFAULT = 8
+
+
+def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None,
+                weight_search_every: Optional[int] = None) -> int:
     """Give every BN-folded layer of an applied model its QAT training form (idempotent).
 
     ``freeze_bn_after``: freeze a BatchNorm's statistics once it has tracked that many
-    training batches (its ``num_batches_tracked``).  ``weight_search_every``: a weight
-    quantizer whose observer *searches* its range (mse, histogram, percentile) re-runs
-    the search every that many training forwards and reuses the last scale in between
-    (1 = every forward, exactly the PTQ behaviour).  The search costs several times a
-    layer's own gradient computation while the weights move little per step; min/max-
-    type observers and learned scales are cheap and always follow the current weight.
+    training batches (its ``num_batches_tracked``).  ``weight_search_every``: how often a
+    weight quantizer whose observer *searches* its range re-runs the search.  The ``mse``
+    search (also ``auto`` below 8 bits) carries its result between searches as a clip
+    ratio per channel applied to the current weight's min/max
+    (:class:`qdsl.quantizers.observers.MseObserver`), so it searches again only on
+    request (:func:`qdsl.qat.research_ranges`) unless this is set (N: every N training
+    forwards; a spec's ``observer=mse(search_every=N)`` wins over it).  ``histogram`` /
+    ``percentile`` weight observers reuse their last scale for ``N - 1`` training
+    forwards (default 8; 1 = every forward, exactly the PTQ behaviour).  A search costs
+    tens of times a layer's own gradient computation while the weights move little per
+    step; min/max-type observers and learned scales are cheap and always follow the
+    current weight.
     Static activation observers reuse their range while their statistics are unchanged
     (same result, computed once).  PTQ-only adjustments (bias-correction offsets, fixed
     GPTQ codes) are dropped: they were computed for the calibrated weights, training
@@ -253,8 +272,11 @@ def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None, weig
             continue
         if not q.stateless:
             _memoize_range(q.observer)
+        elif q.role.value in ("weight", "bias") and not q.dynamic and _carries(q):
+            if weight_search_every is not None and getattr(q.observer.params, "search_every", None) is None:
+                q.observer.search_every = int(weight_search_every)  # the spec's own setting wins
         elif q.role.value in ("weight", "bias") and not q.dynamic and _searching(q):
-            _throttle_search(q, weight_search_every)
+            _throttle_search(q, _THROTTLE_DEFAULT if weight_search_every is None else weight_search_every)
     patches = _folded_patches(model)
     for patch in patches:
         patch._qat_freeze_after = freeze_bn_after

@@ -40,8 +40,11 @@ DigitsResNet        8     42448    339584    43492 7.8x   213284 1.59x
 i.e. module-resident weight memory shrinks ~16x (4-bit) / ~8x (8-bit) (the fp32
 per-channel scales are the rest), and the total including the optimizer's fp32 masters
 by ~1.77x / ~1.6x (8 B per weight -> 4.5 B / 5 B).  Each step runs the weight quantizer
-once more than the normal path (to back-propagate to the master); a range search runs
-once per step either way (the proxy skips re-observing the unchanged master).
+once more than the normal path (to back-propagate to the master); the observer sees each
+new master once per step either way (the proxy skips re-observing the unchanged master),
+and a searched range (``mse``/``auto``) is carried, not searched again: the optimizer
+starts the observers carrying (``MseObserver.start_carrying``) because ``requantize``
+observes without grad.
 During a forward/backward the dequantized fp32 leaf exists as the fake-quantized weight
 does in the normal path; its fp32 gradient lives from ``backward()`` until ``step()``
 moves it to the master (one layer at a time).  Gradients are fp32: a bf16 dequantized
@@ -143,6 +146,10 @@ class _LeanLayer:
         ]
         self.stale = False
         self.qmin, self.qmax = q.qmin, q.qmax
+        if hasattr(q.observer, "start_carrying"):
+            # requantize() observes the master without grad, but it is training: a searched
+            # range is carried as in the normal QAT path (qdsl.quantizers.observers.MseObserver)
+            q.observer.start_carrying()
         self.requantize()
 
     def requantize(self) -> None:

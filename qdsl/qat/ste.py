@@ -181,6 +181,58 @@ class _FakeQuant(torch.autograd.Function):
         return gx, gs, gz, None, None, None, None
 
 
+_BLOCK_ELEMENTS = 1 << 16
+
+
+class _ChannelFakeQuant(torch.autograd.Function):
+    """Per-channel fake quantization, half-even, no scale/zero-point gradient: the value
+    of ``functional.fake_quant_affine`` (same float32 operations in the same order; only a
+    zero's sign may differ) and the clipping-mask STE.
+
+    Written for speed (a QAT step quantizes every weight): the output and the mask are
+    filled in blocks of rows (channels along dim 0, about ``_BLOCK_ELEMENTS`` per block) by
+    in-place ops, so each block stays in cache through all passes and nothing but the
+    output and the bool mask is allocated.  Other layouts take one block.
+    """
+
+    @staticmethod
+    def forward(ctx, x, s, inv, z, qmin, qmax):
+        out = torch.empty_like(x)
+        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        n = x.shape[0] if x.dim() else 1
+        per_row = x.numel() // max(1, n)
+        blockable = x.dim() > 0 and x.is_contiguous() and s.dim() == x.dim() and s.shape[0] == n > 1
+        rows = max(1, _BLOCK_ELEMENTS // max(1, per_row)) if blockable else n
+        scratch = torch.empty((min(rows, n),) + tuple(x.shape[1:]) if blockable else x.shape,
+                              dtype=x.dtype, device=x.device)
+        for i in range(0, n, rows):
+            if blockable:
+                sl = slice(i, i + rows)
+                xb, o, m, sb, ib = x[sl], out[sl], mask[sl], s[sl], inv[sl]
+                zb = None if z is None else z[sl]
+                v = scratch[: xb.shape[0]]
+            else:
+                xb, o, m, sb, ib, zb, v = x, out, mask, s, inv, z, scratch
+            # v = round(x·(1/s)) + z; o = clamp(v); inside = (v == o): one compare
+            torch.mul(xb, ib, out=v)
+            v.round_()
+            if zb is not None:
+                v.add_(zb)
+            torch.clamp(v, qmin, qmax, out=o)
+            torch.eq(v, o, out=m)
+            if zb is not None:
+                o.sub_(zb)
+            o.mul_(sb)
+        ctx.save_for_backward(mask)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        # a 0-d tensor, not the Python scalar 0.0: torch's scalar-other overload is slower
+        return torch.where(mask, g, g.new_zeros(())), None, None, None, None, None
+
+
 def fake_quant(
     x: Tensor,
     scale: Tensor,
@@ -219,7 +271,10 @@ def fake_quant(
                else zero_point.detach().to(torch.int32))
         if axis is None:
             return torch.fake_quantize_per_tensor_affine(x, s32.reshape(()), z32.reshape(()), qmin, qmax)
-        return torch.fake_quantize_per_channel_affine(x, s32, z32, axis % x.dim(), qmin, qmax)
+        # per channel: torch's fused per-channel kernel is scalar (not vectorised) code,
+        # slower than the blocked in-place ops below (benchmarks/qat_step.py, w4-auto)
+        sv, inv, zv = F._prep(x, s32, z32, axis, None)
+        return _ChannelFakeQuant.apply(x, sv, inv, None if zero_point is None else zv, qmin, qmax)
     s = _view(scale, x, axis, group_size)
     z = None if zero_point is None else _view(zero_point.to(x.dtype), x, axis, group_size)
     return _FakeQuant.apply(x, s, z, qmin, qmax, rounding, float(grad_factor))

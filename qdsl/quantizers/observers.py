@@ -14,8 +14,9 @@ mean_abs       ``±mean|x|`` (XNOR-Net's α for binary, TWN's starting point)
 histogram      running histogram; ``percentile`` clips there, otherwise the
                bit-aware MSE search of :func:`range_search.histogram_range`
 percentile     histogram clipped at ``percentile`` of ``|x|`` (or of ``x`` at both tails)
-mse            weights / dynamic: exact per-slot search :func:`range_search.mse_range`
-               over the last observed tensor; static activations: histogram search
+mse            weights / dynamic: exact per-slot search :func:`range_search.mse_clip_ratio`,
+               kept as a clip ratio that QAT carries (see :class:`MseObserver`);
+               static activations: histogram search
 =============  ==================================================================
 
 Non-finite values (NaN, ±inf) are left out of every statistic: a range covers the
@@ -83,6 +84,12 @@ class Observer(LazyBuffers):
     @property
     def observed(self) -> bool:
         return getattr(self, self._state[0]).numel() > 0
+
+    def cached_training_forward(self) -> None:
+        """A training forward whose tensor is the one this observer saw last (the proxy's
+        "same tensor, unchanged" cache skipped the observation).  Observers that count
+        training forwards count it here, so the count does not depend on the cache (a
+        deep copy or an unpickled model starts with an empty one)."""
 
     def reset(self) -> None:
         for name in self._state:
@@ -257,9 +264,34 @@ class MseObserver(HistogramObserver):
     """The range minimising ``sum |x − x̂|^norm`` over ``grid`` clip ratios at the real grid.
 
     Weights, biases and dynamic quantizers see the whole tensor each time, so the search
-    is exact (:func:`range_search.mse_range`, per slot) and its result is kept in
+    is exact (:func:`range_search.mse_clip_ratio`, per slot) and its result is kept in
     ``min_val``/``max_val``; static activations accumulate a histogram and search it.
+
+    **Carried ratio (QAT).**  The exact search costs ``grid`` fake quantizations of the
+    tensor, tens of times a training step of the layer, and in QAT the weight changes
+    every step.  So the search result is kept as a clip ratio per slot (``clip_ratio``:
+    the range is ``ratio ×`` the slot's min/max range), and a *training* observation (the
+    proxy sets ``training_forward``: grad enabled and the weight requires grad) applies
+    the carried ratio to the current tensor's min/max instead of searching: one min/max
+    pass, like the ``minmax`` observer.  Why a ratio: it describes the *shape* of a
+    channel's distribution (how far its tail is worth clipping at this bit width), which
+    QAT changes slowly, while the range itself must follow the weight's magnitude every
+    step; right after a search the carried range equals the searched one exactly.  Once
+    a training observation has carried (``carrying``), every later observation carries
+    too (eval, ``qdsl.freeze``), so the frozen model uses the grid training converged
+    with; before that (PTQ), each new tensor is searched as before.
+
+    A search runs when there is no ratio yet (calibration, or the first forward), on
+    :meth:`request_search` (``qdsl.qat.research_ranges(model)``), when the slots' shape
+    changes, and with ``search_every = N`` (spec ``observer=mse(search_every=N)``, or
+    ``qdsl.qat.prepare_qat(weight_search_every=N)`` when the spec leaves it unset) every
+    N observations while carrying (the proxy observes a weight only when it changed, so
+    about every N optimizer steps).  ``clip_ratio``, ``carrying`` and the counter
+    ``since_search`` are buffers, so ``state_dict`` carries them; ``searches`` counts the
+    searches of this object (tests, benchmarks).
     """
+
+    training_forward: bool = False
 
     def __init__(self, params, ctx):
         super().__init__(params, ctx)
@@ -270,18 +302,67 @@ class MseObserver(HistogramObserver):
                 del self._buffers[name]
             self.register_buffer("min_val", _empty())
             self.register_buffer("max_val", _empty())
+            # not in _state: reset() (every new tensor) must not forget the searched ratio
+            self.register_buffer("clip_ratio", _empty())
+            self.register_buffer("carrying", torch.zeros((), dtype=torch.bool))
+            self.register_buffer("since_search", torch.zeros((), dtype=torch.int64))
+        self.search_every: int | None = getattr(params, "search_every", None)
+        self.searches = 0
+        self._search_requested = False
 
     def _bins(self) -> int:
         return 2048
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self._exact:
+            # a checkpoint from before ratios were carried: keep ours (empty: search next time)
+            for name in ("clip_ratio", "carrying", "since_search"):
+                state_dict.setdefault(prefix + name, getattr(self, name))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def request_search(self) -> None:
+        """Search again at the next observation (then carry the new ratio)."""
+        self._search_requested = True
+
+    def start_carrying(self) -> None:
+        """Carry from now on, as after a training observation (``LeanOptimizer`` re-quantizes
+        its masters without grad: its observations are training ones all the same)."""
+        self.carrying = torch.ones((), dtype=torch.bool, device=self.carrying.device)
+
+    def cached_training_forward(self) -> None:
+        if self._exact:  # what :meth:`forward` does for a training observation, less the min/max
+            if not bool(self.carrying):
+                self.start_carrying()
+            self.since_search = self.since_search + 1
+
+    def _needs_search(self, carry: bool, n_slots: int) -> bool:
+        if self._search_requested or self.clip_ratio.numel() != n_slots:
+            return True
+        if not carry:
+            return True  # PTQ: every new tensor is searched
+        every = self.search_every or 0  # counted in training forwards: eval never re-searches
+        return self.training_forward and every > 0 and int(self.since_search) + 1 >= every
 
     def forward(self, x: torch.Tensor) -> None:
         if not self._exact:
             return super().forward(x)
         rows, shape = self._rows(x)
-        lo, hi = RS.mse_range(
-            rows, self.ctx.qmin, self.ctx.qmax, symmetric=self.ctx.recipe.symmetric, axis=0,
-            grid=int(self.params.grid), norm=float(self.params.norm), pot=self.ctx.pot,
-        )
+        ctx = self.ctx
+        if self.training_forward and not bool(self.carrying):
+            self.start_carrying()
+        carry = bool(self.carrying)
+        lo0, hi0 = RS.channel_minmax(rows, ctx.recipe.symmetric, ctx.qmin)
+        if self._needs_search(carry, rows.shape[0]):
+            ratio = RS.mse_clip_ratio(rows, ctx.qmin, ctx.qmax, symmetric=ctx.recipe.symmetric, axis=0,
+                                      grid=int(self.params.grid), norm=float(self.params.norm), pot=ctx.pot)
+            self.clip_ratio = ratio.to(torch.float32)
+            self.since_search = torch.zeros_like(self.since_search)
+            self.searches += 1
+            self._search_requested = False
+        elif carry and self.training_forward:  # an eval forward leaves the state as it was
+            self.since_search = self.since_search + 1
+        lo, hi = RS.range_from_ratio(lo0, hi0, self.clip_ratio, ctx.qmin, ctx.qmax,
+                                     symmetric=ctx.recipe.symmetric, pot=ctx.pot)
         if self.observed:  # a second tensor without reset: keep the union of the searches
             lo, hi = torch.minimum(lo.reshape(shape), self.min_val), torch.maximum(hi.reshape(shape), self.max_val)
         self.min_val, self.max_val = lo.reshape(shape).float(), hi.reshape(shape).float()

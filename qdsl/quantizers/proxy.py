@@ -267,10 +267,16 @@ class TensorQuantizer(LazyBuffers):
         if self.stateless and x is not None:
             key = x if src is None else src
             last = self._observed
+            # a searching weight observer carries its searched clip ratio through
+            # training forwards instead of searching again (observers.MseObserver)
+            training = self.role in (Role.WEIGHT, Role.BIAS) and torch.is_grad_enabled() and x.requires_grad
             if last is None or last[0]() is not key or last[1] != key._version or not obs.observed:
                 obs.reset()
+                obs.training_forward = training
                 obs(x.detach())
                 self._observed = (weakref.ref(key), key._version)
+            elif training:
+                obs.cached_training_forward()
         if not obs.observed:
             return None
         lo, hi = obs.range()

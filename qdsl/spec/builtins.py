@@ -55,12 +55,24 @@ class PercentileParams:
     bins: int = attrs.field(default=2048, converter=int, validator=_positive)
 
 
+def _non_negative_or_none(instance, attribute, value):
+    if value is not None and value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
 @attrs.frozen
 class MseParams:
-    """Search ``grid`` clip ratios for the one minimising the Lp quantization error at the target bits."""
+    """Search ``grid`` clip ratios for the one minimising the Lp quantization error at the target bits.
+
+    ``search_every`` (weights in QAT): the searched clip ratio is carried between searches;
+    N > 0 searches again every N training forwards, 0 never (only on request), unset lets
+    ``qdsl.qat.prepare_qat(weight_search_every=...)`` decide (default: never).
+    """
 
     norm: float = attrs.field(default=2.0, converter=float, validator=_positive)
     grid: int = attrs.field(default=100, converter=int, validator=_positive)
+    search_every: int | None = attrs.field(default=None, converter=attrs.converters.optional(int),
+                                           validator=_non_negative_or_none)
 
 
 def builtin_registries() -> Registries:

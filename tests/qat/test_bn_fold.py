@@ -157,25 +157,26 @@ def test_searching_weight_observer_reruns_every_n_forwards(monkeypatch):
     apply(model, spec)
     qdsl.qat.prepare_qat(model, weight_search_every=3)
     calls = []
-    search = range_search.mse_range
-    monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
+    search = range_search.mse_clip_ratio
+    monkeypatch.setattr(range_search, "mse_clip_ratio", lambda *a, **k: calls.append(1) or search(*a, **k))
     model.train()
     # real optimizer steps: the weights change every step (an unchanged weight tensor is
-    # never searched twice, see TensorQuantizer._observed)
+    # never observed twice, see TensorQuantizer._observed)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     for _ in range(4):
         opt.zero_grad()
         model(_x((2, 3, 8, 8))).sum().backward()
         opt.step()
-    # 3 folded convs search at forwards 0 and 3 (a folded weight is a new tensor each time);
-    # the classifier's plain weight was already searched at apply and is unchanged before
-    # forward 0, so it searches only at forward 3 (after optimizer steps changed it)
-    assert len(calls) == 3 * 2 + 1
+    # every weight was searched at apply; in between, the clip ratio is carried.  The 3
+    # folded convs (a new tensor each forward) are observed at forwards 0-3 and search at
+    # their 3rd training observation (forward 2); the classifier's plain weight is unchanged
+    # at forward 0, observed at forwards 1-3 and searches at forward 3
+    assert len(calls) == 3 + 1
     model.eval()
     with torch.no_grad():
         model(_x((2, 3, 8, 8)))
-    # eval searches fresh: the 3 inference folds, and the classifier (stepped since forward 3)
-    assert len(calls) == 3 * 2 + 1 + 4
+    # once training has carried, eval carries too (it uses the grid training used)
+    assert len(calls) == 3 + 1
 
 
 def test_static_activation_ranges_are_memoized_until_statistics_change():

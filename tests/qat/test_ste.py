@@ -266,3 +266,23 @@ def test_fused_and_lsq_paths_agree(axis, zp):
     y_lsq = ste.fake_quant(x, s.clone().requires_grad_(), z, 0 if zp else -8, 15 if zp else 7, axis=axis)
     (gx_lsq,) = torch.autograd.grad(y_lsq, x, g)
     assert torch.equal(y_fused, y_lsq) and torch.equal(gx_fused, gx_lsq)
+
+
+@pytest.mark.parametrize("shape,axis,asym", [((24, 5, 3, 3), 0, False), ((24, 5, 3, 3), 0, True),
+                                             ((6, 24, 4), 1, False), ((40, 7), 0, True)])
+def test_per_channel_fast_path_equals_torch_kernel(monkeypatch, shape, axis, asym):
+    # the blocked per-channel path (several blocks: a tiny block size) against torch's fused
+    # per-channel kernel, values and clipping-mask gradient, bit for bit
+    monkeypatch.setattr(ste, "_BLOCK_ELEMENTS", 64)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(shape, generator=g) * 2).requires_grad_()
+    c = shape[axis]
+    s = torch.rand(c, generator=g) * 0.3 + 0.05
+    z = torch.randint(-3, 4, (c,), generator=g, dtype=torch.int32) if asym else torch.zeros(c, dtype=torch.int32)
+    y = ste.fake_quant(w, s, z if asym else None, -8, 7, axis=axis)
+    gy = torch.randn(shape, generator=g)
+    y.backward(gy)
+    w2 = w.detach().clone().requires_grad_()
+    ref = torch.fake_quantize_per_channel_affine(w2, s, z, axis, -8, 7)
+    ref.backward(gy)
+    assert torch.equal(y, ref) and torch.equal(w.grad, w2.grad)

@@ -6,7 +6,7 @@ import doctest
 import pytest
 import torch
 
-from qdsl.quantizers import observers, rounding, scales
+from qdsl.quantizers import observers, range_search, rounding, scales
 from qdsl.quantizers.observers import (
     EmaObserver,
     HistogramObserver,
@@ -20,7 +20,7 @@ from qdsl.spec.builtins import EmaParams, HistogramParams, MseParams, Percentile
 from qdsl.spec.model import Role
 
 
-@pytest.mark.parametrize("module", [observers, scales, rounding])
+@pytest.mark.parametrize("module", [observers, scales, rounding, range_search])
 def test_part_doctests(module):
     res = doctest.testmod(module)
     assert res.failed == 0 and res.attempted > 0

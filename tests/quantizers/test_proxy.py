@@ -227,8 +227,8 @@ def test_unchanged_weight_is_not_searched_twice_but_a_modified_one_is(monkeypatc
 
     model = mlp()
     calls = []
-    search = range_search.mse_range
-    monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
+    search = range_search.mse_clip_ratio
+    monkeypatch.setattr(range_search, "mse_clip_ratio", lambda *a, **k: calls.append(1) or search(*a, **k))
     qdsl.apply(model, "specs/w4a8-per-channel.qspec")  # mse weight search, no BN to fold
     qdsl.calibrate(model, [torch.rand(8, 1, 8, 8)], progress=False)
     qdsl.freeze(model)
@@ -246,8 +246,8 @@ def test_unfrozen_weight_is_searched_again_after_an_in_place_change(monkeypatch)
 
     model = mlp()
     calls = []
-    search = range_search.mse_range
-    monkeypatch.setattr(range_search, "mse_range", lambda *a, **k: calls.append(1) or search(*a, **k))
+    search = range_search.mse_clip_ratio
+    monkeypatch.setattr(range_search, "mse_clip_ratio", lambda *a, **k: calls.append(1) or search(*a, **k))
     handle = qdsl.apply(model, "specs/w4a8-per-channel.qspec")
     n = len(calls)
     with torch.no_grad():
