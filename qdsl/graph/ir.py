@@ -390,7 +390,7 @@ class OutputStage:
 
 class GraphCache(dict):
     """Scratch space an executor keeps on one :class:`IntegerGraph` object
-    (:func:`qdsl.export.run_graph` keeps the compiled form here).  Not part of the graph:
+    (:func:`qdsl.runtime.run.run_graph` keeps the compiled form here).  Not part of the graph:
     never compared, and a pickled or deep-copied graph starts with an empty one."""
 
     def __reduce__(self):
