@@ -1,8 +1,9 @@
 """Building parts from a registry bundle: the torch side of :mod:`qdsl.spec.registry`.
 
 ``default_registries()`` is the bundle the public API uses: the built-in parts
-(:func:`qdsl.spec.builtins.builtin_registries`, whose factories are ``"module:attr"``
-strings) plus every installed plugin (``qdsl.parts`` entry points).  Each call returns a
+(declared torch-free by :func:`qdsl.spec.builtins.builtin_registries`, their
+implementations bound here as ``"module:attr"`` strings of this package) plus every
+installed plugin (``qdsl.parts`` entry points).  Each call returns a
 fresh bundle, so a user can register parts on it without affecting anyone else::
 
     regs = qdsl.default_registries()
@@ -45,10 +46,38 @@ __all__ = ["default_registries", "PartContext", "resolve_factory", "build_observ
 
 _IMPORTED: dict[str, Any] = {}
 
+# the implementations of the parts qdsl.spec.builtins declares; strings of this package,
+# imported on first use so that building a bundle imports no torch module
+_OBS, _ROUND, _SCALE = "qdsl.quantizers.observers:", "qdsl.quantizers.rounding:", "qdsl.quantizers.scales:"
+_LEARNED = "qdsl.quantizers.learned:"
+_BUILTIN_FACTORIES: dict[str, dict[str, str]] = {
+    "observers": {
+        "minmax": _OBS + "MinMaxObserver",
+        "ema": _OBS + "EmaObserver",
+        "histogram": _OBS + "HistogramObserver",
+        "percentile": _OBS + "PercentileObserver",
+        "mse": _OBS + "MseObserver",
+        "auto": "qdsl.quantizers.range_search:auto_observer",
+        "mean_abs": _OBS + "MeanAbsObserver",
+    },
+    "roundings": {name: _ROUND + name for name in ("half_even", "half_away", "floor", "stochastic")},
+    "scales": {
+        "float": _SCALE + "FloatScale",
+        "pot": _SCALE + "PotScale",
+        "pot_ceil": _SCALE + "PotCeilScale",
+        "learned": _LEARNED + "LearnedScale",
+        "learned_pot": _LEARNED + "LearnedPotScale",
+    },
+}
+
 
 def default_registries() -> Registries:
     """A fresh bundle: built-in parts plus installed plugins."""
     regs = builtin_registries()
+    for kind, factories in _BUILTIN_FACTORIES.items():
+        registry = getattr(regs, kind)
+        for name, factory in factories.items():
+            registry.add(attrs.evolve(registry.get(name), factory=factory), override=True)
     regs.load_entry_points()
     return regs
 
@@ -56,6 +85,9 @@ def default_registries() -> Registries:
 def resolve_factory(info: PartInfo, registry: Registry) -> Any:
     """The part's factory object (importing a ``"module:attr"`` string once)."""
     factory = info.factory
+    if factory is None:
+        raise QdslError(f"{registry.kind} '{info.name}' is declared but not implemented in this bundle: "
+                        "build parts with qdsl.default_registries() (or a copy of it)")
     if not isinstance(factory, str):
         return factory
     if factory in _IMPORTED:
