@@ -101,7 +101,8 @@ __extension__ typedef __int128 Int128;
 
 inline Int128 RoundShift128(Int128 v, int s, Rounding rounding) {
   const Int128 f = v >> s;  // arithmetic (flooring) shift
-  const Int128 rem = v - (f << s);
+  // f * 2^s through an unsigned shift: '<<' of a negative value is undefined in C++17 (UBSan)
+  const Int128 rem = v - static_cast<Int128>(static_cast<unsigned __int128>(f) << s);
   const Int128 h = Int128{1} << (s - 1);
   bool up = false;
   switch (rounding) {
