@@ -49,6 +49,11 @@ IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
 // for the plain kernel, rows 2 * kwords words long); nullptr where the path has none.
 BinaryMicroKernel SelectBinarySplitKernel(uint32_t path);
 AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
+// QUANTIZE of n floats: y = clamp(round(x * inv) + zp, qmin, qmax) as int8/uint8, rounding
+// codes as the file's, NaN -> clamp(zp) (x86::QuantizeF32Avx2's contract).
+using QuantizeF32Kernel = void (*)(const float* x, int64_t n, float inv, int32_t zp, int32_t qmin, int32_t qmax,
+                                   int rounding, uint8_t* out, bool out_signed);
+QuantizeF32Kernel SelectQuantizeF32Kernel(uint32_t path);  // nullptr: the scalar loop
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // One-channel stage into int32 over rows x cols with row strides (the conv's images of one
 // channel); nullptr where the path has none (call the StageI32Kernel per row).

@@ -13,7 +13,7 @@
 #include "dispatch.h"
 #include "qdsl/gemm.h"
 #include "ref/ref.h"
-#include "runtime/thread_pool.h"
+#include "threads/thread_pool.h"
 
 namespace qdsl {
 namespace {

@@ -8,7 +8,7 @@
 #include "bindings/c_api.h"
 #include "bindings/guard.h"
 #include "qdsl/graph.h"
-#include "runtime/ops.h"
+#include "runtime/ops/conv.h"
 
 namespace {
 
@@ -44,10 +44,11 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     const qdsl::GraphTensor& x = g->tensors[op.inputs[0]];
     info[2] = x.value_min;
     info[3] = x.value_max;
-    const bool int_gemm = op.prepared && (op.opcode == qdsl::kConv1d || op.opcode == qdsl::kConv2d ||
-                                          op.opcode == qdsl::kLinear);
-    info[4] = int_gemm && op.prepared->int32_exact ? op.prepared->maddubs_steps : -1;
-    info[5] = int_gemm ? (op.prepared->fast_acc ? 1 : 0) : -1;  // (binary ops: not tracked)
+    const qdsl::ConvParams* cp = qdsl::AsConv(op);
+    const bool int_gemm = cp != nullptr && (op.opcode == qdsl::kConv1d || op.opcode == qdsl::kConv2d ||
+                                            op.opcode == qdsl::kLinear);
+    info[4] = int_gemm && cp->int32_exact ? cp->maddubs_steps : -1;
+    info[5] = int_gemm ? (cp->fast_acc ? 1 : 0) : -1;  // (binary ops: not tracked)
     nm = op.name;
   } else {
     const qdsl::GraphTensor& t = g->tensors[which == 0 ? g->inputs[index] : g->outputs[index]];

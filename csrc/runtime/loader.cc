@@ -1,13 +1,14 @@
 // .qgraph parser (docs/qgraph.md §1-§2): every read is bounds-checked by Reader, every
 // count and size is validated before anything is allocated from it.  Op-level checks
-// (attributes, shapes) happen in PrepareGraph (executor.cc), called at the end.
+// (attributes, shapes) happen in PrepareGraph (prepare.cc), called at the end.
 #include <cstring>
 
 #include "qdsl/graph.h"
+#include "runtime/ops/op_schema.h"
 
 namespace qdsl {
 
-Status PrepareGraph(Graph* g);  // executor.cc
+Status PrepareGraph(Graph* g);  // prepare.cc
 
 namespace {
 
@@ -242,7 +243,7 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
     uint16_t opcode = 0, reserved = 0;
     QDSL_RETURN_IF_ERROR(r.Read(&opcode));
     QDSL_RETURN_IF_ERROR(r.Read(&reserved));
-    FMT_CHECK(opcode >= 1 && opcode <= 19 && reserved == 0, "op %u has unknown opcode %u", i, opcode);
+    FMT_CHECK(opcode >= 1 && opcode <= kMaxOpcode && reserved == 0, "op %u has unknown opcode %u", i, opcode);
     op.opcode = opcode;
     QDSL_RETURN_IF_ERROR(r.ReadString(&op.name, "op name"));
     QDSL_RETURN_IF_ERROR(r.ReadIndices(n_tensors, &op.inputs, "op input"));
@@ -257,11 +258,11 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
       QDSL_RETURN_IF_ERROR(r.Read(&type));
       Attr attr;
       attr.type = type;
-      if (type == 1) {
+      if (type == kAttrInt) {
         QDSL_RETURN_IF_ERROR(r.Read(&attr.i));
-      } else if (type == 2) {
+      } else if (type == kAttrFloat) {
         QDSL_RETURN_IF_ERROR(r.Read(&attr.f));
-      } else if (type == 3) {
+      } else if (type == kAttrInts) {
         uint32_t count = 0;
         QDSL_RETURN_IF_ERROR(r.Read(&count));
         FMT_CHECK(static_cast<int64_t>(count) * 8 <= r.end() - r.pos(), "op %u attribute '%s' runs past the table",

@@ -4,7 +4,7 @@
 // lengths, dtypes, payload sizes and padding bits, op arity and attributes, topological
 // order, shapes by inference), so Run never reads out of bounds: a corrupt file is a
 // kFormatError Status, never a crash.  Run executes the whole graph in one call with the
-// semantics of qdsl/export/reference.py, bit for bit.
+// semantics of qdsl/graph/reference.py, bit for bit.
 #ifndef QDSL_GRAPH_H_
 #define QDSL_GRAPH_H_
 
@@ -41,14 +41,14 @@ struct GraphTensor {
   int64_t value_min = 0, value_max = 0;
 };
 
-struct PreparedOp;  // per-op packed weights and checked parameters (executor.cc)
+struct OpParams;  // an op's checked parameters and packed weights (runtime/ops/op.h)
 
 struct GraphOp {
   int opcode = 0;
   std::string name;
   std::vector<uint32_t> inputs, outputs;
   std::map<std::string, Attr> attrs;
-  std::shared_ptr<PreparedOp> prepared;
+  std::shared_ptr<OpParams> prepared;  // set by the op's Prepare (runtime/ops/)
 };
 
 struct Graph {
@@ -60,7 +60,7 @@ struct Graph {
   // Run-time buffers, reused while the batch size stays the same.
   int64_t planned_batch = -1;
   std::vector<std::vector<uint8_t>> buffers;
-  // Per run: ADD ops already computed by the conv they were fused into (PreparedOp::fused_add).
+  // Per run: ADD ops already computed by the conv they were fused into (ConvParams::fused_add).
   std::vector<char> fused_done;
   // Per tensor: stored NHWC instead of NCHW on AMX runs (runtime/prepare.cc PlanNhwc): only
   // tensors that AMX implicit convs produce or ADDs pass on, and that only such convs and

@@ -1,6 +1,6 @@
 // Requantization: an int32 value times a real factor, in integers (docs/qgraph.md §4.1).
 //
-// Exact formulas (the same as qdsl/export/requant.py; tests compare both):
+// Exact formulas (the same as qdsl/graph/requant.py; tests compare both):
 //   sat32(v)   = clamp(v, -2^31, 2^31 - 1)
 //   SRDHM(a,b) = a == b == INT32_MIN ? INT32_MAX
 //                : trunc_toward_zero((a*b + (a*b >= 0 ? 2^30 : 1 - 2^30)) / 2^31)   (int64)
@@ -57,11 +57,14 @@ inline int32_t RoundingDivideByPOT(int32_t x, int exponent) {
   return (x >> exponent) + (remainder > threshold ? 1 : 0);
 }
 
-// v / 2^s rounded per `rounding`, s in [1, 62], v an int64 (docs/qgraph.md §4.1, POT rule).
-inline int64_t RoundShift(int64_t v, int s, Rounding rounding) {
-  const int64_t f = v >> s;  // arithmetic (flooring) shift
-  const int64_t rem = v & ((int64_t{1} << s) - 1);
-  const int64_t h = int64_t{1} << (s - 1);
+// v / 2^s rounded per `rounding` (docs/qgraph.md §4.1, POT rule), for int64 (s in [1, 62])
+// and, for wide accumulators, Int128 values.  rem is taken with a mask, in [0, 2^s): no
+// left shift of a negative value (undefined before C++20).
+template <typename T>
+inline T RoundShiftT(T v, int s, Rounding rounding) {
+  const T f = v >> s;  // arithmetic (flooring) shift
+  const T rem = v & ((T{1} << s) - 1);
+  const T h = T{1} << (s - 1);
   bool up = false;
   switch (rounding) {
     case Rounding::kHalfAway: up = rem > h || (rem == h && v >= 0); break;
@@ -71,6 +74,8 @@ inline int64_t RoundShift(int64_t v, int s, Rounding rounding) {
   }
   return f + (up ? 1 : 0);
 }
+
+inline int64_t RoundShift(int64_t v, int s, Rounding rounding) { return RoundShiftT<int64_t>(v, s, rounding); }
 
 inline int64_t RescaleOne(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
   x = Sat32(x);
@@ -99,27 +104,13 @@ inline int64_t RescaleOne(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rou
 constexpr bool kHasWideRescale = true;
 __extension__ typedef __int128 Int128;
 
-inline Int128 RoundShift128(Int128 v, int s, Rounding rounding) {
-  const Int128 f = v >> s;  // arithmetic (flooring) shift
-  const Int128 rem = v & ((Int128{1} << s) - 1);  // in [0, 2^s) (no left shift of a negative value)
-  const Int128 h = Int128{1} << (s - 1);
-  bool up = false;
-  switch (rounding) {
-    case Rounding::kHalfAway: up = rem > h || (rem == h && v >= 0); break;
-    case Rounding::kHalfEven: up = rem > h || (rem == h && (f & 1)); break;
-    case Rounding::kFloor: up = false; break;
-    case Rounding::kHalfUp: up = rem >= h; break;
-  }
-  return f + (up ? 1 : 0);
-}
-
 inline int64_t RescaleOneWide(int64_t x, RescaleKind kind, int32_t m, int32_t s, Rounding rounding) {
   if (kind == RescaleKind::kPot) return s <= 0 ? RescaleOne(x, kind, m, s, rounding) : Sat32(RoundShift(x, s, rounding));
   const int left = s < 0 ? -s : 0, right = s > 0 ? s : 0;
   const int64_t t = left > 0 ? Sat32(Sat32(x) * (int64_t{1} << left)) : x;
   const Int128 p = static_cast<Int128>(t) * m;
   if (kind == RescaleKind::kFixedSingle) {
-    const Int128 r = RoundShift128(p, 31 + right, rounding);
+    const Int128 r = RoundShiftT<Int128>(p, 31 + right, rounding);
     return r < INT32_MIN ? INT32_MIN : (r > INT32_MAX ? INT32_MAX : static_cast<int64_t>(r));
   }
   const int64_t u = static_cast<int64_t>((p + (Int128{1} << 30)) >> 31);  // |u| < 2^63

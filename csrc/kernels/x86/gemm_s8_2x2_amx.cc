@@ -7,7 +7,7 @@
 // wraps).  With 8 tile registers the largest block is 2 A + 2 B + 4 C tiles, so each
 // k-step loads 4 KiB and issues 4 tile products (64 K MACs).
 //
-// Contract (the callers in csrc/gemm.cc and csrc/runtime/conv_exec.cc pad for it):
+// Contract (the callers in csrc/gemm.cc and csrc/runtime/ops/conv_fast.cc and conv_amx.cc pad for it):
 //   - A has 16 * mtiles readable rows of lda bytes; row r's k-block kb is the 64 bytes at
 //     a + r * lda + 64 * kb (bytes past K may hold anything if B is zero there).
 //   - B panel j's k-block kb is 1 KiB at b + j * ldb + 1024 * kb (bytes past K may hold

@@ -47,7 +47,7 @@ void UnpackPanelToVnni(int bits, const uint8_t* src, int64_t quads, uint8_t* dst
 // The same with AVX-512BW, four quads per step (csrc/kernels/x86/unpack_vnni_avx512.cc).
 void UnpackPanelToVnniAvx512(int bits, const uint8_t* src, int64_t quads, uint8_t* dst);
 // int16 (code - zu) pair panels of 16 columns gathered from padded images: byte i of tap
-// row k for panel q is base[tap[k] + pos[16q + i]] (csrc/runtime/conv_exec.cc).
+// row k for panel q is base[tap[k] + pos[16q + i]] (csrc/runtime/ops/conv_fast.cc).
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels);
 // The same panels gathered from padded images: byte i of tap row k for panel q is

@@ -1,6 +1,6 @@
 // Fork-join pool behind ParallelFor.  Workers sleep on a condition variable between
 // jobs; tasks are handed out with an atomic counter so uneven tasks balance.
-#include "runtime/thread_pool.h"
+#include "threads/thread_pool.h"
 
 #include <atomic>
 #include <chrono>

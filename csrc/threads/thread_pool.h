@@ -5,8 +5,11 @@
 // kMinParallelWork the tasks run serially in the caller: even with a spinning worker a
 // fork-join costs a few microseconds, as much as a 4M-MAC GEMM takes on the AMX path
 // (measured: 2 threads ran (64,576,64) at 0.97x of one).
-#ifndef QDSL_RUNTIME_THREAD_POOL_H_
-#define QDSL_RUNTIME_THREAD_POOL_H_
+//
+// It lives in threads/, below both gemm.cc and runtime/ (it includes neither), so the GEMM
+// front doors do not reach up into the graph runtime for their threads.
+#ifndef QDSL_THREADS_THREAD_POOL_H_
+#define QDSL_THREADS_THREAD_POOL_H_
 
 #include <cstdint>
 #include <functional>
@@ -26,4 +29,4 @@ void ParallelFor(int n, const std::function<void(int)>& fn,
 
 }  // namespace qdsl
 
-#endif  // QDSL_RUNTIME_THREAD_POOL_H_
+#endif  // QDSL_THREADS_THREAD_POOL_H_

@@ -9,25 +9,15 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/ops.h"
+#include "runtime/ops/conv.h"
 
 namespace qdsl {
 
-Status ReadStageFor(const GraphOp& op, int index, int64_t channels, int out_dtype, StageData* sd);
-
-#define OP_CHECK(cond, ...)                                                                          \
-  do {                                                                                               \
-    if (!(cond)) {                                                                                   \
-      const Status _s = MakeStatus(StatusCode::kFormatError, __VA_ARGS__);                          \
-      return MakeStatus(StatusCode::kFormatError, "op %d '%s': %s", index, op.name.c_str(), _s.message().c_str()); \
-    }                                                                                                \
-  } while (0)
-
 namespace {
 
-// Segments and VNNI weight panels of the AMX implicit-GEMM conv (see PreparedOp::amx_conv).
-void PrepareAmxConv(const GraphTensor& x, PreparedOp* pp) {
-  PreparedOp& p = *pp;
+// Segments and VNNI weight panels of the AMX implicit-GEMM conv (see ConvParams::amx_conv).
+void PrepareAmxConv(const GraphTensor& x, ConvParams* pp) {
+  ConvParams& p = *pp;
   const int64_t C = p.cin, H = p.spatial == 2 ? x.dims[2] : 1, W = x.dims.back();
   p.amx_hp = H + 2 * p.ph;
   p.amx_wp = W + 2 * p.pw;
@@ -75,7 +65,9 @@ void PrepareAmxConv(const GraphTensor& x, PreparedOp* pp) {
 }  // namespace
 
 Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_shape) {
-  PreparedOp& p = *op.prepared;
+  auto params = std::make_shared<ConvParams>();
+  op.prepared = params;
+  ConvParams& p = *params;
   const bool binary = op.opcode == kBconv1d || op.opcode == kBconv2d || op.opcode == kBlinear;
   p.spatial = (op.opcode == kConv1d || op.opcode == kBconv1d) ? 1 : ((op.opcode == kConv2d || op.opcode == kBconv2d) ? 2 : 0);
   const GraphTensor& x = g->tensors[op.inputs[0]];
@@ -133,7 +125,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   OP_CHECK(p.acc_bits <= 32 || kHasWideRescale, "acc_bits %d > 32 needs a compiler with 128-bit integers", p.acc_bits);
   OP_CHECK(p.overflow_mode == 0 || p.overflow_mode == 1, "overflow must be 0 (wrap) or 1 (saturate)");
   p.bin_out = out.dtype == kBin;
-  if (!p.bin_out) QDSL_RETURN_IF_ERROR(ReadStageFor(op, index, p.cout, out.dtype, &p.out));
+  if (!p.bin_out) QDSL_RETURN_IF_ERROR(ReadStage(op, index, p.cout, out.dtype, &p.out));
 
   const int64_t og = p.cout / p.groups;
   const int64_t kdim = (p.cin / p.groups) * p.kh * p.kw;

@@ -1,0 +1,180 @@
+// CONV1D/CONV2D/LINEAR and BCONV1D/BCONV2D/BLINEAR: params and the pieces shared by
+// their files (docs/qgraph.md §4.3-4.4):
+//   conv_prepare.cc   validation, weight packing, the exactness bounds (Prepare)
+//   conv_exec.cc      RunConv: path choice and the generic im2col + GEMM / exact int64 path
+//   conv_fast.cc      IntConvFast: the gathered-panel AVX2 / VNNI / AMX-explicit conv
+//   conv_amx.cc       AmxConvImplicit: the AMX implicit-GEMM conv (with a fused residual ADD)
+//   conv_im2col.cc    im2col forms and padded (phase-split) images
+//   conv_transpose.cc byte / int32 transposes and NCHW -> padded NHWC rows
+#ifndef QDSL_RUNTIME_OPS_CONV_H_
+#define QDSL_RUNTIME_OPS_CONV_H_
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "dispatch.h"
+#include "qdsl/aligned.h"
+#include "runtime/ops/op.h"
+
+namespace qdsl {
+
+inline bool IsConvLike(int opcode) {
+  return opcode == kConv1d || opcode == kConv2d || opcode == kLinear || opcode == kBconv1d || opcode == kBconv2d ||
+         opcode == kBlinear;
+}
+
+// Checked, precomputed parameters of a conv-like op (CONV1D/2D, LINEAR and the binary forms).
+struct ConvParams : OpParams {
+  // Conv-like ops (linear: spatial rank 0, treated as a 1x1 conv on a 1x1 image).
+  int spatial = 0;
+  int64_t groups = 1, cin = 0, cout = 0, kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0, dh = 1, dw = 1;
+  int32_t in_zp = 0;
+  std::vector<PackedWeights> packed;        // per group (int: W - w_zp; binary: sign bits)
+  std::vector<std::vector<int32_t>> w_int;  // per group [og][K] (W - w_zp), for the exact int64 path
+  std::vector<int32_t> bias;                // empty = none
+  std::vector<std::vector<int16_t>> w16;    // convs: per group [og][kp] (W - w_zp), K padded to 4
+  // convs, when W - w_zp fits int8: VNNI/AMX rows [og rounded up to 16][kp64], zero padded
+  std::vector<AlignedVector<int8_t>> w8;
+  std::vector<int32_t> rowsum;              // [cout] sum_k (W - w_zp), the VNNI zero-point offset
+  int32_t in_max_code = 255;                // largest u8 code of the input (int8: + 128), padding included
+  int maddubs_steps = 0;                    // MaddubsStepsFor(w8, in_max_code) (AVX2 vpmaddubsw convs when >= 1)
+  // AMX implicit-GEMM conv (groups 1, int8 weights, >= 16 input channels): the input is
+  // copied to a zero-point padded NHWC image [Hp][Wp][C] and the tiles read it in place.
+  // K is cut into segments of a position's window (one per kernel row when dw == 1: kw * C
+  // contiguous bytes; else one per tap: C bytes), each padded to 64-byte blocks; koff[kb]
+  // is block kb's byte offset from the window's first tap, and amx_w holds one VNNI panel
+  // of 16 output channels per amx_kblocks KiB (bytes past a segment's end are zero).
+  bool amx_conv = false;
+  // Residual ADD fused into this conv (AMX implicit path only): when the conv's I32 output
+  // feeds exactly one op, an ADD whose other input is ready before the conv runs, the conv's
+  // epilogue computes the ADD's output directly (no I32 tensor written and read back) and
+  // the executor skips the ADD.  fused_add: that ADD's op index (-1: none); fused_slot:
+  // which ADD input the conv is.
+  int32_t fused_add = -1;
+  int fused_slot = 0;
+  // Twin convs: later ops with the same input, weights, bias and geometry but their own
+  // output stage (the exporter emits one per consumer kind, e.g. a requantized U8 output
+  // and an I32 one for a residual ADD).  The im2col conv path applies every twin's stage to
+  // this op's accumulators and marks the twin done; other paths leave it to run itself.
+  std::vector<int32_t> twins;
+  int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
+  std::vector<int64_t> amx_koff;
+  AlignedVector<uint8_t> amx_w;
+  int64_t kp = 0;
+  int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
+  bool int32_exact = true;                  // every GEMM sum provably fits int32
+  bool fast_acc = false;                    // |sum + bias| < min(2^(acc_bits-1), 2^31): no overflow possible
+  bool fast_stage = false;                  // fast_acc and an I8/U8 output
+  int acc_bits = 32, overflow_mode = 0;
+  bool bin_out = false;
+  StageData out;
+};
+
+// The conv params of op, or nullptr when it is no conv-like op.
+inline const ConvParams* AsConv(const GraphOp& op) {
+  return IsConvLike(op.opcode) && op.prepared ? &ParamsOf<ConvParams>(op) : nullptr;
+}
+inline ConvParams* AsConv(GraphOp& op) {
+  return IsConvLike(op.opcode) && op.prepared ? static_cast<ConvParams*>(op.prepared.get()) : nullptr;
+}
+
+namespace conv {
+
+struct Geometry {
+  int64_t n, C, H, W, O, OH, OW, cg, og, kdim;
+};
+
+// The run's geometry of op (batch `batch`).
+Geometry Geo(const Graph* g, const GraphOp& op, int64_t batch);
+
+// Input position of tap (ky, kx) for output (oy, ox); false when it lies in the padding.
+inline bool Tap(const ConvParams& p, const Geometry& e, int64_t oy, int64_t ox, int64_t ky, int64_t kx, int64_t* iy,
+                int64_t* ix) {
+  *iy = oy * p.sh - p.ph + ky * p.dh;
+  *ix = ox * p.sw - p.pw + kx * p.dw;
+  return *iy >= 0 && *iy < e.H && *ix >= 0 && *ix < e.W;
+}
+
+inline int64_t FinishAcc(int64_t s, const ConvParams& p, int64_t* overflow) {
+  if (p.acc_bits >= 64) return s;  // the exact sum is an int64 (like the reference's)
+  const int64_t half = int64_t{1} << (p.acc_bits - 1);
+  if (s < -half || s >= half) {
+    ++*overflow;
+    if (p.overflow_mode == 1) return s < 0 ? -half : half - 1;
+    const uint64_t mask = (uint64_t{1} << p.acc_bits) - 1;
+    return static_cast<int64_t>((static_cast<uint64_t>(s) + static_cast<uint64_t>(half)) & mask) - half;
+  }
+  return s;
+}
+
+inline void Emit(int64_t s, const ConvParams& p, int64_t oc, uint8_t* y, bool wide, int64_t idx, int64_t* overflow) {
+  if (!p.bias.empty()) s += p.bias[oc];
+  s = FinishAcc(s, p, overflow);
+  if (wide) {  // I32 output: the stage clamps to the int32 range
+    const int32_t v = ApplyStage(s, p.out.stage, oc, p.acc_bits > 32);
+    std::memcpy(y + 4 * idx, &v, 4);
+  } else {
+    y[idx] = static_cast<uint8_t>(p.bin_out ? (s < 0 ? -1 : 1) : ApplyStage(s, p.out.stage, oc, p.acc_bits > 32));
+  }
+}
+
+// Valid output columns [lo, hi) for kernel column kx: 0 <= ox*sw - pw + kx*dw < W.
+inline void ValidRange(const ConvParams& p, const Geometry& e, int64_t kx, int64_t* off, int64_t* lo, int64_t* hi) {
+  *off = kx * p.dw - p.pw;
+  int64_t l = *off >= 0 ? 0 : (-*off + p.sw - 1) / p.sw;
+  int64_t h = (e.W - 1 - *off) < 0 ? 0 : (e.W - 1 - *off) / p.sw + 1;
+  l = std::min(l, e.OW);
+  *lo = l;
+  *hi = std::min(std::max(h, l), e.OW);
+}
+
+// A task's images as padded (phase-split when strided) u8 code planes, and the offsets
+// that address them: tap row k of output position t is base[tap[k] + pos(t)], with
+// pos(t) = image * img + oy * Wq + ox.
+struct PaddedImages {
+  const uint8_t* base = nullptr;
+  int64_t Wq = 0, img = 0;
+  std::vector<int64_t> tap;  // [kp]: rows past kdim point at offset 0 (their weights are 0)
+  // pos[t] for output positions t < nb * OH * OW, then 0 up to Pp (padding positions read
+  // image 0's first taps: their products are dropped)
+  std::vector<int64_t> pos;
+
+  void FillPositions(int64_t nb, int64_t OH, int64_t OW, int64_t Pp) {
+    pos.assign(static_cast<size_t>(Pp), 0);
+    for (int64_t t = 0, bi = 0; bi < nb; ++bi)
+      for (int64_t oy = 0; oy < OH; ++oy)
+        for (int64_t ox = 0; ox < OW; ++ox, ++t) pos[t] = bi * img + oy * Wq + ox;
+  }
+};
+
+// Rows of the weight strip starting at row o0 of `og`: the strips of at most kMaxRows are
+// balanced (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2: the 2-row kernel reloads the panel
+// for few multiplies and cost 6% of a ResNet's time for 6% of its MACs at 1.7x the cost).
+inline int64_t StripRows(int64_t og, int64_t o0) {
+  const int64_t strips = (og + kMaxRows - 1) / kMaxRows, base = og / strips, extra = og % strips;
+  // the first `extra` strips have base + 1 rows
+  return o0 < extra * (base + 1) ? base + 1 : base;
+}
+
+// rows [n*OH*OW][kdim] of group gi; out-of-bounds taps take `pad` (conv_im2col.cc).
+void Im2col(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t gi, uint8_t pad, uint8_t* rows);
+// Transposed u8 im2col of images [b0, b0 + nb), group gi, in the form that suits the shape.
+void Im2colU8(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+              int xdtype, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols);
+PaddedImages PadImagesU8(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
+                         uint8_t flip, uint8_t pad, int64_t kp);
+// conv_transpose.cc
+void TransposeBytes(const uint8_t* in, int64_t ldi, int64_t R, int64_t S, uint8_t* out, int64_t ldo);
+void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t* out, int64_t ldo);
+void ToPaddedNhwcRows(const uint8_t* x, bool x_nhwc, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw,
+                      int64_t Wp, int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp);
+// conv_amx.cc, conv_fast.cc, conv_exec.cc
+Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, AmxGatherKernel amx);
+Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
+Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
+
+}  // namespace conv
+}  // namespace qdsl
+
+#endif  // QDSL_RUNTIME_OPS_CONV_H_

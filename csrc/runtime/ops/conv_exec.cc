@@ -1,0 +1,140 @@
+// Execution of CONV1D/CONV2D/LINEAR and BCONV1D/BCONV2D/BLINEAR (docs/qgraph.md §4.3-4.4).
+//
+// Int ops: im2col per group (padding reads in_zp, so it contributes 0), then the packed
+// GEMM into int32 (exact by the bound checked in conv_prepare.cc), or exact int64 loops
+// when that bound fails or the reference path is forced.  Binary ops: im2col of +-1
+// values with padding +1, bit-packing, popcount GEMM, then for windows that touch the
+// padding the padded taps' contribution (+1 * w) is subtracted again, so padding taps are
+// skipped exactly as the reference does.  Then bias (int64), acc_bits wrap/saturate with
+// overflow counting, and the output stage (the wide rescale when acc_bits > 32) or the sign
+// for BIN outputs.
+#include <cstring>
+
+#include "ref/ref.h"
+#include "runtime/ops/conv.h"
+
+namespace qdsl {
+namespace conv {
+
+Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
+  const ConvParams& p = ParamsOf<ConvParams>(op);
+  if (p.spatial > 0 && p.amx_conv && p.fast_acc) {
+    if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
+  }
+  if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
+  const Geometry e = Geo(g, op, batch);
+  const int out_dtype = g->tensors[op.outputs[0]].dtype;
+  if (p.spatial == 0 && p.groups == 1 && p.fast_stage && p.int32_exact && path != kPathRef && !p.bin_out &&
+      g->tensors[op.inputs[0]].dtype != kBin && (out_dtype == kI8 || out_dtype == kU8)) {
+    // LINEAR with no overflow possible: bias and output stage inside the GEMM, vectorized on
+    // the task's block while it is in cache (the per-element path below cost 3x the GEMM on
+    // wide layers)
+    ActView av;
+    av.data = g->buffers[op.inputs[0]].data();
+    av.dtype = g->tensors[op.inputs[0]].dtype == kU8 ? DType::kUInt8 : DType::kInt8;
+    av.rows = e.n;
+    av.cols = e.kdim;
+    av.ld = e.kdim;
+    av.zero_point = p.in_zp;
+    av.max_code = p.in_max_code;
+    GemmOutput o;
+    o.data = g->buffers[op.outputs[0]].data();
+    o.dtype = out_dtype == kI8 ? DType::kInt8 : DType::kUInt8;
+    o.ld = e.og;
+    o.stage = &p.out.stage;
+    return Gemm(av, p.packed[0], p.bias.empty() ? nullptr : p.bias.data(), o, path);
+  }
+  const GraphTensor& xt = g->tensors[op.inputs[0]];
+  const uint8_t* x = g->buffers[op.inputs[0]].data();
+  uint8_t* y = g->buffers[op.outputs[0]].data();
+  const int64_t sp = e.OH * e.OW, M = e.n * sp;
+  const bool binary = xt.dtype == kBin;
+  const bool is_linear = p.spatial == 0;
+  const bool wide = g->tensors[op.outputs[0]].dtype == kI32;
+  std::vector<uint8_t> rows;
+  std::vector<int32_t> acc(static_cast<size_t>(M * e.og));
+  for (int64_t gi = 0; gi < p.groups; ++gi) {
+    const uint8_t* a = x;
+    if (!is_linear) {
+      rows.resize(static_cast<size_t>(M * e.kdim));
+      Im2col(x, p, e, gi, binary ? 1 : static_cast<uint8_t>(p.in_zp), rows.data());
+      a = rows.data();
+    }
+    if (binary) {
+      const int64_t kwords = (e.kdim + 63) / 64;
+      std::vector<uint64_t> bits(static_cast<size_t>(M * kwords + 4));
+      QDSL_RETURN_IF_ERROR(BitpackSigns(reinterpret_cast<const int8_t*>(a), M, e.kdim, e.kdim, bits.data(), kwords));
+      GemmOutput o;
+      o.data = acc.data();
+      o.ld = e.og;
+      QDSL_RETURN_IF_ERROR(BinaryGemm(bits.data(), M, kwords, p.packed[gi], nullptr, o, path));
+    } else if (p.int32_exact && path != kPathRef) {
+      ActView av;
+      av.data = a;
+      av.dtype = xt.dtype == kU8 ? DType::kUInt8 : DType::kInt8;
+      av.rows = M;
+      av.cols = e.kdim;
+      av.ld = e.kdim;
+      av.zero_point = p.in_zp;
+      av.max_code = p.in_max_code;
+      GemmOutput o;
+      o.data = acc.data();
+      o.ld = e.og;
+      QDSL_RETURN_IF_ERROR(Gemm(av, p.packed[gi], nullptr, o, path));
+    }
+    const bool exact64 = !binary && !(p.int32_exact && path != kPathRef);
+    const std::vector<int32_t>& wv = exact64 ? p.w_int[gi] : std::vector<int32_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      const int64_t b = m / sp, s_ = m % sp, oy = s_ / e.OW, ox = s_ % e.OW;
+      bool border = false;
+      if (binary && !is_linear) {
+        for (int64_t ky = 0; ky < p.kh && !border; ++ky)
+          for (int64_t kx = 0; kx < p.kw && !border; ++kx) {
+            int64_t iy, ix;
+            border = !Tap(p, e, oy, ox, ky, kx, &iy, &ix);
+          }
+      }
+      for (int64_t o = 0; o < e.og; ++o) {
+        const int64_t oc = gi * e.og + o;
+        int64_t s;
+        if (exact64) {  // exact int64 dot product over the im2col row
+          s = 0;
+          const uint8_t* row = a + m * e.kdim;
+          const int32_t* wr = wv.data() + o * e.kdim;
+          for (int64_t k = 0; k < e.kdim; ++k) {
+            const int32_t xv = xt.dtype == kU8 ? row[k] : static_cast<int8_t>(row[k]);
+            s += static_cast<int64_t>(xv - p.in_zp) * wr[k];
+          }
+        } else {
+          s = acc[m * e.og + o];
+        }
+        if (border) {  // remove the padded taps' (+1 * w) contribution
+          const int8_t* wr_bits = nullptr;
+          (void)wr_bits;
+          const PackedWeights& pw = p.packed[gi];
+          int64_t k = 0;
+          for (int64_t c = 0; c < e.cg; ++c)
+            for (int64_t ky = 0; ky < p.kh; ++ky)
+              for (int64_t kx = 0; kx < p.kw; ++kx, ++k) {
+                int64_t iy, ix;
+                if (!Tap(p, e, oy, ox, ky, kx, &iy, &ix)) {
+                  const bool neg = (pw.bits_rows[o * pw.kwords + (k >> 6)] >> (k & 63)) & 1;
+                  s -= neg ? -1 : 1;
+                }
+              }
+        }
+        const int64_t idx = is_linear ? b * e.O + oc : (b * e.O + oc) * sp + s_;
+        Emit(s, p, oc, y, wide, idx, overflow);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace conv
+
+Status RunConvOp(RunCtx& c, const GraphOp& op) {
+  return conv::RunConv(c.g, op, c.batch, c.path, &c.g->overflow[c.index]);
+}
+
+}  // namespace qdsl

@@ -1,0 +1,173 @@
+// IntConvFast: int convs with the weights as the broadcast GEMM operand and activation
+// panels gathered from padded images (AVX2 int16 / vpmaddubsw, VNNI, AMX explicit).
+#include <algorithm>
+#include <utility>
+
+#include "runtime/ops/conv.h"
+#include "threads/thread_pool.h"
+
+namespace qdsl {
+namespace conv {
+
+// Int conv with the weights as the broadcast operand: acc[o][col] = W'[o][:] . X'[:, col],
+// with the columns of several small images side by side (>= ~512 per GEMM), so the GEMM
+// output rows are NCHW planes.  Two forms: VNNI (u8 codes, zero point via row sums:
+// acc = sum x_u w' - z_u rowsum, mod 2^32 like the reference) and int16 vpmaddwd.  The
+// stage runs vectorized per channel row when no overflow is possible (fast_acc), else
+// element by element with the exact acc_bits rules.
+Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
+  const ConvParams& p = ParamsOf<ConvParams>(op);
+  const Geometry e = Geo(g, op, batch);
+  const GraphTensor& xt = g->tensors[op.inputs[0]];
+  const int out_dtype = g->tensors[op.outputs[0]].dtype;
+  const uint8_t* x = g->buffers[op.inputs[0]].data();
+  uint8_t* y = g->buffers[op.outputs[0]].data();
+  const int64_t P = e.OH * e.OW;
+  // >= ~512 columns per GEMM, but at least two tasks per thread when the batch allows
+  // (one task of 32 small images kept the second core idle)
+  // work: the MACs plus ~64 per output and output stage (twins add theirs, see below)
+  const int64_t stages = 1 + (p.fast_acc ? static_cast<int64_t>(p.twins.size()) : 0);
+  const int64_t work = e.n * P * p.cout * (p.kp + 64 * stages);
+  const int64_t want = 2 * ThreadsFor(work);
+  const int64_t per_task =
+      std::max<int64_t>(1, std::min<int64_t>({e.n, (512 + P - 1) / P, (e.n + want - 1) / want}));
+  const int64_t chunks = (e.n + per_task - 1) / per_task;
+  const int64_t kpairs = p.kp / 2, kquads = p.kp / 4;
+  const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, path);
+  const VnniMicroKernel vnni = p.w8.empty() ? nullptr : SelectQuadMicroKernel(false, p.maddubs_steps, path);
+  const AmxKernel amx = p.w8.empty() ? nullptr : SelectAmxKernel(path);
+  const RequantKernel requant = SelectRequantKernel(path);
+  const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
+  const StageI32StridedKernel stage_i32_rows = SelectStageI32StridedKernel(path);
+  const int tasks = static_cast<int>(chunks * p.groups);
+  std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
+  // twin convs (ConvParams::twins) whose stages this run applies too: (op, output dtype)
+  std::vector<std::pair<const GraphOp*, int>> twins;
+  if (p.fast_acc)
+    for (int32_t j : p.twins) {
+      twins.emplace_back(&g->ops[j], g->tensors[g->ops[j].outputs[0]].dtype);
+      g->fused_done[j] = 1;
+    }
+  ParallelFor(tasks, [&](int t) {
+    const int64_t chunk = t / p.groups, gi = t % p.groups;
+    const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
+    const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
+    thread_local AlignedVector<int32_t> acc;
+    const int64_t og16 = (e.og + 15) / 16 * 16;
+    acc.resize(static_cast<size_t>(og16 * Pp));
+    bool bias_done = false;
+    const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+    PaddedImages pi;
+    if (!amx) {  // both gathered forms below read padded images at these offsets
+      pi = PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
+      pi.FillPositions(nb, e.OH, e.OW, Pp);
+    }
+    if (amx) {
+      // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
+      // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
+      // possible), one 16 x 16 tile per 16 channels, so no pass over C remains.
+      thread_local AlignedVector<uint8_t> cols8, panels8;
+      thread_local AlignedVector<int32_t> cinit;
+      const int64_t kblocks = p.kp64 / kAmxKBlock, kq16 = kblocks * 16;
+      cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
+      panels8.resize(static_cast<size_t>(npanels * kq16 * 64));
+      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
+      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, kq16, panels8.data());
+      cinit.resize(static_cast<size_t>(og16 * 16));
+      bias_done = p.fast_acc && !p.bias.empty();
+      for (int64_t o = 0; o < og16; ++o) {
+        const int64_t oc = gi * e.og + o;
+        uint32_t v = 0;
+        if (o < e.og) {
+          v = (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u) -
+              static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]);
+        }
+        for (int i = 0; i < 16; ++i) cinit[o * 16 + i] = static_cast<int32_t>(v);
+      }
+      amx(true, reinterpret_cast<const uint8_t*>(p.w8[gi].data()), p.kp64, og16 / 16, panels8.data(), kq16 * 64,
+          npanels, kblocks, acc.data(), Pp, AmxInit::kRows, cinit.data());
+    } else if (vnni) {
+      // u8 quad panels gathered from padded images one panel at a time (as the int16 path
+      // below; no im2col matrix).  K rows past kdim read offset 0 (their weights are 0).
+      thread_local std::vector<uint8_t> panels8;
+      panels8.resize(static_cast<size_t>(kquads * 64));
+      const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
+      for (int64_t q = 0; q < npanels; ++q) {
+        PackU8QuadPanelsGather(pi.base, pi.tap.data(), kquads, pi.pos.data() + 16 * q, 1, panels8.data());
+        for (int64_t o0 = 0, rows = 0; o0 < e.og; o0 += rows) {
+          rows = StripRows(e.og, o0);
+          vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data(), kquads, acc.data() + o0 * Pp + q * 16,
+               Pp, false);
+        }
+      }
+      // one pass for the zero-point offset and (when no overflow is possible) the bias;
+      // none when both are 0 (e.g. ReLU outputs with zero point 0 and no bias)
+      bias_done = p.fast_acc && !p.bias.empty();
+      for (int64_t o = 0; o < e.og; ++o) {
+        const int64_t oc = gi * e.og + o;
+        const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]) -
+                              (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u);
+        if (corr == 0) continue;
+        int32_t* row = acc.data() + o * Pp;
+        for (int64_t i = 0; i < cols_n; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
+      }
+    } else {
+      // int16 pair panels (code - zu) gathered straight from the padded images: no im2col
+      // matrix (its row copies cost more than the GEMM on small images).  Positions past
+      // cols_n and K rows past kdim read offset 0: their products are dropped / times 0.
+      thread_local std::vector<int16_t> panels;
+      // one panel at a time, packed right before its row strips read it (from L1; packing
+      // all panels first left them in L2 for the kernel)
+      panels.resize(static_cast<size_t>(kpairs * 32));
+      const int16_t* w = p.w16[gi].data();
+      for (int64_t q = 0; q < npanels; ++q) {
+        PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pi.pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
+                            panels.data(), path);
+        const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
+        for (int64_t o0 = 0, rows = 0; o0 < e.og; o0 += rows) {
+          rows = StripRows(e.og, o0);
+          kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
+        }
+      }
+    }
+    for (int64_t o = 0; o < e.og; ++o) {
+      const int64_t oc = gi * e.og + o;
+      int32_t* row = acc.data() + o * Pp;
+      if (p.fast_acc) {
+        if (!p.bias.empty() && !bias_done)
+          for (int64_t i = 0; i < cols_n; ++i) row[i] += p.bias[oc];
+        // this op's stage, then each twin's on the same accumulators
+        for (size_t tw = 0; tw <= twins.size(); ++tw) {
+          const StageData& sd = tw == 0 ? p.out : ParamsOf<ConvParams>(*twins[tw - 1].first).out;
+          const int dt = tw == 0 ? out_dtype : twins[tw - 1].second;
+          uint8_t* dst = tw == 0 ? y : g->buffers[twins[tw - 1].first->outputs[0]].data();
+          const Rescale& r = sd.stage.rescale;
+          OutputStage one = sd.stage;
+          const int64_t ch = r.channels == 1 ? 0 : oc;
+          one.rescale.multiplier = r.multiplier + ch;
+          one.rescale.shift = r.shift + ch;
+          one.rescale.channels = 1;
+          if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
+            requant(row, nb, P, P, one, 0, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
+            continue;
+          }
+          int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P;
+          if (stage_i32_rows != nullptr) {  // all nb images in one call, like requant above
+            stage_i32_rows(row, nb, P, P, one, dst32, e.O * P);
+          } else {
+            for (int64_t bi = 0; bi < nb; ++bi) stage_i32(row + bi * P, P, one, dst32 + bi * e.O * P);
+          }
+        }
+      } else {
+        for (int64_t bi = 0; bi < nb; ++bi)
+          for (int64_t i = 0; i < P; ++i)
+            Emit(row[bi * P + i], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
+      }
+    }
+  }, /*work=*/work);
+  for (int64_t c : counts) *overflow += c;
+  return Status::Ok();
+}
+
+}  // namespace conv
+}  // namespace qdsl
