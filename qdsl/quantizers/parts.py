@@ -41,7 +41,8 @@ from qdsl.spec.diagnostics import QdslError, SpecError
 from qdsl.spec.model import GranularityKind, Role
 from qdsl.spec.registry import PartInfo, Registries, Registry, validate_params
 
-__all__ = ["default_registries", "PartContext", "resolve_factory", "build_observer", "build_scale_rule", "build_rounding"]
+__all__ = ["default_registries", "PartContext", "resolve_factory", "build_observer", "build_scale_rule", "build_rounding",
+           "build_format_ops"]
 
 _IMPORTED: dict[str, Any] = {}
 
@@ -118,6 +119,22 @@ def build_scale_rule(registries: Registries, ctx: PartContext) -> Any:
 def build_rounding(registries: Registries, name: str) -> Callable[..., Any]:
     info = _get(registries.roundings, name)
     return resolve_factory(info, registries.roundings)
+
+
+def build_format_ops(registries: Registries, recipe: QuantizerRecipe) -> Any:
+    """The torch ops of the recipe's number format (``registries.formats``; a bundle that
+    lacks the name falls back to the ops the format's facts name)."""
+    fmt = recipe.format
+    if fmt.name in registries.formats:
+        info = registries.formats.get(fmt.name)
+        reg = registries.formats
+    else:
+        reg = registries.formats
+        info = PartInfo(fmt.name, fmt.ops)
+    if info.factory is None:
+        raise QdslError(f"number format '{fmt.name}' has no torch ops (it is not a quantized format)")
+    ops = resolve_factory(info, reg)
+    return ops() if isinstance(ops, type) else ops
 
 
 def channel_axis(recipe: QuantizerRecipe, role: Role) -> tuple[int | None, int | None]:

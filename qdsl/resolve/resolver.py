@@ -72,6 +72,7 @@ from qdsl.resolve.validate import (
     validate_observer,
 )
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError
+from qdsl.spec.formats import builtin_format, format_of
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -400,7 +401,7 @@ class _Resolver:
         values: dict[str, Any] = {}
         for field in TENSOR_QUANT_FIELDS:
             if field not in won:
-                won[field] = FieldProvenance(builtin_value(field, role, kind, scale), _BUILTIN)
+                won[field] = FieldProvenance(builtin_value(field, role, kind, scale, self.regs), _BUILTIN)
             values[field] = won[field].value
         gran = fill_channel_axis(values["granularity"], role)
         if gran is not values["granularity"]:
@@ -412,7 +413,7 @@ class _Resolver:
         params = self._observer_params(values["observer"], obs_span)
         for field in TENSOR_QUANT_FIELDS:
             prov[(role, field)] = won[field]
-        return QuantizerRecipe(**values, observer_params=params)
+        return QuantizerRecipe(**values, observer_params=params, format=format_of(kind, self.regs, builtin_format(Kind.INT)))
 
     def _observer_params(self, observer: Any, span: Span) -> Any:
         if observer not in self._observers:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import attrs
 
+from qdsl.spec.formats import BUILTIN_FORMATS, register_format
 from qdsl.spec.registry import NoParams, PartInfo, Registries
 
 __all__ = [
@@ -99,4 +100,7 @@ def builtin_registries() -> Registries:
     lq = "qdsl.qat.learned:"
     regs.scales.add(PartInfo("learned", lq + "LearnedScale", extra={"learned": True}))
     regs.scales.add(PartInfo("learned_pot", lq + "LearnedPotScale", extra={"learned": True, "pot": True}))
+    for fmt in BUILTIN_FORMATS.values():
+        if fmt.quantized:  # float is "no format": never looked up in a registry
+            register_format(regs, fmt)
     return regs

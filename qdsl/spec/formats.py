@@ -1,0 +1,249 @@
+"""Number formats: what each quantizer ``kind`` means, as a part (torch-free facts).
+
+A *number format* answers every question the rest of qdsl asks about a kind, so that
+nothing outside the formats branches on it (DESIGN.md §9, docs/architecture.md):
+
+* ``code_range(bits, signed, narrow)`` - the integer codes it allows (derived here once);
+* ``default_bits`` / ``bits_requirement`` - the bit budget it takes;
+* ``default_observer`` and ``zero_point`` (whether an asymmetric zero point exists);
+* ``operand_ranges(...)`` - the zero-point-corrected range of one accumulator operand
+  (lint's worst-case accumulator bound);
+* ``activation_lowering`` - whether (and how) a quantized *activation* of this format
+  exists in the integer graph.
+
+The torch side (quantize, dequantize, scale from an observed range, gradient form,
+export lowering of weights) lives in ``qdsl.quantizers.formats``; a format names it by a
+``"module:attr"`` string (``ops``) so resolve and lint never import torch.
+
+Formats are registered like every part: ``registries.formats`` holds a
+:class:`~qdsl.spec.registry.PartInfo` per name whose factory is the torch ops and whose
+``extra["format"]`` is the facts object below (:func:`register_format`).  The resolver
+stores the facts on each :class:`~qdsl.resolve.plan.QuantizerRecipe` (``recipe.format``),
+so export, lint and QAT read them from the plan without a registry at hand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qdsl.spec.model import Kind
+from qdsl.spec.registry import PartInfo, Registries
+
+__all__ = [
+    "NumberFormat",
+    "IntFormat",
+    "BinaryFormat",
+    "TernaryFormat",
+    "PotFormat",
+    "FloatFormat",
+    "BUILTIN_FORMATS",
+    "kind_name",
+    "builtin_format",
+    "format_of",
+    "register_format",
+    "int_code_range",
+    "pot_levels",
+]
+
+
+def kind_name(kind: Any) -> str:
+    """``"int"`` for ``Kind.INT`` and for a user format's plain name ``"int"``."""
+    return str(getattr(kind, "value", kind))
+
+
+def int_code_range(bits: int, signed: bool, narrow: bool = False) -> tuple[int, int]:
+    """Affine integer codes for ``bits``; ``narrow`` drops the most negative (signed) or
+    the largest (unsigned) code.  The one derivation every layer imports.
+
+    >>> int_code_range(8, True), int_code_range(8, True, True), int_code_range(4, False), int_code_range(2, False, True)
+    ((-128, 127), (-127, 127), (0, 15), (0, 2))
+    """
+    if signed:
+        return -(1 << (bits - 1)) + (1 if narrow else 0), (1 << (bits - 1)) - 1
+    return 0, (1 << bits) - 1 - (1 if narrow else 0)
+
+
+def pot_levels(bits: int) -> int:
+    """Magnitudes ``n = 2^(bits-1) - 1`` of a ``bits``-bit power-of-two value (one bit is
+    the sign; code 0 is zero).
+
+    >>> [pot_levels(b) for b in (2, 3, 4, 8)]
+    [1, 3, 7, 127]
+    """
+    if bits < 2:
+        raise ValueError(f"power-of-two weights need >= 2 bits (sign + magnitude), got {bits}")
+    return (1 << (bits - 1)) - 1
+
+
+class NumberFormat:
+    """Base of a number format's torch-free facts.  Subclasses override what differs."""
+
+    name: str = ""
+    ops: str | None = None
+    """``"module:attr"`` of the torch ops (``qdsl.quantizers.formats``), None: not quantized."""
+    quantized: bool = True
+    """False only for ``float`` (the tensor stays in floating point)."""
+    zero_point: bool = False
+    """An asymmetric zero point exists (``symmetric = false`` is allowed)."""
+    default_bits: int = 8
+    default_observer: str = "auto"
+    fixed_codes: bool = False
+    """Fixed integer codes may replace rounding (learned rounding, GPTQ, lean QAT form)."""
+    activation_lowering: str | None = None
+    """How a frozen activation of this format enters the integer graph: ``"int"``
+    (affine int8/uint8), ``"bin"`` (bit-packed ±1), or None (no lowering)."""
+
+    def code_range(self, bits: int, signed: bool, narrow: bool) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def bits_requirement(self) -> str | None:
+        """``"== 1"``-style text when only some widths are valid, else None."""
+        return None
+
+    def bits_ok(self, bits: int) -> bool:
+        return True
+
+    def operand_ranges(self, bits: int, signed: bool, narrow: bool, symmetric: bool) -> tuple[tuple[int, int], ...]:
+        """Zero-point-corrected code ranges of an accumulator operand (one per extreme
+        zero point).  Default: the code range itself (formats without a zero point)."""
+        lo, hi = self.code_range(bits, signed, narrow)
+        return ((lo, hi),)
+
+    def describe(self, bits: int) -> str:
+        """How lint names a quantizer of this format (``"int8"``, ``"pot 4-bit"``)."""
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"<number format {self.name}>"
+
+
+class IntFormat(NumberFormat):
+    """Affine integers: ``q = clamp(round(x/s) + z, qmin, qmax)``."""
+
+    name = "int"
+    ops = "qdsl.quantizers.formats.int:IntOps"
+    zero_point = True
+    fixed_codes = True
+    activation_lowering = "int"
+
+    def code_range(self, bits, signed, narrow):
+        return int_code_range(bits, signed, narrow)
+
+    def operand_ranges(self, bits, signed, narrow, symmetric):
+        qmin, qmax = int_code_range(bits, signed, narrow)
+        if symmetric:
+            return ((qmin, qmax),)
+        return ((0, qmax - qmin), (qmin - qmax, 0))
+
+    def describe(self, bits):
+        return f"int{bits}"
+
+
+class BinaryFormat(NumberFormat):
+    """{-1, +1} times a scale (XNOR-Net); with ``signed = false``, {0, 1}."""
+
+    name = "binary"
+    ops = "qdsl.quantizers.formats.binary:BinaryOps"
+    default_bits = 1
+    default_observer = "mean_abs"
+    activation_lowering = "bin"  # signed only (the ops say so for unsigned)
+
+    def code_range(self, bits, signed, narrow):
+        return (-1, 1) if signed else (0, 1)
+
+    def bits_requirement(self):
+        return "== 1"
+
+    def bits_ok(self, bits):
+        return bits == 1
+
+
+class TernaryFormat(NumberFormat):
+    """{-1, 0, +1} times a scale."""
+
+    name = "ternary"
+    ops = "qdsl.quantizers.formats.ternary:TernaryOps"
+    default_bits = 2
+    default_observer = "mean_abs"
+
+    def code_range(self, bits, signed, narrow):
+        return -1, 1
+
+    def bits_requirement(self):
+        return "== 2"
+
+    def bits_ok(self, bits):
+        return bits == 2
+
+
+class PotFormat(NumberFormat):
+    """Each value is ±2^k or 0, with the exponents within the bit budget."""
+
+    name = "pot"
+    ops = "qdsl.quantizers.formats.pot:PotOps"
+
+    def code_range(self, bits, signed, narrow):
+        n = pot_levels(bits)
+        return (-n, n) if signed else (0, n)
+
+    def bits_requirement(self):
+        return ">= 2"
+
+    def bits_ok(self, bits):
+        return bits >= 2
+
+    def operand_ranges(self, bits, signed, narrow, symmetric):
+        # the exported integer grid: code c -> sign(c)·2^(|c|-1) (export/lower_layers.py)
+        top = 1 << ((1 << (bits - 1)) - 2 if signed else (1 << bits) - 2)
+        return ((-top, top),) if signed else ((0, top),)
+
+    def describe(self, bits):
+        return f"pot {bits}-bit"
+
+
+class FloatFormat(NumberFormat):
+    """Not quantized: the tensor stays in floating point."""
+
+    name = "float"
+    quantized = False
+
+    def code_range(self, bits, signed, narrow):
+        raise ValueError("a float tensor has no integer codes")
+
+    def operand_ranges(self, bits, signed, narrow, symmetric):
+        return ()
+
+
+BUILTIN_FORMATS: dict[str, NumberFormat] = {
+    f.name: f for f in (IntFormat(), BinaryFormat(), TernaryFormat(), PotFormat(), FloatFormat())
+}
+"""The built-in formats' facts (immutable; the registry bundle is the extension point)."""
+
+
+def builtin_format(kind: Any) -> NumberFormat:
+    """The facts of a built-in kind (``Kind.POT`` or ``"pot"``)."""
+    return BUILTIN_FORMATS[kind_name(kind)]
+
+
+def format_of(kind: Any, registries: Registries | None = None, default: NumberFormat | None = None) -> NumberFormat:
+    """The facts of ``kind``: from ``registries.formats`` when given, else the built-ins;
+    an unknown name gives ``default`` (resolve reports it as E204) or raises KeyError."""
+    name = kind_name(kind)
+    if registries is not None and name in registries.formats:
+        fmt = registries.formats.get(name).extra.get("format")
+        if fmt is not None:
+            return fmt
+    if name not in BUILTIN_FORMATS and default is not None:
+        return default
+    return BUILTIN_FORMATS[name]
+
+
+def register_format(registries: Registries, fmt: NumberFormat, ops: Any = None, *, override: bool = False) -> None:
+    """Register ``fmt`` (its torch ops: ``ops`` or ``fmt.ops``) on ``registries.formats``."""
+    registries.formats.add(PartInfo(fmt.name, ops if ops is not None else fmt.ops, extra={"format": fmt}),
+                           override=override)
+
+
+# Kind's members and the built-in formats must name the same set (a new built-in kind
+# adds both); checked at import so a mismatch fails every test at once.
+assert set(BUILTIN_FORMATS) == {k.value for k in Kind}, "Kind and BUILTIN_FORMATS disagree"
