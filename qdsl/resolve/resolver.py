@@ -72,7 +72,7 @@ from qdsl.resolve.validate import (
     validate_observer,
 )
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError
-from qdsl.spec.formats import builtin_format, format_of
+from qdsl.spec.formats import builtin_format, format_of, is_float
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -379,7 +379,7 @@ class _Resolver:
             if cands:
                 won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
         kind = won["kind"].value if "kind" in won else Kind.INT
-        if kind is Kind.FLOAT:
+        if is_float(kind):
             prov[(role, "kind")] = won["kind"]
             return None
         # overrides only touch roles that are quantized at this point
@@ -394,7 +394,7 @@ class _Resolver:
             won[field] = FieldProvenance(c.value, Origin(label, at), c.via, lower)
             written[field] = c.span
         kind = won["kind"].value if "kind" in won else Kind.INT
-        if kind is Kind.FLOAT:
+        if is_float(kind):
             prov[(role, "kind")] = won["kind"]
             return None
         scale = won["scale"].value if "scale" in won else None

@@ -233,7 +233,7 @@ def derived_bias_problem(input_recipe: QuantizerRecipe | None,
     or, for a dynamic input, recomputed together per batch.
     """
     iq, wq = input_recipe, weight_recipe
-    if iq is None or wq is None or iq.kind is Kind.FLOAT or wq.kind is Kind.FLOAT:
+    if iq is None or wq is None or not iq.format.quantized or not wq.format.quantized:
         return "its input and its weight must both be quantized"
     if iq.granularity.kind is not GranularityKind.TENSOR:
         return "the input needs one scale (granularity tensor)"

@@ -38,6 +38,7 @@ __all__ = [
     "FloatFormat",
     "BUILTIN_FORMATS",
     "kind_name",
+    "is_float",
     "builtin_format",
     "format_of",
     "register_format",
@@ -87,11 +88,29 @@ class NumberFormat:
     """An asymmetric zero point exists (``symmetric = false`` is allowed)."""
     default_bits: int = 8
     default_observer: str = "auto"
+    affine: bool = False
+    """Codes are a contiguous integer grid with value ``(q - z)·s``: raw codes multiply in
+    integer kernels, a narrower ``bits`` is a narrower grid (int)."""
     fixed_codes: bool = False
     """Fixed integer codes may replace rounding (learned rounding, GPTQ, lean QAT form)."""
-    activation_lowering: str | None = None
-    """How a frozen activation of this format enters the integer graph: ``"int"``
-    (affine int8/uint8), ``"bin"`` (bit-packed ±1), or None (no lowering)."""
+    fixed_width: bool = False
+    """``bits`` is fixed by the format (binary 1, ternary 2): a profile's bit list does not apply."""
+    signedness: bool = True
+    """``signed`` changes the codes (ternary: always {-1, 0, +1})."""
+    narrow: bool = False
+    """``narrow_range`` changes the codes (int)."""
+    accumulator_input: bool = False
+    accumulator_weight: bool = False
+    """An integer accumulator takes this format as its input / weight operand, at scale
+    ``input_scale × weight_scale`` (so a folded BN's bias gets an int32 proxy there)."""
+    sign_reader: bool = False
+    """Its codes are a comparison of ``x`` with one threshold (binary), so a float bias
+    read only by it lowers exactly as a sign threshold (qdsl.patch.consumers)."""
+
+    def activation_lowering(self, signed: bool) -> str | None:
+        """How a frozen activation of this format enters the integer graph: ``"int"``
+        (affine int8/uint8), ``"bin"`` (bit-packed ±1), or None (no lowering)."""
+        return None
 
     def code_range(self, bits: int, signed: bool, narrow: bool) -> tuple[int, int]:
         raise NotImplementedError
@@ -109,8 +128,13 @@ class NumberFormat:
         lo, hi = self.code_range(bits, signed, narrow)
         return ((lo, hi),)
 
-    def describe(self, bits: int) -> str:
-        """How lint names a quantizer of this format (``"int8"``, ``"pot 4-bit"``)."""
+    def operand_codes(self, codes: Any) -> Any:
+        """Integer codes (a numpy array) as the integers an accumulator multiplies: the
+        codes themselves unless the format maps them onto a grid (pot)."""
+        return codes
+
+    def describe(self, bits: int, signed: bool, symmetric: bool) -> str:
+        """How lint names a quantizer's codes (``"8-bit signed"``, ``"pot 4-bit"``)."""
         return self.name
 
     def __repr__(self) -> str:
@@ -123,8 +147,13 @@ class IntFormat(NumberFormat):
     name = "int"
     ops = "qdsl.quantizers.formats.int:IntOps"
     zero_point = True
+    affine = True
     fixed_codes = True
-    activation_lowering = "int"
+    narrow = True
+    accumulator_input = accumulator_weight = True
+
+    def activation_lowering(self, signed):
+        return "int"
 
     def code_range(self, bits, signed, narrow):
         return int_code_range(bits, signed, narrow)
@@ -135,8 +164,8 @@ class IntFormat(NumberFormat):
             return ((qmin, qmax),)
         return ((0, qmax - qmin), (qmin - qmax, 0))
 
-    def describe(self, bits):
-        return f"int{bits}"
+    def describe(self, bits, signed, symmetric):
+        return f"{bits}-bit {'signed' if signed else 'unsigned'}{'' if symmetric else ' asymmetric'}"
 
 
 class BinaryFormat(NumberFormat):
@@ -146,7 +175,12 @@ class BinaryFormat(NumberFormat):
     ops = "qdsl.quantizers.formats.binary:BinaryOps"
     default_bits = 1
     default_observer = "mean_abs"
-    activation_lowering = "bin"  # signed only (the ops say so for unsigned)
+    fixed_width = True
+    accumulator_input = accumulator_weight = True
+    sign_reader = True
+
+    def activation_lowering(self, signed):
+        return "bin" if signed else None  # sign(x) as bit-packed ±1; {0, 1} has no lowering
 
     def code_range(self, bits, signed, narrow):
         return (-1, 1) if signed else (0, 1)
@@ -165,6 +199,9 @@ class TernaryFormat(NumberFormat):
     ops = "qdsl.quantizers.formats.ternary:TernaryOps"
     default_bits = 2
     default_observer = "mean_abs"
+    fixed_width = True
+    signedness = False
+    accumulator_weight = True
 
     def code_range(self, bits, signed, narrow):
         return -1, 1
@@ -181,6 +218,7 @@ class PotFormat(NumberFormat):
 
     name = "pot"
     ops = "qdsl.quantizers.formats.pot:PotOps"
+    accumulator_weight = True
 
     def code_range(self, bits, signed, narrow):
         n = pot_levels(bits)
@@ -192,12 +230,20 @@ class PotFormat(NumberFormat):
     def bits_ok(self, bits):
         return bits >= 2
 
+    def operand_codes(self, codes):
+        # value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n): an integer grid.
+        # numpy is imported here, not at the top: only callers holding integer codes (export,
+        # calibrated lint) get here, and spec checks stay free of array libraries.
+        import numpy as np
+
+        return np.where(codes == 0, 0, np.sign(codes) * np.left_shift(1, np.maximum(np.abs(codes) - 1, 0)))
+
     def operand_ranges(self, bits, signed, narrow, symmetric):
-        # the exported integer grid: code c -> sign(c)·2^(|c|-1) (export/lower_layers.py)
+        # the integer grid of operand_codes: code c -> sign(c)·2^(|c|-1)
         top = 1 << ((1 << (bits - 1)) - 2 if signed else (1 << bits) - 2)
         return ((-top, top),) if signed else ((0, top),)
 
-    def describe(self, bits):
+    def describe(self, bits, signed, symmetric):
         return f"pot {bits}-bit"
 
 
@@ -218,6 +264,11 @@ BUILTIN_FORMATS: dict[str, NumberFormat] = {
     f.name: f for f in (IntFormat(), BinaryFormat(), TernaryFormat(), PotFormat(), FloatFormat())
 }
 """The built-in formats' facts (immutable; the registry bundle is the extension point)."""
+
+
+def is_float(kind: Any) -> bool:
+    """``kind`` is ``float`` (the tensor is not quantized), whether a Kind or a name."""
+    return kind_name(kind) == FloatFormat.name
 
 
 def builtin_format(kind: Any) -> NumberFormat:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.formats.base import FormatOps, NotExportable, WeightInts, packed_int_dtype
 
@@ -19,9 +17,9 @@ class PotOps(FormatOps):
 
     def lower_weight(self, q, codes, scale):
         # value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
+        # (the format's operand_codes) at scale s·2^(1-n)
         bits = q.recipe.bits
         n = 2 ** (bits - 1) - 1
         if n > 7:
             raise NotExportable(f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
-        codes = np.where(codes == 0, 0, np.sign(codes) * np.left_shift(1, np.maximum(np.abs(codes) - 1, 0)))
-        return WeightInts(codes, scale * 2.0 ** (1 - n), packed_int_dtype(n + 1, True))
+        return WeightInts(q.format.operand_codes(codes), scale * 2.0 ** (1 - n), packed_int_dtype(n + 1, True))
