@@ -270,8 +270,7 @@ def _check_pairs(layer: LayerPlan, w: QuantizerRecipe, x: QuantizerRecipe, pair_
     span, _ = _written(layer, Role.INPUT, "bits", where_spec)
     fix = "reduce the activations by a bit (PyTorch's reduce_range)"
     for b in range(x.bits - 1, 1, -1):
-        xmax = (1 << (b - 1)) - 1 if x.signed else (1 << b) - 1
-        xmin = -(1 << (b - 1)) if x.signed else 0
+        xmin, xmax = x.format.code_range(b, x.signed, False)
         pr = [a * c for a in (w.qmin, w.qmax) for c in (xmin, xmax)]
         if bits_for(2 * min(pr), 2 * max(pr)) <= pair_bits:
             fix = use("bits", b, span, Role.INPUT) + " for the input (PyTorch's reduce_range)"

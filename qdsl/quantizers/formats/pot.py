@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.formats.base import FormatOps, NotExportable, WeightInts, packed_int_dtype
+from qdsl.spec.formats import pot_levels
 
 __all__ = ["PotOps"]
 
@@ -19,7 +20,7 @@ class PotOps(FormatOps):
         # value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
         # (the format's operand_codes) at scale s·2^(1-n)
         bits = q.recipe.bits
-        n = 2 ** (bits - 1) - 1
+        n = pot_levels(bits)
         if n > 7:
             raise NotExportable(f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
         return WeightInts(q.format.operand_codes(codes), scale * 2.0 ** (1 - n), packed_int_dtype(n + 1, True))
