@@ -45,7 +45,8 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     import qdsl
     import qdsl.runtime as rt
-    from qdsl.export import execute, export
+    from qdsl.export import export
+    from qdsl.graph import execute
     from qdsl.testing.models import DigitsResNet
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx

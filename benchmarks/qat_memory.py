@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 import qdsl.qat  # noqa: F401  (QAT gradient path)
 from qdsl.parse import parse_text
-from qdsl.patch import apply, calibrate
+from qdsl import calibrate
+from qdsl.patch import apply
 from qdsl.qat.lean import LeanOptimizer, weight_bytes
 from qdsl.testing.models import conv_bn_relu_net, digits_resnet
 

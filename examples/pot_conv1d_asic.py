@@ -36,7 +36,7 @@ PROFILE = "pot-asic-24bit-acc"
 
 def shift_rows(graph) -> list[tuple[str, str, str, str]]:
     """(op, type, shifts, meaning) for every op whose output stage is a pure shift."""
-    from qdsl.export.ir import DType, OpType, RescaleKind, Rounding
+    from qdsl.graph.ir import DType, OpType, RescaleKind, Rounding
 
     rows = []
     for op in graph.ops:
@@ -77,8 +77,8 @@ def accumulator_rows(graph, x) -> list[tuple[str, int, int, int, int, int, int]]
     import torch
     import torch.nn.functional as F
 
-    from qdsl.export import execute
-    from qdsl.export.ir import OpType
+    from qdsl.graph import execute
+    from qdsl.graph.ir import OpType
     from qdsl.lint.accumulator import bits_for, tight_range, worst_case_bits
 
     res = execute(graph, x, keep_values=True)

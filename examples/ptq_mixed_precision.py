@@ -2,10 +2,10 @@
 
 What it does, on DigitsResNet trained on scikit-learn's digits (nothing downloaded):
 
-1. ``qdsl.ptq.sensitivity``: quantize one layer at a time (and all but one) at 3 bits
+1. ``qdsl.workflows.sensitivity``: quantize one layer at a time (and all but one) at 3 bits
    with the low-bit PTQ spec (bit-aware range search + bias correction) and rank the
    layers by accuracy drop;
-2. ``qdsl.ptq.emit_mixed_precision``: keep the most sensitive layers at 4 bits within a
+2. ``qdsl.workflows.sensitivity.emit_mixed_precision``: keep the most sensitive layers at 4 bits within a
    3.5 average weight-bits budget (weight-count weighted) and print the emitted spec;
 3. print test accuracy and cross-entropy of uniform W3A3, the mixed spec and uniform W4A4
    (the float model is near 100% on digits, so accuracy moves by single samples; the
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import qdsl
-    from qdsl.ptq.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
+    from qdsl.workflows.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
     from qdsl.testing.train import evaluate, predict, trained_digits_resnet
 
     model, (xtr, _ytr, xte, yte) = trained_digits_resnet()

@@ -36,27 +36,27 @@ _LAZY = {
     "resolve": "qdsl.resolve:resolve",
     "Plan": "qdsl.resolve.plan:Plan",
     "explain": "qdsl.resolve:explain",
-    # quantizers + patch + calibration
+    # quantizers + patch + calibration (apply/calibrate: the façade, qdsl/api.py)
     "default_registries": "qdsl.quantizers:default_registries",
-    "apply": "qdsl.patch:apply",
+    "apply": "qdsl.api:apply",
     "remove": "qdsl.patch:remove",
-    "calibrate": "qdsl.patch:calibrate",
-    "calibrating": "qdsl.patch:calibrating",
-    "freeze": "qdsl.patch:freeze",
+    "calibrate": "qdsl.api:calibrate",
+    "calibrating": "qdsl.calibration:calibrating",
+    "freeze": "qdsl.calibration:freeze",
     "int_tensors": "qdsl.patch:int_tensors",
     "save": "qdsl.patch:save",
     "load": "qdsl.patch:load",
     "LeftFloatWarning": "qdsl.patch.coverage:LeftFloatWarning",
     "LeftFloatError": "qdsl.patch.coverage:LeftFloatError",
     "SharedModuleWarning": "qdsl.patch.coverage:SharedModuleWarning",
-    # export + runtime
+    # export + graph + runtime
     "export": "qdsl.export:export",
-    "IntegerGraph": "qdsl.export:IntegerGraph",
-    "save_graph": "qdsl.export:save_graph",
-    "load_graph": "qdsl.export:load_graph",
-    "run_graph": "qdsl.export:run_graph",
-    # low-bit PTQ
-    "sensitivity": "qdsl.ptq:sensitivity",
+    "IntegerGraph": "qdsl.graph:IntegerGraph",
+    "save_graph": "qdsl.graph:save_graph",
+    "load_graph": "qdsl.graph:load_graph",
+    "run_graph": "qdsl.runtime.run:run_graph",
+    # workflows
+    "sensitivity": "qdsl.workflows.sensitivity:sensitivity",
     # lint
     "lint": "qdsl.lint:lint",
     "load_profile": "qdsl.lint:load_profile",

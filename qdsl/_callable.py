@@ -3,7 +3,7 @@
 ``qdsl.resolve``, ``qdsl.export`` and ``qdsl.lint`` are each a subpackage *and* a
 public function (``qdsl.resolve(model, spec)``, ``qdsl.export(model, x)``,
 ``qdsl.lint(spec, profile)``).  Python binds ``qdsl.<name>`` to the package as soon as
-any submodule is imported (``import qdsl.export.ir``), which would shadow the function.
+any submodule is imported (``import qdsl.export.lower``), which would shadow the function.
 Making the package module itself callable keeps both spellings working whatever the
 import order, without renaming the public API.
 """

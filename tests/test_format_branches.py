@@ -31,8 +31,8 @@ MEMBERS = {k.name for k in Kind}
 NAMES = {k.value for k in Kind}
 
 ALLOWED: dict[str, tuple[int, str]] = {
-    "qat/proxy_grad.py": (7, "the QAT gradient forms per kind (STE/LSQ/clipped sign); moved into the "
-                             "formats by the QAT-gradient step of issue 16, not this one"),
+    "quantizers/proxy_grad.py": (7, "the QAT gradient form per kind (LSQ, clipped STE, sign): the per-format "
+                                    "gradient is issue 16 item 2's QAT part, another helper's step"),
 }
 
 

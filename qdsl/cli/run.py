@@ -43,7 +43,8 @@ def _load_npy(path: str):
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from qdsl.export import execute, load_graph, run_graph
+    from qdsl.graph import execute, load_graph
+    from qdsl.runtime.run import run_graph
 
     from qdsl.spec.diagnostics import QdslError
 

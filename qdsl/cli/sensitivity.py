@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from qdsl.parse import format_spec, load_spec
-    from qdsl.ptq.sensitivity import emit_mixed_precision, mixed_average_bits, sensitivity
+    from qdsl.workflows.sensitivity import emit_mixed_precision, mixed_average_bits, sensitivity
     from qdsl.resolve.model_ref import load_model_ref
     from qdsl.spec.diagnostics import QdslError
     from qdsl.workflows.refs import load_data_ref

@@ -39,7 +39,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from qdsl.export.ir import DType, OpType, OutputStage, Rounding
+from qdsl.graph.ir import DType, OpType, OutputStage, Rounding
 from qdsl.export.lower_layers import (
     act_target,
     add_pending,
@@ -49,7 +49,7 @@ from qdsl.export.lower_layers import (
     raw,
     wide,
 )
-from qdsl.export.requant import make_rescale
+from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 
 __all__ = ["export", "trace_quantized"]

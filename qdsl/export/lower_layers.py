@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from qdsl.export.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
-from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
+from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
+from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
 from qdsl.quantizers.formats.base import NotExportable
 from qdsl.spec.model import Overflow

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType
 from qdsl.export.values import ExportError
 
 __all__ = ["export_onnx", "graph_to_onnx", "OPSET"]

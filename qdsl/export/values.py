@@ -23,7 +23,7 @@ from typing import Any, Callable
 import attrs
 import numpy as np
 
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["ExportError", "Target", "QVal", "FloatVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]

@@ -49,6 +49,7 @@ __all__ = [
     "read_located_toml",
     "LocatedToml",
     "detect_format",
+    "gc_paused",
 ]
 
 
@@ -72,8 +73,9 @@ def detect_format(filename: str, text: str | None = None) -> str:
 
 
 @contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while a spec is parsed.
+def gc_paused():
+    """Pause the cyclic garbage collector while a spec is parsed (and, in
+    :mod:`qdsl.resolve.resolver`, while a model is indexed and resolved).
 
     Parsing allocates a few dozen small objects per rule and frees none, so the
     collector's generation-2 passes (each over every live object) would run again and
@@ -91,7 +93,7 @@ def _gc_paused():
 
 def parse_text(text: str, filename: str = "<input>", fmt: str | None = None) -> QuantSpec:
     """Parse one spec text (raw: includes and overrides not applied)."""
-    with _gc_paused():
+    with gc_paused():
         return _parse_text(text, filename, fmt)
 
 

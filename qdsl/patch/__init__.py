@@ -1,5 +1,5 @@
-"""Patching an unmodified model: ``apply``/``remove``, calibration, freezing, integer
-tensors out, state.
+"""Patching an unmodified model: ``apply``/``remove``, integer tensors out, state
+(calibration and freezing are the layer above: :mod:`qdsl.calibration`).
 
 ::
 
@@ -18,12 +18,10 @@ tensors out, state.
 * :mod:`qdsl.patch.coverage` - what the spec reaches but stays float (apply's warning,
   ``strict=True``), and modules one observer shares; :mod:`qdsl.patch.trace` - the one
   torch.fx trace folding, coverage and lint share;
-* :mod:`qdsl.patch.calibrate` - calibration semantics and freezing;
 * :mod:`qdsl.patch.ints`, :mod:`qdsl.patch.state` - integer tensors out, save/load.
 """
 
 from qdsl.patch.apply import apply, remove
-from qdsl.patch.calibrate import calibrate, calibrating, freeze
 from qdsl.patch.handle import QdslHandle, State, get_handle, state_of
 from qdsl.patch.ints import LayerInts, int_tensors
 from qdsl.patch.state import load, save
@@ -31,9 +29,6 @@ from qdsl.patch.state import load, save
 __all__ = [
     "apply",
     "remove",
-    "calibrate",
-    "calibrating",
-    "freeze",
     "int_tensors",
     "LayerInts",
     "save",

@@ -56,7 +56,7 @@ from qdsl.resolve.validate import derived_bias_problem
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError, UNKNOWN_SPAN
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Granularity, GranularityKind, Kind, ObserverSpec, Role
 
-__all__ = ["apply", "remove", "folded_bias_recipe"]
+__all__ = ["apply", "remove", "folded_bias_recipe", "plan_for"]
 
 
 def folded_bias_recipe() -> QuantizerRecipe:
@@ -147,36 +147,9 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
     return diags
 
 
-def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
-          example_input: Any = None, hw: Any = None, hw_mode: str = "error", strict: bool = False,
-          check_finite: bool = False) -> QdslHandle:
-    """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
-
-    ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
-    keyword arguments), is run through the patched model once (no grad) so a problem
-    shows up here rather than in the first real forward; if it fails, the model is
-    restored and the error propagates.
-
-    ``hw`` (a hardware profile: bundled name, path or ``HardwareProfile``) lints the
-    resolved plan against that target before anything is patched: with
-    ``hw_mode="error"`` a plan the profile rejects raises :class:`SpecError` carrying the
-    whole lint report and the model is left untouched; ``hw_mode="warn"`` patches anyway
-    and emits the report as a ``LintWarning``.
-
-    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.LSTM``,
-    ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
-    a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
-    :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
-    Quantized modules called more than once per forward get a ``SharedModuleWarning``.
-    Both come from one torch.fx trace; when fx cannot trace the model the warning says
-    that functional ops were not checked, and the call counts come from the
-    ``example_input`` forward if there is one.
-
-    ``check_finite=True``: an input/output quantizer that meets a NaN or an infinity raises
-    :class:`~qdsl.spec.diagnostics.NonFiniteError` (naming it) instead of quantizing it by
-    the policy the integer graph shares (NaN -> the zero point's code, +inf -> qmax,
-    -inf -> qmin; docs/qgraph.md §4.4).
-    """
+def plan_for(model: nn.Module, spec: Any, overrides: Any = None, registries: Any = None) -> tuple[Plan, Any]:
+    """``(plan, registries)`` :func:`apply` would patch ``model`` with, after checking the
+    model can be patched at all; the façade lints this plan for ``hw=`` before applying."""
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
@@ -192,11 +165,36 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
             "call qdsl.remove(model) before applying again"
         )
     regs = registries if registries is not None else default_registries()
-    plan = _to_plan(model, spec, overrides, regs)
-    if hw is not None:
-        from qdsl.lint import enforce  # lint sits above patch; imported only when asked for
+    return _to_plan(model, spec, overrides, regs), regs
 
-        enforce(plan, hw, model, mode=hw_mode)
+
+def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
+          example_input: Any = None, strict: bool = False, check_finite: bool = False) -> QdslHandle:
+    """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
+
+    ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
+    keyword arguments), is run through the patched model once (no grad) so a problem
+    shows up here rather than in the first real forward; if it fails, the model is
+    restored and the error propagates.
+
+    ``hw=`` (lint the plan against a hardware profile first) is the façade's
+    (:func:`qdsl.api.apply`): lint sits above patch.
+
+    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.LSTM``,
+    ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
+    a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
+    :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
+    Quantized modules called more than once per forward get a ``SharedModuleWarning``.
+    Both come from one torch.fx trace; when fx cannot trace the model the warning says
+    that functional ops were not checked, and the call counts come from the
+    ``example_input`` forward if there is one.
+
+    ``check_finite=True``: an input/output quantizer that meets a NaN or an infinity raises
+    :class:`~qdsl.spec.diagnostics.NonFiniteError` (naming it) instead of quantizing it by
+    the policy the integer graph shares (NaN -> the zero point's code, +inf -> qmax,
+    -inf -> qmin; docs/qgraph.md §4.4).
+    """
+    plan, regs = plan_for(model, spec, overrides, registries)
     modules = dict(model.named_modules())
     diags = _check(model, plan, modules)
     if diags:

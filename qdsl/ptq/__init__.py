@@ -7,9 +7,9 @@ Public API::
         (spec bias_correction = true); called by qdsl.calibrate after the observers
     qdsl.ptq.learn_rounding(model, batches, "gptq")
     qdsl.ptq.correct_bias(model, batches)
-    qdsl.ptq.sensitivity(model, spec, data, metric="accuracy", bits=3) -> SensitivityReport
-    qdsl.ptq.emit_mixed_precision(report, budget_avg_bits) -> QuantSpec
 
+Sensitivity analysis and mixed precision, which run whole apply/calibrate cycles through
+the façade, are a workflow: :mod:`qdsl.workflows.sensitivity` (``qdsl.sensitivity``).
 Range search (the observers' side) lives in :mod:`qdsl.quantizers.range_search`.
 Order matters: rounding is learned on the calibrated grid, and bias correction then
 removes the mean shift that remains (including the rounding's).
@@ -24,20 +24,12 @@ __all__ = [
     "finish_calibration",
     "learn_rounding",
     "correct_bias",
-    "sensitivity",
-    "emit_mixed_precision",
-    "SensitivityReport",
-    "LayerSensitivity",
 ]
 
 _LAZY = {
     "finish_calibration": "qdsl.ptq.pipeline",
     "learn_rounding": "qdsl.ptq.rounding",
     "correct_bias": "qdsl.ptq.bias_correction",
-    "sensitivity": "qdsl.ptq.sensitivity",
-    "emit_mixed_precision": "qdsl.ptq.sensitivity",
-    "SensitivityReport": "qdsl.ptq.sensitivity",
-    "LayerSensitivity": "qdsl.ptq.sensitivity",
 }
 
 

@@ -68,6 +68,7 @@ from torch import nn
 from qdsl.patch.handle import get_handle
 from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.quantizers import functional as F
+from qdsl.quantizers.proxy_grad import install as install_grad_path
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["LeanOptimizer", "LEAN_ATTR", "pack_codes", "unpack_codes", "weight_bytes"]
@@ -245,6 +246,7 @@ class LeanOptimizer:
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any) -> None:
         handle = get_handle(model)
         self.model = model
+        install_grad_path(handle.container.quantizers.values())  # QAT gradients for this model only
         self.skipped: dict[str, str] = {}
         self.layers: dict[str, _LeanLayer] = {}
         for fqn, patch in handle.layers.items():

@@ -1,8 +1,9 @@
 """Building parts from a registry bundle: the torch side of :mod:`qdsl.spec.registry`.
 
 ``default_registries()`` is the bundle the public API uses: the built-in parts
-(:func:`qdsl.spec.builtins.builtin_registries`, whose factories are ``"module:attr"``
-strings) plus every installed plugin (``qdsl.parts`` entry points).  Each call returns a
+(declared torch-free by :func:`qdsl.spec.builtins.builtin_registries`, their
+implementations bound here as ``"module:attr"`` strings of this package) plus every
+installed plugin (``qdsl.parts`` entry points).  Each call returns a
 fresh bundle, so a user can register parts on it without affecting anyone else::
 
     regs = qdsl.default_registries()
@@ -46,10 +47,45 @@ __all__ = ["default_registries", "PartContext", "resolve_factory", "build_observ
 
 _IMPORTED: dict[str, Any] = {}
 
+# the implementations of the parts qdsl.spec.builtins declares; strings of this package,
+# imported on first use so that building a bundle imports no torch module
+_OBS, _ROUND, _SCALE = "qdsl.quantizers.observers:", "qdsl.quantizers.rounding:", "qdsl.quantizers.scales:"
+_LEARNED = "qdsl.quantizers.learned:"
+_BUILTIN_FACTORIES: dict[str, dict[str, str]] = {
+    "observers": {
+        "minmax": _OBS + "MinMaxObserver",
+        "ema": _OBS + "EmaObserver",
+        "histogram": _OBS + "HistogramObserver",
+        "percentile": _OBS + "PercentileObserver",
+        "mse": _OBS + "MseObserver",
+        "auto": "qdsl.quantizers.range_search:auto_observer",
+        "mean_abs": _OBS + "MeanAbsObserver",
+    },
+    "roundings": {name: _ROUND + name for name in ("half_even", "half_away", "floor", "stochastic")},
+    "scales": {
+        "float": _SCALE + "FloatScale",
+        "pot": _SCALE + "PotScale",
+        "pot_ceil": _SCALE + "PotCeilScale",
+        "learned": _LEARNED + "LearnedScale",
+        "learned_pot": _LEARNED + "LearnedPotScale",
+    },
+    # number formats: the torch ops of the kinds qdsl.spec.formats describes
+    "formats": {
+        "int": "qdsl.quantizers.formats.int:IntOps",
+        "binary": "qdsl.quantizers.formats.binary:BinaryOps",
+        "ternary": "qdsl.quantizers.formats.ternary:TernaryOps",
+        "pot": "qdsl.quantizers.formats.pot:PotOps",
+    },
+}
+
 
 def default_registries() -> Registries:
     """A fresh bundle: built-in parts plus installed plugins."""
     regs = builtin_registries()
+    for kind, factories in _BUILTIN_FACTORIES.items():
+        registry = getattr(regs, kind)
+        for name, factory in factories.items():
+            registry.add(attrs.evolve(registry.get(name), factory=factory), override=True)
     regs.load_entry_points()
     return regs
 
@@ -57,6 +93,9 @@ def default_registries() -> Registries:
 def resolve_factory(info: PartInfo, registry: Registry) -> Any:
     """The part's factory object (importing a ``"module:attr"`` string once)."""
     factory = info.factory
+    if factory is None:
+        raise QdslError(f"{registry.kind} '{info.name}' is declared but not implemented in this bundle: "
+                        "build parts with qdsl.default_registries() (or a copy of it)")
     if not isinstance(factory, str):
         return factory
     if factory in _IMPORTED:
@@ -122,18 +161,17 @@ def build_rounding(registries: Registries, name: str) -> Callable[..., Any]:
 
 
 def build_format_ops(registries: Registries, recipe: QuantizerRecipe) -> Any:
-    """The torch ops of the recipe's number format (``registries.formats``; a bundle that
-    lacks the name falls back to the ops the format's facts name)."""
-    fmt = recipe.format
-    if fmt.name in registries.formats:
-        info = registries.formats.get(fmt.name)
-        reg = registries.formats
+    """The torch ops of the recipe's number format, from ``registries.formats`` (a bundle
+    without the name - an older copy - falls back to the built-in ops of that name)."""
+    name = recipe.format.name
+    if name in registries.formats:
+        info = registries.formats.get(name)
+    elif name in _BUILTIN_FACTORIES["formats"]:
+        info = PartInfo(name, _BUILTIN_FACTORIES["formats"][name])
     else:
-        reg = registries.formats
-        info = PartInfo(fmt.name, fmt.ops)
-    if info.factory is None:
-        raise QdslError(f"number format '{fmt.name}' has no torch ops (it is not a quantized format)")
-    ops = resolve_factory(info, reg)
+        raise QdslError(f"number format '{name}' is not registered on this bundle; "
+                        "register it with qdsl.spec.formats.register_format(registries, format, ops)")
+    ops = resolve_factory(info, registries.formats)
     return ops() if isinstance(ops, type) else ops
 
 

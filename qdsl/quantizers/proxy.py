@@ -44,9 +44,13 @@ state above stays float32 even through ``model.to(torch.bfloat16)`` (``_apply``)
 raises ``NonFiniteError``; otherwise non-finite values follow qdsl.quantizers.functional.
 
 Gradients: values always come from :mod:`qdsl.quantizers.functional`.  When autograd
-needs a gradient, the proxy calls ``TensorQuantizer.grad_path(self, x, scale, zp,
-threshold)`` if QAT installed one (:mod:`qdsl.qat` sets it), otherwise it uses the
-plain straight-through estimator (value ``x̂``, gradient of the identity).
+needs a gradient, the proxy calls its own ``self.grad_path(self, x, scale, zp,
+threshold)`` if one is installed on it, otherwise it uses the plain straight-through
+estimator (value ``x̂``, gradient of the identity).  The QAT path
+(:func:`qdsl.quantizers.proxy_grad.qat_grad_path`) is installed per proxy, never
+process-wide: on a proxy whose scale rule is learned when it is built, and on every
+proxy of a model by ``qdsl.qat.prepare_qat``/``fit``/``LeanOptimizer``
+(:func:`qdsl.quantizers.proxy_grad.install`).
 """
 
 from __future__ import annotations
@@ -98,7 +102,8 @@ class TensorQuantizer(LazyBuffers):
     """See the module docstring for the interface."""
 
     _qdsl_internal = True
-    grad_path: ClassVar[Callable[..., torch.Tensor] | None] = None
+    grad_path: Callable[..., torch.Tensor] | None = None
+    """This proxy's gradient path (see the module docstring); set per instance only."""
     fast_path_threads: ClassVar[int | None] = 1
     """Intra-op threads for the frozen fast path's five elementwise passes (None: torch's
     setting).  They are memory-bound, so extra threads gain little, while every
@@ -144,6 +149,10 @@ class TensorQuantizer(LazyBuffers):
             ctx = PartContext(recipe, self.role, self.qmin, self.qmax, self.axis, self.group_size, pot)
             self.scale_rule = build_scale_rule(regs, ctx)
             self.observer = build_observer(regs, ctx)
+            if self.learned:  # a learned scale trains with LSQ's gradient from the start
+                from qdsl.quantizers.proxy_grad import qat_grad_path
+
+                self.grad_path = qat_grad_path
         rinfo = regs.roundings.get(recipe.rounding) if recipe.rounding in regs.roundings else None
         if rinfo is not None and isinstance(rinfo.factory, str) and rinfo.factory.startswith(_BUILTIN_ROUNDING):
             self._round_mode, self._round_fn = recipe.rounding, None
@@ -296,8 +305,8 @@ class TensorQuantizer(LazyBuffers):
         needs = torch.is_grad_enabled() and (x.requires_grad or (isinstance(scale, torch.Tensor) and scale.requires_grad))
         if not needs:
             return self._fake(x, scale, zp, thr)
-        if TensorQuantizer.grad_path is not None:
-            return TensorQuantizer.grad_path(self, x, scale, zp, thr)
+        if self.grad_path is not None:
+            return self.grad_path(self, x, scale, zp, thr)
         # plain straight-through estimator: value of x̂ exactly, gradient of the identity
         # (not ``x + (x̂ - x).detach()``, whose float rounding changes the value)
         return _StraightThrough.apply(x, self._fake(x.detach(), scale.detach(), zp, thr))

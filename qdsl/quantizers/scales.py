@@ -5,7 +5,7 @@ Protocol (see :mod:`qdsl.quantizers.parts`): ``rule(ctx)`` is an ``nn.Module`` w
 it to the nearest power of two in the log domain (``functional.pot_scale``: the
 boundary is ``2^k·√2``; up to √2 smaller, so the largest values may clip) and
 ``pot_ceil`` to the next power of two at or above it (never clips, up to 2× coarser).
-The learned rules (``learned``, ``learned_pot``) are provided by :mod:`qdsl.qat.learned`.
+The learned rules (``learned``, ``learned_pot``) are provided by :mod:`qdsl.quantizers.learned`.
 
 >>> from qdsl.quantizers.observers import _ctx
 >>> raw = torch.tensor([0.1, 0.3])

@@ -41,13 +41,12 @@ that does not divide a shape) is one diagnostic with an "on layers ..." note.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from pathlib import Path
 from typing import Any, Mapping
 
 import attrs
 
+from qdsl.parse import gc_paused
 from qdsl.resolve.check import Body, Prepared, compose_if_needed, dedupe, prepare
 from qdsl.resolve.explain import format_value
 from qdsl.resolve.plan import (
@@ -130,27 +129,10 @@ def resolve(
 ) -> Plan:
     """Resolve ``spec`` against a model; raise :class:`SpecError` with every problem found."""
     spec = load_for_resolve(spec, overrides)
-    with _gc_paused():
+    with gc_paused():
         index = index_of(model_or_index)
         return _Resolver(prepare(spec, registries), index).run()
 
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Pause the cyclic garbage collector while indexing and resolving.
-
-    Resolving allocates tens of thousands of small, acyclic records (freed by reference
-    counting anyway); with a large torch model alive, each allocation burst triggers
-    full collections that traverse every tensor and module, which measured at 2x the
-    resolver's own time on a 10,000-module model.  The previous state is restored.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @attrs.frozen

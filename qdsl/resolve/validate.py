@@ -12,7 +12,9 @@ built-in default.
 Built-in defaults (provenance "built-in default"): kind int; bits 8 (binary 1, ternary
 2; a bias whose scale is ``input*weight`` gets 32); signed true; narrow_range false;
 symmetric true; scale float; granularity tensor; observer auto (min/max at >= 8 bits,
-bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false.  ``channel`` without an axis means axis
+bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false.
+The kind-dependent ones (bits, observer) and the kind's bit rules (E210 degenerate code
+range, E211) come from the kind's number format (``qdsl.spec.formats``).  ``channel`` without an axis means axis
 0 for weight and bias (output channels) and axis 1 for input and output (the channel
 dimension of NC... activations).
 

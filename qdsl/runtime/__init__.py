@@ -2,7 +2,7 @@
 
 Guarantees: importing never fails.  ``available()`` tells whether the library loaded,
 ``load_error()`` why not.  ``CompiledGraph`` runs a whole ``.qgraph`` in one native call
-and equals ``qdsl.export.reference`` bit for bit; ``qdsl.runtime.kernels`` exposes the
+and equals ``qdsl.graph.reference`` bit for bit; ``qdsl.runtime.kernels`` exposes the
 individual kernels.  Threads: ``set_num_threads(n)`` (default ``QDSL_NUM_THREADS`` or all
 cores).  ``QDSL_KERNELS=reference`` forces the scalar reference kernels.
 """

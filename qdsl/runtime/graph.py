@@ -3,8 +3,8 @@
 Guarantees: construction parses and validates every byte in C++ (a corrupt or truncated
 graph raises :class:`qdsl.export.GraphFormatError`, never crashes); ``run`` checks the
 input array against the graph's declared input (dtype, shape, value range) and raises
-:class:`qdsl.export.reference.GraphInputError` on a mismatch; outputs equal
-``qdsl.export.reference`` bit for bit.  Buffers are planned once per batch size.
+:class:`qdsl.graph.reference.GraphInputError` on a mismatch; outputs equal
+``qdsl.graph.reference`` bit for bit.  Buffers are planned once per batch size.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class CompiledGraph:
         if isinstance(graph, (bytes, bytearray, memoryview)):
             data = bytes(graph)
         else:
-            from qdsl.export.qgraph import graph_to_bytes
+            from qdsl.graph.qgraph import graph_to_bytes
 
             data = graph_to_bytes(graph)
         self._lib = lib
@@ -53,7 +53,7 @@ class CompiledGraph:
         if code != 0:
             msg = err.value.decode("utf-8", "replace")
             if STATUS_NAMES.get(code) == "format_error":
-                from qdsl.export.ir import GraphFormatError
+                from qdsl.graph.ir import GraphFormatError
 
                 raise GraphFormatError(msg)
             raise RuntimeError_(msg, STATUS_NAMES.get(code, str(code)))
@@ -102,7 +102,7 @@ class CompiledGraph:
             self._handle = None
 
     def _check(self, spec: _IO, x: Any, check_finite: bool = False) -> np.ndarray:
-        from qdsl.export.reference import GraphInputError, as_array, require_finite
+        from qdsl.graph.reference import GraphInputError, as_array, require_finite
 
         x = as_array(x)
         want = spec.dims
@@ -129,7 +129,7 @@ class CompiledGraph:
         raises ``NonFiniteError`` instead of following the QUANTIZE policy."""
         if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
             xs = tuple(xs[0])
-        from qdsl.export.reference import GraphInputError
+        from qdsl.graph.reference import GraphInputError
 
         if len(xs) != len(self.inputs):
             raise GraphInputError(f"graph takes {len(self.inputs)} input(s), got {len(xs)}")

@@ -1,10 +1,11 @@
 """The built-in parts' names, params classes and capabilities (torch-free).
 
 ``builtin_registries()`` returns a fresh :class:`Registries` bundle describing the
-built-in observers, roundings and scale rules.  Factories are ``"module:attr"`` strings
-that ``qdsl.quantizers`` imports on first use, so resolve can validate a spec's part
-names and parameters without importing torch.  ``qdsl.quantizers.default_registries()``
-is the bundle the top-level API uses (this one, plus plugins).
+built-in observers, roundings and scale rules, without their implementations
+(``factory`` is None), so resolve can validate a spec's part names and parameters
+without importing torch - or naming a module of an upper layer.
+``qdsl.quantizers.default_registries()``, the bundle the top-level API uses, binds the
+implementations that layer owns (and adds plugins).
 """
 
 from __future__ import annotations
@@ -77,29 +78,28 @@ class MseParams:
 
 
 def builtin_registries() -> Registries:
+    # names, params and capabilities only: the implementations (torch modules) belong to
+    # qdsl.quantizers, which binds them in default_registries(); a bundle from here
+    # validates a spec but cannot build its parts
     regs = Registries()
     obs = regs.observers
-    q = "qdsl.quantizers.observers:"
-    obs.add(PartInfo("minmax", q + "MinMaxObserver", NoParams, needs_calibration=True))
-    obs.add(PartInfo("ema", q + "EmaObserver", EmaParams, needs_calibration=True))
-    obs.add(PartInfo("histogram", q + "HistogramObserver", HistogramParams, needs_calibration=True))
-    obs.add(PartInfo("percentile", q + "PercentileObserver", PercentileParams, needs_calibration=True))
-    obs.add(PartInfo("mse", q + "MseObserver", MseParams, needs_calibration=True))
-    # minmax at >= 8 bits, the bit-aware mse/histogram search below (qdsl.quantizers.range_search)
-    obs.add(PartInfo("auto", "qdsl.quantizers.range_search:auto_observer", MseParams, needs_calibration=True))
-    obs.add(PartInfo("mean_abs", q + "MeanAbsObserver", NoParams, needs_calibration=True,
-                     extra={"kinds": ("binary", "ternary")}))
-    r = "qdsl.quantizers.rounding:"
+    obs.add(PartInfo("minmax", None, NoParams, needs_calibration=True))
+    obs.add(PartInfo("ema", None, EmaParams, needs_calibration=True))
+    obs.add(PartInfo("histogram", None, HistogramParams, needs_calibration=True))
+    obs.add(PartInfo("percentile", None, PercentileParams, needs_calibration=True))
+    obs.add(PartInfo("mse", None, MseParams, needs_calibration=True))
+    # minmax at >= 8 bits, the bit-aware mse/histogram search above it (qdsl.quantizers.range_search)
+    obs.add(PartInfo("auto", None, MseParams, needs_calibration=True))
+    obs.add(PartInfo("mean_abs", None, NoParams, needs_calibration=True, extra={"kinds": ("binary", "ternary")}))
     for name in ("half_even", "half_away", "floor", "stochastic"):
-        regs.roundings.add(PartInfo(name, r + name))
-    s = "qdsl.quantizers.scales:"
-    regs.scales.add(PartInfo("float", s + "FloatScale"))
-    regs.scales.add(PartInfo("pot", s + "PotScale", extra={"pot": True}))
-    regs.scales.add(PartInfo("pot_ceil", s + "PotCeilScale", extra={"pot": True}))
-    # learned scales (an nn.Parameter initialised from the observer) belong to QAT
-    lq = "qdsl.qat.learned:"
-    regs.scales.add(PartInfo("learned", lq + "LearnedScale", extra={"learned": True}))
-    regs.scales.add(PartInfo("learned_pot", lq + "LearnedPotScale", extra={"learned": True, "pot": True}))
+        regs.roundings.add(PartInfo(name, None))
+    regs.scales.add(PartInfo("float", None))
+    regs.scales.add(PartInfo("pot", None, extra={"pot": True}))
+    regs.scales.add(PartInfo("pot_ceil", None, extra={"pot": True}))
+    # learned scales: an nn.Parameter initialised from the observer, trained by QAT
+    regs.scales.add(PartInfo("learned", None, extra={"learned": True}))
+    regs.scales.add(PartInfo("learned_pot", None, extra={"learned": True, "pot": True}))
+    # number formats: the torch-free facts here, their torch ops bound by qdsl.quantizers
     for fmt in BUILTIN_FORMATS.values():
         if fmt.quantized:  # float is "no format": never looked up in a registry
             register_format(regs, fmt)

@@ -11,9 +11,9 @@ nothing outside the formats branches on it (DESIGN.md §9, docs/architecture.md)
 * ``activation_lowering`` - whether (and how) a quantized *activation* of this format
   exists in the integer graph.
 
-The torch side (quantize, dequantize, scale from an observed range, gradient form,
-export lowering of weights) lives in ``qdsl.quantizers.formats``; a format names it by a
-``"module:attr"`` string (``ops``) so resolve and lint never import torch.
+The torch side (quantize, dequantize, scale from an observed range, export lowering of
+weights) lives in ``qdsl.quantizers.formats``, bound to the registry entry by
+``qdsl.quantizers.default_registries()`` (resolve and lint never import torch).
 
 Formats are registered like every part: ``registries.formats`` holds a
 :class:`~qdsl.spec.registry.PartInfo` per name whose factory is the torch ops and whose
@@ -80,8 +80,6 @@ class NumberFormat:
     """Base of a number format's torch-free facts.  Subclasses override what differs."""
 
     name: str = ""
-    ops: str | None = None
-    """``"module:attr"`` of the torch ops (``qdsl.quantizers.formats``), None: not quantized."""
     quantized: bool = True
     """False only for ``float`` (the tensor stays in floating point)."""
     zero_point: bool = False
@@ -145,7 +143,6 @@ class IntFormat(NumberFormat):
     """Affine integers: ``q = clamp(round(x/s) + z, qmin, qmax)``."""
 
     name = "int"
-    ops = "qdsl.quantizers.formats.int:IntOps"
     zero_point = True
     affine = True
     fixed_codes = True
@@ -172,7 +169,6 @@ class BinaryFormat(NumberFormat):
     """{-1, +1} times a scale (XNOR-Net); with ``signed = false``, {0, 1}."""
 
     name = "binary"
-    ops = "qdsl.quantizers.formats.binary:BinaryOps"
     default_bits = 1
     default_observer = "mean_abs"
     fixed_width = True
@@ -196,7 +192,6 @@ class TernaryFormat(NumberFormat):
     """{-1, 0, +1} times a scale."""
 
     name = "ternary"
-    ops = "qdsl.quantizers.formats.ternary:TernaryOps"
     default_bits = 2
     default_observer = "mean_abs"
     fixed_width = True
@@ -217,7 +212,6 @@ class PotFormat(NumberFormat):
     """Each value is ±2^k or 0, with the exponents within the bit budget."""
 
     name = "pot"
-    ops = "qdsl.quantizers.formats.pot:PotOps"
     accumulator_weight = True
 
     def code_range(self, bits, signed, narrow):
@@ -290,9 +284,10 @@ def format_of(kind: Any, registries: Registries | None = None, default: NumberFo
 
 
 def register_format(registries: Registries, fmt: NumberFormat, ops: Any = None, *, override: bool = False) -> None:
-    """Register ``fmt`` (its torch ops: ``ops`` or ``fmt.ops``) on ``registries.formats``."""
-    registries.formats.add(PartInfo(fmt.name, ops if ops is not None else fmt.ops, extra={"format": fmt}),
-                           override=override)
+    """Register ``fmt`` on ``registries.formats`` with its torch ops (a
+    ``qdsl.quantizers.formats.FormatOps`` class, instance or ``"module:attr"``; None
+    declares the format torch-free, as ``qdsl.spec.builtins`` does for the built-ins)."""
+    registries.formats.add(PartInfo(fmt.name, ops, extra={"format": fmt}), override=override)
 
 
 # Kind's members and the built-in formats must name the same set (a new built-in kind

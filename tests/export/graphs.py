@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from qdsl.export.ir import DType, IntegerGraph, Op, OutputStage, Rescale, Tensor
-from qdsl.export.validate import infer_output
+from qdsl.graph.ir import DType, IntegerGraph, Op, OutputStage, Rescale, Tensor
+from qdsl.graph.validate import infer_output
 
 
 def single_op(op_type, inputs, attrs, out_dtype=DType.I8, consts=(), name="op") -> IntegerGraph:
@@ -24,7 +24,7 @@ def single_op(op_type, inputs, attrs, out_dtype=DType.I8, consts=(), name="op") 
 
 
 def stage(mult=1.0, zp=0, lo=-128, hi=127, rescale: Rescale | None = None) -> dict:
-    from qdsl.export.requant import make_rescale
+    from qdsl.graph.requant import make_rescale
 
     return OutputStage(rescale or make_rescale(mult), zp, lo, hi).attrs()
 

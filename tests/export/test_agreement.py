@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 import qdsl
-from qdsl.export import execute, export, graph_from_bytes, graph_to_bytes
-from qdsl.export.ir import OpType
+from qdsl.export import export
+from qdsl.graph import execute, graph_from_bytes, graph_to_bytes
+from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
 from qdsl.testing.data import digits, synthetic_keywords
 from qdsl.testing.models import conv1d_net, digits_resnet

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import qdsl
-from qdsl.export import execute, export, run_graph
+from qdsl.export import export
+from qdsl.graph import execute
+from qdsl.runtime.run import run_graph
 from qdsl.testing.data import digits
 from qdsl.testing.models import digits_resnet
 

@@ -3,7 +3,7 @@
 import numpy as np
 
 from qdsl.cli.main import main
-from qdsl.export import execute, save_graph
+from qdsl.graph import execute, save_graph
 
 from .test_qgraph import GRAPH
 
@@ -60,7 +60,7 @@ def test_run_plan_labels_every_op_once(tmp_path, capsys):
     import pytest
 
     import qdsl.runtime as rt
-    from qdsl.export.ir import DType, IntegerGraph, Op, OpType, Tensor
+    from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Tensor
 
     if not rt.available():
         pytest.skip(f"C++ runtime not built: {rt.load_error()}")

@@ -6,7 +6,7 @@ from torch import nn
 
 import qdsl
 from qdsl.export import export
-from qdsl.export.ir import OpType
+from qdsl.graph.ir import OpType
 from qdsl.export.values import ExportError
 from qdsl.parse import parse_text
 from qdsl.spec.diagnostics import QdslError
@@ -114,7 +114,7 @@ def test_concat_of_differently_scaled_branches_is_bit_exact_for_pot():
     assert OpType.CONCAT in types and OpType.MAXPOOL2D in types
     h = qdsl.patch.get_handle(model)
     assert float(h.quantizer("a", "output").scale) != float(h.quantizer("b", "output").scale)
-    from qdsl.export import execute
+    from qdsl.graph import execute
 
     with torch.no_grad():
         fq = model(X).numpy()
@@ -140,7 +140,7 @@ def test_functional_pools_and_view_export_bit_exact():
     graph = export(model, X[:1])
     types = [op.type for op in graph.ops]
     assert OpType.MAXPOOL2D in types and OpType.GLOBAL_AVGPOOL in types
-    from qdsl.export import execute
+    from qdsl.graph import execute
 
     with torch.no_grad():
         fq = model(X).numpy()

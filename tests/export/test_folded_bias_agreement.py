@@ -20,7 +20,7 @@ import torch
 
 import qdsl
 import qdsl.runtime as rt
-from qdsl.export.reference import execute
+from qdsl.graph.reference import execute
 from qdsl.parse import parse_text
 from qdsl.testing.data import digits
 from qdsl.testing.models import ConvBnReluNet

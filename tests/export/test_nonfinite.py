@@ -10,8 +10,10 @@ import pytest
 import torch
 
 import qdsl
-from qdsl.export import execute, export, run_graph
-from qdsl.export.ir import OpType
+from qdsl.export import export
+from qdsl.graph import execute
+from qdsl.runtime.run import run_graph
+from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
 from qdsl.patch import get_handle
 from qdsl.spec.diagnostics import NonFiniteError, QdslError
@@ -163,7 +165,7 @@ def test_empty_batch_gives_empty_output(setup, backend):
 
 
 def test_binary_and_ternary_codes_of_non_finite_values():
-    from qdsl.export.reference import binarize
+    from qdsl.graph.reference import binarize
     from qdsl.quantizers import functional as F
 
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.5])

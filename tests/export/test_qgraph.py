@@ -12,10 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qdsl.export import execute, graph_from_bytes, graph_to_bytes, load_graph, save_graph
-from qdsl.export.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, OutputStage, Tensor
-from qdsl.export.qgraph import ALIGN, MAGIC, pack, unpack
-from qdsl.export.requant import make_rescale
+from qdsl.graph import execute, graph_from_bytes, graph_to_bytes, load_graph, save_graph
+from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, OutputStage, Tensor
+from qdsl.graph.qgraph import ALIGN, MAGIC, pack, unpack
+from qdsl.graph.requant import make_rescale
 from qdsl.spec.diagnostics import QdslError
 
 from .graphs import rand_int

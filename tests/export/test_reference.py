@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qdsl.export.ir import DType, OpType, Rescale, RescaleKind, Rounding, Tensor
-from qdsl.export.reference import GraphInputError, execute
-from qdsl.export.requant import apply_rescale, make_rescale
+from qdsl.graph.ir import DType, OpType, Rescale, RescaleKind, Rounding, Tensor
+from qdsl.graph.reference import GraphInputError, execute
+from qdsl.graph.requant import apply_rescale, make_rescale
 
 from .graphs import rand_int, single_op, stage
 
@@ -89,7 +89,7 @@ def test_bconv2d_xnor_popcount_equals_pm1_conv(pad):
     attrs = dict(stride=(1, 1), padding=(pad, pad), dilation=(1, 1), groups=1, acc_bits=32, overflow=0,
                  **stage(rescale=Rescale(RescaleKind.POT, [1], [0])))
     # BIN activations reach BCONV through BINARIZE; build the chain x:I8 -> BIN -> BCONV2D
-    from qdsl.export.ir import IntegerGraph, Op
+    from qdsl.graph.ir import IntegerGraph, Op
 
     tensors = [Tensor("x", DType.I8, (-1, 9, 5, 5)), Tensor("xb", DType.BIN, (-1, 9, 5, 5)),
                Tensor("w", DType.BIN, wt.shape, wt), Tensor("y", DType.I8, (-1, 4, 5 - 2 + 2 * pad, 5 - 2 + 2 * pad))]
@@ -104,7 +104,7 @@ def test_bconv2d_xnor_popcount_equals_pm1_conv(pad):
 
 def test_blinear_sign_output_and_bias():
     rng = np.random.default_rng(RNG_SEED)
-    from qdsl.export.ir import IntegerGraph, Op
+    from qdsl.graph.ir import IntegerGraph, Op
 
     x = rand_int(rng, DType.I8, (6, 70))
     wt = rand_int(rng, DType.BIN, (5, 70))

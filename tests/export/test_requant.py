@@ -1,6 +1,6 @@
 """Requantization against exact rational arithmetic (``fractions.Fraction``).
 
-The bounds tested here are the ones stated in qdsl/export/requant.py and docs/qgraph.md §4.1.
+The bounds tested here are the ones stated in qdsl/graph/requant.py and docs/qgraph.md §4.1.
 """
 
 import math
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from qdsl.export.ir import Rescale, RescaleKind, Rounding
-from qdsl.export.requant import (
+from qdsl.graph.ir import Rescale, RescaleKind, Rounding
+from qdsl.graph.requant import (
     INT32_MAX,
     INT32_MIN,
     apply_rescale,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import qdsl
-from qdsl.export.reference import execute
+from qdsl.graph.reference import execute
 from qdsl.testing.data import digits, synthetic_keywords
 from qdsl.testing.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
 

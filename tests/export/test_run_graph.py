@@ -7,8 +7,9 @@ import warnings
 import numpy as np
 import pytest
 
-import qdsl.export as qe
-from qdsl.export import execute, graph_to_bytes, run_graph
+import qdsl.runtime.run as qe
+from qdsl.graph import execute, graph_to_bytes
+from qdsl.runtime.run import run_graph
 from qdsl.spec.diagnostics import QdslError
 
 from .test_qgraph import GRAPH

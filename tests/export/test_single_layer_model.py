@@ -13,8 +13,8 @@ from torch import nn
 
 import qdsl
 import qdsl.runtime as rt
-from qdsl.export.ir import OpType
-from qdsl.export.reference import execute
+from qdsl.graph.ir import OpType
+from qdsl.graph.reference import execute
 from qdsl.lint import lint
 from qdsl.lint.graph import model_graph
 from qdsl.parse import parse_text

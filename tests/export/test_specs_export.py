@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import qdsl
-from qdsl.export import execute, export, graph_from_bytes, graph_to_bytes
-from qdsl.export.ir import OpType
+from qdsl.export import export
+from qdsl.graph import execute, graph_from_bytes, graph_to_bytes
+from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
 from qdsl.testing.data import digits
 from qdsl.testing.models import digits_resnet, mlp

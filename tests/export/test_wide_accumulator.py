@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import qdsl
-from qdsl.export.ir import Rescale, RescaleKind, Rounding
-from qdsl.export.reference import execute
-from qdsl.export.requant import apply_rescale, apply_rescale_wide, make_rescale
+from qdsl.graph.ir import Rescale, RescaleKind, Rounding
+from qdsl.graph.reference import execute
+from qdsl.graph.requant import apply_rescale, apply_rescale_wide, make_rescale
 
 SPEC = """version 1
 quantizer w8 = int(bits=8, signed, narrow, symmetric, per_tensor, observer=minmax)

@@ -11,7 +11,7 @@ from torch import nn
 
 import qdsl
 from qdsl.patch import State, get_handle, state_of
-from qdsl.patch.calibrate import ProgressBar
+from qdsl.calibration.run import ProgressBar
 from qdsl.spec.diagnostics import QdslError, SpecError
 from qdsl.spec.model import Role
 from qdsl.testing.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp

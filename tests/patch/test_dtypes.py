@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 import qdsl
-from qdsl.patch import apply, calibrate, freeze, get_handle, int_tensors
+from qdsl import calibrate, freeze
+from qdsl.patch import apply, get_handle, int_tensors
 from qdsl.spec.diagnostics import QdslError, SpecError
 from qdsl.testing.data import digits
 from qdsl.testing.models import digits_resnet

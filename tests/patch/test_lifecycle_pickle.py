@@ -17,7 +17,7 @@ from torch import nn
 
 import qdsl
 import qdsl.qat
-from qdsl.export.qgraph import graph_to_bytes
+from qdsl.graph.qgraph import graph_to_bytes
 from qdsl.parse import load_spec
 from qdsl.patch import State, get_handle, state_of
 from qdsl.testing.models import conv_bn_relu_net, digits_binary_cnn

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qdsl.ptq.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
+from qdsl.workflows.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
 from qdsl.testing.train import evaluate, trained_conv1d_net, trained_digits_resnet
 
 pytestmark = pytest.mark.slow

@@ -209,3 +209,18 @@ def test_unimplemented_learned_rounding_fails_before_calibration():
     with pytest.raises(QdslError, match="learned_rounding = 'adaround', which qdsl does not implement; use 'gptq'"):
         qdsl.calibrate(model, [_data()])
     assert qdsl.patch.get_handle(model).quantizer("c1", "input").observer.observed is False
+
+
+def test_calibration_layer_needs_the_ptq_steps_passed_in():
+    """qdsl.calibration sits below qdsl.ptq: the façade passes the steps; without them a
+    spec that enables bias correction is refused instead of calibrated without it."""
+    import qdsl.calibration
+    from qdsl.ptq import pipeline
+
+    x = _data()
+    model = _net()
+    qdsl.apply(model, _spec(3, "bias_correction = true", fold=False))
+    with pytest.raises(QdslError, match="bias_correction"):
+        qdsl.calibration.calibrate(model, [x[:64]])
+    qdsl.calibration.calibrate(model, [x[:64]], steps=pipeline)
+    assert qdsl.patch.get_handle(model).quantizer("fc", "bias").offset.shape == (5,)

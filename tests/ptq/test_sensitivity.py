@@ -8,7 +8,7 @@ import torch
 import qdsl
 from qdsl.cli.main import main
 from qdsl.parse import load_spec, parse_text
-from qdsl.ptq.sensitivity import (
+from qdsl.workflows.sensitivity import (
     LayerSensitivity,
     SensitivityReport,
     emit_mixed_precision,

@@ -7,8 +7,9 @@ from torch import nn
 
 import qdsl.qat
 from qdsl.parse import parse_text
-from qdsl.patch import apply, calibrate, freeze, get_handle
-from qdsl.qat import ste
+from qdsl import calibrate, freeze
+from qdsl.patch import apply, get_handle
+from qdsl.quantizers import ste
 
 LEARNED = """version 1
 defaults {

@@ -184,7 +184,7 @@ def test_static_activation_ranges_are_memoized_until_statistics_change():
                                                 "observer=histogram(percentile=99.9))\n}"), "a8.qspec")
     model = models.conv_bn_relu_net(width=4)
     handle = apply(model, spec)
-    from qdsl.patch import calibrate
+    from qdsl import calibrate
 
     calibrate(model, [_x((4, 3, 8, 8))])
     obs = handle.layer("features.3").iq.observer

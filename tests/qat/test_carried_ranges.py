@@ -16,7 +16,8 @@ import torch.nn.functional as TF
 import qdsl
 import qdsl.qat
 from qdsl.parse import parse_text
-from qdsl.patch import apply, calibrate, freeze, get_handle
+from qdsl import apply, calibrate, freeze
+from qdsl.patch import get_handle
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import observers as O
 from qdsl.quantizers import range_search as RS

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import qdsl.qat
-from qdsl.patch import apply, calibrate
+from qdsl import calibrate
+from qdsl.patch import apply
 from qdsl.testing.models import conv_bn_relu_net
 from pathlib import Path
 

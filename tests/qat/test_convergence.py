@@ -14,7 +14,8 @@ from torch import nn
 
 import qdsl.patch
 import qdsl.qat
-from qdsl.patch import apply, calibrate, freeze
+from qdsl import calibrate, freeze
+from qdsl.patch import apply
 from qdsl.testing.data import digits
 from qdsl.testing.train import evaluate, train_float, trained_digits_resnet
 

@@ -42,7 +42,8 @@ def _prepared(calib, sync: bool = False):
     across ranks) when ``sync``, else observing in the ``calibrating`` context (no sync)."""
     import qdsl.qat
     from qdsl.parse import parse_text
-    from qdsl.patch import apply, calibrate, calibrating
+    from qdsl import calibrate, calibrating
+    from qdsl.patch import apply
     from qdsl.testing.models import conv_bn_relu_net
 
     model = conv_bn_relu_net(width=4, seed=0)

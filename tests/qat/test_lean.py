@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import qdsl.qat  # noqa: F401  (installs the QAT gradient path)
-from qdsl.export import export, run_graph
+from qdsl.export import export
+from qdsl.runtime.run import run_graph
 from qdsl.parse import load_spec, parse_text
-from qdsl.patch import apply, calibrate, freeze, get_handle, remove
+from qdsl import calibrate, freeze
+from qdsl.patch import apply, get_handle, remove
 from qdsl.qat.lean import LeanOptimizer, pack_codes, unpack_codes, weight_bytes
+from qdsl.quantizers import proxy_grad
 from qdsl.spec.diagnostics import QdslError
 from qdsl.testing.models import mlp
 
@@ -45,6 +47,7 @@ def _applied(spec, x):
     model = mlp(seed=0, sizes=(64, 48, 32, 10))
     apply(model, spec)
     calibrate(model, [x[:32], x[32:64]])
+    proxy_grad.install(model)  # the normal QAT path (LeanOptimizer installs it too)
     return model.train()
 
 

@@ -5,8 +5,8 @@ import types
 
 import torch
 
-from qdsl.qat import ste
-from qdsl.qat.learned import LearnedPotScale, LearnedScale
+from qdsl.quantizers import ste
+from qdsl.quantizers.learned import LearnedPotScale, LearnedScale
 from qdsl.quantizers import functional as F
 
 

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-import qdsl.qat  # noqa: F401  (installs the QAT gradient path)
-from qdsl.qat import ste
-from qdsl.quantizers.proxy import TensorQuantizer
+from qdsl.quantizers import proxy_grad, ste
+from qdsl.quantizers.proxy import TensorQuantizer as _TensorQuantizer
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.model import Granularity, GranularityKind, Kind, ObserverSpec, Role
 
@@ -17,6 +16,13 @@ def recipe(kind="int", bits=8, signed=True, scale="float", channel=False, observ
     gran = Granularity(GranularityKind.CHANNEL, 0) if channel else Granularity()
     return QuantizerRecipe(Kind(kind), bits, signed, narrow, symmetric, scale, gran, ObserverSpec(observer),
                            "half_even", False)
+
+
+def TensorQuantizer(*args, **kwargs):
+    """A proxy with the QAT gradient path installed on it (what prepare_qat does per model)."""
+    q = _TensorQuantizer(*args, **kwargs)
+    assert proxy_grad.install(q) == 1
+    return q
 
 
 def _w(shape=(4, 3, 3, 3), seed=0, scale=0.3):
@@ -120,14 +126,9 @@ def test_pot_weight_gradient_mask():
 @pytest.mark.parametrize("kind,bits,obs", [("int", 4, "minmax"), ("binary", 1, "mean_abs"), ("pot", 4, "minmax")])
 def test_plain_ste_differs_from_qat_only_in_gradient(kind, bits, obs):
     """Uninstalling the QAT path must not change values (it only changes gradients)."""
-    from qdsl.qat import proxy_grad
-
     q = TensorQuantizer(recipe(kind=kind, bits=bits, channel=True, observer=obs), Role.WEIGHT)
     w = _w((4, 6), seed=4)
     y_qat = q(w)
-    proxy_grad.uninstall()
-    try:
-        y_plain = q(w)
-    finally:
-        proxy_grad.install()
+    proxy_grad.uninstall(q)
+    y_plain = q(w)
     assert torch.equal(y_qat, y_plain)

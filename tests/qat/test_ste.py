@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from qdsl.qat import ste
+from qdsl.quantizers import ste
 from qdsl.quantizers import functional as F
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qdsl.qat.distributed import merge_observer_states, sync_observers
+from qdsl.calibration.distributed import merge_observer_states, sync_observers
 from qdsl.quantizers import observers as O
 from qdsl.quantizers.observers import _ctx
 from qdsl.spec.diagnostics import QdslError

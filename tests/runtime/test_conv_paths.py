@@ -14,9 +14,9 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.export.ir import DType, GraphFormatError, OpType, Tensor  # noqa: E402
+from qdsl.graph.ir import DType, GraphFormatError, OpType, Tensor  # noqa: E402
 
-from qdsl.export import execute  # noqa: E402
+from qdsl.graph import execute  # noqa: E402
 from tests.runtime.test_graph import PATHS, _check, _graph, _rand, _stage  # noqa: E402
 
 
@@ -66,7 +66,7 @@ def test_residual_add_fused_into_conv_matches_reference(seed, order, pot, ow):
     """A conv whose I32 output feeds only an ADD computes the ADD in its epilogue on the AMX
     path (the executor skips the ADD).  The ADD's other input is the graph input, or a
     second conv run before or after this one; all paths equal the reference."""
-    from qdsl.export.ir import IntegerGraph, Op
+    from qdsl.graph.ir import IntegerGraph, Op
 
     rng = np.random.default_rng(seed)
     c = 16
@@ -100,7 +100,7 @@ def test_nhwc_chain_matches_reference(seed, ow, stride, fuse):
     """x -> conv a (U8) -> conv b (I32) -> ADD(b, a) -> conv c -> y: on AMX runs a, b and the
     ADD's output are kept NHWC (only AMX convs and the ADD read them), b takes the ADD when
     its output is I32; c reads NHWC and writes the NCHW graph output."""
-    from qdsl.export.ir import IntegerGraph, Op
+    from qdsl.graph.ir import IntegerGraph, Op
 
     rng = np.random.default_rng(seed)
     c = 16
@@ -128,7 +128,7 @@ def test_nhwc_chain_matches_reference(seed, ow, stride, fuse):
 def test_global_avgpool_every_input_dtype(seed, xdtype):
     """GLOBAL_AVGPOOL reads I8/U8 and wide I32 inputs (per-dtype sums, planes in parallel);
     an I32 input comes from a conv (graph inputs are never I32)."""
-    from qdsl.export.ir import IntegerGraph, Op
+    from qdsl.graph.ir import IntegerGraph, Op
 
     rng = np.random.default_rng(seed)
     c = int(rng.integers(1, 40))
@@ -155,7 +155,7 @@ def test_twin_convs_share_accumulators(seed, out2):
     """Two convs with the same input, weights, bias and geometry but their own output stage
     (the exporter's requantized + I32 residual pair): the im2col path computes the second
     from the first one's accumulators; both outputs must equal the reference."""
-    from qdsl.export.ir import IntegerGraph, Op
+    from qdsl.graph.ir import IntegerGraph, Op
 
     rng = np.random.default_rng(seed)
     cin, cout, hw = int(rng.choice([1, 3, 16])), int(rng.choice([8, 16, 17])), int(rng.choice([5, 8, 12]))

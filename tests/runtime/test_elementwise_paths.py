@@ -15,7 +15,7 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor  # noqa: E402
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor  # noqa: E402
 
 from tests.runtime.test_graph import _check, _graph, _rand, _stage  # noqa: E402
 
@@ -164,7 +164,7 @@ def test_pools_any_geometry_match_reference(seed, xdtype, rank, is_max):
             return
         _check(graph, _rand(rng, xdtype, (b, *shape[1:])))
         return
-    from qdsl.export.validate import infer_output
+    from qdsl.graph.validate import infer_output
 
     xu = (-1, c, *spatial)
     w = rng.integers(-127, 128, (c, c) + (1,) * rank).astype(np.int8)

@@ -14,7 +14,8 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.export import execute, export  # noqa: E402
+from qdsl.export import export  # noqa: E402
+from qdsl.graph import execute  # noqa: E402
 from qdsl.parse import parse_text  # noqa: E402
 from qdsl.runtime import kernels as K  # noqa: E402
 from qdsl.testing.data import digits, synthetic_keywords  # noqa: E402

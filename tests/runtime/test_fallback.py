@@ -11,8 +11,8 @@ CODE = r"""
 import warnings
 import numpy as np
 import qdsl.runtime as rt
-from qdsl.export import run_graph
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType, Tensor
+from qdsl.runtime.run import run_graph
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Tensor
 
 assert not rt.available()
 assert "not built" in rt.load_error(), rt.load_error()

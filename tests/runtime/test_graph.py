@@ -12,11 +12,11 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.export.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor  # noqa: E402
-from qdsl.export.qgraph import graph_to_bytes  # noqa: E402
-from qdsl.export.reference import GraphInputError, execute  # noqa: E402
-from qdsl.export.requant import make_rescale  # noqa: E402
-from qdsl.export.validate import infer_output  # noqa: E402
+from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor  # noqa: E402
+from qdsl.graph.qgraph import graph_to_bytes  # noqa: E402
+from qdsl.graph.reference import GraphInputError, execute  # noqa: E402
+from qdsl.graph.requant import make_rescale  # noqa: E402
+from qdsl.graph.validate import infer_output  # noqa: E402
 from qdsl.spec.diagnostics import QdslError  # noqa: E402
 
 from qdsl.runtime import kernels as K  # noqa: E402
@@ -263,7 +263,7 @@ def test_bad_inputs_raise():
 
 
 def test_run_graph_cpp_backend_and_batch_change():
-    from qdsl.export import run_graph
+    from qdsl.runtime.run import run_graph
 
     blob = _small_graph_bytes()
     for batch in (1, 4, 2):
@@ -392,7 +392,7 @@ def test_add_of_two_8bit_inputs_rounds_each_like_the_reference(rounding, kinds):
 def test_non_utf8_names_are_rejected_by_both_loaders(bad, tmp_path):
     import zlib
 
-    from qdsl.export.qgraph import load_graph
+    from qdsl.graph.qgraph import load_graph
 
     blob = bytearray(_small_graph_bytes())
     key = len(b"layer").to_bytes(4, "little") + b"layer"  # the op name, length-prefixed
@@ -408,7 +408,7 @@ def test_non_utf8_names_are_rejected_by_both_loaders(bad, tmp_path):
 
 
 def test_utf8_names_load_in_both_loaders():
-    from qdsl.export.qgraph import graph_from_bytes
+    from qdsl.graph.qgraph import graph_from_bytes
 
     name = "schicht-ü€𝄞"  # 2-, 3- and 4-byte sequences
     x_t, y_t = Tensor("x", DType.U8, (-1, 2, 3)), Tensor("y", DType.U8, (-1, 6))

@@ -146,8 +146,8 @@ def test_gemm_activation_bound_is_checked():
 
 @pytest.mark.parametrize("path", PATHS)
 def test_gemm_requantized_output_equals_reference_stage(path):
-    from qdsl.export.ir import Rescale
-    from qdsl.export.requant import apply_rescale
+    from qdsl.graph.ir import Rescale
+    from qdsl.graph.requant import apply_rescale
 
     rng = np.random.default_rng(3)
     a = rng.integers(0, 256, (13, 70)).astype(np.uint8)
@@ -193,8 +193,8 @@ _CORNERS = [0, 1, -1, 2, -2, 3, 127, -128, 255, 1 << 15, -(1 << 15), (1 << 30) +
 @given(kind=st.sampled_from([0, 1, 2]), rounding=st.integers(0, 3), channels=st.sampled_from([1, 3, 8, 11]),
        seed=st.integers(0, 2**31), out_signed=st.booleans())
 def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_signed):
-    from qdsl.export.ir import Rescale
-    from qdsl.export.requant import apply_rescale
+    from qdsl.graph.ir import Rescale
+    from qdsl.graph.requant import apply_rescale
 
     rng = np.random.default_rng(seed)
     if kind in (0, 2):  # FIXED (gemmlowp, rounding 0) and FIXED_SINGLE (any rounding)
@@ -227,8 +227,8 @@ def test_requantize_equals_export_requant(kind, rounding, channels, seed, out_si
 def test_requantize_ties_every_rounding(kind, rounding):
     """Exact halves, both signs, odd and even neighbours, on 16 channels (two full AVX2
     vectors per row) and per-tensor: every rounding rule must pick the reference's side."""
-    from qdsl.export.ir import Rescale
-    from qdsl.export.requant import apply_rescale
+    from qdsl.graph.ir import Rescale
+    from qdsl.graph.requant import apply_rescale
 
     right = np.arange(16) % 8  # FIXED_SINGLE: factor 2^30 / 2^(31 + right); POT: 2^-(right + 1)
     mult = np.full(16, 1 << 30 if kind == 2 else 1, np.int64)

@@ -1,5 +1,5 @@
 """The vector output stages (AVX2: 8 lanes + scalar tail; AVX-512: 16 lanes + masked
-tail) equal the exact formulas of qdsl/export/requant.py on every path, across column
+tail) equal the exact formulas of qdsl/graph/requant.py on every path, across column
 counts that end blocks at every offset, per-tensor and per-channel parameters, every
 kind and rounding, and corner accumulators and multipliers."""
 
@@ -14,8 +14,8 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.export.ir import Rescale  # noqa: E402
-from qdsl.export.requant import apply_rescale  # noqa: E402
+from qdsl.graph.ir import Rescale  # noqa: E402
+from qdsl.graph.requant import apply_rescale  # noqa: E402
 from qdsl.runtime import kernels as K  # noqa: E402
 
 PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx") if p in K.paths()["cpu"]]
@@ -126,8 +126,8 @@ def test_add_paths_equal_reference(seed, n):
     """ADD (vector kernels in L1 chunks of 512 elements, masked tails) on every path equals
     the reference executor: every input / output kind and rounding, left and right shifts,
     pre-shifts, I8 and U8 inputs, zero points at the range edges, sizes across chunk ends."""
-    from qdsl.export.ir import DType, IntegerGraph, Op, OpType, Tensor
-    from qdsl.export.reference import execute
+    from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Tensor
+    from qdsl.graph.reference import execute
 
     rng = np.random.default_rng(seed)
     dts = [DType.U8 if rng.random() < 0.5 else DType.I8 for _ in range(2)]

@@ -15,9 +15,10 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.export import execute, run_graph  # noqa: E402
-from qdsl.export.ir import OutputStage  # noqa: E402
-from qdsl.export.requant import make_rescale  # noqa: E402
+from qdsl.graph import execute  # noqa: E402
+from qdsl.runtime.run import run_graph  # noqa: E402
+from qdsl.graph.ir import OutputStage  # noqa: E402
+from qdsl.graph.requant import make_rescale  # noqa: E402
 
 from tests.export.test_qgraph import sample_graph  # noqa: E402
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import qdsl.runtime as rt
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, RescaleKind, Rounding, Tensor
-from qdsl.export.reference import execute
-from qdsl.export.requant import INT32_MAX, INT32_MIN, quantize_multiplier
-from qdsl.export.validate import infer_output
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, RescaleKind, Rounding, Tensor
+from qdsl.graph.reference import execute
+from qdsl.graph.requant import INT32_MAX, INT32_MIN, quantize_multiplier
+from qdsl.graph.validate import infer_output
 
 native = pytest.mark.skipif(not rt.available(), reason="C++ runtime not built")
 

@@ -1,15 +1,18 @@
 """The QAT gradient path of ``TensorQuantizer``: which STE each kind of quantizer trains with.
 
 ``TensorQuantizer`` (qdsl/quantizers/proxy.py) always computes *values* with
-``qdsl.quantizers.functional``; when autograd needs a gradient it calls the class hook
-``TensorQuantizer.grad_path(proxy, x, scale, zero_point, threshold)``.  Importing
-:mod:`qdsl.qat` installs :func:`qat_grad_path` there (the learned scale rules live in
-``qdsl.qat``, so any spec that uses them gets these gradients).  Guarantees:
+``qdsl.quantizers.functional``; when autograd needs a gradient it calls its own hook
+``proxy.grad_path(proxy, x, scale, zero_point, threshold)``.  :func:`install` puts
+:func:`qat_grad_path` there on the proxies it is given - one proxy, or every proxy of a
+model - and nowhere else: importing a module changes no model's gradients.  A proxy
+whose scale rule is learned gets it when built (LSQ needs it);
+``qdsl.qat.prepare_qat``, ``fit`` and ``LeanOptimizer`` install it on their model's
+proxies.  Guarantees:
 
 * the value returned equals the proxy's own fake-quantized value bit for bit (the
   surrogates below either compute it with the same ``functional`` call or add a term
   that is exactly zero in the forward pass);
-* gradients, by kind and role (closed forms in :mod:`qdsl.qat.ste`):
+* gradients, by kind and role (closed forms in :mod:`qdsl.quantizers.ste`):
 
   ============  ==========  ======================================================
   kind          role        gradient
@@ -31,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qdsl.qat import ste
+from qdsl.quantizers import ste
 from qdsl.quantizers import functional as F
 from qdsl.spec.model import Kind, Role
 
@@ -136,15 +139,29 @@ def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) ->
     return value + _zero_gain(sur)
 
 
-def install() -> None:
-    """Make every ``TensorQuantizer`` train with :func:`qat_grad_path` (idempotent)."""
+def _proxies(target) -> list:
     from qdsl.quantizers.proxy import TensorQuantizer
 
-    TensorQuantizer.grad_path = staticmethod(qat_grad_path)
+    if isinstance(target, TensorQuantizer):
+        return [target]
+    if isinstance(target, torch.nn.Module):
+        return [m for m in target.modules() if isinstance(m, TensorQuantizer)]
+    return [q for t in target for q in _proxies(t)]
 
 
-def uninstall() -> None:
-    """Back to the proxy's plain identity STE."""
-    from qdsl.quantizers.proxy import TensorQuantizer
+def install(target) -> int:
+    """Make the proxies of ``target`` (a ``TensorQuantizer``, a module such as a patched
+    model, or an iterable of them) train with :func:`qat_grad_path`; idempotent.
+    Returns how many proxies it set; no other proxy changes."""
+    proxies = _proxies(target)
+    for q in proxies:
+        q.grad_path = qat_grad_path
+    return len(proxies)
 
-    TensorQuantizer.grad_path = None
+
+def uninstall(target) -> int:
+    """Back to the plain identity STE for the proxies of ``target`` (as in :func:`install`)."""
+    proxies = _proxies(target)
+    for q in proxies:
+        q.grad_path = None
+    return len(proxies)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numpy as np
 
-from qdsl.export.ir import (
+from qdsl.graph.ir import (
     ACTIVATION_DTYPES,
     INT8_DTYPES,
     OP_SCHEMAS,

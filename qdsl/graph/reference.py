@@ -25,8 +25,8 @@ from typing import Sequence
 import attrs
 import numpy as np
 
-from qdsl.export.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Rounding, Tensor
-from qdsl.export.requant import apply_rescale, apply_rescale_wide, sat, wrap
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, Rounding, Tensor
+from qdsl.graph.requant import apply_rescale, apply_rescale_wide, sat, wrap
 from qdsl.spec.diagnostics import NonFiniteError, QdslError
 
 __all__ = ["GraphInputError", "ExecResult", "execute", "run_reference", "require_finite", "as_array"]

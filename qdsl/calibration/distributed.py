@@ -79,7 +79,7 @@ def merge_observer_states(obs: nn.Module, states: list[dict[str, torch.Tensor]])
         return {k: torch.stack([s[k] for s in states]).sum(0) for k in ("abs_sum", "count")}
     raise QdslError(
         f"observer {type(obs).__name__} cannot be synchronised across ranks: give it a "
-        "merge_states(states) -> dict method (see qdsl.qat.distributed)"
+        "merge_states(states) -> dict method (see qdsl.calibration.distributed)"
     )
 
 

@@ -7,8 +7,8 @@ pass ``None`` and get the learned value.  Guarantees:
 
 * ``learned``: the scale *is* the parameter ``scale`` (clamped to ``>= eps`` so a large
   step can never make it zero or negative).  Its gradient is LSQ's, because the proxy's
-  fake quantization is :func:`qdsl.qat.ste.fake_quant` in training, multiplied by
-  ``1/sqrt(numel·qmax)`` (:func:`qdsl.qat.ste.lsq_grad_factor`); ``numel`` = elements per
+  fake quantization is :func:`qdsl.quantizers.ste.fake_quant` in training, multiplied by
+  ``1/sqrt(numel·qmax)`` (:func:`qdsl.quantizers.ste.lsq_grad_factor`); ``numel`` = elements per
   scale, which the proxy tells the rule with :meth:`LearnedScale.bind` (read when the
   gradient is computed, so the first call is right too; per sample for
   activations, per channel/tensor for weights).
@@ -27,7 +27,7 @@ import math
 import torch
 from torch import nn
 
-from qdsl.qat import ste
+from qdsl.quantizers import ste
 from qdsl.quantizers import functional as F
 
 __all__ = ["LearnedScale", "LearnedPotScale"]

@@ -11,7 +11,7 @@ Layout (all integers little-endian)::
     last 4 bytes   u32 CRC-32 (zlib polynomial) of every preceding byte
 
 Guarantees: :func:`graph_from_bytes` either returns a graph that passed
-:func:`~qdsl.export.validate.validate_graph` or raises :class:`GraphFormatError` (never
+:func:`~qdsl.graph.validate.validate_graph` or raises :class:`GraphFormatError` (never
 another exception) saying what is wrong and where (byte offset, op index, tensor name).
 Writing then reading a valid graph gives an equal graph.
 """
@@ -25,7 +25,7 @@ import zlib
 
 import numpy as np
 
-from qdsl.export.ir import (
+from qdsl.graph.ir import (
     GRAPH_VERSION,
     OP_SCHEMAS,
     AttrType,
@@ -36,7 +36,7 @@ from qdsl.export.ir import (
     OpType,
     Tensor,
 )
-from qdsl.export.validate import validate_graph
+from qdsl.graph.validate import validate_graph
 
 __all__ = ["MAGIC", "ALIGN", "save_graph", "load_graph", "graph_to_bytes", "graph_from_bytes", "pack", "unpack"]
 

@@ -1,4 +1,4 @@
-"""Post-training calibration and freezing.
+"""Post-training calibration and freezing (the calibration layer, above ``qdsl.patch``).
 
 * ``with calibrating(model): ...`` - every static activation quantizer *observes* and
   passes its input through; weights and biases pass through too, so the model computes
@@ -6,12 +6,15 @@
   is the standard PTQ choice (torch.ao does the same): statistics are those of the
   float network.  The model runs in eval mode inside the block (BatchNorm statistics
   and dropout are left alone) and gets its train/eval flags back afterwards.
-* ``calibrate(model, batches, num_batches=None, progress=None)`` runs batches under
-  ``torch.no_grad()`` inside ``calibrating``.  A batch is a tensor, a tuple/list whose
-  first element is the input (``(x, y)`` pairs), or a dict of keyword arguments.  A
-  small progress bar goes to stderr when it is a terminal (``progress=True/False``
-  forces it).  Then, if the spec enables them, learned rounding and bias correction
-  run on the same batches (:func:`qdsl.ptq.finish_calibration`).
+* ``calibrate(model, batches, num_batches=None, progress=None, steps=None)`` runs
+  batches under ``torch.no_grad()`` inside ``calibrating``.  A batch is a tensor, a
+  tuple/list whose first element is the input (``(x, y)`` pairs), or a dict of keyword
+  arguments.  A small progress bar goes to stderr when it is a terminal
+  (``progress=True/False`` forces it).  Under ``torch.distributed`` the observer
+  statistics of all ranks are merged (:mod:`qdsl.calibration.distributed`).  Then, if
+  the spec enables them, learned rounding and bias correction run on the same batches:
+  they plug in here as ``steps`` (:mod:`qdsl.ptq.pipeline`, which sits above this layer;
+  ``qdsl.calibrate`` passes it).
 * ``freeze(model)`` fixes every scale (buffers; observers stop), reporting *all*
   quantizers that never saw data in one error.  After it the state is FROZEN.
 
@@ -118,23 +121,38 @@ def _run(model: nn.Module, batch: Any) -> None:
         )
 
 
+def _spec_steps(model: nn.Module) -> list[str]:
+    # what the spec asks to run after the observers (qdsl.ptq.pipeline implements them)
+    spec = get_handle(model).plan.spec
+    names = [] if spec.learned_rounding in (None, "none") else [f"learned_rounding = '{spec.learned_rounding}'"]
+    return names + (["bias_correction = true"] if spec.bias_correction else [])
+
+
 def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None = None,
-              progress: bool | None = None) -> nn.Module:
+              progress: bool | None = None, *, steps: Any = None) -> nn.Module:
     """Run ``batches`` (at most ``num_batches``) through the model while observing.
 
     Under ``torch.distributed`` (initialised), the observer statistics of all ranks are
-    merged afterwards (``qdsl.qat.sync_observers``), so every rank holds the same scales;
-    the ``calibrating()`` context leaves that step to the caller.
+    merged afterwards (:func:`qdsl.calibration.distributed.sync_observers`), so every
+    rank holds the same scales; the ``calibrating()`` context leaves that step to the caller.
+
+    ``steps``: the post-observer PTQ steps, an object with ``ptq_steps(model) -> list``
+    and ``finish_calibration(model, batches)`` (the module :mod:`qdsl.ptq.pipeline`;
+    ``qdsl.calibrate`` passes it).  Without it, a spec that enables learned rounding or
+    bias correction is an error rather than silently calibrated without them.
     """
     if num_batches is not None and num_batches < 1:
         raise QdslError(f"num_batches must be >= 1, got {num_batches}")
     total = num_batches
     if total is None and hasattr(batches, "__len__"):
         total = len(batches)  # type: ignore[arg-type]
-    from qdsl.ptq.pipeline import finish_calibration, ptq_steps  # lazy: qdsl.ptq builds on patch
-
+    if steps is None:
+        wanted = _spec_steps(model)
+        if wanted:
+            raise QdslError(f"the spec enables {' and '.join(wanted)}, which run in qdsl.calibrate; "
+                            "call qdsl.calibrate(model, batches), or pass steps=qdsl.ptq.pipeline")
     # learned rounding / bias correction (spec) run after the observers, on the same batches
-    kept: list[Any] | None = [] if ptq_steps(model) else None
+    kept: list[Any] | None = [] if steps is not None and steps.ptq_steps(model) else None
     bar = ProgressBar("calibrating", total, progress)
     seen = 0
     with calibrating(model), torch.no_grad():
@@ -152,11 +170,11 @@ def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         # every rank saw its own shard: merge the observer statistics (a collective, so
         # every rank calls calibrate) so all ranks derive identical scales
-        from qdsl.qat.distributed import sync_observers
+        from qdsl.calibration.distributed import sync_observers
 
         sync_observers(model)
     if kept:
-        finish_calibration(model, kept)
+        steps.finish_calibration(model, kept)
     return model
 
 

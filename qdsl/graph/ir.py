@@ -5,7 +5,7 @@ activations and constants) and a topologically ordered list of :class:`Op` recor
 refer to tensors by name.  Every op is one of :class:`OpType`; its attributes are a flat
 mapping of name -> ``int`` | ``float`` | ``tuple[int, ...]`` whose names, types and
 meaning are fixed by :data:`OP_SCHEMAS` and documented, formula by formula, in
-``docs/qgraph.md``.  ``qdsl/export/reference.py`` is the executable definition of the
+``docs/qgraph.md``.  ``qdsl/graph/reference.py`` is the executable definition of the
 semantics; the C++ runtime must equal it bit for bit.
 
 Guarantees:
@@ -390,7 +390,7 @@ class OutputStage:
 
 class GraphCache(dict):
     """Scratch space an executor keeps on one :class:`IntegerGraph` object
-    (:func:`qdsl.export.run_graph` keeps the compiled form here).  Not part of the graph:
+    (:func:`qdsl.runtime.run.run_graph` keeps the compiled form here).  Not part of the graph:
     never compared, and a pickled or deep-copied graph starts with an empty one."""
 
     def __reduce__(self):
@@ -430,7 +430,7 @@ class IntegerGraph:
 
     def validate(self) -> "IntegerGraph":
         """Check everything a file loader checks; return ``self`` (raises GraphFormatError)."""
-        from qdsl.export.validate import validate_graph
+        from qdsl.graph.validate import validate_graph
 
         validate_graph(self)
         return self
