@@ -78,19 +78,23 @@ def check_quantizer(
     *,
     integer_only: bool = False,
     pot_scales: frozenset[str] = frozenset(),
+    fmt: Any = None,
 ) -> list[Violation]:
     """Every way the quantizer described by ``known`` breaks ``caps``.
 
     ``known`` may lack any field; checks that need a missing field are skipped, so a
     partial spec node is checked only on what it says.  ``bits`` applies to int and pot
     kinds only (binary and ternary have fixed widths), and the int-only fields
-    (signedness, zero point, narrow range) are skipped for float tensors.
+    (signedness, zero point, narrow range) are skipped for float tensors: the kind's
+    number format says which fields apply (``fmt``, a resolved recipe's own format; by
+    default the built-in one of ``known["kind"]``).
     """
     out: list[Violation] = []
     kind = known.get("kind")
     kind = _kind(kind) if kind is not None else None
     # what the number format says about the other fields (None: kind not known here)
-    fmt = format_of(kind, default=BUILTIN_FORMATS["int"]) if kind is not None else None
+    if fmt is None and kind is not None:
+        fmt = format_of(kind, default=BUILTIN_FORMATS["int"])
     if kind is not None:
         if not fmt.quantized and integer_only:
             out.append(Violation("E312", "kind", "float", "an integer kind", Kind.INT, "integer_only",

@@ -179,7 +179,8 @@ def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profi
         else:
             known = _recipe_fields(recipe)
         caps = profile.caps(role, op, positions)
-        for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales):
+        for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales,
+                                 fmt=recipe.format if recipe is not None else None):
             if recipe is None:
                 span, origin = _written(layer, role, "kind", where_spec)
                 origin = origin if layer.provenance.get((role, "kind")) else "not quantized by any source"

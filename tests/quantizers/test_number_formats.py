@@ -122,3 +122,13 @@ def test_every_builtin_kind_has_a_format_and_only_float_is_unquantized():
     assert [f.name for f in BUILTIN_FORMATS.values() if not f.quantized] == ["float"]
     regs = qdsl.default_registries()
     assert set(regs.formats.names()) == {k.value for k in Kind} - {"float"}
+
+
+def test_user_kind_round_trips_through_both_front_ends():
+    from qdsl.parse import format_spec, parse_text
+
+    spec = parse_text(SPEC, "toy.qspec.toml")
+    dsl = format_spec(spec, "qspec")
+    assert "(kind=tri3, per_channel)" in dsl  # not ``tri3(...)``, which would name a preset
+    assert parse_text(dsl, "toy.qspec") == spec
+    assert parse_text(format_spec(spec, "toml"), "again.qspec.toml") == spec
