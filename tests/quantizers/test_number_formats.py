@@ -132,3 +132,16 @@ def test_user_kind_round_trips_through_both_front_ends():
     assert "(kind=tri3, per_channel)" in dsl  # not ``tri3(...)``, which would name a preset
     assert parse_text(dsl, "toy.qspec") == spec
     assert parse_text(format_spec(spec, "toml"), "again.qspec.toml") == spec
+
+
+def test_lint_capability_reads_a_registered_formats_own_facts():
+    from qdsl.lint.capability import check_quantizer
+    from qdsl.spec.model import Role
+    from qdsl.spec.profile import TensorCaps
+
+    caps = TensorCaps(bits=(8,), zero_point=False)
+    known = {"kind": "tri3", "bits": 2, "symmetric": True}
+    # tri3's width is fixed (like binary's): a profile's bit list does not apply to it
+    assert check_quantizer(known, caps, Role.WEIGHT, fmt=Tri3Format()) == []
+    # an int of the same width is a bits violation
+    assert [v.code for v in check_quantizer({**known, "kind": "int"}, caps, Role.WEIGHT)] == ["E302"]
