@@ -17,7 +17,8 @@ from torch import nn
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
-from qdsl.spec.model import Kind, Overflow
+from qdsl.quantizers.formats.base import NotExportable
+from qdsl.spec.model import Overflow
 
 __all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints", "wide", "raw"]
 
@@ -37,22 +38,16 @@ def act_target(proxy, where: str) -> Target:
         raise ExportError(where, f"rounding '{proxy.recipe.rounding}' has no integer lowering",
                           f"use one of {', '.join(ROUNDINGS)}")
     scale = float(proxy.scale.detach().reshape(-1)[0])
-    if proxy.kind is Kind.BINARY and proxy.recipe.signed:
+    lowering = proxy.format.activation_lowering(proxy.recipe.signed)
+    if lowering == "bin":
         return Target(scale, 0, -1, 1, DType.BIN, rounding, where)
-    if proxy.kind is not Kind.INT:
-        raise ExportError(where, f"{proxy.kind.value} activations have no integer lowering", "use int or signed binary")
+    if lowering != "int":
+        raise ExportError(where, f"{proxy.format.name} activations have no integer lowering", "use int or signed binary")
     if proxy.recipe.bits > 8:
         raise ExportError(where, f"{proxy.recipe.bits}-bit activations are wider than the graph's 8-bit activations",
                           "use bits <= 8 for activations")
     zp = int(proxy.zero_point.reshape(-1)[0])
     return Target(scale, zp, int(proxy.qmin), int(proxy.qmax), DType.I8 if proxy.qmin < 0 else DType.U8, rounding, where)
-
-
-def _int_dtype(bits: int, signed: bool, where: str) -> DType:
-    for width, s, u in ((2, DType.I2, DType.U2), (4, DType.I4, DType.U4), (8, DType.I8, DType.U8)):
-        if bits <= width:
-            return s if signed else u
-    raise ExportError(where, f"{bits}-bit weights are wider than 8 bits", "use weight bits <= 8")
 
 
 def weight_ints(patch, where: str):
@@ -69,23 +64,12 @@ def weight_ints(patch, where: str):
     c = codes.shape[0]
     scale = np.broadcast_to(wq.scale.detach().double().reshape(-1).numpy(), (c,)).copy()
     zp = np.broadcast_to(wq.zero_point.detach().reshape(-1).numpy().astype(np.int64), (c,)).copy()
-    kind, bits = wq.kind, wq.recipe.bits
-    if kind is Kind.INT:
-        dtype = _int_dtype(bits, int(wq.qmin) < 0, where)
-    elif kind is Kind.BINARY:
-        if not wq.recipe.signed:
-            raise ExportError(where, "unsigned {0, 1} binary weights have no XNOR lowering", "use signed binary weights")
-        dtype = DType.BIN
-    elif kind is Kind.TERNARY:
-        dtype = DType.I2
-    else:  # POT: value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
-        n = 2 ** (bits - 1) - 1
-        if n > 7:
-            raise ExportError(where, f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
-        codes = np.where(codes == 0, 0, np.sign(codes) * np.left_shift(1, np.maximum(np.abs(codes) - 1, 0)))
-        scale = scale * 2.0 ** (1 - n)
-        dtype = _int_dtype(n + 1, True, where)
-    return codes, dtype, scale, zp, b
+    # the number format maps its codes to graph constants (pot: onto an integer grid)
+    try:
+        codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, scale)
+    except NotExportable as exc:
+        raise ExportError(where, exc.message, exc.hint) from None
+    return codes, DType[dtype_name], scale, zp, b
 
 
 def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):

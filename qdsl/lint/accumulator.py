@@ -46,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from qdsl.spec.formats import NumberFormat, builtin_format
 from qdsl.spec.model import Kind
 
 __all__ = [
@@ -69,41 +70,28 @@ def bits_for(lo: int, hi: int) -> int:
     return bits
 
 
-def _int_codes(bits: int, signed: bool, narrow: bool) -> tuple[int, int]:
-    if signed:
-        return -(1 << (bits - 1)) + (1 if narrow else 0), (1 << (bits - 1)) - 1
-    return 0, (1 << bits) - 1 - (1 if narrow else 0)
-
-
 def operand_ranges(
-    kind: Kind, bits: int, signed: bool, narrow_range: bool = False, symmetric: bool = True
+    kind: Kind, bits: int, signed: bool, narrow_range: bool = False, symmetric: bool = True,
+    fmt: NumberFormat | None = None,
 ) -> tuple[tuple[int, int], ...] | None:
     """The zero-point-corrected code ranges an operand can take, one per extreme zero point.
 
     Symmetric operands have one range; asymmetric ones two (``z = qmin`` and ``z = qmax``);
-    ``None`` for float tensors (no integer accumulator).
+    ``None`` for float tensors (no integer accumulator).  The number format (``fmt``, else
+    the built-in one of ``kind``) says which (qdsl.spec.formats ``operand_ranges``).
     """
-    kind = Kind(kind)
-    if kind is Kind.FLOAT:
+    fmt = fmt if fmt is not None else builtin_format(kind)
+    if not fmt.quantized:
         return None
-    if kind is Kind.BINARY:
-        return ((-1, 1),) if signed else ((0, 1),)
-    if kind is Kind.TERNARY:
-        return ((-1, 1),)
-    if kind is Kind.POT:
-        top = 1 << ((1 << (bits - 1)) - 2 if signed else (1 << bits) - 2)
-        return ((-top, top),) if signed else ((0, top),)
-    qmin, qmax = _int_codes(bits, signed, narrow_range)
-    if symmetric:
-        return ((qmin, qmax),)
-    return ((0, qmax - qmin), (qmin - qmax, 0))
+    return fmt.operand_ranges(bits, signed, narrow_range, symmetric)
 
 
 def operand_range(
-    kind: Kind, bits: int, signed: bool, narrow_range: bool = False, symmetric: bool = True
+    kind: Kind, bits: int, signed: bool, narrow_range: bool = False, symmetric: bool = True,
+    fmt: NumberFormat | None = None,
 ) -> tuple[int, int] | None:
     """The hull of :func:`operand_ranges` (``[-D, D]`` for an unknown zero point)."""
-    ranges = operand_ranges(kind, bits, signed, narrow_range, symmetric)
+    ranges = operand_ranges(kind, bits, signed, narrow_range, symmetric, fmt)
     if ranges is None:
         return None
     return min(r[0] for r in ranges), max(r[1] for r in ranges)

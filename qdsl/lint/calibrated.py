@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from qdsl.lint.plan_checks import LayerInts
+from qdsl.spec.formats import format_of
 
 __all__ = ["layer_ints"]
 
@@ -58,8 +59,8 @@ def layer_ints(model: Any) -> dict[str, LayerInts] | None:
         if li.weight is None:
             continue
         w = _np(li.weight)
-        if li.weight_kind == "pot":
-            w = np.sign(w) * np.where(w != 0, np.left_shift(1, np.maximum(np.abs(w) - 1, 0)), 0)
+        fmt = li.weight_format if li.weight_format is not None else format_of(li.weight_kind)
+        w = fmt.operand_codes(w)
         rows = w.shape[0]
         zp = _weight_zero_point(li.weight_zero_point, rows, int(np.prod(w.shape[1:])) if w.ndim > 1 else 1)
         if zp is None:

@@ -16,6 +16,7 @@ import attrs
 
 from qdsl.lint.fixes import bias_fix, use
 from qdsl.spec.diagnostics import Span
+from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name
 from qdsl.spec.model import Granularity, GranularityKind, Kind, Role
 from qdsl.spec.profile import NarrowRange, TensorCaps, export_scale_class
 
@@ -61,6 +62,11 @@ def _fmt_list(values) -> str:
     return ", ".join(str(v.value if hasattr(v, "value") else v) for v in values)
 
 
+def _kind(value: Any) -> Any:
+    """A built-in kind as its :class:`Kind` member; a registered format's name stays a str."""
+    return Kind(value) if kind_name(value) in {k.value for k in Kind} else value
+
+
 def _bool(v: bool) -> str:
     return "true" if v else "false"
 
@@ -72,34 +78,40 @@ def check_quantizer(
     *,
     integer_only: bool = False,
     pot_scales: frozenset[str] = frozenset(),
+    fmt: Any = None,
 ) -> list[Violation]:
     """Every way the quantizer described by ``known`` breaks ``caps``.
 
     ``known`` may lack any field; checks that need a missing field are skipped, so a
     partial spec node is checked only on what it says.  ``bits`` applies to int and pot
     kinds only (binary and ternary have fixed widths), and the int-only fields
-    (signedness, zero point, narrow range) are skipped for float tensors.
+    (signedness, zero point, narrow range) are skipped for float tensors: the kind's
+    number format says which fields apply (``fmt``, a resolved recipe's own format; by
+    default the built-in one of ``known["kind"]``).
     """
     out: list[Violation] = []
     kind = known.get("kind")
-    kind = Kind(kind) if kind is not None else None
+    kind = _kind(kind) if kind is not None else None
+    # what the number format says about the other fields (None: kind not known here)
+    if fmt is None and kind is not None:
+        fmt = format_of(kind, default=BUILTIN_FORMATS["int"])
     if kind is not None:
-        if kind is Kind.FLOAT and integer_only:
+        if not fmt.quantized and integer_only:
             out.append(Violation("E312", "kind", "float", "an integer kind", Kind.INT, "integer_only",
                                  "the target is integer-only: no tensor may stay float", _float_fix(role)))
         elif caps.kinds is not None and kind not in caps.kinds:
-            choice = Kind.INT if Kind.INT in caps.kinds else caps.kinds[0]
-            special = _float_fix(role) if kind is Kind.FLOAT else None
-            out.append(Violation("E301", "kind", kind.value, _fmt_list(caps.kinds), choice, "kinds",
+            choice = next((k for k in caps.kinds if format_of(k, default=BUILTIN_FORMATS["int"]).affine), caps.kinds[0])
+            special = _float_fix(role) if not fmt.quantized else None
+            out.append(Violation("E301", "kind", kind_name(kind), _fmt_list(caps.kinds), choice, "kinds",
                                  fix_special=special))
             return _bias_rule(out, role)  # the other fields are about a kind the target lacks
-    if kind is Kind.FLOAT:
+    if fmt is not None and not fmt.quantized:
         return _bias_rule(out, role)
     bits = known.get("bits")
-    if bits is not None and caps.bits is not None and kind in (None, Kind.INT, Kind.POT) and bits not in caps.bits:
+    if bits is not None and caps.bits is not None and (fmt is None or not fmt.fixed_width) and bits not in caps.bits:
         out.append(Violation("E302", "bits", str(bits), _fmt_list(caps.bits), nearest(bits, caps.bits), "bits"))
     signed = known.get("signed")
-    if signed is not None and caps.signedness is not None and kind not in (Kind.TERNARY,):
+    if signed is not None and caps.signedness is not None and (fmt is None or fmt.signedness):
         word = "signed" if signed else "unsigned"
         if word not in caps.signedness:
             out.append(Violation("E303", "signed", _bool(signed), _fmt_list(caps.signedness), not signed,
@@ -116,10 +128,10 @@ def check_quantizer(
     if isinstance(gran, Granularity):
         out += _check_granularity(gran, caps)
     symmetric = known.get("symmetric")
-    if symmetric is False and caps.zero_point is False and kind in (None, Kind.INT):
+    if symmetric is False and caps.zero_point is False and (fmt is None or fmt.zero_point):
         out.append(Violation("E306", "symmetric", "false", "symmetric only, no zero point", True, "zero_point"))
     narrow = known.get("narrow_range")
-    if narrow is not None and caps.narrow_range is not None and kind in (None, Kind.INT) and signed is not False:
+    if narrow is not None and caps.narrow_range is not None and (fmt is None or fmt.narrow) and signed is not False:
         if caps.narrow_range is NarrowRange.REQUIRED and not narrow:
             out.append(Violation("E307", "narrow_range", "false", "true", True, "narrow_range"))
         elif caps.narrow_range is NarrowRange.FORBIDDEN and narrow:

@@ -151,7 +151,7 @@ def _check_binary_after_relu(plan: Plan, graph: ModelGraph, col: Collector, wher
     calls = {n.module: n for n in graph.nodes if n.module is not None}
     for layer in plan.layers:
         x = layer.recipe(Role.INPUT)
-        if layer.skip or x is None or x.kind is not Kind.BINARY or not x.signed:
+        if layer.skip or x is None or x.format.activation_lowering(x.signed) != "bin":
             continue
         node = calls.get(layer.fqn)
         if node is None:
@@ -179,7 +179,8 @@ def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profi
         else:
             known = _recipe_fields(recipe)
         caps = profile.caps(role, op, positions)
-        for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales):
+        for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales,
+                                 fmt=recipe.format if recipe is not None else None):
             if recipe is None:
                 span, origin = _written(layer, role, "kind", where_spec)
                 origin = origin if layer.provenance.get((role, "kind")) else "not quantized by any source"
@@ -207,9 +208,7 @@ def _context(profile: HardwareProfile, role: Role, op: str | None, positions, ca
 
 
 def _range_text(r: QuantizerRecipe) -> str:
-    if r.kind is Kind.INT:
-        return f"{r.bits}-bit {'signed' if r.signed else 'unsigned'}{'' if r.symmetric else ' asymmetric'}"
-    return f"{r.kind.value}" + (f" {r.bits}-bit" if r.kind is Kind.POT else "")
+    return r.format.describe(r.bits, r.signed, r.symmetric)
 
 
 def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfile, li: LayerInts | None,
@@ -231,8 +230,8 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
         _check_pairs(layer, w, x, hw.pair_bits, profile, col, where_spec)
     if w is None or x is None or hw.bits is None or entry is None or "weight" not in entry.param_shapes:
         return
-    wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric)
-    xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric)
+    wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric, w.format)
+    xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric, x.format)
     if wr is None or xr is None:
         return
     shape = entry.param_shapes["weight"]
@@ -263,7 +262,7 @@ def _check_pairs(layer: LayerPlan, w: QuantizerRecipe, x: QuantizerRecipe, pair_
     """Kernels such as x86 VPMADDUBSW multiply *raw* codes (u8 × s8; zero points are
     corrected afterwards through row sums) and add two adjacent products into a saturating
     int16: the pair sum's range is twice the raw product's extremes."""
-    if w.kind is not Kind.INT or x.kind is not Kind.INT:
+    if not (w.format.affine and x.format.affine):
         return
     raw = [a * b for a in (w.qmin, w.qmax) for b in (x.qmin, x.qmax)]
     need = bits_for(2 * min(raw), 2 * max(raw))
@@ -272,8 +271,7 @@ def _check_pairs(layer: LayerPlan, w: QuantizerRecipe, x: QuantizerRecipe, pair_
     span, _ = _written(layer, Role.INPUT, "bits", where_spec)
     fix = "reduce the activations by a bit (PyTorch's reduce_range)"
     for b in range(x.bits - 1, 1, -1):
-        xmax = (1 << (b - 1)) - 1 if x.signed else (1 << b) - 1
-        xmin = -(1 << (b - 1)) if x.signed else 0
+        xmin, xmax = x.format.code_range(b, x.signed, False)
         pr = [a * c for a in (w.qmin, w.qmax) for c in (xmin, xmax)]
         if bits_for(2 * min(pr), 2 * max(pr)) <= pair_bits:
             fix = use("bits", b, span, Role.INPUT) + " for the input (PyTorch's reduce_range)"
@@ -291,10 +289,10 @@ def tight_layer_range(w: QuantizerRecipe, x: QuantizerRecipe, b: QuantizerRecipe
     wi = wi.reshape(wi.shape[0], -1)
     zp = np.asarray(li.weight_zero_point, dtype=np.int64)
     wi = wi - (zp if zp.shape == wi.shape else zp.reshape(-1, 1))  # per element (groups) or per row
-    if li.input_zero_point is not None and x.kind is Kind.INT:
+    if li.input_zero_point is not None and x.format.affine:
         x_ranges = [(x.qmin - li.input_zero_point, x.qmax - li.input_zero_point)]
     else:
-        x_ranges = list(operand_ranges(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric))
+        x_ranges = list(operand_ranges(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric, x.format))
     # only a bias at scale input*weight is added in accumulator units
     bias = li.bias if b is not None and b.scale == DERIVED_BIAS_SCALE else None
     return tight_range(wi, x_ranges, bias)
@@ -302,14 +300,14 @@ def tight_layer_range(w: QuantizerRecipe, x: QuantizerRecipe, b: QuantizerRecipe
 
 def _acc_fix(w: QuantizerRecipe, x: QuantizerRecipe, fan_in: int, acc_bits: int, profile: HardwareProfile,
              op: str, span: Span) -> str:
-    xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric)
+    xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric, x.format)
     allowed = profile.caps(Role.WEIGHT, op).bits or tuple(range(1, w.bits))
-    if w.kind is Kind.INT:
+    if w.format.affine:
         for b in sorted((b for b in allowed if b < w.bits), reverse=True):
-            wr = operand_range(w.kind, b, w.signed, w.narrow_range, w.symmetric)
+            wr = operand_range(w.kind, b, w.signed, w.narrow_range, w.symmetric, w.format)
             if bits_for(*worst_case_range(wr, xr, fan_in)) <= acc_bits:
                 return use("bits", b, span, Role.WEIGHT) + " for the weight (worst case then fits)"
-    wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric)
+    wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric, w.format)
     per_term = max(abs(a * b) for a in wr for b in xr) or 1
     max_fan = ((1 << (acc_bits - 1)) - 1) // per_term
     return f"keep the fan-in at most {max_fan} (split the layer), or narrow the weights/inputs"
@@ -317,7 +315,7 @@ def _acc_fix(w: QuantizerRecipe, x: QuantizerRecipe, fan_in: int, acc_bits: int,
 
 def _check_bias(layer: LayerPlan, op: str, profile: HardwareProfile, col: Collector, where_spec: Span) -> None:
     b = layer.roles.get(Role.BIAS)
-    if b is None or b.kind is not Kind.INT:
+    if b is None or not b.format.affine:
         return
     if b.scale == DERIVED_BIAS_SCALE:
         missing = [r.value for r in (Role.INPUT, Role.WEIGHT) if layer.roles.get(r) is None]
@@ -335,7 +333,7 @@ def _check_fixed_output(layer: LayerPlan, op: str | None, profile: HardwareProfi
     if fixed is None or out is None:
         return
     wrong = []
-    if out.kind is not Kind.INT or out.bits != fixed.bits:
+    if not out.format.affine or out.bits != fixed.bits:
         wrong.append(("bits", fixed.bits))
     if out.signed != fixed.signed:
         wrong.append(("signed", fixed.signed))

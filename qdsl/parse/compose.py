@@ -36,7 +36,8 @@ from qdsl.parse.lower import value_node
 from qdsl.parse.schema import LEARNED_ROUNDINGS, QUANT_KEYS, SchemaLowerer
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, UNKNOWN_SPAN, did_you_mean
-from qdsl.spec.model import Kind, QuantSpec, Role, RuleBody, TensorQuant
+from qdsl.spec.formats import is_float
+from qdsl.spec.model import QuantSpec, Role, RuleBody, TensorQuant
 
 __all__ = ["Override", "parse_overrides", "compose", "merge_specs", "merge_quant", "merge_body"]
 
@@ -70,7 +71,7 @@ def merge_quant(base: TensorQuant, top: TensorQuant) -> TensorQuant:
 
 
 def _replaces(tq: TensorQuant) -> bool:
-    return tq.extends is not None or tq.kind is Kind.FLOAT
+    return tq.extends is not None or (tq.kind is not None and is_float(tq.kind))
 
 
 def merge_body(base: RuleBody, top: RuleBody) -> RuleBody:

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from qdsl.parse.dsl_grammar import RULE_OPTIONS
+from qdsl.spec.formats import is_float, kind_name
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -114,9 +115,11 @@ def format_quant_dsl(tq: TensorQuant) -> str:
     if tq.extends is not None:
         head = tq.extends
         if tq.kind is not None:
-            args.append(f"kind={tq.kind.value}")
-    elif tq.kind is not None:
+            args.append(f"kind={kind_name(tq.kind)}")
+    elif isinstance(tq.kind, Kind):
         head = tq.kind.value
+    elif tq.kind is not None:  # a registered format's name: ``(kind=name, ...)``, not a preset head
+        args.append(f"kind={tq.kind}")
     for field in TENSOR_QUANT_FIELDS[1:]:
         v = getattr(tq, field)
         if v is None:
@@ -233,7 +236,7 @@ def _key_toml(k: str) -> str:
 def _role_toml(tq: TensorQuant) -> str:
     if tq.extends is not None and not tq.set_fields():
         return quote_string(tq.extends)
-    if tq.extends is None and tq.set_fields() == {"kind": Kind.FLOAT}:
+    if tq.extends is None and list(tq.set_fields()) == ["kind"] and is_float(tq.kind):
         return quote_string("float")
     items = _quant_items_toml(tq)
     if not items:

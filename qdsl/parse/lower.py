@@ -30,6 +30,7 @@ from qdsl.parse.located_toml import LineIndex
 from qdsl.parse.schema import QUANT_KEYS, lower_tree
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
+from qdsl.spec.formats import is_float
 from qdsl.spec.model import Kind, QuantSpec, Role
 
 __all__ = ["parse_dsl", "Desugarer", "FLAGS", "value_node"]
@@ -113,7 +114,7 @@ class Desugarer:
 
     def quant(self, v: ast.Value) -> Node:
         """A role value or preset definition, as a TOML-shaped quantizer value."""
-        if isinstance(v, ast.Name) and v.text in _KINDS and v.text != Kind.FLOAT.value:
+        if isinstance(v, ast.Name) and v.text in _KINDS and not is_float(v.text):
             return Node({"kind": Node(v.text, self.span(v), self.span(v))}, self.span(v))
         if not isinstance(v, ast.Call):
             return self.scalar(v)

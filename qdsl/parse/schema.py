@@ -17,6 +17,7 @@ whether a registry knows a scale/observer/rounding name (users register their ow
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from typing import Any, Callable
@@ -26,6 +27,7 @@ import attrs
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
+from qdsl.spec.formats import is_float
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     SPEC_VERSION,
@@ -167,7 +169,7 @@ class SchemaLowerer:
         """A role value or preset: a preset name, ``"float"``, or a table of fields."""
         label = role.value if role else "quantizer"
         if isinstance(node.value, str):
-            if node.value == Kind.FLOAT.value:
+            if is_float(node.value):
                 return TensorQuant(kind=Kind.FLOAT, span=node.span, field_spans={"kind": node.span})
             if not self.preset_name(node.value, node.span):
                 return None
@@ -188,7 +190,13 @@ class SchemaLowerer:
 
     def _field(self, key: str, node: Node, role: Role | None) -> Any:
         if key == "kind":
-            kind = self.choice(node, tuple(k.value for k in Kind), "kind")
+            builtin = tuple(k.value for k in Kind)
+            if (isinstance(node.value, str) and node.value not in builtin and PART_NAME_RE.match(node.value)
+                    and not difflib.get_close_matches(node.value, builtin, n=1, cutoff=0.6)):
+                # a registered number format's name (qdsl.spec.formats): resolve checks it
+                # against Registries.formats (E204); a near-miss of a built-in stays E105
+                return node.value
+            kind = self.choice(node, builtin, "kind")
             return Kind(kind) if kind else None
         if key == "bits":
             hi = 16 if role in (Role.WEIGHT, Role.INPUT, Role.OUTPUT) else 32

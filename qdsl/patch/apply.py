@@ -66,16 +66,13 @@ def folded_bias_recipe() -> QuantizerRecipe:
 
 
 # A folded BN's bias (or bias correction's) gets an int32 proxy at scale input × weight for
-# every kind whose accumulator has that scale: int or binary inputs; int, binary, ternary or
-# power-of-two weights. The exporter puts the same codes in the graph, so the fake-quant
+# every kind whose accumulator has that scale (the number formats' ``accumulator_input`` /
+# ``accumulator_weight``: int or binary inputs; int, binary, ternary or power-of-two
+# weights). The exporter puts the same codes in the graph, so the fake-quant
 # model and the graph add the same bias (a float bias would be rounded to the accumulator
 # grid by the exporter alone: up to half an accumulator LSB, several output LSBs for the
 # coarse accumulator of a binary layer). Layers read only by binary quantizers are the
 # exception (qdsl.patch.consumers).
-_BIAS_INPUT_KINDS = (Kind.INT, Kind.BINARY)
-_BIAS_WEIGHT_KINDS = (Kind.INT, Kind.BINARY, Kind.TERNARY, Kind.POT)
-
-
 def _to_plan(model: nn.Module, spec: Any, overrides: Any, registries: Any) -> Plan:
     if isinstance(spec, Plan):
         if overrides:
@@ -112,7 +109,7 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
         if not lp.quantized:
             continue
         m = modules[lp.fqn]
-        roles = {r: q for r, q in lp.roles.items() if q is not None and q.kind is not Kind.FLOAT}
+        roles = {r: q for r, q in lp.roles.items() if q is not None and q.format.quantized}
         if isinstance(m, torch.jit.ScriptModule):
             # TorchScript modules take no Python hooks and their parameters cannot move
             role = next(iter(roles), Role.INPUT)
@@ -209,8 +206,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         raise coverage.error()
     sign_only = functools.cache(lambda: read_only_by_binary(
         model, trace.graph, [lp.fqn for lp in plan.layers if lp.quantized],
-        {lp.fqn: r.kind for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None},
-        {lp.fqn: r.kind for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.OUTPUT)) is not None}))
+        {lp.fqn: r.format for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None},
+        {lp.fqn: r.format for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.OUTPUT)) is not None}))
     container = QdslContainer()
     handle = QdslHandle(model, plan, container, regs)
     container.handle = handle
@@ -222,12 +219,12 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         has_bias = module._parameters.get("bias") is not None or bn_fqn is not None
         proxies: dict[Role, TensorQuantizer] = {}
         for role, recipe in lp.roles.items():
-            if recipe is None or recipe.kind is Kind.FLOAT or (role is Role.BIAS and not has_bias):
+            if recipe is None or not recipe.format.quantized or (role is Role.BIAS and not has_bias):
                 continue
             proxies[role] = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}")
         iq, wq = proxies.get(Role.INPUT), proxies.get(Role.WEIGHT)
         if ((bn_fqn is not None or plan.bias_correction) and Role.BIAS not in lp.roles and iq is not None and wq is not None
-                and iq.kind in _BIAS_INPUT_KINDS and wq.kind in _BIAS_WEIGHT_KINDS and iq.axis is None and wq.group_size is None
+                and iq.format.accumulator_input and wq.format.accumulator_weight and iq.axis is None and wq.group_size is None
                 and wq.axis in (None, 0)):
             # the model has no bias but folding (or bias correction) creates one: int32 at
             # input × weight scale; a folded bias read only by binary quantizers stays float

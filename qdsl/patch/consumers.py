@@ -27,7 +27,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch import nn
 
-from qdsl.spec.model import Kind
+from qdsl.spec.formats import NumberFormat
 
 __all__ = ["read_only_by_binary"]
 
@@ -39,15 +39,16 @@ _PASS_METHODS = ("view", "reshape", "flatten", "relu")
 
 
 def read_only_by_binary(model: nn.Module, graph: torch.fx.Graph | None, layers: Iterable[str],
-                        input_kinds: Mapping[str, Kind], output_kinds: Mapping[str, Kind]) -> set[str]:
+                        input_kinds: Mapping[str, NumberFormat], output_kinds: Mapping[str, NumberFormat]) -> set[str]:
     """The fqns among ``layers`` whose result only binary quantizers read (module doc).
 
     ``graph``: the model's fx graph (:func:`qdsl.patch.trace.trace_model`), ``None`` when
     fx could not trace it.
 
-    ``input_kinds`` / ``output_kinds``: the kind of each layer's input / output quantizer."""
+    ``input_kinds`` / ``output_kinds``: the number format of each layer's input / output
+    quantizer; a *binary* reader is one whose format is a ``sign_reader``."""
     wanted = set(layers)
-    binary = {f for f in wanted if output_kinds.get(f) is Kind.BINARY}
+    binary = {f for f in wanted if _sign(output_kinds.get(f))}
     todo = {f for f in wanted if f not in output_kinds}
     if not todo:
         return binary
@@ -82,4 +83,8 @@ def read_only_by_binary(model: nn.Module, graph: torch.fx.Graph | None, layers: 
                 frontier.extend(user.users)
             else:
                 kinds.add(None)
-    return binary | {f for f, kinds in readers.items() if kinds == {Kind.BINARY}}
+    return binary | {f for f, kinds in readers.items() if kinds and all(_sign(k) for k in kinds)}
+
+
+def _sign(fmt: NumberFormat | None) -> bool:
+    return fmt is not None and fmt.sign_reader

@@ -53,7 +53,8 @@ from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
 from qdsl.resolve.plan import WEIGHTED_TYPES, LayerPlan, Plan
 from qdsl.spec.diagnostics import Diagnostic, QdslWarning, Span, SpecError, UNKNOWN_SPAN
-from qdsl.spec.model import Kind, Role, TargetKind
+from qdsl.spec.formats import is_float
+from qdsl.spec.model import Role, TargetKind
 
 __all__ = [
     "Finding",
@@ -210,7 +211,7 @@ def _hits(ct: Any, fqn: str, type_name: str) -> bool:
 
 def _label(body: Body, role: Role) -> tuple[str, Span] | None:
     kind = body.roles[role].get("kind")
-    if kind is not None and kind.value is Kind.FLOAT:
+    if kind is not None and is_float(kind.value):
         return None  # the spec says float: nothing to report
     return f"{body.label} {role.value}", body.role_spans.get(role, body.span)
 

@@ -14,6 +14,8 @@ BN-folded when ``fold_bn`` is on.  The model must be frozen (scales fixed).
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 import torch
 from torch import nn
@@ -46,6 +48,9 @@ class LayerInts:
     """The BatchNorm folded into this layer, if any."""
     float_bias: torch.Tensor | None = None
     """The bias in float when it is not quantized (folded or the module's own)."""
+    weight_format: Any = None
+    """The weight's number format (qdsl.spec.formats), whose ``operand_codes`` give the
+    integers an accumulator multiplies."""
 
 
 def _qp(q):
@@ -79,7 +84,8 @@ def int_tensors(model: nn.Module) -> dict[str, LayerInts]:
                 weight=w_int,
                 weight_scale=wq.scale.clone() if wq is not None else None,
                 weight_zero_point=wq.zero_point.clone() if wq is not None else None,
-                weight_kind=wq.kind.value if wq is not None else None,
+                weight_kind=wq.format.name if wq is not None else None,
+                weight_format=wq.format if wq is not None else None,
                 bias=b_int,
                 bias_scale=b_scale,
                 input_scale=in_s,

@@ -27,7 +27,6 @@ from qdsl.patch.handle import State, get_handle
 from qdsl.ptq.gptq import HessianAccumulator, gptq_codes
 from qdsl.ptq.layers import capture, require_batches, run_batches, weighted_layers
 from qdsl.spec.diagnostics import QdslError
-from qdsl.spec.model import Kind
 
 __all__ = ["LEARNED_ROUNDINGS", "learn_rounding"]
 
@@ -36,8 +35,8 @@ LEARNED_ROUNDINGS = ("gptq",)
 
 
 def _check(fqn: str, wq: Any) -> None:
-    if wq.kind is not Kind.INT:
-        raise QdslError(f"learned rounding: '{fqn}' has a {wq.kind.value} weight; GPTQ needs an int weight")
+    if not wq.format.fixed_codes:
+        raise QdslError(f"learned rounding: '{fqn}' has a {wq.format.name} weight; GPTQ needs an int weight")
     if wq.group_size is not None or wq.axis not in (None, 0):
         raise QdslError(
             f"learned rounding: '{fqn}' has {'group' if wq.group_size else f'axis-{wq.axis}'} weight scales; "

@@ -70,7 +70,6 @@ from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.proxy_grad import install as install_grad_path
 from qdsl.spec.diagnostics import QdslError
-from qdsl.spec.model import Kind
 
 __all__ = ["LeanOptimizer", "LEAN_ATTR", "pack_codes", "unpack_codes", "weight_bytes"]
 
@@ -109,8 +108,8 @@ def _unsupported(patch) -> str | None:
         return "no quantized weight"
     if patch.bn is not None:
         return "BatchNorm folded into the weight (its float weight is not the master)"
-    if q.kind is not Kind.INT:
-        return f"{q.kind.value} weights (lean form holds int codes)"
+    if not q.format.fixed_codes:
+        return f"{q.format.name} weights (lean form holds int codes)"
     if q.qmax - q.qmin > 255:
         return f"{q.recipe.bits}-bit weights (lean form holds at most 8 bits)"
     return None

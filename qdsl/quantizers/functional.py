@@ -48,6 +48,7 @@ import math
 import torch
 
 from qdsl.spec.diagnostics import NonFiniteError
+from qdsl.spec.formats import int_code_range, pot_levels
 
 __all__ = [
     "ROUNDINGS",
@@ -121,9 +122,7 @@ def qrange(bits: int, signed: bool, narrow: bool = False) -> tuple[int, int]:
     """
     if bits < 1:
         raise ValueError(f"bits must be >= 1, got {bits}")
-    if signed:
-        return -(2 ** (bits - 1)) + (1 if narrow else 0), 2 ** (bits - 1) - 1
-    return 0, 2**bits - 1 - (1 if narrow else 0)
+    return int_code_range(bits, signed, narrow)
 
 
 def int_dtype(qmin: int, qmax: int) -> torch.dtype:
@@ -424,9 +423,7 @@ def pot_weight_levels(bits: int) -> int:
     >>> [pot_weight_levels(b) for b in (2, 3, 4, 8)]
     [1, 3, 7, 127]
     """
-    if bits < 2:
-        raise ValueError(f"power-of-two weights need >= 2 bits (sign + magnitude), got {bits}")
-    return 2 ** (bits - 1) - 1
+    return pot_levels(bits)
 
 
 def pot_weight_codes(x: torch.Tensor, scale, bits: int, axis=None, group_size=None) -> torch.Tensor:

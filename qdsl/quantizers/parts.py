@@ -42,7 +42,8 @@ from qdsl.spec.diagnostics import QdslError, SpecError
 from qdsl.spec.model import GranularityKind, Role
 from qdsl.spec.registry import PartInfo, Registries, Registry, validate_params
 
-__all__ = ["default_registries", "PartContext", "resolve_factory", "build_observer", "build_scale_rule", "build_rounding"]
+__all__ = ["default_registries", "PartContext", "resolve_factory", "build_observer", "build_scale_rule", "build_rounding",
+           "build_format_ops"]
 
 _IMPORTED: dict[str, Any] = {}
 
@@ -67,6 +68,13 @@ _BUILTIN_FACTORIES: dict[str, dict[str, str]] = {
         "pot_ceil": _SCALE + "PotCeilScale",
         "learned": _LEARNED + "LearnedScale",
         "learned_pot": _LEARNED + "LearnedPotScale",
+    },
+    # number formats: the torch ops of the kinds qdsl.spec.formats describes
+    "formats": {
+        "int": "qdsl.quantizers.formats.int:IntOps",
+        "binary": "qdsl.quantizers.formats.binary:BinaryOps",
+        "ternary": "qdsl.quantizers.formats.ternary:TernaryOps",
+        "pot": "qdsl.quantizers.formats.pot:PotOps",
     },
 }
 
@@ -150,6 +158,21 @@ def build_scale_rule(registries: Registries, ctx: PartContext) -> Any:
 def build_rounding(registries: Registries, name: str) -> Callable[..., Any]:
     info = _get(registries.roundings, name)
     return resolve_factory(info, registries.roundings)
+
+
+def build_format_ops(registries: Registries, recipe: QuantizerRecipe) -> Any:
+    """The torch ops of the recipe's number format, from ``registries.formats`` (a bundle
+    without the name - an older copy - falls back to the built-in ops of that name)."""
+    name = recipe.format.name
+    if name in registries.formats:
+        info = registries.formats.get(name)
+    elif name in _BUILTIN_FACTORIES["formats"]:
+        info = PartInfo(name, _BUILTIN_FACTORIES["formats"][name])
+    else:
+        raise QdslError(f"number format '{name}' is not registered on this bundle; "
+                        "register it with qdsl.spec.formats.register_format(registries, format, ops)")
+    ops = resolve_factory(info, registries.formats)
+    return ops() if isinstance(ops, type) else ops
 
 
 def channel_axis(recipe: QuantizerRecipe, role: Role) -> tuple[int | None, int | None]:

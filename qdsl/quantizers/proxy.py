@@ -4,10 +4,12 @@ Stable interface (export, lint and QAT read these; keep them)
 -------------------------------------------------------------
 ``recipe``          the :class:`~qdsl.resolve.plan.QuantizerRecipe` it was built from
 ``role``            :class:`~qdsl.spec.model.Role` (weight, bias, input, output)
-``kind``            ``recipe.kind`` (int, binary, ternary, pot)
-``qmin, qmax``      integer code range: int -> from bits/signed/narrow; binary -> (-1, 1)
-                    signed or (0, 1) unsigned; ternary -> (-1, 1); pot -> (-n, n) with
-                    ``n = 2^(bits-1) - 1`` (``functional.pot_weight_codes``)
+``kind``            ``recipe.kind`` (int, binary, ternary, pot, or a registered format's name)
+``format``          the number format's facts (``recipe.format``, qdsl.spec.formats); its torch
+                    ops (qdsl.quantizers.formats) do everything that differs between kinds
+``qmin, qmax``      integer code range, the format's ``code_range(bits, signed, narrow)``:
+                    int -> from bits/signed/narrow; binary -> (-1, 1) signed or (0, 1)
+                    unsigned; ternary -> (-1, 1); pot -> (-n, n) with ``n = 2^(bits-1) - 1``
 ``axis``            channel axis (``channel`` granularity) or None
 ``group_size``      group size (``group`` granularity, groups along ``w.reshape(C, -1)``) or None
 ``scale``           buffer, float32, shape ``[]``/``[C]``/``[C, G]``; filled by :meth:`freeze`
@@ -64,6 +66,7 @@ from qdsl.quantizers.functional import HALF_DTYPES, check_finite
 from qdsl.quantizers.observers import LazyBuffers
 from qdsl.quantizers.parts import (
     PartContext,
+    build_format_ops,
     build_observer,
     build_rounding,
     build_scale_rule,
@@ -72,13 +75,12 @@ from qdsl.quantizers.parts import (
 )
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, QdslError, SpecError
-from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role
+from qdsl.spec.model import DERIVED_BIAS_SCALE, Role
 from qdsl.spec.registry import Registries
 
 __all__ = ["TensorQuantizer", "code_range"]
 
 _BUILTIN_ROUNDING = "qdsl.quantizers.rounding:"
-_TINY = 1e-12
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -92,14 +94,7 @@ class _StraightThrough(torch.autograd.Function):
 
 
 def code_range(recipe: QuantizerRecipe) -> tuple[int, int]:
-    """``(qmin, qmax)`` of a recipe's integer codes (see the module docstring)."""
-    if recipe.kind is Kind.BINARY:
-        return (-1, 1) if recipe.signed else (0, 1)
-    if recipe.kind is Kind.TERNARY:
-        return -1, 1
-    if recipe.kind is Kind.POT:
-        n = F.pot_weight_levels(recipe.bits)
-        return (-n, n) if recipe.signed else (0, n)
+    """``(qmin, qmax)`` of a recipe's integer codes (its number format's code range)."""
     return recipe.qmin, recipe.qmax
 
 
@@ -118,13 +113,15 @@ class TensorQuantizer(LazyBuffers):
 
     def __init__(self, recipe: QuantizerRecipe, role: Role | str, registries: Registries | None = None, *, name: str = ""):
         super().__init__()
-        if recipe.kind is Kind.FLOAT:
+        if not recipe.format.quantized:
             raise ValueError("a float recipe has no quantizer")
         regs = registries if registries is not None else default_registries()
         self.recipe = recipe
         self.role = Role(role)
         self.name = name
         self.kind = recipe.kind
+        self.format = recipe.format
+        self._ops = build_format_ops(regs, recipe)
         self.axis, self.group_size = channel_axis(recipe, self.role)
         self.qmin, self.qmax = code_range(recipe)
         self.derived = recipe.scale == DERIVED_BIAS_SCALE
@@ -222,8 +219,8 @@ class TensorQuantizer(LazyBuffers):
         """Learned rounding: from now on the tensor's integer codes are ``codes`` (same
         shape as the tensor; the scale and zero point still come from the tensor/observer)
         instead of rounding.  No gradient reaches the float tensor through fixed codes."""
-        if self.kind is not Kind.INT:
-            raise QdslError(f"fixed codes need an int quantizer, not {self.kind.value}")
+        if not self.format.fixed_codes:
+            raise QdslError(f"fixed codes need an int quantizer, not {self.format.name}")
         codes = codes.detach().to(torch.int64)
         if int(codes.min()) < self.qmin or int(codes.max()) > self.qmax:
             raise QdslError(f"codes outside [{self.qmin}, {self.qmax}] for {self.name or self.role.value}")
@@ -247,7 +244,7 @@ class TensorQuantizer(LazyBuffers):
 
     def extra_repr(self) -> str:
         g = f"axis={self.axis}" if self.axis is not None else (f"group={self.group_size}" if self.group_size else "tensor")
-        return (f"{self.role.value}: {self.kind.value}{self.recipe.bits} [{self.qmin}, {self.qmax}] {g} "
+        return (f"{self.role.value}: {self.format.name}{self.recipe.bits} [{self.qmin}, {self.qmax}] {g} "
                 f"scale={self.recipe.scale} frozen={self.frozen}")
 
     # --------------------------------------------------------------- qparams
@@ -270,8 +267,7 @@ class TensorQuantizer(LazyBuffers):
         if self.learned and bool(getattr(rule, "initialized", False)):
             scale = rule(None)
             zp = self.zero_point if self.zero_point.shape == scale.shape else torch.zeros(scale.shape, dtype=torch.int32)
-            thr = scale.detach() * 0.5 if self.kind is Kind.TERNARY else None
-            return scale, zp, thr
+            return scale, zp, self._ops.learned_threshold(scale)
         obs = self.observer
         if self.stateless and x is not None:
             key = x if src is None else src
@@ -290,37 +286,12 @@ class TensorQuantizer(LazyBuffers):
             return None
         lo, hi = obs.range()
         lo, hi = lo.float(), hi.float()
-        thr = None
-        if self.kind is Kind.INT:
-            raw, zpf = RS.range_to_qparams(lo, hi, self.qmin, self.qmax, symmetric=self.recipe.symmetric)
-            scale = rule(raw)
-            if not self.recipe.symmetric:
-                # the zero point must match the scale actually used (pot rules change it)
-                zpf = torch.clamp(self.qmin - torch.round(torch.clamp(lo, max=0.0) / scale.detach()), self.qmin, self.qmax)
-            zp = zpf.to(torch.int32)
-        else:
-            if self.kind is Kind.TERNARY and self.role is Role.WEIGHT and x is not None:
-                # TWN: threshold 0.7·mean|W| and α = mean|W| above it, from the weight itself
-                thr, raw = F.ternary_params(x.detach(), self.axis, self.group_size)
-            else:
-                raw = torch.maximum(-lo, hi) if self.qmin < 0 else hi
-            scale = rule(torch.clamp(raw, min=_TINY))
-            if self.kind is Kind.TERNARY and thr is None:
-                thr = scale.detach() * 0.5  # nearest of 0 and α
-            zp = torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
+        scale, zp, thr = self._ops.qparams(self, x, lo, hi, rule)
         if self.learned:
             self.zero_point = zp.detach()
         return scale, zp, thr
 
     # --------------------------------------------------------------- numerics
-    def _affine(self, x, s, zp):
-        if self._round_fn is None:
-            return F.fake_quant_affine(x, s, zp, self.qmin, self.qmax, self._round_mode,
-                                       self.axis, self.group_size, self.generator)
-        sv, inv, z = self._param_views(x, s, zp)
-        q = torch.clamp(self._round_fn(F.scaled(x, inv), generator=self.generator) + z, self.qmin, self.qmax)
-        return (q - z) * sv
-
     def _param_views(self, x, s, zp):
         s = s.to(torch.float32)
         return (F.param_view(s, x, self.axis, self.group_size),
@@ -328,17 +299,7 @@ class TensorQuantizer(LazyBuffers):
                 F.param_view(zp.to(x.dtype), x, self.axis, self.group_size))
 
     def _fake(self, x, scale, zp, thr):
-        k = self.kind
-        if k is Kind.INT:
-            return self._affine(x, scale, zp)
-        if k is Kind.BINARY:
-            return F.fake_quant_binary(x, scale.to(x.dtype), self.recipe.signed, self.axis, self.group_size)
-        if k is Kind.TERNARY:
-            codes = F.ternary_codes(x, thr, self.axis, self.group_size)
-            return codes.to(x.dtype) * F.param_view(scale.to(x.dtype), x, self.axis, self.group_size)
-        if k is Kind.POT:
-            return F.fake_quant_pot_weight(x, scale, self.recipe.bits, self.axis, self.group_size)
-        raise AssertionError(k)
+        return self._ops.fake(self, x, scale, zp, thr)
 
     def _with_grad(self, x, scale, zp, thr):
         needs = torch.is_grad_enabled() and (x.requires_grad or (isinstance(scale, torch.Tensor) and scale.requires_grad))
@@ -363,19 +324,7 @@ class TensorQuantizer(LazyBuffers):
         x = x.detach()
         if self.codes.numel():
             return self.codes.to(F.int_dtype(self.qmin, self.qmax))
-        k = self.kind
-        if k is Kind.INT:
-            if self._round_fn is None:
-                return F.quantize_affine(x, scale, zp, self.qmin, self.qmax, self._round_mode,
-                                         self.axis, self.group_size, generator=self.generator)
-            _, inv, z = self._param_views(x, scale, zp)
-            q = torch.clamp(self._round_fn(F.scaled(x, inv), generator=self.generator) + z, self.qmin, self.qmax)
-            return q.to(F.int_dtype(self.qmin, self.qmax))
-        if k is Kind.BINARY:
-            return F.binary_codes(x, scale, self.recipe.signed, self.axis, self.group_size)
-        if k is Kind.TERNARY:
-            return F.ternary_codes(x, thr, self.axis, self.group_size)
-        return F.pot_weight_codes(x, scale, self.recipe.bits, self.axis, self.group_size)
+        return self._ops.codes(self, x, scale, zp, thr)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -488,7 +437,8 @@ class TensorQuantizer(LazyBuffers):
 
     def _refresh(self) -> None:
         self._views = {}
-        self._fast_ok = (self.frozen and not self.dynamic and self.kind is Kind.INT
+        # the fused path below is the affine one: only formats that say so use it
+        self._fast_ok = (self.frozen and not self.dynamic and self._ops.fast_path
                          and self._round_mode == "half_even")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping
 import attrs
 
 from qdsl.spec.diagnostics import Span, UNKNOWN_SPAN
+from qdsl.spec.formats import NumberFormat, builtin_format
 from qdsl.spec.model import (
     Accumulator,
     Granularity,
@@ -182,20 +183,20 @@ class QuantizerRecipe:
     rounding: str
     dynamic: bool
     observer_params: Any = attrs.field(default=None, eq=False)
+    format: NumberFormat = attrs.field(
+        default=attrs.Factory(lambda self: builtin_format(self.kind), takes_self=True), eq=False, repr=False)
+    """The number format's facts (qdsl.spec.formats): the resolver takes it from the
+    registries (user formats); a recipe built by hand gets the built-in one of ``kind``."""
 
     @property
     def qmin(self) -> int:
-        """Smallest integer code (affine int kinds)."""
-        if not self.signed:
-            return 0
-        return -(2 ** (self.bits - 1)) + (1 if self.narrow_range else 0)
+        """Smallest integer code (the number format's code range)."""
+        return self.format.code_range(self.bits, self.signed, self.narrow_range)[0]
 
     @property
     def qmax(self) -> int:
-        """Largest integer code (affine int kinds)."""
-        if not self.signed:
-            return 2**self.bits - 1 - (1 if self.narrow_range else 0)
-        return 2 ** (self.bits - 1) - 1
+        """Largest integer code (the number format's code range)."""
+        return self.format.code_range(self.bits, self.signed, self.narrow_range)[1]
 
 
 @attrs.frozen

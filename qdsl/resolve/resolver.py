@@ -71,6 +71,7 @@ from qdsl.resolve.validate import (
     validate_observer,
 )
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError
+from qdsl.spec.formats import builtin_format, format_of, is_float
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -360,7 +361,7 @@ class _Resolver:
             if cands:
                 won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
         kind = won["kind"].value if "kind" in won else Kind.INT
-        if kind is Kind.FLOAT:
+        if is_float(kind):
             prov[(role, "kind")] = won["kind"]
             return None
         # overrides only touch roles that are quantized at this point
@@ -375,14 +376,14 @@ class _Resolver:
             won[field] = FieldProvenance(c.value, Origin(label, at), c.via, lower)
             written[field] = c.span
         kind = won["kind"].value if "kind" in won else Kind.INT
-        if kind is Kind.FLOAT:
+        if is_float(kind):
             prov[(role, "kind")] = won["kind"]
             return None
         scale = won["scale"].value if "scale" in won else None
         values: dict[str, Any] = {}
         for field in TENSOR_QUANT_FIELDS:
             if field not in won:
-                won[field] = FieldProvenance(builtin_value(field, role, kind, scale), _BUILTIN)
+                won[field] = FieldProvenance(builtin_value(field, role, kind, scale, self.regs), _BUILTIN)
             values[field] = won[field].value
         gran = fill_channel_axis(values["granularity"], role)
         if gran is not values["granularity"]:
@@ -394,7 +395,7 @@ class _Resolver:
         params = self._observer_params(values["observer"], obs_span)
         for field in TENSOR_QUANT_FIELDS:
             prov[(role, field)] = won[field]
-        return QuantizerRecipe(**values, observer_params=params)
+        return QuantizerRecipe(**values, observer_params=params, format=format_of(kind, self.regs, builtin_format(Kind.INT)))
 
     def _observer_params(self, observer: Any, span: Span) -> Any:
         if observer not in self._observers:

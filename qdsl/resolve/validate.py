@@ -12,7 +12,9 @@ built-in default.
 Built-in defaults (provenance "built-in default"): kind int; bits 8 (binary 1, ternary
 2; a bias whose scale is ``input*weight`` gets 32); signed true; narrow_range false;
 symmetric true; scale float; granularity tensor; observer auto (min/max at >= 8 bits,
-bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false.  ``channel`` without an axis means axis
+bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false.
+The kind-dependent ones (bits, observer) and the kind's bit rules (E210 degenerate code
+range, E211) come from the kind's number format (``qdsl.spec.formats``).  ``channel`` without an axis means axis
 0 for weight and bias (output channels) and axis 1 for input and output (the channel
 dimension of NC... activations).
 
@@ -31,6 +33,7 @@ from typing import Any, Mapping
 from qdsl.resolve.plan import ModuleEntry, QuantizerRecipe
 from qdsl.spec.builtins import builtin_registries
 from qdsl.spec.diagnostics import Diagnostic, Span, UNKNOWN_SPAN
+from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     Granularity,
@@ -59,15 +62,17 @@ MAX_BIAS_BITS = 32
 _PARAM_ROLES = (Role.WEIGHT, Role.BIAS)
 
 
-def builtin_value(field: str, role: Role, kind: Kind, scale: str | None) -> Any:
-    """The built-in default of ``field`` given the role and the already resolved kind/scale."""
+def builtin_value(field: str, role: Role, kind: Kind, scale: str | None,
+                  registries: Registries | None = None) -> Any:
+    """The built-in default of ``field`` given the role and the already resolved kind/scale
+    (bits and observer defaults are the number format's, looked up in ``registries``)."""
     derived_bias = role is Role.BIAS and scale == DERIVED_BIAS_SCALE
     if field == "kind":
         return Kind.INT
     if field == "bits":
         if derived_bias:
             return 32
-        return {Kind.BINARY: 1, Kind.TERNARY: 2}.get(kind, 8)
+        return format_of(kind, registries, BUILTIN_FORMATS["int"]).default_bits
     if field in ("signed", "symmetric"):
         return True
     if field in ("narrow_range", "dynamic"):
@@ -80,7 +85,7 @@ def builtin_value(field: str, role: Role, kind: Kind, scale: str | None) -> Any:
         # "auto" is min/max at >= 8 bits and the bit-aware range search below (per-channel
         # MSE for weights, histogram search for activations): the right default for
         # low-bit PTQ, identical to min/max where min/max is already good.
-        return ObserverSpec("mean_abs" if kind in (Kind.BINARY, Kind.TERNARY) else "auto")
+        return ObserverSpec(format_of(kind, registries, BUILTIN_FORMATS["int"]).default_observer)
     if field == "rounding":
         return "half_even"
     raise KeyError(field)
@@ -133,7 +138,13 @@ def validate_fields(
     if observer is not None:
         obs_info, _, obs_diags = validate_observer(observer, spans.get("observer", observer.span), registries)
         d += obs_diags
-    if kind is Kind.FLOAT:
+    fmt = None
+    if kind is not None:
+        if kind_name(kind) in _known_formats(registries):
+            fmt = format_of(kind, registries)
+        else:
+            d.append(registries.formats.lookup(kind_name(kind), _spot(spans, "kind")))
+    if fmt is not None and not fmt.quantized:
         return d  # a float tensor ignores every other field
 
     if bits is not None:
@@ -144,12 +155,12 @@ def validate_fields(
                 "biases may use up to 32 bits; every other tensor up to 16" if role is not Role.BIAS else
                 "an int32 bias is bits = 32",
             ))
-    if kind is Kind.INT and bits == 1 and (fields.get("signed") is not False or fields.get("narrow_range")):
-        # qrange(1, signed) is {-1, 0} (no positive code) and a narrow 1-bit grid has one
-        # code: neither can represent a tensor.  An absent ``signed`` is the built-in true.
+    if fmt is not None and bits is not None and bits >= 1 and fmt.bits_ok(bits) and _degenerate(fmt, bits, fields):
+        # int: qrange(1, signed) is {-1, 0} (no positive code) and a narrow 1-bit grid has
+        # one code: neither can represent a tensor.  An absent ``signed`` is the built-in true.
         grid = "-1..0" if fields.get("signed") is not False else "0..0"
         d.append(Diagnostic.error(
-            "E210", f"a 1-bit {'signed' if grid == '-1..0' else 'narrow'} int quantizer has the code "
+            "E210", f"a 1-bit {'signed' if grid == '-1..0' else 'narrow'} {fmt.name} quantizer has the code "
             f"range {grid}, which cannot represent a tensor", _spot(spans, "bits", "signed", "narrow_range"),
             "use kind = binary for {-1, +1}, 'unsigned' (without 'narrow') for {0, 1}, or bits >= 2",
         ))
@@ -159,17 +170,16 @@ def validate_fields(
             _spot(spans, "dynamic"),
             f"a {role.value}'s scale already follows its own values until freeze; drop 'dynamic' here",
         ))
-    if kind in (Kind.BINARY, Kind.TERNARY, Kind.POT):
-        need = {Kind.BINARY: "== 1", Kind.TERNARY: "== 2", Kind.POT: ">= 2"}[kind]
-        ok = bits is None or (bits == 1 if kind is Kind.BINARY else bits == 2 if kind is Kind.TERNARY else bits >= 2)
-        if not ok:
+    if fmt is not None:
+        need = fmt.bits_requirement()
+        if need is not None and bits is not None and not fmt.bits_ok(bits):
             d.append(Diagnostic.error(
-                "E211", f"{kind.value} quantizers need bits {need} (got {bits})", _spot(spans, "bits", "kind"),
-                f"drop 'bits' (the built-in default fits {kind.value}) or use kind = int",
+                "E211", f"{fmt.name} quantizers need bits {need} (got {bits})", _spot(spans, "bits", "kind"),
+                f"drop 'bits' (the built-in default fits {fmt.name}) or use kind = int",
             ))
-        if fields.get("symmetric") is False:
+        if not fmt.zero_point and fields.get("symmetric") is False:
             d.append(Diagnostic.error(
-                "E211", f"{kind.value} quantizers are symmetric (they have no zero point)",
+                "E211", f"{fmt.name} quantizers are symmetric (they have no zero point)",
                 _spot(spans, "symmetric", "kind"), "remove 'symmetric = false' or use kind = int",
             ))
     if isinstance(gran, Granularity) and gran.kind is GranularityKind.GROUP:
@@ -197,13 +207,23 @@ def validate_fields(
         ))
     if obs_info is not None and kind is not None:
         kinds = obs_info.extra.get("kinds")
-        if kinds is not None and kind.value not in kinds:
+        if kinds is not None and kind_name(kind) not in kinds:
             d.append(Diagnostic.error(
                 "E215", f"observer '{observer.name}' is only for {' and '.join(kinds)} quantizers, "
-                f"not {kind.value}", _spot(spans, "observer", "kind"),
+                f"not {kind_name(kind)}", _spot(spans, "observer", "kind"),
                 "use minmax, ema, histogram, percentile or mse",
             ))
     return d
+
+
+def _known_formats(registries: Registries) -> set[str]:
+    return set(registries.formats.names()) | set(BUILTIN_FORMATS)
+
+
+def _degenerate(fmt: Any, bits: int, fields: Mapping[str, Any]) -> bool:
+    """The code range has no positive code or a single code (an absent ``signed`` is true)."""
+    lo, hi = fmt.code_range(bits, fields.get("signed") is not False, bool(fields.get("narrow_range")))
+    return hi <= 0 or lo == hi
 
 
 def derived_bias_problem(input_recipe: QuantizerRecipe | None,
@@ -215,7 +235,7 @@ def derived_bias_problem(input_recipe: QuantizerRecipe | None,
     or, for a dynamic input, recomputed together per batch.
     """
     iq, wq = input_recipe, weight_recipe
-    if iq is None or wq is None or iq.kind is Kind.FLOAT or wq.kind is Kind.FLOAT:
+    if iq is None or wq is None or not iq.format.quantized or not wq.format.quantized:
         return "its input and its weight must both be quantized"
     if iq.granularity.kind is not GranularityKind.TENSOR:
         return "the input needs one scale (granularity tensor)"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import attrs
 
+from qdsl.spec.formats import BUILTIN_FORMATS, register_format
 from qdsl.spec.registry import NoParams, PartInfo, Registries
 
 __all__ = [
@@ -98,4 +99,8 @@ def builtin_registries() -> Registries:
     # learned scales: an nn.Parameter initialised from the observer, trained by QAT
     regs.scales.add(PartInfo("learned", None, extra={"learned": True}))
     regs.scales.add(PartInfo("learned_pot", None, extra={"learned": True, "pot": True}))
+    # number formats: the torch-free facts here, their torch ops bound by qdsl.quantizers
+    for fmt in BUILTIN_FORMATS.values():
+        if fmt.quantized:  # float is "no format": never looked up in a registry
+            register_format(regs, fmt)
     return regs

@@ -118,18 +118,21 @@ class Registry:
 
 
 class Registries:
-    """The bundle passed to resolve/apply: ``observers``, ``roundings``, ``scales``."""
+    """The bundle passed to resolve/apply: ``observers``, ``roundings``, ``scales``,
+    ``formats`` (number formats: one per quantizer kind, qdsl.spec.formats)."""
 
     def __init__(self) -> None:
         self.observers = Registry("observer")
         self.roundings = Registry("rounding")
         self.scales = Registry("scale rule")
+        self.formats = Registry("number format")
 
     def copy(self) -> "Registries":
         new = Registries()
         new.observers = self.observers.copy()
         new.roundings = self.roundings.copy()
         new.scales = self.scales.copy()
+        new.formats = self.formats.copy()
         return new
 
     def load_entry_points(self, group: str = "qdsl.parts") -> None:

@@ -1,0 +1,26 @@
+"""Power-of-two values: each value is 0 or ``±s·2^-j`` (``0 <= j < n``, ``n = 2^(bits-1) - 1``)."""
+
+from __future__ import annotations
+
+from qdsl.quantizers import functional as F
+from qdsl.quantizers.formats.base import FormatOps, NotExportable, WeightInts, packed_int_dtype
+from qdsl.spec.formats import pot_levels
+
+__all__ = ["PotOps"]
+
+
+class PotOps(FormatOps):
+    def fake(self, q, x, scale, zp, thr):
+        return F.fake_quant_pot_weight(x, scale, q.recipe.bits, q.axis, q.group_size)
+
+    def codes(self, q, x, scale, zp, thr):
+        return F.pot_weight_codes(x, scale, q.recipe.bits, q.axis, q.group_size)
+
+    def lower_weight(self, q, codes, scale):
+        # value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
+        # (the format's operand_codes) at scale s·2^(1-n)
+        bits = q.recipe.bits
+        n = pot_levels(bits)
+        if n > 7:
+            raise NotExportable(f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
+        return WeightInts(q.format.operand_codes(codes), scale * 2.0 ** (1 - n), packed_int_dtype(n + 1, True))
