@@ -2,8 +2,9 @@
 
 Each function returns a :class:`~qdsl.export.values.Pending` (or a QVal when no
 requantization is needed) whose ``emit`` writes the integer op once the next quantizer
-is known. Integer weights and biases come from the layer's own proxies (``int_repr`` on
-the BN-folded float weight), so they are exactly the codes the fake-quant model used.
+is known. Integer weights and biases come from the layer's frozen record
+(:mod:`qdsl.patch.frozen`: ``int_repr`` of its own proxies on the BN-folded float weight),
+so they are exactly the codes the fake-quant model used.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from torch import nn
 
 from qdsl.export.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.export.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
+from qdsl.patch.frozen import frozen_layer
 from qdsl.spec.model import Kind, Overflow
 
 __all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints", "wide", "raw"]
@@ -63,28 +64,26 @@ def weight_ints(patch, where: str):
     if wq.group_size or wq.axis not in (None, 0):
         raise ExportError(where, "group-wise (or non-output-channel) weight scales have no integer lowering: an "
                                  "accumulator needs one scale per output channel", "use `granularity = channel`")
-    w, b = patch.float_params()
-    with torch.no_grad():
-        codes = wq.int_repr(w.detach()).to(torch.int64).numpy()
+    rec = frozen_layer(patch)  # the codes the fake quantizers use, derived once (qdsl.patch.frozen)
+    codes, scale = rec.weight_grid()
     c = codes.shape[0]
-    scale = np.broadcast_to(wq.scale.detach().double().reshape(-1).numpy(), (c,)).copy()
-    zp = np.broadcast_to(wq.zero_point.detach().reshape(-1).numpy().astype(np.int64), (c,)).copy()
-    kind, bits = wq.kind, wq.recipe.bits
+    scale = np.broadcast_to(scale, (c,)).copy()
+    zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
+    kind, bits = rec.weight_kind, rec.weight_bits
     if kind is Kind.INT:
-        dtype = _int_dtype(bits, int(wq.qmin) < 0, where)
+        dtype = _int_dtype(bits, rec.weight_signed, where)
     elif kind is Kind.BINARY:
         if not wq.recipe.signed:
             raise ExportError(where, "unsigned {0, 1} binary weights have no XNOR lowering", "use signed binary weights")
         dtype = DType.BIN
     elif kind is Kind.TERNARY:
         dtype = DType.I2
-    else:  # POT: value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
+    else:  # POT: the grid of the smallest step (FrozenLayer.weight_grid), 2^(n-1) steps at most
         n = 2 ** (bits - 1) - 1
         if n > 7:
             raise ExportError(where, f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
-        codes = np.where(codes == 0, 0, np.sign(codes) * np.left_shift(1, np.maximum(np.abs(codes) - 1, 0)))
-        scale = scale * 2.0 ** (1 - n)
         dtype = _int_dtype(n + 1, True, where)
+    b = rec.bias_float
     return codes, dtype, scale, zp, b
 
 
@@ -100,9 +99,9 @@ def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):
     if bq is not None:
         if not bq.frozen:
             raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
-        with torch.no_grad():
-            codes = bq.int_repr(b.detach()).to(torch.int64).numpy().astype(np.float64)
-        s_b = np.broadcast_to(bq.scale.detach().double().reshape(-1).numpy(), codes.shape)
+        rec = frozen_layer(patch)
+        codes = rec.bias_codes.numpy().astype(np.float64)
+        s_b = np.broadcast_to(rec.bias_scale.detach().double().reshape(-1).numpy(), codes.shape)
         exact = codes * (s_b / s_acc)  # an exact integer when s_b / s_acc is a power of two >= 1
         vals = np.where(exact == np.round(exact), exact, np.rint(exact))
     else:
