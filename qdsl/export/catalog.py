@@ -89,6 +89,10 @@ class Construct:
     """A layer's pending result passes through it unchanged (max commutes with quantizers)."""
     product: bool = False
     """Multiplies by a weight or an activation; as a function qdsl lowers none of these."""
+    like: tuple[str, int] | None = None
+    """For a function export lowers by building a module (the functional pools): that
+    module's path and how many leading positional options the function shares with its
+    constructor."""
 
     @property
     def name(self) -> str:
@@ -136,7 +140,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("SiLU", "silu"),
     ])
     + _rows("function", "", [
-        # (path, op, lowering, passes, product)
+        # (path, op, lowering, passes, product, like)
         ("operator.add", "add", "add"),
         ("operator.iadd", "add", "add"),
         ("torch.add", "add", "add"),
@@ -159,12 +163,12 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         (_F + "hardswish", "hardswish"),
         (_F + "gelu", "gelu"),
         (_F + "silu", "silu"),
-        (_F + "max_pool1d", "max_pool1d", "pool", True),
-        (_F + "max_pool2d", "max_pool2d", "pool", True),
-        (_F + "avg_pool1d", "avg_pool1d", "pool"),
-        (_F + "avg_pool2d", "avg_pool2d", "pool"),
-        (_F + "adaptive_avg_pool1d", "global_avg_pool", "pool"),
-        (_F + "adaptive_avg_pool2d", "global_avg_pool", "pool"),
+        (_F + "max_pool1d", "max_pool1d", "pool", True, False, (_NN + "MaxPool1d", 4)),
+        (_F + "max_pool2d", "max_pool2d", "pool", True, False, (_NN + "MaxPool2d", 4)),
+        (_F + "avg_pool1d", "avg_pool1d", "pool", False, False, (_NN + "AvgPool1d", 5)),
+        (_F + "avg_pool2d", "avg_pool2d", "pool", False, False, (_NN + "AvgPool2d", 6)),
+        (_F + "adaptive_avg_pool1d", "global_avg_pool", "pool", False, False, (_NN + "AdaptiveAvgPool1d", 1)),
+        (_F + "adaptive_avg_pool2d", "global_avg_pool", "pool", False, False, (_NN + "AdaptiveAvgPool2d", 1)),
         ("torch.mean", "mean"),
         ("torch.flatten", "reshape", "reshape", True),
         ("torch.reshape", "reshape", "reshape", True),

@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
 from qdsl.export.ir import DType, OpType, OutputStage, Rounding
@@ -50,7 +49,7 @@ from qdsl.export.lower_layers import (
 )
 from qdsl.export.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
-from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.patch.constructs import functions, methods, module_construct, resolve_path
 
 __all__ = ["export", "trace_quantized"]
 
@@ -137,13 +136,9 @@ def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
 # (qdsl/export/catalog.py); the rules themselves are the branches below
 _FUNCTION_RULES = functions(lambda c: c.lowering is not None)
 _METHOD_RULES = methods(lambda c: c.lowering is not None)
-# functional pool -> (module class, positional options it shares with the constructor);
-# its keys are the table's functions with the "pool" rule (tests/export/test_catalog.py)
-_FUNCTIONAL_POOLS = {
-    F.max_pool1d: (nn.MaxPool1d, 4), F.max_pool2d: (nn.MaxPool2d, 4),
-    F.avg_pool1d: (nn.AvgPool1d, 5), F.avg_pool2d: (nn.AvgPool2d, 6),
-    F.adaptive_avg_pool1d: (nn.AdaptiveAvgPool1d, 1), F.adaptive_avg_pool2d: (nn.AdaptiveAvgPool2d, 1),
-}
+# functional pool -> (module class, positional options it shares with the constructor)
+_FUNCTIONAL_POOLS = {fn: (resolve_path(c.like[0]), c.like[1])
+                     for fn, c in _FUNCTION_RULES.items() if c.lowering == "pool"}
 
 
 class _Lowerer:

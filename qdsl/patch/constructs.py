@@ -13,12 +13,17 @@ from typing import Any
 
 from qdsl.export.catalog import CONSTRUCTS, Construct
 
-__all__ = ["resolve", "functions", "module_classes", "module_construct", "methods"]
+__all__ = ["resolve", "resolve_path", "functions", "module_classes", "module_construct", "methods"]
 
 
 def resolve(c: Construct) -> Any:
     """The class or function ``c.path`` names (``AttributeError`` if torch lacks it)."""
-    module, _, attr = c.path.rpartition(".")
+    return resolve_path(c.path)
+
+
+def resolve_path(path: str) -> Any:
+    """The object a dotted ``path`` (``torch.nn.MaxPool2d``) names."""
+    module, _, attr = path.rpartition(".")
     return getattr(importlib.import_module(module), attr)
 
 

@@ -86,9 +86,13 @@ def test_module_lookup_prefers_the_most_derived_class():
     assert constructs.module_construct(nn.LSTM(2, 2)) is None
 
 
-def test_functional_pools_match_the_table():
-    pools = set(constructs.functions(lambda c: c.lowering == "pool"))
-    assert set(lower._FUNCTIONAL_POOLS) == pools
+def test_functional_pools_build_a_module_with_the_same_rule():
+    pools = constructs.functions(lambda c: c.lowering == "pool")
+    assert set(lower._FUNCTIONAL_POOLS) == set(pools)
+    for fn, (cls, n_positional) in lower._FUNCTIONAL_POOLS.items():
+        row = next(c for c in CONSTRUCTS if c.kind == "module" and constructs.resolve(c) is cls)
+        assert row.lowering == "pool" and row.op == pools[fn].op and n_positional >= 1
+    assert all(c.like is None for c in CONSTRUCTS if c.lowering != "pool")
 
 
 @pytest.mark.parametrize("name, op", [("operator.add", "add"), ("torch.cat", "concat"), ("operator.mul", "mul")])
