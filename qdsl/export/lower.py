@@ -133,7 +133,7 @@ def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
 
 
 # what each module class / function / method lowers to: the shared construct table
-# (qdsl/export/catalog.py); the rules themselves are the branches below
+# (qdsl/graph/catalog.py); the rules themselves are the branches below
 _FUNCTION_RULES = functions(lambda c: c.lowering is not None)
 _METHOD_RULES = methods(lambda c: c.lowering is not None)
 # functional pool -> (module class, positional options it shares with the constructor)

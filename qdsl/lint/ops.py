@@ -6,13 +6,13 @@ accepts; :func:`module_op` and :func:`function_op` map a module class name or a 
 function/method to an op, or to ``None`` for things that compute nothing on the target
 (``Identity``, ``Dropout`` in eval, shape queries).  Torch-free: names only.
 
-The vocabulary and the mapping are read from :mod:`qdsl.export.catalog`, the table
+The vocabulary and the mapping are read from :mod:`qdsl.graph.catalog`, the table
 export lowers from, so lint and export cannot disagree about what a construct is.
 """
 
 from __future__ import annotations
 
-from qdsl.export.catalog import CONSTRUCTS, LINT_ONLY_OPS, OPS, WEIGHTED_OPS, short_name
+from qdsl.graph.catalog import CONSTRUCTS, LINT_ONLY_OPS, OPS, WEIGHTED_OPS, short_name
 
 __all__ = [
     "KNOWN_OPS",
@@ -33,7 +33,7 @@ has no integer lowering for them."""
 NO_OP = None
 """What :func:`module_op` returns for modules that vanish on the target."""
 
-# by name, from the one construct table (qdsl/export/catalog.py): lint also maps the
+# by name, from the one construct table (qdsl/graph/catalog.py): lint also maps the
 # torch-free ModelIndex, which has class names only
 _MODULES = {c.name: c.op for c in CONSTRUCTS if c.kind == "module"}
 # fx call_function / call_method targets, by ``__name__`` (operator.add, torch.add and

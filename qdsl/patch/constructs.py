@@ -1,4 +1,4 @@
-"""The construct table (:mod:`qdsl.export.catalog`) resolved to torch objects.
+"""The construct table (:mod:`qdsl.graph.catalog`) resolved to torch objects.
 
 fx graphs hold the objects themselves (``call_function`` targets are functions, modules
 are instances), so export and apply's checks match on identity (functions) or on the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from qdsl.export.catalog import CONSTRUCTS, Construct
+from qdsl.graph.catalog import CONSTRUCTS, Construct
 
 __all__ = ["resolve", "resolve_path", "functions", "module_classes", "module_construct", "methods"]
 

@@ -48,7 +48,7 @@ from typing import Any, Iterator, Mapping
 import attrs
 from torch import nn
 
-from qdsl.export.catalog import CONSTRUCTS, short_name
+from qdsl.graph.catalog import CONSTRUCTS, short_name
 from qdsl.patch.constructs import module_classes
 from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.patch.trace import ModelTrace

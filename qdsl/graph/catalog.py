@@ -4,8 +4,8 @@ Every torch module class, function and tensor method that qdsl gives a meaning t
 :class:`Construct` row in :data:`CONSTRUCTS`.  Readers, and what they take from a row:
 
 * export (``qdsl/export/lower.py``) dispatches on ``lowering`` (a rule name of
-  :data:`LOWERINGS`, which lists the :class:`~qdsl.export.ir.OpType` s each rule may emit);
-  a construct without one has no integer lowering;
+  :data:`LOWERINGS`, which names the ``OpType`` s each rule may emit); a construct without
+  one has no integer lowering;
 * lint (``qdsl/lint/ops.py``) maps a traced module/function/method to the profile op
   ``op``, by name (it also runs on a torch-free ``ModelIndex``); ``op = None`` computes
   nothing on the target (``Identity``, shape queries);
@@ -18,7 +18,9 @@ Every torch module class, function and tensor method that qdsl gives a meaning t
 checks against a profile but export has no lowering for.  :data:`BOUNDARY_OPS` are the
 graph ops emitted at quantizer boundaries rather than for a torch construct.
 
-Torch-free: paths are strings; ``qdsl.patch.constructs`` resolves them to objects.
+Torch-free and import-free (it sits below every package that reads it): paths and graph
+ops are names; ``qdsl.patch.constructs`` resolves the paths to objects, and
+``tests/export/test_catalog.py`` checks the names against ``OpType``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,6 @@ from __future__ import annotations
 from typing import Iterable
 
 import attrs
-
-from qdsl.export.ir import OpType
 
 __all__ = [
     "Construct",
@@ -42,23 +42,23 @@ __all__ = [
 ]
 
 # lowering rule -> the graph ops it may emit (lower.py / lower_layers.py hold the rules)
-LOWERINGS: dict[str, tuple[OpType, ...]] = {
-    "layer": (OpType.CONV1D, OpType.CONV2D, OpType.LINEAR, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR),
+LOWERINGS: dict[str, tuple[str, ...]] = {
+    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR"),
     "batch_norm": (),  # folded into the layer before it (`fold_bn`), else an error
     "pass": (),  # Identity / Dropout in eval: the value itself
-    "relu": (OpType.CLAMP,),  # fused into a pending output stage, else CLAMP
-    "relu6": (OpType.CLAMP,),
-    "hardtanh": (OpType.CLAMP,),
-    "reshape": (OpType.RESHAPE,),
-    "pool": (OpType.MAXPOOL1D, OpType.MAXPOOL2D, OpType.AVGPOOL1D, OpType.AVGPOOL2D, OpType.GLOBAL_AVGPOOL),
-    "add": (OpType.ADD,),
-    "concat": (OpType.CONCAT,),
+    "relu": ("CLAMP",),  # fused into a pending output stage, else CLAMP
+    "relu6": ("CLAMP",),
+    "hardtanh": ("CLAMP",),
+    "reshape": ("RESHAPE",),
+    "pool": ("MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL"),
+    "add": ("ADD",),
+    "concat": ("CONCAT",),
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
-"""Export's lowering rules and the graph ops each may emit."""
+"""Export's lowering rules and the graph ops (``OpType`` names) each may emit."""
 
-BOUNDARY_OPS = (OpType.QUANTIZE, OpType.DEQUANTIZE, OpType.REQUANTIZE, OpType.BINARIZE)
+BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE")
 """Emitted where a quantizer sits (and at the graph's float input/output), for no construct."""
 
 WEIGHTED_OPS = ("conv1d", "conv2d", "linear")
