@@ -34,6 +34,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from qdsl.patch.frozen import frozen_layer
 from qdsl.patch.handle import State, get_handle
 from qdsl.spec.diagnostics import QdslError
 
@@ -199,4 +200,5 @@ def freeze(model: nn.Module) -> nn.Module:
     handle.state = State.FROZEN
     for patch in handle.layers.values():
         patch.refresh_now()
+        frozen_layer(patch)  # the per-layer record export, int_tensors and lint read
     return model

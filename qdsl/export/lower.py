@@ -30,13 +30,11 @@ the module path and the spec change that fixes it.
 from __future__ import annotations
 
 import math
-import operator
 from typing import Any
 
 import numpy as np
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OutputStage, Rounding
@@ -51,6 +49,7 @@ from qdsl.export.lower_layers import (
 )
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
+from qdsl.patch.constructs import functions, methods, module_construct, resolve_path
 
 __all__ = ["export", "trace_quantized"]
 
@@ -133,19 +132,13 @@ def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
                           "export needs a model without data-dependent control flow") from None
 
 
-_RELUS = (nn.ReLU, nn.ReLU6, nn.Hardtanh)
-_PASS = (nn.Identity, nn.Dropout, nn.Dropout1d, nn.Dropout2d)
-_ADDS = (operator.add, operator.iadd, torch.add)
-_RESHAPES_F = (torch.flatten, torch.reshape)
-_RELU_F = (F.relu, torch.relu, F.relu6, F.hardtanh)
-_SHAPE_METHODS = ("size", "dim")
-_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.AvgPool1d, nn.AvgPool2d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)
+# what each module class / function / method lowers to: the shared construct table
+# (qdsl/graph/catalog.py); the rules themselves are the branches below
+_FUNCTION_RULES = functions(lambda c: c.lowering is not None)
+_METHOD_RULES = methods(lambda c: c.lowering is not None)
 # functional pool -> (module class, positional options it shares with the constructor)
-_FUNCTIONAL_POOLS = {
-    F.max_pool1d: (nn.MaxPool1d, 4), F.max_pool2d: (nn.MaxPool2d, 4),
-    F.avg_pool1d: (nn.AvgPool1d, 5), F.avg_pool2d: (nn.AvgPool2d, 6),
-    F.adaptive_avg_pool1d: (nn.AdaptiveAvgPool1d, 1), F.adaptive_avg_pool2d: (nn.AdaptiveAvgPool2d, 1),
-}
+_FUNCTIONAL_POOLS = {fn: (resolve_path(c.like[0]), c.like[1])
+                     for fn, c in _FUNCTION_RULES.items() if c.lowering == "pool"}
 
 
 class _Lowerer:
@@ -250,25 +243,27 @@ class _Lowerer:
     def call_module(self, node, m: nn.Module, args) -> Any:
         fqn, x = node.target, args[0] if args else None
         shape = self.shape(node)
-        if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Linear)):
+        construct = module_construct(m)
+        rule = construct.lowering if construct is not None else None
+        if rule == "layer":
             patch = self.handle.layers.get(fqn)
             return layer_pending(self.b, fqn, m, patch, self.need_layer_input(x, fqn, patch), shape)
-        if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        if rule == "batch_norm":
             if fqn in self.folded_bns:
                 return x
             raise ExportError(fqn, "a BatchNorm that is not folded into the layer before it has no integer lowering",
                               "set `fold_bn` in the spec (the BN must directly follow a Conv/Linear)")
-        if isinstance(m, _PASS):
+        if rule == "pass":
             return x
-        if isinstance(m, nn.ReLU6):
+        if rule == "relu6":
             return self.relu(x, 0.0, 6.0, fqn)
-        if isinstance(m, nn.Hardtanh):
+        if rule == "hardtanh":
             return self.relu(x, float(m.min_val), float(m.max_val), fqn)
-        if isinstance(m, nn.ReLU):
+        if rule == "relu":
             return self.relu(x, 0.0, math.inf, fqn)
-        if isinstance(m, nn.Flatten):
+        if rule == "reshape":
             return self.reshape(x, shape, fqn)
-        if isinstance(m, _POOLS):
+        if rule == "pool":
             return self.pool(x, m, shape, fqn)
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
                           "skip the layers from here on in the spec and run them in float after the graph")
@@ -297,21 +292,23 @@ class _Lowerer:
         where = self.where(node)
         if fn is _qmark:
             return self.quantize(args[0], args[1], args[2])
-        if fn in _ADDS:
+        construct = _FUNCTION_RULES.get(fn)
+        rule = construct.lowering if construct is not None else None
+        if rule == "add":
             if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(isinstance(a, (QVal, Pending, FloatVal)) for a in args):
                 raise ExportError(where, f"'{node.name}' is not a plain two-tensor add")
             return add_pending(where, args[0], args[1], self.shape(node))
-        if fn in _RESHAPES_F:
+        if rule == "reshape":
             return self.reshape(args[0], self.shape(node), where)
-        if fn in _RELU_F:
-            if fn is F.relu6:
-                return self.relu(args[0], 0.0, 6.0, where)
-            if fn is F.hardtanh:
-                lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
-                hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
-                return self.relu(args[0], float(lo), float(hi), where)
+        if rule == "relu6":
+            return self.relu(args[0], 0.0, 6.0, where)
+        if rule == "hardtanh":
+            lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
+            hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
+            return self.relu(args[0], float(lo), float(hi), where)
+        if rule == "relu":
             return self.relu(args[0], 0.0, math.inf, where)
-        if fn in _FUNCTIONAL_POOLS:
+        if rule == "pool":
             module_type, n_positional = _FUNCTIONAL_POOLS[fn]
             if len(args) - 1 > n_positional:
                 raise ExportError(where, f"pass the options of {fn.__name__} by keyword ('{node.name}')")
@@ -320,23 +317,25 @@ class _Lowerer:
             except TypeError as e:
                 raise ExportError(where, f"{fn.__name__} options not understood: {e}") from None
             return self.pool(args[0], m, self.shape(node), where)
-        if fn is torch.cat:
+        if rule == "concat":
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             return concat_value(self.b, where, list(args[0]), dim, self.shape(node))
-        if fn is getattr or (fn is operator.getitem and not isinstance(args[0], (QVal, Pending, FloatVal))):
+        if rule == "shape" or (rule == "item" and not isinstance(args[0], (QVal, Pending, FloatVal))):
             return None  # shape arithmetic (x.size(0), ...): not a tensor
         raise ExportError(where, f"the function {getattr(fn, '__name__', fn)!s} ('{node.name}') has no integer lowering",
                           "use a module the exporter knows (see docs/qgraph.md) or skip this part in the spec")
 
     def call_method(self, node, name: str, args) -> Any:
         where = self.where(node)
-        if name in _SHAPE_METHODS:
+        construct = _METHOD_RULES.get(name)
+        rule = construct.lowering if construct is not None else None
+        if rule == "shape":
             return None
-        if name in ("relu", "relu_"):
+        if rule == "relu":
             return self.relu(args[0], 0.0, math.inf, where)
-        if name in ("flatten", "view", "reshape"):
+        if rule == "reshape":
             return self.reshape(args[0], self.shape(node), where)
-        if name in ("add", "add_") and len(args) == 2:
+        if rule == "add" and len(args) == 2:
             return add_pending(where, args[0], args[1], self.shape(node))
         raise ExportError(where, f"the method .{name}() ('{node.name}') has no integer lowering")
 

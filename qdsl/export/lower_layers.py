@@ -2,8 +2,9 @@
 
 Each function returns a :class:`~qdsl.export.values.Pending` (or a QVal when no
 requantization is needed) whose ``emit`` writes the integer op once the next quantizer
-is known. Integer weights and biases come from the layer's own proxies (``int_repr`` on
-the BN-folded float weight), so they are exactly the codes the fake-quant model used.
+is known. Integer weights and biases come from the layer's frozen record
+(:mod:`qdsl.patch.frozen`: ``int_repr`` of its own proxies on the BN-folded float weight),
+so they are exactly the codes the fake-quant model used.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
+from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import NotExportable
 from qdsl.spec.model import Overflow
 
@@ -58,18 +59,18 @@ def weight_ints(patch, where: str):
     if wq.group_size or wq.axis not in (None, 0):
         raise ExportError(where, "group-wise (or non-output-channel) weight scales have no integer lowering: an "
                                  "accumulator needs one scale per output channel", "use `granularity = channel`")
-    w, b = patch.float_params()
-    with torch.no_grad():
-        codes = wq.int_repr(w.detach()).to(torch.int64).numpy()
+    rec = frozen_layer(patch)  # the codes the fake quantizers use, derived once (qdsl.patch.frozen)
+    codes = rec.weight_codes.numpy().astype(np.int64)
+    scale = rec.weight_scale.detach().double().reshape(-1).numpy()
     c = codes.shape[0]
-    scale = np.broadcast_to(wq.scale.detach().double().reshape(-1).numpy(), (c,)).copy()
-    zp = np.broadcast_to(wq.zero_point.detach().reshape(-1).numpy().astype(np.int64), (c,)).copy()
+    scale = np.broadcast_to(scale, (c,)).copy()
+    zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
     # the number format maps its codes to graph constants (pot: onto an integer grid)
     try:
         codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, scale)
     except NotExportable as exc:
         raise ExportError(where, exc.message, exc.hint) from None
-    return codes, DType[dtype_name], scale, zp, b
+    return codes, DType[dtype_name], scale, zp, rec.bias_float
 
 
 def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):
@@ -84,9 +85,9 @@ def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):
     if bq is not None:
         if not bq.frozen:
             raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
-        with torch.no_grad():
-            codes = bq.int_repr(b.detach()).to(torch.int64).numpy().astype(np.float64)
-        s_b = np.broadcast_to(bq.scale.detach().double().reshape(-1).numpy(), codes.shape)
+        rec = frozen_layer(patch)
+        codes = rec.bias_codes.numpy().astype(np.float64)
+        s_b = np.broadcast_to(rec.bias_scale.detach().double().reshape(-1).numpy(), codes.shape)
         exact = codes * (s_b / s_acc)  # an exact integer when s_b / s_acc is a power of two >= 1
         vals = np.where(exact == np.round(exact), exact, np.rint(exact))
     else:

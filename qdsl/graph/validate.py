@@ -36,6 +36,8 @@ from qdsl.graph.ir import (
 __all__ = ["validate_graph", "infer_output", "conv_out_len"]
 
 _I32 = (-(2**31), 2**31 - 1)
+# the per-input rescale lists (``in_kind``, ...) carry the same fields as one ``rq_`` rescale
+_RESCALE_KEYS = tuple(name[len("rq_"):] for name in RQ_ATTRS)
 
 
 def conv_out_len(n: int, k: int, stride: int, pad: int, dilation: int = 1) -> int:
@@ -101,16 +103,16 @@ def _check_rescale(c: _Check, prefix: str, channels: int, per_input: bool = Fals
     if per_input:
         kinds, rounds = a[f"{prefix}kind"], a[f"{prefix}rounding"]
         n = channels
-        for key in ("kind", "multiplier", "shift", "rounding"):
+        for key in _RESCALE_KEYS:
             c.ints(f"{prefix}{key}", n)
         triples = zip(kinds, a[f"{prefix}multiplier"], a[f"{prefix}shift"], rounds)
     else:
-        kind = c.int(f"{prefix}kind", 0, 2)
+        kind = c.int(f"{prefix}kind", min(RescaleKind), max(RescaleKind))
         mult = c.ints(f"{prefix}multiplier", (1, channels) if channels > 1 else 1)
         c.ints(f"{prefix}shift", len(mult))
         triples = ((kind, m, s, a[f"{prefix}rounding"]) for m, s in zip(mult, a[f"{prefix}shift"]))
     for kind, m, s, r in triples:
-        c.need(kind in (0, 1, 2), f"{prefix}kind must be 0 (FIXED), 1 (POT) or 2 (FIXED_SINGLE), got {kind}")
+        c.need(kind in tuple(RescaleKind), f"{prefix}kind must be 0 (FIXED), 1 (POT) or 2 (FIXED_SINGLE), got {kind}")
         if kind in (RescaleKind.FIXED, RescaleKind.FIXED_SINGLE):
             c.need(0 <= m <= _I32[1], f"{prefix}multiplier {m} outside [0, 2^31-1]")
             c.need(-31 <= s <= 31, f"{prefix}shift {s} outside [-31, 31] for FIXED")
@@ -171,8 +173,9 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
     for i, tensor in enumerate(ins):
         if i == 0 or t in (OpType.ADD, OpType.CONCAT):
             act(tensor, "input")
-    if t in (OpType.CONV1D, OpType.CONV2D, OpType.BCONV1D, OpType.BCONV2D, OpType.LINEAR, OpType.BLINEAR):
-        binary = t in (OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR)
+    schema = OP_SCHEMAS[t]
+    if schema.needs_output_stage:  # the weighted ops: input, weight[, bias] -> accumulator
+        binary = "in_zp" not in schema.attrs  # XNOR-popcount ops have no zero points
         rank = {OpType.CONV1D: 1, OpType.BCONV1D: 1, OpType.CONV2D: 2, OpType.BCONV2D: 2}.get(t, 0)
         w = ins[1]
         dt(x, (DType.BIN,) if binary else INT8_DTYPES, "input")
@@ -181,7 +184,7 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
         c.need(len(w.shape) == rank + 2, f"weight {w.name!r} must have rank {rank + 2}, has shape {w.shape}")
         cout = w.shape[0]
-        if len(ins) == 3:
+        if len(ins) == schema.max_inputs:
             const(ins[2], "bias")
             dt(ins[2], (DType.I32,), "bias")
             c.need(ins[2].shape == (cout,), f"bias {ins[2].name!r} must have shape ({cout},), has {ins[2].shape}")

@@ -1,13 +1,13 @@
 """Integer weights of a calibrated qdsl model, in the form the tight accumulator bound needs.
 
-:func:`layer_ints` reads ``qdsl.patch.int_tensors`` (the very codes the fake quantizers
-use) and returns ``{fqn: qdsl.lint.LayerInts}`` with numpy integers, or ``None`` when
+:func:`layer_ints` reads each layer's frozen record (``qdsl.patch.frozen``: the very codes
+the fake quantizers use and export writes) and returns ``{fqn: qdsl.lint.LayerInts}`` with numpy integers, or ``None`` when
 the model is not a frozen qdsl model (then lint falls back to worst-case bounds).
 
 Conversions, so that ``Σ (w_q - z_w)(x_q - z_x)`` is in one integer unit per layer:
 
 * power-of-two weight codes ``c ∈ [-n, n]`` stand for ``sign(c)·2^(|c|-1)`` smallest
-  steps (``qdsl.quantizers.functional.pot_weight_codes``);
+  steps (``FrozenLayer.weight_grid``, as export lowers them);
 * weight zero points per tensor, per output channel, or per group (repeated along the
   flattened row, the resolver's group definition) are subtracted by the caller;
 * a dynamic input has no fixed zero point: ``input_zero_point`` stays ``None`` and both
@@ -48,26 +48,25 @@ def _weight_zero_point(zp: Any, rows: int, cols: int) -> np.ndarray | int | None
 
 def layer_ints(model: Any) -> dict[str, LayerInts] | None:
     try:
-        from qdsl.patch import int_tensors
-        from qdsl.patch.handle import State, state_of
+        from qdsl.patch.frozen import frozen_layer
+        from qdsl.patch.handle import State, get_handle, state_of
     except ImportError:  # pragma: no cover - patch layer absent
         return None
     if state_of(model) not in (State.FROZEN, State.EXPORTED):
         return None
     out: dict[str, LayerInts] = {}
-    for fqn, li in int_tensors(model).items():
-        if li.weight is None:
+    for fqn, patch in get_handle(model).layers.items():
+        rec = frozen_layer(patch)  # the record freeze produced: the codes export writes
+        if rec.weight_codes is None:
             continue
-        w = _np(li.weight)
-        fmt = li.weight_format if li.weight_format is not None else format_of(li.weight_kind)
-        w = fmt.operand_codes(w)
+        w, _ = rec.weight_grid()  # power-of-two codes already on the grid of the smallest step
         rows = w.shape[0]
-        zp = _weight_zero_point(li.weight_zero_point, rows, int(np.prod(w.shape[1:])) if w.ndim > 1 else 1)
+        zp = _weight_zero_point(rec.weight_zero_point, rows, int(np.prod(w.shape[1:])) if w.ndim > 1 else 1)
         if zp is None:
             continue
         x_zp = None
-        if li.input_zero_point is not None and li.input_zero_point.numel() == 1:
-            x_zp = int(li.input_zero_point.reshape(-1)[0])
-        bias = _np(li.bias) if li.bias is not None else None
+        if rec.input_zero_point is not None and rec.input_zero_point.numel() == 1:
+            x_zp = int(rec.input_zero_point.reshape(-1)[0])
+        bias = _np(rec.bias_codes) if rec.bias_codes is not None else None
         out[fqn] = LayerInts(weight=w, weight_zero_point=zp, input_zero_point=x_zp, bias=bias)
     return out

@@ -35,6 +35,7 @@ from qdsl.lint.collect import Collector, violation_diagnostic
 from qdsl.lint.fixes import accumulator_fix, use
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
+from qdsl.resolve.invariants import bias_scale_problem
 from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, Span
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
@@ -317,12 +318,12 @@ def _check_bias(layer: LayerPlan, op: str, profile: HardwareProfile, col: Collec
     b = layer.roles.get(Role.BIAS)
     if b is None or not b.format.affine:
         return
-    if b.scale == DERIVED_BIAS_SCALE:
-        missing = [r.value for r in (Role.INPUT, Role.WEIGHT) if layer.roles.get(r) is None]
-        if missing:  # the resolver rejects this too; kept for plans built by hand
+    problem = bias_scale_problem(layer.roles)  # the one rule (qdsl/resolve/invariants.py)
+    if problem is not None:
+        if problem.missing:  # the resolver rejects this too (E214); kept for plans built by hand
             span, _ = _written(layer, Role.BIAS, "scale", where_spec)
             col.add(("E316", "derived", span.location()), Diagnostic.error(
-                "E316", f"bias scale '{DERIVED_BIAS_SCALE}' needs the {' and '.join(missing)} quantized", span,
+                "E316", f"bias scale '{DERIVED_BIAS_SCALE}' needs the {' and '.join(problem.missing)} quantized", span,
                 "quantize the layer's input and weight, or give the bias its own scale"), layer=layer.fqn)
 
 

@@ -51,8 +51,8 @@ from qdsl.patch.trace import trace_model
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.parts import channel_axis, default_registries
 from qdsl.quantizers.proxy import TensorQuantizer
+from qdsl.resolve.invariants import bias_scale_problem
 from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
-from qdsl.resolve.validate import derived_bias_problem
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError, UNKNOWN_SPAN
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Granularity, GranularityKind, Kind, ObserverSpec, Role
 
@@ -135,15 +135,13 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
                 diags.append(Diagnostic.error(
                     "E503", f"{role.value} of '{lp.fqn}' (shape {tuple(p.shape)}): {exc}",
                     _span(lp, role, "granularity")))
-        bias = roles.get(Role.BIAS)
-        if bias is not None and bias.scale == DERIVED_BIAS_SCALE:
-            # resolve reports this as E214; a Plan built by hand reaches it here
-            why = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT))
-            if why:
-                diags.append(Diagnostic.error(
-                    "E504", f"the bias of '{lp.fqn}' has scale input*weight, but {why}",
-                    _span(lp, Role.BIAS, "scale"),
-                    "quantize the input and weight of this layer, or give the bias its own quantizer"))
+        # resolve reports this as E214; a Plan built by hand reaches it here
+        problem = bias_scale_problem(roles)
+        if problem is not None:
+            diags.append(Diagnostic.error(
+                "E504", f"the bias of '{lp.fqn}' has scale input*weight, but {problem.reason}",
+                _span(lp, Role.BIAS, "scale"),
+                "quantize the input and weight of this layer, or give the bias its own quantizer"))
     return diags
 
 

@@ -24,19 +24,17 @@ from typing import Iterable, Mapping
 
 import torch
 import torch.fx
-import torch.nn.functional as F
 from torch import nn
 
+from qdsl.patch.constructs import functions, methods, module_classes
 from qdsl.spec.formats import NumberFormat
 
 __all__ = ["read_only_by_binary"]
 
-_PASS_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.ReLU, nn.ReLU6, nn.Hardtanh, nn.Identity, nn.Dropout,
-                 nn.Dropout1d, nn.Dropout2d, nn.Flatten, nn.MaxPool1d, nn.MaxPool2d)
-_PASS_FUNCTIONS = (F.relu, torch.relu, F.relu6, F.hardtanh, torch.flatten, torch.reshape, F.max_pool1d,
-                   F.max_pool2d, F.dropout)
-_PASS_METHODS = ("view", "reshape", "flatten", "relu")
-
+# what a pending layer result passes through: the construct table's ``passes`` rows
+_PASS_MODULES = module_classes(lambda c: c.passes)
+_PASS_FUNCTIONS = tuple(functions(lambda c: c.passes))
+_PASS_METHODS = tuple(methods(lambda c: c.passes))
 
 def read_only_by_binary(model: nn.Module, graph: torch.fx.Graph | None, layers: Iterable[str],
                         input_kinds: Mapping[str, NumberFormat], output_kinds: Mapping[str, NumberFormat]) -> set[str]:

@@ -48,6 +48,8 @@ from typing import Any, Iterator, Mapping
 import attrs
 from torch import nn
 
+from qdsl.graph.catalog import CONSTRUCTS, short_name
+from qdsl.patch.constructs import module_classes
 from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
@@ -69,15 +71,11 @@ __all__ = [
 ROOT = "<model>"
 
 # functional products that read a weight or multiply activations; qdsl lowers none of
-# them when called as functions (fx call_function/call_method targets, by __name__)
-_PRODUCTS = frozenset({
-    "linear", "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-    "conv_transpose3d", "embedding", "embedding_bag", "matmul", "bmm", "mm", "mv", "einsum", "addmm",
-    "baddbmm", "addbmm", "addmv", "tensordot", "scaled_dot_product_attention",
-})
-_F_NAMES = frozenset({"linear", "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                      "conv_transpose3d", "embedding", "embedding_bag", "scaled_dot_product_attention"})
-_SUPPORTED_BASES = (nn.Linear, nn.Conv1d, nn.Conv2d)
+# them when called as functions (fx call_function/call_method targets, by __name__):
+# the construct table's ``product`` rows, and the layer classes it patches
+_PRODUCTS = frozenset(short_name(c.name) for c in CONSTRUCTS if c.product)
+_F_NAMES = frozenset(c.name for c in CONSTRUCTS if c.product and c.path.startswith("torch.nn.functional."))
+_SUPPORTED_BASES = module_classes(lambda c: c.lowering == "layer")
 
 
 class LeftFloatWarning(QdslWarning):

@@ -2,7 +2,7 @@
 
 For people simulating integer-only hardware: per patched layer with a weight, the
 integer weight codes, the int32 bias and every scale and zero point - the exact values
-the fake quantizers used (same proxies, same ``int_repr``), so::
+the fake quantizers used (the frozen record of :mod:`qdsl.patch.frozen`), so::
 
     acc = sum((x_q - x_zp) · (w_q - w_zp)) + b_q         (int64 accumulate)
     y   = acc · (x_scale · w_scale)                       (per output channel)
@@ -20,6 +20,7 @@ import attrs
 import torch
 from torch import nn
 
+from qdsl.patch.frozen import frozen_layer
 from qdsl.patch.handle import State, get_handle
 from qdsl.spec.diagnostics import QdslError
 
@@ -53,12 +54,6 @@ class LayerInts:
     integers an accumulator multiplies."""
 
 
-def _qp(q):
-    if q is None or q.dynamic:
-        return None, None
-    return q.scale.clone(), q.zero_point.clone()
-
-
 def int_tensors(model: nn.Module) -> dict[str, LayerInts]:
     """``{fqn: LayerInts}`` for every patched layer that has a weight (see module doc)."""
     handle = get_handle(model)
@@ -67,32 +62,25 @@ def int_tensors(model: nn.Module) -> dict[str, LayerInts]:
             f"int_tensors needs fixed scales, but the model is {handle.state.value}: call qdsl.freeze(model) first"
         )
     out: dict[str, LayerInts] = {}
-    with torch.no_grad():
-        for fqn, patch in handle.layers.items():
-            w, b = patch.float_params()
-            if w is None:
-                continue
-            wq, bq = patch.wq, patch.bq
-            w_int = wq.int_repr(w) if wq is not None else None
-            b_int = b_scale = None
-            if bq is not None and b is not None and bq.frozen:
-                b_int, b_scale = bq.int_repr(b), bq.scale.clone()
-            in_s, in_z = _qp(patch.iq)
-            out_s, out_z = _qp(patch.oq)
-            out[fqn] = LayerInts(
-                fqn=fqn,
-                weight=w_int,
-                weight_scale=wq.scale.clone() if wq is not None else None,
-                weight_zero_point=wq.zero_point.clone() if wq is not None else None,
-                weight_kind=wq.format.name if wq is not None else None,
-                weight_format=wq.format if wq is not None else None,
-                bias=b_int,
-                bias_scale=b_scale,
-                input_scale=in_s,
-                input_zero_point=in_z,
-                output_scale=out_s,
-                output_zero_point=out_z,
-                folded_bn=patch.bn_fqn,
-                float_bias=None if b_int is not None or b is None else b.detach().clone(),
-            )
+    for fqn, patch in handle.layers.items():
+        r = frozen_layer(patch)  # the record freeze produced (copies: callers may edit theirs)
+        if not r.has_weight:
+            continue
+        c = lambda t: None if t is None else t.clone()  # noqa: E731
+        out[fqn] = LayerInts(
+            fqn=fqn,
+            weight=c(r.weight_codes),
+            weight_scale=c(r.weight_scale),
+            weight_zero_point=c(r.weight_zero_point),
+            weight_kind=r.weight_format.name if r.weight_format is not None else None,
+            weight_format=r.weight_format,
+            bias=c(r.bias_codes),
+            bias_scale=c(r.bias_scale),
+            input_scale=c(r.input_scale),
+            input_zero_point=c(r.input_zero_point),
+            output_scale=c(r.output_scale),
+            output_zero_point=c(r.output_zero_point),
+            folded_bn=r.folded_bn,
+            float_bias=None if r.bias_codes is not None else c(r.bias_float),
+        )
     return out

@@ -270,6 +270,7 @@ class LayerPatch:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_cache_key"] = None  # names this model's tensors by id(): meaningless in a copy
+        state.pop("_frozen_record", None)  # keyed the same way (qdsl.patch.frozen)
         return state
 
     def __deepcopy__(self, memo: dict) -> "LayerPatch":

@@ -49,6 +49,7 @@ import attrs
 from qdsl.parse import gc_paused
 from qdsl.resolve.check import Body, Prepared, compose_if_needed, dedupe, prepare
 from qdsl.resolve.explain import format_value
+from qdsl.resolve.invariants import bias_scale_problem
 from qdsl.resolve.plan import (
     FieldProvenance,
     LayerPlan,
@@ -65,7 +66,6 @@ from qdsl.resolve.targets import Level, TargetMatcher, unmatched_hint
 from qdsl.resolve.validate import (
     builtin_value,
     check_shapes,
-    derived_bias_problem,
     fill_channel_axis,
     validate_fields,
     validate_observer,
@@ -305,26 +305,22 @@ class _Resolver:
                 roles[role] = None
                 continue
             roles[role] = self._role(role, srcs, prov, conflicts, diags, gran_spans)
-        bias = roles.get(Role.BIAS)
-        if bias is not None and bias.scale == DERIVED_BIAS_SCALE:
-            missing = [r.value for r in (Role.INPUT, Role.WEIGHT) if roles.get(r) is None]
-            if missing:
-                p = prov[(Role.BIAS, "scale")]
+        problem = bias_scale_problem(roles)  # the one rule (qdsl/resolve/invariants.py)
+        if problem is not None:
+            p = prov[(Role.BIAS, "scale")]
+            if problem.missing:
                 diags.append(Diagnostic.error(
                     "E214", f"bias scale '{DERIVED_BIAS_SCALE}' needs the layer's input and weight "
-                    f"quantized, but its {' and '.join(missing)} stays in float",
+                    f"quantized, but its {' and '.join(problem.missing)} stays in float",
                     p.via[-1].span if p.via else p.set_by.span,
                     "quantize the input and weight of these layers, or give the bias its own scale",
                 ))
             else:
-                why = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT))
-                if why is not None:
-                    p = prov[(Role.BIAS, "scale")]
-                    diags.append(Diagnostic.error(
-                        "E214", f"bias scale '{DERIVED_BIAS_SCALE}' cannot be formed on these layers: {why}",
-                        p.via[-1].span if p.via else p.set_by.span,
-                        "change the input/weight granularity, or give the bias its own scale",
-                    ))
+                diags.append(Diagnostic.error(
+                    "E214", f"bias scale '{DERIVED_BIAS_SCALE}' cannot be formed on these layers: {problem.reason}",
+                    p.via[-1].span if p.via else p.set_by.span,
+                    "change the input/weight granularity, or give the bias its own scale",
+                ))
         # frozen once here so every layer with this outcome shares the maps (no per-layer copies)
         return _Outcome(
             attrs_frozendict(roles), attrs_frozendict(prov), skip, acc, tuple(applied), gran_spans, diags, conflicts

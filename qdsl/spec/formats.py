@@ -126,6 +126,10 @@ class NumberFormat:
         lo, hi = self.code_range(bits, signed, narrow)
         return ((lo, hi),)
 
+    def grid_step(self, bits: int) -> float:
+        """The value of one step of :meth:`operand_codes`' grid, in units of the scale."""
+        return 1.0
+
     def operand_codes(self, codes: Any) -> Any:
         """Integer codes (a numpy array) as the integers an accumulator multiplies: the
         codes themselves unless the format maps them onto a grid (pot)."""
@@ -223,6 +227,9 @@ class PotFormat(NumberFormat):
 
     def bits_ok(self, bits):
         return bits >= 2
+
+    def grid_step(self, bits):
+        return 2.0 ** (1 - pot_levels(bits))
 
     def operand_codes(self, codes):
         # value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n): an integer grid.

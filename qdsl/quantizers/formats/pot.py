@@ -23,4 +23,4 @@ class PotOps(FormatOps):
         n = pot_levels(bits)
         if n > 7:
             raise NotExportable(f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
-        return WeightInts(q.format.operand_codes(codes), scale * 2.0 ** (1 - n), packed_int_dtype(n + 1, True))
+        return WeightInts(q.format.operand_codes(codes), scale * q.format.grid_step(bits), packed_int_dtype(n + 1, True))

@@ -1,0 +1,57 @@
+"""The invariants a :class:`~qdsl.resolve.plan.Plan` must hold, each checked by one function.
+
+Three stages report a broken invariant, each with its own code and wording: ``resolve``
+(E214, located at the spec text that set the field), ``apply`` given a hand-built Plan
+(E504) and ``lint`` checking a plan against a target (E316).  They all ask the functions
+here, so the rule itself is written once.
+
+* A bias with the derived scale ``input*weight`` needs the layer's input and weight
+  quantized, with scales that can form ``s_in · s_w`` (:func:`bias_scale_problem`).
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import attrs
+
+from qdsl.resolve.plan import Plan, QuantizerRecipe
+from qdsl.resolve.validate import derived_bias_problem
+from qdsl.spec.model import DERIVED_BIAS_SCALE, Role
+
+__all__ = ["BiasScaleProblem", "bias_scale_problem", "plan_problems"]
+
+
+@attrs.frozen
+class BiasScaleProblem:
+    """Why a layer's ``input*weight`` bias scale cannot be formed."""
+
+    missing: tuple[str, ...]
+    """``"input"`` / ``"weight"`` when that role has no quantizer (stays float)."""
+    reason: str
+    """What is wrong, as a clause: ``"the input needs one scale (granularity tensor)"``."""
+
+
+def bias_scale_problem(roles: Mapping[Role, QuantizerRecipe | None]) -> BiasScaleProblem | None:
+    """The problem with a layer's derived bias scale, or ``None`` (also when the bias has
+    none: no bias quantizer, or its own scale)."""
+    bias = roles.get(Role.BIAS)
+    if bias is None or bias.scale != DERIVED_BIAS_SCALE:
+        return None
+    reason = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT))
+    if reason is None:
+        return None
+    missing = tuple(r.value for r in (Role.INPUT, Role.WEIGHT) if roles.get(r) is None)
+    return BiasScaleProblem(missing, reason)
+
+
+def plan_problems(plan: Plan) -> dict[str, BiasScaleProblem]:
+    """``{fqn: problem}`` for every layer of ``plan`` that breaks an invariant."""
+    out: dict[str, BiasScaleProblem] = {}
+    for layer in plan.layers:
+        p = bias_scale_problem(layer.roles)
+        if p is not None:
+            out[layer.fqn] = p
+    return out

@@ -1,0 +1,104 @@
+"""The one construct table (qdsl/graph/catalog.py) covers every op export emits and every
+op lint names, its paths resolve to distinct torch objects, and its readers agree with it."""
+
+import ast
+import inspect
+
+import pytest
+import torch
+from torch import nn
+
+from qdsl.export import lower, lower_layers
+from qdsl.graph import catalog
+from qdsl.graph.catalog import BOUNDARY_OPS, CONSTRUCTS, LINT_ONLY_OPS, LOWERINGS, OPS, WEIGHTED_OPS
+from qdsl.export.ir import OP_SCHEMAS, OpType
+from qdsl.lint import ops as lint_ops
+from qdsl.patch import constructs
+
+
+def _emitted_op_types() -> set[OpType]:
+    """Every ``OpType.X`` the exporter's source names (what it can emit)."""
+    found = set()
+    for module in (lower, lower_layers):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "OpType":
+                found.add(OpType[node.attr])
+    return found
+
+
+def test_table_covers_every_op_the_exporter_emits():
+    emitted = _emitted_op_types()
+    assert emitted  # the scan found the exporter's ops
+    covered = {OpType[t] for c in CONSTRUCTS if c.lowering for t in LOWERINGS[c.lowering]}
+    covered |= {OpType[t] for t in BOUNDARY_OPS}  # a name that is no OpType raises here
+    assert emitted <= covered, emitted - covered
+    # and nothing in the IR is unreachable from the table
+    assert covered == set(OP_SCHEMAS) == set(OpType)
+
+
+def test_every_lowering_rule_is_used_and_known():
+    used = {c.lowering for c in CONSTRUCTS if c.lowering}
+    assert used == set(LOWERINGS)
+    src = inspect.getsource(lower)
+    for rule in LOWERINGS:  # each rule has its branch in the exporter
+        assert f'rule == "{rule}"' in src, rule
+
+
+def test_table_covers_every_op_lint_names():
+    assert lint_ops.KNOWN_OPS == OPS
+    assert set(WEIGHTED_OPS) <= set(OPS)
+    named = {c.op for c in CONSTRUCTS if c.op in OPS}
+    assert named == set(OPS)  # every profile op is what some construct is
+
+
+def test_lint_only_ops_are_the_ones_export_cannot_lower():
+    lowered = {c.op for c in CONSTRUCTS if c.lowering}
+    assert set(LINT_ONLY_OPS) == set(OPS) - lowered
+    assert {"mul", "softmax"} <= set(LINT_ONLY_OPS)
+    assert not set(LINT_ONLY_OPS) & {"conv2d", "linear", "add", "relu", "concat", "reshape", "batch_norm"}
+
+
+def test_paths_resolve_to_distinct_objects():
+    for kind in ("module", "function"):
+        rows = [c for c in CONSTRUCTS if c.kind == kind]
+        objs = [constructs.resolve(c) for c in rows]
+        assert len({id(o) for o in objs}) == len(rows), kind
+    methods = [c.path for c in CONSTRUCTS if c.kind == "method"]
+    assert len(set(methods)) == len(methods)
+    assert all(hasattr(torch.Tensor, m) for m in methods)
+
+
+def test_one_name_one_op_for_lint():
+    # lint keys functions and methods by name: rows sharing a name must agree on the op
+    by_name: dict[str, set] = {}
+    for c in CONSTRUCTS:
+        if c.kind != "module":
+            by_name.setdefault(catalog.short_name(c.name), set()).add(c.op)
+    assert {n: ops for n, ops in by_name.items() if len(ops) > 1} == {}
+
+
+def test_module_lookup_prefers_the_most_derived_class():
+    assert constructs.module_construct(nn.ReLU6()).lowering == "relu6"  # ReLU6 is a Hardtanh
+    assert constructs.module_construct(nn.Hardtanh()).lowering == "hardtanh"
+
+    class MyConv(nn.Conv2d):
+        pass
+
+    assert constructs.module_construct(MyConv(1, 1, 1)).lowering == "layer"
+    assert constructs.module_construct(nn.LSTM(2, 2)) is None
+
+
+def test_functional_pools_build_a_module_with_the_same_rule():
+    pools = constructs.functions(lambda c: c.lowering == "pool")
+    assert set(lower._FUNCTIONAL_POOLS) == set(pools)
+    for fn, (cls, n_positional) in lower._FUNCTIONAL_POOLS.items():
+        row = next(c for c in CONSTRUCTS if c.kind == "module" and constructs.resolve(c) is cls)
+        assert row.lowering == "pool" and row.op == pools[fn].op and n_positional >= 1
+    assert all(c.like is None for c in CONSTRUCTS if c.lowering != "pool")
+
+
+@pytest.mark.parametrize("name, op", [("operator.add", "add"), ("torch.cat", "concat"), ("operator.mul", "mul")])
+def test_lint_and_export_read_the_same_row(name, op):
+    row = next(c for c in CONSTRUCTS if c.path == name)
+    assert lint_ops.function_op(row.name) == op
+    assert (constructs.resolve(row) in lower._FUNCTION_RULES) == (row.lowering is not None)
