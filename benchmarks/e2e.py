@@ -47,7 +47,7 @@ def main() -> None:
     import qdsl.runtime as rt
     from qdsl.export import export
     from qdsl.graph import execute
-    from qdsl.testing.models import DigitsResNet
+    from qdsl.zoo.models import DigitsResNet
     from torch.ao.quantization import get_default_qconfig_mapping
     from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 

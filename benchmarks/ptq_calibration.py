@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import qdsl  # noqa: E402
-from qdsl.testing.train import evaluate, trained_digits_resnet  # noqa: E402
+from qdsl.zoo.train import evaluate, trained_digits_resnet  # noqa: E402
 
 SPEC = ROOT / "specs" / "low-bit.qspec"
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import qdsl
-from qdsl.testing.models import conv_bn_relu_net
+from qdsl.zoo.models import conv_bn_relu_net
 
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "int8-default.qspec"
 

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import qdsl  # noqa: E402
 from qdsl.parse import parse_text  # noqa: E402
 from qdsl.quantizers import range_search as RS  # noqa: E402
-from qdsl.testing.resnet import resnet18  # noqa: E402
+from qdsl.zoo.resnet import resnet18  # noqa: E402
 
 SPEC = "version 1\ndefaults {{ weight = int(bits={bits}, signed, narrow, symmetric, per_channel) }}\n"
 

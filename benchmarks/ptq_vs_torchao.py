@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from qdsl.workflows.sensitivity import ptq_metric  # noqa: E402
-from qdsl.testing.train import evaluate, trained_conv1d_net, trained_digits_resnet  # noqa: E402
+from qdsl.zoo.train import evaluate, trained_conv1d_net, trained_digits_resnet  # noqa: E402
 
 SPEC = ROOT / "specs" / "low-bit.qspec"
 

@@ -28,7 +28,7 @@ from qdsl.parse import parse_text
 from qdsl import calibrate
 from qdsl.patch import apply
 from qdsl.qat.lean import LeanOptimizer, weight_bytes
-from qdsl.testing.models import conv_bn_relu_net, digits_resnet
+from qdsl.zoo.models import conv_bn_relu_net, digits_resnet
 
 SPEC = """version 1
 quantizer w = int(bits={bits}, signed, narrow, symmetric, per_channel, observer=minmax)

@@ -144,7 +144,7 @@ def _searches(model: nn.Module) -> int:
 def w4_auto_suite(rounds: int, batch: int) -> None:
     """Issue 24: default-observer 4-bit QAT vs float, Adam, 1 thread (see the docstring)."""
     import qdsl.qat
-    from qdsl.testing.models import conv_bn_relu_net, mlp
+    from qdsl.zoo.models import conv_bn_relu_net, mlp
 
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
-    from qdsl.testing.models import conv_bn_relu_net
+    from qdsl.zoo.models import conv_bn_relu_net
 
     base = conv_bn_relu_net(seed=0).train()
     x = torch.randn(args.batch, 3, 32, 32)

@@ -35,7 +35,7 @@ def main() -> None:
     import qdsl
     import qdsl.runtime as rt
     from qdsl.export import export
-    from qdsl.testing.models import DigitsResNet
+    from qdsl.zoo.models import DigitsResNet
 
     if not rt.available():
         raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import qdsl
-    from qdsl.testing.train import evaluate, predict, trained_digits_resnet
+    from qdsl.zoo.train import evaluate, predict, trained_digits_resnet
     from qdsl.workflows.intsim import gaussian_noise, simulate
 
     model, (x_train, _, x_test, y_test) = trained_digits_resnet()

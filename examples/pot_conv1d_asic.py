@@ -3,8 +3,8 @@
 What it shows, for hardware engineers targeting a fixed-point accelerator without a
 multiplier in its requantization path (``specs/hw/pot-asic-24bit-acc.toml``):
 
-1. ``specs/pot-asic.qspec`` on :class:`qdsl.testing.models.Conv1dNet` trained on the
-   synthetic keyword-spotting-like task of ``qdsl.testing.data`` (chirps, tones, noise
+1. ``specs/pot-asic.qspec`` on :class:`qdsl.zoo.models.Conv1dNet` trained on the
+   synthetic keyword-spotting-like task of ``qdsl.zoo.data`` (chirps, tones, noise
    bursts and silence in noise): 4-bit weights and 8-bit activations, every scale a power
    of two, no zero points, BatchNorm folded, a 24-bit saturating accumulator.
 2. PTQ (calibrate + freeze) beside QAT (``qdsl.qat.fit``: folded BN trained with batch
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     import qdsl
     import qdsl.qat
     from qdsl import runtime
-    from qdsl.testing.train import evaluate, predict, trained_conv1d_net
+    from qdsl.zoo.train import evaluate, predict, trained_conv1d_net
 
     # 12 float epochs is the shared (cached) reference model; 40 fit the task better
     float_model, data = trained_conv1d_net(epochs=12 if args.quick else 40)

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", default="8,6,4,3,2", help="comma-separated bit widths (W = A)")
     args = parser.parse_args(argv)
 
-    from qdsl.testing.train import evaluate, trained_digits_resnet
+    from qdsl.zoo.train import evaluate, trained_digits_resnet
     from qdsl.workflows.sweep import run_point
 
     bits = [8, 4, 2] if args.quick else [int(b) for b in args.bits.split(",")]

@@ -13,8 +13,8 @@ What it does, on DigitsResNet trained on scikit-learn's digits (nothing download
 
 The same from the command line::
 
-    qdsl sensitivity specs/low-bit.qspec --model qdsl.testing.zoo:digits_resnet \\
-        --data qdsl.testing.zoo:digits --bits 3 --emit mixed.qspec --budget 3.5
+    qdsl sensitivity specs/low-bit.qspec --model qdsl.zoo.trained:digits_resnet \\
+        --data qdsl.zoo.trained:digits --bits 3 --emit mixed.qspec --budget 3.5
 
 Run: ``python examples/ptq_mixed_precision.py [--budget 3.5]``.
 """
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import qdsl
     from qdsl.workflows.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
-    from qdsl.testing.train import evaluate, predict, trained_digits_resnet
+    from qdsl.zoo.train import evaluate, predict, trained_digits_resnet
 
     model, (xtr, _ytr, xte, yte) = trained_digits_resnet()
     xcal = xtr[torch.randperm(len(xtr), generator=torch.Generator().manual_seed(0))[:256]]

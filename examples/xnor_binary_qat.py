@@ -14,10 +14,10 @@ What it shows:
    beside the float ``state_dict``'s), run with the C++ runtime and compared with the
    Python reference executor (bit for bit) and with the fake-quant model.
 
-The model is :class:`qdsl.testing.models.ConvBnReluNet` with its ReLUs replaced by
+The model is :class:`qdsl.zoo.models.ConvBnReluNet` with its ReLUs replaced by
 Hardtanh.  That matters: a binary activation is ``sign(x)`` with ``sign(0) = +1``, so
 after a ReLU every code is +1 and the binary layers see a constant input (the ReLU
-models in ``qdsl.testing.models`` stay at chance level, ~10%, under this spec; see it
+models in ``qdsl.zoo.models`` stay at chance level, ~10%, under this spec; see it
 with ``--activation relu``).
 
 Run: ``python examples/xnor_binary_qat.py [--quick] [--epochs N] [--lr LR] [--activation relu]``.
@@ -41,7 +41,7 @@ ACTIVATIONS = ("hardtanh", "relu")
 
 def binary_digits_cnn(width: int = 32, activation: str = "hardtanh"):
     """ConvBnReluNet for 1×8×8 digits with the given activation (``hardtanh`` or ``relu``)."""
-    from qdsl.testing.models import ConvBnReluNet
+    from qdsl.zoo.models import ConvBnReluNet
 
     return ConvBnReluNet(in_ch=1, width=width, num_classes=10, activation=activation)
 
@@ -61,7 +61,7 @@ def qat(model, data, epochs: int, lr: float, log) -> list[float]:
     import torch.nn.functional as F
 
     import qdsl.qat
-    from qdsl.testing.train import evaluate
+    from qdsl.zoo.train import evaluate
 
     x_train, y_train, x_test, y_test = data
     qdsl.qat.prepare_qat(model)
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import qdsl
     from qdsl import runtime
-    from qdsl.testing.data import digits
-    from qdsl.testing.train import evaluate, predict, train_float
+    from qdsl.zoo.data import digits
+    from qdsl.zoo.train import evaluate, predict, train_float
 
     def log(msg: str) -> None:
         print(msg, flush=True)

@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("runtime",),            # the compiled C++ runtime, run_graph
     ("lint",),               # plans, graphs and models against hardware profiles
     ("api",),                # qdsl.apply (hw=) and qdsl.calibrate (PTQ steps) composed
-    ("testing",),            # small models and data for workflows and tests
+    ("zoo",),                # reference models, shipped data, training helpers
     ("workflows",),          # sweeps, demo, sensitivity: whole cycles through the façade
     ("cli",),
     ("<facade>",),

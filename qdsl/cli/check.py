@@ -29,7 +29,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("spec", metavar="SPEC", help="spec file (.qspec or .qspec.toml)")
     p.add_argument("--model", metavar="MODULE:FACTORY",
-                   help="also resolve against this model, e.g. qdsl.testing.models:digits_resnet or file.py:build")
+                   help="also resolve against this model, e.g. qdsl.zoo.models:digits_resnet or file.py:build")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
                    help="override a field, e.g. --set weight.bits=4 (repeatable)")
     p.add_argument("--strict", action="store_true",

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("spec", metavar="SPEC", help="spec file (.qspec or .qspec.toml)")
     p.add_argument("--model", metavar="MODULE:FACTORY", required=True,
-                   help="the model, e.g. qdsl.testing.models:digits_resnet or path/to/file.py:build")
+                   help="the model, e.g. qdsl.zoo.models:digits_resnet or path/to/file.py:build")
     p.add_argument("--layer", action="append", metavar="GLOB",
                    help="only layers whose name matches this glob (repeatable; ** crosses dots)")
     p.add_argument("--role", action="append", choices=("weight", "bias", "input", "output"),

@@ -23,7 +23,7 @@ def add_parser(subparsers) -> None:
                    help="hardware profile: a .toml path or a bundled name (tflite-int8, x86-fbgemm, "
                    "pot-asic-24bit-acc, xnor-fpga, int-only-photonic)")
     p.add_argument("--model", metavar="MODULE:FACTORY",
-                   help="also check the resolved plan per layer, e.g. qdsl.testing.models:digits_resnet")
+                   help="also check the resolved plan per layer, e.g. qdsl.zoo.models:digits_resnet")
     p.add_argument("--format", choices=("text", "json", "sarif"), default="text")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V",
                    help="override a field, e.g. --set weight.bits=4 (repeatable)")

@@ -1,6 +1,6 @@
 """Load a model from a command-line reference: ``MODULE:FACTORY`` or ``path/file.py:FACTORY``.
 
-``load_model_ref("qdsl.testing.models:digits_resnet")`` imports the module and calls the
+``load_model_ref("qdsl.zoo.models:digits_resnet")`` imports the module and calls the
 factory with no arguments; ``load_model_ref("nets/mine.py:build")`` loads a file by path
 (relative to the working directory).  The attribute may also be an ``nn.Module``
 instance, which is returned as is.  Every way this can fail - a malformed reference, a
@@ -61,7 +61,7 @@ def load_model_ref(text: str) -> Any:
     if not sep or not where or not attr:
         raise ModelRefError(
             f"--model: expected MODULE:FACTORY or path/to/file.py:FACTORY, got '{text}' "
-            "(for example qdsl.testing.models:digits_resnet)"
+            "(for example qdsl.zoo.models:digits_resnet)"
         )
     module = import_ref(where)
     obj = module

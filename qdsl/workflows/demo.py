@@ -75,7 +75,7 @@ def run_demo(
     import torch
 
     import qdsl
-    from qdsl.testing.train import evaluate, trained_digits_resnet
+    from qdsl.zoo.train import evaluate, trained_digits_resnet
     from qdsl.workflows.progress import TrainProgress
     from qdsl.workflows.sweep import format_table, sweep
 
@@ -131,8 +131,8 @@ def _binary_qat(float_model: Any, data: tuple, quick: bool, log, stream: Any = N
 
     import qdsl
     import qdsl.qat
-    from qdsl.testing.models import digits_binary_cnn
-    from qdsl.testing.train import evaluate, train_float
+    from qdsl.zoo.models import digits_binary_cnn
+    from qdsl.zoo.train import evaluate, train_float
     from qdsl.workflows.progress import TrainProgress
 
     x_train, y_train, x_test, y_test = data
@@ -161,7 +161,7 @@ def _export_and_run(float_model: Any, spec: str, data: tuple, log) -> list[tuple
     import torch
 
     import qdsl
-    from qdsl.testing.train import evaluate, predict
+    from qdsl.zoo.train import evaluate, predict
 
     x_train, y_train, x_test, y_test = data
     model = copy.deepcopy(float_model)

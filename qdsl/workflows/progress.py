@@ -1,6 +1,6 @@
 """Progress of a training loop for the long steps of a workflow (``qdsl demo``).
 
-:class:`TrainProgress` is the ``progress`` callback of :func:`qdsl.testing.train.train_float`
+:class:`TrainProgress` is the ``progress`` callback of :func:`qdsl.zoo.train.train_float`
 and :func:`qdsl.qat.fit` (called after every optimizer step with ``(epoch, step,
 steps_per_epoch, loss)``).  On a terminal it redraws one bar line (at most 10 times a
 second); otherwise (a log file, CI) it writes one line per epoch, so a slow, shared

@@ -1,7 +1,7 @@
 """``--data MODULE:LOADER`` references.
 
 A data loader is a zero-argument callable returning ``(x_train, y_train, x_test,
-y_test)`` tensors (``qdsl.testing.zoo:digits`` is one).  Calibration uses the first
+y_test)`` tensors (``qdsl.zoo.trained:digits`` is one).  Calibration uses the first
 images of ``x_train``; accuracy is measured on ``(x_test, y_test)``.  Every failure is a
 :class:`DataRefError` saying what is wrong, never a traceback.
 """
@@ -23,7 +23,7 @@ class DataRefError(QdslError):
 def load_data_ref(text: str) -> tuple[Any, Any, Any, Any]:
     where, sep, attr = text.rpartition(":")
     if not sep or not where or not attr:
-        raise DataRefError(f"--data: expected MODULE:LOADER, got '{text}' (for example qdsl.testing.zoo:digits)")
+        raise DataRefError(f"--data: expected MODULE:LOADER, got '{text}' (for example qdsl.zoo.trained:digits)")
     try:
         obj = _import(where)
     except QdslError as exc:

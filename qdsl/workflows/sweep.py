@@ -136,7 +136,7 @@ def run_point(
     ``strict`` is ``qdsl.apply``'s (refuse a spec that leaves reached layers in float).
     """
     import qdsl
-    from qdsl.testing.train import evaluate
+    from qdsl.zoo.train import evaluate
 
     model = copy.deepcopy(float_model).eval()
     overrides = [f"{k}={v}" for k, v in setting]
@@ -165,7 +165,7 @@ def sweep(
     strict: bool = False,
 ) -> list[SweepPoint]:
     """Run every setting; the float model is evaluated once for reference."""
-    from qdsl.testing.train import evaluate
+    from qdsl.zoo.train import evaluate
 
     float_acc = evaluate(float_model, data[2], data[3])
     float_size = sum(p.numel() * 32 for p in float_model.parameters())

@@ -1,4 +1,6 @@
-"""Small reference models and shipped data for tests, examples, benchmarks and the demo.
+"""The model zoo: small reference models (digits CNNs, a torchvision-shaped ResNet-18), shipped
+data, training helpers and trained-model factories, for the demo, sweeps, examples,
+benchmarks and tests (it was ``qdsl.testing``; workflows use it, so it is named for what it is).
 
 Nothing here downloads anything: data comes from scikit-learn's bundled ``digits`` set or
 is generated deterministically.

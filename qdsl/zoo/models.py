@@ -6,7 +6,7 @@
 * :class:`MLP`            - linear layers only.
 
 Every factory takes keyword arguments only and builds deterministic weights when
-``seed`` is given, so ``--model qdsl.testing.models:digits_resnet`` works from the CLI.
+``seed`` is given, so ``--model qdsl.zoo.models:digits_resnet`` works from the CLI.
 """
 
 from __future__ import annotations

@@ -129,8 +129,8 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int
 def trained_digits_resnet(seed: int = 0, epochs: int = 30, cache: bool = True, progress=None):
     """``(model, (x_train, y_train, x_test, y_test))``: DigitsResNet trained on digits
     (``progress``: see :func:`train_float`)."""
-    from qdsl.testing.data import digits
-    from qdsl.testing.models import digits_resnet
+    from qdsl.zoo.data import digits
+    from qdsl.zoo.models import digits_resnet
 
     data = digits(seed=seed)
     # the factories seed only the >1-D parameters; biases come from torch's global RNG
@@ -143,8 +143,8 @@ def trained_digits_resnet(seed: int = 0, epochs: int = 30, cache: bool = True, p
 def trained_conv1d_net(seed: int = 0, epochs: int = 12, cache: bool = True):
     """``(model, (x_train, y_train, x_test, y_test))``: Conv1dNet on synthetic keywords
     (2,000 sequences, the last 500 held out)."""
-    from qdsl.testing.data import synthetic_keywords
-    from qdsl.testing.models import conv1d_net
+    from qdsl.zoo.data import synthetic_keywords
+    from qdsl.zoo.models import conv1d_net
 
     x, y = synthetic_keywords(seed=seed)
     data = (x[:1500], y[:1500], x[1500:], y[1500:])

@@ -20,8 +20,8 @@ from qdsl.export import export
 from qdsl.graph import execute, graph_from_bytes, graph_to_bytes
 from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
-from qdsl.testing.data import digits, synthetic_keywords
-from qdsl.testing.models import conv1d_net, digits_resnet
+from qdsl.zoo.data import digits, synthetic_keywords
+from qdsl.zoo.models import conv1d_net, digits_resnet
 
 POT = """
 version 1
@@ -214,7 +214,7 @@ def test_save_load_run_round_trip_is_bit_exact(digits_data, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained():
-    from qdsl.testing.train import trained_digits_resnet
+    from qdsl.zoo.train import trained_digits_resnet
 
     model, data = trained_digits_resnet(epochs=6)
     return model, data

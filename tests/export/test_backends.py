@@ -8,8 +8,8 @@ import qdsl
 from qdsl.export import export
 from qdsl.graph import execute
 from qdsl.runtime.run import run_graph
-from qdsl.testing.data import digits
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.data import digits
+from qdsl.zoo.models import digits_resnet
 
 rt = pytest.importorskip("qdsl.runtime")
 if not rt.available():  # pragma: no cover - depends on the build
@@ -30,8 +30,8 @@ def test_cpp_equals_reference_on_exported_graphs(spec):
 
 
 def test_cpp_equals_reference_with_raw_accumulator_pooling():
-    from qdsl.testing.data import synthetic_keywords
-    from qdsl.testing.models import conv1d_net
+    from qdsl.zoo.data import synthetic_keywords
+    from qdsl.zoo.models import conv1d_net
 
     x = synthetic_keywords(n=300)[0]
     model = conv1d_net(seed=0).eval()

@@ -10,7 +10,7 @@ from qdsl.graph.ir import OpType
 from qdsl.export.values import ExportError
 from qdsl.parse import parse_text
 from qdsl.spec.diagnostics import QdslError
-from qdsl.testing.models import digits_resnet, mlp
+from qdsl.zoo.models import digits_resnet, mlp
 
 BASE = """
 version 1

@@ -22,9 +22,9 @@ import qdsl
 import qdsl.runtime as rt
 from qdsl.graph.reference import execute
 from qdsl.parse import parse_text
-from qdsl.testing.data import digits
-from qdsl.testing.models import ConvBnReluNet
-from qdsl.testing.train import train_float
+from qdsl.zoo.data import digits
+from qdsl.zoo.models import ConvBnReluNet
+from qdsl.zoo.train import train_float
 
 ROOT = Path(__file__).resolve().parents[2]
 

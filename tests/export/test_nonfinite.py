@@ -17,8 +17,8 @@ from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
 from qdsl.patch import get_handle
 from qdsl.spec.diagnostics import NonFiniteError, QdslError
-from qdsl.testing.data import digits
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.data import digits
+from qdsl.zoo.models import digits_resnet
 
 try:
     import qdsl.runtime as rt

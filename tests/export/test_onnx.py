@@ -20,8 +20,8 @@ import torch
 
 import qdsl
 from qdsl.export.values import ExportError
-from qdsl.testing.data import digits
-from qdsl.testing.models import conv1d_net, digits_resnet
+from qdsl.zoo.data import digits
+from qdsl.zoo.models import conv1d_net, digits_resnet
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -62,7 +62,7 @@ def test_qdq_model_runs_in_onnxruntime_and_agrees(spec, data, tmp_path):
 
 
 def test_conv1d_net_exports(tmp_path):
-    from qdsl.testing.data import synthetic_keywords
+    from qdsl.zoo.data import synthetic_keywords
 
     x = synthetic_keywords(n=300)[0]
     model = conv1d_net(seed=0).eval()

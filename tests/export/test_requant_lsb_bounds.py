@@ -23,8 +23,8 @@ import torch
 
 import qdsl
 from qdsl.graph.reference import execute
-from qdsl.testing.data import digits, synthetic_keywords
-from qdsl.testing.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
+from qdsl.zoo.data import digits, synthetic_keywords
+from qdsl.zoo.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
 
 # documented bounds: (max LSB, max fraction of a site's codes that differ) per requant mode
 BOUNDS = {

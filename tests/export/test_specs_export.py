@@ -14,8 +14,8 @@ from qdsl.export import export
 from qdsl.graph import execute, graph_from_bytes, graph_to_bytes
 from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
-from qdsl.testing.data import digits
-from qdsl.testing.models import digits_resnet, mlp
+from qdsl.zoo.data import digits
+from qdsl.zoo.models import digits_resnet, mlp
 
 SPECS = sorted(os.path.basename(p)[: -len(".qspec")] for p in glob.glob("specs/*.qspec"))
 CNN_SPECS = [s for s in SPECS if not s.startswith("transformer")]  # transformer specs target other models

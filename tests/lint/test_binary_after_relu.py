@@ -1,7 +1,7 @@
 """W319: a ReLU feeding a signed binary activation makes every code +1."""
 
 import qdsl
-from qdsl.testing.models import conv_bn_relu_net, digits_binary_cnn, digits_resnet
+from qdsl.zoo.models import conv_bn_relu_net, digits_binary_cnn, digits_resnet
 
 
 def _w319(model):

@@ -24,7 +24,7 @@ def test_clean_spec_exits_0(capsys, monkeypatch):
     code, out, _ = run(capsys, "x86-pass.qspec.toml", "--hw", "x86-fbgemm")
     assert code == 0 and out.strip() == "lint against x86-fbgemm: no findings"
     code, _, _ = run(capsys, "x86-pass.qspec.toml", "--hw", "x86-fbgemm",
-                     "--model", "qdsl.testing.models:digits_resnet")
+                     "--model", "qdsl.zoo.models:digits_resnet")
     assert code == 0
 
 
@@ -43,7 +43,7 @@ def test_warnings_alone_exit_1(capsys, monkeypatch, tmp_path):
                     'input = { kind = "int", bits = 8, signed = false, scale = "pot" }\n'
                     'bias = { kind = "int", bits = 32, scale = "input*weight" }\n')
     code, out, _ = run(capsys, str(spec), "--hw", "pot-asic-24bit-acc", "--model",
-                       "qdsl.testing.models:conv_bn_relu_net")
+                       "qdsl.zoo.models:conv_bn_relu_net")
     assert code == 1 and "warning[W313]" in out and "error[" not in out
 
 
@@ -122,7 +122,7 @@ def _check_sarif(doc: dict) -> None:
 def test_sarif_output(capsys, monkeypatch):
     monkeypatch.chdir(SPECS)
     code, out, _ = run(capsys, "pot-asic-fail.qspec.toml", "--hw", "pot-asic-24bit-acc", "--format", "sarif",
-                       "--model", "qdsl.testing.models:conv_bn_relu_net")
+                       "--model", "qdsl.zoo.models:conv_bn_relu_net")
     assert code == 1
     doc = json.loads(out)
     _check_sarif(doc)

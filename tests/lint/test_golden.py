@@ -56,7 +56,7 @@ def _update(request) -> bool:
 @pytest.mark.parametrize("stem,profile,model,passes", CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2] or 'spec'}" for c in CASES])
 def test_golden_report(stem, profile, model, passes, monkeypatch, request):
-    import qdsl.testing.models as models
+    import qdsl.zoo.models as models
 
     monkeypatch.chdir(SPECS)  # spans name the spec relative to its directory
     net = getattr(models, model)() if model else None
@@ -78,7 +78,7 @@ def test_golden_report(stem, profile, model, passes, monkeypatch, request):
 @pytest.mark.parametrize("model", [None, "conv_bn_relu_net"])
 def test_golden_profile_that_constrains_nothing(model, monkeypatch, request):
     """A profile with only ``version = 1`` used to lint "no findings": now one W341 warning."""
-    import qdsl.testing.models as models
+    import qdsl.zoo.models as models
 
     monkeypatch.chdir(SPECS)
     diags = lint("tflite-pass.qspec.toml", "empty-profile.toml", getattr(models, model)() if model else None)

@@ -18,7 +18,7 @@ from qdsl.parse import parse_text
 from qdsl.resolve import resolve
 from qdsl.resolve.plan import ModelIndex
 from qdsl.spec.diagnostics import SpecError
-from qdsl.testing.models import binary_mlp, conv_bn_relu_net, mlp
+from qdsl.zoo.models import binary_mlp, conv_bn_relu_net, mlp
 
 
 def spec(text: str, name: str = "t.qspec.toml"):

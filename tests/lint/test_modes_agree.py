@@ -19,7 +19,7 @@ CAPABILITY = {"E301", "E302", "E303", "E304", "E305", "E306", "E307", "E308", "E
 
 @lru_cache(maxsize=1)
 def _model():
-    from qdsl.testing.models import digits_resnet
+    from qdsl.zoo.models import digits_resnet
 
     return digits_resnet()
 

@@ -76,7 +76,7 @@ def test_examples_resolve_on_the_reference_models(path, factory):
     """The examples are realistic: each resolves (no unmatched rule, no conflict) on every reference net."""
     pytest.importorskip("torch")
     import qdsl
-    from qdsl.testing import models
+    from qdsl.zoo import models
 
     plan = qdsl.resolve(getattr(models, factory)(), load_spec(path))
     assert plan is not None

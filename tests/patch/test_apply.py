@@ -14,7 +14,7 @@ from qdsl.patch import State, get_handle, state_of
 from qdsl.calibration.run import ProgressBar
 from qdsl.spec.diagnostics import QdslError, SpecError
 from qdsl.spec.model import Role
-from qdsl.testing.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
+from qdsl.zoo.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
 from patch_helpers import INT8, same_state, snapshot, spec
 
 MODELS = [

@@ -8,7 +8,7 @@ import torch
 import qdsl
 from qdsl.lint import LintWarning
 from qdsl.spec.diagnostics import SpecError
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.models import digits_resnet
 
 
 def test_apply_refuses_spec_the_profile_rejects_and_leaves_model_untouched():

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 import qdsl
-from qdsl.testing.models import mlp
-from qdsl.testing.train import predict
+from qdsl.zoo.models import mlp
+from qdsl.zoo.train import predict
 
 
 def test_xnor_spec_on_mlp_with_biases_exports_and_agrees():

@@ -12,7 +12,7 @@ from qdsl.cli.main import main
 from qdsl.patch import state_of
 from qdsl.patch.coverage import LeftFloatError, LeftFloatWarning, SharedModuleWarning
 from qdsl.spec.diagnostics import QdslWarning, SpecError
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.models import digits_resnet
 from patch_helpers import INT8, spec
 
 W8A8 = """version 1

@@ -19,8 +19,8 @@ import qdsl
 from qdsl import calibrate, freeze
 from qdsl.patch import apply, get_handle, int_tensors
 from qdsl.spec.diagnostics import QdslError, SpecError
-from qdsl.testing.data import digits
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.data import digits
+from qdsl.zoo.models import digits_resnet
 from patch_helpers import spec
 
 HALF = [torch.bfloat16, torch.float16]

@@ -7,7 +7,7 @@ from torch import nn
 import qdsl
 from qdsl.patch import get_handle
 from qdsl.patch.fold import find_bn_pairs
-from qdsl.testing.models import conv1d_net, conv_bn_relu_net, digits_resnet
+from qdsl.zoo.models import conv1d_net, conv_bn_relu_net, digits_resnet
 from patch_helpers import same_state, snapshot, spec
 
 

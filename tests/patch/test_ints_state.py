@@ -9,7 +9,7 @@ from torch import nn
 import qdsl
 from qdsl.patch import State, get_handle, state_of
 from qdsl.spec.diagnostics import QdslError
-from qdsl.testing.models import conv1d_net, digits_resnet
+from qdsl.zoo.models import conv1d_net, digits_resnet
 from patch_helpers import spec
 
 ASYM_W = """

@@ -20,7 +20,7 @@ import qdsl.qat
 from qdsl.graph.qgraph import graph_to_bytes
 from qdsl.parse import load_spec
 from qdsl.patch import State, get_handle, state_of
-from qdsl.testing.models import conv_bn_relu_net, digits_binary_cnn
+from qdsl.zoo.models import conv_bn_relu_net, digits_binary_cnn
 from patch_helpers import same_state, snapshot, spec
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from qdsl.workflows.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
-from qdsl.testing.train import evaluate, trained_conv1d_net, trained_digits_resnet
+from qdsl.zoo.train import evaluate, trained_conv1d_net, trained_digits_resnet
 
 pytestmark = pytest.mark.slow
 

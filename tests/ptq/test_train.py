@@ -1,10 +1,10 @@
-"""The float training harness (qdsl.testing.train): learns, is seeded, and caches."""
+"""The float training harness (qdsl.zoo.train): learns, is seeded, and caches."""
 
 import pytest
 import torch
 
-from qdsl.testing.models import mlp
-from qdsl.testing.train import evaluate, train_float, trained_conv1d_net, trained_digits_resnet
+from qdsl.zoo.models import mlp
+from qdsl.zoo.train import evaluate, train_float, trained_conv1d_net, trained_digits_resnet
 
 
 def _mlp(sizes):

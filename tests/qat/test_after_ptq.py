@@ -5,7 +5,7 @@ import torch
 import qdsl
 import qdsl.qat
 from qdsl.spec.model import Role
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.models import digits_resnet
 
 
 def test_prepare_qat_drops_ptq_offsets_and_fixed_codes():

@@ -11,7 +11,7 @@ from qdsl.parse import parse_text
 from qdsl.patch.apply import apply, remove
 from qdsl.patch.handle import get_handle
 from qdsl.quantizers import functional as F
-from qdsl.testing import models
+from qdsl.zoo import models
 
 WEIGHT_ONLY = """version 1
 fold_bn

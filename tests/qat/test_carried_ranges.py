@@ -22,7 +22,7 @@ from qdsl.quantizers import functional as F
 from qdsl.quantizers import observers as O
 from qdsl.quantizers import range_search as RS
 from qdsl.spec.diagnostics import QdslError
-from qdsl.testing.models import mlp
+from qdsl.zoo.models import mlp
 
 W4 = "version 1\ndefaults {{ weight = int(bits=4, signed, narrow, symmetric, per_channel{extra}) }}\n"
 

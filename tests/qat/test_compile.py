@@ -6,7 +6,7 @@ import torch
 import qdsl.qat
 from qdsl import calibrate
 from qdsl.patch import apply
-from qdsl.testing.models import conv_bn_relu_net
+from qdsl.zoo.models import conv_bn_relu_net
 from pathlib import Path
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"

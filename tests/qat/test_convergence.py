@@ -16,8 +16,8 @@ import qdsl.patch
 import qdsl.qat
 from qdsl import calibrate, freeze
 from qdsl.patch import apply
-from qdsl.testing.data import digits
-from qdsl.testing.train import evaluate, train_float, trained_digits_resnet
+from qdsl.zoo.data import digits
+from qdsl.zoo.train import evaluate, train_float, trained_digits_resnet
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 

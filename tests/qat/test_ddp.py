@@ -44,7 +44,7 @@ def _prepared(calib, sync: bool = False):
     from qdsl.parse import parse_text
     from qdsl import calibrate, calibrating
     from qdsl.patch import apply
-    from qdsl.testing.models import conv_bn_relu_net
+    from qdsl.zoo.models import conv_bn_relu_net
 
     model = conv_bn_relu_net(width=4, seed=0)
     apply(model, parse_text(SPEC, "ddp.qspec"))

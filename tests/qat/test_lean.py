@@ -14,7 +14,7 @@ from qdsl.patch import apply, get_handle, remove
 from qdsl.qat.lean import LeanOptimizer, pack_codes, unpack_codes, weight_bytes
 from qdsl.quantizers import proxy_grad
 from qdsl.spec.diagnostics import QdslError
-from qdsl.testing.models import mlp
+from qdsl.zoo.models import mlp
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 

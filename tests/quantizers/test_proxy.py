@@ -223,7 +223,7 @@ def test_fast_path_threads_setting_is_restored_and_value_neutral():
 def test_unchanged_weight_is_not_searched_twice_but_a_modified_one_is(monkeypatch):
     import qdsl
     from qdsl.quantizers import range_search
-    from qdsl.testing.models import mlp
+    from qdsl.zoo.models import mlp
 
     model = mlp()
     calls = []
@@ -242,7 +242,7 @@ def test_unchanged_weight_is_not_searched_twice_but_a_modified_one_is(monkeypatc
 def test_unfrozen_weight_is_searched_again_after_an_in_place_change(monkeypatch):
     import qdsl
     from qdsl.quantizers import range_search
-    from qdsl.testing.models import mlp
+    from qdsl.zoo.models import mlp
 
     model = mlp()
     calls = []

@@ -10,7 +10,7 @@ from qdsl.quantizers import Observer, default_registries
 from qdsl.quantizers.parts import resolve_factory
 from qdsl.spec.diagnostics import QdslError, SpecError
 from qdsl.spec.registry import PartInfo
-from qdsl.testing.models import mlp
+from qdsl.zoo.models import mlp
 
 
 @attrs.frozen

@@ -2,7 +2,7 @@
 
 import pytest
 
-from qdsl.testing.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
+from qdsl.zoo.models import conv1d_net, conv_bn_relu_net, digits_resnet, mlp
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from qdsl.resolve import resolve
 from qdsl.resolve.plan import ModelIndex
 from qdsl.spec.diagnostics import SpecError
 from qdsl.spec.model import Granularity, GranularityKind, Kind, ObserverSpec, Role, TargetKind
-from qdsl.testing.models import digits_resnet
+from qdsl.zoo.models import digits_resnet
 from resolve_specs import body, ref_glob, rule, spec, tq
 
 INDEX = ModelIndex.from_module(digits_resnet())
@@ -135,7 +135,7 @@ def test_any_field_combination_gives_a_plan_or_located_spec_errors(defaults, raw
 def test_broad_rules_never_quantize_batchnorm_weights():
     from qdsl.resolve import resolve
     from qdsl.spec.model import QuantSpec, Rule, RuleBody, Target, TensorQuant
-    from qdsl.testing.models import digits_resnet
+    from qdsl.zoo.models import digits_resnet
 
     spec = QuantSpec(rules=[Rule([Target.parse("layer1.**")], RuleBody({"weight": TensorQuant(bits=4)}))])
     plan = resolve(digits_resnet(), spec)

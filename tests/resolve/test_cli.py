@@ -9,7 +9,7 @@ from qdsl.cli.main import main
 from qdsl.resolve import load_model_ref
 from qdsl.resolve.model_ref import ModelRefError
 
-MODEL = "qdsl.testing.models:digits_resnet"
+MODEL = "qdsl.zoo.models:digits_resnet"
 
 GOOD = """\
 version 1
@@ -96,14 +96,14 @@ def test_explain_bad_layer_glob_exits_2(tmp_path, capsys):
 
 def test_explain_bad_model_ref_exits_2(tmp_path, capsys):
     path = write(tmp_path, GOOD)
-    assert main(["explain", path, "--model", "qdsl.testing.models:nope"]) == 2
+    assert main(["explain", path, "--model", "qdsl.zoo.models:nope"]) == 2
     err = capsys.readouterr().err
     assert "has no attribute 'nope'" in err and "digits_resnet" in err
 
 
 def test_model_ref_from_module_file_class_and_instance(tmp_path):
     assert type(load_model_ref(MODEL)).__name__ == "DigitsResNet"
-    assert type(load_model_ref("qdsl.testing.models:MLP")).__name__ == "MLP"  # a class is called
+    assert type(load_model_ref("qdsl.zoo.models:MLP")).__name__ == "MLP"  # a class is called
     f = tmp_path / "mynet.py"
     f.write_text("import torch\nnet = torch.nn.Linear(3, 4)\ndef build():\n    return torch.nn.Conv1d(1, 2, 3)\n")
     assert type(load_model_ref(f"{f}:build")).__name__ == "Conv1d"
@@ -113,10 +113,10 @@ def test_model_ref_from_module_file_class_and_instance(tmp_path):
 @pytest.mark.parametrize("ref,fragment", [
     ("digits_resnet", "expected MODULE:FACTORY"),
     ("qdsl.nope.models:x", "no module named 'qdsl.nope'"),
-    ("qdsl.testing.models:nothing_here", "has no attribute 'nothing_here'"),
+    ("qdsl.zoo.models:nothing_here", "has no attribute 'nothing_here'"),
     ("missing/file.py:build", "no such file"),
-    ("qdsl.testing.models:__doc__", "not a factory or a module"),
-    ("qdsl.testing.models:_seeded", "raised TypeError"),
+    ("qdsl.zoo.models:__doc__", "not a factory or a module"),
+    ("qdsl.zoo.models:_seeded", "raised TypeError"),
     ("builtins:dict", "returned a dict, not a torch.nn.Module"),
 ])
 def test_model_ref_errors(ref, fragment):

@@ -11,7 +11,7 @@ from qdsl.parse import parse_text
 from qdsl.resolve.invariants import bias_scale_problem, plan_problems
 from qdsl.spec.diagnostics import SpecError
 from qdsl.spec.model import GranularityKind, Role
-from qdsl.testing.models import mlp
+from qdsl.zoo.models import mlp
 
 SPEC = """
 version 1

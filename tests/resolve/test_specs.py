@@ -1,6 +1,6 @@
 """Every shipped spec in ``specs/`` resolves against every reference model it targets.
 
-The examples are written for the ``qdsl.testing.models`` networks (their model-specific
+The examples are written for the ``qdsl.zoo.models`` networks (their model-specific
 rules are ``optional``), so each must resolve cleanly on all of them, and the DSL and
 TOML forms of one example must give the same plan, provenance values included.
 """

@@ -18,8 +18,8 @@ from qdsl.export import export  # noqa: E402
 from qdsl.graph import execute  # noqa: E402
 from qdsl.parse import parse_text  # noqa: E402
 from qdsl.runtime import kernels as K  # noqa: E402
-from qdsl.testing.data import digits, synthetic_keywords  # noqa: E402
-from qdsl.testing.models import conv1d_net, digits_resnet  # noqa: E402
+from qdsl.zoo.data import digits, synthetic_keywords  # noqa: E402
+from qdsl.zoo.models import conv1d_net, digits_resnet  # noqa: E402
 
 PATHS = [p for p in ("ref", "portable", "avx2", "avxvnni", "avx512", "amx") if p in K.paths()["cpu"]]
 

@@ -7,7 +7,7 @@ import torch
 
 import qdsl
 from qdsl.spec.diagnostics import QdslError
-from qdsl.testing.models import conv1d_net, digits_resnet
+from qdsl.zoo.models import conv1d_net, digits_resnet
 from qdsl.workflows.intsim import gaussian_noise, simulate
 
 

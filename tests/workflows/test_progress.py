@@ -7,8 +7,8 @@ import torch
 
 import qdsl
 import qdsl.qat
-from qdsl.testing.models import mlp
-from qdsl.testing.train import train_float
+from qdsl.zoo.models import mlp
+from qdsl.zoo.train import train_float
 from qdsl.workflows.progress import TrainProgress
 
 

@@ -8,7 +8,7 @@ import torch
 import qdsl
 from qdsl.cli.main import main
 from qdsl.spec.diagnostics import QdslError
-from qdsl.testing.models import mlp
+from qdsl.zoo.models import mlp
 from qdsl.workflows.sweep import expand_settings, format_table, model_size_bits, sweep, write_csv
 
 SPEC = "specs/w4a8-per-channel.qspec"
@@ -54,8 +54,8 @@ def test_size_counts_bits_per_quantized_weight():
 
 @pytest.fixture(scope="module")
 def digits_mlp():
-    from qdsl.testing.data import digits
-    from qdsl.testing.train import train_float
+    from qdsl.zoo.data import digits
+    from qdsl.zoo.train import train_float
 
     data = digits()
     torch.manual_seed(0)
@@ -87,18 +87,18 @@ def test_sweep_csv(tmp_path, digits_mlp):
 
 
 def test_sweep_cli_bad_references_exit_2(capsys):
-    assert main(["sweep", SPEC, "--model", "no.such.module:f", "--data", "qdsl.testing.zoo:digits"]) == 2
+    assert main(["sweep", SPEC, "--model", "no.such.module:f", "--data", "qdsl.zoo.trained:digits"]) == 2
     assert "no module named" in capsys.readouterr().err
-    assert main(["sweep", SPEC, "--model", "qdsl.testing.models:mlp", "--data", "qdsl.testing.models:mlp"]) == 2
+    assert main(["sweep", SPEC, "--model", "qdsl.zoo.models:mlp", "--data", "qdsl.zoo.models:mlp"]) == 2
     assert "must return (x_train, y_train, x_test, y_test)" in capsys.readouterr().err
-    assert main(["sweep", SPEC, "--model", "qdsl.testing.models:mlp", "--data", "qdsl.testing.zoo:digits",
+    assert main(["sweep", SPEC, "--model", "qdsl.zoo.models:mlp", "--data", "qdsl.zoo.trained:digits",
                  "--set", "weight.bits"]) == 2
 
 
 def test_sweep_cli_bad_spec_is_located(tmp_path, capsys):
     bad = tmp_path / "bad.qspec"
     bad.write_text("version 1\ndefaults { weight = int(bits=99) }\n")
-    assert main(["sweep", str(bad), "--model", "qdsl.testing.models:mlp", "--data", "qdsl.testing.zoo:digits"]) == 2
+    assert main(["sweep", str(bad), "--model", "qdsl.zoo.models:mlp", "--data", "qdsl.zoo.trained:digits"]) == 2
     err = capsys.readouterr().err
     assert "bad.qspec:2:" in err and "^" in err
 
@@ -106,12 +106,12 @@ def test_sweep_cli_bad_spec_is_located(tmp_path, capsys):
 def test_sweep_strict_refuses_layers_left_float(tmp_path, capsys):
     (tmp_path / "m.py").write_text(
         "import torch.nn as nn\n"
-        "from qdsl.testing.models import mlp\n"
+        "from qdsl.zoo.models import mlp\n"
         "def build():\n"
         "    m = mlp()\n"
         "    m.table = nn.Embedding(4, 4)  # reached by the defaults' weight, never quantized\n"
         "    return m\n")
-    args = ["sweep", SPEC, "--model", f"{tmp_path / 'm.py'}:build", "--data", "qdsl.testing.zoo:digits",
+    args = ["sweep", SPEC, "--model", f"{tmp_path / 'm.py'}:build", "--data", "qdsl.zoo.trained:digits",
             "--calib", "64"]
     assert main(args + ["--strict"]) == 2
     err = capsys.readouterr().err
