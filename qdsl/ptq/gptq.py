@@ -27,10 +27,28 @@ the sweep once per group.
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
+
+from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["unfold_inputs", "input_hessian", "gptq_codes", "HessianAccumulator"]
+
+
+def _explicit_padding(module: nn.Module) -> tuple[int, ...]:
+    """A conv's padding as numbers: ``"valid"`` is 0, ``"same"`` (stride 1) is
+    ``dilation·(k-1)/2`` per side, which needs an even total (an odd one pads one side more,
+    which the unfold here cannot express)."""
+    pad = module.padding
+    if not isinstance(pad, str):
+        return tuple(pad)
+    if pad == "valid":
+        return (0,) * len(module.kernel_size)
+    total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+    if any(t % 2 for t in total):
+        raise QdslError(f"GPTQ does not support padding='same' with an even kernel {tuple(module.kernel_size)} "
+                        "(it pads one side more): give the layer explicit padding")
+    return tuple(t // 2 for t in total)
 
 
 def unfold_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -39,20 +57,19 @@ def unfold_inputs(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if isinstance(module, nn.Linear):
         return x.reshape(-1, x.shape[-1]).T.unsqueeze(0)
     if isinstance(module, (nn.Conv1d, nn.Conv2d)):
-        if isinstance(module.padding, str):
-            raise ValueError(f"GPTQ does not support padding={module.padding!r} (use explicit padding)")
         if module.padding_mode != "zeros":
-            raise ValueError(f"GPTQ does not support padding_mode={module.padding_mode!r}")
+            raise QdslError(f"GPTQ does not support padding_mode={module.padding_mode!r}")
+        padding = _explicit_padding(module)
         if isinstance(module, nn.Conv1d):
             x = x.unsqueeze(2)
-            k, pad, st, dl = (1, module.kernel_size[0]), (0, module.padding[0]), (1, module.stride[0]), (1, module.dilation[0])
+            k, pad, st, dl = (1, module.kernel_size[0]), (0, padding[0]), (1, module.stride[0]), (1, module.dilation[0])
         else:
-            k, pad, st, dl = module.kernel_size, module.padding, module.stride, module.dilation
+            k, pad, st, dl = module.kernel_size, padding, module.stride, module.dilation
         u = F.unfold(x, k, dilation=dl, padding=pad, stride=st)  # [N, Cin·k, L]
         g = module.groups
         u = u.reshape(u.shape[0], g, u.shape[1] // g, u.shape[2])  # channels are group-major
         return u.permute(1, 2, 0, 3).reshape(g, u.shape[2], -1)
-    raise TypeError(f"GPTQ supports Linear, Conv1d and Conv2d, not {type(module).__name__}")
+    raise QdslError(f"GPTQ supports Linear, Conv1d and Conv2d, not {type(module).__name__}")
 
 
 class HessianAccumulator:
@@ -70,7 +87,7 @@ class HessianAccumulator:
 
     def value(self) -> torch.Tensor:
         if self.h is None:
-            raise ValueError("no calibration inputs reached this layer")
+            raise QdslError("no calibration inputs reached this layer")
         return self.h / max(self.n, 1)
 
 
@@ -114,7 +131,7 @@ def gptq_codes(
     h_all = hessian if hessian.dim() == 3 else hessian.unsqueeze(0)
     groups, d = h_all.shape[0], h_all.shape[1]
     if c_out % groups or w_all.shape[1] != d:
-        raise ValueError(f"weight {tuple(weight.shape)} does not match a Hessian of shape {tuple(h_all.shape)}")
+        raise QdslError(f"weight {tuple(weight.shape)} does not match a Hessian of shape {tuple(h_all.shape)}")
     s_all = torch.as_tensor(scale, dtype=torch.float64).expand(c_out) if torch.as_tensor(scale).dim() == 0 \
         else torch.as_tensor(scale, dtype=torch.float64).reshape(c_out)
     z_all = torch.as_tensor(zero_point, dtype=torch.float64).expand(c_out) if torch.as_tensor(zero_point).dim() == 0 \
@@ -162,4 +179,4 @@ def _upper_inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
             if int(info) == 0:
                 return u
         extra = max(extra * 10, 1e-6 * float(torch.diagonal(h).mean()))
-    raise ValueError("GPTQ: the input Hessian is not positive definite even with damping")
+    raise QdslError("GPTQ: the input Hessian is not positive definite even with damping")

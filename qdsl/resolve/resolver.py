@@ -102,7 +102,7 @@ def index_of(model_or_index: Any) -> ModelIndex:
                         "resolve and apply the eager model before scripting or tracing it")
     if hasattr(model_or_index, "named_modules"):
         return ModelIndex.from_module(model_or_index)
-    raise TypeError(f"resolve() needs an nn.Module or a ModelIndex, got {type(model_or_index).__name__}")
+    raise QdslError(f"qdsl needs an nn.Module (or a ModelIndex) to resolve against, got {type(model_or_index).__name__}")
 
 
 def load_for_resolve(spec: QuantSpec | str | Path, overrides: Any = None) -> QuantSpec:
@@ -112,7 +112,7 @@ def load_for_resolve(spec: QuantSpec | str | Path, overrides: Any = None) -> Qua
 
         return load_spec(spec, overrides)
     if not isinstance(spec, QuantSpec):
-        raise TypeError(f"resolve() needs a QuantSpec or a spec path, got {type(spec).__name__}")
+        raise QdslError(f"a spec is a path to a .qspec / .qspec.toml file or a QuantSpec, got {type(spec).__name__}")
     if overrides:
         from qdsl.parse import compose
 
