@@ -11,7 +11,7 @@ from torch import nn
 from qdsl.export import lower, lower_layers
 from qdsl.graph import catalog
 from qdsl.graph.catalog import BOUNDARY_OPS, CONSTRUCTS, LINT_ONLY_OPS, LOWERINGS, OPS, WEIGHTED_OPS
-from qdsl.export.ir import OP_SCHEMAS, OpType
+from qdsl.graph.ir import OP_SCHEMAS, OpType
 from qdsl.lint import ops as lint_ops
 from qdsl.patch import constructs
 

@@ -35,7 +35,7 @@ class WeightInts(NamedTuple):
     codes: np.ndarray
     scale: np.ndarray
     dtype: str
-    """The name of a ``qdsl.export.ir.DType`` member (``"I4"``, ``"BIN"``)."""
+    """The name of a ``qdsl.graph.ir.DType`` member (``"I4"``, ``"BIN"``)."""
 
 
 class NotExportable(Exception):
