@@ -90,6 +90,40 @@ def test_user_format_through_apply_calibrate_forward_freeze():
     assert torch.equal(model(x), ref)
 
 
+def test_user_format_trains_with_the_clipping_mask_ste():
+    # a format that defines no QAT hooks gets FormatOps' default: x̂ unchanged, gradient
+    # g where |x| <= s and 0 where clipped (before: qat_grad_path raised AssertionError)
+    from qdsl.quantizers import proxy_grad
+
+    regs = qdsl.default_registries()
+    register_format(regs, Tri3Format(), Tri3Ops)
+    model = _model()
+    spec = qdsl.parse_spec(SPEC.replace('{ kind = "int", bits = 8 }', '{ kind = "tri3" }'), "toy.qspec.toml")
+    handle = qdsl.apply(model, spec, registries=regs)
+    qdsl.calibrate(model, [torch.randn(16, 6)])
+    assert proxy_grad.install(model) > 0
+    x = (torch.randn(16, 6, generator=torch.Generator().manual_seed(1)) * 2).requires_grad_()
+    g = torch.randn(16, 6, generator=torch.Generator().manual_seed(2))
+    qa = handle.quantizer("0", "input")
+    s = qa.qparams()[0]
+    with torch.no_grad():
+        ref = qa(x)
+    y = qa(x)
+    y.backward(g)
+    assert torch.equal(y.detach(), ref)
+    mask = x.detach().abs() <= s
+    assert 0 < int(mask.sum()) < mask.numel()  # some inputs clipped, some not
+    assert torch.equal(x.grad, g * mask)
+    qw = handle.quantizer("0", "weight")
+    w = (model[0].weight.detach() * 1).requires_grad_()
+    with torch.no_grad():
+        wref = qw(w)
+    yw = qw(w)
+    yw.backward(torch.ones_like(w))
+    assert torch.equal(yw.detach(), wref)
+    assert torch.equal(w.grad, torch.ones_like(w))  # minmax per channel: nothing is clipped
+
+
 def test_unregistered_kind_is_a_located_error():
     model = _model()
     spec = qdsl.parse_spec(SPEC, "toy.qspec.toml")

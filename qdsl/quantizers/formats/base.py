@@ -13,7 +13,14 @@ A :class:`FormatOps` answers, for one :class:`~qdsl.quantizers.proxy.TensorQuant
   (:class:`WeightInts`) or :class:`NotExportable`.
 
 Gradients: the proxy's default is the plain straight-through estimator for every format
-(value x̂, identity gradient); QAT installs its own gradient forms.
+(value x̂, identity gradient).  QAT (``qdsl.quantizers.proxy_grad``) asks the format:
+
+* ``qat_value(q, x, scale, zp, thr)`` - x̂ bit for bit, with the format's QAT surrogate
+  gradient to ``x`` and to a learned ``scale``.  The default is the clipping-mask STE:
+  an activation with a fixed scale is one autograd node with gradient ``g·activation_mask``;
+  otherwise x̂ plus a zero-valued term carrying ``qat_surrogate`` (identity where
+  ``|x| <= s``) and, for a learned scale, ``scale_surrogate`` (d(s·code)/ds = code).
+  A format overrides any of the three hooks, or ``qat_value`` itself (int: LSQ).
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["FormatOps", "WeightInts", "NotExportable", "packed_int_dtype", "TINY"]
+from qdsl.quantizers import functional as F
+from qdsl.spec.model import Role
+
+__all__ = ["FormatOps", "WeightInts", "NotExportable", "packed_int_dtype", "TINY", "zero_gain", "is_weight"]
 
 TINY = 1e-12
 """Smallest magnitude scale a symmetric format derives from a range (never 0)."""
@@ -52,6 +62,33 @@ def packed_int_dtype(bits: int, signed: bool) -> str:
         if bits <= width:
             return f"{'I' if signed else 'U'}{width}"
     raise NotExportable(f"{bits}-bit weights are wider than 8 bits", "use weight bits <= 8")
+
+
+def zero_gain(sur: torch.Tensor) -> torch.Tensor:
+    """Exactly 0 in the forward pass, the surrogate's gradient in the backward pass."""
+    return sur - sur.detach()
+
+
+def is_weight(q: Any) -> bool:
+    """The quantizer's tensor is a parameter (weight/bias), not an activation."""
+    return q.role in (Role.WEIGHT, Role.BIAS)
+
+
+class _MaskedValue(torch.autograd.Function):
+    """Activation with a fixed scale: the proxy's value, gradient ``g·mask`` with the
+    format's ``activation_mask`` (value and mask computed once: activations are large)."""
+
+    @staticmethod
+    def forward(ctx, x, ops, q, scale, zero_point, threshold):
+        value = q._fake(x, scale, zero_point, threshold)
+        s = F.param_view(scale.to(x.dtype), x, q.axis, q.group_size)
+        ctx.save_for_backward(ops.activation_mask(q, x, s))
+        return value
+
+    @staticmethod
+    def backward(ctx, g):
+        (mask,) = ctx.saved_tensors
+        return g * mask, None, None, None, None, None
 
 
 class FormatOps:
@@ -83,3 +120,26 @@ class FormatOps:
 
     def lower_weight(self, q: Any, codes: np.ndarray, scale: np.ndarray) -> WeightInts:
         raise NotExportable(f"{q.format.name} weights have no integer lowering")
+
+    def qat_value(self, q: Any, x: torch.Tensor, scale: torch.Tensor, zp, thr) -> torch.Tensor:
+        """x̂ with the format's QAT surrogate gradient (see the module docstring)."""
+        if not is_weight(q) and not scale.requires_grad:
+            return _MaskedValue.apply(x, self, q, scale, zp, thr)
+        value = q._fake(x.detach(), scale.detach(), zp, thr)
+        s_view = F.param_view(scale.to(x.dtype), x, q.axis, q.group_size)
+        sur = self.qat_surrogate(q, x, s_view)
+        if scale.requires_grad:
+            sur = sur + self.scale_surrogate(s_view, value)
+        return value + zero_gain(sur)
+
+    def activation_mask(self, q: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        """Where an activation with a fixed scale ``s`` passes its gradient: ``|x| <= s``."""
+        return x.abs() <= s
+
+    def qat_surrogate(self, q: Any, x: torch.Tensor, s_view: torch.Tensor) -> torch.Tensor:
+        """A tensor whose gradient to ``x`` is the format's: identity where ``|x| <= s``."""
+        return x * (x.detach().abs() <= s_view.detach())
+
+    def scale_surrogate(self, s_view: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """A learned scale's gradient term: d(s·code)/ds = code = x̂/s."""
+        return s_view * (value / s_view.detach().clamp_min(1e-30)).detach()

@@ -6,7 +6,8 @@ import torch
 
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import range_search as RS
-from qdsl.quantizers.formats.base import FormatOps, WeightInts, packed_int_dtype
+from qdsl.quantizers import ste
+from qdsl.quantizers.formats.base import FormatOps, WeightInts, packed_int_dtype, zero_gain
 
 __all__ = ["IntOps"]
 
@@ -37,6 +38,17 @@ class IntOps(FormatOps):
         _, inv, z = q._param_views(x, scale, zp)
         c = torch.clamp(q._round_fn(F.scaled(x, inv), generator=q.generator) + z, q.qmin, q.qmax)
         return c.to(F.int_dtype(q.qmin, q.qmax))
+
+    def qat_value(self, q, x, scale, zp, thr):
+        # the clipping-mask STE to x, LSQ/LSQ+ to a learned scale (ste.fake_quant's own gradient)
+        zp_used = None if q.recipe.symmetric else zp
+        if q._round_fn is not None:  # a user rounding: their values, the clipping-mask STE
+            value = q._fake(x.detach(), scale.detach(), zp, thr)
+            sur = ste.fake_quant(x, scale, zp_used, q.qmin, q.qmax, rounding="half_even", axis=q.axis,
+                                 group_size=q.group_size)
+            return value + zero_gain(sur)
+        return ste.fake_quant(x, scale, zp_used, q.qmin, q.qmax, rounding=q._round_mode, axis=q.axis,
+                              group_size=q.group_size)
 
     def lower_weight(self, q, codes, scale):
         return WeightInts(codes, scale, packed_int_dtype(q.recipe.bits, int(q.qmin) < 0))

@@ -16,6 +16,10 @@ class PotOps(FormatOps):
     def codes(self, q, x, scale, zp, thr):
         return F.pot_weight_codes(x, scale, q.recipe.bits, q.axis, q.group_size)
 
+    def scale_surrogate(self, s_view, value):
+        # a learned scale of pot values: value/s per element, unclamped (unlike the default)
+        return s_view * (value / s_view.detach()).detach()
+
     def lower_weight(self, q, codes, scale):
         # value = sign(c)·s·2^(|c|-n) = (sign(c)·2^(|c|-1)) · s·2^(1-n), an integer grid
         # (the format's operand_codes) at scale s·2^(1-n)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from qdsl.quantizers import functional as F
-from qdsl.quantizers.formats.base import FormatOps, WeightInts
+from qdsl.quantizers import ste
+from qdsl.quantizers.formats.base import FormatOps, WeightInts, is_weight
 from qdsl.spec.model import Role
 
 __all__ = ["TernaryOps"]
@@ -26,6 +27,12 @@ class TernaryOps(FormatOps):
 
     def codes(self, q, x, scale, zp, thr):
         return F.ternary_codes(x, thr, q.axis, q.group_size)
+
+    def qat_surrogate(self, q, x, s_view):
+        # TWN: codes straight-through, α over the kept weights; activations: identity in |x| <= s
+        if is_weight(q) and q.group_size is None:
+            return ste.ternary_weight(x, q.axis)
+        return super().qat_surrogate(q, x, s_view)
 
     def lower_weight(self, q, codes, scale):
         return WeightInts(codes, scale, "I2")
