@@ -14,7 +14,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-__all__ = ["fit"]
+__all__ = ["fit", "train_epochs", "steps_per_epoch"]
 
 
 def fit(
@@ -47,11 +47,29 @@ def fit(
     g = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    per_epoch = max(1, sum(1 for i in range(0, len(x), batch_size) if len(x) - i >= 2))
+    per_epoch = max(1, steps_per_epoch(len(x), batch_size))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(1, epochs * per_epoch))
+    train_epochs(model, x, y, opt, sched, epochs=epochs, batch_size=batch_size, generator=g, progress=progress)
+    return model.eval()
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Optimizer steps per epoch of :func:`train_epochs` (a last batch of one is skipped)."""
+    return sum(1 for i in range(0, n, batch_size) if n - i >= 2)
+
+
+def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer, sched: object, *,
+                 epochs: int, batch_size: int, generator: torch.Generator,
+                 progress: Callable[[int, int, int, float], None] | None = None) -> None:
+    """Cross-entropy epochs over ``(x, y)`` in batches shuffled by ``generator``, one
+    ``opt.step()`` and ``sched.step()`` per batch; the loop of :func:`fit` and of the
+    zoo's float training (``qdsl.zoo.train.train_float``).  Leaves the model in train mode.
+    ``progress(epoch, step, steps_per_epoch, loss)`` after every step (``loss.item()`` is
+    read only when it is given)."""
+    per_epoch = steps_per_epoch(len(x), batch_size)
     model.train()
     for epoch in range(epochs):
-        perm = torch.randperm(len(x), generator=g)
+        perm = torch.randperm(len(x), generator=generator)
         step = 0
         for i in range(0, len(x), batch_size):
             idx = perm[i : i + batch_size]
@@ -65,4 +83,3 @@ def fit(
             if progress is not None:
                 progress(epoch, step, per_epoch, loss.item())
             step += 1
-    return model.eval()

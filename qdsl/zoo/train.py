@@ -25,7 +25,8 @@ from typing import Callable
 
 import torch
 from torch import nn
-import torch.nn.functional as F
+
+from qdsl.qat.loop import train_epochs
 
 __all__ = ["train_float", "evaluate", "predict", "trained_digits_resnet", "trained_conv1d_net"]
 
@@ -84,23 +85,7 @@ def train_float(
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     steps = epochs * ((len(x) + batch_size - 1) // batch_size)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=max(steps, 1))
-    per_epoch = sum(1 for i in range(0, len(x), batch_size) if len(x) - i >= 2)
-    model.train()
-    for epoch in range(epochs):
-        perm = torch.randperm(len(x), generator=g)
-        step = 0
-        for i in range(0, len(x), batch_size):
-            idx = perm[i : i + batch_size]
-            if len(idx) < 2:  # BatchNorm needs 2+ samples
-                continue
-            opt.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            sched.step()
-            if progress is not None:
-                progress(epoch, step, per_epoch, loss.item())
-            step += 1
+    train_epochs(model, x, y, opt, sched, epochs=epochs, batch_size=batch_size, generator=g, progress=progress)
     model.eval()
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
