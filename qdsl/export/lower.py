@@ -48,6 +48,7 @@ from qdsl.export.lower_layers import (
     wide,
 )
 from qdsl.graph.requant import make_rescale
+from qdsl.export.lower_lut import lut_pending
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct, resolve_path
 
@@ -265,6 +266,8 @@ class _Lowerer:
             return self.reshape(x, shape, fqn)
         if rule == "pool":
             return self.pool(x, m, shape, fqn)
+        if rule == "lut":  # m.forward: m(...) would run qdsl's hooks
+            return lut_pending(fqn, x, m.forward, type(m).__name__, shape)
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
                           "skip the layers from here on in the spec and run them in float after the graph")
 
@@ -317,6 +320,11 @@ class _Lowerer:
             except TypeError as e:
                 raise ExportError(where, f"{fn.__name__} options not understood: {e}") from None
             return self.pool(args[0], m, self.shape(node), where)
+        if rule == "lut":
+            if any(isinstance(a, (QVal, Pending, FloatVal)) for a in list(args[1:]) + list(kwargs.values())):
+                raise ExportError(where, f"'{node.name}' reads more than one tensor")
+            rest = tuple(args[1:])
+            return lut_pending(where, args[0], lambda t: fn(t, *rest, **kwargs), fn.__name__, self.shape(node))
         if rule == "concat":
             dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
             return concat_value(self.b, where, list(args[0]), dim, self.shape(node))

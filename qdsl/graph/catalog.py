@@ -53,6 +53,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "pool": ("MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL"),
     "add": ("ADD",),
     "concat": ("CONCAT",),
+    "lut": ("LUT",),  # an elementwise function of an 8-bit input: a 256-entry table (lower_lut.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
@@ -66,7 +67,7 @@ WEIGHTED_OPS = ("conv1d", "conv2d", "linear")
 
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",
-    "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
+    "hardsigmoid", "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
     "reshape", "batch_norm",
 )
 """Every op name a profile may list (in ``ops``, ``op.<name>``, ``fusions``, ``fixed_output``)."""
@@ -131,13 +132,14 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("AvgPool2d", "avg_pool2d", "pool"),
         ("AdaptiveAvgPool1d", "global_avg_pool", "pool"),
         ("AdaptiveAvgPool2d", "global_avg_pool", "pool"),
-        ("LeakyReLU", "leaky_relu"),
-        ("Sigmoid", "sigmoid"),
-        ("Tanh", "tanh"),
+        ("LeakyReLU", "leaky_relu", "lut"),
+        ("Sigmoid", "sigmoid", "lut"),
+        ("Tanh", "tanh", "lut"),
         ("Softmax", "softmax"),
-        ("Hardswish", "hardswish"),
-        ("GELU", "gelu"),
-        ("SiLU", "silu"),
+        ("Hardswish", "hardswish", "lut"),
+        ("Hardsigmoid", "hardsigmoid", "lut"),
+        ("GELU", "gelu", "lut"),
+        ("SiLU", "silu", "lut"),
     ])
     + _rows("function", "", [
         # (path, op, lowering, passes, product, like)
@@ -156,13 +158,14 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         (_F + "hardtanh", "clamp", "hardtanh", True),
         ("torch.clamp", "clamp"),
         ("torch.clip", "clamp"),
-        (_F + "leaky_relu", "leaky_relu"),
-        ("torch.sigmoid", "sigmoid"),
-        ("torch.tanh", "tanh"),
+        (_F + "leaky_relu", "leaky_relu", "lut"),
+        ("torch.sigmoid", "sigmoid", "lut"),
+        ("torch.tanh", "tanh", "lut"),
         (_F + "softmax", "softmax"),
-        (_F + "hardswish", "hardswish"),
-        (_F + "gelu", "gelu"),
-        (_F + "silu", "silu"),
+        (_F + "hardswish", "hardswish", "lut"),
+        (_F + "hardsigmoid", "hardsigmoid", "lut"),
+        (_F + "gelu", "gelu", "lut"),
+        (_F + "silu", "silu", "lut"),
         (_F + "max_pool1d", "max_pool1d", "pool", True, False, (_NN + "MaxPool1d", 4)),
         (_F + "max_pool2d", "max_pool2d", "pool", True, False, (_NN + "MaxPool2d", 4)),
         (_F + "avg_pool1d", "avg_pool1d", "pool", False, False, (_NN + "AvgPool1d", 5)),

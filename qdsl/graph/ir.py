@@ -179,6 +179,8 @@ class OpType(enum.IntEnum):
     """Reshape the non-batch dims (flatten)."""
     BINARIZE = 19
     """I8/U8/F32 -> BIN: ``-1 if x < zero_point else +1``."""
+    LUT = 20
+    """I8/U8 -> I8/U8 elementwise lookup: ``table[x - min(in dtype)]`` (256 entries)."""
 
 
 class AttrType(enum.IntEnum):
@@ -337,6 +339,7 @@ OP_SCHEMAS: dict[OpType, OpSchema] = {
     OpType.GLOBAL_AVGPOOL: OpSchema(1, 1, {"in_zp": AttrType.INT, **RQ_ATTRS, **OUT_ATTRS}),
     OpType.RESHAPE: OpSchema(1, 1, {"shape": AttrType.INTS}),
     OpType.BINARIZE: OpSchema(1, 1, {"zero_point": AttrType.INT}),
+    OpType.LUT: OpSchema(1, 1, {"table": AttrType.INTS}),
 }
 
 

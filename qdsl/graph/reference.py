@@ -189,6 +189,13 @@ def clamp(x: np.ndarray, a) -> np.ndarray:
     return np.clip(x, a["out_min"], a["out_max"])
 
 
+def lut(x: np.ndarray, a, x_dtype: DType) -> np.ndarray:
+    # the table has one entry per code of the 8-bit input, lowest code first (int64 values,
+    # like every other op's, so consumers never compute in a narrow container)
+    table = np.asarray(a["table"], dtype=np.int64)
+    return table[x.astype(np.int64) - x_dtype.range[0]]
+
+
 def maxpool(x: np.ndarray, a) -> np.ndarray:
     rank = x.ndim - 2
     # padding ≤ kernel/2 guarantees every window holds a real element, so a pad value
@@ -257,6 +264,8 @@ def _run_op(op: Op, graph: IntegerGraph, env: dict, counts: dict) -> np.ndarray:
         return concat(args, a)
     if t is OpType.CLAMP:
         return clamp(x, a)
+    if t is OpType.LUT:
+        return lut(x, a, graph.tensor(op.inputs[0]).dtype)
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D):
         return maxpool(x, a)
     if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D):

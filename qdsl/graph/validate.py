@@ -262,6 +262,12 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         lo, hi = x.dtype.range
         c.need(c.int("out_min", lo, hi) <= c.int("out_max", lo, hi), "out_min > out_max")
         return (x.dtype,), x.shape
+    if t is OpType.LUT:
+        dt(x, INT8_DTYPES, "input")
+        dt(out, INT8_DTYPES, "output")
+        # one entry per input code, each a value of the output dtype (docs/qgraph.md §4.6)
+        c.ints("table", 256, *out.dtype.range)
+        return INT8_DTYPES, x.shape
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D, OpType.AVGPOOL1D, OpType.AVGPOOL2D):
         rank = 1 if t in (OpType.MAXPOOL1D, OpType.AVGPOOL1D) else 2
         dt(x, INT8_DTYPES + ((DType.I32,) if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D) else ()), "input")
