@@ -122,6 +122,9 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     xs = [env.get(n, n) for n in op.inputs]
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
         raise ExportError(op.name, "binary (XNOR) layers have no ONNX QDQ form", "export 8-bit configs to ONNX")
+    if t is OpType.LUT:
+        raise ExportError(op.name, "a lookup-table activation (LUT: Hardswish, SiLU, GELU, ...) has no ONNX QDQ form "
+                                   "in qdsl", "export models without these activations to ONNX, or run the .qgraph")
     if t is OpType.QUANTIZE:
         return w.qdq(xs[0], out, a["qmin"], a["qmax"])
     if t is OpType.DEQUANTIZE:

@@ -265,7 +265,7 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
     if t is OpType.LUT:
         dt(x, INT8_DTYPES, "input")
         dt(out, INT8_DTYPES, "output")
-        # one entry per input code, each a value of the output dtype (docs/qgraph.md §4.6)
+        # one entry per input code, each a value of the output dtype (docs/qgraph.md §4.4)
         c.ints("table", 256, *out.dtype.range)
         return INT8_DTYPES, x.shape
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D, OpType.AVGPOOL1D, OpType.AVGPOOL2D):

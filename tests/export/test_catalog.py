@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from qdsl.export import lower, lower_layers
+from qdsl.export import lower, lower_layers, lower_lut
 from qdsl.graph import catalog
 from qdsl.graph.catalog import BOUNDARY_OPS, CONSTRUCTS, LINT_ONLY_OPS, LOWERINGS, OPS, WEIGHTED_OPS
 from qdsl.graph.ir import OP_SCHEMAS, OpType
@@ -19,7 +19,7 @@ from qdsl.patch import constructs
 def _emitted_op_types() -> set[OpType]:
     """Every ``OpType.X`` the exporter's source names (what it can emit)."""
     found = set()
-    for module in (lower, lower_layers):
+    for module in (lower, lower_layers, lower_lut):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "OpType":
                 found.add(OpType[node.attr])
@@ -56,6 +56,10 @@ def test_lint_only_ops_are_the_ones_export_cannot_lower():
     assert set(LINT_ONLY_OPS) == set(OPS) - lowered
     assert {"mul", "softmax"} <= set(LINT_ONLY_OPS)
     assert not set(LINT_ONLY_OPS) & {"conv2d", "linear", "add", "relu", "concat", "reshape", "batch_norm"}
+    # the elementwise activations lower to a lookup table (LUT), so lint lists none of them
+    lut_ops = {"hardswish", "hardsigmoid", "silu", "sigmoid", "tanh", "gelu", "leaky_relu", "relu6"}
+    assert not set(LINT_ONLY_OPS) & lut_ops
+    assert {c.op for c in CONSTRUCTS if c.lowering == "lut"} == lut_ops - {"relu6"}  # ReLU6 stays a clamp
 
 
 def test_paths_resolve_to_distinct_objects():

@@ -137,6 +137,8 @@ Status PrepareReshape(Graph* g, GraphOp& op, int index, std::vector<int64_t>* sh
 Status RunReshape(RunCtx& c, const GraphOp& op);
 Status PrepareBinarize(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);    // binarize.cc
 Status RunBinarize(RunCtx& c, const GraphOp& op);
+Status PrepareLut(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);        // lut.cc
+Status RunLut(RunCtx& c, const GraphOp& op);
 
 }  // namespace qdsl
 

@@ -26,8 +26,9 @@ enum OpCode : int {
   kGlobalAvgpool = 17,
   kReshape = 18,
   kBinarize = 19,
+  kLut = 20,
 };
-constexpr int kMaxOpcode = 19;
+constexpr int kMaxOpcode = 20;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -66,6 +67,7 @@ inline constexpr AttrSchema kAvgpool2dAttrs[] = {{"kernel", kAttrInts}, {"stride
 inline constexpr AttrSchema kGlobalAvgpoolAttrs[] = {{"in_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kReshapeAttrs[] = {{"shape", kAttrInts}};
 inline constexpr AttrSchema kBinarizeAttrs[] = {{"zero_point", kAttrInt}};
+inline constexpr AttrSchema kLutAttrs[] = {{"table", kAttrInts}};
 
 // Indexed by opcode; row 0 is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -89,6 +91,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"GLOBAL_AVGPOOL", 1, 1, false, kGlobalAvgpoolAttrs, 8},
     {"RESHAPE", 1, 1, false, kReshapeAttrs, 1},
     {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
+    {"LUT", 1, 1, false, kLutAttrs, 1},
 };
 
 }  // namespace qdsl

@@ -31,6 +31,7 @@ constexpr OpDef kOpDefs[] = {
     {PrepareGlobalAvgpool, RunGlobalAvgpool, ValueRange::kStage},   // GLOBAL_AVGPOOL
     {PrepareReshape, RunReshape, ValueRange::kInput},               // RESHAPE
     {PrepareBinarize, RunBinarize, ValueRange::kStage},             // BINARIZE (BIN output)
+    {PrepareLut, RunLut, ValueRange::kStage},                       // LUT (no out_min/max: the dtype's range)
 };
 // A row per opcode: adding an op to the Python schema (and regenerating op_schema.h)
 // fails here until its row is added.
