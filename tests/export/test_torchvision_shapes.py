@@ -136,3 +136,13 @@ def test_lint_model_runs(name, capsys):
     out = capsys.readouterr()
     assert rc in (0, 1), out.err
     assert "Traceback" not in out.err
+
+
+def test_explain_reports_implied_quantizers(capsys):
+    from qdsl.cli.main import main
+
+    rc = main(["explain", "specs/int8-default.qspec", "--model", "tests/export/tv_models.py:small_resnet18",
+               "--layer", "maxpool"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "maxpool  output  kind" in out and "implied by add in 'layer1.0'" in out
