@@ -146,3 +146,15 @@ def test_explain_reports_implied_quantizers(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "maxpool  output  kind" in out and "implied by add in 'layer1.0'" in out
+
+
+@pytest.mark.parametrize("name", [n if n == "resnet18" else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in FACTORIES])
+def test_sweep_runs(name, capsys):
+    from qdsl.cli.main import main
+
+    rc = main(["sweep", "specs/int8-default.qspec", "--model", f"tests/export/tv_models.py:small_{name}",
+               "--data", "tests/export/tv_models.py:random_images", "--set", "weight.bits=8,4", "--calib", "8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "weight.bits=8" in out and "weight.bits=4" in out

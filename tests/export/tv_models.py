@@ -3,7 +3,7 @@
 from qdsl.zoo.mobilenet import mobilenet_v2
 from qdsl.zoo.resnet import resnet18, resnet50
 
-__all__ = ["FACTORIES", "small_mobilenet_v2", "small_resnet18", "small_resnet50"]
+__all__ = ["FACTORIES", "random_images", "small_mobilenet_v2", "small_resnet18", "small_resnet50"]
 
 
 def small_resnet18():
@@ -19,3 +19,13 @@ def small_mobilenet_v2():
 
 
 FACTORIES = {"resnet18": small_resnet18, "resnet50": small_resnet50, "mobilenet_v2": small_mobilenet_v2}
+
+
+def random_images():
+    """``(x_train, y_train, x_test, y_test)``: 16 + 8 seeded 3×32×32 images, 10 classes (for ``qdsl sweep``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (24,), generator=g)
+    return x[:16], y[:16], x[16:], y[16:]
