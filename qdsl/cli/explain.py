@@ -38,11 +38,14 @@ def run(args) -> int:
     from qdsl.resolve import explain, load_model_ref, resolve, to_records
 
     from qdsl.patch.coverage import check_coverage
+    from qdsl.patch.implied import with_implied
     from qdsl.patch.trace import trace_model
 
     model = load_model_ref(args.model)
-    plan = resolve(model, args.spec, overrides=args.overrides or None)
-    coverage = check_coverage(model, plan, trace_model(model))
+    trace = trace_model(model)
+    # the plan apply patches with: implied quantizers show as "implied by <op> in '<where>'"
+    plan = with_implied(model, trace, resolve(model, args.spec, overrides=args.overrides or None))
+    coverage = check_coverage(model, plan, trace)
     if args.format == "json":
         records = to_records(plan, args.layer, args.role)
         left = [{"name": f.name, "reason": f.reason, "reached_by": f.reached_by,

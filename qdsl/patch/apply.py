@@ -45,6 +45,7 @@ from torch import nn
 from qdsl.patch.consumers import read_only_by_binary
 from qdsl.patch.coverage import check_coverage, count_calls
 from qdsl.patch.fold import find_bn_pairs
+from qdsl.patch.implied import with_implied
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
 from qdsl.patch.layer import LayerPatch
 from qdsl.patch.trace import trace_model
@@ -163,7 +164,8 @@ def plan_for(model: nn.Module, spec: Any, overrides: Any = None, registries: Any
             "call qdsl.remove(model) before applying again"
         )
     regs = registries if registries is not None else default_registries()
-    return _to_plan(model, spec, overrides, regs), regs
+    # integer adds/concats reading an unquantized value imply an output quantizer (qdsl.patch.implied)
+    return with_implied(model, trace_model(model), _to_plan(model, spec, overrides, regs)), regs
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,

@@ -84,8 +84,19 @@ _BUILTIN_ROUNDING = "qdsl.quantizers.rounding:"
 
 
 class _StraightThrough(torch.autograd.Function):
+    """Value ``compute()`` (x̂, computed here, without grad), gradient of the identity.
+
+    x̂ is computed inside ``forward`` rather than passed in: autograd treats an input
+    returned as is as a view, and an in-place op on the result (torchvision's
+    ``ReLU(inplace=True)`` after a quantized output) then raised "Output 0 of
+    _StraightThrough is a view and is being modified inplace".  A x̂ that aliases ``x``
+    is copied for the same reason."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        fake = compute()
+        if fake.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+            fake = fake.clone()
         return fake
 
     @staticmethod
@@ -309,7 +320,7 @@ class TensorQuantizer(LazyBuffers):
             return self.grad_path(self, x, scale, zp, thr)
         # plain straight-through estimator: value of x̂ exactly, gradient of the identity
         # (not ``x + (x̂ - x).detach()``, whose float rounding changes the value)
-        return _StraightThrough.apply(x, self._fake(x.detach(), scale.detach(), zp, thr))
+        return _StraightThrough.apply(x, lambda: self._fake(x.detach(), scale.detach(), zp, thr))
 
     def int_repr(self, x: torch.Tensor) -> torch.Tensor:
         """The integer codes ``forward(x)`` uses (int8/uint8/int16/int32 by range)."""

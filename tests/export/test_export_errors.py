@@ -9,7 +9,9 @@ from qdsl.export import export
 from qdsl.graph.ir import OpType
 from qdsl.export.values import ExportError
 from qdsl.parse import parse_text
+from qdsl.patch.handle import get_handle
 from qdsl.spec.diagnostics import QdslError
+from qdsl.spec.model import Role
 from qdsl.zoo.models import digits_resnet, mlp
 
 BASE = """
@@ -45,11 +47,34 @@ def test_mlp_exports_and_relu_is_fused_into_the_clamp():
     assert first.attrs["out_min"] == first.attrs["out_zp"]  # ReLU: nothing below the zero point
 
 
+def test_unquantized_residual_operand_gets_an_implied_quantizer():
+    # no `output` for the blocks: the plan implies one where an add reads a block's sum
+    # (qdsl.patch.implied); this was E402 "the residual add reads a value from 'layer1.0'"
+    model = prepared(digits_resnet(width=4))
+    implied = {lp.fqn for lp in get_handle(model).plan.layers
+               if (p := lp.provenance.get((Role.OUTPUT, "kind"))) is not None and p.set_by.label.startswith("implied")}
+    assert "layer1.0" in implied
+    assert any(op.type is OpType.ADD for op in export(model, X[:1]).ops)
+
+
+BINARY_DEFAULT = """
+version 1
+fold_bn
+defaults {
+  weight = binary(signed, per_channel, observer=mean_abs)
+  input = binary(signed, per_tensor, observer=mean_abs)
+}
+"""
+
+
 def test_unquantized_residual_operand_names_the_block():
-    model = prepared(digits_resnet(width=4))  # no `output` for the blocks
-    with pytest.raises(ExportError, match=r"(?s)layer1\.\d.*output = a8") as e:
+    # a binary default input implies nothing (an integer add cannot read ±1 codes)
+    model = digits_resnet(width=4).eval()
+    qdsl.apply(model, parse_text(BINARY_DEFAULT, "t.qspec"))
+    qdsl.calibrate(model, [X])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match=r"(?s)residual add.*output = a8"):
         export(model, X[:1])
-    assert "residual add" in str(e.value)
 
 
 def test_unfolded_batchnorm():

@@ -1,0 +1,155 @@
+"""Implied quantizers: integer adds and concats need no hand-written rule.
+
+An integer ADD or CONCAT (docs/qgraph.md) reads int8 operands or a layer's raw
+accumulator.  When a spec leaves one of its operands unquantized (torchvision's ResNet
+adds the stem's max pool output, a Bottleneck block's output; MobileNetV2 adds the
+previous block's sum), the plan gains an *implied* output quantizer of the spec's default
+input kind on the module that returns that value, and ``qdsl explain`` reports it as
+"implied by <op>".  Chosen over requantizing in the exporter (DESIGN.md §9): the
+fake-quant model then computes what the integer graph computes (the quantizer is
+observed, calibrated and trained like any other), and a value added twice, or added
+and then read by the next block, is quantized once.
+
+The operands are found with the apply trace (:mod:`qdsl.patch.trace`): for each add or
+concat (the construct table's ``add``/``concat`` rows), and each average pool reading a sum
+(through ReLU and other pass-through ops: a ResNet-50's last block), an operand is fine when it is a
+weighted layer's or BatchNorm's direct result (the exporter adds the accumulator) or
+already quantized (an output quantizer on the module returning it, or, except after a
+max pool or of a sum, an integer input quantizer of a layer reading it: the exporter then materializes
+the value at that grid and the add reads it, as for the digits ResNet's stem).  Otherwise the
+quantizer goes on the outermost module that returns the value (the value has a reader
+outside it) and is called once per forward; a value no such module returns (a model
+input, a bare function's result at the top level) gets none, and export still names it.
+A spec without a ``defaults { input = ... }``, or whose default input is not an integer
+format (binary: an integer add cannot read it), implies nothing.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch.fx
+from torch import nn
+
+from qdsl.patch.constructs import functions, methods, module_classes
+from qdsl.patch.trace import ModelTrace
+from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
+from qdsl.spec.model import Role
+
+__all__ = ["implied_outputs", "with_implied"]
+
+_INTEGER_OPS = ("add", "concat")
+_FUNCS = functions(lambda c: c.lowering in _INTEGER_OPS)
+_METHODS = methods(lambda c: c.lowering in _INTEGER_OPS)
+# average pools take a layer's accumulator (through ReLU) but not an unquantized sum
+_POOL_MODULES = module_classes(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
+_POOL_FUNCS = functions(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
+_PASS_MODULES = module_classes(lambda c: c.passes)
+_PASS_FUNCS = functions(lambda c: c.passes)
+# a direct result of these is an accumulator the exporter adds (or rescales) exactly
+_ACCUMULATORS = (nn.Conv1d, nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def _stack(n: torch.fx.Node) -> list[str]:
+    return list(n.meta.get("nn_module_stack", {}).keys())
+
+
+def _operands(n: torch.fx.Node) -> list[torch.fx.Node]:
+    args = n.args[0] if _FUNCS.get(n.target) is not None and isinstance(n.args[0], (list, tuple)) else n.args
+    return [a for a in args if isinstance(a, torch.fx.Node)]
+
+
+def _is_pool(n: torch.fx.Node, modules: dict) -> bool:
+    if n.op == "call_module":
+        return isinstance(modules.get(str(n.target)), _POOL_MODULES)
+    return n.op == "call_function" and n.target in _POOL_FUNCS
+
+
+def _sum_behind(a, modules: dict) -> bool:
+    """Whether ``a`` is an add's or concat's result, seen through pass-through ops (ReLU, ...)."""
+    while isinstance(a, torch.fx.Node):
+        if a.op == "call_function" and a.target in _FUNCS or a.op == "call_method" and a.target in _METHODS:
+            return True
+        passes = (a.op == "call_module" and isinstance(modules.get(str(a.target)), _PASS_MODULES)
+                  or a.op == "call_function" and a.target in _PASS_FUNCS)
+        if not passes or not a.args:
+            return False
+        a = a.args[0]
+    return False
+
+
+def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) -> bool:
+    """The exporter materializes a layer's (activated) result at the grid of an integer input quantizer that
+    reads it and the add then reads that value (digits ResNet's stem); not through a max pool."""
+    if a.op == "call_module" and isinstance(modules.get(str(a.target)), (nn.MaxPool1d, nn.MaxPool2d)):
+        return False
+    if _sum_behind(a, modules):  # a sum (or ReLU of one) is not materialized that way
+        return False
+    return any(u.op == "call_module" and str(u.target) in int_inputs for u in a.users)
+
+
+def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str, str]:
+    """``{module fqn: "implied by <op> in '<where>'"}`` for the values integer adds and concats
+    read that the plan leaves unquantized (see the module docstring)."""
+    if trace.graph is None:
+        return {}
+    modules = dict(model.named_modules())
+    int_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
+                  and r.format.activation_lowering(r.signed) == "int"}
+    quantized_out = {lp.fqn for lp in plan.layers if lp.quantized and lp.roles.get(Role.OUTPUT) is not None}
+    found: dict[str, str] = {}
+    for n in trace.graph.nodes:
+        if n.op == "call_function" and n.target in _FUNCS:
+            op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
+        elif n.op == "call_method" and n.target in _METHODS:
+            op = n.target
+        elif _is_pool(n, modules):
+            op = "average pool"
+            if not _sum_behind(n.args[0], modules):
+                continue
+        else:
+            continue
+        where = (_stack(n) or ["<model>"])[-1]
+        for a in _operands(n)[:1] if op == "average pool" else _operands(n):
+            if a.op == "call_module" and isinstance(modules.get(str(a.target)), _ACCUMULATORS):
+                continue
+            if _read_by_int_input(a, modules, int_inputs):
+                continue
+            stack = _stack(a)
+            returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
+            if any(m in quantized_out for m in returned_by):
+                continue
+            owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
+            if owner is not None:
+                found.setdefault(owner, f"implied by {op} in '{where}'")
+    return found
+
+
+def with_implied(model: nn.Module, trace: ModelTrace, plan: Plan) -> Plan:
+    """``plan`` with the implied output quantizers of :func:`implied_outputs` added (the spec's
+    default input recipe, with its provenance relabelled "implied by ...")."""
+    source = next((lp for lp in plan.layers if lp.roles.get(Role.INPUT) is not None
+                   and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults"),
+                  None)
+    # only an integer (affine int8/uint8) activation can feed an integer add; a binary
+    # default (xnor) implies nothing and the export names the value as before
+    if source is None or source.roles[Role.INPUT].format.activation_lowering(source.roles[Role.INPUT].signed) != "int":
+        return plan
+    implied = implied_outputs(model, trace, plan)
+    if not implied:
+        return plan
+    recipe = source.roles[Role.INPUT]
+    modules = dict(model.named_modules())
+    layers = {lp.fqn: lp for lp in plan.layers}
+    for fqn, why in implied.items():
+        prov = {}
+        for (role, field), fp in source.provenance.items():
+            if role is Role.INPUT:
+                prov[(Role.OUTPUT, field)] = FieldProvenance(fp.value, Origin(why, fp.set_by.span),
+                                                             (fp.set_by, *fp.via))
+        lp = layers.get(fqn)
+        if lp is None:
+            lp = LayerPlan(fqn, type(modules[fqn]).__name__, {Role.OUTPUT: recipe}, provenance=prov)
+        else:
+            lp = attrs.evolve(lp, roles={**lp.roles, Role.OUTPUT: recipe}, provenance={**lp.provenance, **prov})
+        layers[fqn] = lp
+    return attrs.evolve(plan, layers=tuple(layers.values()))

@@ -1,0 +1,31 @@
+"""Small torchvision-shaped models for the tests (``qdsl lint --model tests/export/tv_models.py:NAME``)."""
+
+from qdsl.zoo.mobilenet import mobilenet_v2
+from qdsl.zoo.resnet import resnet18, resnet50
+
+__all__ = ["FACTORIES", "random_images", "small_mobilenet_v2", "small_resnet18", "small_resnet50"]
+
+
+def small_resnet18():
+    return resnet18(seed=0, width=8, num_classes=10)
+
+
+def small_resnet50():
+    return resnet50(seed=0, width=8, num_classes=10)
+
+
+def small_mobilenet_v2():
+    return mobilenet_v2(seed=0, width_mult=0.25, num_classes=10)
+
+
+FACTORIES = {"resnet18": small_resnet18, "resnet50": small_resnet50, "mobilenet_v2": small_mobilenet_v2}
+
+
+def random_images():
+    """``(x_train, y_train, x_test, y_test)``: 16 + 8 seeded 3×32×32 images, 10 classes (for ``qdsl sweep``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (24,), generator=g)
+    return x[:16], y[:16], x[16:], y[16:]
