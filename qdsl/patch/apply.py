@@ -149,6 +149,12 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
 def plan_for(model: nn.Module, spec: Any, overrides: Any = None, registries: Any = None) -> tuple[Plan, Any]:
     """``(plan, registries)`` :func:`apply` would patch ``model`` with, after checking the
     model can be patched at all; the façade lints this plan for ``hw=`` before applying."""
+    plan, regs, _ = _plan_and_trace(model, spec, overrides, registries)
+    return plan, regs
+
+
+def _plan_and_trace(model: nn.Module, spec: Any, overrides: Any, registries: Any) -> tuple[Plan, Any, Any]:
+    """:func:`plan_for` and the model's fx trace it used (apply reuses it: one trace)."""
     if not isinstance(model, nn.Module):
         raise QdslError(f"qdsl.apply needs an nn.Module, got {type(model).__name__}")
     if isinstance(model, torch.jit.ScriptModule):
@@ -165,7 +171,8 @@ def plan_for(model: nn.Module, spec: Any, overrides: Any = None, registries: Any
         )
     regs = registries if registries is not None else default_registries()
     # integer adds/concats reading an unquantized value imply an output quantizer (qdsl.patch.implied)
-    return with_implied(model, trace_model(model), _to_plan(model, spec, overrides, regs)), regs
+    trace = trace_model(model)
+    return with_implied(model, trace, _to_plan(model, spec, overrides, regs)), regs, trace
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
@@ -194,12 +201,12 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     the policy the integer graph shares (NaN -> the zero point's code, +inf -> qmax,
     -inf -> qmin; docs/qgraph.md §4.4).
     """
-    plan, regs = plan_for(model, spec, overrides, registries)
+    # one fx trace for the implied quantizers, folding, the coverage and bias-reader checks
+    plan, regs, trace = _plan_and_trace(model, spec, overrides, registries)
     modules = dict(model.named_modules())
     diags = _check(model, plan, modules)
     if diags:
         raise SpecError(diags)
-    trace = trace_model(model)  # one fx trace for folding and the coverage check
     pairs = find_bn_pairs(model, trace) if plan.fold_bn else {}
     coverage = check_coverage(model, plan, trace, regs)
     if strict and coverage.floats:
