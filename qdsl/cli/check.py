@@ -45,6 +45,12 @@ def run(args) -> int:
     spec = load_for_resolve(args.spec, args.overrides or None)
     model = load_model_ref(args.model) if args.model else None
     diags = check_spec(spec)
+    if not any(d.is_error for d in diags):
+        # what export would refuse whatever the model (W320): a warning, the spec still trains
+        from qdsl.lint.export_width import export_width_findings
+        from qdsl.resolve.check import compose_if_needed, prepare
+
+        diags += export_width_findings(prepare(compose_if_needed(spec)))
     if model is None and any(d.is_error for d in diags):
         print(render_all(diags), file=sys.stderr)
         return 2

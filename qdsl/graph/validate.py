@@ -270,7 +270,9 @@ def infer_output(index: int, op: Op, ins: list[Tensor], out: Tensor) -> tuple[DT
         return INT8_DTYPES, x.shape
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D, OpType.AVGPOOL1D, OpType.AVGPOOL2D):
         rank = 1 if t in (OpType.MAXPOOL1D, OpType.AVGPOOL1D) else 2
-        dt(x, INT8_DTYPES + ((DType.I32,) if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D) else ()), "input")
+        # a max of ±1 values is a BIN value again (+1 iff any tap is +1); an average is not
+        extra = (DType.I32,) if t in (OpType.AVGPOOL1D, OpType.AVGPOOL2D) else (DType.BIN,)
+        dt(x, INT8_DTYPES + extra, "input")
         c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
         kernel = c.ints("kernel", rank, 1, 1 << 20)
         shape = x.shape[:2] + _spatial(c, x, rank, kernel, True)

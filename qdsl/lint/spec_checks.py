@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 from qdsl.lint.capability import Violation, check_quantizer
 from qdsl.lint.collect import Collector, violation_diagnostic
+from qdsl.lint.export_width import export_width_findings
 from qdsl.lint.fixes import accumulator_fix
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.check import Body, Prepared
@@ -117,7 +118,7 @@ def check_prepared(prep: Prepared, profile: HardwareProfile, pot_scales: frozens
                     hits = [(op, v) for op, v in hits if (op, role, field) not in replaced]
                 for op, v in (hits if all_of else hits[:1]):
                     _add(col, body, role, field, v, merged, op if all_of else None, profile)
-    return col.diagnostics()
+    return col.diagnostics() + export_width_findings(prep)
 
 
 def _where(body: Body, role: Role, field: str, merged) -> tuple[Span, str, str | None]:

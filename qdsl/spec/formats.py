@@ -105,6 +105,10 @@ class NumberFormat:
     """Its codes are a comparison of ``x`` with one threshold (binary), so a float bias
     read only by it lowers exactly as a sign threshold (qdsl.patch.consumers)."""
 
+    max_export_weight_bits: int | None = None
+    """The widest weight of this format the integer graph can hold (None: no limit of the
+    format's own); wider weights still fake-quantize, so lint warns instead of resolve failing."""
+
     def activation_lowering(self, signed: bool) -> str | None:
         """How a frozen activation of this format enters the integer graph: ``"int"``
         (affine int8/uint8), ``"bin"`` (bit-packed ±1), or None (no lowering)."""
@@ -217,6 +221,8 @@ class PotFormat(NumberFormat):
 
     name = "pot"
     accumulator_weight = True
+    # operand_codes of b bits reach ±2^(n-1), n = 2^(b-1) - 1: b = 4 gives ±64 (int8), b = 5 ±16384
+    max_export_weight_bits = 4
 
     def code_range(self, bits, signed, narrow):
         n = pot_levels(bits)

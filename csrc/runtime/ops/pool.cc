@@ -1,5 +1,5 @@
 // MAXPOOL1D/2D, AVGPOOL1D/2D and GLOBAL_AVGPOOL (docs/qgraph.md §4.5).  Max pools keep the
-// dtype and padding never wins; average pools sum x - in_zp over the window's taps inside
+// dtype (I8/U8/BIN) and padding never wins; average pools sum x - in_zp over the window's taps inside
 // the input (padding adds 0) and rescale by the output stage (the divisor folded in).
 #include <algorithm>
 
@@ -30,9 +30,12 @@ Status PreparePool(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape
   const auto& A = op.attrs;
   const int rank = (op.opcode == kMaxpool1d || op.opcode == kAvgpool1d) ? 1 : 2;
   const bool is_max = op.opcode == kMaxpool1d || op.opcode == kMaxpool2d;
-  OP_CHECK((IsInt8(x.dtype) || (!is_max && x.dtype == kI32)) && IsInt8(out.dtype) &&
+  // BIN activations are held one ±1 int8 per element (as BINARIZE writes them), so a BIN
+  // max pool is the int8 one: max of ±1 is +1 iff any tap inside the input is +1
+  const bool bin = is_max && x.dtype == kBin;
+  OP_CHECK((IsInt8(x.dtype) || bin || (!is_max && x.dtype == kI32)) && (IsInt8(out.dtype) || bin) &&
                static_cast<int>(shape.size()) == 2 + rank,
-           "pool needs an I8/U8 (AVGPOOL: or I32) input of rank %d", 2 + rank);
+           "pool needs an I8/U8 (MAXPOOL: or BIN, AVGPOOL: or I32) input of rank %d", 2 + rank);
   if (is_max) OP_CHECK(out.dtype == x.dtype, "MAXPOOL keeps its dtype");
   const auto& k = A.at("kernel").ints;
   const auto& s = A.at("stride").ints;

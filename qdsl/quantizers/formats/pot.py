@@ -25,6 +25,7 @@ class PotOps(FormatOps):
         # (the format's operand_codes) at scale s·2^(1-n)
         bits = q.recipe.bits
         n = pot_levels(bits)
-        if n > 7:
-            raise NotExportable(f"{bits}-bit power-of-two weights span more than int8", "use bits <= 4 for pot weights")
+        top = q.format.max_export_weight_bits
+        if top is not None and bits > top:
+            raise NotExportable(f"{bits}-bit power-of-two weights span more than int8", f"use bits <= {top} for pot weights")
         return WeightInts(q.format.operand_codes(codes), scale * q.format.grid_step(bits), packed_int_dtype(n + 1, True))
