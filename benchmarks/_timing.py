@@ -22,3 +22,11 @@ def steady_median(fn, reps: int, warmup_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, for every benchmark's header and footer: figures
+    taken while another process held a core are not comparable (docs in README, Speed)."""
+    import os
+
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())

@@ -25,7 +25,7 @@ import warnings
 
 import numpy as np
 import torch
-from _timing import steady_median
+from _timing import load_average, steady_median
 
 
 def median_ms(fns, reps: int) -> list[float]:
@@ -56,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rt.set_num_threads(args.threads)
     torch.backends.quantized.engine = "x86"
-    print(f"threads: {args.threads} (qdsl and torch)")
+    print(f"threads: {args.threads} (qdsl and torch); load average: {load_average()}")
     print(f"{'model':<26} {'batch':>5} | {'qdsl':>8} {'qdsl a7':>8} {'fp32':>8} {'ao int8':>8} ms | "
           f"fp32/qdsl ao/qdsl ao/qdsl-a7")
     for name, width, in_ch, size in [("digits ResNet 1x8x8", 16, 1, 8), ("ResNet w32 3x32x32", 32, 3, 32)]:
@@ -86,6 +86,7 @@ def main() -> None:
                     [lambda: compiled.run(xn), lambda: compiled7.run(xn), lambda: fp32(x), lambda: ao(x)], args.reps)
             print(f"{name:<26} {batch:>5} | {t_q:8.3f} {t_7:8.3f} {t_f:8.3f} {t_a:8.3f}    | {t_f / t_q:9.2f} "
                   f"{t_a / t_q:7.2f} {t_a / t_7:11.2f}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import argparse
 import warnings
 
 import numpy as np
-from _timing import steady_median
+from _timing import load_average, steady_median
 
 SHAPES = [(64, 576, 64), (256, 1152, 128), (128, 768, 768), (128, 3072, 768), (1, 768, 768), (1024, 1024, 1024)]
 
@@ -58,7 +58,8 @@ def main() -> None:
         raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
     warnings.filterwarnings("ignore")
     torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
-    print(f"qdsl paths: {K.paths()['enabled']}  torch quantized engine: {torch.backends.quantized.engine}")
+    print(f"qdsl paths: {K.paths()['enabled']}  torch quantized engine: {torch.backends.quantized.engine}  "
+          f"load average: {load_average()}")
     rng = np.random.default_rng(0)
     header = (f"{'M,K,N':>16} thr | {'int8':>6} {'torchq':>6} {'ort':>6} {'int4':>6} {'bin':>6} {'fp32':>6} GOP/s | "
               f"int8/torchq int8/ort int4/int8 bin/fp32")

@@ -22,6 +22,7 @@ import time
 import qdsl.parse.dsl_grammar as grammar
 from qdsl.parse import format_spec, parse_text
 from qdsl.parse.dsl_fast import Fallback
+from _timing import load_average  # benchmarks/ is the script's own directory
 
 
 def generated(rules: int) -> str:
@@ -50,7 +51,7 @@ def main() -> None:
     parser.add_argument("--pyparsing", action="store_true", help="also time the DSL without the fast path")
     args = parser.parse_args()
 
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average: {load_average()}")
     print(f"{'rules':>7} {'format':>10} {'KB':>8} {'wall s':>8} {'cpu s':>8} {'KB/s wall':>10} {'KB/s cpu':>9}")
     for n in args.rules:
         dsl = generated(n)
@@ -72,7 +73,7 @@ def main() -> None:
             wall = statistics.median(t[0] for t in times)
             cpu = statistics.median(t[1] for t in times)
             print(f"{n:7d} {fmt:>10} {size:8.0f} {wall:8.2f} {cpu:8.2f} {size / wall:10.0f} {size / cpu:9.0f}")
-    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import qdsl  # noqa: E402
 from qdsl.parse import parse_text  # noqa: E402
 from qdsl.quantizers import range_search as RS  # noqa: E402
 from qdsl.zoo.resnet import resnet18  # noqa: E402
+from _timing import load_average  # noqa: E402
 
 SPEC = "version 1\ndefaults {{ weight = int(bits={bits}, signed, narrow, symmetric, per_channel) }}\n"
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     print(f"  calibrate          {fmt(t_cal)}")
     print(f"  apply + calibrate  {fmt(t_total)}   target < 10 s")
     print(f"  mse_range alone over all weights: {t_search:.2f} s")
-    print(f"  load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"  load average: {load_average()}")
     return 0
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from _timing import load_average  # benchmarks/ is the script's own directory
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
@@ -172,7 +173,7 @@ def w4_auto_suite(rounds: int, batch: int) -> None:
             med = statistics.median(ts)
             print(f"  {label:<30s} {med * 1e3:9.1f} ms  (range {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f})"
                   f"   {med / ref:5.2f}x float")
-        print(f"  load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+        print(f"  load average: {load_average()}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
         print(f"  {label:<34s} {med * 1e3:8.1f} ms   {med / ref:5.2f}x float")
     if compile_s is not None:
         print(f"  (torch.compile first step incl. compilation: {compile_s:.1f} s)")
-    print(f"  load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"  load average: {load_average()}")
     return 0
 
 

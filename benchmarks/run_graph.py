@@ -22,7 +22,7 @@ import warnings
 
 import numpy as np
 import torch
-from _timing import steady_median
+from _timing import load_average, steady_median
 
 
 def main() -> None:
@@ -41,7 +41,7 @@ def main() -> None:
         raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
     torch.set_num_threads(args.threads)
     rt.set_num_threads(args.threads)
-    print(f"threads: {args.threads}; load average: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"threads: {args.threads}; load average: {load_average()}")
     print(f"{'model':<22} {'batch':>5} | {'run_graph':>9} {'.run':>9} {'compile+run':>11} ms | run_graph/.run")
     for name, width, in_ch, size in [("digits ResNet 1x8x8", 16, 1, 8), ("ResNet w32 3x32x32", 32, 3, 32)]:
         torch.manual_seed(0)
@@ -61,7 +61,7 @@ def main() -> None:
             rounds = [[1e3 * steady_median(fn, args.reps, warmup_s=0.3) for fn in fns] for _ in range(args.rounds)]
             t_rg, t_run, t_cr = (float(np.median(col)) for col in zip(*rounds))
             print(f"{name:<22} {batch:>5} | {t_rg:9.3f} {t_run:9.3f} {t_cr:11.3f}    | {t_rg / t_run:.2f}")
-    print(f"load average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
+    print(f"load average after: {load_average()}")
 
 
 if __name__ == "__main__":
