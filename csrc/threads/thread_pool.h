@@ -27,6 +27,16 @@ int ThreadsFor(int64_t work);
 void ParallelFor(int n, const std::function<void(int)>& fn,
                  int64_t work = std::numeric_limits<int64_t>::max());
 
+// ParallelFor over [0, n) cut into ranges of `chunk` elements: fn(i0, i1) per range (the
+// elementwise ops stream their tensors once, in cache-sized pieces).
+template <class F>
+void ParallelRanges(int64_t n, int64_t chunk, int64_t work, F&& fn) {
+  ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
+    const int64_t i0 = ci * chunk;
+    fn(i0, n - i0 < chunk ? n : i0 + chunk);
+  }, work);
+}
+
 }  // namespace qdsl
 
 #endif  // QDSL_THREADS_THREAD_POOL_H_

@@ -67,11 +67,9 @@ Status RunAdd(RunCtx& c, const GraphOp& op) {
   int64_t weight = 1;
   for (int k = 0; k < 2; ++k) weight += p.in[k].stage.rescale.kind == RescaleKind::kFixedSingle ? 2 : 0;
   weight += p.out.stage.rescale.kind == RescaleKind::kFixedSingle ? 2 : 0;
-  const int64_t chunk = 8192, chunks = (n + chunk - 1) / chunk;
-  ParallelFor(static_cast<int>(chunks), [&](int ci) {
-    const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
+  ParallelRanges(n, /*chunk=*/8192, /*work=*/n * 64 * weight, [&](int64_t i0, int64_t i1) {
     AddRange(p, x + i0 * e0, xd, x1 + i0 * e1, xd1, i1 - i0, y + i0, yd == kI8, c.path);
-  }, /*work=*/n * 64 * weight);
+  });
   return Status::Ok();
 }
 

@@ -37,9 +37,7 @@ Status RunClamp(RunCtx& c, const GraphOp& op) {
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
   const int64_t lo = p.lo, hi = p.hi;
-  const int64_t chunk = 16384;
-  ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
-    const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
+  ParallelRanges(n, /*chunk=*/16384, /*work=*/n * 8, [&](int64_t i0, int64_t i1) {
     if (xd == kU8) {  // per-dtype loops the compiler vectorizes
       const uint8_t l = static_cast<uint8_t>(ClampI64(lo, 0, 255)), h = static_cast<uint8_t>(ClampI64(hi, 0, 255));
       for (int64_t i = i0; i < i1; ++i) y[i] = std::min(std::max(x[i], l), h);
@@ -51,7 +49,7 @@ Status RunClamp(RunCtx& c, const GraphOp& op) {
     } else {
       for (int64_t i = i0; i < i1; ++i) y[i] = static_cast<uint8_t>(ClampI64(LoadValue(x, xd, i), lo, hi));
     }
-  }, /*work=*/n * 8);
+  });
   return Status::Ok();
 }
 

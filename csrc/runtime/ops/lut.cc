@@ -41,11 +41,9 @@ Status RunLut(RunCtx& c, const GraphOp& op) {
   const int64_t n = Numel(c.Shape(xi));
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
-  const int64_t chunk = 16384;
-  ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
-    const int64_t i0 = ci * chunk, i1 = std::min(n, i0 + chunk);
+  ParallelRanges(n, /*chunk=*/16384, /*work=*/n * 4, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) y[i] = p.table[x[i]];
-  }, /*work=*/n * 4);
+  });
   return Status::Ok();
 }
 

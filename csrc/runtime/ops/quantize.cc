@@ -80,15 +80,13 @@ Status RunQuantize(RunCtx& c, const GraphOp& op) {
   const float* xf = reinterpret_cast<const float*>(c.Buf(xi));
   uint8_t* y = c.Buf(yi);
   const QuantizeF32Kernel vec = IsInt8(yd) ? SelectQuantizeF32Kernel(c.path) : nullptr;
-  const int64_t chunk = 16384;
-  ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
-    const int64_t i0 = ci * chunk, len = std::min(chunk, n - i0);
+  ParallelRanges(n, /*chunk=*/16384, /*work=*/(vec != nullptr ? n * 16 : n * 64), [&](int64_t i0, int64_t i1) {
     if (vec != nullptr) {
-      vec(xf + i0, len, p.inv, p.zp, p.qmin, p.qmax, p.rounding, y + i0, yd == kI8);
+      vec(xf + i0, i1 - i0, p.inv, p.zp, p.qmin, p.qmax, p.rounding, y + i0, yd == kI8);
     } else {
-      QuantizeRef(xf + i0, len, p, y + i0);
+      QuantizeRef(xf + i0, i1 - i0, p, y + i0);
     }
-  }, /*work=*/(vec != nullptr ? n * 16 : n * 64));
+  });
   return Status::Ok();
 }
 
@@ -114,11 +112,10 @@ Status RunDequantize(RunCtx& c, const GraphOp& op) {
   const int xd = c.DType(xi);
   const uint8_t* x = c.Buf(xi);
   float* yf = reinterpret_cast<float*>(c.Buf(yi));
-  const int64_t chunk = 16384;
-  ParallelFor(static_cast<int>((n + chunk - 1) / chunk), [&](int ci) {
-    for (int64_t i = ci * chunk, e = std::min(n, i + chunk); i < e; ++i)
+  ParallelRanges(n, /*chunk=*/16384, /*work=*/n * 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i)
       yf[i] = static_cast<float>(static_cast<int64_t>(LoadValue(x, xd, i)) - p.zp) * p.scale;
-  }, /*work=*/n * 16);
+  });
   return Status::Ok();
 }
 
