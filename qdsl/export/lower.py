@@ -1,8 +1,8 @@
 """``qdsl.export(model, example_input)``: lower a frozen patched model to an IntegerGraph.
 
-How: the model is traced with torch.fx by a tracer that bypasses qdsl's hooks (hooks do
-not belong in a graph) and instead inserts an explicit marker node wherever a patched
-module's input or output quantizer sits; the proxies are found by module path through
+How: the model is traced with torch.fx by :class:`qdsl.patch.trace.MarkingTracer`, which
+bypasses qdsl's hooks (hooks do not belong in a graph) and instead inserts an explicit
+marker node wherever a patched module's input or output quantizer sits; the proxies are found by module path through
 ``qdsl.patch.get_handle(model)``. ShapeProp gives every node's shape. The nodes are then
 walked in order, each mapped to a value (values.py); integer ops are emitted when a
 quantizer fixes a pending result's scale.
@@ -42,50 +42,9 @@ from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowe
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.patch.trace import MarkingTracer, quantizer_mark
 
 __all__ = ["export", "trace_quantized"]
-
-
-def _qmark(x, fqn: str, role: str):
-    """Marker for 'the quantizer of (fqn, role) acts here'; identity when run."""
-    return x
-
-
-class _Tracer(torch.fx.Tracer):
-    """Bypasses hooks; inserts :func:`_qmark` nodes for patched input/output quantizers."""
-
-    def __init__(self, handle) -> None:
-        super().__init__()
-        self.handle = handle
-        self._scopes: list[str] = [""]
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        patch = self.handle.layers.get(qualname)
-        if patch is not None and patch.wq is not None:
-            return True
-        return super().is_leaf_module(m, qualname)
-
-    def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
-        node.meta["qdsl_scope"] = self._scopes[-1]
-        return node
-
-    def call_module(self, m, forward, args, kwargs):
-        fqn = self.path_of_module(m)
-        patch = self.handle.layers.get(fqn)
-        if patch is not None and patch.iq is not None and args:
-            args = (self.create_proxy("call_function", _qmark, (args[0], fqn, "input"), {}),) + tuple(args[1:])
-        self._scopes.append(fqn)
-        try:
-            if self.is_leaf_module(m, fqn):
-                out = self.create_proxy("call_module", fqn, args, kwargs)
-            else:
-                out = m.forward(*args, **kwargs)  # m(...) would run qdsl's hooks on proxies
-        finally:
-            self._scopes.pop()
-        if patch is not None and patch.oq is not None:
-            out = self.create_proxy("call_function", _qmark, (out, fqn, "output"), {})
-        return out
 
 
 class _ShapeRecorder(torch.fx.Interpreter):
@@ -106,7 +65,7 @@ class _ShapeRecorder(torch.fx.Interpreter):
 def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
     """The model's fx graph with explicit quantizer markers (see module doc); its module
     targets are paths in ``model`` (``""`` when the model itself is the one layer)."""
-    tracer = _Tracer(handle)
+    tracer = MarkingTracer(handle)
     if tracer.is_leaf_module(model, ""):
         # fx traces the root's forward and never treats the root as a call, so a model that
         # is one quantized layer (a bare nn.Linear) would read its weight as a tensor
@@ -219,7 +178,7 @@ class _Lowerer:
 
     def call_function(self, node, fn, args, kwargs) -> Any:
         where = self.where(node)
-        if fn is _qmark:
+        if fn is quantizer_mark:
             return self.quantize(args[0], args[1], args[2])
         construct = _FUNCTION_RULES.get(fn)
         rule = FUNCTION_RULES.get(construct.lowering) if construct is not None else None
