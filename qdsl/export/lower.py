@@ -7,7 +7,8 @@ marker node wherever a patched module's input or output quantizer sits; the prox
 walked in order, each mapped to a value (values.py); integer ops are emitted when a
 quantizer fixes a pending result's scale.
 
-Lowering rules (docs/qgraph.md has the op semantics):
+Lowering rules (docs/qgraph.md has the op semantics; the code is in rules.py, one entry
+per catalog `lowering` name, dispatched from here):
 
 * a Conv1d/Conv2d/Linear with a weight quantizer and a quantized input becomes
   CONV*/LINEAR (BCONV*/BLINEAR when input and weight are binary) with its BN-folded
