@@ -175,6 +175,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 
 }  // namespace conv
+
+// The CONV1D/2D, LINEAR, BCONV1D/2D, BLINEAR table entries' functions (the entries are defined in conv_prepare.cc).
+Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);  // conv_prepare.cc
+Status RunConvOp(RunCtx& c, const GraphOp& op);                                     // conv_exec.cc
+
 }  // namespace qdsl
 
 #endif  // QDSL_RUNTIME_OPS_CONV_H_

@@ -217,4 +217,12 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kConv1dDef = {PrepareConv, RunConvOp, ValueRange::kStage};
+const OpDef kConv2dDef = {PrepareConv, RunConvOp, ValueRange::kStage};
+const OpDef kLinearDef = {PrepareConv, RunConvOp, ValueRange::kStage};
+const OpDef kBconv1dDef = {PrepareConv, RunConvOp, ValueRange::kStage};
+const OpDef kBconv2dDef = {PrepareConv, RunConvOp, ValueRange::kStage};
+const OpDef kBlinearDef = {PrepareConv, RunConvOp, ValueRange::kStage};
+
 }  // namespace qdsl
