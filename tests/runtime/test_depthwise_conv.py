@@ -14,9 +14,9 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.graph.ir import DType, GraphFormatError, Tensor, OpType  # noqa: E402
+from qdsl.graph.ir import DType, GraphFormatError, OpType, Tensor  # noqa: E402
 
-from tests.runtime.test_graph import _check, _graph, _rand, _stage  # noqa: E402
+from tests.runtime.test_graph import PATHS, _check, _graph, _rand, _stage  # noqa: E402
 
 
 def _depthwise_graph(rng, *, c, mult, k, spatial, stride, padding, dilation, xdtype, out, wdtype=DType.I8,
@@ -102,3 +102,33 @@ def test_depthwise_conv_threaded_matches_reference(seed, stride, ksize, batch):
     x = _rand(rng, DType.U8, (batch, c, 57, 57))
     for threads in (1, 2):
         _with_threads(threads, lambda: _check(graph, x))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31), out2=st.sampled_from([DType.U8, DType.I8, DType.I32]))
+def test_depthwise_twin_convs_match_reference(seed, out2):
+    """Two depthwise convs with the same input, weights, bias and geometry but their own
+    output stage: the first one's run writes both outputs (the second is skipped)."""
+    from qdsl.graph.ir import IntegerGraph, Op
+    from qdsl.graph.reference import execute
+
+    rng = np.random.default_rng(seed)
+    c, mult, hw = int(rng.choice([2, 5, 16])), int(rng.choice([1, 2])), int(rng.choice([5, 8, 12]))
+    cout = c * mult
+    w = _rand(rng, DType.I8, (cout, 1, 3, 3))
+    base = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": c, "in_zp": int(rng.integers(0, 256)),
+            "w_zp": [0], "acc_bits": 32, "overflow": 0}
+    a1 = dict(base, **_stage(rng, cout, 0, 255))
+    lo, hi = (-(2**31), 2**31 - 1) if out2 is DType.I32 else out2.range
+    a2 = dict(base, **_stage(rng, cout, lo, hi, pot=False if out2 is DType.I32 else None))
+    consts = [Tensor("w", DType.I8, w.shape, w), Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout))]
+    ops = [Op(OpType.CONV2D, "c1", ["x", "w", "b"], ["y1"], a1), Op(OpType.CONV2D, "c2", ["x", "w", "b"], ["y2"], a2)]
+    tensors = [Tensor("x", DType.U8, (-1, c, hw, hw)), *consts, Tensor("y1", DType.U8, (-1, cout, hw, hw)),
+               Tensor("y2", out2, (-1, cout, hw, hw))]
+    graph = IntegerGraph(tensors, ["x"], ["y1", "y2"], ops).validate()
+    cg = rt.CompiledGraph(graph)
+    for path in PATHS:  # a fresh input per run: a skipped twin would leave the last run's output
+        xs = _rand(rng, DType.U8, (int(rng.integers(1, 4)), c, hw, hw))
+        want = execute(graph, [xs]).outputs
+        for g, w_ in zip(cg.run(xs, path=path), want):
+            np.testing.assert_array_equal(g, w_, err_msg=f"path {path}")

@@ -59,18 +59,30 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
   // the padded rows the windows reach (every row of the padded image or fewer)
   const int64_t rows = (e.OH - 1) * p.sh + (p.kh - 1) * p.dh + 1;
   const int64_t ldp = (std::max(DwConvPlaneCols(s), e.W + 2 * p.pw) + 15) / 16 * 16;
-  // the sums of a channel as one contiguous plane (lda = OW, see DwConvShape), so the output
-  // stage runs vectorized over all OH * OW values, not per row with a scalar row tail
   const int64_t planes = e.n * e.C;
   // work: the MACs, ~64 per output for the stage, and the plane copies
   const int64_t work = e.n * e.O * P * (taps + 64) + planes * rows * ldp;
   // a few tasks per thread, so uneven finishing balances
   const int64_t chunk = std::max<int64_t>(1, planes / (4 * ThreadsFor(work)));
   std::vector<int64_t> counts(static_cast<size_t>((planes + chunk - 1) / chunk), 0);
+  // this op's output and its twins' (ConvParams::twins: same sums, own stage; fast_acc only)
+  struct Out {
+    const StageData* sd;
+    int dtype;
+    uint8_t* data;
+  };
+  std::vector<Out> outs{{&p.out, out_dtype, y}};
+  for (int32_t j : p.twins) {
+    const GraphOp& t = g->ops[j];
+    outs.push_back({&ParamsOf<ConvParams>(t).out, g->tensors[t.outputs[0]].dtype, g->buffers[t.outputs[0]].data()});
+    g->fused_done[j] = 1;
+  }
   ParallelRanges(planes, chunk, work, [&](int64_t i0, int64_t i1) {
     thread_local AlignedVector<int16_t> xp;
     thread_local AlignedVector<int32_t> acc;
     xp.resize(static_cast<size_t>(rows * ldp));
+    // the sums of a channel as one contiguous plane (lda = OW, see DwConvShape), so the output
+    // stage runs vectorized over all OH * OW values, not per row with a scalar row tail
     acc.resize(static_cast<size_t>((e.OH - 1) * e.OW + DwConvAccCols(s)));
     int64_t* count = &counts[static_cast<size_t>(i0 / chunk)];
     for (int64_t i = i0; i < i1; ++i) {
@@ -91,16 +103,18 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
           for (int64_t t = 0; t < P; ++t) Emit(acc[t], p, oc, y, out_dtype == kI32, first + t, count);
           continue;
         }
-        const Rescale& r = p.out.stage.rescale;
-        OutputStage one = p.out.stage;
-        const int64_t ch = r.channels == 1 ? 0 : oc;
-        one.rescale.multiplier = r.multiplier + ch;
-        one.rescale.shift = r.shift + ch;
-        one.rescale.channels = 1;
-        if (out_dtype != kI32) {
-          requant(acc.data(), 1, P, P, one, 0, y + first, P, out_dtype == kI8);
-        } else {
-          stage_i32(acc.data(), P, one, reinterpret_cast<int32_t*>(y) + first);
+        for (const Out& o : outs) {
+          const Rescale& r = o.sd->stage.rescale;
+          OutputStage one = o.sd->stage;
+          const int64_t ch = r.channels == 1 ? 0 : oc;
+          one.rescale.multiplier = r.multiplier + ch;
+          one.rescale.shift = r.shift + ch;
+          one.rescale.channels = 1;
+          if (o.dtype != kI32) {
+            requant(acc.data(), 1, P, P, one, 0, o.data + first, P, o.dtype == kI8);
+          } else {
+            stage_i32(acc.data(), P, one, reinterpret_cast<int32_t*>(o.data) + first);
+          }
         }
       }
     }
