@@ -23,22 +23,17 @@ namespace conv {
 
 namespace {
 
-// Padded int16 plane: row r is input row r - ph, column q input column q - pw, minus zp;
-// zeros elsewhere up to ldp columns.
+// The interior of a padded int16 plane: row r is input row r - ph, column q input column
+// q - pw, minus zp (the rest of the buffer stays zero: every plane of a task has the same
+// padding, so it is zeroed once per task, not per plane).
 template <typename T>
-void FillPlane(const T* x, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows, int64_t ldp, int32_t zp,
-               int16_t* xp) {
-  for (int64_t r = 0; r < rows; ++r) {
-    int16_t* dst = xp + r * ldp;
-    const int64_t iy = r - ph;
-    if (iy < 0 || iy >= H) {
-      std::fill(dst, dst + ldp, int16_t{0});
-      continue;
-    }
-    std::fill(dst, dst + pw, int16_t{0});
-    const T* src = x + iy * W;
-    for (int64_t i = 0; i < W; ++i) dst[pw + i] = static_cast<int16_t>(static_cast<int32_t>(src[i]) - zp);
-    std::fill(dst + pw + W, dst + ldp, int16_t{0});
+void FillInterior(const T* x, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows, int64_t ldp, int32_t zp,
+                  int16_t* xp) {
+  const int64_t end = std::min(rows, ph + H);
+  for (int64_t r = std::min(ph, rows); r < end; ++r) {
+    int16_t* dst = xp + r * ldp + pw;
+    const T* src = x + (r - ph) * W;
+    for (int64_t i = 0; i < W; ++i) dst[i] = static_cast<int16_t>(static_cast<int32_t>(src[i]) - zp);
   }
 }
 
@@ -80,7 +75,7 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
   ParallelRanges(planes, chunk, work, [&](int64_t i0, int64_t i1) {
     thread_local AlignedVector<int16_t> xp;
     thread_local AlignedVector<int32_t> acc;
-    xp.resize(static_cast<size_t>(rows * ldp));
+    xp.assign(static_cast<size_t>(rows * ldp), 0);
     // the sums of a channel as one contiguous plane (lda = OW, see DwConvShape), so the output
     // stage runs vectorized over all OH * OW values, not per row with a scalar row tail
     acc.resize(static_cast<size_t>((e.OH - 1) * e.OW + DwConvAccCols(s)));
@@ -89,9 +84,9 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
       const int64_t b = i / e.C, c = i % e.C;
       const uint8_t* xplane = x + i * e.H * e.W;
       if (x_signed) {
-        FillPlane(reinterpret_cast<const int8_t*>(xplane), e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
+        FillInterior(reinterpret_cast<const int8_t*>(xplane), e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
       } else {
-        FillPlane(xplane, e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
+        FillInterior(xplane, e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
       }
       for (int64_t k = 0; k < m; ++k) {
         const int64_t oc = c * m + k;
