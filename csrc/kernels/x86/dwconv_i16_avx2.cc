@@ -11,6 +11,8 @@
 //     even and odd sums are interleaved once at the end.
 // An odd kw pairs its last tap with a zero tap, which reads a finite (padded) column.  Each
 // block of 16 outputs takes kh * ceil(kw / 2) * 2 loads and madds, no shuffles in the loop.
+// Rows of at most 8 outputs (7x7 planes) take the same steps on 128-bit vectors (a 16-output
+// block would compute 16 for 7).
 #pragma GCC target("avx2,fma,popcnt")
 #include <immintrin.h>
 
@@ -23,6 +25,37 @@ namespace x86 {
 namespace {
 
 inline __m256i Load(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m128i Load8(const int16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// ow <= 8: one block of 8 outputs per row; stride 2: a0 = outputs 0..3, a1 = 4..7;
+// stride 1: a0 even, a1 odd outputs (unpacking them gives the order: no lane crossing).
+template <int S, int NP>
+void DwPlane8(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* pairs, int32_t init,
+              int32_t* acc, int64_t lda) {
+  const int np = NP > 0 ? NP : static_cast<int>((s.kw + 1) / 2);
+  const __m128i vinit = _mm_set1_epi32(init);
+  const int64_t row_step = s.dh * ldp;
+  for (int64_t oy = 0; oy < s.oh; ++oy) {
+    __m128i a0 = vinit, a1 = vinit;
+    const int16_t* r = plane + oy * s.sh * ldp;
+    const int32_t* w = pairs;
+    for (int64_t ky = 0; ky < s.kh; ++ky, r += row_step, w += np) {
+      for (int j = 0; j < np; ++j) {
+        const __m128i wv = _mm_set1_epi32(w[j]);
+        a0 = _mm_add_epi32(a0, _mm_madd_epi16(Load8(r + 2 * j), wv));
+        a1 = _mm_add_epi32(a1, _mm_madd_epi16(Load8(r + (S == 2 ? 8 : 1) + 2 * j), wv));
+      }
+    }
+    if (S == 1) {
+      const __m128i lo = _mm_unpacklo_epi32(a0, a1), hi = _mm_unpackhi_epi32(a0, a1);
+      a0 = lo;
+      a1 = hi;
+    }
+    int32_t* out = acc + oy * lda;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), a0);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 4), a1);
+  }
+}
 
 // NP > 0: compile-time pairs per kernel row (3x3: 2, 5x5: 3); NP == 0: s.kw at run time.
 template <int S, int NP>
@@ -60,6 +93,13 @@ void DwPlane(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int3
 template <int S>
 void DwPlaneStride(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* pairs, int32_t init,
                    int32_t* acc, int64_t lda) {
+  if (s.ow <= 8) {
+    switch ((s.kw + 1) / 2) {
+      case 2: return DwPlane8<S, 2>(plane, ldp, s, pairs, init, acc, lda);
+      case 3: return DwPlane8<S, 3>(plane, ldp, s, pairs, init, acc, lda);
+      default: return DwPlane8<S, 0>(plane, ldp, s, pairs, init, acc, lda);
+    }
+  }
   switch ((s.kw + 1) / 2) {
     case 1: return DwPlane<S, 1>(plane, ldp, s, pairs, init, acc, lda);
     case 2: return DwPlane<S, 2>(plane, ldp, s, pairs, init, acc, lda);
