@@ -210,15 +210,17 @@ def report(name, batch, threads, times, outs, load_before) -> dict:
     ref = outs.get("torch fp32")
     print(f"  {'system':<14} {'ms: median (range over rounds)':>32}   cosine vs fp32")
     for s, ts in times.items():
-        cos = f"{cosine(outs[s], ref):.4f}" if ref is not None else "-"
+        cos = f"{cosine(outs[s], ref):.4f}" if ref is not None else "-"  # a sanity check: same network
         print(f"  {s:<14} {span(ts, 1e3):>32}   {cos}")
     ratios = {}
+    cosines = {s: cosine(outs[s], ref) for s in times} if ref is not None else {}
     for a, b, why in RATIOS:
         if a in times and b in times:
             r = np.asarray(times[a]) / np.asarray(times[b])
             ratios[f"{a} / {b}"] = r
             print(f"  {a + ' / ' + b:<27} {span(r)}   ({why})")
-    return {"model": name, "batch": batch, "threads": threads, "times": times, "ratios": ratios}
+    return {"model": name, "batch": batch, "threads": threads, "times": times, "ratios": ratios, "cosine": cosines,
+            "shapes": {s: np.shape(o) for s, o in outs.items()}}
 
 
 def summary(results: list, systems: list[str]) -> None:
