@@ -39,7 +39,9 @@ from _timing import add_timing_args, interleaved, load_average, span  # noqa: E4
 
 SHAPES = [(64, 576, 64), (256, 1152, 128), (128, 768, 768), (128, 3072, 768), (1, 768, 768), (1024, 1024, 1024)]
 QUICK_SHAPES = [(64, 576, 64), (128, 768, 768), (1, 768, 768)]
-S_IN = 0.05  # torch's activation scale: float inputs are exactly (code - zero point) * S_IN
+# torch's activation scale, a power of two: float inputs are exactly (code - zero point) * S_IN,
+# and fp32 outputs / S_IN are the accumulators exactly (below 2^24)
+S_IN = 1.0 / 16
 
 
 def _operands(rng, m: int, k: int, n: int, torch, K) -> dict:
@@ -151,6 +153,19 @@ def scaling(all_times: dict, args) -> None:
                                                 if name in t1))
 
 
+def torch_mismatch(rng, torch, a_max: int, m: int = 64, k: int = 768, n: int = 256) -> float:
+    """Fraction of torch's x86 quantized linear (fbgemm, fp32 out: the accumulators times
+    S_IN, exact in float) that differ from the exact product, activation codes 0..a_max."""
+    a = rng.integers(0, a_max + 1, (m, k))
+    w8 = rng.integers(-127, 128, (n, k))
+    zp = (a_max + 1) // 2
+    packed = torch.ops.quantized.linear_prepack(
+        torch.quantize_per_tensor(torch.tensor(w8, dtype=torch.float32), 1.0, 0, torch.qint8), None)
+    x = torch.tensor((a - zp) * S_IN, dtype=torch.float32)
+    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, S_IN, zp, packed).numpy() / S_IN
+    return float(np.mean(y != (a - zp) @ w8.T))
+
+
 def exactness(rng, torch) -> None:
     """Which int8 results are exact on this CPU?  Without VNNI, u8 x s8 kernels built on
     vpmaddubsw saturate pairs of products at int16 (255 * 127 * 2 > 32767)."""
@@ -169,9 +184,9 @@ def exactness(rng, torch) -> None:
     packed = torch.ops.quantized.linear_prepack(
         torch.quantize_per_tensor(torch.tensor(w8.astype(np.float32)), 1.0, 0, torch.qint8), None)
     x = torch.tensor((a.astype(np.float32) - 128) * S_IN)
-    y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(x, S_IN, 128, packed).numpy() / S_IN
-    print(f"torch fp32-out linear:       {np.mean(np.abs(y - exact) > 0.5):.3%} of outputs differ, max |error| "
-          f"{np.abs(y - exact).max() / np.abs(exact).max():.1%} of max |y|")
+    for bits in (8, 7):
+        print(f"torch fp32-out linear, {bits}-bit acts: {torch_mismatch(rng, torch, 2 ** bits - 1):.3%} of outputs "
+              "differ from the exact product")
     s_out = float(np.abs(exact).max()) * S_IN / 100.0  # outputs in [-100, 100] steps: no clipping
     yq = torch.ops.quantized.linear(torch.quantize_per_tensor(x, S_IN, 128, torch.quint8), packed, s_out, 128)
     err = np.abs(yq.dequantize().numpy().astype(np.float64) - exact * S_IN).max() / s_out
