@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-__all__ = ["add_timing_args", "interleaved", "load_average", "span", "steady_median"]
+__all__ = ["add_timing_args", "interleaved", "load_average", "span", "steady_median", "timing_args"]
 
 
 def steady_median(fn, reps: int, warmup_s: float) -> float:
@@ -46,11 +46,21 @@ def span(values, scale: float = 1.0, fmt: str = ".2f") -> str:
 
 def add_timing_args(ap, *, rounds: int, reps: int, threads: str = "1,2") -> None:
     """The options every interleaved benchmark takes: --threads (comma list), --rounds, --reps,
-    --quick (the script decides what a quick run drops)."""
-    ap.add_argument("--threads", default=threads, help=f"comma-separated thread counts (default {threads})")
-    ap.add_argument("--rounds", type=int, default=rounds, help=f"interleaved rounds (default {rounds})")
-    ap.add_argument("--reps", type=int, default=reps, help=f"timed calls per system per round (default {reps})")
-    ap.add_argument("--quick", action="store_true", help="a short run: fewer rounds, shapes or models")
+    --quick (1 thread and at most 3 rounds unless given; each script drops more).  Call
+    `timing_args` on the parsed namespace."""
+    ap.add_argument("--threads", default=None, help=f"comma-separated thread counts (default {threads}; --quick: 1)")
+    ap.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {rounds}; --quick: 3)")
+    ap.add_argument("--reps", type=int, default=reps, help=f"timed calls per contender per round (default {reps})")
+    ap.add_argument("--quick", action="store_true", help="a short run: fewer rounds, threads, shapes or models")
+    ap.set_defaults(timing_defaults=(rounds, threads))
+
+
+def timing_args(args):
+    """Fill in --threads (as a list of ints) and --rounds from the defaults and --quick."""
+    rounds, threads = args.timing_defaults
+    args.rounds = args.rounds or (min(rounds, 3) if args.quick else rounds)
+    args.threads = [int(t) for t in (args.threads or ("1" if args.quick else threads)).split(",")]
+    return args
 
 
 def load_average() -> str:

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
 
 import _ort  # noqa: E402
-from _timing import add_timing_args, interleaved, load_average, span  # noqa: E402
+from _timing import add_timing_args, interleaved, load_average, span, timing_args  # noqa: E402
 
 SYSTEMS = ["torch fp32", "torch.ao x86", "ort u8s8", "ort u8s8 a7", "ort u8u8", "qdsl a8", "qdsl a7"]
 ORT_SYSTEMS = {"ort u8s8": "u8s8", "ort u8s8 a7": "u8s8a7", "ort u8u8": "u8u8"}
@@ -178,7 +178,8 @@ def run_model(name: str, model, args, systems: list[str], results: list) -> None
         ort_paths = build_ort(model, calib, workdir, {s for s in systems if s in ORT_SYSTEMS}) \
             if any(s in ORT_SYSTEMS for s in systems) else {}
         notes += [f"{s}: {fused_ops(p)}" for s, p in ort_paths.items()]
-        print(f"\n### {name}, 3x{size}x{size}, calibrated on {args.calib_batches} x {args.calib_batch} generated images")
+        print(f"\n### {name}, 3x{size}x{size}, calibrated on {args.calib_batches} x {args.calib_batch} "
+              "generated images")
         for n in notes:
             print(f"  {n}")
         for threads in args.threads:
@@ -252,7 +253,8 @@ def exactness(systems: list[str]) -> None:
         r = _ort.exactness_report(("QLinearConv",))
         exact += [s for s, key in [("ort u8u8", "u8u8 a8"), ("ort u8s8", "u8s8 a8"), ("ort u8s8 a7", "u8s8 a7")]
                   if r[("QLinearConv", key)] == 0]
-    print(f"exact on this CPU: {', '.join(exact)}; not exact: {', '.join(s for s in SYSTEMS[1:] if s not in exact)} (torch fp32: float)")
+    inexact = [s for s in SYSTEMS[1:] if s not in exact]
+    print(f"exact on this CPU: {', '.join(exact)}; not exact: {', '.join(inexact) or 'none'} (torch fp32: float)")
 
 
 def parse_args(argv=None):
@@ -267,12 +269,10 @@ def parse_args(argv=None):
     ap.add_argument("--calib-batches", type=int, default=4)
     ap.add_argument("--calib-batch", type=int, default=4)
     ap.add_argument("--warmup", type=float, default=0.3, help="seconds of warm-up per contender per round")
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.threads, args.rounds = "1", min(args.rounds, 3)
-    args.models = (args.models or ("resnet18,mobilenet_v2" if args.quick else "resnet18,mobilenet_v2,resnet50")).split(",")
+    args = timing_args(ap.parse_args(argv))
+    models = "resnet18,mobilenet_v2" if args.quick else "resnet18,mobilenet_v2,resnet50"
+    args.models = (args.models or models).split(",")
     args.batches = [int(b) for b in (args.batches or ("1" if args.quick else "1,8")).split(",")]
-    args.threads = [int(t) for t in args.threads.split(",")]
     args.systems = args.systems.split(",")
     unknown = [s for s in args.systems if s not in SYSTEMS] + [m for m in args.models if m not in factories(False)]
     if unknown:

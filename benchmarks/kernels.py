@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's qdsl
 
 import _ort  # noqa: E402
-from _timing import add_timing_args, interleaved, load_average, span  # noqa: E402
+from _timing import add_timing_args, interleaved, load_average, span, timing_args  # noqa: E402
 
 SHAPES = [(64, 576, 64), (256, 1152, 128), (128, 768, 768), (128, 3072, 768), (1, 768, 768), (1024, 1024, 1024)]
 QUICK_SHAPES = [(64, 576, 64), (128, 768, 768), (1, 768, 768)]
@@ -56,7 +56,8 @@ def _operands(rng, m: int, k: int, n: int, torch, K) -> dict:
     packed_t = torch.ops.quantized.linear_prepack(
         torch.quantize_per_tensor(torch.tensor(w8.astype(np.float32)), 1.0, 0, torch.qint8), None)
     ops = {"w8": w8, "a8": a8, "a7": a7, "p8": K.pack_weights(w8), "stage": stage, "packed_t": packed_t,
-           "x8": torch.tensor((a8.astype(np.float32) - 128) * S_IN), "x7": torch.tensor((a7.astype(np.float32) - 64) * S_IN),
+           "x8": torch.tensor((a8.astype(np.float32) - 128) * S_IN),
+           "x7": torch.tensor((a7.astype(np.float32) - 64) * S_IN),
            "out_scale": 3 * std * S_IN / 127.0}
     ops["qx8"] = torch.quantize_per_tensor(ops["x8"], S_IN, 128, torch.quint8)
     ops["qx7"] = torch.quantize_per_tensor(ops["x7"], S_IN, 64, torch.quint8)
@@ -120,37 +121,41 @@ def int8_tables(rng, args, torch, K, rt) -> dict:
     return all_times
 
 
-def low_bit_table(rng, args, torch, K, rt) -> None:
-    """int4 and binary GEMM beside int8 and fp32, 1 thread (the old table's other columns)."""
-    rt.set_num_threads(1)
-    torch.set_num_threads(1)
-    print(f"\n== int4 / binary, 1 thread: GOP/s, median (range); load average {load_average()} ==")
-    for m, k, n in args.shapes:
-        a = rng.integers(0, 256, (m, k)).astype(np.uint8)
-        p8 = K.pack_weights(rng.integers(-127, 128, (n, k)).astype(np.int8))
-        p4 = K.pack_weights(rng.integers(-8, 8, (n, k)).astype(np.int8), bits=4)
-        pb = K.pack_weights(np.where(rng.random((n, k)) < 0.5, 1, -1).astype(np.int8), bits=1)
-        abits = K.bitpack(np.where(rng.random((m, k)) < 0.5, 1, -1).astype(np.int8))
-        x, wf = torch.randn(m, k), torch.randn(n, k)
-        times = interleaved({"int8": lambda: K.gemm(a, p8, a_zero_point=128),
-                             "int4": lambda: K.gemm(a, p4, a_zero_point=128),
-                             "binary": lambda: K.binary_gemm(abits, pb),
-                             "fp32": lambda: x @ wf.t()}, args.rounds, args.reps, warmup_s=0.1)
-        g = {name: span([2.0 * m * k * n / t / 1e9 for t in ts], fmt=".0f") for name, ts in times.items()}
-        r = lambda a_, b_: span(np.asarray(times[a_]) / np.asarray(times[b_]))  # noqa: E731
-        print(f"{str((m, k, n)):>16} | " + "  ".join(f"{k_} {v}" for k_, v in g.items())
-              + f" | int4 vs int8 {r('int8', 'int4')}x  binary vs fp32 {r('fp32', 'binary')}x")
+def low_bit_table(rng, args, torch, K, rt) -> dict:
+    """int4 and binary GEMM beside int8 and fp32 (the old table's other columns)."""
+    all_times = {}
+    for threads in args.threads:
+        rt.set_num_threads(threads)
+        torch.set_num_threads(threads)
+        print(f"\n== int4 / binary, {threads} thread(s): GOP/s, median (range); load average {load_average()} ==")
+        for m, k, n in args.shapes:
+            a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+            p8 = K.pack_weights(rng.integers(-127, 128, (n, k)).astype(np.int8))
+            p4 = K.pack_weights(rng.integers(-8, 8, (n, k)).astype(np.int8), bits=4)
+            pb = K.pack_weights(np.where(rng.random((n, k)) < 0.5, 1, -1).astype(np.int8), bits=1)
+            abits = K.bitpack(np.where(rng.random((m, k)) < 0.5, 1, -1).astype(np.int8))
+            x, wf = torch.randn(m, k), torch.randn(n, k)
+            times = interleaved({"int8": lambda: K.gemm(a, p8, a_zero_point=128),
+                                 "int4": lambda: K.gemm(a, p4, a_zero_point=128),
+                                 "binary": lambda: K.binary_gemm(abits, pb),
+                                 "fp32": lambda: x @ wf.t()}, args.rounds, args.reps, warmup_s=0.1)
+            all_times[(threads, (m, k, n))] = times
+            g = {name: span([2.0 * m * k * n / t / 1e9 for t in ts], fmt=".0f") for name, ts in times.items()}
+            r = lambda a_, b_: span(np.asarray(times[a_]) / np.asarray(times[b_]))  # noqa: E731
+            print(f"{str((m, k, n)):>16} | " + "  ".join(f"{k_} {v}" for k_, v in g.items())
+                  + f" | int4 vs int8 {r('int8', 'int4')}x  binary vs fp32 {r('fp32', 'binary')}x")
+    return all_times
 
 
 def scaling(all_times: dict, args) -> None:
     if 1 not in args.threads or 2 not in args.threads:
         return
     print("\n== 2 threads vs 1 (ratio of the medians above) ==")
+    names = ("qdsl i32", "qdsl a7 i32", "ort u8u8", "torch u8", "binary", "fp32")
     for shape in args.shapes:
         t1, t2 = all_times[(1, shape)], all_times[(2, shape)]
         print(f"{str(shape):>16}  " + "  ".join(f"{name} {np.median(t1[name]) / np.median(t2[name]):.2f}x"
-                                                for name in ("qdsl i32", "qdsl a7 i32", "ort u8u8", "torch u8")
-                                                if name in t1))
+                                                for name in names if name in t1))
 
 
 def torch_mismatch(rng, torch, a_max: int, m: int = 64, k: int = 768, n: int = 256) -> float:
@@ -196,10 +201,7 @@ def exactness(rng, torch) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(ap, rounds=5, reps=7)
-    args = ap.parse_args(argv)
-    if args.quick:
-        args.threads, args.rounds = "1", min(args.rounds, 3)
-    args.threads = [int(t) for t in args.threads.split(",")]
+    args = timing_args(ap.parse_args(argv))
     args.shapes = QUICK_SHAPES if args.quick else SHAPES
     import torch
 
@@ -216,9 +218,9 @@ def main(argv=None) -> None:
         print("note: onnx/onnxruntime not installed (pip install .[bench]): the onnxruntime columns are skipped")
     rng = np.random.default_rng(0)
     with torch.no_grad():
-        all_times = int8_tables(rng, args, torch, K, rt)
-        scaling(all_times, args)
-        low_bit_table(rng, args, torch, K, rt)
+        times = int8_tables(rng, args, torch, K, rt)
+        low = low_bit_table(rng, args, torch, K, rt)
+        scaling({key: {**times[key], **low[key]} for key in times}, args)
         rt.set_num_threads(0)
         exactness(rng, torch)
     print(f"\nload average at the end: {load_average()}")
