@@ -296,8 +296,13 @@ def main(argv=None) -> list:
           f"{args.reps} reps; load average: {load_average()}")
     exactness(systems)
     results: list = []
-    for name in args.models:
-        run_model(name, factories(args.small)[name](), args, systems, results)
+    torch_threads = torch.get_num_threads()
+    try:
+        for name in args.models:
+            run_model(name, factories(args.small)[name](), args, systems, results)
+    finally:  # main() is also called in-process (tests/benchmarks): leave the thread counts as found
+        rt.set_num_threads(0)
+        torch.set_num_threads(torch_threads)
     summary(results, systems)
     print(f"\nload average at the end: {load_average()}")
     return results

@@ -74,3 +74,12 @@ def test_ort_u8u8_is_exact_and_7bit_overrides_halve_the_codes(tmp_path):
     assert list(over) == ["x"]
     assert float(over["x"][0]["scale"]) == pytest.approx(0.1 * 255 / 127)
     assert int(over["x"][0]["zero_point"]) == 100
+
+
+def test_e2e_leaves_the_thread_counts_as_found():
+    import qdsl.runtime as rt
+    import torch
+
+    before = (rt.get_num_threads(), torch.get_num_threads())
+    e2e.main(SMOKE + ["--models", "resnet18", "--systems", "torch fp32,qdsl a8", "--threads", "2"])
+    assert (rt.get_num_threads(), torch.get_num_threads()) == before
