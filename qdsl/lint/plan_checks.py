@@ -36,7 +36,7 @@ from qdsl.lint.fixes import accumulator_fix, use
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.invariants import bias_scale_problem
-from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
+from qdsl.resolve.plan import OUT_CHANNEL_AXIS, LayerPlan, Plan, QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, Span
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
 from qdsl.spec.profile import CAPS_FIELDS, HardwareProfile, Position
@@ -237,6 +237,8 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
         return
     shape = entry.param_shapes["weight"]
     fan_in = int(math.prod(shape[1:])) if len(shape) > 1 else 1
+    if layer.type_name in OUT_CHANNEL_AXIS:  # in × out/groups × k..: at most in/groups · Π k taps reach an output
+        fan_in = int(shape[0] // int(entry.attributes.get("groups", 1)) * math.prod(shape[2:]))
     worst = bits_for(*worst_case_range(wr, xr, fan_in))
     span, _ = _written(layer, Role.WEIGHT, "bits", where_spec)
     desc = f"weight {_range_text(w)} × input {_range_text(x)}, fan-in {fan_in}"
@@ -318,7 +320,7 @@ def _check_bias(layer: LayerPlan, op: str, profile: HardwareProfile, col: Collec
     b = layer.roles.get(Role.BIAS)
     if b is None or not b.format.affine:
         return
-    problem = bias_scale_problem(layer.roles)  # the one rule (qdsl/resolve/invariants.py)
+    problem = bias_scale_problem(layer.roles, layer.type_name)  # the one rule (qdsl/resolve/invariants.py)
     if problem is not None:
         if problem.missing:  # the resolver rejects this too (E214); kept for plans built by hand
             span, _ = _written(layer, Role.BIAS, "scale", where_spec)
