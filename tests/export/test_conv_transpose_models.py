@@ -146,3 +146,28 @@ def test_explicit_channel_axis_zero_on_a_transposed_weight_is_refused_at_export(
     qdsl.freeze(model)
     with pytest.raises(qdsl.QdslError, match="one scale per output channel"):
         qdsl.export(model, torch.randn(1, 4, 5, 5))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_onnx_qdq_conv_transpose_agrees_with_fake_quant(name):
+    # ConvTranspose in QDQ form (per-channel weights along axis 1), run by onnxruntime in
+    # float at its basic level; the tolerance is tests/export/test_onnx.py's (1 % of max |y|)
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from qdsl.export.onnx import export_onnx
+
+    make, shape, _ = CASES[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    qdsl.apply(model, SPEC)
+    qdsl.calibrate(model, [torch.randn(8, *shape[1:])])
+    qdsl.freeze(model)
+    proto = export_onnx(model, torch.randn(*shape))
+    assert "ConvTranspose" in {n.op_type for n in proto.graph.node}
+    basic = ort.SessionOptions()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    x = torch.randn(4, *shape[1:])
+    y = ort.InferenceSession(proto.SerializeToString(), basic).run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        fq = model(x).numpy()
+    assert np.abs(y - fq).max() <= 0.01 * np.abs(fq).max()
