@@ -179,6 +179,12 @@ def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profi
             known: dict[str, Any] = {"kind": Kind.FLOAT}
         else:
             known = _recipe_fields(recipe)
+            gran = known.get("granularity")
+            out_axis = OUT_CHANNEL_AXIS.get(layer.type_name)
+            if role is Role.WEIGHT and out_axis is not None and gran is not None and gran.axis == out_axis:
+                # a profile's channel axes are weight-layout axes with the output channels at
+                # 0; a transposed conv keeps them at OUT_CHANNEL_AXIS (its in × out/g × k layout)
+                known["granularity"] = attrs.evolve(gran, axis=0)
         caps = profile.caps(role, op, positions)
         for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales,
                                  fmt=recipe.format if recipe is not None else None):

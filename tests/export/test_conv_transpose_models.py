@@ -171,3 +171,18 @@ def test_onnx_qdq_conv_transpose_agrees_with_fake_quant(name):
     with torch.no_grad():
         fq = model(x).numpy()
     assert np.abs(y - fq).max() <= 0.01 * np.abs(fq).max()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_lint_model_reads_transposed_channel_axis_as_output_channels(name, capsys):
+    # a profile's channel axes put the output channels at 0; a transposed conv's weight has
+    # them at axis 1, which lint reported as E305 ("allowed: channel axis 0") before
+    from qdsl.cli.main import main
+
+    factory = {"unet": "UNet", "autoencoder1d": "AutoEncoder1d"}[name]
+    rc = main(["lint", SPEC, "--hw", "specs/hw/tflite-int8.toml",
+               "--model", f"tests/export/test_conv_transpose_models.py:{factory}"])
+    out = capsys.readouterr()
+    assert rc in (0, 1) and "Traceback" not in out.err
+    assert "E305" not in out.out + out.err
+    assert "conv_transpose" in out.out + out.err  # the profile does not list the op: E310 names it
