@@ -7,12 +7,21 @@
 // acc_bits wrap/saturate with overflow counting and the CONV output stage (conv::Emit, the
 // same code as CONV*).
 //
-// Kernel: scatter-accumulate.  One task is (image, group, block of output channels); it
-// keeps the block's accumulators as [OH*OW][ob] and, for every input value and tap that
-// lands inside the output, adds x * (the tap's ob weights, contiguous in the transposed
-// weight wt[ic][ky][kx][o]).  Every product is exact and the sum is formed in int64, or in
-// int32 when Prepare proved no partial sum can leave int32 (taps per output * max|x - zp| *
-// max|w - w_zp| <= INT32_MAX), so the result equals the reference exactly either way.
+// Two kernels, equal to the reference exactly:
+// * reference (kPathRef, and any layer whose GEMM sums are not provably int32):
+//   scatter-accumulate.  One task is (image, group, block of output channels); it keeps the
+//   block's accumulators as [OH*OW][ob] and, for every input value and tap that lands inside
+//   the output, adds x * (the tap's ob weights, contiguous in wt[ic][ky][kx][o]).  Sums in
+//   int64, or int32 when Prepare proved no partial sum can leave int32 (taps per output *
+//   max|x - zp| * max|w - w_zp| <= INT32_MAX).
+// * GEMM + col2im (other paths, when cg * max|x - zp| * max|w - w_zp| <= INT32_MAX and
+//   |w - w_zp| <= 511): per image and group, the input as rows [H*W][cg] (a byte
+//   transpose) times the packed weights [kk*og][cg] gives every input position's
+//   contribution to every tap and output channel (the packed int GEMM, exact in int32);
+//   col2im adds them into the output positions (int32 or int64 as above).  When no sum
+//   with its bias can leave the accumulator (so wrap/saturate is moot), groups == 1 and the
+//   output is I8/U8, the output stage runs vectorized (Requantize) on [OH*OW][O] and a
+//   byte transpose writes NCHW; otherwise conv::Emit per element.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -30,6 +39,9 @@ struct ConvTransposeParams : OpParams {
   int32_t in_zp = 0;
   std::vector<int32_t> wt;  // [cin][kh][kw][og]: w - w_zp[oc], output channel innermost
   bool acc32 = false;       // every partial sum provably fits int32
+  bool fast_stage = false;  // acc32, no sum + bias can overflow acc_bits, groups 1, I8/U8 out
+  int32_t in_max_code = 255;                 // ActView::max_code
+  std::vector<PackedWeights> packed;        // per group [kk*og][cg] (empty: no GEMM path)
   ConvParams stage;         // bias, acc_bits, overflow mode and output stage, for conv::Emit
 };
 
@@ -120,6 +132,22 @@ Status PrepareConvTranspose(Graph* g, GraphOp& op, int index, std::vector<int64_
   xhi = std::min(xhi, x.value_max);
   const int64_t xmax = std::max(std::llabs(xlo - p.in_zp), std::llabs(xhi - p.in_zp));
   p.acc32 = p.cg * kk * xmax * wmax <= INT32_MAX;
+  int64_t bmax = 0;
+  for (int32_t b : s.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
+  const int64_t acc_max = s.acc_bits >= 32 ? INT32_MAX : (int64_t{1} << (s.acc_bits - 1)) - 1;
+  p.fast_stage = p.acc32 && p.groups == 1 && IsInt8(out.dtype) && p.cg * kk * xmax * wmax + bmax <= acc_max;
+  p.in_max_code = static_cast<int32_t>(std::max<int64_t>(xhi, p.in_zp) + (x.dtype == kI8 ? 128 : 0));
+  if (wmax <= 511 && p.cg * xmax * wmax <= INT32_MAX) {
+    for (int64_t gi = 0; gi < p.groups; ++gi) {
+      std::vector<int16_t> rows(static_cast<size_t>(kk * p.og * p.cg));
+      for (int64_t k = 0; k < kk; ++k)
+        for (int64_t o = 0; o < p.og; ++o)
+          for (int64_t c = 0; c < p.cg; ++c)
+            rows[(k * p.og + o) * p.cg + c] = static_cast<int16_t>(p.wt[((gi * p.cg + c) * kk + k) * p.og + o]);
+      p.packed.emplace_back();
+      QDSL_RETURN_IF_ERROR(PackWeights(rows.data(), kk * p.og, p.cg, p.cg, &p.packed.back()));
+    }
+  }
   return Status::Ok();
 }
 
@@ -157,11 +185,88 @@ void RunBlock(const ConvTransposeParams& p, const uint8_t* x, int xdtype, int64_
   }
 }
 
+// col2im of one image and group: cols [H*W][kk*og] (tap-major) into acc [OH*OW][og].
+template <class Acc>
+void Col2im(const ConvTransposeParams& p, const int32_t* cols, int64_t H, int64_t W, int64_t OH, int64_t OW,
+            Acc* acc) {
+  const int64_t N = p.kh * p.kw * p.og;
+  std::fill(acc, acc + OH * OW * p.og, Acc{0});
+  for (int64_t iy = 0; iy < H; ++iy)
+    for (int64_t ix = 0; ix < W; ++ix) {
+      const int32_t* row = cols + (iy * W + ix) * N;
+      for (int64_t ky = 0; ky < p.kh; ++ky) {
+        const int64_t oy = iy * p.sh - p.ph + ky * p.dh;
+        if (oy < 0 || oy >= OH) continue;
+        for (int64_t kx = 0; kx < p.kw; ++kx) {
+          const int64_t ox = ix * p.sw - p.pw + kx * p.dw;
+          if (ox < 0 || ox >= OW) continue;
+          Acc* dst = acc + (oy * OW + ox) * p.og;
+          const int32_t* src = row + (ky * p.kw + kx) * p.og;
+          for (int64_t o = 0; o < p.og; ++o) dst[o] += static_cast<Acc>(src[o]);
+        }
+      }
+    }
+}
+
+// The GEMM + col2im path (see the file comment).
+template <class Acc>
+Status RunGemm(RunCtx& c, const GraphOp& op, const ConvTransposeParams& p, int64_t n, int64_t H, int64_t W,
+               int64_t OH, int64_t OW, int64_t* overflow) {
+  const uint8_t* x = c.Buf(op.inputs[0]);
+  uint8_t* y = c.Buf(op.outputs[0]);
+  const int xdtype = c.DType(op.inputs[0]);
+  const bool wide = c.DType(op.outputs[0]) == kI32;
+  const int64_t P = H * W, OP = OH * OW, N = p.kh * p.kw * p.og;
+  std::vector<uint8_t> xt(static_cast<size_t>(P * p.cg));
+  std::vector<int32_t> cols(static_cast<size_t>(P * N));
+  std::vector<Acc> acc(static_cast<size_t>(OP * p.og));
+  std::vector<uint8_t> staged(p.fast_stage ? static_cast<size_t>(OP * p.cout) : 0);
+  for (int64_t b = 0; b < n; ++b)
+    for (int64_t gi = 0; gi < p.groups; ++gi) {
+      conv::TransposeBytes(x + (b * p.cin + gi * p.cg) * P, P, p.cg, P, xt.data(), p.cg);
+      ActView av;
+      av.data = xt.data();
+      av.dtype = xdtype == kU8 ? DType::kUInt8 : DType::kInt8;
+      av.rows = P;
+      av.cols = p.cg;
+      av.ld = p.cg;
+      av.zero_point = p.in_zp;
+      av.max_code = p.in_max_code;
+      GemmOutput o;
+      o.data = cols.data();
+      o.ld = N;
+      QDSL_RETURN_IF_ERROR(Gemm(av, p.packed[gi], nullptr, o, c.path));
+      Col2im(p, cols.data(), H, W, OH, OW, acc.data());
+      if constexpr (sizeof(Acc) == sizeof(int32_t)) {
+        if (p.fast_stage) {  // groups == 1: acc is [OH*OW][O]
+          if (!p.stage.bias.empty())
+            for (int64_t s = 0; s < OP; ++s)
+              for (int64_t oc = 0; oc < p.cout; ++oc) acc[s * p.cout + oc] += p.stage.bias[oc];
+          const DType od = c.DType(op.outputs[0]) == kI8 ? DType::kInt8 : DType::kUInt8;
+          QDSL_RETURN_IF_ERROR(Requantize(acc.data(), OP, p.cout, p.stage.out.stage, staged.data(), od, c.path));
+          conv::TransposeBytes(staged.data(), p.cout, OP, p.cout, y + b * p.cout * OP, OP);
+          continue;
+        }
+      }
+      for (int64_t o = 0; o < p.og; ++o) {
+        const int64_t oc = gi * p.og + o;
+        for (int64_t s = 0; s < OP; ++s)
+          conv::Emit(static_cast<int64_t>(acc[s * p.og + o]), p.stage, oc, y, wide, (b * p.cout + oc) * OP + s, overflow);
+      }
+    }
+  return Status::Ok();
+}
+
 Status RunConvTranspose(RunCtx& c, const GraphOp& op) {
   const ConvTransposeParams& p = ParamsOf<ConvTransposeParams>(op);
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]), ys = c.Shape(op.outputs[0]);
   const bool one_d = xs.size() == 3;
   const int64_t n = xs[0], H = one_d ? 1 : xs[2], W = xs.back(), OH = one_d ? 1 : ys[2], OW = ys.back();
+  if (!p.packed.empty() && c.path != kPathRef) {
+    int64_t* overflow = &c.g->overflow[c.index];
+    return p.acc32 ? RunGemm<int32_t>(c, op, p, n, H, W, OH, OW, overflow)
+                   : RunGemm<int64_t>(c, op, p, n, H, W, OH, OW, overflow);
+  }
   const int64_t blocks = (p.og + kBlock - 1) / kBlock;
   const int64_t tasks = n * p.groups * blocks;
   const bool wide = c.DType(op.outputs[0]) == kI32;
