@@ -27,8 +27,10 @@ enum OpCode : int {
   kReshape = 18,
   kBinarize = 19,
   kLut = 20,
+  kConvTranspose1d = 22,
+  kConvTranspose2d = 23,
 };
-constexpr int kMaxOpcode = 20;
+constexpr int kMaxOpcode = 23;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -68,8 +70,10 @@ inline constexpr AttrSchema kGlobalAvgpoolAttrs[] = {{"in_zp", kAttrInt}, {"rq_k
 inline constexpr AttrSchema kReshapeAttrs[] = {{"shape", kAttrInts}};
 inline constexpr AttrSchema kBinarizeAttrs[] = {{"zero_point", kAttrInt}};
 inline constexpr AttrSchema kLutAttrs[] = {{"table", kAttrInts}};
+inline constexpr AttrSchema kConvTranspose1dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
+inline constexpr AttrSchema kConvTranspose2dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
 
-// Indexed by opcode; row 0 is no op.
+// Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {nullptr, 0, 0, false, nullptr, 0},
     {"QUANTIZE", 1, 1, false, kQuantizeAttrs, 5},
@@ -92,6 +96,9 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"RESHAPE", 1, 1, false, kReshapeAttrs, 1},
     {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
     {"LUT", 1, 1, false, kLutAttrs, 1},
+    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
+    {"CONV_TRANSPOSE1D", 2, 3, true, kConvTranspose1dAttrs, 9},
+    {"CONV_TRANSPOSE2D", 2, 3, true, kConvTranspose2dAttrs, 9},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -118,6 +125,8 @@ extern const OpDef kGlobalAvgpoolDef;
 extern const OpDef kReshapeDef;
 extern const OpDef kBinarizeDef;
 extern const OpDef kLutDef;
+extern const OpDef kConvTranspose1dDef;
+extern const OpDef kConvTranspose2dDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -140,6 +149,9 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kReshapeDef,
     &kBinarizeDef,
     &kLutDef,
+    nullptr,  // unassigned
+    &kConvTranspose1dDef,
+    &kConvTranspose2dDef,
 };
 
 }  // namespace qdsl

@@ -69,6 +69,7 @@ from qdsl.graph.ops import (  # noqa: E402  (the module list is the point of thi
     boundary,
     clamp,
     concat,
+    conv_transpose,
     lut,
     pool,
     requantize,
@@ -76,7 +77,7 @@ from qdsl.graph.ops import (  # noqa: E402  (the module list is the point of thi
     weighted,
 )
 
-_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, lut)
+_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, lut, conv_transpose)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
 """Every registered op, by opcode."""
 
