@@ -44,8 +44,12 @@ def render() -> str:
 
     ops = sorted(OpType, key=int)
     codes = [int(t) for t in ops]
-    if codes != list(range(1, len(codes) + 1)):  # the table is indexed by opcode
-        raise SystemExit(f"opcodes must be 1..n without gaps, got {codes}")
+    # the tables are indexed by opcode; an unused opcode below the largest (one reserved by
+    # another branch, or retired) gets an empty row that the loader refuses like any unknown code
+    if codes[0] < 1 or len(set(codes)) != len(codes):
+        raise SystemExit(f"opcodes must be distinct and >= 1, got {codes}")
+    by_code = {int(t): t for t in ops}
+    gaps = [i for i in range(1, codes[-1] + 1) if i not in by_code]
     if [int(a) for a in AttrType] != [1, 2, 3]:
         raise SystemExit("AttrType codes changed: update the C++ Attr::type users")
     out = [
@@ -89,7 +93,11 @@ def render() -> str:
             out.append(f"inline constexpr AttrSchema k{_camel(t.name)}Attrs[] = {{{_attr_rows(attrs)}}};")
     out += ["", "// Indexed by opcode; row 0 is no op.", f"inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {{",
             "    {nullptr, 0, 0, false, nullptr, 0},"]
-    for t in ops:
+    for i in range(1, codes[-1] + 1):
+        if i in gaps:
+            out.append(f"    {{nullptr, 0, 0, false, nullptr, 0}},  // {i}: unused")
+            continue
+        t = by_code[i]
         s = OP_SCHEMAS[t]
         hi = -1 if s.max_inputs is None else s.max_inputs
         stage = "true" if s.needs_output_stage else "false"
@@ -105,7 +113,7 @@ def render() -> str:
     ]
     out += [f"extern const OpDef {cpp_def_name(t.name)};" for t in ops]
     out += [f"inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {{", "    nullptr,"]
-    out += [f"    &{cpp_def_name(t.name)}," for t in ops]
+    out += [f"    nullptr,  // {i}: unused" if i in gaps else f"    &{cpp_def_name(by_code[i].name)}," for i in range(1, codes[-1] + 1)]
     out += ["};", "", "}  // namespace qdsl", "", "#endif  // QDSL_RUNTIME_OPS_OP_SCHEMA_H_", ""]
     return "\n".join(out)
 

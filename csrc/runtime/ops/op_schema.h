@@ -27,8 +27,10 @@ enum OpCode : int {
   kReshape = 18,
   kBinarize = 19,
   kLut = 20,
+  kResize = 24,
+  kLutChannel = 25,
 };
-constexpr int kMaxOpcode = 20;
+constexpr int kMaxOpcode = 25;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -68,6 +70,8 @@ inline constexpr AttrSchema kGlobalAvgpoolAttrs[] = {{"in_zp", kAttrInt}, {"rq_k
 inline constexpr AttrSchema kReshapeAttrs[] = {{"shape", kAttrInts}};
 inline constexpr AttrSchema kBinarizeAttrs[] = {{"zero_point", kAttrInt}};
 inline constexpr AttrSchema kLutAttrs[] = {{"table", kAttrInts}};
+inline constexpr AttrSchema kResizeAttrs[] = {{"size", kAttrInts}, {"index", kAttrInts}, {"weight", kAttrInts}, {"frac_bits", kAttrInt}, {"in_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kLutChannelAttrs[] = {{"table", kAttrInts}};
 
 // Indexed by opcode; row 0 is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -92,6 +96,11 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"RESHAPE", 1, 1, false, kReshapeAttrs, 1},
     {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
     {"LUT", 1, 1, false, kLutAttrs, 1},
+    {nullptr, 0, 0, false, nullptr, 0},  // 21: unused
+    {nullptr, 0, 0, false, nullptr, 0},  // 22: unused
+    {nullptr, 0, 0, false, nullptr, 0},  // 23: unused
+    {"RESIZE", 1, 1, false, kResizeAttrs, 12},
+    {"LUT_CHANNEL", 1, 1, false, kLutChannelAttrs, 1},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -118,6 +127,8 @@ extern const OpDef kGlobalAvgpoolDef;
 extern const OpDef kReshapeDef;
 extern const OpDef kBinarizeDef;
 extern const OpDef kLutDef;
+extern const OpDef kResizeDef;
+extern const OpDef kLutChannelDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -140,6 +151,11 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kReshapeDef,
     &kBinarizeDef,
     &kLutDef,
+    nullptr,  // 21: unused
+    nullptr,  // 22: unused
+    nullptr,  // 23: unused
+    &kResizeDef,
+    &kLutChannelDef,
 };
 
 }  // namespace qdsl

@@ -73,10 +73,11 @@ from qdsl.graph.ops import (  # noqa: E402  (the module list is the point of thi
     pool,
     requantize,
     reshape,
+    resize,
     weighted,
 )
 
-_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, lut)
+_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, resize, lut)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
 """Every registered op, by opcode."""
 
