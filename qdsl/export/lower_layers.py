@@ -250,8 +250,8 @@ def add_pending(where: str, a, b_, shape) -> Pending:
 def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | None = None) -> Pending:
     """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value (or, with per-channel
     ``scales``, on a raw accumulator from :func:`raw`)."""
-    if v.dtype not in (DType.I8, DType.U8, DType.I32):
-        raise ExportError(fqn, "average pooling of binary activations has no integer lowering")
+    if v.dtype not in (DType.I8, DType.U8, DType.I32, DType.BIN):  # BIN: ±1 codes at zero point 0
+        raise ExportError(fqn, f"average pooling of {v.dtype.name} activations has no integer lowering")
     spatial = v.shape[2:]
     if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
         if any(d != 1 for d in shape[2:]):

@@ -22,7 +22,7 @@ from qdsl.patch.handle import proxy_key
 from qdsl.spec.model import Role
 
 ROOT = Path(__file__).resolve().parents[2]
-_WEIGHTED = (OpType.LINEAR, OpType.CONV1D, OpType.CONV2D)
+_WEIGHTED = (OpType.LINEAR, OpType.CONV1D, OpType.CONV2D, OpType.BLINEAR, OpType.BCONV1D, OpType.BCONV2D)
 
 
 def load_spec(spec: str):

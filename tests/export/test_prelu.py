@@ -108,3 +108,17 @@ def test_lut_channel_reference_indexes_per_channel():
     y = execute(g, x).outputs[0]
     t = np.asarray(table).reshape(3, 256)
     np.testing.assert_array_equal(y, t[np.arange(3)[None, :, None], x.astype(np.int64)])
+
+
+def test_prelu_has_no_onnx_form_and_says_so():
+    pytest.importorskip("onnx")
+    from qdsl.export.onnx import export_onnx
+    from qdsl.export.values import ExportError
+    from qdsl.parse import parse_text
+
+    model = PNet(_prelu(8))
+    qdsl.apply(model, parse_text(spec_text("int8-default"), "t.qspec"))
+    qdsl.calibrate(model, [torch.randn(2, 3, 5, 5)])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="LUT_CHANNEL.*no ONNX QDQ form"):
+        export_onnx(model, torch.randn(1, 3, 5, 5))

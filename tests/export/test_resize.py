@@ -175,3 +175,26 @@ def test_frac_bits_keep_an_int8_sum_in_int32():
     # the validator's bound: 255 · 2^(2F) < 2^31
     assert 255 * (1 << 2 * FRAC_BITS) < 2 ** 31 and not 255 * (1 << 2 * (FRAC_BITS + 1)) < 2 ** 31
     assert math.isclose(2.0 ** -(FRAC_BITS + 1) * 255, 0.0623, rel_tol=1e-2)
+
+
+@pytest.mark.parametrize("up", [nn.Upsample(scale_factor=2), nn.Upsample(size=(9, 13), mode="bilinear"),
+                                nn.UpsamplingBilinear2d(scale_factor=2)], ids=["nearest", "bilinear", "bilinear-ac"])
+def test_onnx_form_runs_in_onnxruntime_and_agrees(up):
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from qdsl.export.onnx import export_onnx
+
+    torch.manual_seed(0)
+    model = UpNet(up).eval()
+    qdsl.apply(model, "specs/int8-default.qspec")
+    qdsl.calibrate(model, [torch.randn(4, 3, 6, 5) for _ in range(3)])
+    qdsl.freeze(model)
+    proto = export_onnx(model, torch.randn(2, 3, 6, 5))
+    assert "Gather" in {n.op_type for n in proto.graph.node}
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    x = torch.randn(8, 3, 6, 5)
+    y = ort.InferenceSession(proto.SerializeToString(), opts).run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        fq = model(x).numpy()
+    assert np.abs(y - fq).max() <= 0.01 * np.abs(fq).max()
