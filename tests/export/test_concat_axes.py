@@ -70,3 +70,22 @@ def test_cat_of_flattened_vectors():
     graph, diff = flow(FlatCat(), "int8-default", (6, 3, 5, 5), "fc")
     assert OpType.CONCAT in op_types(graph)
     assert_close(diff)
+
+
+def test_cat_of_one_relu_module_called_twice():
+    # one nn.ReLU instance applied to both branches: apply used to fail with KeyError 'r@1'
+    # (fx names the second call "r@1"); no quantizer can go on a module called twice, so the
+    # cat produces both pending branch results at its own output grid
+    class SharedRelu(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(3, 4, 3, padding=1)
+            self.r = nn.ReLU(inplace=True)
+            self.out = nn.Conv2d(8, 4, 3, padding=1)
+
+        def forward(self, x):
+            return self.out(torch.cat([self.r(self.a(x)), self.r(self.b(x))], 1))
+
+    graph, diff = flow(SharedRelu(), "int8-default", (4, 3, 6, 6), "out")
+    assert OpType.CONCAT in op_types(graph)
+    assert_close(diff)
