@@ -26,6 +26,7 @@ import math
 from fractions import Fraction
 from typing import Any, Callable
 
+import attrs
 import numpy as np
 import torch
 from torch import nn
@@ -45,13 +46,17 @@ input LSB per axis for 8-bit codes (docs/qgraph.md §4.4)."""
 _INTERPOLATE_ARGS = ("size", "scale_factor", "mode", "align_corners", "recompute_scale_factor", "antialias")
 
 
+@attrs.frozen
 class ResizeCall:
     """One upsample call: its options and a function that runs it on a float tensor."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], mode: str, align_corners: bool | None,
-                 scale_factor: Any, recompute: bool | None, antialias: bool):
-        self.fn, self.mode, self.align_corners = fn, mode, bool(align_corners)
-        self.scale_factor, self.recompute, self.antialias = scale_factor, recompute, antialias
+    fn: Callable[[torch.Tensor], torch.Tensor]
+    mode: str
+    align_corners: bool = attrs.field(converter=bool)
+    scale_factor: Any
+    recompute: bool | None
+    """``recompute_scale_factor``: when set, torch derives the coordinates from the sizes."""
+    antialias: bool
 
 
 def module_call(m: nn.Module) -> ResizeCall:
