@@ -18,8 +18,9 @@ from .e2e import assert_close, flow, op_types
 class CatNet(nn.Module):
     """Two branches (layer -> ReLU(inplace)) concatenated along ``dim``, then a layer."""
 
-    def __init__(self, rank: int, dim: int):
+    def __init__(self, rank: int, dim: int, cat=torch.cat):
         super().__init__()
+        self.cat = cat
         layer = {2: lambda i, o: nn.Linear(i, o), 3: lambda i, o: nn.Conv1d(i, o, 3, padding=1),
                  4: lambda i, o: nn.Conv2d(i, o, 3, padding=1)}[rank]
         self.dim = dim
@@ -28,7 +29,7 @@ class CatNet(nn.Module):
         self.out = layer(8 if dim % rank == 1 else 4, 5)  # a channel cat doubles the next layer's input
 
     def forward(self, x):
-        return self.out(torch.cat([self.ra(self.a(x)), self.rb(self.b(x))], dim=self.dim))
+        return self.out(self.cat([self.ra(self.a(x)), self.rb(self.b(x))], dim=self.dim))
 
 
 CASES = [(2, 1), (2, -1), (3, 1), (3, 2), (3, -1), (3, -2), (4, 1), (4, 2), (4, 3), (4, -1), (4, -2), (4, -3)]
@@ -40,6 +41,14 @@ def test_cat_along_any_axis_exports_and_agrees(rank, dim):
     graph, diff = flow(CatNet(rank, dim), "int8-default", SHAPES[rank], "out")
     op = next(op for op in graph.ops if op.type is OpType.CONCAT)
     assert op.attrs["axis"] == dim % rank
+    assert_close(diff)
+
+
+@pytest.mark.parametrize("cat", [torch.concat, torch.concatenate], ids=["torch.concat", "torch.concatenate"])
+def test_cat_aliases(cat):
+    # torch.concat / torch.concatenate are torch.cat (was: no integer lowering)
+    graph, diff = flow(CatNet(4, -1, cat), "int8-default", SHAPES[4], "out")
+    assert OpType.CONCAT in op_types(graph)
     assert_close(diff)
 
 
