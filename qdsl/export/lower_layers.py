@@ -282,8 +282,8 @@ def add_pending(where: str, a, b_, shape) -> Pending:
 def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | None = None) -> Pending:
     """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value (or, with per-channel
     ``scales``, on a raw accumulator from :func:`raw`)."""
-    if v.dtype not in (DType.I8, DType.U8, DType.I32):
-        raise ExportError(fqn, "average pooling of binary activations has no integer lowering")
+    if v.dtype not in (DType.I8, DType.U8, DType.I32, DType.BIN):  # BIN: ±1 codes at zero point 0
+        raise ExportError(fqn, f"average pooling of {v.dtype.name} activations has no integer lowering")
     spatial = v.shape[2:]
     if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
         if any(d != 1 for d in shape[2:]):
@@ -315,31 +315,44 @@ def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | No
 
 
 def concat_value(b: Builder, where: str, values: list, dim: int, shape):
-    """``torch.cat`` of quantized values: a CONCAT now if they share a grid, else pending."""
-    qs = []
+    """``torch.cat`` along any non-batch axis: a CONCAT now if every operand is quantized on one
+    grid, else pending.  A pending operand (a layer's result nothing quantized, e.g. flattened
+    before the cat) is materialized at the concat's own output grid when that is known:
+    quantization is elementwise, so quantizing the concatenation is quantizing each part."""
     for v in values:
-        if not (isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8)):
-            raise ExportError(where, f"torch.cat reads an unquantized value from '{getattr(v, 'origin', '?')}'",
-                              "quantize every concatenated tensor (an output quantizer on its producer)")
-        qs.append(v)
+        if isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8):
+            continue
+        if isinstance(v, Pending):
+            continue
+        raise ExportError(where, f"torch.cat reads an unquantized value from '{getattr(v, 'origin', '?')}'",
+                          "quantize every concatenated tensor (an output quantizer on its producer)")
     axis = dim % len(shape)
     if axis == 0:
-        raise ExportError(where, "concatenation along the batch dimension has no lowering")
+        raise ExportError(where, "concatenation along the batch dimension has no lowering",
+                          "concatenate along a feature axis (dim >= 1, or a negative dim other than -rank)")
 
-    def attrs_for(t: Target, lo=-math.inf, hi=math.inf) -> dict:
+    def attrs_for(qs: list, t: Target, lo=-math.inf, hi=math.inf) -> dict:
         rs = [_rescale(b, v.scale / t.scale, t.rounding, where) for v in qs]
         out_min, out_max = t.clamp_codes(lo, hi)
         return dict(axis=axis, in_zp=tuple(v.zp for v in qs), in_kind=tuple(int(r.kind) for r in rs),
                     in_multiplier=tuple(r.multiplier[0] for r in rs), in_shift=tuple(r.shift[0] for r in rs),
                     in_rounding=tuple(int(r.rounding) for r in rs), out_zp=t.zp, out_min=out_min, out_max=out_max)
 
-    first = qs[0]
-    if all((v.scale, v.zp, v.qmin, v.qmax, v.dtype) == (first.scale, first.zp, first.qmin, first.qmax, first.dtype) for v in qs):
+    first = values[0]
+    if all(isinstance(v, QVal) for v in values) and all(
+            (v.scale, v.zp, v.qmin, v.qmax, v.dtype) == (first.scale, first.zp, first.qmin, first.qmax, first.dtype)
+            for v in values):
         t = Target(first.scale, first.zp, first.qmin, first.qmax, first.dtype, Rounding.HALF_EVEN, where)
-        name = b.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t), out=f"{where}:cat")
+        name = b.op(OpType.CONCAT, where, [v.name for v in values], t.dtype, shape, attrs_for(values, t),
+                    out=f"{where}:cat")
         return b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
-        return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t, lo, hi), out=f"{where}:cat"), shape
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(where, f"the concatenated value must be int8-quantized, not {t.dtype.name} ({t.where})")
+        # a pending part lands on the output grid itself (its CONCAT rescale is the identity)
+        qs = [v.clamped(lo, hi).materialize(bld, t) if isinstance(v, Pending) else v for v in values]
+        return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(qs, t, lo, hi),
+                      out=f"{where}:cat"), shape
 
     return Pending("concat", where, shape, emit)

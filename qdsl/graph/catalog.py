@@ -53,7 +53,8 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "pool": ("MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL"),
     "add": ("ADD",),
     "concat": ("CONCAT",),
-    "lut": ("LUT",),  # an elementwise function of an 8-bit input: a 256-entry table (lower_lut.py)
+    "lut": ("LUT", "LUT_CHANNEL"),  # an elementwise function of an 8-bit input: 256-entry tables (lower_lut.py)
+    "resize": ("RESIZE",),  # nearest / (bi)linear upsampling (lower_resize.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
@@ -68,7 +69,7 @@ WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpos
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",
     "hardsigmoid", "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
-    "reshape", "batch_norm",
+    "reshape", "batch_norm", "prelu", "upsample",
 )
 """Every op name a profile may list (in ``ops``, ``op.<name>``, ``fusions``, ``fixed_output``)."""
 
@@ -142,6 +143,10 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("Hardsigmoid", "hardsigmoid", "lut"),
         ("GELU", "gelu", "lut"),
         ("SiLU", "silu", "lut"),
+        ("PReLU", "prelu", "lut"),  # its slope is read at export: one table (per channel: LUT_CHANNEL)
+        ("Upsample", "upsample", "resize"),
+        ("UpsamplingNearest2d", "upsample", "resize"),
+        ("UpsamplingBilinear2d", "upsample", "resize"),
     ])
     + _rows("function", "", [
         # (path, op, lowering, passes, product, like)
@@ -152,7 +157,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("operator.imul", "mul"),
         ("torch.mul", "mul"),
         ("torch.cat", "concat", "concat"),
-        ("torch.concat", "concat"),
+        ("torch.concat", "concat", "concat"),
+        ("torch.concatenate", "concat", "concat"),
         (_F + "relu", "relu", "relu", True),
         ("torch.relu", "relu", "relu", True),
         (_F + "relu_", "relu"),
@@ -168,6 +174,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         (_F + "hardsigmoid", "hardsigmoid", "lut"),
         (_F + "gelu", "gelu", "lut"),
         (_F + "silu", "silu", "lut"),
+        (_F + "interpolate", "upsample", "resize"),
         (_F + "max_pool1d", "max_pool1d", "pool", True, False, (_NN + "MaxPool1d", 4)),
         (_F + "max_pool2d", "max_pool2d", "pool", True, False, (_NN + "MaxPool2d", 4)),
         (_F + "avg_pool1d", "avg_pool1d", "pool", False, False, (_NN + "AvgPool1d", 5)),

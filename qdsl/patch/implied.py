@@ -52,7 +52,9 @@ _ACCUMULATORS = (nn.Conv1d, nn.Conv2d, nn.Linear, nn.ConvTranspose1d, nn.ConvTra
 
 
 def _stack(n: torch.fx.Node) -> list[str]:
-    return list(n.meta.get("nn_module_stack", {}).keys())
+    # fx keys the second and later calls of one module "<fqn>@<k>": it is the same module
+    # (counted in trace.calls under its fqn)
+    return [k.split("@", 1)[0] for k in n.meta.get("nn_module_stack", {})]
 
 
 def _operands(n: torch.fx.Node) -> list[torch.fx.Node]:
