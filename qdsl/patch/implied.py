@@ -16,12 +16,16 @@ concat (the construct table's ``add``/``concat`` rows), and each average pool re
 weighted layer's or BatchNorm's direct result (the exporter adds the accumulator) or
 already quantized (an output quantizer on the module returning it, or, except after a
 max pool or of a sum, an integer input quantizer of a layer reading it: the exporter then materializes
-the value at that grid and the add reads it, as for the digits ResNet's stem).  Otherwise the
+the value at that grid and the add reads it, as for the digits ResNet's stem).  A sum a binary
+input reads (xnor-binary on MobileNetV2) is quantized too: the graph binarizes int8, not a sum.  Otherwise the
 quantizer goes on the outermost module that returns the value (the value has a reader
 outside it) and is called once per forward; a value no such module returns (a model
 input, a bare function's result at the top level) gets none, and export still names it.
-A spec without a ``defaults { input = ... }``, or whose default input is not an integer
-format (binary: an integer add cannot read it), implies nothing.
+The implied recipe is the spec's default input when that is an integer format.  When it
+is not (xnor-binary: an integer add cannot read a binary value), it is the first integer
+activation quantizer the plan already uses (module order: an input or output a rule set,
+e.g. the 8-bit first layer's input or a ``type:BasicBlock`` output); a plan with none
+implies nothing, and export names the value.
 """
 
 from __future__ import annotations
@@ -64,14 +68,17 @@ def _is_pool(n: torch.fx.Node, modules: dict) -> bool:
     return n.op == "call_function" and n.target in _POOL_FUNCS
 
 
+def _passes(n: torch.fx.Node, modules: dict) -> bool:
+    return (n.op == "call_module" and isinstance(modules.get(str(n.target)), _PASS_MODULES)
+            or n.op == "call_function" and n.target in _PASS_FUNCS)
+
+
 def _sum_behind(a, modules: dict) -> bool:
     """Whether ``a`` is an add's or concat's result, seen through pass-through ops (ReLU, ...)."""
     while isinstance(a, torch.fx.Node):
         if a.op == "call_function" and a.target in _FUNCS or a.op == "call_method" and a.target in _METHODS:
             return True
-        passes = (a.op == "call_module" and isinstance(modules.get(str(a.target)), _PASS_MODULES)
-                  or a.op == "call_function" and a.target in _PASS_FUNCS)
-        if not passes or not a.args:
+        if not _passes(a, modules) or not a.args:
             return False
         a = a.args[0]
     return False
@@ -87,6 +94,17 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
     return any(u.op == "call_module" and str(u.target) in int_inputs for u in a.users)
 
 
+def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str], found: dict[str, str]) -> None:
+    """An output quantizer on the outermost module returning ``a`` (called once per forward)."""
+    stack = _stack(a)
+    returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
+    if any(m in quantized_out for m in returned_by):
+        return
+    owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
+    if owner is not None:
+        found.setdefault(owner, why)
+
+
 def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str, str]:
     """``{module fqn: "implied by <op> in '<where>'"}`` for the values integer adds and concats
     read that the plan leaves unquantized (see the module docstring)."""
@@ -96,6 +114,8 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
     int_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
                   and r.format.activation_lowering(r.signed) == "int"}
     quantized_out = {lp.fqn for lp in plan.layers if lp.quantized and lp.roles.get(Role.OUTPUT) is not None}
+    bin_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
+                  and not _is_int(r)}
     found: dict[str, str] = {}
     for n in trace.graph.nodes:
         if n.op == "call_function" and n.target in _FUNCS:
@@ -114,36 +134,55 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
                 continue
             if _read_by_int_input(a, modules, int_inputs):
                 continue
-            stack = _stack(a)
-            returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
-            if any(m in quantized_out for m in returned_by):
-                continue
-            owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
-            if owner is not None:
-                found.setdefault(owner, f"implied by {op} in '{where}'")
+            _imply(a, f"implied by {op} in '{where}'", trace, quantized_out, found)
+        if op != "average pool":
+            # the sum itself, where a binary input reads it: BINARIZE reads int8, not a sum
+            r = n
+            while len(r.users) == 1 and _passes(u := next(iter(r.users)), modules):
+                r = u
+            if any(u.op == "call_module" and str(u.target) in bin_inputs for u in r.users):
+                _imply(r, f"implied by {op} in '{where}' (a binary input reads it)", trace, quantized_out, found)
     return found
 
 
+def _is_int(recipe) -> bool:
+    return recipe is not None and recipe.format.activation_lowering(recipe.signed) == "int"
+
+
+def _implied_source(plan: Plan) -> tuple[LayerPlan, Role] | None:
+    """The layer and role whose recipe (and provenance) implied quantizers copy (module doc)."""
+    for lp in plan.layers:
+        r = lp.roles.get(Role.INPUT)
+        if r is not None and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults":
+            if _is_int(r):
+                return lp, Role.INPUT
+            break
+    # a binary (or absent) default: the first integer activation quantizer a rule set
+    for lp in plan.layers:
+        if lp.quantized:
+            for role in (Role.INPUT, Role.OUTPUT):
+                if _is_int(lp.roles.get(role)):
+                    return lp, role
+    return None
+
+
 def with_implied(model: nn.Module, trace: ModelTrace, plan: Plan) -> Plan:
-    """``plan`` with the implied output quantizers of :func:`implied_outputs` added (the spec's
-    default input recipe, with its provenance relabelled "implied by ...")."""
-    source = next((lp for lp in plan.layers if lp.roles.get(Role.INPUT) is not None
-                   and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults"),
-                  None)
-    # only an integer (affine int8/uint8) activation can feed an integer add; a binary
-    # default (xnor) implies nothing and the export names the value as before
-    if source is None or source.roles[Role.INPUT].format.activation_lowering(source.roles[Role.INPUT].signed) != "int":
+    """``plan`` with the implied output quantizers of :func:`implied_outputs` added (the recipe
+    of :func:`_implied_source`, with its provenance relabelled "implied by ...")."""
+    found = _implied_source(plan)
+    if found is None:
         return plan
+    source, source_role = found
     implied = implied_outputs(model, trace, plan)
     if not implied:
         return plan
-    recipe = source.roles[Role.INPUT]
+    recipe = source.roles[source_role]
     modules = dict(model.named_modules())
     layers = {lp.fqn: lp for lp in plan.layers}
     for fqn, why in implied.items():
         prov = {}
         for (role, field), fp in source.provenance.items():
-            if role is Role.INPUT:
+            if role is source_role:
                 prov[(Role.OUTPUT, field)] = FieldProvenance(fp.value, Origin(why, fp.set_by.span),
                                                              (fp.set_by, *fp.via))
         lp = layers.get(fqn)
