@@ -1,4 +1,4 @@
-"""Implied quantizers: integer adds and concats need no hand-written rule.
+"""Implied quantizers: integer adds, concats and lookup tables need no hand-written rule.
 
 An integer ADD or CONCAT (docs/qgraph.md) reads int8 operands or a layer's raw
 accumulator.  When a spec leaves one of its operands unquantized (torchvision's ResNet
@@ -17,7 +17,12 @@ weighted layer's or BatchNorm's direct result (the exporter adds the accumulator
 already quantized (an output quantizer on the module returning it, or, except after a
 max pool or of a sum, an integer input quantizer of a layer reading it: the exporter then materializes
 the value at that grid and the add reads it, as for the digits ResNet's stem).  A sum a binary
-input reads (xnor-binary on MobileNetV2) is quantized too: the graph binarizes int8, not a sum.  Otherwise the
+input reads (xnor-binary on MobileNetV2) is quantized too: the graph binarizes int8, not a sum
+(nor a lookup table's or an average pool's result).  An elementwise activation that lowers to a
+lookup table (Hardswish, SiLU, Sigmoid...: the construct table's ``lut`` rows) indexes 8-bit
+codes, so the value it reads gets one unless a layer's integer input already materializes it
+(MobileNetV3's BN -> Hardswish: "implied by hardswish 'features.0.2'"), and so does a table's
+result an average pool reads (EfficientNet's squeeze-excitation).  An implied
 quantizer goes on the outermost module that returns the value (the value has a reader
 outside it) and is called once per forward; a value no such module returns (a model
 input, a bare function's result at the top level) gets none, and export still names it.
@@ -34,7 +39,7 @@ import attrs
 import torch.fx
 from torch import nn
 
-from qdsl.patch.constructs import functions, methods, module_classes
+from qdsl.patch.constructs import functions, methods, module_classes, module_construct
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
 from qdsl.spec.model import Role
@@ -47,6 +52,8 @@ _METHODS = methods(lambda c: c.lowering in _INTEGER_OPS)
 # average pools take a layer's accumulator (through ReLU) but not an unquantized sum
 _POOL_MODULES = module_classes(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
 _POOL_FUNCS = functions(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
+# elementwise lookup tables index 8-bit codes: neither a sum nor an accumulator will do
+_LUT_FUNCS = functions(lambda c: c.lowering == "lut")
 _PASS_MODULES = module_classes(lambda c: c.passes)
 _PASS_FUNCS = functions(lambda c: c.passes)
 # a direct result of these is an accumulator the exporter adds (or rescales) exactly
@@ -73,10 +80,27 @@ def _passes(n: torch.fx.Node, modules: dict) -> bool:
             or n.op == "call_function" and n.target in _PASS_FUNCS)
 
 
+def _lut_op(n: torch.fx.Node, modules: dict) -> str | None:
+    """The profile op name (``hardswish``, ...) of an elementwise function export lowers to a table."""
+    if n.op == "call_module":
+        c = module_construct(modules.get(str(n.target)))
+        return c.op if c is not None and c.lowering == "lut" else None
+    if n.op == "call_function":
+        c = _LUT_FUNCS.get(n.target)
+        return c.op if c is not None else None
+    return None
+
+
 def _sum_behind(a, modules: dict) -> bool:
     """Whether ``a`` is an add's or concat's result, seen through pass-through ops (ReLU, ...)."""
+    return _behind(a, modules, lambda n: n.op == "call_function" and n.target in _FUNCS
+                   or n.op == "call_method" and n.target in _METHODS)
+
+
+def _behind(a, modules: dict, pred) -> bool:
+    """Whether ``pred`` holds for ``a`` or for what it passes through (ReLU, Dropout, ...)."""
     while isinstance(a, torch.fx.Node):
-        if a.op == "call_function" and a.target in _FUNCS or a.op == "call_method" and a.target in _METHODS:
+        if pred(a):
             return True
         if not _passes(a, modules) or not a.args:
             return False
@@ -118,14 +142,26 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
                   and not _is_int(r)}
     found: dict[str, str] = {}
     for n in trace.graph.nodes:
+        # BINARIZE reads int8 or a layer's accumulator, not a sum, a table's or a pool's result
+        if n.op == "call_module" and str(n.target) in bin_inputs and n.args and isinstance(n.args[0], torch.fx.Node):
+            if _behind(n.args[0], modules, lambda m: _sum_behind(m, modules) or _lut_op(m, modules) is not None
+                       or _is_pool(m, modules)):
+                _imply(n.args[0], f"implied by the binary input of '{n.target}'", trace, quantized_out, found)
         if n.op == "call_function" and n.target in _FUNCS:
             op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
         elif n.op == "call_method" and n.target in _METHODS:
             op = n.target
         elif _is_pool(n, modules):
             op = "average pool"
-            if not _sum_behind(n.args[0], modules):
+            # a pool reads a layer's accumulator, not a sum nor a table's (unquantized) result
+            if not (_sum_behind(n.args[0], modules) or _behind(n.args[0], modules, lambda m: _lut_op(m, modules))):
                 continue
+        elif (lut := _lut_op(n, modules)) is not None:
+            a = n.args[0] if n.args else None
+            if isinstance(a, torch.fx.Node) and not _read_by_int_input(a, modules, int_inputs):
+                where = f"'{n.target}'" if n.op == "call_module" else f"in '{(_stack(n) or ['<model>'])[-1]}'"
+                _imply(a, f"implied by {lut} {where}", trace, quantized_out, found)
+            continue
         else:
             continue
         where = (_stack(n) or ["<model>"])[-1]
@@ -135,13 +171,6 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
             if _read_by_int_input(a, modules, int_inputs):
                 continue
             _imply(a, f"implied by {op} in '{where}'", trace, quantized_out, found)
-        if op != "average pool":
-            # the sum itself, where a binary input reads it: BINARIZE reads int8, not a sum
-            r = n
-            while len(r.users) == 1 and _passes(u := next(iter(r.users)), modules):
-                r = u
-            if any(u.op == "call_module" and str(u.target) in bin_inputs for u in r.users):
-                _imply(r, f"implied by {op} in '{where}' (a binary input reads it)", trace, quantized_out, found)
     return found
 
 
