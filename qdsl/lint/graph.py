@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from qdsl.lint.ops import WEIGHTED_OPS, function_op, method_op, module_op
+from qdsl.lint.ops import WEIGHTED_OPS, function_lowered, function_op, method_op, module_lowered, module_op
 from qdsl.resolve.plan import ModelIndex
 
 __all__ = ["OpNode", "ModelGraph", "model_graph", "index_graph"]
@@ -38,6 +38,9 @@ class OpNode:
     preds: tuple[str, ...]
     label: str
     """How messages name it: the module fqn, or ``add in layer1.0`` for a functional op."""
+    lowered: bool = True
+    """Whether export has an integer lowering for the construct (the catalog's ``lowering``);
+    only a traced graph says (the index fallback sees modules it cannot classify)."""
 
 
 @attrs.frozen
@@ -133,7 +136,8 @@ def model_graph(model: Any) -> ModelGraph:
             fqn = str(node.target)
             mod = modules.get(fqn)
             op = module_op(type(mod).__name__) if mod is not None else None
-            nodes.append(OpNode(node.name, op, fqn, preds, fqn))
+            lowered = op is None or module_lowered(type(mod).__name__)
+            nodes.append(OpNode(node.name, op, fqn, preds, fqn, lowered))
             continue
         name = _fn_name(node.target)
         op = function_op(name) if node.op == "call_function" else method_op(name)
@@ -143,7 +147,7 @@ def model_graph(model: Any) -> ModelGraph:
             last_entry = list(stack.values())[-1]
             where = last_entry[0] if isinstance(last_entry, tuple) else str(last_entry)
         label = f"{name} in {where or '<root>'}"
-        nodes.append(OpNode(node.name, op, None, preds, label))
+        nodes.append(OpNode(node.name, op, None, preds, label, op is None or function_lowered(name)))
     first, last = _positions(nodes, inputs, output_preds)
     return ModelGraph(tuple(nodes), first, last, traced=True)
 

@@ -1,0 +1,34 @@
+"""Ops the model runs that export has no integer lowering for (W321), found from the traced graph.
+
+Export lowers each traced module, function and method by its row of the one construct table
+(:mod:`qdsl.graph.catalog`); a row without a ``lowering`` (``operator.mul`` of two
+activations, ``nn.Softmax``) or a ``torch.nn`` class outside the table (``nn.ConvTranspose2d``)
+makes ``qdsl.export`` refuse the model.  Lint reads the same rows through
+:class:`~qdsl.lint.graph.ModelGraph`, so what it reports here is what export would refuse,
+before any calibration.  Independent of the profile (the graph cannot hold the op whatever
+the target), and a warning: the model still trains and fake-quantizes.  One finding per op
+name, located at its first place in the model, with every place listed.
+"""
+
+from __future__ import annotations
+
+from qdsl.lint.graph import ModelGraph
+from qdsl.spec.diagnostics import Diagnostic, Span
+
+__all__ = ["lowering_findings"]
+
+
+def lowering_findings(graph: ModelGraph, model_label: str = "<model>") -> list[Diagnostic]:
+    where: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if graph.traced and not node.lowered and node.op is not None:
+            where.setdefault(node.op, []).append(node.label)
+    out = []
+    for op, labels in where.items():
+        shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+        out.append(Diagnostic.warning(
+            "W321", f"'{op}' has no integer lowering: qdsl.export refuses this model ({shown})",
+            Span(model_label, path=labels[0]),
+            "the model still trains and fake-quantizes; to export, replace the construct with one the graph "
+            "has (README: when an op is missing)"))
+    return out
