@@ -6,7 +6,7 @@ from qdsl.zoo.mobilenet_v3 import mobilenet_v3_small
 from qdsl.zoo.resnet import resnet18, resnet50
 from qdsl.zoo.unet import unet
 
-__all__ = ["FACTORIES", "MUL_FACTORIES", "random_images", "small_efficientnet_b0", "small_mobilenet_v2",
+__all__ = ["FACTORIES", "MUL_FACTORIES", "random_images", "random_masks", "small_efficientnet_b0", "small_mobilenet_v2",
            "small_mobilenet_v3_small", "small_resnet18", "small_resnet50", "small_unet"]
 
 
@@ -47,4 +47,15 @@ def random_images():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(24, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (24,), generator=g)
+    return x[:16], y[:16], x[16:], y[16:]
+
+
+def random_masks():
+    """``(x_train, y_train, x_test, y_test)`` for :func:`small_unet`: 16 + 8 seeded 3×16×16 images
+    with per-pixel labels in {0, 1} (accuracy is per pixel)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(24, 3, 16, 16, generator=g)
+    y = (x[:, 0] > 0).long()
     return x[:16], y[:16], x[16:], y[16:]
