@@ -21,8 +21,8 @@ __all__ = ["lowering_findings"]
 def lowering_findings(graph: ModelGraph, model_label: str = "<model>") -> list[Diagnostic]:
     where: dict[str, list[str]] = {}
     for node in graph.nodes:
-        if graph.traced and not node.lowered and node.op is not None:
-            where.setdefault(node.op, []).append(node.label)
+        if graph.traced and not node.lowered:
+            where.setdefault(node.op or node.construct, []).append(node.label)
     out = []
     for op, labels in where.items():
         shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")

@@ -23,7 +23,7 @@ __all__ = [
     "function_op",
     "method_op",
     "module_lowered",
-    "function_lowered",
+    "function_lowering",
 ]
 
 KNOWN_OPS = OPS
@@ -77,6 +77,7 @@ def module_lowered(type_name: str) -> bool:
     return _MODULE_LOWERING.get(type_name) is not None
 
 
-def function_lowered(name: str) -> bool:
-    """Whether export lowers a traced function or method call named ``name``."""
-    return _FUNCTION_LOWERING.get(name) is not None
+def function_lowering(name: str) -> str | None:
+    """Export's lowering rule for a traced function or method call named ``name`` (``None``:
+    export refuses it; ``item``, ``operator.getitem``, only on a shape, not on a tensor)."""
+    return _FUNCTION_LOWERING.get(name)
