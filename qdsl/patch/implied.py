@@ -187,7 +187,8 @@ def _implied_source(plan: Plan) -> tuple[LayerPlan, Role] | None:
     """The layer and role whose recipe (and provenance) implied quantizers copy (module doc)."""
     for lp in plan.layers:
         r = lp.roles.get(Role.INPUT)
-        if r is not None and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults":
+        p = lp.provenance.get((Role.INPUT, "kind"))
+        if r is not None and p is not None and p.set_by.label == "defaults":
             if _is_int(r):
                 return lp, Role.INPUT
             break

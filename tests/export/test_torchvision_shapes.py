@@ -84,7 +84,8 @@ def test_bundled_spec_trains_and_exports(name, spec):
         fq = model(xt)
     hook.remove()
     fq_codes = q.int_repr(seen[0]).numpy().astype(np.int64)
-    op = next(op for op in graph.ops if op.name == last and op.type in (OpType.LINEAR, OpType.CONV2D, OpType.BLINEAR, OpType.BCONV2D))
+    layer_ops = (OpType.LINEAR, OpType.CONV2D, OpType.BLINEAR, OpType.BCONV2D)
+    op = next(op for op in graph.ops if op.name == last and op.type in layer_ops)
     got = execute(graph, xt.numpy(), keep_values=True).values[op.inputs[0]].astype(np.int64)
     diff = np.abs(got.reshape(fq_codes.shape) - fq_codes)
     if spec.startswith("pot"):
