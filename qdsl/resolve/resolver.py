@@ -196,10 +196,12 @@ class _Resolver:
             if not weighted and not matches:
                 continue
             roles = entry.roles
-            key = (entry.type_name, roles, tuple(sorted(matches.items())) if matches else ())
+            # leaf and own parameters: an optional rule naming a parameterless container (_outcome)
+            key = (entry.type_name, roles, entry.leaf, not entry.param_shapes,
+                   tuple(sorted(matches.items())) if matches else ())
             out = self._memo.get(key)
             if out is None:
-                out = self._memo[key] = self._outcome(entry, weighted, key[2])
+                out = self._memo[key] = self._outcome(entry, weighted, key[-1])
             for d in out.diagnostics:
                 self._layer_diags.setdefault(d, []).append(entry.fqn)
             if not weighted and not out.applied:
