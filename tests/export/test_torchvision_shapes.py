@@ -114,8 +114,9 @@ def test_models_waiting_for_an_op_train_calibrate_and_freeze(name, spec):
     qdsl.freeze(model)
     implied = [lp.fqn for lp in handle.plan.layers
                if (p := lp.provenance.get((Role.OUTPUT, "kind"))) is not None and p.set_by.label.startswith("implied")]
-    assert implied
-    scales = torch.stack([handle.quantizer(f, "output").scale.float().flatten()[0] for f in implied])
+    # xnor-binary's 8-bit rules name no U-Net layer: no integer activation to imply from
+    assert implied or (name, spec) == ("unet", "xnor-binary")
+    scales = torch.tensor([float(handle.quantizer(f, "output").scale.flatten()[0]) for f in implied])
     assert torch.isfinite(scales).all() and (scales > 0).all()
     with torch.no_grad():
         y = model(x)
