@@ -51,6 +51,10 @@ def _extensions() -> list[Extension]:
         # -fvisibility=hidden: only the QDSL_API C functions are exported.
         args = ["-O3", "-std=c++17", "-fvisibility=hidden", "-fno-math-errno", "-g0"]
         link = ["-pthread"]
+        if sys.platform.startswith("linux"):
+            # the library uses no Python symbols (ctypes loads it), so an undefined one is a
+            # bug: an op's table entry k<Op>Def missing from its .cc fails here, not at load
+            link.append("-Wl,--no-undefined")
     return [
         Extension(
             "qdsl.runtime._qdsl_native",

@@ -1,13 +1,14 @@
 """``qdsl.export(model, example_input)``: lower a frozen patched model to an IntegerGraph.
 
-How: the model is traced with torch.fx by a tracer that bypasses qdsl's hooks (hooks do
-not belong in a graph) and instead inserts an explicit marker node wherever a patched
-module's input or output quantizer sits; the proxies are found by module path through
+How: the model is traced with torch.fx by :class:`qdsl.patch.trace.MarkingTracer`, which
+bypasses qdsl's hooks (hooks do not belong in a graph) and instead inserts an explicit
+marker node wherever a patched module's input or output quantizer sits; the proxies are found by module path through
 ``qdsl.patch.get_handle(model)``. ShapeProp gives every node's shape. The nodes are then
 walked in order, each mapped to a value (values.py); integer ops are emitted when a
 quantizer fixes a pending result's scale.
 
-Lowering rules (docs/qgraph.md has the op semantics):
+Lowering rules (docs/qgraph.md has the op semantics; the code is in rules.py, one entry
+per catalog `lowering` name, dispatched from here):
 
 * a Conv1d/Conv2d/Linear with a weight quantizer and a quantized input becomes
   CONV*/LINEAR (BCONV*/BLINEAR when input and weight are binary) with its BN-folded
@@ -29,7 +30,6 @@ the module path and the spec change that fixes it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -37,64 +37,15 @@ import torch
 import torch.fx
 from torch import nn
 
-from qdsl.graph.ir import DType, OpType, OutputStage, Rounding
-from qdsl.export.lower_layers import (
-    act_target,
-    add_pending,
-    concat_value,
-    layer_pending,
-    pool_pending,
-    raw,
-    wide,
-)
+from qdsl.graph.ir import DType, OpType, OutputStage
+from qdsl.export.lower_layers import act_target, wide
+from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
-from qdsl.export.lower_lut import lut_pending
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
-from qdsl.patch.constructs import functions, methods, module_construct, resolve_path
+from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.patch.trace import MarkingTracer, quantizer_mark
 
 __all__ = ["export", "trace_quantized"]
-
-
-def _qmark(x, fqn: str, role: str):
-    """Marker for 'the quantizer of (fqn, role) acts here'; identity when run."""
-    return x
-
-
-class _Tracer(torch.fx.Tracer):
-    """Bypasses hooks; inserts :func:`_qmark` nodes for patched input/output quantizers."""
-
-    def __init__(self, handle) -> None:
-        super().__init__()
-        self.handle = handle
-        self._scopes: list[str] = [""]
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        patch = self.handle.layers.get(qualname)
-        if patch is not None and patch.wq is not None:
-            return True
-        return super().is_leaf_module(m, qualname)
-
-    def create_node(self, *args, **kwargs):
-        node = super().create_node(*args, **kwargs)
-        node.meta["qdsl_scope"] = self._scopes[-1]
-        return node
-
-    def call_module(self, m, forward, args, kwargs):
-        fqn = self.path_of_module(m)
-        patch = self.handle.layers.get(fqn)
-        if patch is not None and patch.iq is not None and args:
-            args = (self.create_proxy("call_function", _qmark, (args[0], fqn, "input"), {}),) + tuple(args[1:])
-        self._scopes.append(fqn)
-        try:
-            if self.is_leaf_module(m, fqn):
-                out = self.create_proxy("call_module", fqn, args, kwargs)
-            else:
-                out = m.forward(*args, **kwargs)  # m(...) would run qdsl's hooks on proxies
-        finally:
-            self._scopes.pop()
-        if patch is not None and patch.oq is not None:
-            out = self.create_proxy("call_function", _qmark, (out, fqn, "output"), {})
-        return out
 
 
 class _ShapeRecorder(torch.fx.Interpreter):
@@ -115,7 +66,7 @@ class _ShapeRecorder(torch.fx.Interpreter):
 def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
     """The model's fx graph with explicit quantizer markers (see module doc); its module
     targets are paths in ``model`` (``""`` when the model itself is the one layer)."""
-    tracer = _Tracer(handle)
+    tracer = MarkingTracer(handle)
     if tracer.is_leaf_module(model, ""):
         # fx traces the root's forward and never treats the root as a call, so a model that
         # is one quantized layer (a bare nn.Linear) would read its weight as a tensor
@@ -134,12 +85,9 @@ def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
 
 
 # what each module class / function / method lowers to: the shared construct table
-# (qdsl/graph/catalog.py); the rules themselves are the branches below
+# (qdsl/graph/catalog.py); the rules themselves are in rules.py, keyed by its `lowering`
 _FUNCTION_RULES = functions(lambda c: c.lowering is not None)
 _METHOD_RULES = methods(lambda c: c.lowering is not None)
-# functional pool -> (module class, positional options it shares with the constructor)
-_FUNCTIONAL_POOLS = {fn: (resolve_path(c.like[0]), c.like[1])
-                     for fn, c in _FUNCTION_RULES.items() if c.lowering == "pool"}
 
 
 class _Lowerer:
@@ -205,81 +153,19 @@ class _Lowerer:
                           f"quantize it: add `output = a8` (any activation quantizer) for '{origin}' in the spec, "
                           f"or `input = a8` for '{where}'")
 
-    # ---------------------------------------------------------------- ops
-    def relu(self, value: Any, lo: float, hi: float, where: str) -> Any:
-        if isinstance(value, Pending):
-            return value.clamped(lo, hi)
-        v = self.need_q(value, where, "ReLU/clamp")
-        t = Target(v.scale, v.zp, v.qmin, v.qmax, v.dtype, Rounding.HALF_EVEN, where)
-        out_min, out_max = t.clamp_codes(lo, hi)
-        name = self.b.op(OpType.CLAMP, where, [v.name], v.dtype, v.shape, {"out_min": out_min, "out_max": out_max})
-        return self.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, v.shape)
-
-    def reshape(self, value: Any, shape: tuple[int, ...], where: str) -> Any:
-        if tuple(value.shape) == shape:
-            return value
-        a = {"shape": shape[1:]}
-        if isinstance(value, Pending):
-            return value.then(OpType.RESHAPE, a, shape)
-        if isinstance(value, FloatVal) and value.name is not None:
-            return FloatVal(value.origin, shape, value.name, shape[1:])
-        v = self.need_q(value, where, "a reshape")
-        name = self.b.op(OpType.RESHAPE, where, [v.name], v.dtype, shape, a)
-        return self.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
-
-    def maxpool(self, value: Any, m: nn.Module, shape, where: str) -> Any:
-        rank = 1 if isinstance(m, nn.MaxPool1d) else 2
-        if m.ceil_mode or m.return_indices:
-            raise ExportError(where, "max pool with ceil_mode or return_indices has no integer lowering")
-        tup = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v,) * rank  # noqa: E731
-        a = dict(kernel=tup(m.kernel_size), stride=tup(m.stride if m.stride is not None else m.kernel_size),
-                 padding=tup(m.padding), dilation=tup(m.dilation))
-        op = OpType.MAXPOOL1D if rank == 1 else OpType.MAXPOOL2D
-        if isinstance(value, Pending):  # max commutes with the (monotone) quantizer
-            return value.then(op, a, shape)
-        v = self.need_q(value, where, "max pool")
-        name = self.b.op(op, where, [v.name], v.dtype, shape, a)
-        return self.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
-
+    # ---------------------------------------------------------------- dispatch (rules.py)
     def call_module(self, node, m: nn.Module, args) -> Any:
         fqn, x = node.target, args[0] if args else None
         shape = self.shape(node)
         construct = module_construct(m)
-        rule = construct.lowering if construct is not None else None
-        if rule == "layer":
-            patch = self.handle.layers.get(fqn)
-            return layer_pending(self.b, fqn, m, patch, self.need_layer_input(x, fqn, patch), shape)
-        if rule == "batch_norm":
-            if fqn in self.folded_bns:
-                return x
-            raise ExportError(fqn, "a BatchNorm that is not folded into the layer before it has no integer lowering",
-                              "set `fold_bn` in the spec (the BN must directly follow a Conv/Linear)")
-        if rule == "pass":
-            return x
-        if rule == "relu6":
-            return self.relu(x, 0.0, 6.0, fqn)
-        if rule == "hardtanh":
-            return self.relu(x, float(m.min_val), float(m.max_val), fqn)
-        if rule == "relu":
-            return self.relu(x, 0.0, math.inf, fqn)
-        if rule == "reshape":
-            return self.reshape(x, shape, fqn)
-        if rule == "pool":
-            return self.pool(x, m, shape, fqn)
-        if rule == "lut":  # m.forward: m(...) would run qdsl's hooks
-            return lut_pending(fqn, x, m.forward, type(m).__name__, shape)
+        rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
+        if rule is not None:
+            try:
+                return rule(self, node, m, x, shape, fqn)
+            except NoLowering:
+                pass
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
                           "skip the layers from here on in the spec and run them in float after the graph")
-
-    def pool(self, x: Any, m: nn.Module, shape, where: str) -> Any:
-        if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
-            return self.maxpool(x, m, shape, where)
-        # an unquantized layer result is pooled from its int32 accumulator, the pool's
-        # per-channel stage applying s_acc[c] / (area · s_out) with one rounding
-        if isinstance(x, Pending):
-            v, scales = raw(self.b, x, where)
-            return pool_pending(where, m, v, shape, scales)
-        return pool_pending(where, m, self.need_q(x, where, "average pool"), shape)
 
     def need_layer_input(self, x: Any, fqn: str, patch) -> QVal:
         if patch is None or patch.wq is None:
@@ -293,58 +179,27 @@ class _Lowerer:
 
     def call_function(self, node, fn, args, kwargs) -> Any:
         where = self.where(node)
-        if fn is _qmark:
+        if fn is quantizer_mark:
             return self.quantize(args[0], args[1], args[2])
         construct = _FUNCTION_RULES.get(fn)
-        rule = construct.lowering if construct is not None else None
-        if rule == "add":
-            if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(isinstance(a, (QVal, Pending, FloatVal)) for a in args):
-                raise ExportError(where, f"'{node.name}' is not a plain two-tensor add")
-            return add_pending(where, args[0], args[1], self.shape(node))
-        if rule == "reshape":
-            return self.reshape(args[0], self.shape(node), where)
-        if rule == "relu6":
-            return self.relu(args[0], 0.0, 6.0, where)
-        if rule == "hardtanh":
-            lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
-            hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
-            return self.relu(args[0], float(lo), float(hi), where)
-        if rule == "relu":
-            return self.relu(args[0], 0.0, math.inf, where)
-        if rule == "pool":
-            module_type, n_positional = _FUNCTIONAL_POOLS[fn]
-            if len(args) - 1 > n_positional:
-                raise ExportError(where, f"pass the options of {fn.__name__} by keyword ('{node.name}')")
-            try:  # same parameter names (and leading order) as the module's constructor
-                m = module_type(*args[1:], **kwargs)
-            except TypeError as e:
-                raise ExportError(where, f"{fn.__name__} options not understood: {e}") from None
-            return self.pool(args[0], m, self.shape(node), where)
-        if rule == "lut":
-            if any(isinstance(a, (QVal, Pending, FloatVal)) for a in list(args[1:]) + list(kwargs.values())):
-                raise ExportError(where, f"'{node.name}' reads more than one tensor")
-            rest = tuple(args[1:])
-            return lut_pending(where, args[0], lambda t: fn(t, *rest, **kwargs), fn.__name__, self.shape(node))
-        if rule == "concat":
-            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
-            return concat_value(self.b, where, list(args[0]), dim, self.shape(node))
-        if rule == "shape" or (rule == "item" and not isinstance(args[0], (QVal, Pending, FloatVal))):
-            return None  # shape arithmetic (x.size(0), ...): not a tensor
+        rule = FUNCTION_RULES.get(construct.lowering) if construct is not None else None
+        if rule is not None:
+            try:
+                return rule(self, node, fn, args, kwargs, where)
+            except NoLowering:
+                pass
         raise ExportError(where, f"the function {getattr(fn, '__name__', fn)!s} ('{node.name}') has no integer lowering",
                           "use a module the exporter knows (see docs/qgraph.md) or skip this part in the spec")
 
     def call_method(self, node, name: str, args) -> Any:
         where = self.where(node)
         construct = _METHOD_RULES.get(name)
-        rule = construct.lowering if construct is not None else None
-        if rule == "shape":
-            return None
-        if rule == "relu":
-            return self.relu(args[0], 0.0, math.inf, where)
-        if rule == "reshape":
-            return self.reshape(args[0], self.shape(node), where)
-        if rule == "add" and len(args) == 2:
-            return add_pending(where, args[0], args[1], self.shape(node))
+        rule = METHOD_RULES.get(construct.lowering) if construct is not None else None
+        if rule is not None:
+            try:
+                return rule(self, node, name, args, where)
+            except NoLowering:
+                pass
         raise ExportError(where, f"the method .{name}() ('{node.name}') has no integer lowering")
 
     # ---------------------------------------------------------------- walk

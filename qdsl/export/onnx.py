@@ -2,7 +2,7 @@
 
 The model is lowered exactly as :func:`qdsl.export.export` does, then every integer op is
 written the way ONNX expresses quantization: float ops between QuantizeLinear /
-DequantizeLinear pairs (opset 13, per-channel weights via ``axis=0``). Each graph tensor
+DequantizeLinear pairs (opset 13, per-channel weights via ``axis=0``; ConvTranspose ``axis=1``). Each graph tensor
 becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
 
 * weights: ``DequantizeLinear(int8 weights, per-channel scale, zero point)`` (int4/int2 and
@@ -93,15 +93,19 @@ class _Writer:
         q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
         return self.node("DequantizeLinear", [q, s, z], tensor)
 
-    def weight(self, name: str) -> str:
+    def weight(self, name: str, axis: int = 0) -> str:
+        """``axis``: the output channels' (1 for ConvTranspose, whose per-output-channel
+        grid repeats per group: the first group's ``out/groups`` entries are the axis's)."""
         t = self.graph.tensor(name)
         scale, zp = self.grid(name)
+        if axis and np.size(scale) > 1:
+            scale, zp = np.asarray(scale)[: t.shape[axis]], np.asarray(zp)[: t.shape[axis]]
         signed = t.dtype not in (DType.U8, DType.U4, DType.U2)
         dtype = np.int8 if signed else np.uint8
         q = self.const(name, t.data.astype(dtype))
         s = self.const(name + "_scale", np.asarray(scale, dtype=np.float32))
         z = self.const(name + "_zp", np.asarray(zp).astype(dtype))
-        return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=0)
+        return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=axis)
 
     def bias(self, name: str) -> str:
         scale, _ = self.grid(name)
@@ -138,6 +142,11 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
             y = w.node("Conv", ins, out + "_conv", strides=list(a["stride"]), pads=pads,
                        dilations=list(a["dilation"]), group=a["groups"])
         return w.qdq(y, out, *_stage(a))
+    if t in (OpType.CONV_TRANSPOSE1D, OpType.CONV_TRANSPOSE2D):
+        ins = [xs[0], w.weight(op.inputs[1], axis=1)] + ([w.bias(op.inputs[2])] if len(op.inputs) == 3 else [])
+        y = w.node("ConvTranspose", ins, out + "_convt", strides=list(a["stride"]), pads=list(a["padding"]) * 2,
+                   dilations=list(a["dilation"]), group=a["groups"], output_padding=list(a["output_padding"]))
+        return w.qdq(y, out, *_stage(a))
     if t is OpType.ADD:
         return w.qdq(w.node("Add", xs, out + "_add"), out, *_stage(a))
     if t is OpType.CONCAT:
@@ -160,7 +169,7 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     if t is OpType.RESHAPE:
         shape = w.const("shape", np.array([0, *a["shape"]], dtype=np.int64))
         return w.node("Reshape", [xs[0], shape], out)
-    raise ExportError(op.name, f"{t.name} has no ONNX lowering")  # pragma: no cover - OpType is closed
+    raise ExportError(op.name, f"{t.name} has no ONNX lowering")  # an op added without an ONNX form: refused here
 
 
 def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:

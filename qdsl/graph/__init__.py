@@ -1,6 +1,10 @@
 """The integer graph, torch-free: what ``qdsl.export`` produces and ``qdsl.runtime`` runs.
 
 * :mod:`qdsl.graph.ir` - the versioned IR (:class:`IntegerGraph`, ops, tensors, rescales);
+* :mod:`qdsl.graph.ops` - the op registry: one module per op (or family) with its schema,
+  validation rule and reference semantics (``OpType``/``OP_SCHEMAS`` are views of it);
+* :mod:`qdsl.graph.schema` - dtypes, attribute types, rescales, ``OpSchema`` (re-exported by ``ir``);
+* :mod:`qdsl.graph.checks` - the checks op validation rules are written with;
 * :mod:`qdsl.graph.validate` - what a well-formed graph is (checked on build and on load);
 * :mod:`qdsl.graph.qgraph` - ``.qgraph`` files (docs/qgraph.md): :func:`save_graph`,
   :func:`load_graph`, :func:`graph_to_bytes`, :func:`graph_from_bytes`;

@@ -43,7 +43,7 @@ __all__ = [
 
 # lowering rule -> the graph ops it may emit (lower.py / lower_layers.py hold the rules)
 LOWERINGS: dict[str, tuple[str, ...]] = {
-    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR"),
+    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR", "CONV_TRANSPOSE1D", "CONV_TRANSPOSE2D"),
     "batch_norm": (),  # folded into the layer before it (`fold_bn`), else an error
     "pass": (),  # Identity / Dropout in eval: the value itself
     "relu": ("CLAMP",),  # fused into a pending output stage, else CLAMP
@@ -62,7 +62,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
 BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE")
 """Emitted where a quantizer sits (and at the graph's float input/output), for no construct."""
 
-WEIGHTED_OPS = ("conv1d", "conv2d", "linear")
+WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpose2d")
 """Ops with a weight (and optional bias): the ones with an integer accumulator."""
 
 OPS = WEIGHTED_OPS + (
@@ -114,6 +114,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("Conv1d", "conv1d", "layer"),
         ("Conv2d", "conv2d", "layer"),
         ("Linear", "linear", "layer"),
+        ("ConvTranspose1d", "conv_transpose1d", "layer"),
+        ("ConvTranspose2d", "conv_transpose2d", "layer"),
         ("BatchNorm1d", "batch_norm", "batch_norm", True),
         ("BatchNorm2d", "batch_norm", "batch_norm", True),
         ("ReLU", "relu", "relu", True),

@@ -60,7 +60,7 @@ import math
 
 import numpy as np
 
-from qdsl.graph.ir import GraphFormatError, Rescale, RescaleKind, Rounding
+from qdsl.graph.schema import GraphFormatError, Rescale, RescaleKind, Rounding
 
 __all__ = [
     "INT32_MIN",

@@ -16,6 +16,12 @@ once and returns a :class:`ModelTrace`:
 
 Users: BatchNorm folding (:mod:`qdsl.patch.fold`), the coverage check of ``apply``
 (:mod:`qdsl.patch.coverage`) and lint's op graph (:mod:`qdsl.lint.graph`).
+
+The export variant, :class:`MarkingTracer`, traces a *patched* model for
+:mod:`qdsl.export.lower`: it bypasses qdsl's hooks (hooks do not belong in a graph), keeps
+every layer with a weight quantizer as a leaf, inserts a :func:`quantizer_mark` node
+wherever a patched module's input or output quantizer acts, and records in
+``node.meta["qdsl_scope"]`` the module each node was traced in.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import attrs
 import torch.fx
 from torch import nn
 
-__all__ = ["ModelTrace", "trace_model"]
+__all__ = ["ModelTrace", "trace_model", "MarkingTracer", "quantizer_mark"]
 
 
 @attrs.frozen
@@ -76,3 +82,47 @@ def trace_model(model: nn.Module) -> ModelTrace:
         return ModelTrace(type(model).__name__, None, error=f"{type(exc).__name__}: {msg}"[:300])
     leaves = frozenset(str(n.target) for n in graph.nodes if n.op == "call_module")
     return ModelTrace(type(model).__name__, graph, tracer.calls, leaves)
+
+
+def quantizer_mark(x, fqn: str, role: str):
+    """Marker for 'the quantizer of (fqn, role) acts here' in a :class:`MarkingTracer`
+    graph; identity when run."""
+    return x
+
+
+class MarkingTracer(torch.fx.Tracer):
+    """Export's variant: bypasses hooks; inserts :func:`quantizer_mark` nodes for the
+    patched input/output quantizers of ``handle`` (a ``qdsl.patch`` handle)."""
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self.handle = handle
+        self._scopes: list[str] = [""]
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        patch = self.handle.layers.get(qualname)
+        if patch is not None and patch.wq is not None:
+            return True
+        return super().is_leaf_module(m, qualname)
+
+    def create_node(self, *args, **kwargs):
+        node = super().create_node(*args, **kwargs)
+        node.meta["qdsl_scope"] = self._scopes[-1]
+        return node
+
+    def call_module(self, m, forward, args, kwargs):
+        fqn = self.path_of_module(m)
+        patch = self.handle.layers.get(fqn)
+        if patch is not None and patch.iq is not None and args:
+            args = (self.create_proxy("call_function", quantizer_mark, (args[0], fqn, "input"), {}),) + tuple(args[1:])
+        self._scopes.append(fqn)
+        try:
+            if self.is_leaf_module(m, fqn):
+                out = self.create_proxy("call_module", fqn, args, kwargs)
+            else:
+                out = m.forward(*args, **kwargs)  # m(...) would run qdsl's hooks on proxies
+        finally:
+            self._scopes.pop()
+        if patch is not None and patch.oq is not None:
+            out = self.create_proxy("call_function", quantizer_mark, (out, fqn, "output"), {})
+        return out

@@ -73,4 +73,7 @@ Status RunAdd(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kAddDef = {PrepareAdd, RunAdd, ValueRange::kStage};
+
 }  // namespace qdsl

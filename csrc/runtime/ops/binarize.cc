@@ -43,4 +43,7 @@ Status RunBinarize(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kBinarizeDef = {PrepareBinarize, RunBinarize, ValueRange::kStage};  // BIN output
+
 }  // namespace qdsl

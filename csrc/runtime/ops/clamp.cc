@@ -53,4 +53,7 @@ Status RunClamp(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kClampDef = {PrepareClamp, RunClamp, ValueRange::kClamp};
+
 }  // namespace qdsl

@@ -84,4 +84,7 @@ Status RunConcat(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kConcatDef = {PrepareConcat, RunConcat, ValueRange::kStage};
+
 }  // namespace qdsl

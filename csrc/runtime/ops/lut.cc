@@ -47,4 +47,7 @@ Status RunLut(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kLutDef = {PrepareLut, RunLut, ValueRange::kStage};  // no out_min/max: the dtype's range
+
 }  // namespace qdsl

@@ -8,8 +8,9 @@
 //   Status Run<Op>(RunCtx&, const GraphOp&)
 //       executes it from those params alone (no attribute lookups by name at run time).
 //
-// op_table.cc maps each opcode to its pair (OpDefFor); PrepareGraph (prepare.cc) and
-// RunGraph (executor.cc) are loops over that table.  Where an op has a vector kernel
+// The op's .cc registers the pair as `const OpDef k<Op>Def` (see the end of this file);
+// the generated op_schema.h lists those by opcode (kOpDefs), OpDefFor reads it, and
+// PrepareGraph (prepare.cc) and RunGraph (executor.cc) are loops over that table.  Where an op has a vector kernel
 // (chosen through dispatch.h) its scalar reference sits beside it in the same file.
 #ifndef QDSL_RUNTIME_OPS_OP_H_
 #define QDSL_RUNTIME_OPS_OP_H_
@@ -113,32 +114,10 @@ inline int64_t Numel(const std::vector<int64_t>& s) {
   return n;
 }
 
-// ---- the ops (one file or family each; op_table.cc registers them) ----
-
-Status PrepareQuantize(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);    // quantize.cc
-Status RunQuantize(RunCtx& c, const GraphOp& op);
-Status PrepareDequantize(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);  // quantize.cc
-Status RunDequantize(RunCtx& c, const GraphOp& op);
-Status PrepareRequantize(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);  // requantize.cc
-Status RunRequantize(RunCtx& c, const GraphOp& op);
-Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);        // conv_prepare.cc
-Status RunConvOp(RunCtx& c, const GraphOp& op);                                           // conv_exec.cc
-Status PrepareAdd(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);         // add.cc
-Status RunAdd(RunCtx& c, const GraphOp& op);
-Status PrepareConcat(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);      // concat.cc
-Status RunConcat(RunCtx& c, const GraphOp& op);
-Status PrepareClamp(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);       // clamp.cc
-Status RunClamp(RunCtx& c, const GraphOp& op);
-Status PreparePool(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);        // pool.cc
-Status RunPool(RunCtx& c, const GraphOp& op);
-Status PrepareGlobalAvgpool(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);  // pool.cc
-Status RunGlobalAvgpool(RunCtx& c, const GraphOp& op);
-Status PrepareReshape(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);     // reshape.cc
-Status RunReshape(RunCtx& c, const GraphOp& op);
-Status PrepareBinarize(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);    // binarize.cc
-Status RunBinarize(RunCtx& c, const GraphOp& op);
-Status PrepareLut(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape);        // lut.cc
-Status RunLut(RunCtx& c, const GraphOp& op);
+// ---- the ops ----
+// Each op's .cc defines its Prepare and Run and its table entry `const OpDef k<Op>Def`
+// (the name op_schema.h's generated kOpDefs expects, from csrc/gen_op_schema.py); nothing
+// here changes per op.  Families share a header (conv.h, add.h).
 
 }  // namespace qdsl
 

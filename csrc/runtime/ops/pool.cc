@@ -204,4 +204,11 @@ Status RunGlobalAvgpool(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kMaxpool1dDef = {PreparePool, RunPool, ValueRange::kInput};
+const OpDef kMaxpool2dDef = {PreparePool, RunPool, ValueRange::kInput};
+const OpDef kAvgpool1dDef = {PreparePool, RunPool, ValueRange::kStage};
+const OpDef kAvgpool2dDef = {PreparePool, RunPool, ValueRange::kStage};
+const OpDef kGlobalAvgpoolDef = {PrepareGlobalAvgpool, RunGlobalAvgpool, ValueRange::kStage};
+
 }  // namespace qdsl

@@ -119,4 +119,8 @@ Status RunDequantize(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kQuantizeDef = {PrepareQuantize, RunQuantize, ValueRange::kQuantize};
+const OpDef kDequantizeDef = {PrepareDequantize, RunDequantize, ValueRange::kStage};  // F32 output
+
 }  // namespace qdsl

@@ -92,4 +92,7 @@ Status RunRequantize(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kRequantizeDef = {PrepareRequantize, RunRequantize, ValueRange::kStage};
+
 }  // namespace qdsl

@@ -32,4 +32,7 @@ Status RunReshape(RunCtx& c, const GraphOp& op) {
   return Status::Ok();
 }
 
+// The op table's entries (op_schema.h names them by opcode).
+const OpDef kReshapeDef = {PrepareReshape, RunReshape, ValueRange::kInput};
+
 }  // namespace qdsl

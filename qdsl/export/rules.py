@@ -1,0 +1,222 @@
+"""Export's lowering rules, one place per rule, dispatched by the catalog's ``lowering`` name.
+
+A construct's row in ``qdsl/graph/catalog.py`` names its rule (``lowering``); the
+lowerer (``lower.py``) looks the name up here by the construct's form and calls it:
+
+* ``@module_rule(name)``: ``fn(lw, node, m, x, shape, fqn)`` for a module call;
+* ``@function_rule(name)``: ``fn(lw, node, fn, args, kwargs, where)`` for a function call;
+* ``@method_rule(name)``: ``fn(lw, node, name, args, where)`` for a tensor method.
+
+``lw`` is the running lowerer (its builder ``lw.b``, ``lw.shape(node)``, ``lw.need_q``,
+``lw.handle``...).  A rule raises :class:`NoLowering` when this call is outside what it
+lowers, and the lowerer reports the construct as having no integer lowering.  A rule with
+much code keeps it in its own module (``lower_layers.py``, ``lower_lut.py``) and is an
+entry here.  ``tests/export/test_catalog.py`` checks these names against ``LOWERINGS``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from torch import nn
+
+from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
+from qdsl.export.lower_lut import lut_pending
+from qdsl.export.values import ExportError, FloatVal, Pending, QVal, Target
+from qdsl.graph.ir import OpType, Rounding
+from qdsl.patch.constructs import functions, resolve_path
+
+__all__ = ["MODULE_RULES", "FUNCTION_RULES", "METHOD_RULES", "NoLowering", "module_rule", "function_rule",
+           "method_rule"]
+
+MODULE_RULES: dict[str, Callable[..., Any]] = {}
+FUNCTION_RULES: dict[str, Callable[..., Any]] = {}
+METHOD_RULES: dict[str, Callable[..., Any]] = {}
+
+
+class NoLowering(Exception):
+    """This call is not one the rule lowers (the lowerer reports it with its usual message)."""
+
+
+def _registrar(table: dict[str, Callable[..., Any]]):
+    def register(*names: str):
+        def deco(fn):
+            for name in names:
+                table[name] = fn
+            return fn
+        return deco
+    return register
+
+
+module_rule = _registrar(MODULE_RULES)
+function_rule = _registrar(FUNCTION_RULES)
+method_rule = _registrar(METHOD_RULES)
+
+
+def _is_value(a: Any) -> bool:
+    return isinstance(a, (QVal, Pending, FloatVal))
+
+
+# ---------------------------------------------------------------- layer, batch_norm, pass
+@module_rule("layer")
+def _layer(lw, node, m, x, shape, fqn):
+    patch = lw.handle.layers.get(fqn)
+    return layer_pending(lw.b, fqn, m, patch, lw.need_layer_input(x, fqn, patch), shape)
+
+
+@module_rule("batch_norm")
+def _batch_norm(lw, node, m, x, shape, fqn):
+    if fqn in lw.folded_bns:
+        return x
+    raise ExportError(fqn, "a BatchNorm that is not folded into the layer before it has no integer lowering",
+                      "set `fold_bn` in the spec (the BN must directly follow a Conv/Linear)")
+
+
+@module_rule("pass")
+def _pass(lw, node, m, x, shape, fqn):
+    return x
+
+
+# ---------------------------------------------------------------- relu, relu6, hardtanh -> CLAMP
+def relu(lw, value: Any, lo: float, hi: float, where: str) -> Any:
+    """Fused into a pending output stage, else a CLAMP in the value's codes."""
+    if isinstance(value, Pending):
+        return value.clamped(lo, hi)
+    v = lw.need_q(value, where, "ReLU/clamp")
+    t = Target(v.scale, v.zp, v.qmin, v.qmax, v.dtype, Rounding.HALF_EVEN, where)
+    out_min, out_max = t.clamp_codes(lo, hi)
+    name = lw.b.op(OpType.CLAMP, where, [v.name], v.dtype, v.shape, {"out_min": out_min, "out_max": out_max})
+    return lw.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, v.shape)
+
+
+module_rule("relu")(lambda lw, node, m, x, shape, fqn: relu(lw, x, 0.0, math.inf, fqn))
+function_rule("relu")(lambda lw, node, fn, args, kwargs, where: relu(lw, args[0], 0.0, math.inf, where))
+method_rule("relu")(lambda lw, node, name, args, where: relu(lw, args[0], 0.0, math.inf, where))
+module_rule("relu6")(lambda lw, node, m, x, shape, fqn: relu(lw, x, 0.0, 6.0, fqn))
+function_rule("relu6")(lambda lw, node, fn, args, kwargs, where: relu(lw, args[0], 0.0, 6.0, where))
+module_rule("hardtanh")(lambda lw, node, m, x, shape, fqn: relu(lw, x, float(m.min_val), float(m.max_val), fqn))
+
+
+@function_rule("hardtanh")
+def _hardtanh_fn(lw, node, fn, args, kwargs, where):
+    lo = args[1] if len(args) > 1 else kwargs.get("min_val", -1.0)
+    hi = args[2] if len(args) > 2 else kwargs.get("max_val", 1.0)
+    return relu(lw, args[0], float(lo), float(hi), where)
+
+
+# ---------------------------------------------------------------- reshape -> RESHAPE
+def reshape(lw, value: Any, shape: tuple[int, ...], where: str) -> Any:
+    if tuple(value.shape) == shape:
+        return value
+    a = {"shape": shape[1:]}
+    if isinstance(value, Pending):
+        return value.then(OpType.RESHAPE, a, shape)
+    if isinstance(value, FloatVal) and value.name is not None:
+        return FloatVal(value.origin, shape, value.name, shape[1:])
+    v = lw.need_q(value, where, "a reshape")
+    name = lw.b.op(OpType.RESHAPE, where, [v.name], v.dtype, shape, a)
+    return lw.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
+
+
+module_rule("reshape")(lambda lw, node, m, x, shape, fqn: reshape(lw, x, shape, fqn))
+function_rule("reshape")(lambda lw, node, fn, args, kwargs, where: reshape(lw, args[0], lw.shape(node), where))
+method_rule("reshape")(lambda lw, node, name, args, where: reshape(lw, args[0], lw.shape(node), where))
+
+
+# ---------------------------------------------------------------- pool -> MAXPOOL*/AVGPOOL*/GLOBAL_AVGPOOL
+def _maxpool(lw, value: Any, m: nn.Module, shape, where: str) -> Any:
+    rank = 1 if isinstance(m, nn.MaxPool1d) else 2
+    if m.ceil_mode or m.return_indices:
+        raise ExportError(where, "max pool with ceil_mode or return_indices has no integer lowering")
+    tup = lambda v: tuple(v) if isinstance(v, (tuple, list)) else (v,) * rank  # noqa: E731
+    a = dict(kernel=tup(m.kernel_size), stride=tup(m.stride if m.stride is not None else m.kernel_size),
+             padding=tup(m.padding), dilation=tup(m.dilation))
+    op = OpType.MAXPOOL1D if rank == 1 else OpType.MAXPOOL2D
+    if isinstance(value, Pending):  # max commutes with the (monotone) quantizer
+        return value.then(op, a, shape)
+    v = lw.need_q(value, where, "max pool")
+    name = lw.b.op(op, where, [v.name], v.dtype, shape, a)
+    return lw.b.q(name, v.scale, v.zp, v.qmin, v.qmax, v.dtype, shape)
+
+
+@module_rule("pool")
+def pool(lw, node, m: nn.Module, x: Any, shape, where: str) -> Any:
+    if isinstance(m, (nn.MaxPool1d, nn.MaxPool2d)):
+        return _maxpool(lw, x, m, shape, where)
+    # an unquantized layer result is pooled from its int32 accumulator, the pool's
+    # per-channel stage applying s_acc[c] / (area · s_out) with one rounding
+    if isinstance(x, Pending):
+        v, scales = raw(lw.b, x, where)
+        return pool_pending(where, m, v, shape, scales)
+    return pool_pending(where, m, lw.need_q(x, where, "average pool"), shape)
+
+
+# functional pool -> (module class, positional options it shares with the constructor)
+_FUNCTIONAL_POOLS = {fn: (resolve_path(c.like[0]), c.like[1])
+                     for fn, c in functions(lambda c: c.lowering == "pool").items()}
+
+
+@function_rule("pool")
+def _pool_fn(lw, node, fn, args, kwargs, where):
+    module_type, n_positional = _FUNCTIONAL_POOLS[fn]
+    if len(args) - 1 > n_positional:
+        raise ExportError(where, f"pass the options of {fn.__name__} by keyword ('{node.name}')")
+    try:  # same parameter names (and leading order) as the module's constructor
+        m = module_type(*args[1:], **kwargs)
+    except TypeError as e:
+        raise ExportError(where, f"{fn.__name__} options not understood: {e}") from None
+    return pool(lw, node, m, args[0], lw.shape(node), where)
+
+
+# ---------------------------------------------------------------- add -> ADD, concat -> CONCAT
+@function_rule("add")
+def _add_fn(lw, node, fn, args, kwargs, where):
+    if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(_is_value(a) for a in args):
+        raise ExportError(where, f"'{node.name}' is not a plain two-tensor add")
+    return add_pending(where, args[0], args[1], lw.shape(node))
+
+
+@method_rule("add")
+def _add_method(lw, node, name, args, where):
+    if len(args) != 2:
+        raise NoLowering
+    return add_pending(where, args[0], args[1], lw.shape(node))
+
+
+@function_rule("concat")
+def _concat_fn(lw, node, fn, args, kwargs, where):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+    return concat_value(lw.b, where, list(args[0]), dim, lw.shape(node))
+
+
+# ---------------------------------------------------------------- lut -> LUT (lower_lut.py)
+@module_rule("lut")
+def _lut_module(lw, node, m, x, shape, fqn):
+    return lut_pending(fqn, x, m.forward, type(m).__name__, shape)  # m.forward: m(...) would run qdsl's hooks
+
+
+@function_rule("lut")
+def _lut_fn(lw, node, fn, args, kwargs, where):
+    if any(_is_value(a) for a in list(args[1:]) + list(kwargs.values())):
+        raise ExportError(where, f"'{node.name}' reads more than one tensor")
+    rest = tuple(args[1:])
+    return lut_pending(where, args[0], lambda t: fn(t, *rest, **kwargs), fn.__name__, lw.shape(node))
+
+
+# ---------------------------------------------------------------- shape, item: not tensors
+@function_rule("shape")
+def _shape_fn(lw, node, fn, args, kwargs, where):
+    return None  # shape arithmetic (x.size(0), ...): not a tensor
+
+
+@method_rule("shape")
+def _shape_method(lw, node, name, args, where):
+    return None
+
+
+@function_rule("item")
+def _item_fn(lw, node, fn, args, kwargs, where):
+    if _is_value(args[0]):  # indexing an activation is not shape arithmetic
+        raise NoLowering
+    return None
