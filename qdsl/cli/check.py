@@ -77,7 +77,7 @@ def run(args) -> int:
         from qdsl.lint.graph import model_graph
         from qdsl.lint.lowering import lowering_findings
 
-        diags += lowering_findings(model_graph(model), args.model)
+        diags += lowering_findings(model_graph(model), args.model, plan)
     elif args.strict:
         print("note: --strict checks what a model leaves in float; it needs --model", file=sys.stderr)
     if diags:

@@ -178,7 +178,8 @@ def _lint_plan(plan, prep, original, prof, model, calibrated, regs, model_label)
     spec_file = original.source or "<spec>"
     diags = check_plan(plan, prof, graph, _ints(model, calibrated), _pot_scales(regs),
                        spec_file=spec_file, model_label=model_label)
-    diags += check_hygiene(plan, prep, original) + export_width_findings(prep) + lowering_findings(graph, model_label)
+    diags += check_hygiene(plan, prep, original) + export_width_findings(prep)
+    diags += lowering_findings(graph, model_label, plan)
     if not graph.traced and model is not None and (prof.ops is not None or prof.integer_only):
         if isinstance(model, ModelIndex):
             what, hint = "a ModelIndex has no forward()", "lint the nn.Module itself to check them"

@@ -34,8 +34,9 @@ def small_unet():
     return unet(seed=0, width=4, depth=2)
 
 
-FACTORIES = {"resnet18": small_resnet18, "resnet50": small_resnet50, "mobilenet_v2": small_mobilenet_v2}
-"""Models whose every op exports today."""
+FACTORIES = {"resnet18": small_resnet18, "resnet50": small_resnet50, "mobilenet_v2": small_mobilenet_v2,
+             "unet": small_unet}
+"""Models whose every op exports today (the U-Net takes 16×16 inputs, the others 32×32)."""
 MUL_FACTORIES = {"mobilenet_v3_small": small_mobilenet_v3_small, "efficientnet_b0": small_efficientnet_b0}
 """Models with squeeze-excitation (a product of two activations): no integer MUL yet (issue 17)."""
 
