@@ -7,7 +7,8 @@ prints every diagnostic in the house format and exits 2.  Warnings are printed b
 not fail.  With ``--model``, every module and functional op the spec reaches but qdsl
 leaves in float (``nn.LSTM``, ``torch.matmul``...; :mod:`qdsl.patch.coverage`) and every
 quantized module called more than once is listed on stderr; ``--strict`` makes the
-former an error (exit 2, ``E505``), as ``qdsl.apply(..., strict=True)`` does.
+former an error (exit 2, ``E505``), as ``qdsl.apply(..., strict=True)`` does.  Ops export has
+no integer lowering for (W321, :mod:`qdsl.lint.lowering`) are warnings.
 """
 
 from __future__ import annotations
@@ -72,6 +73,11 @@ def run(args) -> int:
         for text in (coverage.report(), coverage.shared_report() if coverage.shared else ""):
             if text:
                 print(text, file=sys.stderr)
+        # ops export has no lowering for (W321, the catalog lint reads): a warning, the model still trains
+        from qdsl.lint.graph import model_graph
+        from qdsl.lint.lowering import lowering_findings
+
+        diags += lowering_findings(model_graph(model), args.model, plan)
     elif args.strict:
         print("note: --strict checks what a model leaves in float; it needs --model", file=sys.stderr)
     if diags:

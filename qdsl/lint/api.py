@@ -31,6 +31,7 @@ from qdsl.lint.hygiene import check_hygiene
 from qdsl.lint.plan_checks import LayerInts, check_plan
 from qdsl.lint.profile_loader import load_profile
 from qdsl.lint.export_width import export_width_findings
+from qdsl.lint.lowering import lowering_findings
 from qdsl.lint.spec_checks import check_prepared
 from qdsl.resolve.check import prepare
 from qdsl.resolve.plan import ModelIndex, Plan
@@ -178,6 +179,7 @@ def _lint_plan(plan, prep, original, prof, model, calibrated, regs, model_label)
     diags = check_plan(plan, prof, graph, _ints(model, calibrated), _pot_scales(regs),
                        spec_file=spec_file, model_label=model_label)
     diags += check_hygiene(plan, prep, original) + export_width_findings(prep)
+    diags += lowering_findings(graph, model_label, plan)
     if not graph.traced and model is not None and (prof.ops is not None or prof.integer_only):
         if isinstance(model, ModelIndex):
             what, hint = "a ModelIndex has no forward()", "lint the nn.Module itself to check them"

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from qdsl.lint.ops import WEIGHTED_OPS, function_op, method_op, module_op
+from qdsl.lint.ops import WEIGHTED_OPS, function_lowering, function_op, method_op, module_lowered, module_op
 from qdsl.resolve.plan import ModelIndex
 
 __all__ = ["OpNode", "ModelGraph", "model_graph", "index_graph"]
@@ -38,6 +38,12 @@ class OpNode:
     preds: tuple[str, ...]
     label: str
     """How messages name it: the module fqn, or ``add in layer1.0`` for a functional op."""
+    lowered: bool = True
+    """Whether export has an integer lowering for the construct (the catalog's ``lowering``;
+    export refuses one without, even a no-op such as ``F.dropout``); only a traced graph says
+    (the index fallback sees modules it cannot classify)."""
+    construct: str = ""
+    """The class, function or method name (what export's refusal names)."""
 
 
 @attrs.frozen
@@ -132,8 +138,9 @@ def model_graph(model: Any) -> ModelGraph:
         if node.op == "call_module":
             fqn = str(node.target)
             mod = modules.get(fqn)
-            op = module_op(type(mod).__name__) if mod is not None else None
-            nodes.append(OpNode(node.name, op, fqn, preds, fqn))
+            cls = type(mod).__name__
+            op = module_op(cls) if mod is not None else None
+            nodes.append(OpNode(node.name, op, fqn, preds, fqn, mod is None or module_lowered(cls), cls))
             continue
         name = _fn_name(node.target)
         op = function_op(name) if node.op == "call_function" else method_op(name)
@@ -143,7 +150,12 @@ def model_graph(model: Any) -> ModelGraph:
             last_entry = list(stack.values())[-1]
             where = last_entry[0] if isinstance(last_entry, tuple) else str(last_entry)
         label = f"{name} in {where or '<root>'}"
-        nodes.append(OpNode(node.name, op, None, preds, label))
+        rule = function_lowering(name)
+        if rule == "item":  # x.size()[0] is shape arithmetic; indexing a tensor has no lowering
+            src = node.args[0] if node.args else None
+            rule = rule if getattr(src, "op", "").startswith("call_") and function_lowering(
+                _fn_name(src.target)) == "shape" else None
+        nodes.append(OpNode(node.name, op, None, preds, label, rule is not None, name))
     first, last = _positions(nodes, inputs, output_preds)
     return ModelGraph(tuple(nodes), first, last, traced=True)
 

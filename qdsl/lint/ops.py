@@ -22,6 +22,8 @@ __all__ = [
     "module_op",
     "function_op",
     "method_op",
+    "module_lowered",
+    "function_lowering",
 ]
 
 KNOWN_OPS = OPS
@@ -39,6 +41,14 @@ _MODULES = {c.name: c.op for c in CONSTRUCTS if c.kind == "module"}
 # fx call_function / call_method targets, by ``__name__`` (operator.add, torch.add and
 # F.relu all carry one) or method name; lint treats both alike
 _FUNCTIONS = {n: c.op for c in CONSTRUCTS if c.kind != "module" for n in (c.name, short_name(c.name))}
+# the same rows' export lowering (None: export refuses the construct)
+_MODULE_LOWERING = {c.name: c.lowering for c in CONSTRUCTS if c.kind == "module"}
+_FUNCTION_LOWERING: dict[str, str | None] = {}
+for _c in CONSTRUCTS:
+    if _c.kind != "module":
+        for _n in (_c.name, short_name(_c.name)):
+            # one name, several rows (torch.relu and F.relu): lowered when any row is
+            _FUNCTION_LOWERING[_n] = _FUNCTION_LOWERING.get(_n) or _c.lowering
 
 
 def module_op(type_name: str) -> str | None:
@@ -59,3 +69,15 @@ def function_op(name: str) -> str | None:
 def method_op(name: str) -> str | None:
     """The op of a traced tensor method call (``x.view(...)`` -> ``reshape``)."""
     return function_op(name)
+
+
+def module_lowered(type_name: str) -> bool:
+    """Whether export lowers a leaf module of class ``type_name`` (a class outside the
+    construct table, ``nn.ConvTranspose2d``, has no lowering)."""
+    return _MODULE_LOWERING.get(type_name) is not None
+
+
+def function_lowering(name: str) -> str | None:
+    """Export's lowering rule for a traced function or method call named ``name`` (``None``:
+    export refuses it; ``item``, ``operator.getitem``, only on a shape, not on a tensor)."""
+    return _FUNCTION_LOWERING.get(name)

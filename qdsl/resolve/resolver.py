@@ -196,10 +196,12 @@ class _Resolver:
             if not weighted and not matches:
                 continue
             roles = entry.roles
-            key = (entry.type_name, roles, tuple(sorted(matches.items())) if matches else ())
+            # leaf and own parameters: an optional rule naming a parameterless container (_outcome)
+            key = (entry.type_name, roles, entry.leaf, not entry.param_shapes,
+                   tuple(sorted(matches.items())) if matches else ())
             out = self._memo.get(key)
             if out is None:
-                out = self._memo[key] = self._outcome(entry, weighted, key[2])
+                out = self._memo[key] = self._outcome(entry, weighted, key[-1])
             for d in out.diagnostics:
                 self._layer_diags.setdefault(d, []).append(entry.fqn)
             if not weighted and not out.applied:
@@ -272,8 +274,13 @@ class _Resolver:
         for i, lvl in matches:
             b = self.prep.rules[i]
             # an exact name, or a class (every instance of which lacks a weight kernel),
-            # that cannot hold the tensor is the same mistake, reported the same way
-            if lvl is Level.EXACT or (lvl is Level.TYPE and Role.WEIGHT not in has):
+            # that cannot hold the tensor is the same mistake, reported the same way;
+            # except an optional rule naming a container with no parameter of its own
+            # (MobileNetV2's ``features.0`` is a ConvBN-ReLU6 block where a smaller net's
+            # is a conv): that name is just not the layer the rule is for, as a name
+            # matching nothing is not (LSTM-like layers with kernels stay E203)
+            container = self.prep.spec.rules[i].optional and not entry.leaf and not entry.param_shapes
+            if not container and (lvl is Level.EXACT or (lvl is Level.TYPE and Role.WEIGHT not in has)):
                 for r in b.roles:
                     if r not in has:
                         self._e203_rules.add(i)

@@ -1,7 +1,8 @@
 """A MobileNetV2 shaped like torchvision's, written in plain torch (no torchvision needed).
 
 Module names and forward structure follow ``torchvision.models.mobilenet_v2``: ``features``
-(a stem ``Conv2dNormActivation``, 17 ``InvertedResidual`` blocks, a 1×1 head conv), then
+(a stem ``Conv2dNormActivation``, 17 ``InvertedResidual`` blocks, a 1×1 head conv; ReLU6 in
+place), then
 ``adaptive_avg_pool2d``, ``torch.flatten`` and ``classifier`` (``Dropout``, ``Linear``).  Each
 ``InvertedResidual`` holds ``conv`` = [1×1 expand (ConvBN-ReLU6)], 3×3 depthwise
 (ConvBN-ReLU6), 1×1 project conv, BN, and adds its input functionally
@@ -17,14 +18,14 @@ from torch.nn import functional as F
 
 from qdsl.zoo.resnet import seed_weights
 
-__all__ = ["Conv2dNormActivation", "InvertedResidual", "MobileNetV2", "mobilenet_v2"]
+__all__ = ["Conv2dNormActivation", "InvertedResidual", "MobileNetV2", "make_divisible", "mobilenet_v2"]
 
 # torchvision's inverted-residual settings: expansion t, channels c, repeats n, first stride s.
 _SETTINGS = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 3, 2], [6, 64, 4, 2], [6, 96, 3, 1], [6, 160, 3, 2],
              [6, 320, 1, 1]]
 
 
-def _make_divisible(v: float, divisor: int = 8) -> int:
+def make_divisible(v: float, divisor: int = 8) -> int:
     """Round a channel count to a multiple of ``divisor``, never below 90 % of ``v`` (torchvision's rule)."""
     new_v = max(divisor, int(v + divisor / 2) // divisor * divisor)
     if new_v < 0.9 * v:
@@ -33,11 +34,17 @@ def _make_divisible(v: float, divisor: int = 8) -> int:
 
 
 class Conv2dNormActivation(nn.Sequential):
-    """Conv (no bias, 'same'-style padding) -> BatchNorm -> ReLU6, as torchvision's ops block."""
+    """Conv (no bias, 'same'-style padding) -> BatchNorm -> activation (in place), as torchvision's
+    ops block; ``activation=None`` leaves it out (a projection conv).  MobileNetV3 and
+    EfficientNet use it too, with their own activation and BatchNorm ``eps``."""
 
-    def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1):
-        super().__init__(nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
-                         nn.BatchNorm2d(cout), nn.ReLU6())
+    def __init__(self, cin: int, cout: int, kernel_size: int = 3, stride: int = 1, groups: int = 1,
+                 activation: type[nn.Module] | None = nn.ReLU6, eps: float = 1e-5):
+        layers = [nn.Conv2d(cin, cout, kernel_size, stride, (kernel_size - 1) // 2, groups=groups, bias=False),
+                  nn.BatchNorm2d(cout, eps=eps)]
+        if activation is not None:
+            layers.append(activation(inplace=True))
+        super().__init__(*layers)
 
 
 class InvertedResidual(nn.Module):
@@ -67,11 +74,11 @@ class MobileNetV2(nn.Module):
 
     def __init__(self, num_classes: int = 1000, width_mult: float = 1.0, dropout: float = 0.2):
         super().__init__()
-        cin = _make_divisible(32 * width_mult)
-        self.last_channel = _make_divisible(1280 * max(1.0, width_mult))
+        cin = make_divisible(32 * width_mult)
+        self.last_channel = make_divisible(1280 * max(1.0, width_mult))
         features: list[nn.Module] = [Conv2dNormActivation(3, cin, stride=2)]
         for t, c, n, s in _SETTINGS:
-            cout = _make_divisible(c * width_mult)
+            cout = make_divisible(c * width_mult)
             for i in range(n):
                 features.append(InvertedResidual(cin, cout, s if i == 0 else 1, t))
                 cin = cout

@@ -68,7 +68,8 @@ defaults {
 
 
 def test_unquantized_residual_operand_names_the_block():
-    # a binary default input implies nothing (an integer add cannot read ±1 codes)
+    # a binary default input with no integer activation anywhere in the plan implies nothing
+    # (an integer add cannot read ±1 codes)
     model = digits_resnet(width=4).eval()
     qdsl.apply(model, parse_text(BINARY_DEFAULT, "t.qspec"))
     qdsl.calibrate(model, [X])

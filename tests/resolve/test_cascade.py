@@ -172,6 +172,20 @@ def test_exact_rule_on_a_module_without_the_parameter(resnet):
     assert "ReLU" in exc.value.diagnostics[0].message
 
 
+def test_optional_exact_rule_on_a_container_sets_what_the_container_has(resnet):
+    # a bundled spec's "first layer" name (features.0) is a ConvBN-ReLU6 block in MobileNetV2
+    # (was E203 there); optional, it sets only the container's input, not a weight
+    s = spec(rules=[rule(4, "layer1.0", optional=True, weight=tq(4, bits=4), input=tq(4, bits=8))])
+    plan = resolve(resnet, s)
+    assert plan.layer("layer1.0").recipe("input").bits == 8
+    assert Role.WEIGHT not in plan.layer("layer1.0").roles
+    assert plan.layer("layer1.0.conv1").recipe(Role.WEIGHT) is None  # not passed down
+    # without 'optional', or where the module has a parameter of its own, it stays E203
+    with pytest.raises(SpecError) as exc:
+        resolve(resnet, spec(rules=[rule(4, "layer1.0", weight=tq(4, bits=4))]))
+    assert exc.value.codes == ["E203"]
+
+
 def test_glob_rule_applies_roles_only_where_the_tensor_exists(resnet):
     s = spec(rules=[rule(4, "layer1.0.*", weight=tq(4, bits=4), output=tq(4, bits=8))])
     plan = resolve(resnet, s)

@@ -1,0 +1,52 @@
+"""Ops the model runs that export has no integer lowering for (W321), found from the traced graph.
+
+Export lowers each traced module, function and method by its row of the one construct table
+(:mod:`qdsl.graph.catalog`); a row without a ``lowering`` (``operator.mul`` of two
+activations, ``nn.Softmax``) or a ``torch.nn`` class outside the table (``nn.ConvTranspose2d``)
+makes ``qdsl.export`` refuse the model.  Lint reads the same rows through
+:class:`~qdsl.lint.graph.ModelGraph`, so what it reports here is what export would refuse,
+before any calibration.  Independent of the profile (the graph cannot hold the op whatever
+the target), and a warning: the model still trains and fake-quantizes.  One finding per op
+name, located at its first place in the model, with every place listed.
+
+A weighted layer with a binary (bit-packed ±1) weight or input lowers only where the table's
+``layer`` rule has a binary op for it (``BCONV2D`` for ``conv2d``; none for
+``conv_transpose2d``): with the plan, such a layer is a W321 too.
+"""
+
+from __future__ import annotations
+
+from qdsl.graph.catalog import LOWERINGS
+from qdsl.lint.graph import ModelGraph
+from qdsl.lint.ops import WEIGHTED_OPS, module_op
+from qdsl.resolve.plan import Plan
+from qdsl.spec.diagnostics import Diagnostic, Span
+from qdsl.spec.model import Role
+
+__all__ = ["lowering_findings"]
+
+
+def _binary(layer, role: Role) -> bool:
+    r = layer.roles.get(role)
+    return r is not None and r.format.activation_lowering(r.signed) == "bin"
+
+
+def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Plan | None = None) -> list[Diagnostic]:
+    where: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if graph.traced and not node.lowered:
+            where.setdefault(node.op or node.construct, []).append(node.label)
+    for layer in plan.layers if plan is not None else ():
+        op = module_op(layer.type_name)
+        if (op in WEIGHTED_OPS and layer.quantized and f"B{op.upper()}" not in LOWERINGS["layer"]
+                and (_binary(layer, Role.WEIGHT) or _binary(layer, Role.INPUT))):
+            where.setdefault(f"binary {op}", []).append(layer.fqn)
+    out = []
+    for op, labels in where.items():
+        shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")
+        out.append(Diagnostic.warning(
+            "W321", f"'{op}' has no integer lowering: qdsl.export refuses this model ({shown})",
+            Span(model_label, path=labels[0]),
+            "the model still trains and fake-quantizes; to export, replace the construct with one the graph "
+            "has (README: when an op is missing)"))
+    return out
