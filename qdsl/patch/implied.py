@@ -1,4 +1,4 @@
-"""Implied quantizers: integer adds and concats need no hand-written rule.
+"""Implied quantizers: integer adds, concats and lookup tables need no hand-written rule.
 
 An integer ADD or CONCAT (docs/qgraph.md) reads int8 operands or a layer's raw
 accumulator.  When a spec leaves one of its operands unquantized (torchvision's ResNet
@@ -16,12 +16,21 @@ concat (the construct table's ``add``/``concat`` rows), and each average pool re
 weighted layer's or BatchNorm's direct result (the exporter adds the accumulator) or
 already quantized (an output quantizer on the module returning it, or, except after a
 max pool or of a sum, an integer input quantizer of a layer reading it: the exporter then materializes
-the value at that grid and the add reads it, as for the digits ResNet's stem).  Otherwise the
+the value at that grid and the add reads it, as for the digits ResNet's stem).  A sum a binary
+input reads (xnor-binary on MobileNetV2) is quantized too: the graph binarizes int8, not a sum
+(nor a lookup table's or an average pool's result).  An elementwise activation that lowers to a
+lookup table (Hardswish, SiLU, Sigmoid...: the construct table's ``lut`` rows) indexes 8-bit
+codes, so the value it reads gets one unless a layer's integer input already materializes it
+(MobileNetV3's BN -> Hardswish: "implied by hardswish 'features.0.2'"), and so does a table's
+result an average pool reads (EfficientNet's squeeze-excitation).  An implied
 quantizer goes on the outermost module that returns the value (the value has a reader
 outside it) and is called once per forward; a value no such module returns (a model
 input, a bare function's result at the top level) gets none, and export still names it.
-A spec without a ``defaults { input = ... }``, or whose default input is not an integer
-format (binary: an integer add cannot read it), implies nothing.
+The implied recipe is the spec's default input when that is an integer format.  When it
+is not (xnor-binary: an integer add cannot read a binary value), it is the first integer
+activation quantizer the plan already uses (module order: an input or output a rule set,
+e.g. the 8-bit first layer's input or a ``type:BasicBlock`` output); a plan with none
+implies nothing, and export names the value.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import attrs
 import torch.fx
 from torch import nn
 
-from qdsl.patch.constructs import functions, methods, module_classes
+from qdsl.patch.constructs import functions, methods, module_classes, module_construct
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
 from qdsl.spec.model import Role
@@ -43,6 +52,8 @@ _METHODS = methods(lambda c: c.lowering in _INTEGER_OPS)
 # average pools take a layer's accumulator (through ReLU) but not an unquantized sum
 _POOL_MODULES = module_classes(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
 _POOL_FUNCS = functions(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
+# elementwise lookup tables index 8-bit codes: neither a sum nor an accumulator will do
+_LUT_FUNCS = functions(lambda c: c.lowering == "lut")
 _PASS_MODULES = module_classes(lambda c: c.passes)
 _PASS_FUNCS = functions(lambda c: c.passes)
 # a direct result of these is an accumulator the exporter adds (or rescales) exactly
@@ -64,14 +75,34 @@ def _is_pool(n: torch.fx.Node, modules: dict) -> bool:
     return n.op == "call_function" and n.target in _POOL_FUNCS
 
 
+def _passes(n: torch.fx.Node, modules: dict) -> bool:
+    return (n.op == "call_module" and isinstance(modules.get(str(n.target)), _PASS_MODULES)
+            or n.op == "call_function" and n.target in _PASS_FUNCS)
+
+
+def _lut_op(n: torch.fx.Node, modules: dict) -> str | None:
+    """The profile op name (``hardswish``, ...) of an elementwise function export lowers to a table."""
+    if n.op == "call_module":
+        c = module_construct(modules.get(str(n.target)))
+        return c.op if c is not None and c.lowering == "lut" else None
+    if n.op == "call_function":
+        c = _LUT_FUNCS.get(n.target)
+        return c.op if c is not None else None
+    return None
+
+
 def _sum_behind(a, modules: dict) -> bool:
     """Whether ``a`` is an add's or concat's result, seen through pass-through ops (ReLU, ...)."""
+    return _behind(a, modules, lambda n: n.op == "call_function" and n.target in _FUNCS
+                   or n.op == "call_method" and n.target in _METHODS)
+
+
+def _behind(a, modules: dict, pred) -> bool:
+    """Whether ``pred`` holds for ``a`` or for what it passes through (ReLU, Dropout, ...)."""
     while isinstance(a, torch.fx.Node):
-        if a.op == "call_function" and a.target in _FUNCS or a.op == "call_method" and a.target in _METHODS:
+        if pred(a):
             return True
-        passes = (a.op == "call_module" and isinstance(modules.get(str(a.target)), _PASS_MODULES)
-                  or a.op == "call_function" and a.target in _PASS_FUNCS)
-        if not passes or not a.args:
+        if not _passes(a, modules) or not a.args:
             return False
         a = a.args[0]
     return False
@@ -87,6 +118,17 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
     return any(u.op == "call_module" and str(u.target) in int_inputs for u in a.users)
 
 
+def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str], found: dict[str, str]) -> None:
+    """An output quantizer on the outermost module returning ``a`` (called once per forward)."""
+    stack = _stack(a)
+    returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
+    if any(m in quantized_out for m in returned_by):
+        return
+    owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
+    if owner is not None:
+        found.setdefault(owner, why)
+
+
 def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str, str]:
     """``{module fqn: "implied by <op> in '<where>'"}`` for the values integer adds and concats
     read that the plan leaves unquantized (see the module docstring)."""
@@ -96,16 +138,30 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
     int_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
                   and r.format.activation_lowering(r.signed) == "int"}
     quantized_out = {lp.fqn for lp in plan.layers if lp.quantized and lp.roles.get(Role.OUTPUT) is not None}
+    bin_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
+                  and not _is_int(r)}
     found: dict[str, str] = {}
     for n in trace.graph.nodes:
+        # BINARIZE reads int8 or a layer's accumulator, not a sum, a table's or a pool's result
+        if n.op == "call_module" and str(n.target) in bin_inputs and n.args and isinstance(n.args[0], torch.fx.Node):
+            if _behind(n.args[0], modules, lambda m: _sum_behind(m, modules) or _lut_op(m, modules) is not None
+                       or _is_pool(m, modules)):
+                _imply(n.args[0], f"implied by the binary input of '{n.target}'", trace, quantized_out, found)
         if n.op == "call_function" and n.target in _FUNCS:
             op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
         elif n.op == "call_method" and n.target in _METHODS:
             op = n.target
         elif _is_pool(n, modules):
             op = "average pool"
-            if not _sum_behind(n.args[0], modules):
+            # a pool reads a layer's accumulator, not a sum nor a table's (unquantized) result
+            if not (_sum_behind(n.args[0], modules) or _behind(n.args[0], modules, lambda m: _lut_op(m, modules))):
                 continue
+        elif (lut := _lut_op(n, modules)) is not None:
+            a = n.args[0] if n.args else None
+            if isinstance(a, torch.fx.Node) and not _read_by_int_input(a, modules, int_inputs):
+                where = f"'{n.target}'" if n.op == "call_module" else f"in '{(_stack(n) or ['<model>'])[-1]}'"
+                _imply(a, f"implied by {lut} {where}", trace, quantized_out, found)
+            continue
         else:
             continue
         where = (_stack(n) or ["<model>"])[-1]
@@ -114,36 +170,48 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
                 continue
             if _read_by_int_input(a, modules, int_inputs):
                 continue
-            stack = _stack(a)
-            returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
-            if any(m in quantized_out for m in returned_by):
-                continue
-            owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
-            if owner is not None:
-                found.setdefault(owner, f"implied by {op} in '{where}'")
+            _imply(a, f"implied by {op} in '{where}'", trace, quantized_out, found)
     return found
 
 
+def _is_int(recipe) -> bool:
+    return recipe is not None and recipe.format.activation_lowering(recipe.signed) == "int"
+
+
+def _implied_source(plan: Plan) -> tuple[LayerPlan, Role] | None:
+    """The layer and role whose recipe (and provenance) implied quantizers copy (module doc)."""
+    for lp in plan.layers:
+        r = lp.roles.get(Role.INPUT)
+        if r is not None and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults":
+            if _is_int(r):
+                return lp, Role.INPUT
+            break
+    # a binary (or absent) default: the first integer activation quantizer a rule set
+    for lp in plan.layers:
+        if lp.quantized:
+            for role in (Role.INPUT, Role.OUTPUT):
+                if _is_int(lp.roles.get(role)):
+                    return lp, role
+    return None
+
+
 def with_implied(model: nn.Module, trace: ModelTrace, plan: Plan) -> Plan:
-    """``plan`` with the implied output quantizers of :func:`implied_outputs` added (the spec's
-    default input recipe, with its provenance relabelled "implied by ...")."""
-    source = next((lp for lp in plan.layers if lp.roles.get(Role.INPUT) is not None
-                   and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults"),
-                  None)
-    # only an integer (affine int8/uint8) activation can feed an integer add; a binary
-    # default (xnor) implies nothing and the export names the value as before
-    if source is None or source.roles[Role.INPUT].format.activation_lowering(source.roles[Role.INPUT].signed) != "int":
+    """``plan`` with the implied output quantizers of :func:`implied_outputs` added (the recipe
+    of :func:`_implied_source`, with its provenance relabelled "implied by ...")."""
+    found = _implied_source(plan)
+    if found is None:
         return plan
+    source, source_role = found
     implied = implied_outputs(model, trace, plan)
     if not implied:
         return plan
-    recipe = source.roles[Role.INPUT]
+    recipe = source.roles[source_role]
     modules = dict(model.named_modules())
     layers = {lp.fqn: lp for lp in plan.layers}
     for fqn, why in implied.items():
         prov = {}
         for (role, field), fp in source.provenance.items():
-            if role is Role.INPUT:
+            if role is source_role:
                 prov[(Role.OUTPUT, field)] = FieldProvenance(fp.value, Origin(why, fp.set_by.span),
                                                              (fp.set_by, *fp.via))
         lp = layers.get(fqn)
