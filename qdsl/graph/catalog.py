@@ -53,6 +53,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "pool": ("MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL"),
     "add": ("ADD",),
     "concat": ("CONCAT",),
+    "mul": ("MUL",),  # two activations (lower_mul.py); a constant factor has no lowering
     "lut": ("LUT",),  # an elementwise function of an 8-bit input: a 256-entry table (lower_lut.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
@@ -146,9 +147,9 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("operator.add", "add", "add"),
         ("operator.iadd", "add", "add"),
         ("torch.add", "add", "add"),
-        ("operator.mul", "mul"),
-        ("operator.imul", "mul"),
-        ("torch.mul", "mul"),
+        ("operator.mul", "mul", "mul"),
+        ("operator.imul", "mul", "mul"),
+        ("torch.mul", "mul", "mul"),
         ("torch.cat", "concat", "concat"),
         ("torch.concat", "concat"),
         (_F + "relu", "relu", "relu", True),
@@ -216,12 +217,14 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("reshape", "reshape", "reshape", True),
         ("add", "add", "add"),
         ("add_", "add", "add"),
+        ("mul", "mul", "mul"),
+        ("mul_", "mul", "mul"),
     ])
 )
 """Every construct qdsl knows (see the module doc)."""
 
 LINT_ONLY_OPS = tuple(op for op in OPS if not any(c.op == op and c.lowering for c in CONSTRUCTS))
-"""Profile ops lint checks but export cannot lower (``mul``, ``softmax``, ...): a model using
+"""Profile ops lint checks but export cannot lower (``softmax``, ``mean``, ...): a model using
 one lints against a profile that lists it, and still fails to export."""
 
 

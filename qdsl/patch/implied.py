@@ -54,6 +54,12 @@ _POOL_MODULES = module_classes(lambda c: c.lowering == "pool" and c.op in ("avg_
 _POOL_FUNCS = functions(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
 # elementwise lookup tables index 8-bit codes: neither a sum nor an accumulator will do
 _LUT_FUNCS = functions(lambda c: c.lowering == "lut")
+# MUL multiplies two 8-bit codes: both operands need a quantizer, an accumulator too
+_MUL_FUNCS = functions(lambda c: c.lowering == "mul")
+_MUL_METHODS = methods(lambda c: c.lowering == "mul")
+# size queries and indexing into them: a product of these is shape arithmetic
+_SHAPE_FUNCS = functions(lambda c: c.lowering in ("shape", "item"))
+_SHAPE_METHODS = methods(lambda c: c.lowering == "shape")
 _PASS_MODULES = module_classes(lambda c: c.passes)
 _PASS_FUNCS = functions(lambda c: c.passes)
 # a direct result of these is an accumulator the exporter adds (or rescales) exactly
@@ -89,6 +95,18 @@ def _lut_op(n: torch.fx.Node, modules: dict) -> str | None:
         c = _LUT_FUNCS.get(n.target)
         return c.op if c is not None else None
     return None
+
+
+def _is_mul(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _MUL_FUNCS or n.op == "call_method" and n.target in _MUL_METHODS
+
+
+def _mul_operands(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The two activations a product reads; none for a constant factor or shape arithmetic."""
+    args = [a for a in n.args if isinstance(a, torch.fx.Node)]
+    shape = any(a.op == "call_function" and a.target in _SHAPE_FUNCS
+                or a.op == "call_method" and a.target in _SHAPE_METHODS for a in args)
+    return args if len(args) == 2 and not shape else []
 
 
 def _sum_behind(a, modules: dict) -> bool:
@@ -145,16 +163,22 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
         # BINARIZE reads int8 or a layer's accumulator, not a sum, a table's or a pool's result
         if n.op == "call_module" and str(n.target) in bin_inputs and n.args and isinstance(n.args[0], torch.fx.Node):
             if _behind(n.args[0], modules, lambda m: _sum_behind(m, modules) or _lut_op(m, modules) is not None
-                       or _is_pool(m, modules)):
+                       or _is_pool(m, modules) or _is_mul(m)):
                 _imply(n.args[0], f"implied by the binary input of '{n.target}'", trace, quantized_out, found)
         if n.op == "call_function" and n.target in _FUNCS:
             op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
         elif n.op == "call_method" and n.target in _METHODS:
             op = n.target
+        elif _is_mul(n):
+            where = (_stack(n) or ["<model>"])[-1]
+            for a in _mul_operands(n):  # not even a layer's accumulator: MUL reads 8-bit codes
+                _imply(a, f"implied by mul in '{where}'", trace, quantized_out, found)
+            continue
         elif _is_pool(n, modules):
             op = "average pool"
-            # a pool reads a layer's accumulator, not a sum nor a table's (unquantized) result
-            if not (_sum_behind(n.args[0], modules) or _behind(n.args[0], modules, lambda m: _lut_op(m, modules))):
+            # a pool reads a layer's accumulator, not a sum nor a table's or product's (unquantized) result
+            if not (_sum_behind(n.args[0], modules)
+                    or _behind(n.args[0], modules, lambda m: _lut_op(m, modules) or _is_mul(m))):
                 continue
         elif (lut := _lut_op(n, modules)) is not None:
             a = n.args[0] if n.args else None

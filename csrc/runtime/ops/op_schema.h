@@ -27,8 +27,9 @@ enum OpCode : int {
   kReshape = 18,
   kBinarize = 19,
   kLut = 20,
+  kMul = 21,
 };
-constexpr int kMaxOpcode = 20;
+constexpr int kMaxOpcode = 21;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -68,6 +69,7 @@ inline constexpr AttrSchema kGlobalAvgpoolAttrs[] = {{"in_zp", kAttrInt}, {"rq_k
 inline constexpr AttrSchema kReshapeAttrs[] = {{"shape", kAttrInts}};
 inline constexpr AttrSchema kBinarizeAttrs[] = {{"zero_point", kAttrInt}};
 inline constexpr AttrSchema kLutAttrs[] = {{"table", kAttrInts}};
+inline constexpr AttrSchema kMulAttrs[] = {{"in_zp", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 
 // Indexed by opcode; row 0 is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -92,6 +94,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"RESHAPE", 1, 1, false, kReshapeAttrs, 1},
     {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
     {"LUT", 1, 1, false, kLutAttrs, 1},
+    {"MUL", 2, 2, false, kMulAttrs, 8},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -118,6 +121,7 @@ extern const OpDef kGlobalAvgpoolDef;
 extern const OpDef kReshapeDef;
 extern const OpDef kBinarizeDef;
 extern const OpDef kLutDef;
+extern const OpDef kMulDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -140,6 +144,7 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kReshapeDef,
     &kBinarizeDef,
     &kLutDef,
+    &kMulDef,
 };
 
 }  // namespace qdsl

@@ -70,13 +70,14 @@ from qdsl.graph.ops import (  # noqa: E402  (the module list is the point of thi
     clamp,
     concat,
     lut,
+    mul,
     pool,
     requantize,
     reshape,
     weighted,
 )
 
-_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, lut)
+_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, lut, mul)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
 """Every registered op, by opcode."""
 
