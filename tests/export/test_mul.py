@@ -176,19 +176,11 @@ def test_operands_get_quantizers_implied_by_mul():
     assert implied == {"a": "implied by mul in '<model>'", "b": "implied by mul in '<model>'"}
 
 
-def test_explain_shows_implied_by_mul(capsys, tmp_path):
+def test_explain_shows_implied_by_mul(capsys):
     from qdsl.cli.main import main
 
-    (tmp_path / "se_model.py").write_text(
-        "from tests.export.test_mul import SENet\n\ndef make():\n    return SENet()\n")
-    import sys
-
-    sys.path.insert(0, str(tmp_path))
-    try:
-        rc = main(["explain", "specs/int8-default.qspec", "--model", f"{tmp_path / 'se_model.py'}:make",
-                   "--layer", "se.scale_activation"])
-    finally:
-        sys.path.remove(str(tmp_path))
+    rc = main(["explain", "specs/int8-default.qspec", "--model", "tests/export/test_mul.py:SENet",
+               "--layer", "se.scale_activation"])
     out = capsys.readouterr().out
     assert rc == 0
     assert "se.scale_activation  output  kind" in out and "implied by mul in 'se'" in out
@@ -275,3 +267,30 @@ def test_shape_arithmetic_exports():
     graph = qdsl.export(model, x)
     assert OpType.MUL not in [op.type for op in graph.ops]
     assert execute(graph, x.numpy()).outputs[0].shape == (4, 2)
+
+
+@pytest.mark.parametrize("spec", ["int8-default", "pot-asic"])
+def test_mul_exports_to_onnx_as_qdq_mul(spec):
+    # an SE block with ReLU gates (the lookup-table activations have no ONNX form in qdsl)
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    from qdsl.export.onnx import export_onnx
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_cba(3, 8, 3, act=nn.ReLU), SqueezeExcitation(8, 4, nn.ReLU, nn.ReLU), nn.Conv2d(8, 6, 1))
+    qdsl.apply(model, f"specs/{spec}.qspec")
+    calib = torch.randn(16, 3, 10, 10)
+    model.eval()
+    qdsl.calibrate(model, [calib])
+    qdsl.freeze(model)
+    proto = export_onnx(model, calib[:2])
+    assert "Mul" in {n.op_type for n in proto.graph.node}
+    basic = ort.SessionOptions()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    x = torch.randn(8, 3, 10, 10)
+    y = ort.InferenceSession(proto.SerializeToString(), basic).run(None, {"input": x.numpy()})[0]
+    with torch.no_grad():
+        fq = model(x).numpy()
+    err = float(np.abs(y - fq).max())
+    # test_onnx.py's stated tolerance: exact for power-of-two scales, else 1 % of max |y|
+    assert err == 0.0 if spec == "pot-asic" else err <= 0.01 * np.abs(fq).max(), err
