@@ -136,8 +136,11 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
     return any(u.op == "call_module" and str(u.target) in int_inputs for u in a.users)
 
 
-def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str], found: dict[str, str]) -> None:
-    """An output quantizer on the outermost module returning ``a`` (called once per forward)."""
+def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str], found: dict[str, str],
+           modules: dict | None = None) -> None:
+    """An output quantizer on the outermost module returning ``a`` (called once per forward).
+    With ``modules``, a value no module returns (``torch.relu`` at the top level) passes the
+    quantizer back to the module whose result it passes through: the graph clamps the codes."""
     stack = _stack(a)
     returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
     if any(m in quantized_out for m in returned_by):
@@ -145,6 +148,8 @@ def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str
     owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
     if owner is not None:
         found.setdefault(owner, why)
+    elif modules is not None and _passes(a, modules) and a.args and isinstance(a.args[0], torch.fx.Node):
+        _imply(a.args[0], why, trace, quantized_out, found, modules)
 
 
 def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str, str]:
@@ -172,7 +177,7 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
         elif _is_mul(n):
             where = (_stack(n) or ["<model>"])[-1]
             for a in _mul_operands(n):  # not even a layer's accumulator: MUL reads 8-bit codes
-                _imply(a, f"implied by mul in '{where}'", trace, quantized_out, found)
+                _imply(a, f"implied by mul in '{where}'", trace, quantized_out, found, modules)
             continue
         elif _is_pool(n, modules):
             op = "average pool"
@@ -184,7 +189,7 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
             a = n.args[0] if n.args else None
             if isinstance(a, torch.fx.Node) and not _read_by_int_input(a, modules, int_inputs):
                 where = f"'{n.target}'" if n.op == "call_module" else f"in '{(_stack(n) or ['<model>'])[-1]}'"
-                _imply(a, f"implied by {lut} {where}", trace, quantized_out, found)
+                _imply(a, f"implied by {lut} {where}", trace, quantized_out, found, modules)
             continue
         else:
             continue
@@ -206,7 +211,8 @@ def _implied_source(plan: Plan) -> tuple[LayerPlan, Role] | None:
     """The layer and role whose recipe (and provenance) implied quantizers copy (module doc)."""
     for lp in plan.layers:
         r = lp.roles.get(Role.INPUT)
-        if r is not None and (p := lp.provenance.get((Role.INPUT, "kind"))) is not None and p.set_by.label == "defaults":
+        p = lp.provenance.get((Role.INPUT, "kind"))
+        if r is not None and p is not None and p.set_by.label == "defaults":
             if _is_int(r):
                 return lp, Role.INPUT
             break

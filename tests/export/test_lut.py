@@ -13,6 +13,7 @@ from qdsl.export.values import ExportError
 from qdsl.graph import execute, graph_from_bytes, graph_to_bytes
 from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, Tensor
 from qdsl.parse import parse_text
+from qdsl.spec.model import Role
 from tests.export.lut_models import ACTS, SPECS, ActNet, exported
 
 
@@ -51,16 +52,40 @@ def test_lut_codes_equal_the_next_quantizers_codes(act, spec):
     np.testing.assert_array_equal(got.astype(np.int64), codes.numpy())
 
 
-def test_lut_needs_a_quantized_input():
+_NO_OUTPUTS = "version 1\nquantizer w8 = int(bits=8, signed, symmetric, per_channel, observer=minmax)\n" \
+              "quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)\n" \
+              "defaults {\n  weight = w8\n  input = a8\n}\n"
+
+
+def test_lut_input_gets_an_implied_quantizer():
+    # the table indexes 8-bit codes: a spec that leaves c1's output unquantized now gets an
+    # implied one (qdsl.patch.implied); this was E402 "SiLU reads an unquantized value from 'c1'"
     model = ActNet(torch.nn.SiLU()).eval()
-    spec = "version 1\nquantizer w8 = int(bits=8, signed, symmetric, per_channel, observer=minmax)\n" \
-           "quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)\n" \
-           "defaults {\n  weight = w8\n  input = a8\n}\n"
-    qdsl.apply(model, parse_text(spec, "t.qspec"))
+    handle = qdsl.apply(model, parse_text(_NO_OUTPUTS, "t.qspec"))
+    assert handle.plan.layer("c1").provenance[(Role.OUTPUT, "kind")].set_by.label == "implied by silu 'act'"
     x = torch.randn(8, 3, 6, 6)
     qdsl.calibrate(model, [x])
     qdsl.freeze(model)
-    with pytest.raises(ExportError, match="SiLU reads an unquantized value from 'c1'"):
+    assert any(op.type is OpType.LUT for op in qdsl.export.export(model, x[:2]).ops)
+
+
+class _ActFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.act, self.fc = torch.nn.SiLU(), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.fc(self.act(x))
+
+
+def test_lut_needs_a_quantized_input():
+    # a value no module returns (the model input) gets no implied quantizer: export names it
+    model = _ActFirst().eval()
+    qdsl.apply(model, parse_text(_NO_OUTPUTS, "t.qspec"))
+    x = torch.randn(8, 4)
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="SiLU reads an unquantized value"):
         qdsl.export.export(model, x[:2])
 
 
