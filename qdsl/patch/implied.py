@@ -133,6 +133,10 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
         return False
     if _sum_behind(a, modules):  # a sum (or ReLU of one) is not materialized that way
         return False
+    # nor a table's or a product's result: no accumulator, the add cannot read it pending
+    # (EfficientNet's stem SiLU read by the first block's conv and its residual add)
+    if _behind(a, modules, lambda m: _lut_op(m, modules) is not None or _is_mul(m)):
+        return False
     return any(u.op == "call_module" and str(u.target) in int_inputs for u in a.users)
 
 
