@@ -296,3 +296,14 @@ def test_mul_exports_to_onnx_as_qdq_mul(spec):
     err = float(np.abs(y - fq).max())
     # test_onnx.py's stated tolerance: exact for power-of-two scales, else 1 % of max |y|
     assert err == 0.0 if spec == "pot-asic" else err <= 0.01 * np.abs(fq).max(), err
+
+
+def test_lint_checks_the_product_against_the_profile(capsys):
+    # lint and export read one construct table: the SE's product is the profile op 'mul'
+    from qdsl.cli.main import main
+
+    args = ["lint", "specs/int8-default.qspec", "--model", "tests/export/test_mul.py:SENet", "--hw"]
+    assert main(args + ["specs/hw/int-only-photonic.toml"]) == 1
+    assert "mul in se: error[E310]: op 'mul' is not supported by int-only-photonic" in capsys.readouterr().out
+    main(args + ["specs/hw/tflite-int8.toml"])  # TFLite has MUL
+    assert "'mul'" not in capsys.readouterr().out
