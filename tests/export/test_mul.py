@@ -17,7 +17,8 @@ import qdsl
 import qdsl.runtime as rt
 from qdsl.export.values import ExportError
 from qdsl.graph import execute
-from qdsl.graph.ir import OpType
+from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor
+from qdsl.graph.ops.mul import broadcast_shape
 from qdsl.patch.handle import proxy_key
 from qdsl.patch.implied import implied_outputs
 from qdsl.patch.trace import trace_model
@@ -307,3 +308,33 @@ def test_lint_checks_the_product_against_the_profile(capsys):
     assert "mul in se: error[E310]: op 'mul' is not supported by int-only-photonic" in capsys.readouterr().out
     main(args + ["specs/hw/tflite-int8.toml"])  # TFLite has MUL
     assert "'mul'" not in capsys.readouterr().out
+
+
+def _mul_graph(s0, s1, d0, d1, out, attrs, validate=True) -> IntegerGraph:
+    shape = broadcast_shape(s0, s1) or s0
+    g = IntegerGraph([Tensor("x0", d0, s0), Tensor("x1", d1, s1), Tensor("y", out, shape)], ["x0", "x1"], ["y"],
+                     [Op(OpType.MUL, "se", ["x0", "x1"], ["y"], attrs)])
+    return g.validate() if validate else g
+
+
+def test_se_gate_broadcasts_per_channel():
+    # y[n, c, h, w] = x[n, c, h, w] * gate[n, c]: the reference is numpy broadcasting
+    rng = np.random.default_rng(0)
+    g = _mul_graph((-1, 3, 4, 5), (-1, 3, 1, 1), DType.U8, DType.U8, DType.U8,
+                   {"in_zp": [0, 0], **OutputStage(Rescale(1, (1,), (8,), 1), 0, 0, 255).attrs()})
+    x = rng.integers(0, 256, (2, 3, 4, 5)).astype(np.uint8)
+    gate = rng.integers(0, 256, (2, 3, 1, 1)).astype(np.uint8)
+    want = np.clip(np.rint(x.astype(np.float64) * gate / 256), 0, 255)
+    np.testing.assert_array_equal(execute(g, [x, gate]).outputs[0], want)
+
+
+@pytest.mark.parametrize("s0,s1,msg", [
+    ((-1, 3, 4), (-1, 2, 4), "do not broadcast"),
+    ((-1, 3, 4), (-1, 3), "do not broadcast"),
+])
+def test_mul_operands_that_do_not_broadcast_are_rejected(s0, s1, msg):
+    attrs = {"in_zp": [0, 0], **OutputStage(Rescale.identity(), 0, -128, 127).attrs()}
+    with pytest.raises(GraphFormatError, match=msg):
+        _mul_graph(s0, s1, DType.I8, DType.I8, DType.I8, attrs)
+
+
