@@ -31,6 +31,11 @@ is not (xnor-binary: an integer add cannot read a binary value), it is the first
 activation quantizer the plan already uses (module order: an input or output a rule set,
 e.g. the 8-bit first layer's input or a ``type:BasicBlock`` output); a plan with none
 implies nothing, and export names the value.
+
+A product of two activations (MUL: squeeze-excitation's ``scale * x``) multiplies 8-bit
+codes, so each operand gets one unless it is already quantized, a layer's accumulator too
+("implied by mul in 'se'"); a product's or table's result is never taken as materialized
+at a reader's integer input grid (the exporter's add reads only a pending accumulator).
 """
 
 from __future__ import annotations
