@@ -1,10 +1,12 @@
-"""Timing shared by the runtime benchmarks (kernels.py, e2e.py)."""
+"""Timing shared by the runtime benchmarks (kernels.py, e2e.py, run_graph.py)."""
 
 from __future__ import annotations
 
 import time
 
 import numpy as np
+
+__all__ = ["add_timing_args", "interleaved", "load_average", "span", "steady_median", "timing_args"]
 
 
 def steady_median(fn, reps: int, warmup_s: float) -> float:
@@ -22,6 +24,43 @@ def steady_median(fn, reps: int, warmup_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+def interleaved(fns: dict, rounds: int, reps: int, warmup_s: float) -> dict[str, list[float]]:
+    """Each function's steady median (s) once per round, the functions taken in turn within
+    every round (A, B, C, A, B, C, ...), so a slow drift of the machine (another process
+    starting, clocks) lands on every contender instead of on whichever ran last.  Returns
+    the per-round medians by name; report their median and range (`span`)."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            out[name].append(steady_median(fn, reps, warmup_s))
+    return out
+
+
+def span(values, scale: float = 1.0, fmt: str = ".2f") -> str:
+    """``median (min-max)`` of `values` times `scale`, the form every figure here is given in."""
+    v = np.asarray(values, dtype=np.float64) * scale
+    return f"{np.median(v):{fmt}} ({v.min():{fmt}}-{v.max():{fmt}})"
+
+
+def add_timing_args(ap, *, rounds: int, reps: int, threads: str = "1,2") -> None:
+    """The options every interleaved benchmark takes: --threads (comma list), --rounds, --reps,
+    --quick (1 thread and at most 3 rounds unless given; each script drops more).  Call
+    `timing_args` on the parsed namespace."""
+    ap.add_argument("--threads", default=None, help=f"comma-separated thread counts (default {threads}; --quick: 1)")
+    ap.add_argument("--rounds", type=int, default=None, help=f"interleaved rounds (default {rounds}; --quick: 3)")
+    ap.add_argument("--reps", type=int, default=reps, help=f"timed calls per contender per round (default {reps})")
+    ap.add_argument("--quick", action="store_true", help="a short run: fewer rounds, threads, shapes or models")
+    ap.set_defaults(timing_defaults=(rounds, threads))
+
+
+def timing_args(args):
+    """Fill in --threads (as a list of ints) and --rounds from the defaults and --quick."""
+    rounds, threads = args.timing_defaults
+    args.rounds = args.rounds or (min(rounds, 3) if args.quick else rounds)
+    args.threads = [int(t) for t in (args.threads or ("1" if args.quick else threads)).split(",")]
+    return args
 
 
 def load_average() -> str:

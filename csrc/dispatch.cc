@@ -339,4 +339,12 @@ RequantKernel SelectRequantKernel(uint32_t path) {
   return portable::Requant;
 }
 
+DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2 && s.sw <= 2 && s.dw == 1) return x86::DwConvAvx2;  // every path from AVX2 up has AVX2
+#endif
+  (void)s, (void)path;
+  return portable::DwConv;
+}
+
 }  // namespace qdsl

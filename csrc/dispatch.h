@@ -107,6 +107,12 @@ BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
 BinaryMicroKernel SelectBinaryColsKernel(uint32_t path);
 RequantKernel SelectRequantKernel(uint32_t path);
 
+// Depthwise conv of one channel plane (DwConvShape in qdsl/gemm.h states the contract).
+using DwConvKernel = void (*)(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps,
+                              const int32_t* pairs, int32_t init, int32_t* acc, int64_t lda);
+// AVX2 for sw <= 2 and dw == 1 on every path from AVX2 up, else the portable loops.
+DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path);
+
 // Threads (a small std::thread pool; no OpenMP, which would clash with torch's libgomp).
 void SetNumThreads(int n);  // <= 0 restores QDSL_NUM_THREADS or hardware_concurrency
 int NumThreads();

@@ -44,8 +44,12 @@ def render() -> str:
 
     ops = sorted(OpType, key=int)
     codes = [int(t) for t in ops]
-    if codes != list(range(1, len(codes) + 1)):  # the table is indexed by opcode
-        raise SystemExit(f"opcodes must be 1..n without gaps, got {codes}")
+    if codes[0] < 1 or len(set(codes)) != len(codes):  # the table is indexed by opcode
+        raise SystemExit(f"opcodes must be distinct and >= 1, got {codes}")
+    # an unassigned opcode below the largest (one reserved by an op on another branch) is a
+    # null row in both tables: the loader refuses it like any unknown opcode
+    by_code = {int(t): t for t in ops}
+    slots = [by_code.get(i) for i in range(1, codes[-1] + 1)]
     if [int(a) for a in AttrType] != [1, 2, 3]:
         raise SystemExit("AttrType codes changed: update the C++ Attr::type users")
     out = [
@@ -87,9 +91,12 @@ def render() -> str:
         attrs = OP_SCHEMAS[t].attrs
         if attrs:
             out.append(f"inline constexpr AttrSchema k{_camel(t.name)}Attrs[] = {{{_attr_rows(attrs)}}};")
-    out += ["", "// Indexed by opcode; row 0 is no op.", f"inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {{",
+    out += ["", "// Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.", f"inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {{",
             "    {nullptr, 0, 0, false, nullptr, 0},"]
-    for t in ops:
+    for t in slots:
+        if t is None:
+            out.append("    {nullptr, 0, 0, false, nullptr, 0},  // unassigned")
+            continue
         s = OP_SCHEMAS[t]
         hi = -1 if s.max_inputs is None else s.max_inputs
         stage = "true" if s.needs_output_stage else "false"
@@ -105,7 +112,7 @@ def render() -> str:
     ]
     out += [f"extern const OpDef {cpp_def_name(t.name)};" for t in ops]
     out += [f"inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {{", "    nullptr,"]
-    out += [f"    &{cpp_def_name(t.name)}," for t in ops]
+    out += ["    nullptr,  // unassigned" if t is None else f"    &{cpp_def_name(t.name)}," for t in slots]
     out += ["};", "", "}  // namespace qdsl", "", "#endif  // QDSL_RUNTIME_OPS_OP_SCHEMA_H_", ""]
     return "\n".join(out)
 

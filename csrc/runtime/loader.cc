@@ -243,7 +243,9 @@ Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out)
     uint16_t opcode = 0, reserved = 0;
     QDSL_RETURN_IF_ERROR(r.Read(&opcode));
     QDSL_RETURN_IF_ERROR(r.Read(&reserved));
-    FMT_CHECK(opcode >= 1 && opcode <= kMaxOpcode && reserved == 0, "op %u has unknown opcode %u", i, opcode);
+    // an unassigned opcode below kMaxOpcode has a null row (op_schema.h)
+    FMT_CHECK(opcode >= 1 && opcode <= kMaxOpcode && kOpSchemas[opcode].name != nullptr && reserved == 0,
+              "op %u has unknown opcode %u", i, opcode);
     op.opcode = opcode;
     QDSL_RETURN_IF_ERROR(r.ReadString(&op.name, "op name"));
     QDSL_RETURN_IF_ERROR(r.ReadIndices(n_tensors, &op.inputs, "op input"));

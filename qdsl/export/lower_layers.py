@@ -51,18 +51,20 @@ def act_target(proxy, where: str) -> Target:
     return Target(scale, zp, int(proxy.qmin), int(proxy.qmax), DType.I8 if proxy.qmin < 0 else DType.U8, rounding, where)
 
 
-def weight_ints(patch, where: str):
-    """``(codes, dtype, scale[C] float64, zero points[C], float bias or None)`` of a layer's weight."""
+def weight_ints(patch, where: str, out_axis: int = 0):
+    """``(codes, dtype, scale[C] float64, zero points[C], float bias or None)`` of a layer's
+    weight, ``C`` the size of its output-channel axis ``out_axis`` (1 for a transposed
+    conv's ``in × out/groups × k..`` weight)."""
     wq = patch.wq
     if not wq.frozen:
         raise ExportError(where, "the weight quantizer is not frozen", "call qdsl.freeze(model)")
-    if wq.group_size or wq.axis not in (None, 0):
+    if wq.group_size or wq.axis not in (None, out_axis):
         raise ExportError(where, "group-wise (or non-output-channel) weight scales have no integer lowering: an "
                                  "accumulator needs one scale per output channel", "use `granularity = channel`")
     rec = frozen_layer(patch)  # the codes the fake quantizers use, derived once (qdsl.patch.frozen)
     codes = rec.weight_codes.numpy().astype(np.int64)
     scale = rec.weight_scale.detach().double().reshape(-1).numpy()
-    c = codes.shape[0]
+    c = codes.shape[out_axis]
     scale = np.broadcast_to(scale, (c,)).copy()
     zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
     # the number format maps its codes to graph constants (pot: onto an integer grid)
@@ -116,24 +118,54 @@ def _spatial(m: nn.Module, rank: int, where: str) -> dict:
     return dict(stride=tuple(m.stride), padding=tuple(pad), dilation=tuple(m.dilation), groups=int(m.groups))
 
 
+# transposed convs: their graph op, spatial rank and weight axis of the output channels
+_TRANSPOSED = {nn.ConvTranspose1d: (OpType.CONV_TRANSPOSE1D, 1), nn.ConvTranspose2d: (OpType.CONV_TRANSPOSE2D, 2)}
+
+
+def _transposed(m: nn.Module) -> tuple[OpType, int] | None:
+    return next((v for t, v in _TRANSPOSED.items() if isinstance(m, t)), None)
+
+
+def _output_padding(m: nn.Module, in_shape, out_shape, where: str) -> tuple[int, ...]:
+    """The output padding of the traced call: ``m.output_padding``, or what a call with
+    ``output_size=`` chose (the traced output shape says which)."""
+    out = []
+    for i, (n, k, s, p, d) in enumerate(zip(in_shape[2:], m.kernel_size, m.stride, m.padding, m.dilation)):
+        extra = out_shape[2 + i] - ((n - 1) * s - 2 * p + d * (k - 1) + 1)
+        if not 0 <= extra < max(s, d):
+            raise ExportError(where, f"output size {tuple(out_shape[2:])} is not one a transposed conv can give")
+        out.append(int(extra))
+    return tuple(out)
+
+
 def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> Pending:
-    """A Conv1d/Conv2d/Linear on the quantized input ``x``."""
-    codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn)
+    """A Conv1d/Conv2d/Linear/ConvTranspose1d/ConvTranspose2d on the quantized input ``x``."""
+    transposed = _transposed(m)
+    codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn, 1 if transposed else 0)
     binary = x.dtype is DType.BIN
     if binary and wdtype is not DType.BIN:
         raise ExportError(fqn, "binary activations need binary weights (XNOR-popcount)", "make the weight binary too")
+    if transposed:
+        if binary or wdtype is DType.BIN:
+            raise ExportError(fqn, "binary transposed convolutions have no integer lowering",
+                              "quantize this layer's input and weight as int")
+        # output channel g·og + o has the scale and zero point of weight column o
+        s_w, w_zp = np.tile(s_w, m.groups), np.tile(w_zp, m.groups)
     s_acc = np.float64(x.scale) * s_w
     bias = _bias_ints(patch, bias_f, s_acc, fqn)
-    rank = 1 if isinstance(m, nn.Conv1d) else 2 if isinstance(m, nn.Conv2d) else 0
+    rank = transposed[1] if transposed else 1 if isinstance(m, nn.Conv1d) else 2 if isinstance(m, nn.Conv2d) else 0
     if len(x.shape) != rank + 2:
         raise ExportError(fqn, f"{type(m).__name__} on a rank-{len(x.shape)} input {x.shape} has no integer lowering",
                           "the integer graph's linear layers take (batch, features) inputs")
-    op = {(0, False): OpType.LINEAR, (1, False): OpType.CONV1D, (2, False): OpType.CONV2D,
-          (0, True): OpType.BLINEAR, (1, True): OpType.BCONV1D, (2, True): OpType.BCONV2D}[(rank, binary)]
+    op = transposed[0] if transposed else {
+        (0, False): OpType.LINEAR, (1, False): OpType.CONV1D, (2, False): OpType.CONV2D,
+        (0, True): OpType.BLINEAR, (1, True): OpType.BCONV1D, (2, True): OpType.BCONV2D}[(rank, binary)]
     acc = patch.plan.accumulator
     attrs_ = {"acc_bits": int(acc.bits),
               "overflow": int(OverflowMode.SATURATE if acc.overflow is Overflow.SATURATE else OverflowMode.WRAP)}
-    if rank:
+    if transposed:
+        attrs_.update(_spatial(m, rank, fqn), output_padding=_output_padding(m, x.shape, shape, fqn))
+    elif rank:
         attrs_.update(_spatial(m, rank, fqn))
     if not binary:
         attrs_.update(in_zp=x.zp, w_zp=tuple(int(z) for z in w_zp) if np.any(w_zp != w_zp[0]) else (int(w_zp[0]),))
@@ -250,8 +282,8 @@ def add_pending(where: str, a, b_, shape) -> Pending:
 def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | None = None) -> Pending:
     """AvgPool1d/2d or AdaptiveAvgPool (global) on a quantized value (or, with per-channel
     ``scales``, on a raw accumulator from :func:`raw`)."""
-    if v.dtype not in (DType.I8, DType.U8, DType.I32):
-        raise ExportError(fqn, "average pooling of binary activations has no integer lowering")
+    if v.dtype not in (DType.I8, DType.U8, DType.I32, DType.BIN):  # BIN: ±1 codes at zero point 0
+        raise ExportError(fqn, f"average pooling of {v.dtype.name} activations has no integer lowering")
     spatial = v.shape[2:]
     if isinstance(m, (nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d)):
         if any(d != 1 for d in shape[2:]):
@@ -283,31 +315,44 @@ def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | No
 
 
 def concat_value(b: Builder, where: str, values: list, dim: int, shape):
-    """``torch.cat`` of quantized values: a CONCAT now if they share a grid, else pending."""
-    qs = []
+    """``torch.cat`` along any non-batch axis: a CONCAT now if every operand is quantized on one
+    grid, else pending.  A pending operand (a layer's result nothing quantized, e.g. flattened
+    before the cat) is materialized at the concat's own output grid when that is known:
+    quantization is elementwise, so quantizing the concatenation is quantizing each part."""
     for v in values:
-        if not (isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8)):
-            raise ExportError(where, f"torch.cat reads an unquantized value from '{getattr(v, 'origin', '?')}'",
-                              "quantize every concatenated tensor (an output quantizer on its producer)")
-        qs.append(v)
+        if isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8):
+            continue
+        if isinstance(v, Pending):
+            continue
+        raise ExportError(where, f"torch.cat reads an unquantized value from '{getattr(v, 'origin', '?')}'",
+                          "quantize every concatenated tensor (an output quantizer on its producer)")
     axis = dim % len(shape)
     if axis == 0:
-        raise ExportError(where, "concatenation along the batch dimension has no lowering")
+        raise ExportError(where, "concatenation along the batch dimension has no lowering",
+                          "concatenate along a feature axis (dim >= 1, or a negative dim other than -rank)")
 
-    def attrs_for(t: Target, lo=-math.inf, hi=math.inf) -> dict:
+    def attrs_for(qs: list, t: Target, lo=-math.inf, hi=math.inf) -> dict:
         rs = [_rescale(b, v.scale / t.scale, t.rounding, where) for v in qs]
         out_min, out_max = t.clamp_codes(lo, hi)
         return dict(axis=axis, in_zp=tuple(v.zp for v in qs), in_kind=tuple(int(r.kind) for r in rs),
                     in_multiplier=tuple(r.multiplier[0] for r in rs), in_shift=tuple(r.shift[0] for r in rs),
                     in_rounding=tuple(int(r.rounding) for r in rs), out_zp=t.zp, out_min=out_min, out_max=out_max)
 
-    first = qs[0]
-    if all((v.scale, v.zp, v.qmin, v.qmax, v.dtype) == (first.scale, first.zp, first.qmin, first.qmax, first.dtype) for v in qs):
+    first = values[0]
+    if all(isinstance(v, QVal) for v in values) and all(
+            (v.scale, v.zp, v.qmin, v.qmax, v.dtype) == (first.scale, first.zp, first.qmin, first.qmax, first.dtype)
+            for v in values):
         t = Target(first.scale, first.zp, first.qmin, first.qmax, first.dtype, Rounding.HALF_EVEN, where)
-        name = b.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t), out=f"{where}:cat")
+        name = b.op(OpType.CONCAT, where, [v.name for v in values], t.dtype, shape, attrs_for(values, t),
+                    out=f"{where}:cat")
         return b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, shape)
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
-        return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(t, lo, hi), out=f"{where}:cat"), shape
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(where, f"the concatenated value must be int8-quantized, not {t.dtype.name} ({t.where})")
+        # a pending part lands on the output grid itself (its CONCAT rescale is the identity)
+        qs = [v.clamped(lo, hi).materialize(bld, t) if isinstance(v, Pending) else v for v in values]
+        return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(qs, t, lo, hi),
+                      out=f"{where}:cat"), shape
 
     return Pending("concat", where, shape, emit)

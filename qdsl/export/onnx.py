@@ -2,7 +2,7 @@
 
 The model is lowered exactly as :func:`qdsl.export.export` does, then every integer op is
 written the way ONNX expresses quantization: float ops between QuantizeLinear /
-DequantizeLinear pairs (opset 13, per-channel weights via ``axis=0``). Each graph tensor
+DequantizeLinear pairs (opset 13, per-channel weights via ``axis=0``; ConvTranspose ``axis=1``). Each graph tensor
 becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
 
 * weights: ``DequantizeLinear(int8 weights, per-channel scale, zero point)`` (int4/int2 and
@@ -93,15 +93,19 @@ class _Writer:
         q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
         return self.node("DequantizeLinear", [q, s, z], tensor)
 
-    def weight(self, name: str) -> str:
+    def weight(self, name: str, axis: int = 0) -> str:
+        """``axis``: the output channels' (1 for ConvTranspose, whose per-output-channel
+        grid repeats per group: the first group's ``out/groups`` entries are the axis's)."""
         t = self.graph.tensor(name)
         scale, zp = self.grid(name)
+        if axis and np.size(scale) > 1:
+            scale, zp = np.asarray(scale)[: t.shape[axis]], np.asarray(zp)[: t.shape[axis]]
         signed = t.dtype not in (DType.U8, DType.U4, DType.U2)
         dtype = np.int8 if signed else np.uint8
         q = self.const(name, t.data.astype(dtype))
         s = self.const(name + "_scale", np.asarray(scale, dtype=np.float32))
         z = self.const(name + "_zp", np.asarray(zp).astype(dtype))
-        return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=0)
+        return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=axis)
 
     def bias(self, name: str) -> str:
         scale, _ = self.grid(name)
@@ -122,9 +126,10 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     xs = [env.get(n, n) for n in op.inputs]
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
         raise ExportError(op.name, "binary (XNOR) layers have no ONNX QDQ form", "export 8-bit configs to ONNX")
-    if t is OpType.LUT:
-        raise ExportError(op.name, "a lookup-table activation (LUT: Hardswish, SiLU, GELU, ...) has no ONNX QDQ form "
-                                   "in qdsl", "export models without these activations to ONNX, or run the .qgraph")
+    if t in (OpType.LUT, OpType.LUT_CHANNEL):
+        raise ExportError(op.name, f"a lookup-table activation ({t.name}: Hardswish, SiLU, GELU, PReLU, ...) has no "
+                                   "ONNX QDQ form in qdsl",
+                          "export models without these activations to ONNX, or run the .qgraph")
     if t is OpType.QUANTIZE:
         return w.qdq(xs[0], out, a["qmin"], a["qmax"])
     if t is OpType.DEQUANTIZE:
@@ -137,6 +142,11 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
             pads = list(a["padding"]) * 2
             y = w.node("Conv", ins, out + "_conv", strides=list(a["stride"]), pads=pads,
                        dilations=list(a["dilation"]), group=a["groups"])
+        return w.qdq(y, out, *_stage(a))
+    if t in (OpType.CONV_TRANSPOSE1D, OpType.CONV_TRANSPOSE2D):
+        ins = [xs[0], w.weight(op.inputs[1], axis=1)] + ([w.bias(op.inputs[2])] if len(op.inputs) == 3 else [])
+        y = w.node("ConvTranspose", ins, out + "_convt", strides=list(a["stride"]), pads=list(a["padding"]) * 2,
+                   dilations=list(a["dilation"]), group=a["groups"], output_padding=list(a["output_padding"]))
         return w.qdq(y, out, *_stage(a))
     if t is OpType.ADD:
         return w.qdq(w.node("Add", xs, out + "_add"), out, *_stage(a))
@@ -159,10 +169,36 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return w.qdq(y, out, *_stage(a))
     if t is OpType.GLOBAL_AVGPOOL:
         return w.qdq(w.node("GlobalAveragePool", xs, out + "_pool"), out, *_stage(a))
+    if t is OpType.RESIZE:
+        return w.qdq(_resize(w, xs[0], op), out, *_stage(a))
     if t is OpType.RESHAPE:
         shape = w.const("shape", np.array([0, *a["shape"]], dtype=np.int64))
         return w.node("Reshape", [xs[0], shape], out)
     raise ExportError(op.name, f"{t.name} has no ONNX lowering")  # an op added without an ONNX form: refused here
+
+
+def _resize(w: _Writer, x: str, op: Op) -> str:
+    """RESIZE's taps as Gather / Mul / Add on the real values (docs/qgraph.md §4.4): the graph's
+    own indices and 2^-F weights, so no coordinate rule of ONNX Resize has to match torch's."""
+    a = op.attrs
+    in_shape = w.graph.tensor(op.inputs[0]).shape
+    rank, one, start = len(in_shape) - 2, float(1 << a["frac_bits"]), 0
+    for d, n_out in enumerate(a["size"]):
+        axis, n_in = 2 + d, in_shape[2 + d]
+        i0 = np.asarray(a["index"][start:start + n_out], dtype=np.int64)
+        w1 = np.asarray(a["weight"][start:start + n_out], dtype=np.float64) / one
+        start += n_out
+        g0 = w.node("Gather", [x, w.const("i0", i0)], op.outputs[0] + "_g0", axis=axis)
+        if not w1.any():  # nearest: the first tap only
+            x = g0
+            continue
+        g1 = w.node("Gather", [x, w.const("i1", np.minimum(i0 + 1, n_in - 1))], op.outputs[0] + "_g1", axis=axis)
+        bshape = (n_out,) + (1,) * (rank - 1 - d)  # broadcast over the later spatial axes
+        w0c = w.const("w0", (1.0 - w1).astype(np.float32).reshape(bshape))
+        w1c = w.const("w1", w1.astype(np.float32).reshape(bshape))
+        x = w.node("Add", [w.node("Mul", [g0, w0c], op.outputs[0] + "_m0"),
+                           w.node("Mul", [g1, w1c], op.outputs[0] + "_m1")], op.outputs[0] + "_lerp")
+    return x
 
 
 def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:

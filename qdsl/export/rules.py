@@ -24,6 +24,7 @@ from torch import nn
 from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
 from qdsl.export.lower_lut import lut_pending
 from qdsl.export.lower_mul import mul_pending
+from qdsl.export.lower_resize import function_call, module_call, resize_value
 from qdsl.export.values import ExportError, FloatVal, Pending, QVal, Target
 from qdsl.graph.ir import OpType, Rounding
 from qdsl.patch.constructs import functions, resolve_path
@@ -210,10 +211,13 @@ def _mul_fn(lw, node, fn, args, kwargs, where):
 method_rule("mul")(lambda lw, node, name, args, where: _mul(lw, node, args, where))
 
 
-# ---------------------------------------------------------------- lut -> LUT (lower_lut.py)
+# ---------------------------------------------------------------- lut -> LUT, LUT_CHANNEL (lower_lut.py)
 @module_rule("lut")
 def _lut_module(lw, node, m, x, shape, fqn):
-    return lut_pending(fqn, x, m.forward, type(m).__name__, shape)  # m.forward: m(...) would run qdsl's hooks
+    # m.forward: m(...) would run qdsl's hooks; a PReLU with a slope per channel is a
+    # per-channel function of its input (one table per channel)
+    per_channel = isinstance(m, nn.PReLU) and m.num_parameters > 1
+    return lut_pending(fqn, x, m.forward, type(m).__name__, shape, per_channel=per_channel)
 
 
 @function_rule("lut")
@@ -222,6 +226,17 @@ def _lut_fn(lw, node, fn, args, kwargs, where):
         raise ExportError(where, f"'{node.name}' reads more than one tensor")
     rest = tuple(args[1:])
     return lut_pending(where, args[0], lambda t: fn(t, *rest, **kwargs), fn.__name__, lw.shape(node))
+
+
+# ---------------------------------------------------------------- resize -> RESIZE (lower_resize.py)
+module_rule("resize")(lambda lw, node, m, x, shape, fqn: resize_value(lw.b, fqn, x, module_call(m), shape))
+
+
+@function_rule("resize")
+def _resize_fn(lw, node, fn, args, kwargs, where):
+    if any(_is_value(a) for a in list(args[1:]) + list(kwargs.values())):
+        raise ExportError(where, f"'{node.name}' reads more than one tensor")
+    return resize_value(lw.b, where, args[0], function_call(fn, args, kwargs), lw.shape(node))
 
 
 # ---------------------------------------------------------------- shape, item: not tensors

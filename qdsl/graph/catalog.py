@@ -43,7 +43,7 @@ __all__ = [
 
 # lowering rule -> the graph ops it may emit (lower.py / lower_layers.py hold the rules)
 LOWERINGS: dict[str, tuple[str, ...]] = {
-    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR"),
+    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR", "CONV_TRANSPOSE1D", "CONV_TRANSPOSE2D"),
     "batch_norm": (),  # folded into the layer before it (`fold_bn`), else an error
     "pass": (),  # Identity / Dropout in eval: the value itself
     "relu": ("CLAMP",),  # fused into a pending output stage, else CLAMP
@@ -54,7 +54,8 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "add": ("ADD",),
     "concat": ("CONCAT",),
     "mul": ("MUL",),  # two activations (lower_mul.py); a constant factor has no lowering
-    "lut": ("LUT",),  # an elementwise function of an 8-bit input: a 256-entry table (lower_lut.py)
+    "lut": ("LUT", "LUT_CHANNEL"),  # an elementwise function of an 8-bit input: 256-entry tables (lower_lut.py)
+    "resize": ("RESIZE",),  # nearest / (bi)linear upsampling (lower_resize.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
@@ -63,13 +64,13 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
 BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE")
 """Emitted where a quantizer sits (and at the graph's float input/output), for no construct."""
 
-WEIGHTED_OPS = ("conv1d", "conv2d", "linear")
+WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpose2d")
 """Ops with a weight (and optional bias): the ones with an integer accumulator."""
 
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",
     "hardsigmoid", "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
-    "reshape", "batch_norm",
+    "reshape", "batch_norm", "prelu", "upsample",
 )
 """Every op name a profile may list (in ``ops``, ``op.<name>``, ``fusions``, ``fixed_output``)."""
 
@@ -115,6 +116,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("Conv1d", "conv1d", "layer"),
         ("Conv2d", "conv2d", "layer"),
         ("Linear", "linear", "layer"),
+        ("ConvTranspose1d", "conv_transpose1d", "layer"),
+        ("ConvTranspose2d", "conv_transpose2d", "layer"),
         ("BatchNorm1d", "batch_norm", "batch_norm", True),
         ("BatchNorm2d", "batch_norm", "batch_norm", True),
         ("ReLU", "relu", "relu", True),
@@ -141,6 +144,10 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("Hardsigmoid", "hardsigmoid", "lut"),
         ("GELU", "gelu", "lut"),
         ("SiLU", "silu", "lut"),
+        ("PReLU", "prelu", "lut"),  # its slope is read at export: one table (per channel: LUT_CHANNEL)
+        ("Upsample", "upsample", "resize"),
+        ("UpsamplingNearest2d", "upsample", "resize"),
+        ("UpsamplingBilinear2d", "upsample", "resize"),
     ])
     + _rows("function", "", [
         # (path, op, lowering, passes, product, like)
@@ -151,7 +158,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("operator.imul", "mul", "mul"),
         ("torch.mul", "mul", "mul"),
         ("torch.cat", "concat", "concat"),
-        ("torch.concat", "concat"),
+        ("torch.concat", "concat", "concat"),
+        ("torch.concatenate", "concat", "concat"),
         (_F + "relu", "relu", "relu", True),
         ("torch.relu", "relu", "relu", True),
         (_F + "relu_", "relu"),
@@ -167,6 +175,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         (_F + "hardsigmoid", "hardsigmoid", "lut"),
         (_F + "gelu", "gelu", "lut"),
         (_F + "silu", "silu", "lut"),
+        (_F + "interpolate", "upsample", "resize"),
         (_F + "max_pool1d", "max_pool1d", "pool", True, False, (_NN + "MaxPool1d", 4)),
         (_F + "max_pool2d", "max_pool2d", "pool", True, False, (_NN + "MaxPool2d", 4)),
         (_F + "avg_pool1d", "avg_pool1d", "pool", False, False, (_NN + "AvgPool1d", 5)),

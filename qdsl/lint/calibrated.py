@@ -46,6 +46,17 @@ def _weight_zero_point(zp: Any, rows: int, cols: int) -> np.ndarray | int | None
     return None  # a layout this bound does not model: let lint use the worst case
 
 
+def _transposed_rows(w: np.ndarray, zp: Any, groups: int) -> tuple[np.ndarray, Any]:
+    """A transposed conv's ``in × out/g × k..`` codes as conv rows ``out × in/g·k..`` (output
+    channel ``g·og + o`` reads column ``o`` of its group's input rows), its per-column zero
+    points repeated per group."""
+    cin, og = w.shape[:2]
+    rows = w.reshape((groups, cin // groups, og, -1)).transpose(0, 2, 1, 3).reshape(groups * og, -1)
+    if zp is not None and zp.numel() > 1:
+        zp = zp.reshape(-1).repeat(groups)
+    return rows, zp
+
+
 def layer_ints(model: Any) -> dict[str, LayerInts] | None:
     try:
         from qdsl.patch.frozen import frozen_layer
@@ -60,8 +71,11 @@ def layer_ints(model: Any) -> dict[str, LayerInts] | None:
         if rec.weight_codes is None:
             continue
         w, _ = rec.weight_grid()  # power-of-two codes already on the grid of the smallest step
+        wzp = rec.weight_zero_point
+        if patch.wq.axis == 1 and w.ndim > 2:  # a transposed conv: one row per output channel
+            w, wzp = _transposed_rows(w, wzp, int(getattr(patch.module, "groups", 1)))
         rows = w.shape[0]
-        zp = _weight_zero_point(rec.weight_zero_point, rows, int(np.prod(w.shape[1:])) if w.ndim > 1 else 1)
+        zp = _weight_zero_point(wzp, rows, int(np.prod(w.shape[1:])) if w.ndim > 1 else 1)
         if zp is None:
             continue
         x_zp = None

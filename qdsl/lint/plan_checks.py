@@ -36,7 +36,7 @@ from qdsl.lint.fixes import accumulator_fix, use
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.invariants import bias_scale_problem
-from qdsl.resolve.plan import LayerPlan, Plan, QuantizerRecipe
+from qdsl.resolve.plan import OUT_CHANNEL_AXIS, LayerPlan, Plan, QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, Span
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
 from qdsl.spec.profile import CAPS_FIELDS, HardwareProfile, Position
@@ -179,6 +179,12 @@ def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profi
             known: dict[str, Any] = {"kind": Kind.FLOAT}
         else:
             known = _recipe_fields(recipe)
+            gran = known.get("granularity")
+            out_axis = OUT_CHANNEL_AXIS.get(layer.type_name)
+            if role is Role.WEIGHT and out_axis is not None and gran is not None and gran.axis == out_axis:
+                # a profile's channel axes are weight-layout axes with the output channels at
+                # 0; a transposed conv keeps them at OUT_CHANNEL_AXIS (its in × out/g × k layout)
+                known["granularity"] = attrs.evolve(gran, axis=0)
         caps = profile.caps(role, op, positions)
         for v in check_quantizer(known, caps, role, integer_only=profile.integer_only, pot_scales=pot_scales,
                                  fmt=recipe.format if recipe is not None else None):
@@ -237,6 +243,8 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
         return
     shape = entry.param_shapes["weight"]
     fan_in = int(math.prod(shape[1:])) if len(shape) > 1 else 1
+    if layer.type_name in OUT_CHANNEL_AXIS:  # in × out/groups × k..: at most in/groups · Π k taps reach an output
+        fan_in = int(shape[0] // int(entry.attributes.get("groups", 1)) * math.prod(shape[2:]))
     worst = bits_for(*worst_case_range(wr, xr, fan_in))
     span, _ = _written(layer, Role.WEIGHT, "bits", where_spec)
     desc = f"weight {_range_text(w)} × input {_range_text(x)}, fan-in {fan_in}"
@@ -318,7 +326,7 @@ def _check_bias(layer: LayerPlan, op: str, profile: HardwareProfile, col: Collec
     b = layer.roles.get(Role.BIAS)
     if b is None or not b.format.affine:
         return
-    problem = bias_scale_problem(layer.roles)  # the one rule (qdsl/resolve/invariants.py)
+    problem = bias_scale_problem(layer.roles, layer.type_name)  # the one rule (qdsl/resolve/invariants.py)
     if problem is not None:
         if problem.missing:  # the resolver rejects this too (E214); kept for plans built by hand
             span, _ = _written(layer, Role.BIAS, "scale", where_spec)

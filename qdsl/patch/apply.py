@@ -137,7 +137,7 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
                     "E503", f"{role.value} of '{lp.fqn}' (shape {tuple(p.shape)}): {exc}",
                     _span(lp, role, "granularity")))
         # resolve reports this as E214; a Plan built by hand reaches it here
-        problem = bias_scale_problem(roles)
+        problem = bias_scale_problem(roles, lp.type_name)
         if problem is not None:
             diags.append(Diagnostic.error(
                 "E504", f"the bias of '{lp.fqn}' has scale input*weight, but {problem.reason}",

@@ -9,10 +9,10 @@ lists them so ``apply`` can warn (:class:`LeftFloatWarning`, ``W505``) or, with
 Left float (one finding each, named, with the reason and the spec line that reaches it):
 
 * a module holding a weight kernel (a parameter of 2+ dimensions: ``nn.LSTM``'s
-  ``weight_ih_l0``, ``nn.Embedding``/``nn.ConvTranspose2d``'s ``weight``,
+  ``weight_ih_l0``, ``nn.Embedding``'s ``weight``,
   ``nn.MultiheadAttention``'s ``in_proj_weight``, a user module's own ``nn.Parameter``)
   that gets no weight quantizer: its class is not one qdsl patches (``defaults`` apply
-  to ``Linear``, ``Conv1d``, ``Conv2d`` by exact class name), or the forward reads the
+  to ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d/2d`` by exact class name), or the forward reads the
   parameter directly;
 * a planned module whose ``forward`` never runs, so its hooks never do:
   ``MultiheadAttention.out_proj`` (``F.multi_head_attention_forward`` reads its weight
@@ -234,7 +234,7 @@ def _module_reason(fqn: str, m: nn.Module, kernels: list[str], parent: nn.Module
     shown = ", ".join(kernels[:4]) + (" ..." if len(kernels) > 4 else "")
     if isinstance(m, _SUPPORTED_BASES) and not type(m).__module__.startswith("torch."):
         base = next(b.__name__ for b in _SUPPORTED_BASES if isinstance(m, b))
-        return (f"{t} subclasses {base}, but defaults apply to Linear, Conv1d and Conv2d by exact class name",
+        return (f"{t} subclasses {base}, but defaults apply to {', '.join(WEIGHTED_TYPES)} by exact class name",
                 f"add 'rule type:{t} {{ weight = ... }}' to quantize it, or 'skip' it")
     if type(m).__module__.startswith("torch.nn"):
         return (f"nn.{t} weights are not supported yet ({shown} {'stays' if len(kernels) == 1 else 'stay'} float)",

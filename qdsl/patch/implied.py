@@ -13,7 +13,8 @@ and then read by the next block, is quantized once.
 The operands are found with the apply trace (:mod:`qdsl.patch.trace`): for each add or
 concat (the construct table's ``add``/``concat`` rows), and each average pool reading a sum
 (through ReLU and other pass-through ops: a ResNet-50's last block), an operand is fine when it is a
-weighted layer's or BatchNorm's direct result (the exporter adds the accumulator) or
+weighted layer's or BatchNorm's direct result read by an add or pool (the exporter adds the
+accumulator; a concat reads int8 values only: a U-Net's ConvTranspose up step) or
 already quantized (an output quantizer on the module returning it, or, except after a
 max pool or of a sum, an integer input quantizer of a layer reading it: the exporter then materializes
 the value at that grid and the add reads it, as for the digits ResNet's stem).  A sum a binary
@@ -68,11 +69,14 @@ _SHAPE_METHODS = methods(lambda c: c.lowering == "shape")
 _PASS_MODULES = module_classes(lambda c: c.passes)
 _PASS_FUNCS = functions(lambda c: c.passes)
 # a direct result of these is an accumulator the exporter adds (or rescales) exactly
-_ACCUMULATORS = (nn.Conv1d, nn.Conv2d, nn.Linear, nn.BatchNorm1d, nn.BatchNorm2d)
+_ACCUMULATORS = (nn.Conv1d, nn.Conv2d, nn.Linear, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.BatchNorm1d,
+                 nn.BatchNorm2d)
 
 
 def _stack(n: torch.fx.Node) -> list[str]:
-    return list(n.meta.get("nn_module_stack", {}).keys())
+    # fx keys the second and later calls of one module "<fqn>@<k>": it is the same module
+    # (counted in trace.calls under its fqn)
+    return [k.split("@", 1)[0] for k in n.meta.get("nn_module_stack", {})]
 
 
 def _operands(n: torch.fx.Node) -> list[torch.fx.Node]:
@@ -204,7 +208,8 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
             continue
         where = (_stack(n) or ["<model>"])[-1]
         for a in _operands(n)[:1] if op == "average pool" else _operands(n):
-            if a.op == "call_module" and isinstance(modules.get(str(a.target)), _ACCUMULATORS):
+            # an add or pool reads a layer's accumulator; CONCAT reads int8 values only
+            if op != "torch.cat" and a.op == "call_module" and isinstance(modules.get(str(a.target)), _ACCUMULATORS):
                 continue
             if _read_by_int_input(a, modules, int_inputs):
                 continue

@@ -207,7 +207,7 @@ class LayerPatch:
             if self.bq.derived and not self.bq.frozen:
                 s_in = self.iq.current_scale() if self.iq is not None else None
                 s_w = self.wq.current_scale() if self.wq is not None else None
-                self.bq.set_derived_scale(None if s_in is None or s_w is None else s_in.detach() * s_w.detach())
+                self.bq.set_derived_scale(None if s_in is None or s_w is None else s_in.detach() * self._per_output(s_w).detach())
             b = self.bq(b)
         d = self.module.__dict__
         # the module computes in its own dtype (a folded half-precision layer came out of
@@ -262,9 +262,17 @@ class LayerPatch:
                 if self.bq.derived:
                     if self.iq is not None and self.iq.dynamic:
                         return  # the bias scale follows the input's per-batch scale
-                    self.bq.set_derived_scale(self.iq.scale * self.wq.scale)
+                    self.bq.set_derived_scale(self.iq.scale * self._per_output(self.wq.scale))
                 self.bq.freeze(b)
         self._cache_key = None
+
+    def _per_output(self, s_w: torch.Tensor) -> torch.Tensor:
+        """The weight scale per output channel: a transposed conv's per-channel scales
+        (weight axis 1, ``out/groups`` of them) repeat for each group (output channel
+        ``g·og + o`` has scale ``s_w[o]``)."""
+        if self.wq.axis == 1 and s_w.numel() > 1:
+            return s_w.repeat(int(getattr(self.module, "groups", 1)))
+        return s_w
 
     # ---------------------------------------------------------- pickle, copy
     def __getstate__(self) -> dict:

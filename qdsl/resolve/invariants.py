@@ -34,13 +34,15 @@ class BiasScaleProblem:
     """What is wrong, as a clause: ``"the input needs one scale (granularity tensor)"``."""
 
 
-def bias_scale_problem(roles: Mapping[Role, QuantizerRecipe | None]) -> BiasScaleProblem | None:
+def bias_scale_problem(roles: Mapping[Role, QuantizerRecipe | None],
+                       type_name: str | None = None) -> BiasScaleProblem | None:
     """The problem with a layer's derived bias scale, or ``None`` (also when the bias has
-    none: no bias quantizer, or its own scale)."""
+    none: no bias quantizer, or its own scale).  ``type_name``: the layer's class (which
+    weight axis holds its output channels)."""
     bias = roles.get(Role.BIAS)
     if bias is None or bias.scale != DERIVED_BIAS_SCALE:
         return None
-    reason = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT))
+    reason = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT), type_name)
     if reason is None:
         return None
     missing = tuple(r.value for r in (Role.INPUT, Role.WEIGHT) if roles.get(r) is None)
@@ -51,7 +53,7 @@ def plan_problems(plan: Plan) -> dict[str, BiasScaleProblem]:
     """``{fqn: problem}`` for every layer of ``plan`` that breaks an invariant."""
     out: dict[str, BiasScaleProblem] = {}
     for layer in plan.layers:
-        p = bias_scale_problem(layer.roles)
+        p = bias_scale_problem(layer.roles, layer.type_name)
         if p is not None:
             out[layer.fqn] = p
     return out

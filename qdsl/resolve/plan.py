@@ -39,11 +39,18 @@ __all__ = [
     "RuleMatch",
     "Plan",
     "WEIGHTED_TYPES",
+    "OUT_CHANNEL_AXIS",
     "MODULE_ATTRS",
 ]
 
-WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d")
+WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d")
 """Module classes that ``defaults`` apply to (layers with a weight, and bias)."""
+
+OUT_CHANNEL_AXIS = {"ConvTranspose1d": 1, "ConvTranspose2d": 1}
+"""The weight axis of the output channels where it is not 0: a transposed convolution's
+weight is ``in × out/groups × k..``.  ``channel`` granularity without an axis means this
+axis for the weight (and bias) of these classes (per output channel, what an integer
+accumulator needs)."""
 
 MODULE_ATTRS = (
     "in_features",
@@ -53,6 +60,7 @@ MODULE_ATTRS = (
     "kernel_size",
     "stride",
     "padding",
+    "output_padding",
     "dilation",
     "groups",
 )

@@ -304,8 +304,8 @@ class _Resolver:
             if skip or not srcs:
                 roles[role] = None
                 continue
-            roles[role] = self._role(role, srcs, prov, conflicts, diags, gran_spans)
-        problem = bias_scale_problem(roles)  # the one rule (qdsl/resolve/invariants.py)
+            roles[role] = self._role(role, srcs, prov, conflicts, diags, gran_spans, entry.type_name)
+        problem = bias_scale_problem(roles, entry.type_name)  # the one rule (qdsl/resolve/invariants.py)
         if problem is not None:
             p = prov[(Role.BIAS, "scale")]
             if problem.missing:
@@ -348,6 +348,7 @@ class _Resolver:
         conflicts: list[tuple[Any, ...]],
         diags: list[Diagnostic],
         gran_spans: dict[Role, Span],
+        type_name: str,
     ) -> QuantizerRecipe | None:
         """Cascade, override, fill and validate one role; None when it ends up in float."""
         won: dict[str, FieldProvenance] = {}
@@ -381,7 +382,7 @@ class _Resolver:
             if field not in won:
                 won[field] = FieldProvenance(builtin_value(field, role, kind, scale, self.regs), _BUILTIN)
             values[field] = won[field].value
-        gran = fill_channel_axis(values["granularity"], role)
+        gran = fill_channel_axis(values["granularity"], role, type_name)
         if gran is not values["granularity"]:
             values["granularity"] = gran
             won["granularity"] = attrs.evolve(won["granularity"], value=gran)

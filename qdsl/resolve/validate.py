@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from qdsl.resolve.plan import ModuleEntry, QuantizerRecipe
+from qdsl.resolve.plan import OUT_CHANNEL_AXIS, ModuleEntry, QuantizerRecipe
 from qdsl.spec.builtins import builtin_registries
 from qdsl.spec.diagnostics import Diagnostic, Span, UNKNOWN_SPAN
 from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name
@@ -91,10 +91,13 @@ def builtin_value(field: str, role: Role, kind: Kind, scale: str | None,
     raise KeyError(field)
 
 
-def fill_channel_axis(gran: Granularity, role: Role) -> Granularity:
-    """``channel`` without an axis: 0 for parameters, 1 (channels of N,C,...) for activations."""
+def fill_channel_axis(gran: Granularity, role: Role, type_name: str | None = None) -> Granularity:
+    """``channel`` without an axis: the output channels of the weight (0, or
+    ``OUT_CHANNEL_AXIS[type_name]``: 1 for a transposed conv's ``in × out/g × k``
+    weight), 0 for a bias, 1 (channels of N,C,...) for activations."""
     if gran.kind is GranularityKind.CHANNEL and gran.axis is None:
-        return Granularity(GranularityKind.CHANNEL, 0 if role in _PARAM_ROLES else 1, None, gran.span)
+        axis = 1 if role not in _PARAM_ROLES else OUT_CHANNEL_AXIS.get(type_name, 0) if role is Role.WEIGHT else 0
+        return Granularity(GranularityKind.CHANNEL, axis, None, gran.span)
     return gran
 
 
@@ -227,12 +230,13 @@ def _degenerate(fmt: Any, bits: int, fields: Mapping[str, Any]) -> bool:
 
 
 def derived_bias_problem(input_recipe: QuantizerRecipe | None,
-                         weight_recipe: QuantizerRecipe | None) -> str | None:
+                         weight_recipe: QuantizerRecipe | None, type_name: str | None = None) -> str | None:
     """Why an ``input*weight`` bias scale cannot be formed from these recipes, or None.
 
     The bias scale is ``s_in · s_w`` per output channel, so the input needs one scale
     and the weight one scale per output channel (or per tensor), both fixed at freeze
-    or, for a dynamic input, recomputed together per batch.
+    or, for a dynamic input, recomputed together per batch.  The output channels are the
+    weight's axis 0, or ``OUT_CHANNEL_AXIS[type_name]`` (a transposed conv: axis 1).
     """
     iq, wq = input_recipe, weight_recipe
     if iq is None or wq is None or not iq.format.quantized or not wq.format.quantized:
@@ -241,8 +245,9 @@ def derived_bias_problem(input_recipe: QuantizerRecipe | None,
         return "the input needs one scale (granularity tensor)"
     if wq.granularity.kind is GranularityKind.GROUP:
         return "the weight needs per-tensor or per-channel scales, not groups"
-    if wq.granularity.kind is GranularityKind.CHANNEL and (wq.granularity.axis or 0) != 0:
-        return "per-channel weight scales must be along the output channels (axis 0)"
+    out_axis = OUT_CHANNEL_AXIS.get(type_name, 0)
+    if wq.granularity.kind is GranularityKind.CHANNEL and (wq.granularity.axis or 0) != out_axis:
+        return f"per-channel weight scales must be along the output channels (axis {out_axis})"
     if wq.dynamic:
         return "the weight scale must be static (not dynamic)"
     return None
@@ -302,7 +307,8 @@ def check_shapes(
         if not -nd <= gran.axis < nd:
             return [Diagnostic.error(
                 "E216", f"channel axis {gran.axis} is out of range for the {what}", span,
-                f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis 0 is the output channels",
+                f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis {OUT_CHANNEL_AXIS.get(entry.type_name, 0)} "
+                "is the output channels",
             )]
     if gran.kind is GranularityKind.GROUP and (gran.group_size or 0) > 0 and len(shape) >= 2:
         row = math.prod(shape[1:])

@@ -58,7 +58,7 @@ def test_lint_only_ops_are_the_ones_export_cannot_lower():
     # mul of two activations lowers to MUL (squeeze-excitation)
     assert not set(LINT_ONLY_OPS) & {"conv2d", "linear", "add", "mul", "relu", "concat", "reshape", "batch_norm"}
     # the elementwise activations lower to a lookup table (LUT), so lint lists none of them
-    lut_ops = {"hardswish", "hardsigmoid", "silu", "sigmoid", "tanh", "gelu", "leaky_relu", "relu6"}
+    lut_ops = {"hardswish", "hardsigmoid", "silu", "sigmoid", "tanh", "gelu", "leaky_relu", "prelu", "relu6"}
     assert not set(LINT_ONLY_OPS) & lut_ops
     assert {c.op for c in CONSTRUCTS if c.lowering == "lut"} == lut_ops - {"relu6"}  # ReLU6 stays a clamp
 

@@ -46,9 +46,6 @@ MODULES = {
     "RNN": (lambda: nn.RNN(8, 8, batch_first=True), lambda m, x: _first(m(x)), lambda: torch.randn(2, 5, 8)),
     "LSTMCell": (lambda: nn.LSTMCell(8, 8), lambda m, x: _first(m(x)), lambda: torch.randn(2, 8)),
     "GRUCell": (lambda: nn.GRUCell(8, 8), lambda m, x: m(x), lambda: torch.randn(2, 8)),
-    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(8, 8, 3), lambda m, x: m(x).mean(-1), lambda: torch.randn(2, 8, 5)),
-    "ConvTranspose2d": (lambda: nn.ConvTranspose2d(8, 8, 3), lambda m, x: m(x).mean((-1, -2)),
-                        lambda: torch.randn(2, 8, 5, 5)),
     "MultiheadAttention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True), lambda m, x: _first(m(x, x, x)),
                            lambda: torch.randn(2, 5, 8)),
 }
@@ -73,6 +70,24 @@ def test_each_unsupported_module_is_named_in_the_warning(type_name):
     assert "s.qspec:4" in str(w) or "test.qspec:4" in str(w)  # where the defaults reach it
     if type_name == "MultiheadAttention":
         assert "inner.out_proj" in names and "called functionally by MultiheadAttention" in str(w)
+    handle.remove()
+
+
+TRANSPOSED = {
+    "ConvTranspose1d": (lambda: nn.ConvTranspose1d(8, 8, 3), lambda m, x: m(x).mean(-1), lambda: torch.randn(2, 8, 5)),
+    "ConvTranspose2d": (lambda: nn.ConvTranspose2d(8, 8, 3), lambda m, x: m(x).mean((-1, -2)),
+                        lambda: torch.randn(2, 8, 5, 5)),
+}
+
+
+@pytest.mark.parametrize("type_name", sorted(TRANSPOSED))
+def test_conv_transpose_is_quantized_not_left_float(type_name):
+    # issue 17: ConvTranspose1d/2d were W505 (left float); the defaults now quantize them
+    make, call, example = TRANSPOSED[type_name]
+    model = Wrap(make(), call)
+    handle, found = _apply(model, example_input=example(), strict=True)
+    assert not [m for m in found if isinstance(m, LeftFloatWarning)]
+    assert handle.layers["inner"].wq is not None and handle.layers["inner"].wq.axis == 1  # the output channels
     handle.remove()
 
 

@@ -72,3 +72,18 @@ def test_the_rule_has_one_caller_of_its_core():
     callers = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                      if "derived_bias_problem(" in p.read_text() and p.name != "validate.py")
     assert callers == ["resolve/invariants.py"]
+
+
+def test_a_transposed_conv_weight_is_per_channel_along_axis_1():
+    # ConvTranspose weights are in × out/groups × k: channel granularity without an axis is
+    # the output channels (axis 1), and that is the axis the derived bias scale needs
+    from torch import nn
+
+    model = nn.Sequential(nn.ConvTranspose2d(4, 6, 2, stride=2), nn.ConvTranspose1d(6, 2, 3))
+    plan = _plan(model)
+    for fqn in ("0", "1"):
+        g = plan.layer(fqn).roles[Role.WEIGHT].granularity
+        assert (g.kind, g.axis) == (GranularityKind.CHANNEL, 1)
+    assert plan_problems(plan) == {}
+    with pytest.raises(SpecError, match=r"E214.*output channels \(axis 1\)"):
+        qdsl.resolve.resolve(model, parse_text(SPEC.replace("per_channel", "granularity=channel(0)"), "t.qspec"))

@@ -64,7 +64,31 @@ def test_all_minus_one_stays_minus_one_with_padding():
     _check(graph, x)
 
 
-def test_bin_avgpool_is_still_refused():
-    attrs = {"kernel": [2, 2], "stride": [2, 2], "padding": [0, 0], "in_zp": 0}
-    with pytest.raises(GraphFormatError, match="BIN"):
-        _bin_pool_graph(OpType.AVGPOOL2D, (4, 4), attrs, DType.I8)
+@pytest.mark.parametrize("op_type,spatial,attrs", [
+    (OpType.AVGPOOL2D, (4, 6), {"kernel": [2, 2], "stride": [2, 2], "padding": [0, 0]}),
+    (OpType.AVGPOOL2D, (5, 5), {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1]}),
+    (OpType.AVGPOOL1D, (9,), {"kernel": [3], "stride": [2], "padding": [1]}),
+    (OpType.GLOBAL_AVGPOOL, (5, 7), {}),
+])
+def test_bin_average_pools_sum_the_signs(op_type, spatial, attrs):
+    # (was refused: "input has dtype BIN, expected I8/U8/I32") the ±1 values, zero point 0,
+    # summed and rescaled to int8: here factor 1/area at zero point 0, so y = round(mean)·...
+    from qdsl.graph.requant import make_rescale
+    from qdsl.graph.ir import Rounding
+
+    area = int(np.prod(attrs.get("kernel", spatial)))
+    rq = make_rescale(64.0 / area, Rounding.HALF_EVEN, True, single=True)  # mean · 64 in int8
+    a = dict(attrs, in_zp=0, **rq.attrs(), out_zp=0, out_min=-128, out_max=127)
+    graph = _bin_pool_graph(op_type, spatial, a, DType.I8)
+    rng = np.random.default_rng(len(spatial) * 10 + area)
+    x = np.where(rng.random((2, 3, *spatial)) < 0.4, 1, -1).astype(np.int8)
+    got = execute(graph, [x]).outputs[0]
+    xt = torch.from_numpy(x.astype(np.float64))
+    if op_type is OpType.GLOBAL_AVGPOOL:
+        mean = xt.mean(dim=tuple(range(2, x.ndim)), keepdim=True)
+    else:
+        fn = tF.avg_pool1d if x.ndim == 3 else tF.avg_pool2d
+        mean = fn(xt, attrs["kernel"], attrs["stride"], attrs["padding"], count_include_pad=True)
+    want = np.clip(np.round(mean.numpy() * 64), -128, 127)  # half-even, as the stage
+    np.testing.assert_array_equal(got, want)
+    _check(graph, x)  # every C++ path == reference

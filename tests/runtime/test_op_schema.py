@@ -69,3 +69,18 @@ def test_loader_opcode_bound_comes_from_the_table():
     blob[-4:] = struct.pack("<I", zlib.crc32(bytes(blob[:-4])) & 0xFFFFFFFF)
     with pytest.raises(GraphFormatError, match="unknown opcode"):
         rt.CompiledGraph(bytes(blob))
+
+
+@pytest.mark.skipif(not rt.available(), reason="C++ runtime not built")
+def test_an_unassigned_opcode_below_the_largest_is_refused():
+    # opcodes reserved by ops on other branches leave gaps: null rows in the generated
+    # tables, which the C++ loader must refuse (not call through a null OpDef)
+    gaps = sorted(set(range(1, max(OpType))) - {int(t) for t in OpType})
+    if not gaps:
+        pytest.skip("every opcode below the largest is assigned")
+    blob = bytearray(_clamp_bytes())
+    at = blob.index(struct.pack("<HHI", int(OpType.CLAMP), 0, 5) + b"layer")
+    blob[at:at + 2] = struct.pack("<H", gaps[0])
+    blob[-4:] = struct.pack("<I", zlib.crc32(bytes(blob[:-4])) & 0xFFFFFFFF)
+    with pytest.raises(GraphFormatError, match="unknown opcode"):
+        rt.CompiledGraph(bytes(blob))

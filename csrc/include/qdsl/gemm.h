@@ -36,6 +36,21 @@ enum class AmxInit : int32_t { kZero = 0, kAccumulate = 1, kCols = 2, kRows = 3 
 // How the optimized paths store a 16-column weight panel (see csrc/pack/pack_weights.cc).
 enum class PanelFormat : int32_t { kI16 = 0, kI4 = 1, kI2 = 2 };
 
+// Depthwise conv of one channel plane (csrc/runtime/ops/conv_dw.cc, DwConvKernel):
+//   acc[oy*lda + ox] = init + sum_{ky < kh, kx < kw} taps[ky*kw + kx] * plane[(oy*sh + ky*dh)*ldp + ox*sw + kx*dw]
+// for oy < oh, ox < ow, in int32 (the caller proves no partial sum can overflow).  plane is
+// the input minus its zero point as int16, padding as zeros; its rows must be readable and
+// zero past the padded image up to column DwConvPlaneCols.  Kernels may compute whole blocks
+// of 16 outputs, writing garbage up to column DwConvAccCols of a row (so lda >= ow will do:
+// rows are written in order, and a row's spill is overwritten by the next row; the buffer
+// holds (oh - 1) * lda + DwConvAccCols values).  pairs: [kh][(kw + 1) / 2] int32 words of
+// int16 taps 2j (low) and 2j + 1 (high, 0 past kw), the vpmaddwd operand.
+struct DwConvShape {
+  int64_t oh, ow, kh, kw, sh, sw, dh, dw;
+};
+inline int64_t DwConvAccCols(const DwConvShape& s) { return (s.ow + 15) / 16 * 16; }
+inline int64_t DwConvPlaneCols(const DwConvShape& s) { return s.sw * DwConvAccCols(s) + s.kw * s.dw + 16; }
+
 constexpr int kPanelCols = 16;  // NR of every int micro-kernel
 constexpr int kMaxRows = 6;     // MR of every int micro-kernel
 

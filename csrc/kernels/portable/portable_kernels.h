@@ -21,6 +21,10 @@ void BinaryPopcount(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w
 void Requant(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
              void* out, int64_t ldo, bool out_signed);
 
+// Depthwise conv of one plane (DwConvKernel in dispatch.h): any stride and dilation.
+void DwConv(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps, const int32_t* pairs,
+            int32_t init, int32_t* acc, int64_t lda);
+
 }  // namespace portable
 }  // namespace qdsl
 

@@ -99,6 +99,11 @@ void StageI32RowsAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t 
 void QuantizeF32Avx2(const float* x, int64_t n, float inv, int32_t zp, int32_t qmin, int32_t qmax, int rounding,
                      uint8_t* out, bool out_signed);
 
+// Depthwise conv of one plane (DwConvKernel in dispatch.h; dwconv_i16_avx2.cc): sw 1 or 2,
+// dw 1, blocks of 16 outputs per row.
+void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps, const int32_t* pairs,
+                int32_t init, int32_t* acc, int64_t lda);
+
 }  // namespace x86
 }  // namespace qdsl
 

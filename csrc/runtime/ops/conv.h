@@ -4,6 +4,7 @@
 //   conv_exec.cc      RunConv: path choice and the generic im2col + GEMM / exact int64 path
 //   conv_fast.cc      IntConvFast: the gathered-panel AVX2 / VNNI / AMX-explicit conv
 //   conv_amx.cc       AmxConvImplicit: the AMX implicit-GEMM conv (with a fused residual ADD)
+//   conv_dw.cc        DepthwiseConv: depthwise convs (groups == C) on zero-padded int16 planes
 //   conv_im2col.cc    im2col forms and padded (phase-split) images
 //   conv_transpose.cc byte / int32 transposes and NCHW -> padded NHWC rows
 #ifndef QDSL_RUNTIME_OPS_CONV_H_
@@ -61,6 +62,12 @@ struct ConvParams : OpParams {
   int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
   std::vector<int64_t> amx_koff;
   AlignedVector<uint8_t> amx_w;
+  // Depthwise (groups == C, so each output channel reads one input plane; a depth
+  // multiplier m = O / C >= 1) with int32-exact sums: DepthwiseConv runs it (conv_dw.cc).
+  // dw_taps: [O][kh * kw] (W - w_zp); dw_pairs: [O][kh][(kw + 1) / 2] taps 2j (low half)
+  // and 2j + 1 (high half, 0 past kw) as int16, the vpmaddwd operand.
+  bool depthwise = false;
+  std::vector<int32_t> dw_taps, dw_pairs;
   int64_t kp = 0;
   int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
   bool int32_exact = true;                  // every GEMM sum provably fits int32
@@ -169,9 +176,10 @@ void TransposeBytes(const uint8_t* in, int64_t ldi, int64_t R, int64_t S, uint8_
 void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t* out, int64_t ldo);
 void ToPaddedNhwcRows(const uint8_t* x, bool x_nhwc, int64_t C, int64_t H, int64_t W, int64_t ph, int64_t pw,
                       int64_t Wp, int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp);
-// conv_amx.cc, conv_fast.cc, conv_exec.cc
+// conv_amx.cc, conv_fast.cc, conv_dw.cc, conv_exec.cc
 Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, AmxGatherKernel amx);
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
+Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 
 }  // namespace conv

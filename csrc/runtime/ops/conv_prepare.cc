@@ -62,6 +62,25 @@ void PrepareAmxConv(const GraphTensor& x, ConvParams* pp) {
   p.amx_conv = true;
 }
 
+// The depthwise conv's taps and vpmaddwd tap pairs (ConvParams::depthwise), from w_int:
+// with one input channel per group, group gi's rows [og][kh * kw] are output channels
+// gi * og + o in order.
+void PrepareDepthwise(ConvParams* pp) {
+  ConvParams& p = *pp;
+  const int64_t taps = p.kh * p.kw, npairs = (p.kw + 1) / 2;
+  p.dw_taps.clear();
+  for (const std::vector<int32_t>& rows : p.w_int) p.dw_taps.insert(p.dw_taps.end(), rows.begin(), rows.end());
+  p.dw_pairs.assign(static_cast<size_t>(p.cout * p.kh * npairs), 0);
+  for (int64_t oc = 0; oc < p.cout; ++oc)
+    for (int64_t ky = 0; ky < p.kh; ++ky)
+      for (int64_t kx = 0; kx < p.kw; ++kx) {
+        // |W - w_zp| <= 511 (int32_exact): an int16
+        const uint32_t v = static_cast<uint16_t>(static_cast<int16_t>(p.dw_taps[oc * taps + ky * p.kw + kx]));
+        p.dw_pairs[(oc * p.kh + ky) * npairs + kx / 2] |= static_cast<int32_t>(v << (16 * (kx % 2)));
+      }
+  p.depthwise = true;
+}
+
 }  // namespace
 
 Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_shape) {
@@ -184,6 +203,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         for (int64_t k = 0; k < kdim; ++k) rows[o * p.kp + k] = static_cast<int16_t>(p.w_int[gi][o * kdim + k]);
       p.w16.push_back(std::move(rows));
     }
+    if (p.groups == p.cin) PrepareDepthwise(&p);
     if (wmin_signed >= -128 && wmax_signed <= 127) {  // int8 rows for the VNNI/AMX convs (+ row sums)
       p.rowsum.assign(static_cast<size_t>(p.cout), 0);
       for (int64_t gi = 0; gi < p.groups; ++gi) {

@@ -28,8 +28,12 @@ enum OpCode : int {
   kBinarize = 19,
   kLut = 20,
   kMul = 21,
+  kConvTranspose1d = 22,
+  kConvTranspose2d = 23,
+  kResize = 24,
+  kLutChannel = 25,
 };
-constexpr int kMaxOpcode = 21;
+constexpr int kMaxOpcode = 25;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -70,8 +74,12 @@ inline constexpr AttrSchema kReshapeAttrs[] = {{"shape", kAttrInts}};
 inline constexpr AttrSchema kBinarizeAttrs[] = {{"zero_point", kAttrInt}};
 inline constexpr AttrSchema kLutAttrs[] = {{"table", kAttrInts}};
 inline constexpr AttrSchema kMulAttrs[] = {{"in_zp", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kConvTranspose1dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
+inline constexpr AttrSchema kConvTranspose2dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
+inline constexpr AttrSchema kResizeAttrs[] = {{"size", kAttrInts}, {"index", kAttrInts}, {"weight", kAttrInts}, {"frac_bits", kAttrInt}, {"in_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kLutChannelAttrs[] = {{"table", kAttrInts}};
 
-// Indexed by opcode; row 0 is no op.
+// Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {nullptr, 0, 0, false, nullptr, 0},
     {"QUANTIZE", 1, 1, false, kQuantizeAttrs, 5},
@@ -95,6 +103,10 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
     {"LUT", 1, 1, false, kLutAttrs, 1},
     {"MUL", 2, 2, false, kMulAttrs, 8},
+    {"CONV_TRANSPOSE1D", 2, 3, true, kConvTranspose1dAttrs, 9},
+    {"CONV_TRANSPOSE2D", 2, 3, true, kConvTranspose2dAttrs, 9},
+    {"RESIZE", 1, 1, false, kResizeAttrs, 12},
+    {"LUT_CHANNEL", 1, 1, false, kLutChannelAttrs, 1},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -122,6 +134,10 @@ extern const OpDef kReshapeDef;
 extern const OpDef kBinarizeDef;
 extern const OpDef kLutDef;
 extern const OpDef kMulDef;
+extern const OpDef kConvTranspose1dDef;
+extern const OpDef kConvTranspose2dDef;
+extern const OpDef kResizeDef;
+extern const OpDef kLutChannelDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -145,6 +161,10 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kBinarizeDef,
     &kLutDef,
     &kMulDef,
+    &kConvTranspose1dDef,
+    &kConvTranspose2dDef,
+    &kResizeDef,
+    &kLutChannelDef,
 };
 
 }  // namespace qdsl

@@ -31,11 +31,12 @@ Status PreparePool(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape
   const int rank = (op.opcode == kMaxpool1d || op.opcode == kAvgpool1d) ? 1 : 2;
   const bool is_max = op.opcode == kMaxpool1d || op.opcode == kMaxpool2d;
   // BIN activations are held one ±1 int8 per element (as BINARIZE writes them), so a BIN
-  // max pool is the int8 one: max of ±1 is +1 iff any tap inside the input is +1
-  const bool bin = is_max && x.dtype == kBin;
-  OP_CHECK((IsInt8(x.dtype) || bin || (!is_max && x.dtype == kI32)) && (IsInt8(out.dtype) || bin) &&
-               static_cast<int>(shape.size()) == 2 + rank,
-           "pool needs an I8/U8 (MAXPOOL: or BIN, AVGPOOL: or I32) input of rank %d", 2 + rank);
+  // max pool is the int8 one (max of ±1 is +1 iff any tap inside the input is +1: BIN out)
+  // and a BIN average pool sums the ±1 values (zero point 0) into an I8/U8 output stage
+  const bool bin = x.dtype == kBin;
+  OP_CHECK((IsInt8(x.dtype) || bin || (!is_max && x.dtype == kI32)) &&
+               (IsInt8(out.dtype) || (is_max && bin)) && static_cast<int>(shape.size()) == 2 + rank,
+           "pool needs an I8/U8/BIN (AVGPOOL: or I32) input of rank %d", 2 + rank);
   if (is_max) OP_CHECK(out.dtype == x.dtype, "MAXPOOL keeps its dtype");
   const auto& k = A.at("kernel").ints;
   const auto& s = A.at("stride").ints;
@@ -144,9 +145,10 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
 Status PrepareGlobalAvgpool(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& out = g->tensors[op.outputs[0]];
-  // GLOBAL_AVGPOOL also reads a layer's wide I32 output (docs/qgraph.md §4.4)
-  OP_CHECK((IsInt8(x.dtype) || x.dtype == kI32) && IsInt8(out.dtype),
-           "input and output must be I8/U8 (GLOBAL_AVGPOOL input: or I32)");
+  // GLOBAL_AVGPOOL also reads a layer's wide I32 output and BIN (one ±1 int8 per element)
+  // activations (docs/qgraph.md §4.4)
+  OP_CHECK((IsInt8(x.dtype) || x.dtype == kI32 || x.dtype == kBin) && IsInt8(out.dtype),
+           "input and output must be I8/U8 (GLOBAL_AVGPOOL input: or I32/BIN)");
   int64_t lo, hi;
   DTypeRange(x.dtype, &lo, &hi);
   const int64_t in_zp = op.attrs.at("in_zp").i;

@@ -8,13 +8,14 @@ checks for it: input/output dtypes, attribute values; returns the allowed output
 and the output shape) and ``run`` (its semantics in int64 numpy, what
 :func:`qdsl.graph.reference.execute` runs; docs/qgraph.md has the formulas).
 
-Registering an op is listing its module in :data:`_MODULES` below.  ``OpType`` and
+Registering an op is naming its module in :data:`_REGISTERED` below.  ``OpType`` and
 ``OP_SCHEMAS`` (:mod:`qdsl.graph.ir`), validation, the reference executor and the
 generated C++ schema (``csrc/gen_op_schema.py``) are all built from :data:`OP_DEFS`.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
@@ -63,21 +64,23 @@ def _collect(modules) -> tuple[OpDef, ...]:
     return tuple(defs)
 
 
-# The registration: one import per op module.
-from qdsl.graph.ops import (  # noqa: E402  (the module list is the point of this file)
-    add,
-    boundary,
-    clamp,
-    concat,
-    lut,
-    mul,
-    pool,
-    requantize,
-    reshape,
-    weighted,
+# The registration: one name per op module (the ops' order here is free; OP_DEFS sorts
+# them by opcode).
+_REGISTERED = (
+    "boundary",
+    "requantize",
+    "weighted",
+    "add",
+    "concat",
+    "clamp",
+    "pool",
+    "reshape",
+    "resize",
+    "lut",
+    "conv_transpose",
+    "mul",
 )
-
-_MODULES = (boundary, requantize, weighted, add, concat, clamp, pool, reshape, lut, mul)
+_MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
 """Every registered op, by opcode."""
 

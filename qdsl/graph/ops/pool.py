@@ -43,8 +43,9 @@ def global_avgpool(x: np.ndarray, a) -> np.ndarray:
 def _inferrer(rank: int, average: bool):
     def infer(c, op, ins, out):
         x = ins[0]
-        # a max of ±1 values is a BIN value again (+1 iff any tap is +1); an average is not
-        extra = (DType.I32,) if average else (DType.BIN,)
+        # a max of ±1 values is a BIN value again (+1 iff any tap is +1); an average of them
+        # (held one ±1 per element, zero point 0) is rescaled to an 8-bit output like any other
+        extra = (DType.I32, DType.BIN) if average else (DType.BIN,)
         c.dt(x, INT8_DTYPES + extra, "input")
         c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
         kernel = c.ints("kernel", rank, 1, 1 << 20)
@@ -61,7 +62,7 @@ def _inferrer(rank: int, average: bool):
 
 def _infer_global(c, op, ins, out):
     x = ins[0]
-    c.dt(x, INT8_DTYPES + (DType.I32,), "input")
+    c.dt(x, INT8_DTYPES + (DType.I32, DType.BIN), "input")
     c.need(len(x.shape) >= 3, f"input {x.name!r} must have spatial dims, has shape {x.shape}")
     c.int("in_zp", *x.dtype.range)
     c.dt(out, INT8_DTYPES, "output")
