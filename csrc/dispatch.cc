@@ -268,6 +268,14 @@ AddKernel SelectAddKernel(uint32_t path) {
   return nullptr;
 }
 
+MulKernel SelectMulKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::MulAvx2;  // every path from AVX2 up has AVX2
+#endif
+  (void)path;
+  return nullptr;
+}
+
 QuantizeF32Kernel SelectQuantizeF32Kernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2) return x86::QuantizeF32Avx2;  // every path from AVX2 up has AVX2

@@ -41,6 +41,11 @@ using VnniMicroKernel = void (*)(int rows, const uint8_t* a, int64_t lda, const 
 // ADD over n elements (false: parameters outside what the kernel handles, use scalar).
 using AddKernel = bool (*)(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, const OutputStage* in,
                            int pre_shift, const OutputStage& out_stage, uint8_t* out, bool out_signed);
+// MUL over one row of n outputs (docs/qgraph.md §4.4): input k at x_k[i * step_k], step_k 0
+// (broadcast) or 1; false: parameters outside what the kernel handles, nothing written.
+using MulKernel = bool (*)(const uint8_t* x0, int dtype0, int64_t step0, const uint8_t* x1, int dtype1,
+                           int64_t step1, int64_t n, int32_t zp0, int32_t zp1, const OutputStage& out_stage,
+                           uint8_t* out, bool out_signed);
 // One-channel stage into int32 (I32 outputs).
 using StageI32Kernel = void (*)(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
 
@@ -49,6 +54,7 @@ IntMicroKernel SelectIntMicroKernel(PanelFormat format, uint32_t path);
 // for the plain kernel, rows 2 * kwords words long); nullptr where the path has none.
 BinaryMicroKernel SelectBinarySplitKernel(uint32_t path);
 AddKernel SelectAddKernel(uint32_t path);  // nullptr: no vector kernel on this path
+MulKernel SelectMulKernel(uint32_t path);  // nullptr: no vector kernel on this path
 // QUANTIZE of n floats: y = clamp(round(x * inv) + zp, qmin, qmax) as int8/uint8, rounding
 // codes as the file's, NaN -> clamp(zp) (x86::QuantizeF32Avx2's contract).
 using QuantizeF32Kernel = void (*)(const float* x, int64_t n, float inv, int32_t zp, int32_t qmin, int32_t qmax,

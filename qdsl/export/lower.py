@@ -21,7 +21,8 @@ per catalog `lowering` name, dispatched from here):
   the next quantizer (normally the block's output quantizer);
 * max pool and reshapes commute with quantization and are applied after it; average
   pools sum integers and fold the divisor into the requantization; ``torch.cat`` becomes
-  CONCAT with per-input rescales; folded BatchNorms, Identity and Dropout vanish.
+  CONCAT with per-input rescales; ``a * b`` of two quantized values becomes MUL
+  (lower_mul.py); folded BatchNorms, Identity and Dropout vanish.
 
 Anything else - an op with no integer lowering, a float layer between integer layers, a
 value that must be quantized but has no quantizer - raises :class:`ExportError` naming

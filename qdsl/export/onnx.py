@@ -150,6 +150,8 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return w.qdq(y, out, *_stage(a))
     if t is OpType.ADD:
         return w.qdq(w.node("Add", xs, out + "_add"), out, *_stage(a))
+    if t is OpType.MUL:  # ONNX Mul broadcasts as numpy does, as MUL does
+        return w.qdq(w.node("Mul", xs, out + "_mul"), out, *_stage(a))
     if t is OpType.CONCAT:
         return w.qdq(w.node("Concat", xs, out + "_cat", axis=a["axis"]), out, *_stage(a))
     if t is OpType.REQUANTIZE:

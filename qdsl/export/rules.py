@@ -23,6 +23,7 @@ from torch import nn
 
 from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
 from qdsl.export.lower_lut import lut_pending
+from qdsl.export.lower_mul import mul_pending
 from qdsl.export.lower_resize import function_call, module_call, resize_value
 from qdsl.export.values import ExportError, FloatVal, Pending, QVal, Target
 from qdsl.graph.ir import OpType, Rounding
@@ -189,6 +190,25 @@ def _add_method(lw, node, name, args, where):
 def _concat_fn(lw, node, fn, args, kwargs, where):
     dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
     return concat_value(lw.b, where, list(args[0]), dim, lw.shape(node))
+
+
+# ---------------------------------------------------------------- mul -> MUL (lower_mul.py)
+def _mul(lw, node, args, where):
+    if len(args) != 2:
+        raise NoLowering
+    if not any(_is_value(a) for a in args):
+        return None  # shape arithmetic (x.size(1) * x.size(2)): not a tensor
+    return mul_pending(where, args[0], args[1], lw.shape(node))
+
+
+@function_rule("mul")
+def _mul_fn(lw, node, fn, args, kwargs, where):
+    if kwargs:  # torch.mul(a, b, out=...)
+        raise NoLowering
+    return _mul(lw, node, args, where)
+
+
+method_rule("mul")(lambda lw, node, name, args, where: _mul(lw, node, args, where))
 
 
 # ---------------------------------------------------------------- lut -> LUT, LUT_CHANNEL (lower_lut.py)

@@ -53,6 +53,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "pool": ("MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL"),
     "add": ("ADD",),
     "concat": ("CONCAT",),
+    "mul": ("MUL",),  # two activations (lower_mul.py); a constant factor has no lowering
     "lut": ("LUT", "LUT_CHANNEL"),  # an elementwise function of an 8-bit input: 256-entry tables (lower_lut.py)
     "resize": ("RESIZE",),  # nearest / (bi)linear upsampling (lower_resize.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
@@ -153,9 +154,9 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("operator.add", "add", "add"),
         ("operator.iadd", "add", "add"),
         ("torch.add", "add", "add"),
-        ("operator.mul", "mul"),
-        ("operator.imul", "mul"),
-        ("torch.mul", "mul"),
+        ("operator.mul", "mul", "mul"),
+        ("operator.imul", "mul", "mul"),
+        ("torch.mul", "mul", "mul"),
         ("torch.cat", "concat", "concat"),
         ("torch.concat", "concat", "concat"),
         ("torch.concatenate", "concat", "concat"),
@@ -225,12 +226,14 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("reshape", "reshape", "reshape", True),
         ("add", "add", "add"),
         ("add_", "add", "add"),
+        ("mul", "mul", "mul"),
+        ("mul_", "mul", "mul"),
     ])
 )
 """Every construct qdsl knows (see the module doc)."""
 
 LINT_ONLY_OPS = tuple(op for op in OPS if not any(c.op == op and c.lowering for c in CONSTRUCTS))
-"""Profile ops lint checks but export cannot lower (``mul``, ``softmax``, ...): a model using
+"""Profile ops lint checks but export cannot lower (``softmax``, ``mean``, ...): a model using
 one lints against a profile that lists it, and still fails to export."""
 
 

@@ -32,6 +32,11 @@ is not (xnor-binary: an integer add cannot read a binary value), it is the first
 activation quantizer the plan already uses (module order: an input or output a rule set,
 e.g. the 8-bit first layer's input or a ``type:BasicBlock`` output); a plan with none
 implies nothing, and export names the value.
+
+A product of two activations (MUL: squeeze-excitation's ``scale * x``) multiplies 8-bit
+codes, so each operand gets one unless it is already quantized, a layer's accumulator too
+("implied by mul in 'se'"); a product's or table's result is never taken as materialized
+at a reader's integer input grid (the exporter's add reads only a pending accumulator).
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ _POOL_MODULES = module_classes(lambda c: c.lowering == "pool" and c.op in ("avg_
 _POOL_FUNCS = functions(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
 # elementwise lookup tables index 8-bit codes: neither a sum nor an accumulator will do
 _LUT_FUNCS = functions(lambda c: c.lowering == "lut")
+# MUL multiplies two 8-bit codes: both operands need a quantizer, an accumulator too
+_MUL_FUNCS = functions(lambda c: c.lowering == "mul")
+_MUL_METHODS = methods(lambda c: c.lowering == "mul")
+# size queries and indexing into them: a product of these is shape arithmetic
+_SHAPE_FUNCS = functions(lambda c: c.lowering in ("shape", "item"))
+_SHAPE_METHODS = methods(lambda c: c.lowering == "shape")
 _PASS_MODULES = module_classes(lambda c: c.passes)
 _PASS_FUNCS = functions(lambda c: c.passes)
 # a direct result of these is an accumulator the exporter adds (or rescales) exactly
@@ -95,6 +106,18 @@ def _lut_op(n: torch.fx.Node, modules: dict) -> str | None:
     return None
 
 
+def _is_mul(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and n.target in _MUL_FUNCS or n.op == "call_method" and n.target in _MUL_METHODS
+
+
+def _mul_operands(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The two activations a product reads; none for a constant factor or shape arithmetic."""
+    args = [a for a in n.args if isinstance(a, torch.fx.Node)]
+    shape = any(a.op == "call_function" and a.target in _SHAPE_FUNCS
+                or a.op == "call_method" and a.target in _SHAPE_METHODS for a in args)
+    return args if len(args) == 2 and not shape else []
+
+
 def _sum_behind(a, modules: dict) -> bool:
     """Whether ``a`` is an add's or concat's result, seen through pass-through ops (ReLU, ...)."""
     return _behind(a, modules, lambda n: n.op == "call_function" and n.target in _FUNCS
@@ -118,6 +141,10 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
     if a.op == "call_module" and isinstance(modules.get(str(a.target)), (nn.MaxPool1d, nn.MaxPool2d)):
         return False
     if _sum_behind(a, modules):  # a sum (or ReLU of one) is not materialized that way
+        return False
+    # nor a table's or a product's result: no accumulator, the add cannot read it pending
+    # (EfficientNet's stem SiLU read by the first block's conv and its residual add)
+    if _behind(a, modules, lambda m: _lut_op(m, modules) is not None or _is_mul(m)):
         return False
     return any(u.op == "call_module" and str(u.target) in int_inputs for u in a.users)
 
@@ -154,16 +181,22 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
         # BINARIZE reads int8 or a layer's accumulator, not a sum, a table's or a pool's result
         if n.op == "call_module" and str(n.target) in bin_inputs and n.args and isinstance(n.args[0], torch.fx.Node):
             if _behind(n.args[0], modules, lambda m: _sum_behind(m, modules) or _lut_op(m, modules) is not None
-                       or _is_pool(m, modules)):
+                       or _is_pool(m, modules) or _is_mul(m)):
                 _imply(n.args[0], f"implied by the binary input of '{n.target}'", trace, quantized_out, found)
         if n.op == "call_function" and n.target in _FUNCS:
             op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
         elif n.op == "call_method" and n.target in _METHODS:
             op = n.target
+        elif _is_mul(n):
+            where = (_stack(n) or ["<model>"])[-1]
+            for a in _mul_operands(n):  # not even a layer's accumulator: MUL reads 8-bit codes
+                _imply(a, f"implied by mul in '{where}'", trace, quantized_out, found, modules)
+            continue
         elif _is_pool(n, modules):
             op = "average pool"
-            # a pool reads a layer's accumulator, not a sum nor a table's (unquantized) result
-            if not (_sum_behind(n.args[0], modules) or _behind(n.args[0], modules, lambda m: _lut_op(m, modules))):
+            # a pool reads a layer's accumulator, not a sum nor a table's or product's (unquantized) result
+            if not (_sum_behind(n.args[0], modules)
+                    or _behind(n.args[0], modules, lambda m: _lut_op(m, modules) or _is_mul(m))):
                 continue
         elif (lut := _lut_op(n, modules)) is not None:
             a = n.args[0] if n.args else None

@@ -27,6 +27,7 @@ enum OpCode : int {
   kReshape = 18,
   kBinarize = 19,
   kLut = 20,
+  kMul = 21,
   kConvTranspose1d = 22,
   kConvTranspose2d = 23,
   kResize = 24,
@@ -72,6 +73,7 @@ inline constexpr AttrSchema kGlobalAvgpoolAttrs[] = {{"in_zp", kAttrInt}, {"rq_k
 inline constexpr AttrSchema kReshapeAttrs[] = {{"shape", kAttrInts}};
 inline constexpr AttrSchema kBinarizeAttrs[] = {{"zero_point", kAttrInt}};
 inline constexpr AttrSchema kLutAttrs[] = {{"table", kAttrInts}};
+inline constexpr AttrSchema kMulAttrs[] = {{"in_zp", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kConvTranspose1dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
 inline constexpr AttrSchema kConvTranspose2dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
 inline constexpr AttrSchema kResizeAttrs[] = {{"size", kAttrInts}, {"index", kAttrInts}, {"weight", kAttrInts}, {"frac_bits", kAttrInt}, {"in_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
@@ -100,7 +102,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"RESHAPE", 1, 1, false, kReshapeAttrs, 1},
     {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
     {"LUT", 1, 1, false, kLutAttrs, 1},
-    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
+    {"MUL", 2, 2, false, kMulAttrs, 8},
     {"CONV_TRANSPOSE1D", 2, 3, true, kConvTranspose1dAttrs, 9},
     {"CONV_TRANSPOSE2D", 2, 3, true, kConvTranspose2dAttrs, 9},
     {"RESIZE", 1, 1, false, kResizeAttrs, 12},
@@ -131,6 +133,7 @@ extern const OpDef kGlobalAvgpoolDef;
 extern const OpDef kReshapeDef;
 extern const OpDef kBinarizeDef;
 extern const OpDef kLutDef;
+extern const OpDef kMulDef;
 extern const OpDef kConvTranspose1dDef;
 extern const OpDef kConvTranspose2dDef;
 extern const OpDef kResizeDef;
@@ -157,7 +160,7 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kReshapeDef,
     &kBinarizeDef,
     &kLutDef,
-    nullptr,  // unassigned
+    &kMulDef,
     &kConvTranspose1dDef,
     &kConvTranspose2dDef,
     &kResizeDef,

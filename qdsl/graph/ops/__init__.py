@@ -78,6 +78,7 @@ _REGISTERED = (
     "resize",
     "lut",
     "conv_transpose",
+    "mul",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
