@@ -7,7 +7,8 @@ from qdsl.zoo.resnet import resnet18, resnet50
 from qdsl.zoo.unet import unet
 
 __all__ = ["FACTORIES", "MUL_FACTORIES", "random_images", "random_masks", "small_efficientnet_b0", "small_mobilenet_v2",
-           "small_mobilenet_v3_small", "small_resnet18", "small_resnet50", "small_unet"]
+           "small_mobilenet_v3_small", "small_resnet18", "small_resnet50", "small_unet",
+           "softmax_classifier"]
 
 
 def small_resnet18():
@@ -39,6 +40,26 @@ FACTORIES = {"resnet18": small_resnet18, "resnet50": small_resnet50, "mobilenet_
 """Models whose every op exports today (the U-Net takes 16×16 inputs, the others 32×32)."""
 MUL_FACTORIES = {"mobilenet_v3_small": small_mobilenet_v3_small, "efficientnet_b0": small_efficientnet_b0}
 """Models with squeeze-excitation (a product of two activations): no integer MUL yet (issue 17)."""
+
+
+def softmax_classifier():
+    """A small CNN that ends in a softmax, an op the integer graph has no lowering for."""
+    import torch
+    from torch import nn
+
+    class SoftmaxClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 8, 3, padding=1)
+            self.relu = nn.ReLU(inplace=True)
+            self.fc = nn.Linear(8, 10)
+
+        def forward(self, x):
+            x = torch.flatten(torch.nn.functional.adaptive_avg_pool2d(self.relu(self.conv(x)), 1), 1)
+            return torch.softmax(self.fc(x), dim=1)
+
+    torch.manual_seed(0)
+    return SoftmaxClassifier()
 
 
 def random_images():
