@@ -27,11 +27,14 @@ def _operand(v: Any, where: str) -> QVal:
     if isinstance(v, QVal):
         raise ExportError(where, f"a product reads a {v.dtype.name} value; MUL multiplies 8-bit codes",
                           "quantize both operands to int8/uint8")
-    origin = getattr(v, "origin", "?")
-    what = f"the unquantized result of a {v.kind} in '{origin}'" if isinstance(v, Pending) else \
-        f"an unquantized value from '{origin}'"
-    raise ExportError(where, f"the product of two activations reads {what}",
-                      f"add `output = a8` (an activation quantizer) for '{origin}' in the spec")
+    origin = getattr(v, "origin", "") or ""
+    place = f" in '{origin}'" if origin else " at the model's top level"
+    what = f"the unquantized result of a {v.kind}{place}" if isinstance(v, Pending) else \
+        f"an unquantized value{place}"
+    hint = (f"add `output = a8` (an activation quantizer) for '{origin}' in the spec" if origin else
+            "a function's result has no module to carry a quantizer: compute it with a module "
+            "(e.g. nn.Sigmoid() instead of torch.sigmoid) so the plan can quantize it")
+    raise ExportError(where, f"the product of two activations reads {what}", hint)
 
 
 def mul_pending(where: str, a: Any, b: Any, shape: tuple[int, ...]) -> Pending:

@@ -155,6 +155,11 @@ def model_graph(model: Any) -> ModelGraph:
             src = node.args[0] if node.args else None
             rule = rule if getattr(src, "op", "").startswith("call_") and function_lowering(
                 _fn_name(src.target)) == "shape" else None
+        if rule == "mul":  # two activations, or shape arithmetic; a constant factor has no lowering
+            values = [a for a in node.args if hasattr(a, "op")]
+            shape = any(a.op.startswith("call_") and function_lowering(_fn_name(a.target)) in ("shape", "item")
+                        for a in values)
+            rule = rule if len(values) == 2 or shape else None
         nodes.append(OpNode(node.name, op, None, preds, label, rule is not None, name))
     first, last = _positions(nodes, inputs, output_preds)
     return ModelGraph(tuple(nodes), first, last, traced=True)

@@ -338,3 +338,26 @@ def test_mul_operands_that_do_not_broadcast_are_rejected(s0, s1, msg):
         _mul_graph(s0, s1, DType.I8, DType.I8, DType.I8, attrs)
 
 
+
+
+def test_product_with_a_functional_table_result_names_the_fix():
+    # torch.sigmoid at the top level has no module to carry the implied quantizer: export
+    # refuses with a hint to use the module form (was "for ''" with no place)
+    class Swish(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            y = self.fc1(x)
+            return self.fc2(y * torch.sigmoid(y))
+
+    torch.manual_seed(0)
+    model = Swish().eval()
+    qdsl.apply(model, "specs/int8-default.qspec")
+    x = torch.randn(8, 16)
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError) as e:
+        qdsl.export(model, x[:1])
+    assert "at the model's top level" in str(e.value) and "nn.Sigmoid()" in str(e.value)

@@ -17,7 +17,8 @@ SPEC = "specs/int8-default.qspec"
 
 CONSTRUCTS = {
     # refused by export: no lowering in the table (even no-ops), or indexing a tensor
-    "mul": lambda x: operator.mul(x, x),
+    "mul by a constant": lambda x: operator.mul(x, 0.5),
+    "Tensor.mul by a constant": lambda x: x.mul(2),
     "softmax": nn.Softmax(dim=1),
     "clamp": lambda x: torch.clamp(x, 0, 1),
     "dropout": lambda x: F.dropout(x, 0.1, training=False),
@@ -29,8 +30,9 @@ CONSTRUCTS = {
     "view of size": lambda x: x.view(x.size()[0], -1),
     "flatten": lambda x: torch.flatten(x, 1),
     "add": lambda x: x + x,
+    "mul": lambda x: operator.mul(x, x),
 }
-REFUSED = {"mul", "softmax", "clamp", "dropout", "AlphaDropout", "getitem"}
+REFUSED = {"mul by a constant", "Tensor.mul by a constant", "softmax", "clamp", "dropout", "AlphaDropout", "getitem"}
 
 
 class Between(nn.Module):

@@ -260,7 +260,7 @@ def test_functional_ops_are_traced_and_checked():
     text = ('[defaults]\nweight = { kind = "int", bits = 8 }\ninput = { kind = "int", bits = 8 }\n'
             'bias = { kind = "int", bits = 32, scale = "input*weight" }\n')
     diags = lint(spec(text), "int-only-photonic", Functional())
-    # and whatever the target, qdsl's graph has no mul (W321: export would refuse it)
+    # and whatever the target, qdsl's graph has no product with a constant (W321: export refuses it)
     assert [d.message.split(":")[0] for d in diags if d.code == "W321"] == ["'mul' has no integer lowering"]
     diags = [d for d in diags if d.code != "W321"]
     assert codes(diags) == ["E310", "E310"]  # concat is supported; mul and sigmoid are not
