@@ -144,7 +144,9 @@ class Pool {
 
   void Work() {
     for (;;) {
-      auto ready = [&] { return stop_.load() || HasTask(ticket_.load(std::memory_order_acquire)); };
+      // seq_cst: against Run's ticket store and sleepers_ load (a job posted while this
+      // worker goes to sleep is either seen here or followed by a notify)
+      auto ready = [&] { return stop_.load() || HasTask(ticket_.load()); };
       if (!SpinUntil(ready)) {
         std::unique_lock<std::mutex> lock(mu_);
         sleepers_.fetch_add(1);
