@@ -78,8 +78,10 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
   const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
   // the padded images of units cut into pieces, shared by their pieces (padded here, once)
+  // (their buffers are kept per calling thread: no allocation and page faults per run)
   std::vector<PaddedImages> shared(static_cast<size_t>(pieces > 1 ? units : 0));
-  std::vector<std::vector<uint8_t>> shared_store(shared.size());
+  thread_local std::vector<std::vector<uint8_t>> shared_store;
+  if (shared_store.size() < shared.size()) shared_store.resize(shared.size());
   for (int64_t u = 0; u < static_cast<int64_t>(shared.size()); ++u) {
     const int64_t b0 = (u / p.groups) * per_task, nb = std::min(per_task, e.n - b0);
     shared[u] = PadImagesU8(x, p, e, b0, nb, u % p.groups, flip, static_cast<uint8_t>(zu), p.kp, &shared_store[u]);
