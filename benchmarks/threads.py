@@ -10,7 +10,10 @@ counts interleaved; figures are medians over rounds with the range over rounds. 
 "loaded" phase starts ``python -c "while True: pass"`` as a subprocess, repeats the rounds
 and kills it.  The load average is printed before and after each phase: the machine may
 be shared, and figures taken while other processes held the cores are not comparable.
-Outputs at every thread count are checked equal to the 1-thread output first.
+Outputs at every thread count are checked equal to the 1-thread output first.  On Linux
+the CPU time per run of the two busiest threads is printed too: on a loaded machine the
+wall times mostly measure the other processes, while the CPU split still shows whether the
+threads share the work.
 """
 
 from __future__ import annotations
@@ -56,20 +59,41 @@ def _build(batch: int):
     return compiled, x
 
 
+def _thread_cpu() -> dict[str, int]:
+    """CPU time (ns) of each of this process's threads (Linux schedstat; {} elsewhere)."""
+    out = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+    except OSError:
+        return {}
+    return out
+
+
 def _phase(name, compiled, x, counts, rounds, reps):
     import qdsl.runtime as rt
 
     print(f"{name}: load average before {load_average()}")
     per = {n: [] for n in counts}
+    cpu = {n: [] for n in counts}  # per run: CPU ms of the two busiest threads
     for _ in range(rounds):
         for n in counts:
             rt.set_num_threads(n)
             per[n].append(1e3 * steady_median(lambda: compiled.run(x), reps, warmup_s=0.5))
+            a = _thread_cpu()
+            for _ in range(reps):
+                compiled.run(x)
+            b = _thread_cpu()
+            busy = sorted(((b[k] - a.get(k, 0)) / 1e6 / reps for k in b), reverse=True)[:2]
+            cpu[n].append(busy + [0.0] * (2 - len(busy)))
     med = {n: float(np.median(v)) for n, v in per.items()}
     for n in counts:
         v = per[n]
+        c = np.median(np.array(cpu[n]), axis=0) if cpu[n] and cpu[n][0] else None
+        split = f"; CPU per run of the two busiest threads {c[0]:.1f} + {c[1]:.1f} ms" if c is not None else ""
         print(f"  {n} thread(s): {med[n]:8.2f} ms  (range {min(v):.2f}-{max(v):.2f}; "
-              f"{med[counts[0]] / med[n]:.2f}x of {counts[0]} thread)")
+              f"{med[counts[0]] / med[n]:.2f}x of {counts[0]} thread{split})")
     print(f"  load average after {load_average()}")
     return med
 
@@ -100,17 +124,17 @@ def main() -> None:
         assert all(np.array_equal(outs[0], o) for o in outs[1:]), "thread counts disagree"
         print(f"ResNet-18, batch {args.batch}, 3x224x224, int8-default; "
               f"{args.rounds} rounds x {args.reps} reps; cores: {os.cpu_count()}")
-        quiet = _phase("quiet", compiled, x, counts, args.rounds, args.reps)
+        quiet = _phase("no busy loop", compiled, x, counts, args.rounds, args.reps)
         if not args.no_loaded:
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             try:
                 time.sleep(0.5)
-                loaded = _phase("one core busy (python busy loop)", compiled, x, counts, args.rounds, args.reps)
+                loaded = _phase("a python busy loop on one core", compiled, x, counts, args.rounds, args.reps)
             finally:
                 hog.kill()
                 hog.wait()
             for n in counts:
-                print(f"  {n} thread(s): loaded / quiet = {loaded[n] / quiet[n]:.2f}x")
+                print(f"  {n} thread(s): with / without the busy loop = {loaded[n] / quiet[n]:.2f}x")
     finally:
         rt.set_num_threads(before)
 
