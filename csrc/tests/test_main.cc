@@ -2,15 +2,18 @@
 // stage equals the scalar reference, and the .qgraph loader rejects garbage without
 // crashing.  Built and run under ASan/UBSan by run_sanitizers.sh.
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "dispatch.h"
 #include "qdsl/gemm.h"
 #include "qdsl/graph.h"
+#include "threads/thread_pool.h"
 
 namespace {
 
@@ -232,6 +235,50 @@ void TestWideRescale() {
                                 qdsl::Rounding::kHalfAway) == (1 << 29), "FIXED wide kind %d", kind);
 }
 
+// The pool under many tiny jobs: every task runs exactly once at 1-4 threads, with thread
+// counts changing between jobs, nested ParallelFor, ParallelRanges, and two threads posting
+// jobs at once (the second runs its tasks itself while the pool is busy).
+void TestThreadPool(std::mt19937& rng) {
+  auto job = [](int n, int64_t work) {
+    std::vector<std::atomic<int>> hits(static_cast<size_t>(n));
+    for (auto& h : hits) h.store(0);
+    qdsl::ParallelFor(n, [&](int i) { hits[i].fetch_add(1); }, work);
+    int bad = 0;
+    for (auto& h : hits) bad += h.load() != 1;
+    return bad;
+  };
+  for (int round = 0; round < 3000; ++round) {
+    const int threads = 1 + static_cast<int>(rng() % 4);
+    if (round % 50 == 0) qdsl::SetNumThreads(threads);
+    const int n = 1 + static_cast<int>(rng() % 40);
+    EXPECT(job(n, qdsl::kMinParallelWork) == 0, "ParallelFor(%d) at %d threads ran a task not exactly once", n,
+           qdsl::NumThreads());
+  }
+  qdsl::SetNumThreads(3);
+  std::atomic<int> inner{0};
+  qdsl::ParallelFor(7, [&](int) {
+    qdsl::ParallelFor(5, [&](int) { inner.fetch_add(1); }, qdsl::kMinParallelWork);
+  }, qdsl::kMinParallelWork);
+  EXPECT(inner.load() == 35, "nested ParallelFor ran %d of 35 tasks", inner.load());
+  std::vector<int> covered(100003, 0);
+  qdsl::ParallelRanges(static_cast<int64_t>(covered.size()), 1000, qdsl::kMinParallelWork,
+                       [&](int64_t i0, int64_t i1) {
+                         for (int64_t i = i0; i < i1; ++i) ++covered[i];
+                       });
+  EXPECT(std::count(covered.begin(), covered.end(), 1) == static_cast<long>(covered.size()),
+         "ParallelRanges did not cover [0, n) exactly once");
+  std::atomic<int> bad{0};
+  auto poster = [&](unsigned seed) {
+    std::mt19937 r(seed);
+    for (int i = 0; i < 2000; ++i) bad.fetch_add(job(1 + static_cast<int>(r() % 20), qdsl::kMinParallelWork));
+  };
+  std::thread other(poster, 1u);
+  poster(2u);
+  other.join();
+  EXPECT(bad.load() == 0, "%d tasks ran not exactly once with two threads posting jobs", bad.load());
+  qdsl::SetNumThreads(0);
+}
+
 }  // namespace
 
 int main() {
@@ -242,6 +289,7 @@ int main() {
   TestRequantCorners(rng);
   TestWideRescale();
   TestLoaderGarbage(rng);
+  TestThreadPool(rng);
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
   return failures ? 1 : 0;
 }

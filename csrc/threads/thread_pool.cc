@@ -1,7 +1,26 @@
-// Fork-join pool behind ParallelFor.  Workers sleep on a condition variable between
-// jobs; tasks are handed out with an atomic counter so uneven tasks balance.
+// Fork-join pool behind ParallelFor.
+//
+// A job is n tasks claimed one at a time from a shared ticket, by the caller and by every
+// worker that is awake, so whoever runs takes the tasks of whoever does not.  The caller
+// returns when all n tasks are done, not when every worker has checked in: on an
+// oversubscribed machine a worker may be descheduled for a whole time slice (milliseconds)
+// before it even sees the job, and waiting for it made every op cost a time slice (issue
+// 18: a busy core slowed graph runs 8-13x).  A worker that wakes late finds no task left
+// and goes back to waiting.  The only wait left is for tasks already running.
+//
+// The ticket is one 64-bit word (job sequence, task count, next task), so a claim is one
+// compare-exchange that also proves the job it claims from is still live: a worker that
+// read a finished job's ticket fails the exchange instead of running a stale task.  The
+// job's function pointer is read only after a successful claim: the job cannot finish
+// (and its caller cannot return and post the next job) while a claimed task is unrun.
+//
+// Waiting (workers for a job, the caller for the last running tasks) spins for a short
+// bounded time, then sleeps on a condition variable.
 #include "threads/thread_pool.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -15,15 +34,17 @@
 namespace qdsl {
 namespace {
 
-// Waiting for work: spin (with a pause) for a short while, then sleep on the condition
-// variable.  Graph runs issue one parallel op after another with microseconds of serial
-// code between them, and a futex wake-up of a sleeping worker costs tens of microseconds
-// on these VMs, as long as a small op; a spinning worker picks the next op up at once.
-// QDSL_SPIN_US (default 200) bounds the spin; 0 always sleeps.
+// Spin budget before sleeping.  Graph runs issue one parallel op after another with
+// microseconds of serial code between them, and a futex wake-up of a sleeping worker
+// costs tens of microseconds on these VMs, as long as a small op; a spinning worker picks
+// the next op up at once.  On an oversubscribed machine the spin is CPU time taken from
+// whoever holds the work, so it is kept short, and past the first stretch of pauses the
+// spinner yields its core to any other runnable thread.  QDSL_SPIN_US (default 50)
+// bounds it; 0 always sleeps.
 int64_t SpinNanos() {
   static const int64_t ns = [] {
     const char* env = std::getenv("QDSL_SPIN_US");
-    const long us = env != nullptr ? std::atol(env) : 200;
+    const long us = env != nullptr ? std::atol(env) : 50;
     return static_cast<int64_t>(us < 0 ? 0 : us) * 1000;
   }();
   return ns;
@@ -45,81 +66,107 @@ bool SpinUntil(F done) {
   const auto start = std::chrono::steady_clock::now();
   for (int i = 1;; ++i) {
     if (done()) return true;
-    CpuRelax();
+    if (i < 2048) {
+      CpuRelax();
+    } else {
+      sched_yield();  // a no-op when this core has nothing else to run
+    }
     if ((i & 63) == 0 &&
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count() > budget)
       return done();
   }
 }
 
+// Ticket fields: sequence (24 bits) | task count (20 bits) | next task (20 bits).
+constexpr int kTaskBits = 20;
+constexpr uint64_t kTaskMask = (uint64_t{1} << kTaskBits) - 1;
+inline int Next(uint64_t t) { return static_cast<int>(t & kTaskMask); }
+inline int Count(uint64_t t) { return static_cast<int>((t >> kTaskBits) & kTaskMask); }
+inline bool HasTask(uint64_t t) { return Next(t) < Count(t); }
+
 class Pool {
  public:
+  static constexpr int kMaxTasks = static_cast<int>(kTaskMask);
+
   ~Pool() { Resize(0); }
 
   void Resize(int workers) {
     std::unique_lock<std::mutex> run_lock(run_mu_);  // never while a job runs
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(mu_);
       stop_.store(true);
-      generation_.fetch_add(1, std::memory_order_release);
     }
     cv_.notify_all();
     for (auto& t : threads_) t.join();
     threads_.clear();
     stop_.store(false);
-    // Each worker starts from the current generation, so a job posted before the
-    // thread first runs is still seen as new.
-    const uint64_t g = generation_.load();
-    for (int i = 0; i < workers; ++i) threads_.emplace_back([this, g] { Work(g); });
+    for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Work(); });
   }
   int workers() const { return static_cast<int>(threads_.size()); }
 
-  void Run(int n, const std::function<void(int)>& fn) {
-    std::unique_lock<std::mutex> run_lock(run_mu_);  // one job at a time
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      fn_ = &fn;
-      n_ = n;
-      next_.store(0);
-      pending_.store(static_cast<int>(threads_.size()));
-      generation_.fetch_add(1, std::memory_order_release);  // publishes fn_, n_ to spinning workers
+  // Runs fn(0..n-1), 1 <= n <= kMaxTasks; false (nothing run) when another thread's job
+  // holds the pool: the caller then runs its tasks itself rather than queue behind it.
+  bool Run(int n, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> run_lock(run_mu_, std::try_to_lock);
+    if (!run_lock.owns_lock()) return false;
+    fn_.store(&fn, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    seq_ = (seq_ + 1) & 0xffffff;
+    // publishes fn_ and done_ with the job (release); seq_cst against sleepers_ below
+    ticket_.store((static_cast<uint64_t>(seq_) << (2 * kTaskBits)) | (static_cast<uint64_t>(n) << kTaskBits));
+    if (sleepers_.load() > 0) {
+      { std::lock_guard<std::mutex> lock(mu_); }  // a worker between its check and its wait
+      cv_.notify_all();
     }
-    cv_.notify_all();
     Drain();
-    if (!SpinUntil([this] { return pending_.load(std::memory_order_acquire) == 0; })) {
+    if (!SpinUntil([&] { return done_.load(std::memory_order_acquire) == n; })) {
       std::unique_lock<std::mutex> lock(mu_);
-      done_cv_.wait(lock, [this] { return pending_.load() == 0; });
+      done_cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire) == n; });
     }
-    fn_ = nullptr;
+    return true;
   }
 
  private:
+  // Claims and runs tasks until the current job has none left.
   void Drain() {
-    for (int i = next_.fetch_add(1); i < n_; i = next_.fetch_add(1)) (*fn_)(i);
-  }
-  void Work(uint64_t seen) {
-    for (;;) {
-      if (!SpinUntil([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [&] { return generation_.load() != seen; });
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    while (HasTask(t)) {
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      (*fn_.load(std::memory_order_acquire))(Next(t));
+      const int n = Count(t);
+      if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
+        { std::lock_guard<std::mutex> lock(mu_); }  // the caller may be between its check and its wait
+        done_cv_.notify_one();
       }
-      seen = generation_.load(std::memory_order_acquire);
+      t = ticket_.load(std::memory_order_acquire);
+    }
+  }
+
+  void Work() {
+    for (;;) {
+      // seq_cst: against Run's ticket store and sleepers_ load (a job posted while this
+      // worker goes to sleep is either seen here or followed by a notify)
+      auto ready = [&] { return stop_.load() || HasTask(ticket_.load()); };
+      if (!SpinUntil(ready)) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sleepers_.fetch_add(1);
+        cv_.wait(lock, ready);
+        sleepers_.fetch_sub(1);
+      }
       if (stop_.load()) return;
       Drain();
-      std::lock_guard<std::mutex> lock(mu_);  // the waiter may be asleep on done_cv_
-      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) done_cv_.notify_one();
     }
   }
 
   std::mutex run_mu_, mu_;
   std::condition_variable cv_, done_cv_;
   std::vector<std::thread> threads_;
-  const std::function<void(int)>* fn_ = nullptr;
-  int n_ = 0;
-  std::atomic<int> pending_{0};
-  std::atomic<int> next_{0};
-  std::atomic<uint64_t> generation_{0};
+  std::atomic<const std::function<void(int)>*> fn_{nullptr};
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int> done_{0};
+  std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
+  uint32_t seq_ = 0;  // under run_mu_
 };
 
 Pool& GetPool() {
@@ -156,8 +203,8 @@ int NumThreads() {
 int ThreadsFor(int64_t work) { return work < kMinParallelWork ? 1 : NumThreads(); }
 
 void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
-  const int threads = NumThreads();
-  if (n <= 1 || threads <= 1 || in_parallel || work < kMinParallelWork) {
+  const int threads = n > 1 && !in_parallel && work >= kMinParallelWork ? NumThreads() : 1;
+  if (threads <= 1) {
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
@@ -167,13 +214,17 @@ void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
     std::lock_guard<std::mutex> lock(resize_mu);
     if (pool.workers() != threads - 1) pool.Resize(threads - 1);
   }
+  // more tasks than a ticket counts: each claim runs a contiguous run of them
+  const int per = (n + Pool::kMaxTasks - 1) / Pool::kMaxTasks, claims = (n + per - 1) / per;
   in_parallel = true;
-  pool.Run(n, [&](int i) {
+  const bool ran = pool.Run(claims, [&](int c) {
     const bool outer = in_parallel;
     in_parallel = true;
-    fn(i);
+    for (int i = c * per, e = std::min(n, i + per); i < e; ++i) fn(i);
     in_parallel = outer;
   });
+  if (!ran)
+    for (int i = 0; i < n; ++i) fn(i);
   in_parallel = false;
 }
 

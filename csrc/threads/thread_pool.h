@@ -1,5 +1,9 @@
 // A tiny fork-join pool: ParallelFor(n, f) runs f(0..n-1) on the pool threads plus the
-// caller and returns when all are done.  Nested calls run serially in the caller.
+// caller and returns when all are done.  Nested calls run serially in the caller, and so
+// do calls made while another thread's job holds the pool.  Tasks are claimed one at a
+// time by whichever thread is running, so cut the work into several tasks per thread: on
+// a machine where another process takes a core, the thread it preempts then holds up the
+// op only for the task it is in (thread_pool.cc).
 //
 // `work` estimates the call's cost in multiply-accumulates (or equivalent).  Below
 // kMinParallelWork the tasks run serially in the caller: even with a spinning worker a

@@ -169,8 +169,10 @@ void Im2col(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t gi
 // Transposed u8 im2col of images [b0, b0 + nb), group gi, in the form that suits the shape.
 void Im2colU8(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
               int xdtype, uint8_t pad, int64_t P, int64_t Pp, uint8_t* cols);
+// The planes live in *storage, or (nullptr) in a thread-local buffer that the thread's
+// next call reuses.
 PaddedImages PadImagesU8(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
-                         uint8_t flip, uint8_t pad, int64_t kp);
+                         uint8_t flip, uint8_t pad, int64_t kp, std::vector<uint8_t>* storage = nullptr);
 // conv_transpose.cc
 void TransposeBytes(const uint8_t* in, int64_t ldi, int64_t R, int64_t S, uint8_t* out, int64_t ldo);
 void TransposeI32(const int32_t* in, int64_t ldi, int64_t R, int64_t S, int32_t* out, int64_t ldo);

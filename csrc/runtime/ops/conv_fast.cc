@@ -8,6 +8,21 @@
 
 namespace qdsl {
 namespace conv {
+namespace {
+
+// First row of strip s when og rows are cut into StripRows' balanced strips.
+int64_t StripStart(int64_t og, int64_t s) {
+  const int64_t strips = (og + kMaxRows - 1) / kMaxRows, base = og / strips, extra = og % strips;
+  return s * base + std::min(s, extra);
+}
+
+// Part `part` of `parts` near-equal parts of [0, total).
+void Part(int64_t total, int64_t parts, int64_t part, int64_t* b, int64_t* e) {
+  *b = total * part / parts;
+  *e = total * (part + 1) / parts;
+}
+
+}  // namespace
 
 // Int conv with the weights as the broadcast operand: acc[o][col] = W'[o][:] . X'[:, col],
 // with the columns of several small images side by side (>= ~512 per GEMM), so the GEMM
@@ -28,7 +43,8 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   // work: the MACs plus ~64 per output and output stage (twins add theirs, see below)
   const int64_t stages = 1 + (p.fast_acc ? static_cast<int64_t>(p.twins.size()) : 0);
   const int64_t work = e.n * P * p.cout * (p.kp + 64 * stages);
-  const int64_t want = 2 * ThreadsFor(work);
+  const int threads = ThreadsFor(work);
+  const int64_t want = 2 * threads;
   const int64_t per_task =
       std::max<int64_t>(1, std::min<int64_t>({e.n, (512 + P - 1) / P, (e.n + want - 1) / want}));
   const int64_t chunks = (e.n + per_task - 1) / per_task;
@@ -39,7 +55,38 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const StageI32StridedKernel stage_i32_rows = SelectStageI32StridedKernel(path);
-  const int tasks = static_cast<int>(chunks * p.groups);
+  const int64_t units = chunks * p.groups;  // (image chunk, group) pairs
+  // Too few units to feed the threads (batch 1: one): each one-image unit is cut into
+  // pieces of column panels (spatial tiles; no work repeated) and, when it has fewer
+  // panels than pieces wanted (7 x 7 images), also of weight-row strips (each such piece
+  // gathers its panels again).  Several pieces per thread, claimed dynamically, so a
+  // thread slowed by another process on its core does not hold up the op: the others take
+  // its share.  Pieces of at least kMinParallelWork / 4 (the gathers, stages and claims
+  // per piece stay small beside them).  The AMX form keeps whole units (its tiles are 16
+  // rows x 16 columns and it already fills the cores at batch >= 2 threads).
+  const int64_t cols1 = per_task * P, npanels1 = (cols1 + 15) / 16;
+  const int64_t nstrips = (e.og + kMaxRows - 1) / kMaxRows;
+  int64_t ctiles = 1, rblocks = 1;
+  if (!amx && threads > 1 && per_task == 1 && units < 4 * threads) {
+    const int64_t pieces = std::min<int64_t>((4 * threads + units - 1) / units,
+                                             std::max<int64_t>(1, work / units / (kMinParallelWork / 4)));
+    ctiles = std::min(npanels1, pieces);
+    rblocks = std::min(nstrips, (pieces + ctiles - 1) / ctiles);
+  }
+  const int64_t pieces = ctiles * rblocks;
+  const int tasks = static_cast<int>(units * pieces);
+  const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
+  const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
+  // the padded images of units cut into pieces, shared by their pieces (padded here, once)
+  // (their buffers are kept per calling thread: no allocation and page faults per run)
+  std::vector<PaddedImages> shared(static_cast<size_t>(pieces > 1 ? units : 0));
+  thread_local std::vector<std::vector<uint8_t>> shared_store;
+  if (shared_store.size() < shared.size()) shared_store.resize(shared.size());
+  for (int64_t u = 0; u < static_cast<int64_t>(shared.size()); ++u) {
+    const int64_t b0 = (u / p.groups) * per_task, nb = std::min(per_task, e.n - b0);
+    shared[u] = PadImagesU8(x, p, e, b0, nb, u % p.groups, flip, static_cast<uint8_t>(zu), p.kp, &shared_store[u]);
+    shared[u].FillPositions(nb, e.OH, e.OW, (nb * P + 15) / 16 * 16);
+  }
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
   // twin convs (ConvParams::twins) whose stages this run applies too: (op, output dtype)
   std::vector<std::pair<const GraphOp*, int>> twins;
@@ -49,20 +96,30 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       g->fused_done[j] = 1;
     }
   ParallelFor(tasks, [&](int t) {
-    const int64_t chunk = t / p.groups, gi = t % p.groups;
+    const int64_t u = t / pieces, piece = t % pieces;
+    const int64_t chunk = u / p.groups, gi = u % p.groups;
     const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
     const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
+    // this piece: panels [q0, q1) (columns [c0, c1)) x weight rows [r0, r1) (whole strips)
+    int64_t q0 = 0, q1 = 0, s0 = 0, s1 = 0;
+    Part(npanels, ctiles, piece / rblocks, &q0, &q1);
+    Part(nstrips, rblocks, piece % rblocks, &s0, &s1);
+    if (q1 <= q0 || s1 <= s0) return;
+    const int64_t r0 = StripStart(e.og, s0), r1 = StripStart(e.og, s1);
+    const int64_t c0 = q0 * 16, c1 = std::min(cols_n, q1 * 16), ld = (q1 - q0) * 16;
     thread_local AlignedVector<int32_t> acc;
     const int64_t og16 = (e.og + 15) / 16 * 16;
-    acc.resize(static_cast<size_t>(og16 * Pp));
+    acc.resize(static_cast<size_t>((amx ? og16 : r1 - r0) * ld));
     bool bias_done = false;
-    const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
-    PaddedImages pi;
-    if (!amx) {  // both gathered forms below read padded images at these offsets
-      pi = PadImagesU8(x, p, e, b0, nb, gi, xt.dtype == kI8 ? 0x80 : 0, static_cast<uint8_t>(zu), p.kp);
-      pi.FillPositions(nb, e.OH, e.OW, Pp);
+    PaddedImages own;
+    const PaddedImages* pi = &own;
+    if (pieces > 1) {
+      pi = &shared[u];
+    } else if (!amx) {  // both gathered forms below read padded images at these offsets
+      own = PadImagesU8(x, p, e, b0, nb, gi, flip, static_cast<uint8_t>(zu), p.kp);
+      own.FillPositions(nb, e.OH, e.OW, Pp);
     }
-    if (amx) {
+    if (amx) {  // whole units only: ld == Pp, rows [0, og)
       // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
       // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
       // possible), one 16 x 16 tile per 16 channels, so no pass over C remains.
@@ -92,24 +149,24 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       thread_local std::vector<uint8_t> panels8;
       panels8.resize(static_cast<size_t>(kquads * 64));
       const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
-      for (int64_t q = 0; q < npanels; ++q) {
-        PackU8QuadPanelsGather(pi.base, pi.tap.data(), kquads, pi.pos.data() + 16 * q, 1, panels8.data());
-        for (int64_t o0 = 0, rows = 0; o0 < e.og; o0 += rows) {
+      for (int64_t q = q0; q < q1; ++q) {
+        PackU8QuadPanelsGather(pi->base, pi->tap.data(), kquads, pi->pos.data() + 16 * q, 1, panels8.data());
+        for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
           rows = StripRows(e.og, o0);
-          vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data(), kquads, acc.data() + o0 * Pp + q * 16,
-               Pp, false);
+          vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data(), kquads,
+               acc.data() + (o0 - r0) * ld + (q - q0) * 16, ld, false);
         }
       }
       // one pass for the zero-point offset and (when no overflow is possible) the bias;
       // none when both are 0 (e.g. ReLU outputs with zero point 0 and no bias)
       bias_done = p.fast_acc && !p.bias.empty();
-      for (int64_t o = 0; o < e.og; ++o) {
+      for (int64_t o = r0; o < r1; ++o) {
         const int64_t oc = gi * e.og + o;
         const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]) -
                               (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u);
         if (corr == 0) continue;
-        int32_t* row = acc.data() + o * Pp;
-        for (int64_t i = 0; i < cols_n; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
+        int32_t* row = acc.data() + (o - r0) * ld;
+        for (int64_t i = 0; i < c1 - c0; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
       }
     } else {
       // int16 pair panels (code - zu) gathered straight from the padded images: no im2col
@@ -120,22 +177,26 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       // all panels first left them in L2 for the kernel)
       panels.resize(static_cast<size_t>(kpairs * 32));
       const int16_t* w = p.w16[gi].data();
-      for (int64_t q = 0; q < npanels; ++q) {
-        PackI16PanelsGather(pi.base, pi.tap.data(), kpairs, pi.pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
+      for (int64_t q = q0; q < q1; ++q) {
+        PackI16PanelsGather(pi->base, pi->tap.data(), kpairs, pi->pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
                             panels.data(), path);
         const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
-        for (int64_t o0 = 0, rows = 0; o0 < e.og; o0 += rows) {
+        for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
           rows = StripRows(e.og, o0);
-          kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + o0 * Pp + q * 16, Pp, false);
+          kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + (o0 - r0) * ld + (q - q0) * 16,
+                 ld, false);
         }
       }
     }
-    for (int64_t o = 0; o < e.og; ++o) {
+    // columns [c0, c1) of nb images: one image's span when cut into pieces (nb == 1),
+    // else all nb * P columns (c0 == 0), P per image
+    const int64_t len = (c1 - c0) / nb;
+    for (int64_t o = r0; o < r1; ++o) {
       const int64_t oc = gi * e.og + o;
-      int32_t* row = acc.data() + o * Pp;
+      int32_t* row = acc.data() + (o - (amx ? 0 : r0)) * ld;
       if (p.fast_acc) {
         if (!p.bias.empty() && !bias_done)
-          for (int64_t i = 0; i < cols_n; ++i) row[i] += p.bias[oc];
+          for (int64_t i = 0; i < c1 - c0; ++i) row[i] += p.bias[oc];
         // this op's stage, then each twin's on the same accumulators
         for (size_t tw = 0; tw <= twins.size(); ++tw) {
           const StageData& sd = tw == 0 ? p.out : ParamsOf<ConvParams>(*twins[tw - 1].first).out;
@@ -148,20 +209,21 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
           one.rescale.shift = r.shift + ch;
           one.rescale.channels = 1;
           if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
-            requant(row, nb, P, P, one, 0, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
+            requant(row, nb, len, len, one, 0, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
             continue;
           }
-          int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P;
+          int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P + c0;
           if (stage_i32_rows != nullptr) {  // all nb images in one call, like requant above
-            stage_i32_rows(row, nb, P, P, one, dst32, e.O * P);
+            stage_i32_rows(row, nb, len, len, one, dst32, e.O * P);
           } else {
-            for (int64_t bi = 0; bi < nb; ++bi) stage_i32(row + bi * P, P, one, dst32 + bi * e.O * P);
+            for (int64_t bi = 0; bi < nb; ++bi) stage_i32(row + bi * len, len, one, dst32 + bi * e.O * P);
           }
         }
       } else {
-        for (int64_t bi = 0; bi < nb; ++bi)
-          for (int64_t i = 0; i < P; ++i)
-            Emit(row[bi * P + i], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
+        for (int64_t col = c0; col < c1; ++col) {
+          const int64_t bi = col / P, i = col % P;
+          Emit(row[col - c0], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
+        }
       }
     }
   }, /*work=*/work);

@@ -152,12 +152,13 @@ void Im2colGenericU8(const uint8_t* x, const ConvParams& p, const Geometry& e, i
 // (ky, kx) reads phase (ky*dh % sh, kx*dw % sw) at offset (ky*dh / sh, kx*dw / sw) with
 // unit stride as well.
 PaddedImages PadImagesU8(const uint8_t* x, const ConvParams& p, const Geometry& e, int64_t b0, int64_t nb, int64_t gi,
-                         uint8_t flip, uint8_t pad, int64_t kp) {
+                         uint8_t flip, uint8_t pad, int64_t kp, std::vector<uint8_t>* storage) {
   const int64_t H = e.H, W = e.W, Hp = H + 2 * p.ph, Wp = W + 2 * p.pw, cg = e.cg;
   const int64_t sh = p.sh, sw = p.sw;
   const int64_t Hq = (Hp + sh - 1) / sh, Wq = (Wp + sw - 1) / sw;  // one phase plane
   const int64_t phase = Hq * Wq, chan = sh * sw * phase, img = cg * chan;
-  thread_local std::vector<uint8_t> padded;
+  thread_local std::vector<uint8_t> local;
+  std::vector<uint8_t>& padded = storage != nullptr ? *storage : local;
   padded.assign(static_cast<size_t>(nb * img + 16), pad);
   for (int64_t bi = 0; bi < nb; ++bi)
     for (int64_t c = 0; c < cg; ++c) {

@@ -1,0 +1,143 @@
+"""Threads at batch 1: ResNet-18 (3x224x224, specs/int8-default.qspec) through the C++
+``CompiledGraph`` at 1 and 2 threads, on a quiet machine and with another process
+saturating one core (issue 18: 2 threads >= 1.6x one thread; with the other process,
+within 1.5x of the quiet time).
+
+    python benchmarks/threads.py [--rounds 5] [--reps 10] [--batch 1] [--threads 1,2]
+
+Each round times every thread count in its own steady state (_timing.steady_median), the
+counts interleaved; figures are medians over rounds with the range over rounds.  The
+"loaded" phase starts ``python -c "while True: pass"`` as a subprocess, repeats the rounds
+and kills it.  The load average is printed before and after each phase: the machine may
+be shared, and figures taken while other processes held the cores are not comparable.
+Outputs at every thread count are checked equal to the 1-thread output first.  On Linux
+the CPU time per run of the two busiest threads is printed too: on a loaded machine the
+wall times mostly measure the other processes, while the CPU split still shows whether the
+threads share the work.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import copy
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's qdsl
+
+from _timing import load_average, steady_median  # noqa: E402
+
+
+def _build(batch: int):
+    import qdsl
+    import qdsl.runtime as rt
+    from qdsl.export import export
+    from qdsl.zoo.resnet import resnet18
+
+    torch.manual_seed(0)
+    model = resnet18(seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    calib = [torch.randn(2, 3, 224, 224, generator=g) for _ in range(2)]
+    qmodel = copy.deepcopy(model)
+    qdsl.apply(qmodel, qdsl.load_spec("specs/int8-default.qspec"))
+    with torch.no_grad():
+        qdsl.calibrate(qmodel, calib, progress=False)
+    qdsl.freeze(qmodel)
+    graph = export(qmodel, calib[0][:1])
+    compiled = rt.CompiledGraph(graph)
+    x = torch.randn(batch, 3, 224, 224, generator=g).numpy()
+    return compiled, x
+
+
+def _thread_cpu() -> dict[str, int]:
+    """CPU time (ns) of each of this process's threads (Linux schedstat; {} elsewhere)."""
+    out = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[tid] = int(f.read().split()[0])
+    except OSError:
+        return {}
+    return out
+
+
+def _phase(name, compiled, x, counts, rounds, reps):
+    import qdsl.runtime as rt
+
+    print(f"{name}: load average before {load_average()}")
+    per = {n: [] for n in counts}
+    cpu = {n: [] for n in counts}  # per run: CPU ms of the two busiest threads
+    for _ in range(rounds):
+        for n in counts:
+            rt.set_num_threads(n)
+            per[n].append(1e3 * steady_median(lambda: compiled.run(x), reps, warmup_s=0.5))
+            a = _thread_cpu()
+            for _ in range(reps):
+                compiled.run(x)
+            b = _thread_cpu()
+            busy = sorted(((b[k] - a.get(k, 0)) / 1e6 / reps for k in b), reverse=True)[:2]
+            cpu[n].append(busy + [0.0] * (2 - len(busy)))
+    med = {n: float(np.median(v)) for n, v in per.items()}
+    for n in counts:
+        v = per[n]
+        c = np.median(np.array(cpu[n]), axis=0) if cpu[n] and cpu[n][0] else None
+        split = f"; CPU per run of the two busiest threads {c[0]:.1f} + {c[1]:.1f} ms" if c is not None else ""
+        print(f"  {n} thread(s): {med[n]:8.2f} ms  (range {min(v):.2f}-{max(v):.2f}; "
+              f"{med[counts[0]] / med[n]:.2f}x of {counts[0]} thread{split})")
+    print(f"  load average after {load_average()}")
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--no-loaded", action="store_true", help="skip the phase with a busy core")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import qdsl.runtime as rt
+
+    print(f"qdsl: {Path(rt.__file__).parents[1]}")
+    if not rt.available():
+        raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
+    torch.set_num_threads(1)
+    counts = [int(s) for s in args.threads.split(",")]
+    compiled, x = _build(args.batch)
+    before = rt.get_num_threads()
+    try:
+        outs = []
+        for n in sorted(set(counts) | {1, 2, 3}):
+            rt.set_num_threads(n)
+            outs.append(compiled.run(x))
+        assert all(np.array_equal(outs[0], o) for o in outs[1:]), "thread counts disagree"
+        print(f"ResNet-18, batch {args.batch}, 3x224x224, int8-default; "
+              f"{args.rounds} rounds x {args.reps} reps; cores: {os.cpu_count()}")
+        quiet = _phase("no busy loop", compiled, x, counts, args.rounds, args.reps)
+        if not args.no_loaded:
+            hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            try:
+                time.sleep(0.5)
+                loaded = _phase("a python busy loop on one core", compiled, x, counts, args.rounds, args.reps)
+            finally:
+                hog.kill()
+                hog.wait()
+            for n in counts:
+                print(f"  {n} thread(s): with / without the busy loop = {loaded[n] / quiet[n]:.2f}x")
+    finally:
+        rt.set_num_threads(before)
+
+
+if __name__ == "__main__":
+    main()
