@@ -97,8 +97,8 @@ struct I32Rows {
 inline __m256i LoadI32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
 template <Rounding R>
-void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
-                   uint8_t* out, int64_t ldo, bool out_signed) {
+void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                   const OutputStage& stage, uint8_t* out, int64_t ldo, bool out_signed) {
   const int32_t m = stage.rescale.multiplier[0], right = stage.rescale.shift[0];
   const int32_t lo = stage.qmin - stage.zero_point, hi = stage.qmax - stage.zero_point;
   // plain arithmetic, no std:: templates: an AVX2-compiled copy of an inline function could
@@ -114,6 +114,9 @@ void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
   const __m256i loi = _mm256_set1_epi32(lo), hii = _mm256_set1_epi32(hi);
   const __m256i mult = _mm256_set1_epi32(m), shift = _mm256_set1_epi32(right);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i add = _mm256_set1_epi32(addend);
+  // the accumulators plus the addend (a conv's bias; the caller guarantees no overflow)
+  auto at = [&](const int32_t* p) { return _mm256_add_epi32(LoadI32(p), add); };
   // codes of 8 lanes; `flag` collects the lanes the estimate cannot decide
   auto estimate = [&](__m256i x, __m256& flag) {
     __m256 xf = _mm256_mul_ps(_mm256_cvtepi32_ps(x), mf);
@@ -133,13 +136,13 @@ void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
     int64_t c = 0;
     for (; c + 32 <= cols; c += 32) {
       __m256 flag = _mm256_setzero_ps();
-      __m256i y0 = estimate(LoadI32(a + c), flag), y1 = estimate(LoadI32(a + c + 8), flag);
-      __m256i y2 = estimate(LoadI32(a + c + 16), flag), y3 = estimate(LoadI32(a + c + 24), flag);
+      __m256i y0 = estimate(at(a + c), flag), y1 = estimate(at(a + c + 8), flag);
+      __m256i y2 = estimate(at(a + c + 16), flag), y3 = estimate(at(a + c + 24), flag);
       if (!_mm256_testz_ps(flag, flag)) {
-        y0 = exact(LoadI32(a + c));
-        y1 = exact(LoadI32(a + c + 8));
-        y2 = exact(LoadI32(a + c + 16));
-        y3 = exact(LoadI32(a + c + 24));
+        y0 = exact(at(a + c));
+        y1 = exact(at(a + c + 8));
+        y2 = exact(at(a + c + 16));
+        y3 = exact(at(a + c + 24));
       }
       // codes are within [-128, 255]: both packs are exact; the permute undoes the lane split
       const __m256i w01 = _mm256_packs_epi32(y0, y1), w23 = _mm256_packs_epi32(y2, y3);
@@ -152,7 +155,7 @@ void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
       alignas(32) int32_t pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       alignas(16) uint8_t codes[16];
       std::memcpy(pad, a + c, static_cast<size_t>(n) * 4);
-      const __m256i x = LoadI32(pad);
+      const __m256i x = at(pad);
       __m256 flag = _mm256_setzero_ps();
       __m256i y = estimate(x, flag);
       if (!_mm256_testz_ps(flag, flag)) y = exact(x);
@@ -200,10 +203,10 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
   if (rs.kind == RescaleKind::kFixedSingle && rs.channels == 1 && rs.shift[0] >= 0) {
     uint8_t* o = static_cast<uint8_t*>(out);
     switch (rs.rounding) {
-      case Rounding::kHalfEven: SingleRowsF32<Rounding::kHalfEven>(acc, rows, cols, lda, stage, o, ldo, out_signed); break;
-      case Rounding::kFloor: SingleRowsF32<Rounding::kFloor>(acc, rows, cols, lda, stage, o, ldo, out_signed); break;
-      case Rounding::kHalfUp: SingleRowsF32<Rounding::kHalfUp>(acc, rows, cols, lda, stage, o, ldo, out_signed); break;
-      default: SingleRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, stage, o, ldo, out_signed); break;
+      case Rounding::kHalfEven: SingleRowsF32<Rounding::kHalfEven>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+      case Rounding::kFloor: SingleRowsF32<Rounding::kFloor>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+      case Rounding::kHalfUp: SingleRowsF32<Rounding::kHalfUp>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+      default: SingleRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
     }
     return;
   }
@@ -214,6 +217,30 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
   if (done < cols) {
     ref::Requant(acc + done, rows, cols - done, lda, stage, c0 + done,
                  static_cast<uint8_t*>(out) + done, ldo, out_signed);
+  }
+}
+
+void RequantAddAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                    const OutputStage& one, void* out, int64_t ldo, bool out_signed) {
+  const Rescale& rs = one.rescale;
+  if (rs.kind == RescaleKind::kFixedSingle && rs.shift[0] >= 0 && RequantAvx2Supports(one)) {
+    uint8_t* o = static_cast<uint8_t*>(out);
+    switch (rs.rounding) {
+      case Rounding::kHalfEven: SingleRowsF32<Rounding::kHalfEven>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+      case Rounding::kFloor: SingleRowsF32<Rounding::kFloor>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+      case Rounding::kHalfUp: SingleRowsF32<Rounding::kHalfUp>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+      default: SingleRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+    }
+    return;
+  }
+  // other stages: the sums in blocks of a few hundred through a buffer (still in L1)
+  alignas(32) int32_t buf[512];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 512) {
+      const int64_t n = cols - c0 < 512 ? cols - c0 : 512;
+      for (int64_t i = 0; i < n; ++i) buf[i] = acc[r * lda + c0 + i] + addend;
+      RequantAvx2(buf, 1, n, n, one, 0, static_cast<uint8_t*>(out) + r * ldo + c0, n, out_signed);
+    }
   }
 }
 

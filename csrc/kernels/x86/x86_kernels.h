@@ -79,6 +79,9 @@ bool AddAvx2(const void* x0, int dtype0, const void* x1, int dtype1, int64_t n, 
              const OutputStage& out_stage, uint8_t* out, bool out_signed);
 void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                  void* out, int64_t ldo, bool out_signed);
+// One channel on acc + addend (RequantAddKernel in dispatch.h; acc + addend within int32).
+void RequantAddAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                    const OutputStage& one, void* out, int64_t ldo, bool out_signed);
 // AVX-512 output stage (csrc/requant/output_stage_avx512.cc), same contracts as the AVX2 ones.
 void RequantAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                    void* out, int64_t ldo, bool out_signed);

@@ -39,6 +39,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const StageI32StridedKernel stage_i32_rows = SelectStageI32StridedKernel(path);
+  const RequantAddKernel requant_add = SelectRequantAddKernel(path);
   const int tasks = static_cast<int>(chunks * p.groups);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
   // twin convs (ConvParams::twins) whose stages this run applies too: (op, output dtype)
@@ -48,6 +49,9 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       twins.emplace_back(&g->ops[j], g->tensors[g->ops[j].outputs[0]].dtype);
       g->fused_done[j] = 1;
     }
+  // the bias added inside the stage's pass (RequantAddKernel) when every output is I8/U8
+  bool fold_bias = requant_add != nullptr && !p.bias.empty() && out_dtype != kI32;
+  for (const auto& tw : twins) fold_bias = fold_bias && tw.second != kI32;
   ParallelFor(tasks, [&](int t) {
     const int64_t chunk = t / p.groups, gi = t % p.groups;
     const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
@@ -134,7 +138,8 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       const int64_t oc = gi * e.og + o;
       int32_t* row = acc.data() + o * Pp;
       if (p.fast_acc) {
-        if (!p.bias.empty() && !bias_done)
+        const bool add_bias = !p.bias.empty() && !bias_done;
+        if (add_bias && !fold_bias)
           for (int64_t i = 0; i < cols_n; ++i) row[i] += p.bias[oc];
         // this op's stage, then each twin's on the same accumulators
         for (size_t tw = 0; tw <= twins.size(); ++tw) {
@@ -148,7 +153,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
           one.rescale.shift = r.shift + ch;
           one.rescale.channels = 1;
           if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
-            requant(row, nb, P, P, one, 0, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
+            if (add_bias && fold_bias) {
+              requant_add(row, nb, P, P, p.bias[oc], one, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
+            } else {
+              requant(row, nb, P, P, one, 0, dst + (b0 * e.O + oc) * P, e.O * P, dt == kI8);
+            }
             continue;
           }
           int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P;
