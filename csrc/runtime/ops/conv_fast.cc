@@ -58,7 +58,8 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
     thread_local AlignedVector<int32_t> acc;
     const int64_t og16 = (e.og + 15) / 16 * 16;
-    acc.resize(static_cast<size_t>(og16 * Pp));
+    // grow only (as conv_dw.cc): a shrink made the next larger conv zero-fill its buffer
+    if (acc.size() < static_cast<size_t>(og16 * Pp)) acc.resize(static_cast<size_t>(og16 * Pp));
     bool bias_done = false;
     const int32_t zu = p.in_zp + (xt.dtype == kI8 ? 128 : 0);
     PaddedImages pi;
