@@ -339,6 +339,14 @@ RequantKernel SelectRequantKernel(uint32_t path) {
   return portable::Requant;
 }
 
+RequantAddKernel SelectRequantAddKernel(uint32_t path) {
+  path = Base(path);
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 || path == kPathAvxVnni || path == kPathAvx512) return x86::RequantAddAvx2;
+#endif
+  return nullptr;
+}
+
 DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2 && s.sw <= 2 && s.dw == 1) return x86::DwConvAvx2;  // every path from AVX2 up has AVX2

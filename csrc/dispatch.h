@@ -31,6 +31,11 @@ using BinaryMicroKernel = void (*)(const uint64_t* a, int64_t m, int64_t lda, co
 // out[r][c] = RequantizeOne(acc[r][c], stage channel c0 + c) as int8 or uint8.
 using RequantKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
                                const OutputStage& stage, int64_t c0, void* out, int64_t ldo, bool out_signed);
+// The same for one channel (stage.rescale.channels == 1) on acc[r][c] + addend, where the
+// caller guarantees every acc + addend fits int32 (a conv's bias when no overflow is possible):
+// the bias add fused into the stage's single pass over the accumulators.
+using RequantAddKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                                  const OutputStage& one, void* out, int64_t ldo, bool out_signed);
 
 // u8/s8 x s8/u8 -> int32 over k-quads (AVX-VNNI); nullptr when `path` has no such kernel.
 // broadcast_unsigned: rows are u8 activations against s8 weight panels (else s8 weight
@@ -106,6 +111,8 @@ BinaryMicroKernel SelectBinaryMicroKernel(uint32_t path);
 // when the path has none.  Same result as the row form.
 BinaryMicroKernel SelectBinaryColsKernel(uint32_t path);
 RequantKernel SelectRequantKernel(uint32_t path);
+// nullptr when the path has none (callers add the addend themselves, then requantize).
+RequantAddKernel SelectRequantAddKernel(uint32_t path);
 
 // Depthwise conv of one channel plane (DwConvShape in qdsl/gemm.h states the contract).
 using DwConvKernel = void (*)(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps,

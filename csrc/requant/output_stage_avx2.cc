@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "kernels/x86/x86_kernels.h"
 #include "requant/rescale_avx2.h"
@@ -72,6 +73,99 @@ struct I32Rows {
   }
 };
 
+// FIXED_SINGLE, one channel per call (the conv paths stage one channel row or plane per
+// call), right shift >= 0: a float32 estimate, checked, with the exact integer form as the
+// fallback.  The result is bit-exact; the proof:
+//   x = t * M exactly, M = m / 2^s (s = 31 + right in [31, 62], t the int32 accumulator);
+//   the estimate is xf = fl(fl(t) * fl(M)) (each fl rounds to nearest float32, relative
+//   error u = 2^-24; no underflow: M >= 2^-62 or M = 0), so |xf - x| <= 3.1u |x|.  FLOOR
+//   rounds x' = x - 1/2 to nearest instead (floor(x) = nearest(x - 1/2) unless x is an
+//   integer, i.e. x' a tie), one more rounding of at most u |xf'|.  The stage's output
+//   range is [lo, hi] = [qmin - zp, qmax - zp] (integers, |lo|, |hi| < 2^17 since
+//   |zp| <= 2^16), B = max(|lo|, |hi|) + 1, and E = 2^-21 B + 2^-24 bounds |xf' - x'|
+//   whenever xf' lies in [lo - 1/2, hi + 1/2].
+//   * xf' clamped to xc in [lo, hi]: rounding commutes with a clamp to integer bounds
+//     (it is monotone and fixes integers), so clamp(round(x')) is wanted.
+//   * xc = hi < xf': then x' > hi - 1/2 (the relative error cannot bridge 1/2 at < 2^17), so
+//     round(x') >= hi, and the clamp gives hi = xc.  The same for lo.
+//   * otherwise xc = xf' and |x' - xc| <= E: with r = nearest(xc) (exact: |xc| < 2^22) and
+//     d = |xc - r| (exact), d <= thr < 1/2 - 2E puts the nearest half-integer at least 2E
+//     from xc, so x' lies strictly between the same two half-integers: every rounding mode
+//     gives r (a tie is never inside the band).  Lanes with d > thr (ties and near-ties,
+//     about 4E of all values, ~0.05 % for 8-bit outputs) flag their vector, which is then
+//     recomputed with FixedSingle, the exact integer form.
+inline __m256i LoadI32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+template <Rounding R>
+void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                   const OutputStage& stage, uint8_t* out, int64_t ldo, bool out_signed) {
+  const int32_t m = stage.rescale.multiplier[0], right = stage.rescale.shift[0];
+  const int32_t lo = stage.qmin - stage.zero_point, hi = stage.qmax - stage.zero_point;
+  // plain arithmetic, no std:: templates: an AVX2-compiled copy of an inline function could
+  // be the one the linker keeps for portable callers (powers of two divide exactly)
+  const int64_t alo = lo < 0 ? -int64_t{lo} : lo, ahi = hi < 0 ? -int64_t{hi} : hi;
+  const double bound = double(alo > ahi ? alo : ahi) + 1.0, u = 1.0 / 16777216.0;  // u = 2^-24
+  const double e = bound * (8 * u) + u;
+  const __m256 mf = _mm256_set1_ps(static_cast<float>(double(m) / 2147483648.0 / double(int64_t{1} << right)));
+  const __m256 thr = _mm256_set1_ps(static_cast<float>(0.5 - 2 * e - u));
+  const __m256 lof = _mm256_set1_ps(float(lo)), hif = _mm256_set1_ps(float(hi));
+  const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  const __m256i zp = _mm256_set1_epi32(stage.zero_point);
+  const __m256i loi = _mm256_set1_epi32(lo), hii = _mm256_set1_epi32(hi);
+  const __m256i mult = _mm256_set1_epi32(m), shift = _mm256_set1_epi32(right);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i add = _mm256_set1_epi32(addend);
+  // the accumulators plus the addend (a conv's bias; the caller guarantees no overflow)
+  auto at = [&](const int32_t* p) { return _mm256_add_epi32(LoadI32(p), add); };
+  // codes of 8 lanes; `flag` collects the lanes the estimate cannot decide
+  auto estimate = [&](__m256i x, __m256& flag) {
+    __m256 xf = _mm256_mul_ps(_mm256_cvtepi32_ps(x), mf);
+    if (R == Rounding::kFloor) xf = _mm256_sub_ps(xf, half);
+    xf = _mm256_min_ps(_mm256_max_ps(xf, lof), hif);
+    const __m256 rf = _mm256_round_ps(xf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    flag = _mm256_or_ps(flag, _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(xf, rf)), thr, _CMP_GT_OQ));
+    return _mm256_add_epi32(_mm256_cvtps_epi32(rf), zp);  // rf is integral: the conversion is exact
+  };
+  auto exact = [&](__m256i x) {
+    const __m256i r = FixedSingle(x, mult, shift, R);
+    return _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(r, loi), hii), zp);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const int32_t* a = acc + r * lda;
+    uint8_t* o = out + r * ldo;
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+      __m256 flag = _mm256_setzero_ps();
+      __m256i y0 = estimate(at(a + c), flag), y1 = estimate(at(a + c + 8), flag);
+      __m256i y2 = estimate(at(a + c + 16), flag), y3 = estimate(at(a + c + 24), flag);
+      if (!_mm256_testz_ps(flag, flag)) {
+        y0 = exact(at(a + c));
+        y1 = exact(at(a + c + 8));
+        y2 = exact(at(a + c + 16));
+        y3 = exact(at(a + c + 24));
+      }
+      // codes are within [-128, 255]: both packs are exact; the permute undoes the lane split
+      const __m256i w01 = _mm256_packs_epi32(y0, y1), w23 = _mm256_packs_epi32(y2, y3);
+      const __m256i b = out_signed ? _mm256_packs_epi16(w01, w23) : _mm256_packus_epi16(w01, w23);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), _mm256_permutevar8x32_epi32(b, order));
+    }
+    // the rest in blocks of 8, the last one through a zero-padded copy (no scalar tail)
+    for (; c < cols; c += 8) {
+      const int64_t n = cols - c < 8 ? cols - c : 8;
+      alignas(32) int32_t pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      alignas(16) uint8_t codes[16];
+      std::memcpy(pad, a + c, static_cast<size_t>(n) * 4);
+      const __m256i x = at(pad);
+      __m256 flag = _mm256_setzero_ps();
+      __m256i y = estimate(x, flag);
+      if (!_mm256_testz_ps(flag, flag)) y = exact(x);
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16));
+      std::memcpy(o + c, codes, static_cast<size_t>(n));
+    }
+  }
+}
+
 // F<K, R>::Run for a run-time kind and rounding (FIXED rounds half away only).
 template <template <RescaleKind, Rounding, bool...> class F>
 auto Pick(const Rescale& rs) -> decltype(&F<RescaleKind::kFixed, Rounding::kHalfAway>::Run) {
@@ -106,6 +200,16 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
     return;
   }
   const Rescale& rs = stage.rescale;
+  if (rs.kind == RescaleKind::kFixedSingle && rs.channels == 1 && rs.shift[0] >= 0) {
+    uint8_t* o = static_cast<uint8_t*>(out);
+    switch (rs.rounding) {
+      case Rounding::kHalfEven: SingleRowsF32<Rounding::kHalfEven>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+      case Rounding::kFloor: SingleRowsF32<Rounding::kFloor>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+      case Rounding::kHalfUp: SingleRowsF32<Rounding::kHalfUp>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+      default: SingleRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
+    }
+    return;
+  }
   Pick<RequantRows>(rs)(acc, rows, cols, lda, stage, c0, static_cast<uint8_t*>(out), ldo, out_signed);
   // Tail columns: the scalar reference (defined in another translation unit, so no
   // AVX2-compiled copy of an inline helper can leak to portable callers).
@@ -113,6 +217,30 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
   if (done < cols) {
     ref::Requant(acc + done, rows, cols - done, lda, stage, c0 + done,
                  static_cast<uint8_t*>(out) + done, ldo, out_signed);
+  }
+}
+
+void RequantAddAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                    const OutputStage& one, void* out, int64_t ldo, bool out_signed) {
+  const Rescale& rs = one.rescale;
+  if (rs.kind == RescaleKind::kFixedSingle && rs.shift[0] >= 0 && RequantAvx2Supports(one)) {
+    uint8_t* o = static_cast<uint8_t*>(out);
+    switch (rs.rounding) {
+      case Rounding::kHalfEven: SingleRowsF32<Rounding::kHalfEven>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+      case Rounding::kFloor: SingleRowsF32<Rounding::kFloor>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+      case Rounding::kHalfUp: SingleRowsF32<Rounding::kHalfUp>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+      default: SingleRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, addend, one, o, ldo, out_signed); break;
+    }
+    return;
+  }
+  // other stages: the sums in blocks of a few hundred through a buffer (still in L1)
+  alignas(32) int32_t buf[512];
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 512) {
+      const int64_t n = cols - c0 < 512 ? cols - c0 : 512;
+      for (int64_t i = 0; i < n; ++i) buf[i] = acc[r * lda + c0 + i] + addend;
+      RequantAvx2(buf, 1, n, n, one, 0, static_cast<uint8_t*>(out) + r * ldo + c0, n, out_signed);
+    }
   }
 }
 

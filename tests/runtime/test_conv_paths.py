@@ -178,3 +178,22 @@ def test_twin_convs_share_accumulators(seed, out2):
         got = cg.run(xs, path=path)
         for g, w_ in zip(got, want):
             np.testing.assert_array_equal(g, w_, err_msg=f"path {path}")
+
+
+@pytest.mark.parametrize("k,hw", [(1, 1), (1, 7), (1, 15), (1, 17), (3, 9), (2, 20)])
+@pytest.mark.parametrize("xdtype", [DType.U8, DType.I8])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_unpadded_stride1_conv_reads_input_in_place(k, hw, xdtype, batch):
+    """Stride-1 convs without padding (every 1x1 conv) on U8 inputs read the input images
+    in place instead of a padded copy (conv_im2col.cc PadImagesU8); I8 inputs still take the
+    flipped copy.  Bias, a FIXED_SINGLE or POT stage, images that end panels mid-row, and
+    several images per GEMM: equal to the reference on every path."""
+    rng = np.random.default_rng(k * 1000 + hw * 10 + batch)
+    cin, cout = 17, 24
+    w = _rand(rng, DType.I8, (cout, cin, k, k))
+    attrs = {"stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "groups": 1,
+             "in_zp": int(rng.integers(*xdtype.range)), "w_zp": [0], "acc_bits": 32, "overflow": 0,
+             **_stage(rng, cout, 0, 255)}
+    consts = [Tensor("w", DType.I8, w.shape, w), Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout))]
+    graph = _graph(OpType.CONV2D, [("x", xdtype, (-1, cin, hw, hw))], attrs, DType.U8, consts)
+    _check(graph, _rand(rng, xdtype, (batch, cin, hw, hw)))

@@ -180,3 +180,20 @@ def test_pools_any_geometry_match_reference(seed, xdtype, rank, is_max):
         return
     graph = IntegerGraph(tensors + [Tensor("y", DType.I8, yshape)], ["x"], ["y"], [conv, pool]).validate()
     _check(graph, _rand(rng, DType.U8, (b, *xu[1:])))
+
+
+@pytest.mark.parametrize("w", [1, 2, 3, 4, 5, 17])
+@pytest.mark.parametrize("sw", [1, 2])
+@pytest.mark.parametrize("xdtype", [DType.U8, DType.I8])
+def test_maxpool_3wide_windows_clipped_on_both_sides(w, sw, xdtype):
+    """MAXPOOL2D with a 3x3 window and padding 1 (ResNet's stem pool; pool.cc's separable
+    form with its fixed 3-wide loop) on rows so narrow that windows are clipped on the left,
+    on the right, or on both sides at once; values at the dtype's ends."""
+    rng = np.random.default_rng(w * 10 + sw)
+    shape = (2, 3, 7, w)
+    x = _rand(rng, xdtype, shape)
+    x[0, 0, 0, 0] = np.iinfo(x.dtype).min
+    x[1, 2, -1, -1] = np.iinfo(x.dtype).max
+    graph = _graph(OpType.MAXPOOL2D, [("x", xdtype, (-1, *shape[1:]))],
+                   {"kernel": [3, 3], "stride": [2, sw], "padding": [1, 1], "dilation": [1, 1]}, xdtype)
+    _check(graph, x)

@@ -159,3 +159,72 @@ def test_add_paths_equal_reference(seed, n):
     cg = rt.CompiledGraph(graph)
     for path in PATHS:
         np.testing.assert_array_equal(cg.run(*xs, path=path), want, err_msg=f"path {path} attrs {attrs}")
+
+
+def _near_ties(m: int, right: int, lo: int, hi: int, rounding: int, rng) -> np.ndarray:
+    """Accumulators t whose t*m / 2^(31+right) lies on or within a few steps of every rounding
+    boundary whose result lands in [lo - 2, hi + 2] (half-integers; integers for FLOOR), plus
+    random ones: the values a float estimate of the FIXED_SINGLE stage could get wrong."""
+    s = 31 + right
+    offset = 0.0 if rounding == 2 else 0.5
+    ks = np.arange(lo - 2, hi + 3)
+    if ks.size > 400:
+        ks = rng.choice(ks, 400, replace=False)
+    cand = []
+    for k in ks:
+        num = (2 * int(k) + int(2 * offset)) << (s - 1)  # (k + offset) * 2^s, exactly
+        t0 = num // m if m else 0
+        cand.extend(t0 + d for d in range(-3, 4))
+    vals = np.array([v for v in cand if -(2**31) <= v < 2**31], np.int64)
+    return np.concatenate([vals, rng.integers(-(1 << 31), 1 << 31, 64), rng.integers(-4096, 4096, 64)])
+
+
+_TIE_MULTS = [1, 3, 1 << 30, 3 << 28, (1 << 31) - 1, (1 << 30) + 1, 1518500250, 1717986918]
+
+
+@settings(max_examples=80, deadline=None)
+@given(m=st.one_of(st.sampled_from(_TIE_MULTS), st.integers(1, (1 << 31) - 1)), right=st.integers(0, 31),
+       rounding=st.integers(0, 3), seed=st.integers(0, 2**31), out_signed=st.booleans(),
+       zp_edge=st.sampled_from([None, -(1 << 16), 1 << 16]), n_extra=st.integers(0, 40))
+def test_fixed_single_per_tensor_near_ties(m, right, rounding, seed, out_signed, zp_edge, n_extra):
+    """FIXED_SINGLE per tensor with a right shift (the stage the conv paths run per channel row;
+    AVX2 decides it with a checked float32 estimate and recomputes flagged vectors exactly):
+    accumulators on and next to every rounding boundary that lands inside the clamp range, and
+    random ones, for every rounding, zero points up to +-2^16, narrowed clamps, and lengths
+    that leave 32-, 8- and partial blocks.  Equal to the formula of qdsl/graph/requant.py."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-128, 127) if out_signed else (0, 255)
+    zp = int(rng.integers(lo, hi + 1)) if zp_edge is None else zp_edge
+    qmin = int(rng.integers(lo, hi + 1)) if rng.random() < 0.3 else lo
+    qmax = int(rng.integers(qmin, hi + 1)) if rng.random() < 0.3 else hi
+    vals = _near_ties(m, right, qmin - zp, qmax - zp, rounding, rng)
+    vals = rng.permutation(vals)[: max(1, vals.size - n_extra)]
+    acc = vals.reshape(1, -1)
+    r = Rescale(2, (m,), (right,), rounding)
+    stage = K.OutputStage([m], [right], zero_point=zp, qmin=qmin, qmax=qmax, kind=2, rounding=rounding)
+    want = np.clip(apply_rescale(acc, r, axis=1) + zp, qmin, qmax)
+    for path in PATHS:
+        got = K.requantize(acc.astype(np.int32), stage, np.int8 if out_signed else np.uint8, path=path)
+        np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path} m {m} right {right}")
+
+
+@pytest.mark.parametrize("m,right", [(1 << 30, 0), ((1 << 30) + 1, 0), (1518500250, 1), ((1 << 31) - 1, 3),
+                                     (3 << 28, 2), (1717986918, 5)])
+@pytest.mark.parametrize("rounding", [0, 1, 2, 3])
+def test_fixed_single_per_tensor_exhaustive(m, right, rounding):
+    """Every accumulator whose FIXED_SINGLE result reaches the U8 and I8 ranges (and beyond, to
+    the saturation on both sides), for factors from 1/2 down to 1/64, every rounding: the vector
+    stages equal the formula on all of them."""
+    factor = m / 2.0 ** (31 + right)
+    lim = int(420 / factor)
+    acc = np.arange(-lim, lim + 1, dtype=np.int64)
+    acc = np.resize(acc, (1, acc.size))
+    r = Rescale(2, (m,), (right,), rounding)
+    stage_u8 = K.OutputStage([m], [right], zero_point=17, qmin=0, qmax=255, kind=2, rounding=rounding)
+    stage_i8 = K.OutputStage([m], [right], zero_point=-3, qmin=-128, qmax=127, kind=2, rounding=rounding)
+    rescaled = apply_rescale(acc, r, axis=1)
+    for stage, dtype in ((stage_u8, np.uint8), (stage_i8, np.int8)):
+        want = np.clip(rescaled + stage.zero_point, stage.qmin, stage.qmax)
+        for path in PATHS:
+            got = K.requantize(acc.astype(np.int32), stage, dtype, path=path)
+            np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")

@@ -82,6 +82,9 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
 // MUL over one row (mul_avx2.cc; dispatch.h MulKernel's contract).
 bool MulAvx2(const uint8_t* x0, int dtype0, int64_t step0, const uint8_t* x1, int dtype1, int64_t step1, int64_t n,
              int32_t zp0, int32_t zp1, const OutputStage& out_stage, uint8_t* out, bool out_signed);
+// One channel on acc + addend (RequantAddKernel in dispatch.h; acc + addend within int32).
+void RequantAddAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, int32_t addend,
+                    const OutputStage& one, void* out, int64_t ldo, bool out_signed);
 // AVX-512 output stage (csrc/requant/output_stage_avx512.cc), same contracts as the AVX2 ones.
 void RequantAvx512(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                    void* out, int64_t ldo, bool out_signed);

@@ -78,7 +78,10 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
     xp.assign(static_cast<size_t>(rows * ldp), 0);
     // the sums of a channel as one contiguous plane (lda = OW, see DwConvShape), so the output
     // stage runs vectorized over all OH * OW values, not per row with a scalar row tail
-    acc.resize(static_cast<size_t>((e.OH - 1) * e.OW + DwConvAccCols(s)));
+    // grow only: resize() zero-fills every element past the current size, so shrinking for
+    // a small op made the next large one clear its whole buffer (every sum is written)
+    const size_t acc_n = static_cast<size_t>((e.OH - 1) * e.OW + DwConvAccCols(s));
+    if (acc.size() < acc_n) acc.resize(acc_n);
     int64_t* count = &counts[static_cast<size_t>(i0 / chunk)];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / e.C, c = i % e.C;

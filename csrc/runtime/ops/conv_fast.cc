@@ -87,6 +87,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     shared[u] = PadImagesU8(x, p, e, b0, nb, u % p.groups, flip, static_cast<uint8_t>(zu), p.kp, &shared_store[u]);
     shared[u].FillPositions(nb, e.OH, e.OW, (nb * P + 15) / 16 * 16);
   }
+  const RequantAddKernel requant_add = SelectRequantAddKernel(path);
   std::vector<int64_t> counts(static_cast<size_t>(tasks), 0);
   // twin convs (ConvParams::twins) whose stages this run applies too: (op, output dtype)
   std::vector<std::pair<const GraphOp*, int>> twins;
@@ -95,6 +96,9 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       twins.emplace_back(&g->ops[j], g->tensors[g->ops[j].outputs[0]].dtype);
       g->fused_done[j] = 1;
     }
+  // the bias added inside the stage's pass (RequantAddKernel) when every output is I8/U8
+  bool fold_bias = requant_add != nullptr && !p.bias.empty() && out_dtype != kI32;
+  for (const auto& tw : twins) fold_bias = fold_bias && tw.second != kI32;
   ParallelFor(tasks, [&](int t) {
     const int64_t u = t / pieces, piece = t % pieces;
     const int64_t chunk = u / p.groups, gi = u % p.groups;
@@ -109,7 +113,9 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t c0 = q0 * 16, c1 = std::min(cols_n, q1 * 16), ld = (q1 - q0) * 16;
     thread_local AlignedVector<int32_t> acc;
     const int64_t og16 = (e.og + 15) / 16 * 16;
-    acc.resize(static_cast<size_t>((amx ? og16 : r1 - r0) * ld));
+    // grow only (as conv_dw.cc): a shrink made the next larger conv zero-fill its buffer
+    const size_t need = static_cast<size_t>((amx ? og16 : r1 - r0) * ld);
+    if (acc.size() < need) acc.resize(need);
     bool bias_done = false;
     PaddedImages own;
     const PaddedImages* pi = &own;
@@ -195,7 +201,8 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       const int64_t oc = gi * e.og + o;
       int32_t* row = acc.data() + (o - (amx ? 0 : r0)) * ld;
       if (p.fast_acc) {
-        if (!p.bias.empty() && !bias_done)
+        const bool add_bias = !p.bias.empty() && !bias_done;
+        if (add_bias && !fold_bias)
           for (int64_t i = 0; i < c1 - c0; ++i) row[i] += p.bias[oc];
         // this op's stage, then each twin's on the same accumulators
         for (size_t tw = 0; tw <= twins.size(); ++tw) {
@@ -209,7 +216,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
           one.rescale.shift = r.shift + ch;
           one.rescale.channels = 1;
           if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
-            requant(row, nb, len, len, one, 0, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
+            if (add_bias && fold_bias) {
+              requant_add(row, nb, len, len, p.bias[oc], one, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
+            } else {
+              requant(row, nb, len, len, one, 0, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
+            }
             continue;
           }
           int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P + c0;

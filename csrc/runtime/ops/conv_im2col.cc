@@ -157,10 +157,14 @@ PaddedImages PadImagesU8(const uint8_t* x, const ConvParams& p, const Geometry& 
   const int64_t sh = p.sh, sw = p.sw;
   const int64_t Hq = (Hp + sh - 1) / sh, Wq = (Wp + sw - 1) / sw;  // one phase plane
   const int64_t phase = Hq * Wq, chan = sh * sw * phase, img = cg * chan;
+  // stride 1, no padding, one group and codes as they are (U8): the padded layout is the
+  // input's own (planes H * W apart, images C * H * W), so readers use the input in place
+  // (a copy and a fill of every 1x1 conv's input otherwise)
+  const bool in_place = sh == 1 && sw == 1 && p.ph == 0 && p.pw == 0 && flip == 0 && cg == e.C;
   thread_local std::vector<uint8_t> local;
   std::vector<uint8_t>& padded = storage != nullptr ? *storage : local;
-  padded.assign(static_cast<size_t>(nb * img + 16), pad);
-  for (int64_t bi = 0; bi < nb; ++bi)
+  if (!in_place) padded.assign(static_cast<size_t>(nb * img + 16), pad);
+  for (int64_t bi = 0; bi < nb && !in_place; ++bi)
     for (int64_t c = 0; c < cg; ++c) {
       const uint8_t* src = x + (((b0 + bi) * e.C + gi * cg + c) * H) * W;
       uint8_t* dst = padded.data() + bi * img + c * chan;
@@ -179,7 +183,7 @@ PaddedImages PadImagesU8(const uint8_t* x, const ConvParams& p, const Geometry& 
       }
     }
   PaddedImages r;
-  r.base = padded.data();
+  r.base = in_place ? x + b0 * img : padded.data();
   r.Wq = Wq;
   r.img = img;
   r.tap.assign(static_cast<size_t>(kp), 0);

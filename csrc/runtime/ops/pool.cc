@@ -2,6 +2,7 @@
 // dtype (I8/U8/BIN) and padding never wins; average pools sum x - in_zp over the window's taps inside
 // the input (padding adds 0) and rescale by the output stage (the divisor folded in).
 #include <algorithm>
+#include <vector>
 
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
@@ -75,6 +76,14 @@ Status PreparePool(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape
   return Status::Ok();
 }
 
+// max of c[k0..k1) (a window clipped at the padding; k0 < k1 <= 3)
+template <typename T>
+T Max3Clipped(const T* c, int64_t k0, int64_t k1) {
+  T m = c[k0];
+  for (int64_t k = k0 + 1; k < k1; ++k) m = c[k] > m ? c[k] : m;
+  return m;
+}
+
 Status RunPool(RunCtx& c, const GraphOp& op) {
   const PoolParams& pp = ParamsOf<PoolParams>(op);
   const bool is_max = pp.is_max;
@@ -126,11 +135,61 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
       }
     }
   };
+  // max pools: the taps inside the input are a product (valid rows x valid columns), so each
+  // output row takes the column-wise max of its valid input rows once (byte loops the
+  // compiler vectorizes), then its valid columns' taps from that row: kh passes over a row
+  // plus kw reads per output instead of a clipped kh x kw window per output (the generic
+  // loop cost a ResNet's stem pool more than a 3x3 conv of its size)
+  auto max_plane = [&](auto tag, int64_t pl) {
+    using T = decltype(tag);
+    // locals, not the captured references: stores through T* (a char type) may alias
+    // them, which made the compiler reload the bounds per byte and vectorize nothing
+    const int64_t W_ = W, OH_ = OH, OW_ = OW, sh_ = sh, sw_ = sw, ph_ = ph, pw_ = pw, dh_ = dh, dw_ = dw, kw_ = kw;
+    const int64_t* ry_ = ry.data();
+    const int64_t* rx_ = rx.data();
+    const T* src = reinterpret_cast<const T*>(x) + pl * H * W_;
+    T* dst = reinterpret_cast<T*>(y) + pl * OH_ * OW_;
+    thread_local std::vector<T> col;
+    col.resize(static_cast<size_t>(W_));
+    T* __restrict cm = col.data();
+    for (int64_t oy = 0; oy < OH_; ++oy) {
+      const int64_t y0 = oy * sh_ - ph_;
+      const T* r0 = src + (y0 + ry_[2 * oy] * dh_) * W_;
+      for (int64_t i = 0; i < W_; ++i) cm[i] = r0[i];
+      for (int64_t ky = ry_[2 * oy] + 1; ky < ry_[2 * oy + 1]; ++ky) {
+        const T* __restrict r = src + (y0 + ky * dh_) * W_;
+        for (int64_t i = 0; i < W_; ++i) cm[i] = r[i] > cm[i] ? r[i] : cm[i];
+      }
+      T* __restrict d = dst + oy * OW_;
+      int64_t ox = 0;
+      if (kw_ == 3 && dw_ == 1) {  // the common 3-wide window: full windows without the range loop
+        for (; ox < OW_ && rx_[2 * ox] != 0; ++ox) d[ox] = Max3Clipped(cm + ox * sw_ - pw_, rx_[2 * ox], rx_[2 * ox + 1]);
+        for (; ox < OW_ && rx_[2 * ox + 1] == 3; ++ox) {
+          const T* c0 = cm + ox * sw_ - pw_;
+          const T a = c0[0] > c0[1] ? c0[0] : c0[1];
+          d[ox] = a > c0[2] ? a : c0[2];
+        }
+      }
+      for (; ox < OW_; ++ox) {
+        const T* c0 = cm + ox * sw_ - pw_;
+        const int64_t k0 = rx_[2 * ox], k1 = rx_[2 * ox + 1];
+        T m = c0[k0 * dw_];
+        for (int64_t kx = k0 + 1; kx < k1; ++kx) m = c0[kx * dw_] > m ? c0[kx * dw_] : m;
+        d[ox] = m;
+      }
+    }
+  };
   // blocks of planes per task (the claim of a task costs more than a small plane)
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(planes, 4096 / std::max<int64_t>(OH * OW * kh * kw, 1)));
   ParallelFor(static_cast<int>((planes + block - 1) / block), [&](int bi) {
     for (int64_t pl = bi * block, pe = std::min(planes, pl + block); pl < pe; ++pl) {
-      if (xd == kU8) {
+      if (is_max) {  // I8/U8, or BIN held as +-1 int8 (PreparePool)
+        if (xd == kU8) {
+          max_plane(uint8_t{}, pl);
+        } else {
+          max_plane(int8_t{}, pl);
+        }
+      } else if (xd == kU8) {
         plane(uint8_t{}, pl);
       } else if (xd == kI32) {
         plane(int32_t{}, pl);
