@@ -34,7 +34,6 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
 
 
 
-NO_MUL = pytest.mark.xfail(strict=True, raises=ExportError, reason="MUL of two activations: issue 17")
 # the graph has no binary transposed conv (lint says so too: W321)
 NO_BIN_CONVT = pytest.mark.xfail(strict=True, raises=ExportError, reason="binary ConvTranspose2d: no integer lowering")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
@@ -55,7 +54,7 @@ LAST = {"resnet18": "fc", "resnet50": "fc", "mobilenet_v2": "classifier.1", "mob
         "efficientnet_b0": "classifier.1", "unet": "outc"}
 
 
-@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES), *_cases(MUL_FACTORIES, _WAITING_FAST, (NO_MUL,))])
+@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES), *_cases(MUL_FACTORIES, _WAITING_FAST)])
 def test_bundled_spec_trains_and_exports(name, spec):
     torch.manual_seed(0)
     model = ALL[name]().train()
