@@ -136,6 +136,34 @@ def test_tables_read_implied_quantizers():
     assert got[b0]["features.1.0.block.0"] == "implied by average pool in 'features.1.0.block.1.avgpool'"
 
 
+class _NegativeSiLU(torch.nn.Module):
+    """conv (all outputs negative) -> SiLU -> conv: an SE fc1 of a random-init EfficientNet-B0."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 4, 1)
+        self.act = torch.nn.SiLU()
+        self.c2 = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.c2(self.act(self.c1(x)))
+
+
+def test_unsigned_quantizers_seeing_only_negatives_export():
+    # low-bit's unsigned a4 on the SiLU's input (implied) and output sees only negatives: every
+    # code is 0; the scales were the 1e-12 floor, so export failed (E402 "factor 2.4e9 out of
+    # range" at EfficientNet-B0's features.2.1.block.2.fc1; here "bias does not fit int32")
+    from .e2e import assert_close, flow
+
+    torch.manual_seed(0)
+    model = _NegativeSiLU()
+    with torch.no_grad():
+        model.c1.weight.mul_(0.1)
+        model.c1.bias.fill_(-5.0)
+    graph, diff = flow(model, "low-bit", (4, 3, 5, 5), "c2")
+    assert_close(diff, exact=True)
+
+
 def test_binary_inputs_read_int8_not_sums():
     # xnor-binary: the default input is binary, so the implied recipe is the integer one the
     # plan uses (first/last layer's a8); MobileNetV2's block sums a binary conv reads get it
