@@ -36,6 +36,9 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
 
 # the graph has no binary transposed conv (lint says so too: W321)
 NO_BIN_CONVT = pytest.mark.xfail(strict=True, raises=ExportError, reason="binary ConvTranspose2d: no integer lowering")
+# one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie)
+FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
+                              reason="a float32 near-tie in fake-quant flips one code; the network amplifies it")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
@@ -46,6 +49,7 @@ def _cases(models, fast=FAST, marks=()):
         for spec in CNN_SPECS:
             slow = () if (model, spec) in fast else (pytest.mark.slow,)
             more = (NO_BIN_CONVT,) if (model, spec) == ("unet", "xnor-binary") else ()
+            more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")
 
 
@@ -95,6 +99,52 @@ def test_bundled_spec_trains_and_exports(name, spec):
         assert diff.max() == 0
     else:
         assert (diff <= 1).mean() >= 0.995, f"{(diff <= 1).mean():.4f} within 1 LSB, max {diff.max()}"
+
+
+@pytest.mark.slow
+def test_mobilenet_v3_w4a8_differs_by_one_tie():
+    # Why mobilenet_v3_small-w4a8-per-channel misses the 99.5% bar (35% of image 0's classifier
+    # input codes more than 1 LSB off, max 4): fake-quant computes the depthwise conv
+    # features.2.block.1.0 in float32 from float32 weights code·s_w, the graph exactly in
+    # integers; at one output the exact value is 49.4999998 LSB (rounds to 49), fake-quant's
+    # 49.500002 (rounds to 50).  The graph is right; that one code then spreads through
+    # 1×1 convs, Hardswish tables and residual adds of a random-init network (gains > 1;
+    # estimating BatchNorm statistics on data does not stop it: MobileNetV2 then drifts
+    # the same way from a near-tie at features.1's add).  A lowering error (scale, bias, zero
+    # point, per-channel w4) would show in every image: the other three are bit-exact at the
+    # input of every layer, and the first difference is that one code, by one.
+    torch.manual_seed(0)
+    model = ALL["mobilenet_v3_small"]().train()
+    handle = qdsl.apply(model, "specs/w4a8-per-channel.qspec")
+    x = torch.randn(2, 3, 32, 32)  # the draws of test_bundled_spec_trains_and_exports
+    model(x).square().mean().backward()
+    model.eval()
+    calib = torch.randn(8, 3, 32, 32)
+    qdsl.calibrate(model, [calib[:4], calib[4:]])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, x)
+    xt = torch.randn(4, 3, 32, 32)
+    values = execute(graph, xt.numpy(), keep_values=True).values
+    layers = []
+    for op in graph.ops:
+        if op.type in (OpType.CONV2D, OpType.LINEAR) and op.name not in dict(layers):
+            layers.append((op.name, op.inputs[0]))
+    seen = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda m, a, name=name: seen.setdefault(name, a[0].detach().clone())) for name, _ in layers]
+    with torch.no_grad():
+        model(xt)
+    for h in hooks:
+        h.remove()
+    first = None
+    for name, src in layers:
+        q = handle.container.quantizers[proxy_key(name, Role.INPUT)]
+        fq = q.int_repr(seen[name]).numpy().astype(np.int64)
+        diff = np.abs(values[src].astype(np.int64).reshape(fq.shape) - fq)
+        assert diff[1:].max() == 0, name
+        if first is None and diff.max() > 0:
+            first = (src, np.count_nonzero(diff), int(diff.max()))
+    assert first == ("features.2.block.1.0", 1, 1)
 
 
 @pytest.mark.parametrize("name,spec", list(_cases(WAITING, _WAITING_FAST)))
