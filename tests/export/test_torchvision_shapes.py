@@ -51,13 +51,14 @@ ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
 
 
-def _cases(models, fast=FAST, marks=()):
+def _cases(models, fast=FAST, marks=(), export=False):
     for model in models:
         for spec in CNN_SPECS:
             slow = () if (model, spec) in fast else (pytest.mark.slow,)
             more = (NO_BIN_CONVT,) if (model, spec) == ("unet", "xnor-binary") else ()
-            more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
-            more += (SIGN_LOST,) if spec == "xnor-binary" and model in MUL_FACTORIES else ()
+            if export:  # the graph-vs-fake-quant comparison's known misses
+                more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
+                more += (SIGN_LOST,) if spec == "xnor-binary" and model in MUL_FACTORIES else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")
 
 
@@ -66,7 +67,7 @@ LAST = {"resnet18": "fc", "resnet50": "fc", "mobilenet_v2": "classifier.1", "mob
         "efficientnet_b0": "classifier.1", "unet": "outc"}
 
 
-@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES), *_cases(MUL_FACTORIES, _WAITING_FAST)])
+@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES, export=True), *_cases(MUL_FACTORIES, _WAITING_FAST, export=True)])
 def test_bundled_spec_trains_and_exports(name, spec):
     torch.manual_seed(0)
     model = ALL[name]().train()
