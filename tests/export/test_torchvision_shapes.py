@@ -4,8 +4,8 @@ training forward/backward -> calibrate -> freeze -> export; the C++ runtime equa
 reference executor bit for bit and the graph agrees with the fake-quant model (issue 17).
 Integer adds and lookup tables read values the specs do not quantize: the plan's implied
 quantizers (qdsl.patch.implied) cover them.  MobileNetV3 and EfficientNet multiply two
-activations (squeeze-excitation), which the graph cannot yet: their export cases are strict
-xfails, and their other stages are tested on their own.  The small U-Net (16×16 inputs)
+activations (squeeze-excitation: MUL).  Known misses of the graph-vs-fake-quant comparison are
+xfails that say why (FLOAT_TIE, SIGN_LOST).  The small U-Net (16×16 inputs)
 upsamples with ConvTranspose2d, which has no binary form (xnor-binary: a strict xfail)."""
 
 import glob
