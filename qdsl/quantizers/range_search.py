@@ -88,7 +88,15 @@ def _scale_zp(lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: int, symmetri
     lo = torch.clamp(lo, max=0.0)
     hi = torch.clamp(hi, min=0.0)
     if symmetric:
-        amax = torch.maximum(-lo, hi) if qmin < 0 else hi
+        if qmin < 0:
+            amax = torch.maximum(-lo, hi)
+        else:
+            # A one-sided (unsigned symmetric) grid whose data all fell on the other side
+            # (an SE fc1 whose outputs were all negative in calibration): every code is 0
+            # whatever the scale, but the tiny floor made the integer graph's requant factor
+            # s_acc / s absurd (E402 "factor 2.4e9 out of range").  The data's magnitude keeps
+            # the same codes and a scale of the data's order.
+            amax = torch.where(hi > 0, hi, -lo)
         scale = torch.clamp(amax / qmax, min=_TINY)
         zp = torch.zeros_like(scale)
     else:
@@ -99,7 +107,8 @@ def _scale_zp(lo: torch.Tensor, hi: torch.Tensor, qmin: int, qmax: int, symmetri
 
 def range_to_qparams(lo, hi, qmin: int, qmax: int, *, symmetric: bool):
     """``(scale, zero_point)`` for a range on the grid ``qmin..qmax`` (the mapping every
-    search here assumes).  Zero ranges get a tiny positive scale, never 0.
+    search here assumes).  Zero ranges get a tiny positive scale, never 0; an unsigned
+    symmetric grid given only negative data takes its scale from their magnitude.
 
     >>> s, z = range_to_qparams(torch.tensor(-1.0), torch.tensor(2.0), -8, 7, symmetric=True)
     >>> round(float(s), 4), float(z)
@@ -445,6 +454,8 @@ def histogram_range(
     ratios = _ratios(grid, c.device)
     lo0, hi0 = torch.tensor(min(state.lo, 0.0)), torch.tensor(max(state.hi, 0.0))
     if symmetric and not signed:  # an unsigned symmetric grid: negatives clip to 0 whatever lo is
+        if hi0 <= 0:  # nothing on the grid's side: every code is 0; _scale_zp scales by |lo|
+            return zero + lo0, zero
         lo0 = torch.zeros(())
 
     def search(lo_c: torch.Tensor, hi_c: torch.Tensor):

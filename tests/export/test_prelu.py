@@ -58,9 +58,6 @@ def test_prelu_exports_as_tables_and_agrees(n, spec):
     assert_close(diff)
 
 
-@pytest.mark.xfail(raises=ExportError, strict=False,
-                   reason="the table reads c1's unquantized result until the implied quantizers for lookup-table "
-                          "readers (branch cnn17, issue 17 item 1) are merged; checked passing on a trial merge")
 @pytest.mark.parametrize("n", [1, 8])
 def test_prelu_with_int8_default_unedited(n):
     graph, diff = flow(PNet(_prelu(n)), "int8-default", (4, 3, 5, 5), "c2")

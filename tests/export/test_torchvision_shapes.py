@@ -4,8 +4,8 @@ training forward/backward -> calibrate -> freeze -> export; the C++ runtime equa
 reference executor bit for bit and the graph agrees with the fake-quant model (issue 17).
 Integer adds and lookup tables read values the specs do not quantize: the plan's implied
 quantizers (qdsl.patch.implied) cover them.  MobileNetV3 and EfficientNet multiply two
-activations (squeeze-excitation), which the graph cannot yet: their export cases are strict
-xfails, and their other stages are tested on their own.  The small U-Net (16×16 inputs)
+activations (squeeze-excitation: MUL).  Known misses of the graph-vs-fake-quant comparison are
+xfails that say why (FLOAT_TIE, SIGN_LOST).  The small U-Net (16×16 inputs)
 upsamples with ConvTranspose2d, which has no binary form (xnor-binary: a strict xfail)."""
 
 import glob
@@ -34,19 +34,31 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
 
 
 
-NO_MUL = pytest.mark.xfail(strict=True, raises=ExportError, reason="MUL of two activations: issue 17")
 # the graph has no binary transposed conv (lint says so too: W321)
 NO_BIN_CONVT = pytest.mark.xfail(strict=True, raises=ExportError, reason="binary ConvTranspose2d: no integer lowering")
+# one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie)
+FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
+                              reason="a float32 near-tie in fake-quant flips one code; the network amplifies it")
+# MobileNetV3's Hardswish table before the binary classifier.3 outputs on an 8-bit grid where
+# hardswish(x) of a small negative x rounds to the zero point, which BINARIZE reads as +1;
+# fake-quant binarizes the float value (-1): 424 of 1024 signs differ.  A table read only by
+# a binarize should output the sign.  (EfficientNet-B0's binary classifier reads a pool of SiLU
+# tables: also signs near 0, not yet traced.)
+SIGN_LOST = pytest.mark.xfail(strict=True, raises=AssertionError,
+                              reason="a lookup table before a binary input rounds small negatives to 0 (sign +1)")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
 
 
-def _cases(models, fast=FAST, marks=()):
+def _cases(models, fast=FAST, marks=(), export=False):
     for model in models:
         for spec in CNN_SPECS:
             slow = () if (model, spec) in fast else (pytest.mark.slow,)
             more = (NO_BIN_CONVT,) if (model, spec) == ("unet", "xnor-binary") else ()
+            if export:  # the graph-vs-fake-quant comparison's known misses
+                more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
+                more += (SIGN_LOST,) if spec == "xnor-binary" and model in MUL_FACTORIES else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")
 
 
@@ -55,7 +67,7 @@ LAST = {"resnet18": "fc", "resnet50": "fc", "mobilenet_v2": "classifier.1", "mob
         "efficientnet_b0": "classifier.1", "unet": "outc"}
 
 
-@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES), *_cases(MUL_FACTORIES, _WAITING_FAST, (NO_MUL,))])
+@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES, export=True), *_cases(MUL_FACTORIES, _WAITING_FAST, export=True)])
 def test_bundled_spec_trains_and_exports(name, spec):
     torch.manual_seed(0)
     model = ALL[name]().train()
@@ -98,6 +110,52 @@ def test_bundled_spec_trains_and_exports(name, spec):
         assert (diff <= 1).mean() >= 0.995, f"{(diff <= 1).mean():.4f} within 1 LSB, max {diff.max()}"
 
 
+@pytest.mark.slow
+def test_mobilenet_v3_w4a8_differs_by_one_tie():
+    # Why mobilenet_v3_small-w4a8-per-channel misses the 99.5% bar (35% of image 0's classifier
+    # input codes more than 1 LSB off, max 4): fake-quant computes the depthwise conv
+    # features.2.block.1.0 in float32 from float32 weights code·s_w, the graph exactly in
+    # integers; at one output the exact value is 49.4999998 LSB (rounds to 49), fake-quant's
+    # 49.500002 (rounds to 50).  The graph is right; that one code then spreads through
+    # 1×1 convs, Hardswish tables and residual adds of a random-init network (gains > 1;
+    # estimating BatchNorm statistics on data does not stop it: MobileNetV2 then drifts
+    # the same way from a near-tie at features.1's add).  A lowering error (scale, bias, zero
+    # point, per-channel w4) would show in every image: the other three are bit-exact at the
+    # input of every layer, and the first difference is that one code, by one.
+    torch.manual_seed(0)
+    model = ALL["mobilenet_v3_small"]().train()
+    handle = qdsl.apply(model, "specs/w4a8-per-channel.qspec")
+    x = torch.randn(2, 3, 32, 32)  # the draws of test_bundled_spec_trains_and_exports
+    model(x).square().mean().backward()
+    model.eval()
+    calib = torch.randn(8, 3, 32, 32)
+    qdsl.calibrate(model, [calib[:4], calib[4:]])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, x)
+    xt = torch.randn(4, 3, 32, 32)
+    values = execute(graph, xt.numpy(), keep_values=True).values
+    layers = []
+    for op in graph.ops:
+        if op.type in (OpType.CONV2D, OpType.LINEAR) and op.name not in dict(layers):
+            layers.append((op.name, op.inputs[0]))
+    seen = {}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        lambda m, a, name=name: seen.setdefault(name, a[0].detach().clone())) for name, _ in layers]
+    with torch.no_grad():
+        model(xt)
+    for h in hooks:
+        h.remove()
+    first = None
+    for name, src in layers:
+        q = handle.container.quantizers[proxy_key(name, Role.INPUT)]
+        fq = q.int_repr(seen[name]).numpy().astype(np.int64)
+        diff = np.abs(values[src].astype(np.int64).reshape(fq.shape) - fq)
+        assert diff[1:].max() == 0, name
+        if first is None and diff.max() > 0:
+            first = (src, np.count_nonzero(diff), int(diff.max()))
+    assert first == ("features.2.block.1.0", 1, 1)
+
+
 @pytest.mark.parametrize("name,spec", list(_cases(WAITING, _WAITING_FAST)))
 def test_models_waiting_for_an_op_train_calibrate_and_freeze(name, spec):
     # the stages before export (which waits for MUL): gradients reach every weight through
@@ -135,6 +193,34 @@ def test_tables_read_implied_quantizers():
     assert got[v3]["features.1.block.1.fc2"] == "implied by hardsigmoid 'features.1.block.1.scale_activation'"
     assert got[b0]["features.1.0.block.0.1"] == "implied by silu 'features.1.0.block.0.2'"
     assert got[b0]["features.1.0.block.0"] == "implied by average pool in 'features.1.0.block.1.avgpool'"
+
+
+class _NegativeSiLU(torch.nn.Module):
+    """conv (all outputs negative) -> SiLU -> conv: an SE fc1 of a random-init EfficientNet-B0."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = torch.nn.Conv2d(3, 4, 1)
+        self.act = torch.nn.SiLU()
+        self.c2 = torch.nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        return self.c2(self.act(self.c1(x)))
+
+
+def test_unsigned_quantizers_seeing_only_negatives_export():
+    # low-bit's unsigned a4 on the SiLU's input (implied) and output sees only negatives: every
+    # code is 0; the scales were the 1e-12 floor, so export failed (E402 "factor 2.4e9 out of
+    # range" at EfficientNet-B0's features.2.1.block.2.fc1; here "bias does not fit int32")
+    from .e2e import assert_close, flow
+
+    torch.manual_seed(0)
+    model = _NegativeSiLU()
+    with torch.no_grad():
+        model.c1.weight.mul_(0.1)
+        model.c1.bias.fill_(-5.0)
+    graph, diff = flow(model, "low-bit", (4, 3, 5, 5), "c2")
+    assert_close(diff, exact=True)
 
 
 def test_binary_inputs_read_int8_not_sums():
@@ -203,7 +289,7 @@ def test_lint_model_runs(name, capsys):
     text = out.out + out.err
     assert "Traceback" not in text
     assert "W340" not in text  # torch.fx traced it: functional adds, cats and products were checked
-    assert ("W321" in text) == (name not in FACTORIES)  # mul (squeeze-excitation)
+    assert "W321" not in text  # every op lowers, MUL (squeeze-excitation) included
 
 
 def test_explain_reports_implied_quantizers(capsys):

@@ -121,6 +121,20 @@ def test_unsigned_grid_uses_zero_lower_end():
     assert _err(x, lo, hi, 3, signed=False) < _err(x, lo_s, hi_s, 3)
 
 
+def test_unsigned_grid_given_only_negatives_scales_by_their_magnitude():
+    # every code is 0 whatever the scale; the 1e-12 floor it used to get made the integer
+    # graph's requant factor s_acc / s out of range (E402 at EfficientNet-B0's SE fc1, low-bit)
+    x = -torch.rand(1000, generator=torch.Generator().manual_seed(0)) - 0.5
+    s = histogram_observe(None, x)
+    lo, hi = histogram_range(s.hist, s.lo, s.hi, 0, 15, symmetric=True, signed=False)
+    scale, zp = range_to_qparams(lo, hi, 0, 15, symmetric=True)
+    assert float(hi) == 0.0 and float(zp) == 0.0
+    assert math.isclose(float(scale), float(-x.min()) / 15, rel_tol=1e-5)
+    scale_mm, _ = range_to_qparams(x.min(), x.max(), 0, 15, symmetric=True)  # min/max observer
+    assert float(scale_mm) == float(scale)
+    assert float(fake_quantize_range(x, lo, hi, 0, 15, symmetric=True).abs().max()) == 0.0
+
+
 def test_asymmetric_histogram_handles_skew():
     x = _data("gauss", (20000,), seed=2) * 0.3 + 2.0  # positive, skewed away from zero
     x = torch.cat([x, -0.5 * torch.rand(200)])
@@ -232,8 +246,8 @@ def test_histogram_search_stays_inside_the_data_range(values, bits, signed, symm
     qmin, qmax = _grid(bits, signed)
     lo, hi = histogram_range(s.hist, s.lo, s.hi, qmin, qmax, symmetric=symmetric, signed=signed, grid=30)
     assert s.lo - 1e-6 <= float(lo) <= 0.0 <= float(hi) <= s.hi + 1e-6
-    if symmetric and not signed:
-        assert float(lo) == 0.0
+    if symmetric and not signed:  # lo is 0, except with no data above 0 (the grid's scale comes from |lo|)
+        assert float(lo) == (0.0 if float(hi) > 0 else min(s.lo, 0.0))
 
 
 @given(st.lists(st.floats(-50, 50, allow_nan=False, width=32), min_size=2, max_size=200), st.booleans())
