@@ -88,6 +88,21 @@ inline ConvParams* AsConv(GraphOp& op) {
 
 namespace conv {
 
+// A GEMM's activations: `rows` dense rows of `cols` I8/U8 codes (graph dtype `dtype`) with
+// the op's input zero point and largest u8 code (ConvParams / ConvTransposeParams fields).
+inline ActView Int8Rows(const void* data, int dtype, int64_t rows, int64_t cols, int32_t zero_point,
+                        int32_t max_code) {
+  ActView av;
+  av.data = data;
+  av.dtype = dtype == kU8 ? DType::kUInt8 : DType::kInt8;
+  av.rows = rows;
+  av.cols = cols;
+  av.ld = cols;
+  av.zero_point = zero_point;
+  av.max_code = max_code;
+  return av;
+}
+
 struct Geometry {
   int64_t n, C, H, W, O, OH, OW, cg, og, kdim;
 };

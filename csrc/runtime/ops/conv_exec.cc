@@ -30,14 +30,8 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
     // LINEAR with no overflow possible: bias and output stage inside the GEMM, vectorized on
     // the task's block while it is in cache (the per-element path below cost 3x the GEMM on
     // wide layers)
-    ActView av;
-    av.data = g->buffers[op.inputs[0]].data();
-    av.dtype = g->tensors[op.inputs[0]].dtype == kU8 ? DType::kUInt8 : DType::kInt8;
-    av.rows = e.n;
-    av.cols = e.kdim;
-    av.ld = e.kdim;
-    av.zero_point = p.in_zp;
-    av.max_code = p.in_max_code;
+    const ActView av = conv::Int8Rows(g->buffers[op.inputs[0]].data(), g->tensors[op.inputs[0]].dtype, e.n, e.kdim,
+                                      p.in_zp, p.in_max_code);
     GemmOutput o;
     o.data = g->buffers[op.outputs[0]].data();
     o.dtype = out_dtype == kI8 ? DType::kInt8 : DType::kUInt8;
@@ -70,14 +64,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
       o.ld = e.og;
       QDSL_RETURN_IF_ERROR(BinaryGemm(bits.data(), M, kwords, p.packed[gi], nullptr, o, path));
     } else if (p.int32_exact && path != kPathRef) {
-      ActView av;
-      av.data = a;
-      av.dtype = xt.dtype == kU8 ? DType::kUInt8 : DType::kInt8;
-      av.rows = M;
-      av.cols = e.kdim;
-      av.ld = e.kdim;
-      av.zero_point = p.in_zp;
-      av.max_code = p.in_max_code;
+      const ActView av = conv::Int8Rows(a, xt.dtype, M, e.kdim, p.in_zp, p.in_max_code);
       GemmOutput o;
       o.data = acc.data();
       o.ld = e.og;

@@ -224,14 +224,7 @@ Status RunGemm(RunCtx& c, const GraphOp& op, const ConvTransposeParams& p, int64
   for (int64_t b = 0; b < n; ++b)
     for (int64_t gi = 0; gi < p.groups; ++gi) {
       conv::TransposeBytes(x + (b * p.cin + gi * p.cg) * P, P, p.cg, P, xt.data(), p.cg);
-      ActView av;
-      av.data = xt.data();
-      av.dtype = xdtype == kU8 ? DType::kUInt8 : DType::kInt8;
-      av.rows = P;
-      av.cols = p.cg;
-      av.ld = p.cg;
-      av.zero_point = p.in_zp;
-      av.max_code = p.in_max_code;
+      const ActView av = conv::Int8Rows(xt.data(), xdtype, P, p.cg, p.in_zp, p.in_max_code);
       GemmOutput o;
       o.data = cols.data();
       o.ld = N;
