@@ -74,6 +74,8 @@ ROOT = "<model>"
 # them when called as functions (fx call_function/call_method targets, by __name__):
 # the construct table's ``product`` rows, and the layer classes it patches
 _PRODUCTS = frozenset(short_name(c.name) for c in CONSTRUCTS if c.product)
+# products of two activations export lowers (MATMUL: both operands get implied quantizers)
+_ACT_PRODUCTS = frozenset(short_name(c.name) for c in CONSTRUCTS if c.product and c.lowering)
 _F_NAMES = frozenset(c.name for c in CONSTRUCTS if c.product and c.path.startswith("torch.nn.functional."))
 _SUPPORTED_BASES = module_classes(lambda c: c.lowering == "layer")
 
@@ -299,6 +301,8 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
             src = reach.source(owner, type(om).__name__ if om is not None else "", (Role.WEIGHT, Role.INPUT))
             if src is None:
                 continue
+            if not params and _fn_name(node) in _ACT_PRODUCTS:
+                continue  # act x act: quantized by the quantizers the matmul implies
             fn = _fn_display(node)
             if params:
                 why = f"functional {fn} (fx node {node.name}) reads parameter {', '.join(params)} directly: not quantized"
