@@ -248,7 +248,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
 """Every construct qdsl knows (see the module doc)."""
 
 LINT_ONLY_OPS = tuple(op for op in OPS if not any(c.op == op and c.lowering for c in CONSTRUCTS))
-"""Profile ops lint checks but export cannot lower (``softmax``, ``mean``, ...): a model using
+"""Profile ops lint checks but export cannot lower (``mean``, ...): a model using
 one lints against a profile that lists it, and still fails to export."""
 
 

@@ -37,6 +37,13 @@ A product of two activations (MUL: squeeze-excitation's ``scale * x``) multiplie
 codes, so each operand gets one unless it is already quantized, a layer's accumulator too
 ("implied by mul in 'se'"); a product's or table's result is never taken as materialized
 at a reader's integer input grid (the exporter's add reads only a pending accumulator).
+
+A product of two activations (MATMUL: attention's ``q @ kᵀ``, ``p @ v``) likewise gets an
+output quantizer on each operand's module, found through the transposes and reshapes
+between them ("implied by matmul in 'attn'").  Softmax and LayerNorm read 8-bit codes as
+tables do; when no module returns the value they read (the scores ``q @ kᵀ / sqrt(d)``, a
+residual sum inside a block), the ``nn.Softmax``/``nn.LayerNorm`` module gets an input
+quantizer instead ("implied by softmax 'attn.softmax'").
 """
 
 from __future__ import annotations
