@@ -57,7 +57,7 @@ from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
 from qdsl.spec.model import Role
 
-__all__ = ["implied_outputs", "with_implied"]
+__all__ = ["implied_outputs", "with_implied", "view_source"]
 
 _INTEGER_OPS = ("add", "concat")
 _FUNCS = functions(lambda c: c.lowering in _INTEGER_OPS)
@@ -124,7 +124,7 @@ def _is_matmul(n: torch.fx.Node) -> bool:
             or n.op == "call_method" and n.target in _MATMUL_METHODS)
 
 
-def _through_views(a: torch.fx.Node) -> torch.fx.Node:
+def view_source(a: torch.fx.Node) -> torch.fx.Node:
     """The value a chain of transposes/reshapes reads (``k.view(..).transpose(1, 2)`` -> ``k``)."""
     while (isinstance(a, torch.fx.Node) and a.args and isinstance(a.args[0], torch.fx.Node)
            and (a.op == "call_method" and a.target in _VIEW_METHODS
@@ -223,7 +223,7 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan,
         elif _is_matmul(n):
             where = (_stack(n) or ["<model>"])[-1]
             for a in [x for x in n.args[:2] if isinstance(x, torch.fx.Node)]:
-                _imply(_through_views(a), f"implied by matmul in '{where}'", trace, quantized_out, found, modules)
+                _imply(view_source(a), f"implied by matmul in '{where}'", trace, quantized_out, found, modules)
             continue
         elif _is_mul(n):
             where = (_stack(n) or ["<model>"])[-1]
