@@ -28,6 +28,13 @@ class Attention(nn.Module):
         return self.out(ctx)
 
 
+class _FunctionalGelu(nn.Module):
+    """``F.gelu`` called in a forward (a function, not the nn.GELU module)."""
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x)
+
+
 class PreNormResidual(nn.Module):
     """``x + fn(norm(x))``: the residual stream is this module's result, so a quantizer can sit
     on it (the add of the next block reads it: "implied by add")."""
@@ -50,7 +57,8 @@ class EncoderBlock(nn.Module):
         self.embed = nn.Linear(features, e)
         self.attn = Attention(e, heads, functional)
         self.norm1, self.norm2 = nn.LayerNorm(e), nn.LayerNorm(e)
-        self.ff1, self.act, self.ff2 = nn.Linear(e, 2 * e), nn.GELU(), nn.Linear(2 * e, e)
+        self.ff1, self.ff2 = nn.Linear(e, 2 * e), nn.Linear(2 * e, e)
+        self.act = _FunctionalGelu() if functional else nn.GELU()
         self.final = nn.LayerNorm(e)
         if norm_first:
             self.pre1 = PreNormResidual(self.norm1, self.attn)
