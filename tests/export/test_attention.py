@@ -127,3 +127,38 @@ def test_unsupported_attention_constructs_name_the_module(model, match):
     qdsl.freeze(model)
     with pytest.raises(ExportError, match=match):
         qdsl.export(model, torch.randn(1, 10, 32))
+
+
+class TokenMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc(x)))
+
+
+def test_linear_on_a_sequence_exports_to_onnx_as_matmul():
+    # Gemm takes 2-D inputs: a LINEAR on N×L×K is MatMul with the transposed weight, then Add
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from qdsl.export.onnx import export_onnx
+
+    torch.manual_seed(0)
+    model = TokenMLP().eval()
+    qdsl.apply(model, parse_text(SPEC.replace("rule final", "rule fc2"), "t.qspec"))
+    x = torch.randn(16, 5, 8)
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    basic = ort.SessionOptions()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    runs = []
+    for example in (x, x.reshape(-1, 8)):  # the sequence export and the 2-D (Gemm) one
+        proto = export_onnx(model, example[:1])
+        sess = ort.InferenceSession(proto.SerializeToString(), basic)
+        runs.append(sess.run(None, {sess.get_inputs()[0].name: example.numpy()})[0])
+    assert {n.op_type for n in export_onnx(model, x[:1]).graph.node} >= {"MatMul", "Transpose", "Add"}
+    np.testing.assert_array_equal(runs[0].reshape(-1, 3), runs[1])
+    with torch.no_grad():
+        fq = model(x).numpy()
+    assert np.abs(runs[0] - fq).max() <= 0.01 * np.abs(fq).max()
