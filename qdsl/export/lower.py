@@ -44,7 +44,7 @@ from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowe
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
-from qdsl.patch.trace import MarkingTracer, quantizer_mark
+from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph
 
 __all__ = ["export", "trace_quantized"]
 
@@ -79,7 +79,7 @@ def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
         graph.output(call)
         return graph
     try:
-        return tracer.trace(model)
+        return trace_graph(tracer, model)
     except Exception as exc:  # fx raises many types for untraceable code
         raise ExportError("", f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}",
                           "export needs a model without data-dependent control flow") from None
@@ -157,12 +157,11 @@ class _Lowerer:
     # ---------------------------------------------------------------- dispatch (rules.py)
     def call_module(self, node, m: nn.Module, args) -> Any:
         fqn, x = node.target, args[0] if args else None
-        shape = self.shape(node)
         construct = module_construct(m)
         rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
         if rule is not None:
             try:
-                return rule(self, node, m, x, shape, fqn)
+                return rule(self, node, m, x, self.shape(node), fqn)
             except NoLowering:
                 pass
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",

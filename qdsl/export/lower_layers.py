@@ -154,9 +154,9 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     s_acc = np.float64(x.scale) * s_w
     bias = _bias_ints(patch, bias_f, s_acc, fqn)
     rank = transposed[1] if transposed else 1 if isinstance(m, nn.Conv1d) else 2 if isinstance(m, nn.Conv2d) else 0
-    if len(x.shape) != rank + 2:
+    if len(x.shape) != rank + 2 and not (rank == 0 and len(x.shape) > 2 and not binary):
         raise ExportError(fqn, f"{type(m).__name__} on a rank-{len(x.shape)} input {x.shape} has no integer lowering",
-                          "the integer graph's linear layers take (batch, features) inputs")
+                          "the integer graph's linear layers take (batch, ..., features) inputs")
     op = transposed[0] if transposed else {
         (0, False): OpType.LINEAR, (1, False): OpType.CONV1D, (2, False): OpType.CONV2D,
         (0, True): OpType.BLINEAR, (1, True): OpType.BCONV1D, (2, True): OpType.BCONV2D}[(rank, binary)]

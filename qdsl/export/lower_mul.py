@@ -18,10 +18,11 @@ from qdsl.graph.ir import DType, OpType
 from qdsl.graph.ops.mul import broadcast_shape
 from qdsl.graph.requant import make_rescale
 
-__all__ = ["mul_pending"]
+__all__ = ["mul_pending", "int8_operand"]
 
 
-def _operand(v: Any, where: str) -> QVal:
+def int8_operand(v: Any, where: str) -> QVal:
+    """``v`` as an 8-bit quantized value, else the error naming what it is and the spec fix."""
     if isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8):
         return v
     if isinstance(v, QVal):
@@ -43,7 +44,7 @@ def mul_pending(where: str, a: Any, b: Any, shape: tuple[int, ...]) -> Pending:
     if len(values) < 2:
         raise ExportError(where, "a product of an activation and a constant has no integer lowering",
                           "fold the constant into the layer before or after it (its weights)")
-    x0, x1 = _operand(a, where), _operand(b, where)
+    x0, x1 = int8_operand(a, where), int8_operand(b, where)
     if broadcast_shape(x0.shape, x1.shape) != tuple(shape):
         raise ExportError(where, f"the product of shapes {x0.shape} and {x1.shape} broadcasts beyond what MUL "
                                  "supports (same rank, each dimension equal or 1, equal batch)")

@@ -136,7 +136,12 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return w.node("Identity", [xs[0]], out)
     if t in (OpType.CONV1D, OpType.CONV2D, OpType.LINEAR):
         ins = [xs[0], w.weight(op.inputs[1])] + ([w.bias(op.inputs[2])] if len(op.inputs) == 3 else [])
-        if t is OpType.LINEAR:
+        if t is OpType.LINEAR and len(w.graph.tensor(op.inputs[0]).shape) > 2:
+            # N×…×K features last: Gemm takes 2-D inputs only; MatMul broadcasts over the leading dims
+            y = w.node("MatMul", [ins[0], w.node("Transpose", [ins[1]], out + "_wt", perm=[1, 0])], out + "_mm")
+            if len(ins) == 3:
+                y = w.node("Add", [y, ins[2]], out + "_bias")
+        elif t is OpType.LINEAR:
             y = w.node("Gemm", ins, out + "_mm", transB=1)
         else:
             pads = list(a["padding"]) * 2

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 from torch import nn
 
+from qdsl.export.lower_attn import (View, layernorm_pending, permute_value, product, scale_pending,
+                                     softmax_pending)
 from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
 from qdsl.export.lower_lut import lut_pending
 from qdsl.export.lower_mul import mul_pending
@@ -109,6 +111,9 @@ def _hardtanh_fn(lw, node, fn, args, kwargs, where):
 
 # ---------------------------------------------------------------- reshape -> RESHAPE
 def reshape(lw, value: Any, shape: tuple[int, ...], where: str) -> Any:
+    if isinstance(value, View):
+        raise ExportError(where, "a reshape of a transposed activation has no integer lowering (only a product "
+                                 "reads a transpose, as its operand permutation)")
     if tuple(value.shape) == shape:
         return value
     a = {"shape": shape[1:]}
@@ -196,6 +201,9 @@ def _concat_fn(lw, node, fn, args, kwargs, where):
 def _mul(lw, node, args, where):
     if len(args) != 2:
         raise NoLowering
+    for v, c in ((args[0], args[1]), (args[1], args[0])):
+        if isinstance(c, (int, float)) and (scaled := scale_pending(where, v, float(c))) is not None:
+            return scaled  # attention's scores * (1/sqrt(d)): folded into the product's rescale
     if not any(_is_value(a) for a in args):
         return None  # shape arithmetic (x.size(1) * x.size(2)): not a tensor
     return mul_pending(where, args[0], args[1], lw.shape(node))
@@ -209,6 +217,90 @@ def _mul_fn(lw, node, fn, args, kwargs, where):
 
 
 method_rule("mul")(lambda lw, node, name, args, where: _mul(lw, node, args, where))
+
+
+# ---------------------------------------------------------------- matmul, transposes -> MATMUL (lower_attn.py)
+def _matmul(lw, node, args, where):
+    if len(args) != 2 or not any(_is_value(a) or isinstance(a, View) for a in args):
+        raise NoLowering
+    if not all(_is_value(a) or isinstance(a, View) for a in args):
+        raise ExportError(where, f"'{node.name}' multiplies an activation by a constant: no integer lowering",
+                          "use an nn.Linear for a product with a weight")
+    return product(where, args[0], args[1])
+
+
+@function_rule("matmul")
+def _matmul_fn(lw, node, fn, args, kwargs, where):
+    if kwargs:  # torch.matmul(a, b, out=...)
+        raise NoLowering
+    return _matmul(lw, node, args, where)
+
+
+method_rule("matmul")(lambda lw, node, name, args, where: _matmul(lw, node, args, where))
+
+
+def _transpose(lw, node, value, d0, d1, where):
+    rank = len(value.shape)
+    perm = list(range(rank))
+    d0, d1 = d0 % rank, d1 % rank
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return permute_value(where, value, perm)
+
+
+@function_rule("transpose")
+def _transpose_fn(lw, node, fn, args, kwargs, where):
+    if len(args) != 3 or kwargs or not (_is_value(args[0]) or isinstance(args[0], View)):
+        raise NoLowering
+    return _transpose(lw, node, args[0], int(args[1]), int(args[2]), where)
+
+
+@method_rule("transpose")
+def _transpose_method(lw, node, name, args, where):
+    if name == "permute":
+        dims = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
+        return permute_value(where, args[0], [int(d) % len(args[0].shape) for d in dims])
+    if len(args) != 3:
+        raise NoLowering
+    return _transpose(lw, node, args[0], int(args[1]), int(args[2]), where)
+
+
+@function_rule("div")
+def _div_fn(lw, node, fn, args, kwargs, where):
+    if len(args) != 2 or kwargs or not isinstance(args[1], (int, float)):
+        raise NoLowering
+    scaled = scale_pending(where, args[0], 1.0 / float(args[1]))
+    if scaled is None:
+        raise NoLowering
+    return scaled
+
+
+method_rule("pass")(lambda lw, node, name, args, where: args[0])
+
+
+# ---------------------------------------------------------------- softmax -> SOFTMAX, layer_norm -> LAYERNORM
+module_rule("softmax")(lambda lw, node, m, x, shape, fqn: softmax_pending(fqn, x, m.dim, shape))
+
+
+@function_rule("softmax")
+def _softmax_fn(lw, node, fn, args, kwargs, where):
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dim is None or kwargs.get("dtype") is not None:
+        raise NoLowering
+    return softmax_pending(where, args[0], int(dim), lw.shape(node))
+
+
+@method_rule("softmax")
+def _softmax_method(lw, node, name, args, where):
+    if len(args) != 2:
+        raise NoLowering
+    return softmax_pending(where, args[0], int(args[1]), lw.shape(node))
+
+
+@module_rule("layer_norm")
+def _layer_norm(lw, node, m, x, shape, fqn):
+    weight = None if m.weight is None else m.weight.detach().double().numpy()
+    bias = None if m.bias is None else m.bias.detach().double().numpy()
+    return layernorm_pending(fqn, x, m.normalized_shape, weight, bias, float(m.eps), shape)
 
 
 # ---------------------------------------------------------------- lut -> LUT, LUT_CHANNEL (lower_lut.py)

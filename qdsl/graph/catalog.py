@@ -55,7 +55,12 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "concat": ("CONCAT",),
     "mul": ("MUL",),  # two activations (lower_mul.py); a constant factor has no lowering
     "lut": ("LUT", "LUT_CHANNEL"),  # an elementwise function of an 8-bit input: 256-entry tables (lower_lut.py)
-    "resize": ("RESIZE",),  # nearest / (bi)linear upsampling (lower_resize.py)
+    "resize": ("RESIZE",),
+    "matmul": ("MATMUL",),  # two activations, transposes folded in (lower_attn.py)
+    "transpose": (),  # a view only a product reads (its operand or output permutation)
+    "div": ("MATMUL",),  # a product's result divided by a constant: folded into its rescale
+    "softmax": ("SOFTMAX",),  # last axis of an 8-bit input: exact exp table (lower_attn.py)
+    "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)  # nearest / (bi)linear upsampling (lower_resize.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
@@ -70,7 +75,7 @@ WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpos
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",
     "hardsigmoid", "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
-    "reshape", "batch_norm", "prelu", "upsample",
+    "reshape", "batch_norm", "prelu", "upsample", "matmul", "layer_norm",
 )
 """Every op name a profile may list (in ``ops``, ``op.<name>``, ``fusions``, ``fixed_output``)."""
 
@@ -139,7 +144,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("LeakyReLU", "leaky_relu", "lut"),
         ("Sigmoid", "sigmoid", "lut"),
         ("Tanh", "tanh", "lut"),
-        ("Softmax", "softmax"),
+        ("Softmax", "softmax", "softmax"),
+        ("LayerNorm", "layer_norm", "layer_norm"),
         ("Hardswish", "hardswish", "lut"),
         ("Hardsigmoid", "hardsigmoid", "lut"),
         ("GELU", "gelu", "lut"),
@@ -170,7 +176,11 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         (_F + "leaky_relu", "leaky_relu", "lut"),
         ("torch.sigmoid", "sigmoid", "lut"),
         ("torch.tanh", "tanh", "lut"),
-        (_F + "softmax", "softmax"),
+        (_F + "softmax", "softmax", "softmax"),
+        ("torch.softmax", "softmax", "softmax"),
+        ("operator.matmul", "matmul", "matmul", False, True),
+        ("torch.transpose", "reshape", "transpose"),
+        ("operator.truediv", None, "div"),
         (_F + "hardswish", "hardswish", "lut"),
         (_F + "hardsigmoid", "hardsigmoid", "lut"),
         (_F + "gelu", "gelu", "lut"),
@@ -203,8 +213,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         (_F + "embedding", "embedding", None, False, True),
         (_F + "embedding_bag", "embedding_bag", None, False, True),
         (_F + "scaled_dot_product_attention", "scaled_dot_product_attention", None, False, True),
-        ("torch.matmul", "matmul", None, False, True),
-        ("torch.bmm", "bmm", None, False, True),
+        ("torch.matmul", "matmul", "matmul", False, True),
+        ("torch.bmm", "matmul", "matmul", False, True),
         ("torch.mm", "mm", None, False, True),
         ("torch.mv", "mv", None, False, True),
         ("torch.einsum", "einsum", None, False, True),
@@ -218,7 +228,12 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         # (name, op, lowering, passes)
         ("size", None, "shape"),
         ("dim", None, "shape"),
-        ("contiguous", None),
+        ("contiguous", None, "pass", True),
+        ("transpose", "reshape", "transpose"),
+        ("permute", "reshape", "transpose"),
+        ("matmul", "matmul", "matmul"),
+        ("bmm", "matmul", "matmul"),
+        ("softmax", "softmax", "softmax"),
         ("relu", "relu", "relu", True),
         ("relu_", "relu", "relu"),
         ("flatten", "reshape", "reshape", True),
@@ -233,7 +248,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
 """Every construct qdsl knows (see the module doc)."""
 
 LINT_ONLY_OPS = tuple(op for op in OPS if not any(c.op == op and c.lowering for c in CONSTRUCTS))
-"""Profile ops lint checks but export cannot lower (``softmax``, ``mean``, ...): a model using
+"""Profile ops lint checks but export cannot lower (``mean``, ...): a model using
 one lints against a profile that lists it, and still fails to export."""
 
 

@@ -20,7 +20,8 @@ Left float (one finding each, named, with the reason and the spec line that reac
 * a functional product in a forward the spec reaches: ``F.linear``, ``F.conv*``,
   ``F.conv_transpose*``, ``F.embedding``, ``torch.matmul``/``bmm``/``mm``/``einsum``/...,
   ``@`` and the ``Tensor`` methods of the same names, with parameter or activation
-  operands.  Found in the fx trace (:mod:`qdsl.patch.trace`); when fx cannot trace the
+  operands (not a ``matmul``/``bmm``/``@`` of two modules' results, seen through transposes
+  and reshapes: export lowers it to MATMUL and the plan implies the operands' quantizers).  Found in the fx trace (:mod:`qdsl.patch.trace`); when fx cannot trace the
   model they are not checked and the warning says so (``Coverage.untraced``).
 
 "Reached" (so a spec that says nothing about a module stays quiet): a ``skip`` on the
@@ -50,6 +51,7 @@ from torch import nn
 
 from qdsl.graph.catalog import CONSTRUCTS, short_name
 from qdsl.patch.constructs import module_classes
+from qdsl.patch.implied import view_source
 from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
@@ -74,6 +76,8 @@ ROOT = "<model>"
 # them when called as functions (fx call_function/call_method targets, by __name__):
 # the construct table's ``product`` rows, and the layer classes it patches
 _PRODUCTS = frozenset(short_name(c.name) for c in CONSTRUCTS if c.product)
+# products of two activations export lowers (MATMUL: both operands get implied quantizers)
+_ACT_PRODUCTS = frozenset(short_name(c.name) for c in CONSTRUCTS if c.product and c.lowering)
 _F_NAMES = frozenset(c.name for c in CONSTRUCTS if c.product and c.path.startswith("torch.nn.functional."))
 _SUPPORTED_BASES = module_classes(lambda c: c.lowering == "layer")
 
@@ -299,6 +303,9 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
             src = reach.source(owner, type(om).__name__ if om is not None else "", (Role.WEIGHT, Role.INPUT))
             if src is None:
                 continue
+            if not params and _fn_name(node) in _ACT_PRODUCTS and all(
+                    view_source(a).op == "call_module" for a in node.args[:2] if hasattr(a, "op")):
+                continue  # act x act of module results: quantized by the quantizers the matmul implies
             fn = _fn_display(node)
             if params:
                 why = f"functional {fn} (fx node {node.name}) reads parameter {', '.join(params)} directly: not quantized"

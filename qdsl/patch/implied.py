@@ -37,6 +37,13 @@ A product of two activations (MUL: squeeze-excitation's ``scale * x``) multiplie
 codes, so each operand gets one unless it is already quantized, a layer's accumulator too
 ("implied by mul in 'se'"); a product's or table's result is never taken as materialized
 at a reader's integer input grid (the exporter's add reads only a pending accumulator).
+
+A product of two activations (MATMUL: attention's ``q @ kᵀ``, ``p @ v``) likewise gets an
+output quantizer on each operand's module, found through the transposes and reshapes
+between them ("implied by matmul in 'attn'").  Softmax and LayerNorm read 8-bit codes as
+tables do; when no module returns the value they read (the scores ``q @ kᵀ / sqrt(d)``, a
+residual sum inside a block), the ``nn.Softmax``/``nn.LayerNorm`` module gets an input
+quantizer instead ("implied by softmax 'attn.softmax'").
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
 from qdsl.spec.model import Role
 
-__all__ = ["implied_outputs", "with_implied"]
+__all__ = ["implied_outputs", "with_implied", "view_source"]
 
 _INTEGER_OPS = ("add", "concat")
 _FUNCS = functions(lambda c: c.lowering in _INTEGER_OPS)
@@ -58,8 +65,14 @@ _METHODS = methods(lambda c: c.lowering in _INTEGER_OPS)
 # average pools take a layer's accumulator (through ReLU) but not an unquantized sum
 _POOL_MODULES = module_classes(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
 _POOL_FUNCS = functions(lambda c: c.lowering == "pool" and c.op in ("avg_pool", "global_avg_pool"))
-# elementwise lookup tables index 8-bit codes: neither a sum nor an accumulator will do
-_LUT_FUNCS = functions(lambda c: c.lowering == "lut")
+# elementwise lookup tables, softmax and LayerNorm read 8-bit codes: neither a sum nor an accumulator will do
+_CODE_READERS = ("lut", "softmax", "layer_norm")
+_LUT_FUNCS = functions(lambda c: c.lowering in _CODE_READERS)
+# MATMUL multiplies two 8-bit codes, read through transposes and reshapes (views)
+_MATMUL_FUNCS = functions(lambda c: c.lowering == "matmul")
+_MATMUL_METHODS = methods(lambda c: c.lowering == "matmul")
+_VIEW_FUNCS = functions(lambda c: c.lowering in ("transpose", "reshape"))
+_VIEW_METHODS = methods(lambda c: c.lowering in ("transpose", "reshape", "pass"))
 # MUL multiplies two 8-bit codes: both operands need a quantizer, an accumulator too
 _MUL_FUNCS = functions(lambda c: c.lowering == "mul")
 _MUL_METHODS = methods(lambda c: c.lowering == "mul")
@@ -99,11 +112,25 @@ def _lut_op(n: torch.fx.Node, modules: dict) -> str | None:
     """The profile op name (``hardswish``, ...) of an elementwise function export lowers to a table."""
     if n.op == "call_module":
         c = module_construct(modules.get(str(n.target)))
-        return c.op if c is not None and c.lowering == "lut" else None
+        return c.op if c is not None and c.lowering in _CODE_READERS else None
     if n.op == "call_function":
         c = _LUT_FUNCS.get(n.target)
         return c.op if c is not None else None
     return None
+
+
+def _is_matmul(n: torch.fx.Node) -> bool:
+    return (n.op == "call_function" and n.target in _MATMUL_FUNCS
+            or n.op == "call_method" and n.target in _MATMUL_METHODS)
+
+
+def view_source(a: torch.fx.Node) -> torch.fx.Node:
+    """The value a chain of transposes/reshapes reads (``k.view(..).transpose(1, 2)`` -> ``k``)."""
+    while (isinstance(a, torch.fx.Node) and a.args and isinstance(a.args[0], torch.fx.Node)
+           and (a.op == "call_method" and a.target in _VIEW_METHODS
+                or a.op == "call_function" and a.target in _VIEW_FUNCS)):
+        a = a.args[0]
+    return a
 
 
 def _is_mul(n: torch.fx.Node) -> bool:
@@ -150,24 +177,30 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
 
 
 def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str], found: dict[str, str],
-           modules: dict | None = None) -> None:
+           modules: dict | None = None) -> bool:
     """An output quantizer on the outermost module returning ``a`` (called once per forward).
     With ``modules``, a value no module returns (``torch.relu`` at the top level) passes the
-    quantizer back to the module whose result it passes through: the graph clamps the codes."""
+    quantizer back to the module whose result it passes through: the graph clamps the codes.
+    False when no module could take it."""
     stack = _stack(a)
     returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
     if any(m in quantized_out for m in returned_by):
-        return
+        return True
     owner = next((m for m in returned_by if trace.calls.get(m, 1) == 1), None)
     if owner is not None:
         found.setdefault(owner, why)
-    elif modules is not None and _passes(a, modules) and a.args and isinstance(a.args[0], torch.fx.Node):
-        _imply(a.args[0], why, trace, quantized_out, found, modules)
+        return True
+    if modules is not None and _passes(a, modules) and a.args and isinstance(a.args[0], torch.fx.Node):
+        return _imply(a.args[0], why, trace, quantized_out, found, modules)
+    return False
 
 
-def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str, str]:
+def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan,
+                    inputs: dict[str, str] | None = None) -> dict[str, str]:
     """``{module fqn: "implied by <op> in '<where>'"}`` for the values integer adds and concats
-    read that the plan leaves unquantized (see the module docstring)."""
+    read that the plan leaves unquantized (see the module docstring).  ``inputs`` receives
+    the softmax and LayerNorm modules whose (unquantized) input no module returns, to be
+    quantized at their own input (the scores ``q @ kᵀ / sqrt(d)``, a residual sum)."""
     if trace.graph is None:
         return {}
     modules = dict(model.named_modules())
@@ -187,6 +220,11 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
             op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
         elif n.op == "call_method" and n.target in _METHODS:
             op = n.target
+        elif _is_matmul(n):
+            where = (_stack(n) or ["<model>"])[-1]
+            for a in [x for x in n.args[:2] if isinstance(x, torch.fx.Node)]:
+                _imply(view_source(a), f"implied by matmul in '{where}'", trace, quantized_out, found, modules)
+            continue
         elif _is_mul(n):
             where = (_stack(n) or ["<model>"])[-1]
             for a in _mul_operands(n):  # not even a layer's accumulator: MUL reads 8-bit codes
@@ -202,7 +240,11 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
             a = n.args[0] if n.args else None
             if isinstance(a, torch.fx.Node) and not _read_by_int_input(a, modules, int_inputs):
                 where = f"'{n.target}'" if n.op == "call_module" else f"in '{(_stack(n) or ['<model>'])[-1]}'"
-                _imply(a, f"implied by {lut} {where}", trace, quantized_out, found, modules)
+                ok = _imply(a, f"implied by {lut} {where}", trace, quantized_out, found, modules)
+                m = modules.get(str(n.target)) if n.op == "call_module" else None
+                if not ok and inputs is not None and lut in ("softmax", "layer_norm") and m is not None \
+                        and not _has_input(plan, str(n.target)):
+                    inputs.setdefault(str(n.target), f"implied by {lut} {where}")
             continue
         else:
             continue
@@ -215,6 +257,10 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
                 continue
             _imply(a, f"implied by {op} in '{where}'", trace, quantized_out, found)
     return found
+
+
+def _has_input(plan: Plan, fqn: str) -> bool:
+    return any(lp.fqn == fqn and lp.quantized and lp.roles.get(Role.INPUT) is not None for lp in plan.layers)
 
 
 def _is_int(recipe) -> bool:
@@ -246,22 +292,24 @@ def with_implied(model: nn.Module, trace: ModelTrace, plan: Plan) -> Plan:
     if found is None:
         return plan
     source, source_role = found
-    implied = implied_outputs(model, trace, plan)
-    if not implied:
+    inputs: dict[str, str] = {}
+    implied = implied_outputs(model, trace, plan, inputs)
+    if not implied and not inputs:
         return plan
     recipe = source.roles[source_role]
     modules = dict(model.named_modules())
     layers = {lp.fqn: lp for lp in plan.layers}
-    for fqn, why in implied.items():
-        prov = {}
-        for (role, field), fp in source.provenance.items():
-            if role is source_role:
-                prov[(Role.OUTPUT, field)] = FieldProvenance(fp.value, Origin(why, fp.set_by.span),
-                                                             (fp.set_by, *fp.via))
-        lp = layers.get(fqn)
-        if lp is None:
-            lp = LayerPlan(fqn, type(modules[fqn]).__name__, {Role.OUTPUT: recipe}, provenance=prov)
-        else:
-            lp = attrs.evolve(lp, roles={**lp.roles, Role.OUTPUT: recipe}, provenance={**lp.provenance, **prov})
-        layers[fqn] = lp
+    for new_role, table in ((Role.OUTPUT, implied), (Role.INPUT, inputs)):
+        for fqn, why in table.items():
+            prov = {}
+            for (role, field), fp in source.provenance.items():
+                if role is source_role:
+                    prov[(new_role, field)] = FieldProvenance(fp.value, Origin(why, fp.set_by.span),
+                                                              (fp.set_by, *fp.via))
+            lp = layers.get(fqn)
+            if lp is None:
+                lp = LayerPlan(fqn, type(modules[fqn]).__name__, {new_role: recipe}, provenance=prov)
+            else:
+                lp = attrs.evolve(lp, roles={**lp.roles, new_role: recipe}, provenance={**lp.provenance, **prov})
+            layers[fqn] = lp
     return attrs.evolve(plan, layers=tuple(layers.values()))

@@ -26,13 +26,62 @@ wherever a patched module's input or output quantizer acts, and records in
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import attrs
+import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["ModelTrace", "trace_model", "MarkingTracer", "quantizer_mark"]
+__all__ = ["ModelTrace", "trace_model", "trace_graph", "MarkingTracer", "quantizer_mark"]
+
+# torch.nn classes traced through rather than kept as leaves: their forward guards a fused
+# fast path with checks fx cannot trace (``src.dim() != 3`` on a proxy, ``_none_or_dtype`` of
+# a mask); with the fast path switched off and the masks None (the concrete arguments of a
+# root layer) the rest is plain module calls (self_attn, norm1, linear1, ...)
+_TRANSPARENT: tuple[type, ...] = (nn.TransformerEncoderLayer,)
+_CONCRETE: dict[type, dict[str, Any]] = {
+    nn.TransformerEncoderLayer: {"src_mask": None, "src_key_padding_mask": None, "is_causal": False},
+}
+
+
+@contextlib.contextmanager
+def _slow_paths() -> Iterator[None]:
+    # torch's process-wide switch, restored when the trace ends (fx runs no other code meanwhile)
+    prev = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(prev)
+
+
+def _drop_concrete(graph: torch.fx.Graph) -> None:
+    """Remove the placeholders of concrete arguments (the masks fixed to None) and the
+    assertions fx hangs on them: the traced model has one tensor input."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for ph in placeholders[1:]:
+        if not ph.args:  # no default: a real input
+            continue
+        doomed, todo = [], [ph]
+        while todo:
+            n = todo.pop()
+            if n not in doomed:
+                doomed.append(n)
+                todo.extend(n.users)
+        for n in reversed([n for n in graph.nodes if n in doomed]):
+            graph.erase_node(n)
+
+
+def trace_graph(tracer: torch.fx.Tracer, model: nn.Module) -> torch.fx.Graph:
+    """``tracer.trace(model)``, through the classes of ``_TRANSPARENT`` (root or not)."""
+    concrete = next((c for t, c in _CONCRETE.items() if isinstance(model, t)), None)
+    with _slow_paths():
+        graph = tracer.trace(model, concrete_args=concrete)
+    if concrete is not None:
+        _drop_concrete(graph)
+    return graph
 
 
 @attrs.frozen
@@ -62,6 +111,9 @@ class _CountingTracer(torch.fx.Tracer):
         super().__init__()
         self.calls: dict[str, int] = {"": 1}
 
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return not isinstance(m, _TRANSPARENT) and super().is_leaf_module(m, qualname)
+
     def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
         try:
             fqn = self.path_of_module(m)
@@ -76,7 +128,7 @@ def trace_model(model: nn.Module) -> ModelTrace:
     """Trace ``model`` with torch.fx (default leaves); never raises for an untraceable model."""
     tracer = _CountingTracer()
     try:
-        graph = tracer.trace(model)
+        graph = trace_graph(tracer, model)
     except Exception as exc:  # noqa: BLE001 - fx raises many types (TraceError, TypeError, ...)
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ModelTrace(type(model).__name__, None, error=f"{type(exc).__name__}: {msg}"[:300])
@@ -103,7 +155,7 @@ class MarkingTracer(torch.fx.Tracer):
         patch = self.handle.layers.get(qualname)
         if patch is not None and patch.wq is not None:
             return True
-        return super().is_leaf_module(m, qualname)
+        return not isinstance(m, _TRANSPARENT) and super().is_leaf_module(m, qualname)
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)

@@ -106,8 +106,8 @@ target = "type:Softmax"
 output = { kind = "int", bits = 8, signed = false }
 """
     diags = lint(spec(text), "tflite-int8", model)
-    # W321: the graph has no softmax either (export would refuse the model)
-    assert sorted(codes(diags)) == ["E303", "E317", "E317", "W321"]
+    # no W321: the graph has a softmax (SOFTMAX)
+    assert sorted(codes(diags)) == ["E303", "E317", "E317"]
     fixed = [d for d in diags if d.code == "E317"]
     assert fixed[0].message.startswith("tflite-int8 fixes the softmax output at scale 0.00390625, zero point -128")
     assert {d.hints[0] for d in fixed} == {"set signed = true", "set symmetric = false"}

@@ -23,6 +23,13 @@ Geometry Geo(const Graph* g, const GraphOp& op, int64_t batch) {
   e.OW = p.spatial >= 1 ? ys.back() : 1;
   e.cg = e.C / p.groups;
   e.og = e.O / p.groups;
+  if (p.spatial == 0) {  // LINEAR: (N, ..., K) rows of K features, channels last
+    e.C = xs.back();
+    e.n = Numel(xs) / std::max<int64_t>(e.C, 1);
+    e.O = ys.back();
+    e.cg = e.C / p.groups;
+    e.og = e.O / p.groups;
+  }
   e.kdim = e.cg * p.kh * p.kw;
   return e;
 }

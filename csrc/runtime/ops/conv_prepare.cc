@@ -98,9 +98,11 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
            "weights must be a constant of a weight dtype");
   OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kI32 || out.dtype == kBin, "output must be I8/U8/I32/BIN");
   const int rank = p.spatial;
-  OP_CHECK(static_cast<int>(x.dims.size()) == 2 + rank && static_cast<int>(w.dims.size()) == 2 + rank,
+  // LINEAR reads (N, K) or (N, ..., K): features last, every leading position a row
+  OP_CHECK((rank == 0 ? x.dims.size() >= 2 : static_cast<int>(x.dims.size()) == 2 + rank) &&
+               static_cast<int>(w.dims.size()) == 2 + rank,
            "input/weight ranks must be %d", 2 + rank);
-  p.cin = x.dims[1];
+  p.cin = rank == 0 ? x.dims.back() : x.dims[1];
   p.cout = w.dims[0];
   if (rank > 0) {
     p.groups = A.at("groups").i;
@@ -132,7 +134,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
   } else {
     OP_CHECK(w.dims[1] == p.cin, "LINEAR weight K=%lld but input K=%lld", (long long)w.dims[1], (long long)p.cin);
   }
-  (*out_shape)[1] = p.cout;
+  (*out_shape)[rank == 0 ? out_shape->size() - 1 : 1] = p.cout;
   if (op.inputs.size() == 3) {
     const GraphTensor& b = g->tensors[op.inputs[2]];
     OP_CHECK(b.is_constant && b.dtype == kI32 && b.dims.size() == 1 && b.dims[0] == p.cout, "bias must be I32 [O]");

@@ -79,6 +79,9 @@ _REGISTERED = (
     "lut",
     "conv_transpose",
     "mul",
+    "matmul",
+    "softmax",
+    "layernorm",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)

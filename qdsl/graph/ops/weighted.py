@@ -52,9 +52,11 @@ def _conv_acc(x: np.ndarray, w: np.ndarray, groups: int, a, pad_value: int) -> n
     return np.moveaxis(acc, -1, 1)
 
 
-def _finish_acc(acc: np.ndarray, bias: np.ndarray | None, a, counts: dict, name: str) -> np.ndarray:
+def _finish_acc(acc: np.ndarray, bias: np.ndarray | None, a, counts: dict, name: str, axis: int = 1) -> np.ndarray:
     if bias is not None:
-        acc = acc + bias.reshape((1, -1) + (1,) * (acc.ndim - 2))
+        shape = [1] * acc.ndim
+        shape[axis] = -1
+        acc = acc + bias.reshape(shape)
     bits = a["acc_bits"]
     if bits < 64:  # a 64-bit accumulator holds the exact (int64) sum
         lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
@@ -62,12 +64,12 @@ def _finish_acc(acc: np.ndarray, bias: np.ndarray | None, a, counts: dict, name:
     return sat(acc, bits) if a["overflow"] == 1 else wrap(acc, bits)
 
 
-def _output(acc: np.ndarray, a, out) -> np.ndarray:
+def _output(acc: np.ndarray, a, out, axis: int = 1) -> np.ndarray:
     if out.dtype is DType.BIN:
         return np.where(acc < 0, -1, 1).astype(np.int64)
     stage = OutputStage.from_attrs(a)
     rescale = apply_rescale_wide if a.get("acc_bits", 32) > 32 else apply_rescale
-    y = rescale(acc, stage.rescale, axis=1) + stage.zero_point
+    y = rescale(acc, stage.rescale, axis=axis) + stage.zero_point
     return np.clip(y, stage.qmin, stage.qmax)
 
 
@@ -82,8 +84,9 @@ def conv(x: np.ndarray, w, bias, a, out, counts, name) -> np.ndarray:
 
 
 def linear(x: np.ndarray, w, bias, a, out, counts, name) -> np.ndarray:
+    # features last: (N, K) or (N, ..., K) -> (N, ..., O), channels on the last axis
     acc = (x - a["in_zp"]) @ _wzp(w, a).T
-    return _output(_finish_acc(acc, bias, a, counts, name), a, out)
+    return _output(_finish_acc(acc, bias, a, counts, name, axis=acc.ndim - 1), a, out, axis=acc.ndim - 1)
 
 
 def bconv(x: np.ndarray, w, bias, a, out, counts, name) -> np.ndarray:
@@ -101,7 +104,8 @@ def bconv(x: np.ndarray, w, bias, a, out, counts, name) -> np.ndarray:
         mism = _conv_acc(abits, 1 - wbits, groups, a, 0) + _conv_acc(valid - abits, wbits, groups, a, 0)
         k_valid = _conv_acc(valid, np.ones_like(wbits), groups, a, 0)
     acc = k_valid - 2 * mism
-    return _output(_finish_acc(acc, bias, a, counts, name), a, out)
+    axis = acc.ndim - 1 if w.data.ndim == 2 else 1  # BLINEAR: channels last, as LINEAR
+    return _output(_finish_acc(acc, bias, a, counts, name, axis=axis), a, out, axis=axis)
 
 
 def _runner(fn):
@@ -121,7 +125,10 @@ def _inferrer(rank: int, binary: bool):
         c.dt(x, (DType.BIN,) if binary else INT8_DTYPES, "input")
         c.const(w, "weight")
         c.dt(w, (DType.BIN,) if binary else WEIGHT_DTYPES, "weight")
-        c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
+        if rank == 0:  # LINEAR: (N, K) or (N, ..., K), features last
+            c.need(len(x.shape) >= 2, f"input {x.name!r} must have rank >= 2, has shape {x.shape}")
+        else:
+            c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
         c.need(len(w.shape) == rank + 2, f"weight {w.name!r} must have rank {rank + 2}, has shape {w.shape}")
         cout = w.shape[0]
         if len(ins) == 3:
@@ -133,8 +140,8 @@ def _inferrer(rank: int, binary: bool):
             c.int("in_zp", *x.dtype.range)
             c.ints("w_zp", (1, cout), *w.dtype.range)
         if rank == 0:
-            c.need(w.shape[1] == x.shape[1], f"weight {w.name!r} expects {w.shape[1]} input features, input has {x.shape[1]}")
-            shape = (n, cout)
+            c.need(w.shape[1] == x.shape[-1], f"weight {w.name!r} expects {w.shape[1]} input features, input has {x.shape[-1]}")
+            shape = tuple(x.shape[:-1]) + (cout,)
         else:
             g = c.int("groups", 1, 1 << 20)
             cin = x.shape[1]

@@ -1,0 +1,205 @@
+"""Lowering of attention's pieces: act × act products (MATMUL), softmax (SOFTMAX) and
+layer normalization (LAYERNORM), with the transposes that feed a product.
+
+* A transpose or permute of a quantized activation costs no op: it is a :class:`View`
+  (the value and a permutation of its dims) that only a product reads, as the operand
+  permutation of its MATMUL; a transpose of a product's result becomes the product's
+  output permutation.  So ``q.view(B, L, H, d).transpose(1, 2)`` is a RESHAPE and a view,
+  and ``(p @ v).transpose(1, 2).reshape(B, L, E)`` is one MATMUL then a RESHAPE.
+* A product reads two 8-bit quantized values (the plan implies their quantizers as for
+  MUL: "implied by matmul in ..."); its result is a :class:`MatmulPending` requantized
+  by ``s_a · s_b · c / s_out`` when the next quantizer is known, ``c`` a positive
+  constant factor folded in (attention's ``/ sqrt(d)``).
+* Softmax along the last axis reads an 8-bit value and lands on the next quantizer's grid
+  through an exact exp table (:mod:`qdsl.graph.ops.softmax`).
+* LayerNorm over the last axis reads an 8-bit value; its affine weight becomes 14-bit
+  codes and its bias accumulator units (:mod:`qdsl.graph.ops.layernorm`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import attrs
+import numpy as np
+
+from qdsl.export.lower_mul import int8_operand
+from qdsl.export.values import Builder, ExportError, Pending, QVal, Target
+from qdsl.graph.ir import DType, OpType
+from qdsl.graph.ops.layernorm import BETA_MAX, GAMMA_MAX, LN_FRAC_BITS
+from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
+from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, SOFTMAX_TABLE_BITS
+from qdsl.graph.requant import make_rescale
+
+__all__ = ["View", "MatmulPending", "permute_value", "matmul_pending", "scale_pending", "softmax_pending",
+           "layernorm_pending"]
+
+
+@attrs.frozen
+class View:
+    """A quantized activation read through a permutation of its dims (batch first)."""
+
+    base: QVal
+    perm: tuple[int, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.base.shape[p] for p in self.perm)
+
+    @property
+    def origin(self) -> str:
+        return self.base.name
+
+
+@attrs.define(eq=False)
+class MatmulPending(Pending):
+    """A product's result: the operands, their permutations, the output permutation and the
+    constant factor, so a later transpose or constant scale rebuilds it."""
+
+    args: tuple = ()
+
+
+def _compose(perm: Sequence[int], outer: Sequence[int]) -> tuple[int, ...]:
+    # applying `outer` to a value already permuted by `perm`
+    return tuple(perm[p] for p in outer)
+
+
+def permute_value(where: str, value: Any, perm: Sequence[int]) -> Any:
+    """``value`` with its dims permuted by ``perm`` (batch first): a view or a rebuilt product."""
+    perm = tuple(int(p) for p in perm)
+    if perm[0] != 0:
+        raise ExportError(where, f"a permutation {perm} that moves the batch dimension has no integer lowering")
+    if perm == tuple(range(len(perm))):
+        return value
+    if isinstance(value, QVal):
+        return View(value, perm)
+    if isinstance(value, View):
+        return View(value.base, _compose(value.perm, perm))
+    if isinstance(value, MatmulPending) and not value.post and value.lo == -math.inf and value.hi == math.inf:
+        x0, p0, x1, p1, out_perm, factor = value.args
+        return matmul_pending(where, x0, p0, x1, p1, _compose(out_perm, perm), factor)
+    origin = getattr(value, "origin", "?")
+    raise ExportError(where, f"a transpose reads a value from '{origin}' that is not a quantized activation",
+                      f"quantize it: add `output = a8` (an activation quantizer) for '{origin}' in the spec")
+
+
+def _as_view(v: Any, where: str) -> tuple[QVal, tuple[int, ...]]:
+    if isinstance(v, View):
+        return v.base, v.perm
+    q = int8_operand(v, where)
+    return q, tuple(range(len(q.shape)))
+
+
+def matmul_pending(where: str, x0: QVal, p0: tuple[int, ...], x1: QVal, p1: tuple[int, ...],
+                   out_perm: tuple[int, ...] | None = None, factor: float = 1.0) -> MatmulPending:
+    """``c · (x0 viewed by p0) @ (x1 viewed by p1)``, its result permuted by ``out_perm``."""
+    rank = len(p0)
+    out_perm = tuple(range(rank)) if out_perm is None else tuple(out_perm)
+    shape, why = matmul_shape(x0.shape, x1.shape, p0, p1, out_perm)
+    if shape is None:
+        raise ExportError(where, f"this product has no MATMUL lowering: {why}",
+                          "MATMUL multiplies two activations of the same rank >= 3 (batch first)")
+    depth = x0.shape[p0[-1]]
+    if depth > MAX_DEPTH:
+        raise ExportError(where, f"the product's reduction length {depth} exceeds {MAX_DEPTH} (int32 accumulator)")
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(where, f"the product must be int8-quantized, not {t.dtype.name} ({t.where})")
+        try:
+            rescale = make_rescale(x0.scale * x1.scale * factor / t.scale, t.rounding, single=bld.single_rounding)
+        except ValueError as e:
+            raise ExportError(where, f"the product's requantization factor is out of range ({e})") from None
+        out_min, out_max = t.clamp_codes(lo, hi)
+        a = dict(in_zp=(x0.zp, x1.zp), a_perm=p0, b_perm=p1, out_perm=out_perm, **rescale.attrs(), out_zp=t.zp,
+                 out_min=out_min, out_max=out_max)
+        return bld.op(OpType.MATMUL, where, [x0.name, x1.name], t.dtype, shape, a, out=f"{where}:matmul"), shape
+
+    return MatmulPending("matmul", where, shape, emit, args=(x0, p0, x1, p1, out_perm, factor))
+
+
+def product(where: str, a: Any, b: Any) -> MatmulPending:
+    """``a @ b`` of two quantized activations (each possibly a transposed view)."""
+    x0, p0 = _as_view(a, where)
+    x1, p1 = _as_view(b, where)
+    if len(p0) != len(p1):
+        raise ExportError(where, f"a product of a rank-{len(p0)} and a rank-{len(p1)} activation has no MATMUL lowering",
+                          "give both operands the same rank (batch first)")
+    return matmul_pending(where, x0, p0, x1, p1)
+
+
+def scale_pending(where: str, value: Any, factor: float) -> MatmulPending | None:
+    """A product's result times a positive constant (folded into its requantization), or
+    ``None`` when ``value`` is not a product's untouched result."""
+    if not isinstance(value, MatmulPending) or value.post or value.lo != -math.inf or value.hi != math.inf:
+        return None
+    if not (math.isfinite(factor) and factor > 0):
+        raise ExportError(where, f"a product scaled by {factor} has no integer lowering (positive factors only)")
+    x0, p0, x1, p1, out_perm, c = value.args
+    return matmul_pending(where, x0, p0, x1, p1, out_perm, c * factor)
+
+
+def _need_int8(where: str, what: str, x: Any) -> QVal:
+    if isinstance(x, QVal) and x.dtype in (DType.I8, DType.U8):
+        return x
+    origin = getattr(x, "origin", "?")
+    raise ExportError(where, f"{what} reads an unquantized value from '{origin}': its integer lowering reads 8-bit codes",
+                      f"quantize it: add `input = a8` (an activation quantizer) for '{where}' in the spec")
+
+
+def softmax_table(scale: float) -> tuple[int, ...]:
+    """``table[255 + d] = round(2^20 · exp(scale · d))`` for ``d`` in [-255, 0] (float64)."""
+    one = 1 << SOFTMAX_TABLE_BITS
+    return tuple(int(math.floor(one * math.exp(scale * (i - 255)) + 0.5)) for i in range(256))
+
+
+def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...]) -> Pending:
+    """Softmax of the quantized ``x`` along ``dim`` (the last axis only)."""
+    v = _need_int8(where, "softmax", x)
+    if dim not in (-1, len(v.shape) - 1):
+        raise ExportError(where, f"softmax along dim {dim} has no integer lowering (the last axis only)",
+                          "move the axis last (transpose) before the softmax")
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(where, f"the softmax result must be int8-quantized, not {t.dtype.name} ({t.where})")
+        rescale = make_rescale(2.0**-SOFTMAX_FRAC_BITS / t.scale, t.rounding, single=bld.single_rounding)
+        out_min, out_max = t.clamp_codes(lo, hi)
+        a = dict(table=softmax_table(v.scale), **rescale.attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+        return bld.op(OpType.SOFTMAX, where, [v.name], t.dtype, shape, a, out=f"{where}:softmax"), shape
+
+    return Pending("softmax", where, shape, emit)
+
+
+def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weight, bias, eps: float,
+                      shape: tuple[int, ...]) -> Pending:
+    """LayerNorm over the last axis of the quantized ``x`` (``weight``/``bias``: float arrays or None)."""
+    v = _need_int8(where, "LayerNorm", x)
+    if len(normalized_shape) != 1:
+        raise ExportError(where, f"LayerNorm over {len(normalized_shape)} dims has no integer lowering (the last only)")
+    n = int(normalized_shape[0])
+    gamma = np.ones(n) if weight is None else np.asarray(weight, dtype=np.float64).reshape(n)
+    beta = np.zeros(n) if bias is None else np.asarray(bias, dtype=np.float64).reshape(n)
+    s_gamma = float(np.abs(gamma).max()) / GAMMA_MAX or 1.0
+    g_int = np.clip(np.rint(gamma / s_gamma), -GAMMA_MAX, GAMMA_MAX).astype(np.int64)
+    # acc = Z·gamma + beta is the affine output in units of s_gamma·sqrt(N)/2^16 (ops/layernorm.py)
+    unit = s_gamma * math.sqrt(n) / 2.0**LN_FRAC_BITS
+    b_int = np.clip(np.rint(beta / unit), -BETA_MAX, BETA_MAX).astype(np.int64)
+    eps_int = int(round(n**3 * eps / (v.scale * v.scale)))
+    if n**3 * 255**2 + eps_int >= 2**62:
+        raise ExportError(where, f"LayerNorm over {n} channels with eps {eps} overflows the int64 variance sum")
+
+    def emit(bld: Builder, t: Target, lo: float, hi: float):
+        if t.dtype not in (DType.I8, DType.U8):
+            raise ExportError(where, f"the LayerNorm result must be int8-quantized, not {t.dtype.name} ({t.where})")
+        try:
+            rescale = make_rescale(unit / t.scale, t.rounding, single=bld.single_rounding)
+        except ValueError as e:
+            raise ExportError(where, f"the LayerNorm requantization factor is out of range ({e})") from None
+        out_min, out_max = t.clamp_codes(lo, hi)
+        a = dict(gamma=tuple(int(g) for g in g_int), beta=tuple(int(b) for b in b_int), eps=eps_int,
+                 **rescale.attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+        return bld.op(OpType.LAYERNORM, where, [v.name], t.dtype, shape, a, out=f"{where}:layernorm"), shape
+
+    return Pending("layernorm", where, shape, emit)

@@ -1,0 +1,69 @@
+"""nn.TransformerEncoderLayer traces (fx could not: "input to _none_or_dtype() must be None
+or torch.Tensor", and its fast-path checks branch on the input's rank), as the root model
+or inside one, both norm orders; its norm/linear children are then seen by apply's checks,
+and export stops at the one construct it cannot lower yet, naming it:
+nn.MultiheadAttention (F.multi_head_attention_forward reads the fused in_proj weights)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import qdsl
+from qdsl.export.values import ExportError
+from qdsl.parse import parse_text
+from qdsl.patch.trace import trace_model
+
+SPEC = """
+version 1
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+defaults {
+  weight = w8
+  input = a8
+  bias = int(bits=32, signed, symmetric, scale=input*weight)
+}
+"""
+
+
+class Nested(nn.Module):
+    def __init__(self, norm_first: bool):
+        super().__init__()
+        self.embed = nn.Linear(16, 32)
+        self.layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=norm_first)
+
+    def forward(self, x):
+        return self.layer(self.embed(x))
+
+
+def _models(norm_first):
+    torch.manual_seed(0)
+    return [("", nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, norm_first=norm_first), 32),
+            ("layer.", Nested(norm_first), 16)]
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_traces_root_or_nested(norm_first):
+    before = torch.backends.mha.get_fastpath_enabled()
+    for prefix, model, _ in _models(norm_first):
+        trace = trace_model(model.eval())
+        assert trace.traced, trace.error
+        called = {str(n.target) for n in trace.graph.nodes if n.op == "call_module"}
+        assert {f"{prefix}{m}" for m in ("self_attn", "norm1", "norm2", "linear1", "linear2")} <= called
+        assert [n.op for n in trace.graph.nodes].count("placeholder") == 1  # the masks were fixed to None
+    assert torch.backends.mha.get_fastpath_enabled() == before  # the switch is restored
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_export_names_multihead_attention(norm_first):
+    for prefix, model, features in _models(norm_first):
+        model.eval()
+        with pytest.warns(qdsl.LeftFloatWarning, match=f"{prefix}self_attn"):
+            qdsl.apply(model, parse_text(SPEC, "t.qspec"))
+        x = torch.randn(8, 10, features)
+        qdsl.calibrate(model, [x])
+        qdsl.freeze(model)
+        with pytest.raises(ExportError, match=rf"cannot export '{prefix}self_attn': MultiheadAttention has no "
+                                              "integer lowering"):
+            qdsl.export(model, x[:1])

@@ -1,0 +1,191 @@
+"""MATMUL, SOFTMAX and LAYERNORM (docs/qgraph.md §4.4) with random shapes, permutations,
+zero points, tables and output stages: the C++ runtime equals the Python reference
+executor bit for bit on every kernel path, the reference equals a direct float64 /
+Python-integer model of each formula, and malformed attributes are refused by both loaders."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qdsl.runtime as rt
+from qdsl.export.lower_attn import softmax_table
+from qdsl.graph.ir import DType, GraphFormatError, OpType
+from qdsl.graph.ops.layernorm import isqrt, layernorm
+from qdsl.graph.ops.matmul import matmul_shape
+from qdsl.graph.ops.softmax import softmax
+
+from tests.runtime.test_graph import _check, _graph, _rand, _stage
+
+needs_cpp = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
+
+
+def _perm(rng, rank):
+    rest = list(range(1, rank))
+    rng.shuffle(rest)
+    return [0] + rest
+
+
+@needs_cpp
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), d0=st.sampled_from([DType.I8, DType.U8]), d1=st.sampled_from([DType.I8, DType.U8]),
+       out=st.sampled_from([DType.I8, DType.U8]), rank=st.sampled_from([3, 4]))
+def test_matmul_matches_reference(seed, d0, d1, out, rank):
+    rng = np.random.default_rng(seed)
+    m, k, n = (int(rng.choice([1, 2, 3, 7, 8, 9, 16, 17])) for _ in range(3))
+    lead = [int(rng.integers(1, 4)) for _ in range(rank - 3)]
+    # operands' permuted views (B, lead.., M, K) and (B, lead.., K, N), a leading dim broadcast now and then
+    va = [-1] + [1 if rng.random() < 0.3 else d for d in lead] + [m, k]
+    vb = [-1] + [1 if rng.random() < 0.3 else d for d in lead] + [k, n]
+    pa, pb, po = _perm(rng, rank), _perm(rng, rank), _perm(rng, rank)
+    # the stored operand has shape s with s[pa[i]] = va[i]
+    sa, sb = [0] * rank, [0] * rank
+    for i in range(rank):
+        sa[pa[i]], sb[pb[i]] = va[i], vb[i]
+    lo, hi = out.range
+    zps = [int(rng.integers(*d.range, endpoint=True)) for d in (d0, d1)]
+    attrs = {"in_zp": zps, "a_perm": pa, "b_perm": pb, "out_perm": po, **_stage(rng, lo=lo, hi=hi)}
+    graph = _graph(OpType.MATMUL, [("a", d0, tuple(sa)), ("b", d1, tuple(sb))], attrs, out_dtype=out)
+    batch = int(rng.integers(1, 4))
+    xa, xb = _rand(rng, d0, (batch, *sa[1:])), _rand(rng, d1, (batch, *sb[1:]))
+    _check(graph, xa, xb)
+
+
+def test_matmul_reference_is_the_integer_product():
+    rng = np.random.default_rng(0)
+    a = rng.integers(-128, 128, (2, 3, 5, 4))
+    b = rng.integers(0, 256, (2, 1, 6, 4))  # (B, 1, N, K): transposed and broadcast over dim 1
+    attrs = {"in_zp": [3, 128], "a_perm": [0, 1, 2, 3], "b_perm": [0, 1, 3, 2], "out_perm": [0, 2, 1, 3],
+             "rq_kind": 1, "rq_multiplier": [1], "rq_shift": [0], "rq_rounding": 0, "out_zp": 0,
+             "out_min": -2**31, "out_max": 2**31 - 1}
+    from qdsl.graph.ops.matmul import matmul
+    got = matmul([a, b], attrs)
+    want = np.einsum("bhmk,bxnk->bmhn", a - 3, b - 128)
+    np.testing.assert_array_equal(got, want)
+    assert matmul_shape((-1, 3, 5, 4), (-1, 1, 6, 4), [0, 1, 2, 3], [0, 1, 3, 2], [0, 2, 1, 3])[0] == (-1, 5, 3, 6)
+
+
+@pytest.mark.parametrize("a, b, pa, pb, msg", [
+    ((-1, 2, 3), (-1, 4, 5), [0, 1, 2], [0, 1, 2], "inner dims differ"),
+    ((-1, 2, 3), (-1, 3, 5), [1, 0, 2], [0, 1, 2], "batch first"),
+    ((-1, 2, 3, 4), (-1, 3, 4, 5), [0, 1, 2, 3], [0, 1, 2, 3], "do not broadcast"),
+])
+def test_matmul_bad_operands_are_refused(a, b, pa, pb, msg):
+    attrs = {"in_zp": [0, 0], "a_perm": pa, "b_perm": pb, "out_perm": list(range(len(a))),
+             "rq_kind": 1, "rq_multiplier": [1], "rq_shift": [4], "rq_rounding": 0, "out_zp": 0, "out_min": -128,
+             "out_max": 127}
+    with pytest.raises(GraphFormatError, match=msg):
+        _graph(OpType.MATMUL, [("a", DType.I8, a), ("b", DType.I8, b)], attrs)
+
+
+def _softmax_attrs(rng, scale, out):
+    lo, hi = out.range
+    return {"table": list(softmax_table(scale)), **_stage(rng, lo=lo, hi=hi)}
+
+
+@needs_cpp
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31), d=st.sampled_from([DType.I8, DType.U8]), out=st.sampled_from([DType.I8, DType.U8]),
+       n=st.sampled_from([1, 2, 7, 8, 16, 33, 128]))
+def test_softmax_matches_reference(seed, d, out, n):
+    rng = np.random.default_rng(seed)
+    scale = float(rng.choice([1e-3, 0.01, 0.05, 0.2, 1.0]))
+    shape = (-1, int(rng.integers(1, 4)), n)
+    graph = _graph(OpType.SOFTMAX, [("x", d, shape)], _softmax_attrs(rng, scale, out), out_dtype=out)
+    _check(graph, _rand(rng, d, (int(rng.integers(1, 4)), *shape[1:])))
+
+
+def test_softmax_reference_is_the_formula():
+    rng = np.random.default_rng(1)
+    x = rng.integers(-128, 128, (3, 5, 40))
+    scale = 0.07
+    attrs = {"table": list(softmax_table(scale)), "rq_kind": 1, "rq_multiplier": [1], "rq_shift": [22],
+             "rq_rounding": 1, "out_zp": 0, "out_min": 0, "out_max": 255}
+    got = softmax(x, attrs)
+    for row, y in zip(x.reshape(-1, 40), got.reshape(-1, 40)):
+        e = [attrs["table"][int(v) - int(row.max()) + 255] for v in row]
+        s = sum(e)
+        q = [(ei << 30) // s for ei in e]
+        assert [min(255, round(qi / 2**22)) for qi in q] == [int(v) for v in y]  # POT, half even: exact
+        p = np.exp(scale * (row - row.max()))
+        assert np.abs(y / 256 - p / p.sum()).max() < 1.5 / 256
+
+
+def _ln_attrs(rng, n, out, eps=None):
+    lo, hi = out.range
+    return {"gamma": [int(v) for v in rng.integers(-(2**14) + 1, 2**14, n)],
+            "beta": [int(v) for v in rng.integers(-(2**20), 2**20, n)],
+            "eps": int(rng.choice([0, 1, 1000, 10**9])) if eps is None else eps,
+            **_stage(rng, lo=lo, hi=hi)}
+
+
+@needs_cpp
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31), d=st.sampled_from([DType.I8, DType.U8]), out=st.sampled_from([DType.I8, DType.U8]),
+       n=st.sampled_from([1, 2, 3, 8, 17, 64, 384]))
+def test_layernorm_matches_reference(seed, d, out, n):
+    rng = np.random.default_rng(seed)
+    shape = (-1, int(rng.integers(1, 4)), n)
+    graph = _graph(OpType.LAYERNORM, [("x", d, shape)], _ln_attrs(rng, n, out), out_dtype=out)
+    x = _rand(rng, d, (int(rng.integers(1, 4)), *shape[1:]))
+    x[0, 0] = x[0, 0, 0]  # a constant row: zero variance (eps only, or R = 0)
+    _check(graph, x)
+
+
+def test_layernorm_reference_is_the_formula():
+    rng = np.random.default_rng(2)
+    n = 24
+    x = rng.integers(0, 256, (4, n))
+    x[0] = 7
+    attrs = {"gamma": [int(v) for v in rng.integers(-(2**14) + 1, 2**14, n)],
+             "beta": [int(v) for v in rng.integers(-1000, 1000, n)], "eps": 5,
+             "rq_kind": 1, "rq_multiplier": [1], "rq_shift": [0], "rq_rounding": 0, "out_zp": 0,
+             "out_min": -2**31, "out_max": 2**31 - 1}
+    got = layernorm(x, attrs)
+    for row, y in zip(x, got):
+        r = [int(v) for v in row]
+        d = [n * v - sum(r) for v in r]
+        w = sum(v * v for v in d) + 5
+        g = (62 - w.bit_length()) // 2
+        root = math.isqrt(w << (2 * g))
+        z = [0 if root == 0 else int(math.copysign((2 * (abs(v) << (g + 16)) + root) // (2 * root), v)) for v in d]
+        want = [zi * gi + bi for zi, gi, bi in zip(z, attrs["gamma"], attrs["beta"])]
+        assert [int(v) for v in y] == want
+        # Z is 2^16 · (x - mean) / (sqrt(N) · sqrt(var + eps / N^3)) to within one unit
+        var = np.var(row) + 5 / n**3
+        np.testing.assert_allclose(z, 2**16 * (row - row.mean()) / math.sqrt(n * var), atol=1.01)
+
+
+def test_isqrt_is_exact():
+    vals = np.array([0, 1, 2, 3, 4, 15, 16, 17, 2**52 - 1, 2**52, 2**62, 2**62 - 1, (2**31 - 1) ** 2,
+                     (2**31 - 1) ** 2 - 1] + list(np.random.default_rng(3).integers(0, 2**62, 200)), dtype=np.int64)
+    assert [int(r) for r in isqrt(vals)] == [math.isqrt(int(v)) for v in vals]
+
+
+@pytest.mark.parametrize("op, attrs, msg", [
+    (OpType.SOFTMAX, {"table": [0] * 256}, "table\\[255\\]"),
+    (OpType.SOFTMAX, {"table": [2**25] * 256}, "out of range"),
+    (OpType.LAYERNORM, {"gamma": [2**14] * 4, "beta": [0] * 4, "eps": 0}, "out of range"),
+    (OpType.LAYERNORM, {"gamma": [1] * 3, "beta": [0] * 4, "eps": 0}, "length"),
+])
+def test_bad_attributes_are_refused(op, attrs, msg):
+    stage = {"rq_kind": 1, "rq_multiplier": [1], "rq_shift": [4], "rq_rounding": 0, "out_zp": 0, "out_min": -128,
+             "out_max": 127}
+    with pytest.raises(GraphFormatError, match=msg):
+        _graph(op, [("x", DType.I8, (-1, 2, 4))], {**attrs, **stage})
+
+
+@needs_cpp
+def test_cpp_loader_refuses_what_python_refuses():
+    from qdsl.graph.ir import IntegerGraph, Op, Tensor
+    stage = {"rq_kind": 1, "rq_multiplier": [1], "rq_shift": [4], "rq_rounding": 0, "out_zp": 0, "out_min": -128,
+             "out_max": 127}
+    bad = IntegerGraph([Tensor("x", DType.I8, (-1, 2, 4)), Tensor("y", DType.I8, (-1, 2, 4))], ["x"], ["y"],
+                       [Op(OpType.SOFTMAX, "sm", ["x"], ["y"], {"table": [0] * 256, **stage})])
+    with pytest.raises(Exception, match="table\\[255\\]"):
+        rt.CompiledGraph(bad)
