@@ -48,6 +48,7 @@ from qdsl.patch.fold import find_bn_pairs
 from qdsl.patch.implied import with_implied
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
 from qdsl.patch.layer import LayerPatch
+from qdsl.patch.recurrent import RecurrentPatch, is_recurrent
 from qdsl.patch.trace import trace_model
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.parts import channel_axis, default_registries
@@ -118,6 +119,14 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
                 "E510", f"'{lp.fqn}' is a TorchScript module ({type(m).__name__}); qdsl cannot patch it",
                 _span(lp, role, "kind"),
                 "apply qdsl to the eager module and script it afterwards, or skip this layer"))
+            continue
+        if is_recurrent(m):
+            if getattr(m, "proj_size", 0):
+                role = next((r for r in (Role.WEIGHT_HH, Role.WEIGHT_IH, Role.HIDDEN) if r in roles), next(iter(roles), Role.INPUT))
+                diags.append(Diagnostic.error(
+                    "E511", f"'{lp.fqn}' is an {type(m).__name__} with proj_size={m.proj_size}: qdsl does not "
+                    "quantize LSTM projections (weight_hr) yet", _span(lp, role, "kind"),
+                    "skip this layer, or use proj_size=0"))
             continue
         for role in (Role.WEIGHT, Role.BIAS):
             q = roles.get(role)
@@ -222,6 +231,12 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         if not lp.quantized:
             continue
         module = modules[lp.fqn]
+        if is_recurrent(module):
+            rec = _recurrent_patch(handle, lp, module, regs, check_finite)
+            if rec.quantizers:
+                container.quantizers.update(rec.quantizers)
+                handle.layers[lp.fqn] = rec
+            continue
         bn_fqn = pairs.get(lp.fqn)
         has_bias = module._parameters.get("bias") is not None or bn_fqn is not None
         proxies: dict[Role, TensorQuantizer] = {}
@@ -274,6 +289,18 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     handle.state = State.PREPARED
     coverage.warn(stacklevel=3)
     return handle
+
+
+def _recurrent_patch(handle: QdslHandle, lp: LayerPlan, module: nn.Module, regs: Any,
+                     check_finite: bool) -> RecurrentPatch:
+    def make(role: Role, suffix: str) -> TensorQuantizer | None:
+        recipe = lp.roles.get(role)
+        if recipe is None or not recipe.format.quantized:
+            return None
+        q = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}{suffix}")
+        q.check_finite = bool(check_finite)
+        return q
+    return RecurrentPatch(handle, lp, module, make)
 
 
 def remove(model: nn.Module) -> nn.Module:

@@ -267,6 +267,7 @@ class _Resolver:
     # -- one combination of sources ---------------------------------------------------
     def _outcome(self, entry: ModuleEntry, weighted: bool, matches: tuple[tuple[int, Level], ...]) -> _Outcome:
         has = set(entry.roles)
+        has |= {r.refines for r in entry.roles if r.refines is not None}  # ``weight`` sets weight_ih/_hh
         diags: list[Diagnostic] = []
         conflicts: list[tuple[Any, ...]] = []
         bodies: list[tuple[Level, Body]] = [(Level.DEFAULTS, self.prep.defaults)] if weighted else []
@@ -307,7 +308,7 @@ class _Resolver:
         roles: dict[Role, QuantizerRecipe | None] = {}
         gran_spans: dict[Role, Span] = {}
         for role in entry.roles:
-            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles]
+            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles or (role.refines is not None and role.refines in b.roles)]
             if skip or not srcs:
                 roles[role] = None
                 continue
@@ -361,7 +362,13 @@ class _Resolver:
         won: dict[str, FieldProvenance] = {}
         written: dict[str, Span] = {}
         for field in TENSOR_QUANT_FIELDS:
-            cands = [(lvl, b, b.roles[role][field]) for lvl, b in srcs if field in b.roles[role]]
+            cands = []
+            for lvl, b in srcs:
+                # a refining role (weight_ih) beats the role it refines (weight) at one level
+                if field in b.roles.get(role, {}):
+                    cands.append((lvl, b, b.roles[role][field], 1, role))
+                elif role.refines is not None and field in b.roles.get(role.refines, {}):
+                    cands.append((lvl, b, b.roles[role.refines][field], 0, role.refines))
             if cands:
                 won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
         kind = won["kind"].value if "kind" in won else Kind.INT
@@ -369,7 +376,9 @@ class _Resolver:
             prov[(role, "kind")] = won["kind"]
             return None
         # overrides only touch roles that are quantized at this point
-        for field, c in self.prep.overrides.roles.get(role, {}).items():
+        ov_fields = dict(self.prep.overrides.roles.get(role.refines, {})) if role.refines is not None else {}
+        ov_fields.update(self.prep.overrides.roles.get(role, {}))
+        for field, c in ov_fields.items():
             below = won.get(field)
             lower: tuple[tuple[Origin, Any], ...] = ()
             if below is not None:
@@ -410,15 +419,21 @@ class _Resolver:
     @staticmethod
     def _pick(cands: list[_Cand], role: Any, field: str, conflicts: list, with_span: bool = False):
         """The winning candidate's provenance (and written span); records same-level conflicts."""
-        cands.sort(key=lambda c: (c[0], c[1].priority, c[1].order))
-        lvl, body, c = win = cands[-1]
+        # role candidates carry (refining?, the role written): level, then the more
+        # specific role, then priority, then file order
+        cands.sort(key=lambda c: (c[0], c[3] if len(c) > 3 else 0, c[1].priority, c[1].order))
+        win = cands[-1]
+        lvl, body, c = win[:3]
+        sub = win[3] if len(win) > 3 else 0
         for other in cands[:-1]:
-            if other[0] == lvl and other[1].priority == body.priority and other[2].value != c.value:
-                conflicts.append((role, field, win, other))
+            if (other[0] == lvl and other[1].priority == body.priority and other[2].value != c.value
+                    and (other[3] if len(other) > 3 else 0) == sub):
+                conflicts.append((role, field, win[:3], other[:3]))
         overridden = tuple(c.shadowed) + tuple(
             (Origin(b.label + (" via " + " > ".join(v.label for v in oc.via) if oc.via else ""), oc.span), oc.value)
-            for _, b, oc in reversed(cands[:-1])
+            for _, b, oc, *_ in reversed(cands[:-1])
         )
-        span = body.set_by_span(role, c) if isinstance(role, Role) else c.span
+        written_role = win[4] if len(win) > 4 else role
+        span = body.set_by_span(written_role, c) if isinstance(role, Role) else c.span
         p = FieldProvenance(c.value, Origin(body.label, span), c.via, overridden)
         return (p, c.span) if with_span else (p, None)

@@ -71,7 +71,7 @@ def zero_gain(sur: torch.Tensor) -> torch.Tensor:
 
 def is_weight(q: Any) -> bool:
     """The quantizer's tensor is a parameter (weight/bias), not an activation."""
-    return q.role in (Role.WEIGHT, Role.BIAS)
+    return q.role.is_param
 
 
 class _MaskedValue(torch.autograd.Function):
