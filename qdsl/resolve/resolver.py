@@ -317,11 +317,13 @@ class _Resolver:
         if problem is not None:
             p = prov[(Role.BIAS, "scale")]
             if problem.missing:
+                recurrent = Role.WEIGHT_IH in roles  # two accumulators: x·W_ih and h·W_hh
+                need = "input and weight_ih, hidden and weight_hh" if recurrent else "input and weight"
                 diags.append(Diagnostic.error(
-                    "E214", f"bias scale '{DERIVED_BIAS_SCALE}' needs the layer's input and weight "
+                    "E214", f"bias scale '{DERIVED_BIAS_SCALE}' needs the layer's {need} "
                     f"quantized, but its {' and '.join(problem.missing)} stays in float",
                     p.via[-1].span if p.via else p.set_by.span,
-                    "quantize the input and weight of these layers, or give the bias its own scale",
+                    f"quantize the {need} of these layers, or give the bias its own scale",
                 ))
             else:
                 diags.append(Diagnostic.error(
