@@ -39,6 +39,7 @@ import functools
 import os
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -297,6 +298,9 @@ def _recurrent_patch(handle: QdslHandle, lp: LayerPlan, module: nn.Module, regs:
         recipe = lp.roles.get(role)
         if recipe is None or not recipe.format.quantized:
             return None
+        if recipe.granularity.kind is GranularityKind.GATE:
+            # one scale per gate: per channel over the (gates, rows·cols) view RecurrentPatch hands it
+            recipe = attrs.evolve(recipe, granularity=Granularity(GranularityKind.CHANNEL, 0))
         q = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}{suffix}")
         q.check_finite = bool(check_finite)
         return q

@@ -19,7 +19,9 @@ kernel sees at every time step, which a hook around torch's fused kernel cannot 
   ``:hidden_l0``, ``:cell_l0_reverse``, ``:input`` (layer 0), ``:input_l1`` (the
   previous layer's output, both directions, requantized to one scale), ``:output``;
   cells drop the ``_l0`` suffix.  ``granularity = channel`` on a weight is per row, i.e.
-  per gate and hidden unit.  A derived (``input*weight``) bias is quantized per
+  per gate and hidden unit; ``granularity = gate`` is one scale per gate block (the proxy
+  is per channel over the weight viewed as ``(gates, rows·cols)``; its scale has one entry
+  per gate, repeated over the gate's rows for the bias).  A derived (``input*weight``) bias is quantized per
   accumulator: ``bias_ih`` at ``s_input · s_weight_ih``, ``bias_hh`` at
   ``s_hidden · s_weight_hh``.
 
@@ -38,10 +40,10 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from qdsl.patch.handle import proxy_key
-from qdsl.patch.recurrent_math import DirParams, run_layers
+from qdsl.patch.recurrent_math import GATES, DirParams, run_layers
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
-from qdsl.spec.model import Role
+from qdsl.spec.model import GranularityKind, Role
 
 __all__ = ["RecurrentPatch", "is_recurrent"]
 
@@ -96,6 +98,9 @@ class RecurrentPatch:
         self.hidden = [proxy(Role.HIDDEN, s) for s in self.suffixes]
         self.cells = [proxy(Role.CELL, s) if self.kind == "LSTM" else None for s in self.suffixes]
         self.out = proxy(Role.OUTPUT, "")
+        # granularity = gate: the proxy is per channel over the weight viewed as (gates, rows·cols)
+        self.gated = {r: (q := plan.roles.get(r)) is not None and q.granularity.kind is GranularityKind.GATE
+                      for r in (Role.WEIGHT_IH, Role.WEIGHT_HH)}
         self._hooks: list[Any] = []
         self._stash: list[Any] = []
 
@@ -140,7 +145,7 @@ class RecurrentPatch:
             for i, s in enumerate(self.suffixes):
                 for wq, name in ((self.w_ih[i], "weight_ih"), (self.w_hh[i], "weight_hh")):
                     if wq is not None and not wq.frozen:
-                        wq.freeze(self.master(name + s))
+                        wq.freeze(self._view(self.master(name + s), name))
                 for side, bq, xq, wq in (("ih", self.b_ih[i], self._input_of(i), self.w_ih[i]),
                                          ("hh", self.b_hh[i], self.hidden[i], self.w_hh[i])):
                     if bq is None or bq.frozen:
@@ -148,10 +153,21 @@ class RecurrentPatch:
                     if bq.derived:
                         if xq.dynamic:
                             continue  # the bias scale follows the input's per-batch scale
-                        bq.set_derived_scale(xq.scale * wq.scale)
+                        bq.set_derived_scale(xq.scale * self._per_row(wq.scale, side))
                     bq.freeze(self.master(f"bias_{side}{s}"))
 
     # ------------------------------------------------------------------ forward
+    def _view(self, w: torch.Tensor, name: str) -> torch.Tensor:
+        """The tensor the weight proxy quantizes: ``(gates, rows·cols)`` under gate granularity."""
+        gated = self.gated[Role.WEIGHT_IH if name == "weight_ih" else Role.WEIGHT_HH]
+        return w.reshape(GATES[self.kind], -1) if gated else w
+
+    def _per_row(self, s_w: torch.Tensor, side: str) -> torch.Tensor:
+        """A weight scale per output row (a gate's scale repeated for its rows)."""
+        if self.gated[Role.WEIGHT_IH if side == "ih" else Role.WEIGHT_HH] and s_w.numel() > 1:
+            return s_w.repeat_interleave(int(self.module.hidden_size))
+        return s_w
+
     def _input_of(self, i: int) -> Any:
         return self.inputs[i // self.dirs]
 
@@ -165,13 +181,14 @@ class RecurrentPatch:
             w = self.master(f"weight_{side}{s}")
             b = self.master(f"bias_{side}{s}")
             if wq is not None:
-                w = wq(w)
+                w = wq(self._view(w, f"weight_{side}")).reshape(w.shape)
             if bq is not None and b is not None:
                 if bq.derived and not bq.frozen:
                     # the scale the activation and weight proxies just used (LayerPatch.refresh)
                     s_x = xq.current_scale() if xq is not None else None
                     s_w = wq.current_scale() if wq is not None else None
-                    bq.set_derived_scale(None if s_x is None or s_w is None else s_x.detach() * s_w.detach())
+                    bq.set_derived_scale(None if s_x is None or s_w is None
+                                         else s_x.detach() * self._per_row(s_w.detach(), side))
                 b = bq(b)
             return w, b
         return get

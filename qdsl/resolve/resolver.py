@@ -88,6 +88,7 @@ __all__ = ["resolve", "load_for_resolve", "index_of"]
 
 _BUILTIN = Origin("built-in default")
 _PARAM_ROLES = (Role.WEIGHT, Role.BIAS)
+_RECURRENT_ROLES = (Role.WEIGHT_IH, Role.WEIGHT_HH, Role.HIDDEN, Role.CELL)
 _Cand = tuple[Level, Body, Contribution]
 
 
@@ -281,9 +282,12 @@ class _Resolver:
             # is a conv): that name is just not the layer the rule is for, as a name
             # matching nothing is not (LSTM-like layers with kernels stay E203)
             container = self.prep.spec.rules[i].optional and not entry.leaf and not entry.param_shapes
-            if not container and (lvl is Level.EXACT or (lvl is Level.TYPE and Role.WEIGHT not in has)):
+            if not container and (lvl is Level.EXACT or lvl is Level.TYPE):
+                strict = lvl is Level.EXACT or Role.WEIGHT not in has
                 for r in b.roles:
-                    if r not in has:
+                    # a class-wide recurrent role on a class that is not recurrent at all
+                    # (type:Linear { weight_hh = ... }) is the same mistake
+                    if r not in has and (strict or (r in _RECURRENT_ROLES and Role.WEIGHT_IH not in has)):
                         self._e203_rules.add(i)
                         diags.append(self._e203(b, r, entry))
             if b.skip is not None or b.accumulator is not None or any(r in has for r in b.roles):
@@ -340,7 +344,7 @@ class _Resolver:
     def _e203(b: Body, r: Role, entry: ModuleEntry) -> Diagnostic:
         kernels = [n for n, shape in entry.param_shapes.items() if len(shape) >= 2]
         notes = ()
-        if kernels:
+        if kernels and not {Role.WEIGHT, Role.WEIGHT_IH} & set(entry.roles):  # a class qdsl has no weight role for
             shown = ", ".join(kernels[:4]) + (" ..." if len(kernels) > 4 else "")
             notes = (f"{entry.type_name} keeps its weights in {shown}: "
                      f"qdsl does not quantize {entry.type_name} weights yet",)
@@ -406,6 +410,11 @@ class _Resolver:
             won["granularity"] = attrs.evolve(won["granularity"], value=gran)
         gran_spans[role] = written.get("granularity", Span())
         diags += validate_fields(values, role, written, self.regs)
+        if gran.kind is GranularityKind.GATE and role is Role.WEIGHT:  # recurrent layers have weight_ih/_hh
+            diags.append(Diagnostic.error(
+                "E212", f"gate granularity is only for a recurrent layer's weights, not a {type_name}'s",
+                gran_spans[role], "set it in a rule for the recurrent layers "
+                "(rule type:LSTM { weight = w8(granularity=gate) })"))
         obs_span = written.get("observer", values["observer"].span)
         params = self._observer_params(values["observer"], obs_span)
         for field in TENSOR_QUANT_FIELDS:

@@ -187,6 +187,14 @@ def validate_fields(
                 "E211", f"{fmt.name} quantizers are symmetric (they have no zero point)",
                 _spot(spans, "symmetric", "kind"), "remove 'symmetric = false' or use kind = int",
             ))
+    if isinstance(gran, Granularity) and gran.kind is GranularityKind.GATE and role is not None \
+            and not role.is_weight:
+        # ``weight`` may reach a recurrent layer's weights: the resolver checks the layer type
+        d.append(Diagnostic.error(
+            "E212", f"gate granularity is only for a recurrent layer's weights (weight_ih, weight_hh), "
+            f"not the {role.value}", _spot(spans, "granularity"),
+            "set it in a rule for the recurrent layers (rule type:LSTM { weight = w8(granularity=gate) })",
+        ))
     if isinstance(gran, Granularity) and gran.kind is GranularityKind.GROUP:
         if role is not None and not role.is_weight:
             d.append(Diagnostic.error(

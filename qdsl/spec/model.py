@@ -20,7 +20,8 @@ Vocabulary (the closed sets are str Enums; registry-backed names are plain str):
 * ``observer``: :class:`ObserverSpec` - registry name plus parameters.
 * ``rounding``: registry name; built-ins ``half_even``, ``half_away``, ``floor``,
   ``stochastic``.
-* ``granularity``: :class:`Granularity` - tensor, channel(axis), group(size).
+* ``granularity``: :class:`Granularity` - tensor, channel(axis), group(size), gate
+  (recurrent weights).
 """
 
 from __future__ import annotations
@@ -129,6 +130,8 @@ class GranularityKind(str, enum.Enum):
     """One per slice along ``axis`` (default 0 = output channels of a weight)."""
     GROUP = "group"
     """One per ``group_size`` consecutive elements along the reduction axis of each output channel."""
+    GATE = "gate"
+    """Recurrent weights only: one per gate block of rows (LSTM 4: i, f, g, o; GRU 3: r, z, n; RNN 1)."""
 
 
 class TargetKind(str, enum.Enum):
@@ -173,6 +176,8 @@ class Granularity:
             return "channel" if self.axis in (None, 0) else f"channel({self.axis})"
         if self.kind is GranularityKind.GROUP:
             return f"group({self.group_size})"
+        if self.kind is GranularityKind.GATE:
+            return "gate"
         return "tensor"
 
 

@@ -277,6 +277,9 @@ def test_explain_lists_the_recurrent_roles():
     (W8A8 + "rule head { weight_ih = w8 }\n", "E203", 14, "w8", "Linear"),
     (W8A8.replace("type:LSTM, ", "") + "rule type:GRU { cell = s8 }\n", "E202", 14, "rule", "none has a cell"),
     (W8A8 + "rule type:LSTM { hidden = float }\n", "E214", 8, "input*weight", "but its hidden stays in float"),
+    (W8A8 + "rule type:Linear { weight_hh = w8 }\n", "E203", 14, "w8", "Linear can take: weight, bias"),
+    (W8A8 + "rule head { weight = w8(granularity=gate) }\n", "E212", 14, "gate", "not a Linear's"),
+    (W8A8 + "rule type:LSTM { hidden = (granularity=gate) }\n", "E212", 14, "gate", "not the hidden"),
 ])
 def test_spec_errors_are_located(text, code, line, word, message):
     model = SeqClassifier(nn.GRU if "GRU {" in text else nn.LSTM)
@@ -286,6 +289,28 @@ def test_spec_errors_are_located(text, code, line, word, message):
     assert d.span.line == line and d.span.source_line()[d.span.col - 1:].startswith(word), d.render()
     assert message in d.render()
     assert state_of(model) is None
+
+
+@pytest.mark.parametrize("cell, gates", [(nn.LSTM, 4), (nn.GRU, 3)])
+def test_gate_granularity_gives_one_scale_per_gate_block(cell, gates):
+    model = SeqClassifier(cell)
+    x, _ = _task(n=16)
+    text = W8A8 + "rule type:LSTM, type:GRU optional priority 1 { weight_ih = w8(granularity=gate) }\n"
+    handle = _apply(model, text)
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    rec = handle.layers["rnn"]
+    q = handle.container.quantizers
+    s_ih, s_hh = q["rnn:weight_ih_l1"].scale, q["rnn:weight_hh_l1"].scale
+    assert s_ih.shape == (gates,) and s_hh.shape == (gates * 16,)  # weight_hh stays per row (w8)
+    w, b = rec._weights(2, "ih")()  # layer 1, forward direction
+    codes = w.detach().reshape(gates, -1) / s_ih.reshape(-1, 1)
+    assert torch.allclose(codes, codes.round(), atol=1e-4) and codes.abs().max() <= 127
+    # the int32 bias: input scale × the gate's scale, for each of the gate's rows
+    assert torch.allclose(q["rnn:bias_ih_l1"].scale, q["rnn:input_l1"].scale * s_ih.repeat_interleave(16))
+    with torch.no_grad():
+        assert torch.isfinite(model(x)).all()
+    handle.remove()
 
 
 def test_proj_size_is_refused_at_apply():
