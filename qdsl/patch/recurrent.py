@@ -109,6 +109,10 @@ class RecurrentPatch:
         """Empty: the one-proxy-per-role view does not fit; see :attr:`quantizers`."""
         return {}
 
+    def param_proxies(self) -> list[Any]:
+        """Every weight and bias proxy, per layer and direction (None where absent)."""
+        return self.w_ih + self.w_hh + self.b_ih + self.b_hh
+
     def master(self, name: str) -> torch.Tensor | None:
         return self.module._parameters.get(name)
 

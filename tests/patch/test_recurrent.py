@@ -220,6 +220,24 @@ def test_qat_trains_weights_and_learned_scales(cell):
     handle.remove()
 
 
+def test_research_ranges_and_lean_optimizer_see_recurrent_layers():
+    model = SeqClassifier()
+    x, y = _task(n=16)
+    handle = _apply(model, W8A8.replace("observer=minmax)\nquantizer a8", "observer=mse)\nquantizer a8"))
+    qdsl.calibrate(model, [x])
+    # every weight_ih/weight_hh proxy of both layers and directions searches again
+    assert qdsl.qat.research_ranges(model, ["rnn"]) == 8
+    lean = qdsl.qat.LeanOptimizer(model, torch.optim.SGD, lr=0.1)
+    assert "recurrent layer" in lean.skipped["rnn"] and "head" in lean.layers
+    lean.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    before = model.rnn.weight_hh_l0.detach().clone()
+    lean.step()
+    assert not torch.equal(before, model.rnn.weight_hh_l0)  # trained through the optimizer's params
+    lean.finish()
+    handle.remove()
+
+
 def test_copy_and_state_dict_round_trip():
     model = _trained(nn.LSTM, epochs=5)
     x, _ = _task(n=8)
