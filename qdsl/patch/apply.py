@@ -23,8 +23,10 @@ whose model has no bias gets the folded bias quantized as int32 with scale
 an integer bias; any weight kind, the same codes the exporter writes), and left float
 otherwise, or when only binary quantizers read the layer's result (the exporter then
 lowers the float bias exactly as a sign threshold; :mod:`qdsl.patch.consumers`).
+``nn.LSTM``/``GRU``/``RNN`` and their cells get a :class:`~qdsl.patch.recurrent.RecurrentPatch`
+(weights, bias, input, hidden and cell state per time step; their parameters do not move).
 Whatever else the spec reaches (an
-``nn.LSTM``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
+``nn.Embedding``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
 in a warning, or refused with ``strict=True``.
 
 Dtypes: float32, float64, float16 and bfloat16 models; the proxies compute in float32
@@ -197,7 +199,7 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``hw=`` (lint the plan against a hardware profile first) is the façade's
     (:func:`qdsl.api.apply`): lint sits above patch.
 
-    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.LSTM``,
+    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.MultiheadAttention``,
     ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
     a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
     :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
