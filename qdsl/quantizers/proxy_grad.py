@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qdsl.spec.model import Role
 
 __all__ = ["qat_grad_path", "install", "uninstall"]
 

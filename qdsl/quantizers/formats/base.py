@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from qdsl.quantizers import functional as F
-from qdsl.spec.model import Role
 
 __all__ = ["FormatOps", "WeightInts", "NotExportable", "packed_int_dtype", "TINY", "zero_gain", "is_weight"]
 

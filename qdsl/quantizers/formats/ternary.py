@@ -5,7 +5,6 @@ from __future__ import annotations
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import ste
 from qdsl.quantizers.formats.base import FormatOps, WeightInts, is_weight
-from qdsl.spec.model import Role
 
 __all__ = ["TernaryOps"]
 
