@@ -5,7 +5,7 @@ check and, with ``--model``, resolves it against the model too.  Prints
 ``ok: SPEC (N presets, M rules[, K layers quantized, F left float])`` and exits 0, or
 prints every diagnostic in the house format and exits 2.  Warnings are printed but do
 not fail.  With ``--model``, every module and functional op the spec reaches but qdsl
-leaves in float (``nn.LSTM``, ``torch.matmul``...; :mod:`qdsl.patch.coverage`) and every
+leaves in float (``nn.Embedding``, ``torch.matmul``...; :mod:`qdsl.patch.coverage`) and every
 quantized module called more than once is listed on stderr; ``--strict`` makes the
 former an error (exit 2, ``E505``), as ``qdsl.apply(..., strict=True)`` does.  Ops export has
 no integer lowering for (W321, :mod:`qdsl.lint.lowering`) are warnings.

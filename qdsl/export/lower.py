@@ -44,6 +44,7 @@ from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowe
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph
 
 __all__ = ["export", "trace_quantized"]
@@ -157,6 +158,11 @@ class _Lowerer:
     # ---------------------------------------------------------------- dispatch (rules.py)
     def call_module(self, node, m: nn.Module, args) -> Any:
         fqn, x = node.target, args[0] if args else None
+        if is_recurrent(m):
+            # before shape(): a recurrent layer returns a tuple, and the reason is the op
+            raise ExportError(fqn, f"nn.{type(m).__name__} has no integer lowering yet (the graph has no "
+                              f"{type(m).__name__} op; qdsl quantizes it in the fake-quant model only)",
+                              "export the part of the model before it, or run the model with its fake quantizers")
         construct = module_construct(m)
         rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
         if rule is not None:

@@ -129,6 +129,8 @@ def check_plan(
         if weighted:
             _check_accumulator(layer, entry, op, profile, ints.get(layer.fqn), col, where_spec)
             _check_bias(layer, op, profile, col, where_spec)
+        elif Role.WEIGHT_IH in layer.roles and entry is not None:
+            _check_recurrent_accumulators(layer, entry, op, profile, col, where_spec)
         _check_fixed_output(layer, op, profile, col, where_spec)
     _check_ops(plan, graph, profile, col, model_label)
     _check_binary_after_relu(plan, graph, col, where_spec)
@@ -264,6 +266,36 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
             "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
             span, _acc_fix(w, x, fan_in, hw.bits, profile, op, span),
             notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
+
+
+def _check_recurrent_accumulators(layer: LayerPlan, entry, op: str, profile: HardwareProfile,
+                                  col: Collector, where_spec: Span) -> None:
+    """A recurrent layer's two products per step, worst case: ``x·W_ih`` (fan-in: the
+    widest ``weight_ih*`` row, i.e. the input size or hidden·directions) and ``h·W_hh``
+    (fan-in: the hidden size)."""
+    hw = profile.accumulator_for(op)
+    if hw.bits is None:
+        return
+    for x_role, w_role in ((Role.INPUT, Role.WEIGHT_IH), (Role.HIDDEN, Role.WEIGHT_HH)):
+        w, x = layer.roles.get(w_role), layer.roles.get(x_role)
+        rows = [s for n, s in entry.param_shapes.items() if n.startswith(w_role.value) and len(s) == 2]
+        if w is None or x is None or not rows:
+            continue
+        wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric, w.format)
+        xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric, x.format)
+        if wr is None or xr is None:
+            continue
+        fan_in = max(s[1] for s in rows)
+        worst = bits_for(*worst_case_range(wr, xr, fan_in))
+        if worst <= hw.bits:
+            continue
+        span, _ = _written(layer, w_role, "bits", where_spec)
+        desc = f"{w_role.value} {_range_text(w)} × {x_role.value} {_range_text(x)}, fan-in {fan_in}"
+        overflow = hw.overflow.value if hw.overflow else "wrap"
+        col.add(("W313", span.location(), worst, fan_in, desc), Diagnostic.warning(
+            "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
+            span, notes=("the bound for one time step's product; the state update adds in float or a wider type",)),
+            layer=layer.fqn)
 
 
 def _check_pairs(layer: LayerPlan, w: QuantizerRecipe, x: QuantizerRecipe, pair_bits: int,

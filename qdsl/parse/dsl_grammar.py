@@ -22,6 +22,7 @@ from qdsl.parse import dsl_ast as ast
 from qdsl.parse.dsl_fast import RULE_OPTIONS, TARGET_CHARS, TOP_KEYWORDS, Fallback, parse_statement_fast, unescape
 from qdsl.parse.located_toml import LineIndex
 from qdsl.spec.diagnostics import Diagnostic, did_you_mean
+from qdsl.spec.model import Role
 
 __all__ = ["parse_statements", "parse_value", "TOP_KEYWORDS", "RULE_OPTIONS", "unescape"]
 
@@ -267,7 +268,7 @@ class _Recovering:
                 self.error("E004", "unmatched '}'", loc, loc + 1, "there is no open block here")
             elif word:
                 hint = did_you_mean(kind, TOP_KEYWORDS, "statements")
-                if kind in ("weight", "input", "output", "bias", "skip", "accumulator"):
+                if kind in (*(r.value for r in Role), "skip", "accumulator"):
                     hint = f"'{kind}' goes inside defaults {{ ... }} or rule TARGET {{ ... }}"
                 self.error("E003", f"unknown statement '{kind}'", loc, word_end, hint)
             else:

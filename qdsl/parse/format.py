@@ -91,6 +91,8 @@ def _granularity_dsl(g: Granularity) -> str:
         return "per_tensor"
     if g.kind is GranularityKind.CHANNEL:
         return "per_channel" if g.axis is None else f"granularity=channel({g.axis})"
+    if g.kind is GranularityKind.GATE:
+        return "granularity=gate"
     return f"granularity=group({g.group_size})"
 
 

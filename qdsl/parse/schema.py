@@ -199,7 +199,7 @@ class SchemaLowerer:
             kind = self.choice(node, builtin, "kind")
             return Kind(kind) if kind else None
         if key == "bits":
-            hi = 16 if role in (Role.WEIGHT, Role.INPUT, Role.OUTPUT) else 32
+            hi = 32 if role in (None, Role.BIAS) else 16
             hint = f"bits must be in 1..{hi}" + (" (bias may use up to 32)" if hi == 16 else "")
             return self.integer(node, "bits", 1, hi, hint)
         if key in _BOOL_FIELDS:

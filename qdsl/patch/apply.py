@@ -23,8 +23,10 @@ whose model has no bias gets the folded bias quantized as int32 with scale
 an integer bias; any weight kind, the same codes the exporter writes), and left float
 otherwise, or when only binary quantizers read the layer's result (the exporter then
 lowers the float bias exactly as a sign threshold; :mod:`qdsl.patch.consumers`).
+``nn.LSTM``/``GRU``/``RNN`` and their cells get a :class:`~qdsl.patch.recurrent.RecurrentPatch`
+(weights, bias, input, hidden and cell state per time step; their parameters do not move).
 Whatever else the spec reaches (an
-``nn.LSTM``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
+``nn.Embedding``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
 in a warning, or refused with ``strict=True``.
 
 Dtypes: float32, float64, float16 and bfloat16 models; the proxies compute in float32
@@ -39,6 +41,7 @@ import functools
 import os
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -48,6 +51,7 @@ from qdsl.patch.fold import find_bn_pairs
 from qdsl.patch.implied import with_implied
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
 from qdsl.patch.layer import LayerPatch
+from qdsl.patch.recurrent import RecurrentPatch, is_recurrent
 from qdsl.patch.trace import trace_model
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.parts import channel_axis, default_registries
@@ -119,6 +123,14 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
                 _span(lp, role, "kind"),
                 "apply qdsl to the eager module and script it afterwards, or skip this layer"))
             continue
+        if is_recurrent(m):
+            if getattr(m, "proj_size", 0):
+                role = next((r for r in (Role.WEIGHT_HH, Role.WEIGHT_IH, Role.HIDDEN) if r in roles), next(iter(roles), Role.INPUT))
+                diags.append(Diagnostic.error(
+                    "E511", f"'{lp.fqn}' is an {type(m).__name__} with proj_size={m.proj_size}: qdsl does not "
+                    "quantize LSTM projections (weight_hr) yet", _span(lp, role, "kind"),
+                    "skip this layer, or use proj_size=0"))
+            continue
         for role in (Role.WEIGHT, Role.BIAS):
             q = roles.get(role)
             if q is None or (role is Role.BIAS and q.scale == DERIVED_BIAS_SCALE):
@@ -187,7 +199,7 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``hw=`` (lint the plan against a hardware profile first) is the façade's
     (:func:`qdsl.api.apply`): lint sits above patch.
 
-    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.LSTM``,
+    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.MultiheadAttention``,
     ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
     a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
     :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
@@ -222,6 +234,12 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         if not lp.quantized:
             continue
         module = modules[lp.fqn]
+        if is_recurrent(module):
+            rec = _recurrent_patch(handle, lp, module, regs, check_finite)
+            if rec.quantizers:
+                container.quantizers.update(rec.quantizers)
+                handle.layers[lp.fqn] = rec
+            continue
         bn_fqn = pairs.get(lp.fqn)
         has_bias = module._parameters.get("bias") is not None or bn_fqn is not None
         proxies: dict[Role, TensorQuantizer] = {}
@@ -274,6 +292,21 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     handle.state = State.PREPARED
     coverage.warn(stacklevel=3)
     return handle
+
+
+def _recurrent_patch(handle: QdslHandle, lp: LayerPlan, module: nn.Module, regs: Any,
+                     check_finite: bool) -> RecurrentPatch:
+    def make(role: Role, suffix: str) -> TensorQuantizer | None:
+        recipe = lp.roles.get(role)
+        if recipe is None or not recipe.format.quantized:
+            return None
+        if recipe.granularity.kind is GranularityKind.GATE:
+            # one scale per gate: per channel over the (gates, rows·cols) view RecurrentPatch hands it
+            recipe = attrs.evolve(recipe, granularity=Granularity(GranularityKind.CHANNEL, 0))
+        q = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}{suffix}")
+        q.check_finite = bool(check_finite)
+        return q
+    return RecurrentPatch(handle, lp, module, make)
 
 
 def remove(model: nn.Module) -> nn.Module:

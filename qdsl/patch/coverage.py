@@ -8,11 +8,11 @@ lists them so ``apply`` can warn (:class:`LeftFloatWarning`, ``W505``) or, with
 
 Left float (one finding each, named, with the reason and the spec line that reaches it):
 
-* a module holding a weight kernel (a parameter of 2+ dimensions: ``nn.LSTM``'s
-  ``weight_ih_l0``, ``nn.Embedding``'s ``weight``,
+* a module holding a weight kernel (a parameter of 2+ dimensions: ``nn.Embedding``'s ``weight``,
   ``nn.MultiheadAttention``'s ``in_proj_weight``, a user module's own ``nn.Parameter``)
   that gets no weight quantizer: its class is not one qdsl patches (``defaults`` apply
-  to ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d/2d`` by exact class name), or the forward reads the
+  to ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d/2d`` and the recurrent layers
+  ``LSTM``, ``GRU``, ``RNN`` and their cells by exact class name), or the forward reads the
   parameter directly;
 * a planned module whose ``forward`` never runs, so its hooks never do:
   ``MultiheadAttention.out_proj`` (``F.multi_head_attention_forward`` reads its weight
@@ -53,6 +53,7 @@ from qdsl.graph.catalog import CONSTRUCTS, short_name
 from qdsl.patch.constructs import module_classes
 from qdsl.patch.implied import view_source
 from qdsl.patch.layer import MASTER_SUFFIX
+from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
 from qdsl.resolve.plan import WEIGHTED_TYPES, LayerPlan, Plan
@@ -286,6 +287,16 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
         lp = reach.layers.get(fqn)
         return lp is not None and lp.quantized and lp.recipe(Role.WEIGHT) is not None
 
+    def quantized_kernel(fqn: str, m: nn.Module, name: str) -> bool:
+        if name == "weight":
+            return quantized_weight(fqn)
+        lp = reach.layers.get(fqn)
+        if not is_recurrent(m) or lp is None or not lp.quantized:
+            return False
+        # a recurrent layer's weight_ih_l0 / weight_hh_l1_reverse (not weight_hr: E511)
+        role = {"weight_ih": Role.WEIGHT_IH, "weight_hh": Role.WEIGHT_HH}.get(name[:9])
+        return role is not None and lp.recipe(role) is not None
+
     if trace.graph is not None:
         for node in trace.graph.nodes:
             if node.op not in ("call_function", "call_method") or _fn_name(node) not in _PRODUCTS:
@@ -317,13 +328,15 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
     parents = {fqn: modules.get(fqn.rpartition(".")[0]) for fqn in modules if fqn}
     for fqn, m in modules.items():
         lp = reach.layers.get(fqn)
-        kernels = [k for k in _kernels(m) if not (k == "weight" and quantized_weight(fqn))]
+        kernels = [k for k in _kernels(m) if not quantized_kernel(fqn, m, k)]
         out_proj = isinstance(parents.get(fqn), nn.MultiheadAttention)
         if out_proj and lp is not None and lp.quantized:
             kernels = kernels or ["weight"]  # a rule reached it, but its hooks never run
         kernels = [k for k in kernels if f"{fqn + '.' if fqn else ''}{k}" not in consumed]
         if kernels:
             roles = (Role.WEIGHT,) if not out_proj else (Role.WEIGHT, Role.INPUT, Role.OUTPUT)
+            if is_recurrent(m):
+                roles = (Role.WEIGHT, Role.WEIGHT_IH, Role.WEIGHT_HH)
             src = reach.source(fqn, type(m).__name__, roles)
             if src is not None:
                 why, hint = _module_reason(fqn, m, kernels, parents.get(fqn))
@@ -366,7 +379,7 @@ def _shared(plan: Plan, reach: _Reach, modules: dict[str, nn.Module], trace: Mod
     for lp in plan.layers:
         if not lp.quantized or lp.fqn not in modules:
             continue
-        acts = [r for r in (Role.INPUT, Role.OUTPUT) if lp.roles.get(r) is not None]
+        acts = [r for r in (Role.INPUT, Role.OUTPUT, Role.HIDDEN, Role.CELL) if lp.roles.get(r) is not None]
         if not acts:
             continue
         n = _count(lp.fqn, trace, calls) or 0

@@ -18,6 +18,10 @@ Where things live on a patched model
   for ``bias`` / ``bias_float``.  qdsl does not use ``torch.nn.utils.parametrize``
   because it swaps the module's class, and ``type(module)`` must never change.
   Between forwards ``module.weight`` is the value of the last forward (or of apply).
+  Recurrent layers are the exception: their parameters stay where they are and their
+  proxies (one per layer, direction and tensor) are keyed ``"<fqn>:weight_ih_l0"``,
+  ``"<fqn>:hidden_l1_reverse"``, ... (:mod:`qdsl.patch.recurrent`); ``quantizer(fqn, role)``
+  does not find them, ``handle.layers[fqn].quantizers`` lists them.
 * :class:`QdslHandle` (``model._qdsl.handle``, or :func:`get_handle`) is what export,
   lint and QAT use: the plan, the state, and the proxies per ``(fqn, role)``.
 

@@ -94,6 +94,10 @@ class LayerPatch:
         return {r: q for r, q in ((Role.INPUT, self.iq), (Role.WEIGHT, self.wq), (Role.BIAS, self.bq),
                                   (Role.OUTPUT, self.oq)) if q is not None}
 
+    def param_proxies(self) -> list[Any]:
+        """The weight and bias proxies (None where absent)."""
+        return [self.wq, self.bq]
+
     # --------------------------------------------------------------- install
     def install(self) -> None:
         m = self.module

@@ -276,10 +276,10 @@ def prepare_qat(model: nn.Module, *, freeze_bn_after: Optional[int] = None,
             continue
         if not q.stateless:
             _memoize_range(q.observer)
-        elif q.role.value in ("weight", "bias") and not q.dynamic and _carries(q):
+        elif q.role.is_param and not q.dynamic and _carries(q):
             if weight_search_every is not None and getattr(q.observer.params, "search_every", None) is None:
                 q.observer.search_every = int(weight_search_every)  # the spec's own setting wins
-        elif q.role.value in ("weight", "bias") and not q.dynamic and _searching(q):
+        elif q.role.is_param and not q.dynamic and _searching(q):
             _throttle_search(q, _THROTTLE_DEFAULT if weight_search_every is None else weight_search_every)
     patches = _folded_patches(model)
     for patch in patches:

@@ -40,7 +40,7 @@ def research_ranges(model: nn.Module, layers: Iterable[str] | None = None) -> in
     for name in names:
         patch = handle.layers[name]
         hit = False
-        for q in (patch.wq, patch.bq):
+        for q in patch.param_proxies():
             obs = getattr(q, "observer", None)
             if q is None or q.frozen or not hasattr(obs, "request_search"):
                 continue

@@ -295,7 +295,7 @@ class MseObserver(HistogramObserver):
 
     def __init__(self, params, ctx):
         super().__init__(params, ctx)
-        self._exact = ctx.role in (Role.WEIGHT, Role.BIAS) or ctx.recipe.dynamic
+        self._exact = ctx.role.is_param or ctx.recipe.dynamic
         if self._exact:
             self._state = ("min_val", "max_val")
             for name in ("hist", "hist_lo", "hist_hi", "slot_shape"):

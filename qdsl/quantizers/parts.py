@@ -182,7 +182,7 @@ def channel_axis(recipe: QuantizerRecipe, role: Role) -> tuple[int | None, int |
     if g.kind is GranularityKind.CHANNEL:
         if g.axis is not None:
             return g.axis, None
-        return (0 if role in (Role.WEIGHT, Role.BIAS) else 1), None
+        return (0 if role.is_param else 1), None
     if g.kind is GranularityKind.GROUP:
         return None, g.group_size
     return None, None

@@ -139,7 +139,7 @@ class TensorQuantizer(LazyBuffers):
         if self.derived:
             self.axis, self.group_size = 0, None  # input_scale × weight_scale is [] or [C]
         self.dynamic = bool(recipe.dynamic)
-        self.stateless = self.role in (Role.WEIGHT, Role.BIAS) or self.dynamic
+        self.stateless = self.role.is_param or self.dynamic
         # (weakref to the tensor last observed, its version counter): a stateless observer
         # skips re-observing the very same, unmodified tensor (a per-channel range search
         # costs far more than the layer; calibration and freeze both ask for the weight's
@@ -285,7 +285,7 @@ class TensorQuantizer(LazyBuffers):
             last = self._observed
             # a searching weight observer carries its searched clip ratio through
             # training forwards instead of searching again (observers.MseObserver)
-            training = self.role in (Role.WEIGHT, Role.BIAS) and torch.is_grad_enabled() and x.requires_grad
+            training = self.role.is_param and torch.is_grad_enabled() and x.requires_grad
             if last is None or last[0]() is not key or last[1] != key._version or not obs.observed:
                 obs.reset()
                 obs.training_forward = training
@@ -343,7 +343,7 @@ class TensorQuantizer(LazyBuffers):
             return x
         if self.axis is not None and not -x.dim() <= self.axis < x.dim():
             self._bad_axis(x)
-        if self.check_finite and self.role in (Role.INPUT, Role.OUTPUT):
+        if self.check_finite and not self.role.is_param:
             check_finite(x, self.name or self.role.value)
         if self.observing:
             if not self.stateless and self.observer is not None:
@@ -427,7 +427,7 @@ class TensorQuantizer(LazyBuffers):
         if self.dynamic:
             self.frozen_flag.fill_(True)
             return
-        if self.role in (Role.WEIGHT, Role.BIAS) and not self.derived and x is None:
+        if self.role.is_param and not self.derived and x is None:
             raise ValueError("freezing a parameter quantizer needs the parameter")
         if x is not None and x.dtype in HALF_DTYPES:
             x = x.float()

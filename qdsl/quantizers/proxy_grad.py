@@ -36,7 +36,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from qdsl.spec.model import Role
 
 __all__ = ["qat_grad_path", "install", "uninstall"]
 
@@ -46,7 +45,7 @@ def qat_grad_path(q, x: Tensor, scale: Tensor, zero_point: Tensor, threshold) ->
     of its number format (``q._ops.qat_value``)."""
     rule = q.scale_rule
     if getattr(rule, "learned", False) and hasattr(rule, "bind"):
-        rule.bind(x.shape, per_sample=q.role in (Role.INPUT, Role.OUTPUT), slots=max(1, scale.numel()))
+        rule.bind(x.shape, per_sample=not q.role.is_param, slots=max(1, scale.numel()))
     return q._ops.qat_value(q, x, scale, zero_point, threshold)
 
 

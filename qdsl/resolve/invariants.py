@@ -29,7 +29,7 @@ class BiasScaleProblem:
     """Why a layer's ``input*weight`` bias scale cannot be formed."""
 
     missing: tuple[str, ...]
-    """``"input"`` / ``"weight"`` when that role has no quantizer (stays float)."""
+    """``"input"`` / ``"weight"`` (recurrent: ``"hidden"``, ``"weight_ih"``...) when that role has no quantizer."""
     reason: str
     """What is wrong, as a clause: ``"the input needs one scale (granularity tensor)"``."""
 
@@ -42,11 +42,20 @@ def bias_scale_problem(roles: Mapping[Role, QuantizerRecipe | None],
     bias = roles.get(Role.BIAS)
     if bias is None or bias.scale != DERIVED_BIAS_SCALE:
         return None
-    reason = derived_bias_problem(roles.get(Role.INPUT), roles.get(Role.WEIGHT), type_name)
-    if reason is None:
-        return None
-    missing = tuple(r.value for r in (Role.INPUT, Role.WEIGHT) if roles.get(r) is None)
-    return BiasScaleProblem(missing, reason)
+    # a recurrent layer has two accumulators: x·W_ih (+ bias_ih, scale s_x·s_wih) and
+    # h·W_hh (+ bias_hh, scale s_h·s_whh)
+    pairs = ((Role.INPUT, Role.WEIGHT_IH), (Role.HIDDEN, Role.WEIGHT_HH)) if Role.WEIGHT_IH in roles \
+        else ((Role.INPUT, Role.WEIGHT),)
+    for x, w in pairs:
+        reason = derived_bias_problem(roles.get(x), roles.get(w), type_name)
+        if reason is not None:
+            if x is not Role.INPUT:
+                reason = reason.replace("its input", f"its {x.value} state").replace("the input", f"the {x.value} state")
+            if w is not Role.WEIGHT:
+                reason = reason.replace("weight", w.value)
+            missing = tuple(r.value for r in (x, w) if roles.get(r) is None)
+            return BiasScaleProblem(missing, reason)
+    return None
 
 
 def plan_problems(plan: Plan) -> dict[str, BiasScaleProblem]:

@@ -41,9 +41,16 @@ __all__ = [
     "WEIGHTED_TYPES",
     "OUT_CHANNEL_AXIS",
     "MODULE_ATTRS",
+    "RECURRENT_TYPES",
+    "param_shape",
 ]
 
-WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d")
+RECURRENT_TYPES = ("LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell")
+"""Recurrent classes qdsl quantizes (qdsl.patch.recurrent): roles ``weight_ih``,
+``weight_hh`` (both set by ``weight``), ``bias``, ``input``, ``hidden`` (set by
+``input`` too), ``cell`` (LSTM and LSTMCell) and ``output``."""
+
+WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d") + RECURRENT_TYPES
 """Module classes that ``defaults`` apply to (layers with a weight, and bias)."""
 
 OUT_CHANNEL_AXIS = {"ConvTranspose1d": 1, "ConvTranspose2d": 1}
@@ -63,6 +70,11 @@ MODULE_ATTRS = (
     "output_padding",
     "dilation",
     "groups",
+    "input_size",
+    "hidden_size",
+    "num_layers",
+    "bidirectional",
+    "proj_size",
 )
 """Constructor attributes copied into the index (lint derives fan-in from them)."""
 
@@ -107,6 +119,14 @@ class ModuleEntry:
         targets: BN folds into the conv before it, and a broad rule such as
         ``layer1.** { weight = w4 }`` must not quantize them by accident.
         """
+        if self.type_name in RECURRENT_TYPES and "weight_ih" in _param_roots(self):
+            out = [Role.WEIGHT_IH, Role.WEIGHT_HH]
+            if "bias_ih" in _param_roots(self):
+                out.append(Role.BIAS)
+            out += [Role.INPUT, Role.HIDDEN]
+            if self.type_name.startswith("LSTM"):
+                out.append(Role.CELL)
+            return tuple(out + [Role.OUTPUT])
         out = []
         weight = self.param_shapes.get("weight")
         if weight is not None and len(weight) >= 2:
@@ -115,6 +135,21 @@ class ModuleEntry:
                 out.append(Role.BIAS)
         out += [Role.INPUT, Role.OUTPUT]
         return tuple(out)
+
+
+def _param_roots(entry: ModuleEntry) -> set[str]:
+    # ``weight_ih_l1_reverse`` -> ``weight_ih``: a recurrent layer's parameter families
+    return {"_".join(n.split("_")[:2]) for n in entry.param_shapes}
+
+
+def param_shape(entry: ModuleEntry, role: Role) -> tuple[int, ...] | None:
+    """The shape of the parameter ``role`` quantizes: ``weight``/``bias``, or a recurrent
+    layer's first ``weight_ih*``/``weight_hh*``/``bias_ih*`` (every layer and direction
+    shares the row count; layer 0's columns are the input size)."""
+    if role.value in entry.param_shapes:
+        return entry.param_shapes[role.value]
+    prefix = "bias_ih" if role is Role.BIAS else role.value
+    return next((s for n, s in entry.param_shapes.items() if n.startswith(prefix)), None)
 
 
 @attrs.frozen

@@ -88,6 +88,7 @@ __all__ = ["resolve", "load_for_resolve", "index_of"]
 
 _BUILTIN = Origin("built-in default")
 _PARAM_ROLES = (Role.WEIGHT, Role.BIAS)
+_RECURRENT_ROLES = (Role.WEIGHT_IH, Role.WEIGHT_HH, Role.HIDDEN, Role.CELL)
 _Cand = tuple[Level, Body, Contribution]
 
 
@@ -267,6 +268,7 @@ class _Resolver:
     # -- one combination of sources ---------------------------------------------------
     def _outcome(self, entry: ModuleEntry, weighted: bool, matches: tuple[tuple[int, Level], ...]) -> _Outcome:
         has = set(entry.roles)
+        has |= {r.refines for r in entry.roles if r.refines is not None}  # ``weight`` sets weight_ih/_hh
         diags: list[Diagnostic] = []
         conflicts: list[tuple[Any, ...]] = []
         bodies: list[tuple[Level, Body]] = [(Level.DEFAULTS, self.prep.defaults)] if weighted else []
@@ -280,9 +282,12 @@ class _Resolver:
             # is a conv): that name is just not the layer the rule is for, as a name
             # matching nothing is not (LSTM-like layers with kernels stay E203)
             container = self.prep.spec.rules[i].optional and not entry.leaf and not entry.param_shapes
-            if not container and (lvl is Level.EXACT or (lvl is Level.TYPE and Role.WEIGHT not in has)):
+            if not container and (lvl is Level.EXACT or lvl is Level.TYPE):
+                strict = lvl is Level.EXACT or Role.WEIGHT not in has
                 for r in b.roles:
-                    if r not in has:
+                    # a class-wide recurrent role on a class that is not recurrent at all
+                    # (type:Linear { weight_hh = ... }) is the same mistake
+                    if r not in has and (strict or (r in _RECURRENT_ROLES and Role.WEIGHT_IH not in has)):
                         self._e203_rules.add(i)
                         diags.append(self._e203(b, r, entry))
             if b.skip is not None or b.accumulator is not None or any(r in has for r in b.roles):
@@ -307,7 +312,7 @@ class _Resolver:
         roles: dict[Role, QuantizerRecipe | None] = {}
         gran_spans: dict[Role, Span] = {}
         for role in entry.roles:
-            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles]
+            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles or (role.refines is not None and role.refines in b.roles)]
             if skip or not srcs:
                 roles[role] = None
                 continue
@@ -316,11 +321,13 @@ class _Resolver:
         if problem is not None:
             p = prov[(Role.BIAS, "scale")]
             if problem.missing:
+                recurrent = Role.WEIGHT_IH in roles  # two accumulators: x·W_ih and h·W_hh
+                need = "input and weight_ih, hidden and weight_hh" if recurrent else "input and weight"
                 diags.append(Diagnostic.error(
-                    "E214", f"bias scale '{DERIVED_BIAS_SCALE}' needs the layer's input and weight "
+                    "E214", f"bias scale '{DERIVED_BIAS_SCALE}' needs the layer's {need} "
                     f"quantized, but its {' and '.join(problem.missing)} stays in float",
                     p.via[-1].span if p.via else p.set_by.span,
-                    "quantize the input and weight of these layers, or give the bias its own scale",
+                    f"quantize the {need} of these layers, or give the bias its own scale",
                 ))
             else:
                 diags.append(Diagnostic.error(
@@ -337,7 +344,7 @@ class _Resolver:
     def _e203(b: Body, r: Role, entry: ModuleEntry) -> Diagnostic:
         kernels = [n for n, shape in entry.param_shapes.items() if len(shape) >= 2]
         notes = ()
-        if kernels:
+        if kernels and not {Role.WEIGHT, Role.WEIGHT_IH} & set(entry.roles):  # a class qdsl has no weight role for
             shown = ", ".join(kernels[:4]) + (" ..." if len(kernels) > 4 else "")
             notes = (f"{entry.type_name} keeps its weights in {shown}: "
                      f"qdsl does not quantize {entry.type_name} weights yet",)
@@ -361,7 +368,13 @@ class _Resolver:
         won: dict[str, FieldProvenance] = {}
         written: dict[str, Span] = {}
         for field in TENSOR_QUANT_FIELDS:
-            cands = [(lvl, b, b.roles[role][field]) for lvl, b in srcs if field in b.roles[role]]
+            cands = []
+            for lvl, b in srcs:
+                # a refining role (weight_ih) beats the role it refines (weight) at one level
+                if field in b.roles.get(role, {}):
+                    cands.append((lvl, b, b.roles[role][field], 1, role))
+                elif role.refines is not None and field in b.roles.get(role.refines, {}):
+                    cands.append((lvl, b, b.roles[role.refines][field], 0, role.refines))
             if cands:
                 won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
         kind = won["kind"].value if "kind" in won else Kind.INT
@@ -369,7 +382,9 @@ class _Resolver:
             prov[(role, "kind")] = won["kind"]
             return None
         # overrides only touch roles that are quantized at this point
-        for field, c in self.prep.overrides.roles.get(role, {}).items():
+        ov_fields = dict(self.prep.overrides.roles.get(role.refines, {})) if role.refines is not None else {}
+        ov_fields.update(self.prep.overrides.roles.get(role, {}))
+        for field, c in ov_fields.items():
             below = won.get(field)
             lower: tuple[tuple[Origin, Any], ...] = ()
             if below is not None:
@@ -395,6 +410,11 @@ class _Resolver:
             won["granularity"] = attrs.evolve(won["granularity"], value=gran)
         gran_spans[role] = written.get("granularity", Span())
         diags += validate_fields(values, role, written, self.regs)
+        if gran.kind is GranularityKind.GATE and role is Role.WEIGHT:  # recurrent layers have weight_ih/_hh
+            diags.append(Diagnostic.error(
+                "E212", f"gate granularity is only for a recurrent layer's weights, not a {type_name}'s",
+                gran_spans[role], "set it in a rule for the recurrent layers "
+                "(rule type:LSTM { weight = w8(granularity=gate) })"))
         obs_span = written.get("observer", values["observer"].span)
         params = self._observer_params(values["observer"], obs_span)
         for field in TENSOR_QUANT_FIELDS:
@@ -410,15 +430,21 @@ class _Resolver:
     @staticmethod
     def _pick(cands: list[_Cand], role: Any, field: str, conflicts: list, with_span: bool = False):
         """The winning candidate's provenance (and written span); records same-level conflicts."""
-        cands.sort(key=lambda c: (c[0], c[1].priority, c[1].order))
-        lvl, body, c = win = cands[-1]
+        # role candidates carry (refining?, the role written): level, then the more
+        # specific role, then priority, then file order
+        cands.sort(key=lambda c: (c[0], c[3] if len(c) > 3 else 0, c[1].priority, c[1].order))
+        win = cands[-1]
+        lvl, body, c = win[:3]
+        sub = win[3] if len(win) > 3 else 0
         for other in cands[:-1]:
-            if other[0] == lvl and other[1].priority == body.priority and other[2].value != c.value:
-                conflicts.append((role, field, win, other))
+            if (other[0] == lvl and other[1].priority == body.priority and other[2].value != c.value
+                    and (other[3] if len(other) > 3 else 0) == sub):
+                conflicts.append((role, field, win[:3], other[:3]))
         overridden = tuple(c.shadowed) + tuple(
             (Origin(b.label + (" via " + " > ".join(v.label for v in oc.via) if oc.via else ""), oc.span), oc.value)
-            for _, b, oc in reversed(cands[:-1])
+            for _, b, oc, *_ in reversed(cands[:-1])
         )
-        span = body.set_by_span(role, c) if isinstance(role, Role) else c.span
+        written_role = win[4] if len(win) > 4 else role
+        span = body.set_by_span(written_role, c) if isinstance(role, Role) else c.span
         p = FieldProvenance(c.value, Origin(body.label, span), c.via, overridden)
         return (p, c.span) if with_span else (p, None)

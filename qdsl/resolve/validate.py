@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from qdsl.resolve.plan import OUT_CHANNEL_AXIS, ModuleEntry, QuantizerRecipe
+from qdsl.resolve.plan import OUT_CHANNEL_AXIS, RECURRENT_TYPES, ModuleEntry, QuantizerRecipe, param_shape
 from qdsl.spec.builtins import builtin_registries
 from qdsl.spec.diagnostics import Diagnostic, Span, UNKNOWN_SPAN
 from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name
@@ -59,7 +59,6 @@ __all__ = [
 
 MAX_BITS = 16
 MAX_BIAS_BITS = 32
-_PARAM_ROLES = (Role.WEIGHT, Role.BIAS)
 
 
 def builtin_value(field: str, role: Role, kind: Kind, scale: str | None,
@@ -94,9 +93,12 @@ def builtin_value(field: str, role: Role, kind: Kind, scale: str | None,
 def fill_channel_axis(gran: Granularity, role: Role, type_name: str | None = None) -> Granularity:
     """``channel`` without an axis: the output channels of the weight (0, or
     ``OUT_CHANNEL_AXIS[type_name]``: 1 for a transposed conv's ``in × out/g × k``
-    weight), 0 for a bias, 1 (channels of N,C,...) for activations."""
+    weight), 0 for a bias, 1 (channels of N,C,...) for activations (-1, the features, for
+    a recurrent layer's)."""
     if gran.kind is GranularityKind.CHANNEL and gran.axis is None:
-        axis = 1 if role not in _PARAM_ROLES else OUT_CHANNEL_AXIS.get(type_name, 0) if role is Role.WEIGHT else 0
+        axis = 1 if not role.is_param else OUT_CHANNEL_AXIS.get(type_name, 0) if role is Role.WEIGHT else 0
+        if type_name in RECURRENT_TYPES and not role.is_param:
+            axis = -1  # sequences are (T, N, F) or (N, T, F), states (N, F): features last
         return Granularity(GranularityKind.CHANNEL, axis, None, gran.span)
     return gran
 
@@ -167,7 +169,7 @@ def validate_fields(
             f"range {grid}, which cannot represent a tensor", _spot(spans, "bits", "signed", "narrow_range"),
             "use kind = binary for {-1, +1}, 'unsigned' (without 'narrow') for {0, 1}, or bits >= 2",
         ))
-    if fields.get("dynamic") is True and role in _PARAM_ROLES:
+    if fields.get("dynamic") is True and role is not None and role.is_param:
         d.append(Diagnostic.error(
             "E219", f"dynamic applies to activations (input, output), not the {role.value}",
             _spot(spans, "dynamic"),
@@ -185,8 +187,16 @@ def validate_fields(
                 "E211", f"{fmt.name} quantizers are symmetric (they have no zero point)",
                 _spot(spans, "symmetric", "kind"), "remove 'symmetric = false' or use kind = int",
             ))
+    if isinstance(gran, Granularity) and gran.kind is GranularityKind.GATE and role is not None \
+            and not role.is_weight:
+        # ``weight`` may reach a recurrent layer's weights: the resolver checks the layer type
+        d.append(Diagnostic.error(
+            "E212", f"gate granularity is only for a recurrent layer's weights (weight_ih, weight_hh), "
+            f"not the {role.value}", _spot(spans, "granularity"),
+            "set it in a rule for the recurrent layers (rule type:LSTM { weight = w8(granularity=gate) })",
+        ))
     if isinstance(gran, Granularity) and gran.kind is GranularityKind.GROUP:
-        if role is not None and role is not Role.WEIGHT:
+        if role is not None and not role.is_weight:
             d.append(Diagnostic.error(
                 "E212", f"group granularity is only for weights, not the {role.value}",
                 _spot(spans, "granularity"), "use tensor or channel granularity for activations and bias",
@@ -282,7 +292,7 @@ def check_shapes(
 ) -> list[Diagnostic]:
     """Checks that need the parameter's shape: channel axis in range, group size divides rows."""
     gran = recipe.granularity
-    if role not in _PARAM_ROLES:
+    if not role.is_param:
         # activation shapes are not indexed, but a convolution's input and output have the
         # rank of its weight (N, C, *spatial); other layers are checked at the first forward
         wshape = entry.param_shapes.get(Role.WEIGHT.value)
@@ -296,7 +306,7 @@ def check_shapes(
                     f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis 1 is the channels",
                 )]
         return []
-    shape = entry.param_shapes.get(role.value)
+    shape = param_shape(entry, role)
     if shape is None:
         return []
     # no layer name in the message: layers sharing a shape share one diagnostic, and the

@@ -20,7 +20,8 @@ Vocabulary (the closed sets are str Enums; registry-backed names are plain str):
 * ``observer``: :class:`ObserverSpec` - registry name plus parameters.
 * ``rounding``: registry name; built-ins ``half_even``, ``half_away``, ``floor``,
   ``stochastic``.
-* ``granularity``: :class:`Granularity` - tensor, channel(axis), group(size).
+* ``granularity``: :class:`Granularity` - tensor, channel(axis), group(size), gate
+  (recurrent weights).
 """
 
 from __future__ import annotations
@@ -71,7 +72,38 @@ class Role(str, enum.Enum):
     OUTPUT = "output"
     """The layer's output (forward hook)."""
     BIAS = "bias"
-    """The layer's bias parameter."""
+    """The layer's bias parameter (recurrent layers: every ``bias_ih*`` and ``bias_hh*``)."""
+    WEIGHT_IH = "weight_ih"
+    """Recurrent layers: the input-to-hidden weights (``weight_ih_l0``, ...); refines ``weight``."""
+    WEIGHT_HH = "weight_hh"
+    """Recurrent layers: the hidden-to-hidden weights (``weight_hh_l0``, ...); refines ``weight``."""
+    HIDDEN = "hidden"
+    """Recurrent layers: the hidden state ``h``, quantized at every time step (the initial
+    state, each new ``h_t``); refines ``input`` (``h`` is the other operand of the gates'
+    matrix products)."""
+    CELL = "cell"
+    """LSTM layers: the cell state ``c``, quantized at every time step."""
+
+    @property
+    def is_param(self) -> bool:
+        """A parameter (weights, bias): quantized from the tensor itself, no statistics."""
+        return self in _PARAM_ROLES
+
+    @property
+    def is_weight(self) -> bool:
+        """A weight kernel (``weight``, ``weight_ih``, ``weight_hh``)."""
+        return self in _WEIGHT_ROLES
+
+    @property
+    def refines(self) -> "Role | None":
+        """The broader role a spec may set instead (``weight_ih`` -> ``weight``,
+        ``hidden`` -> ``input``); the more specific role wins at the same cascade level."""
+        return _REFINES.get(self)
+
+
+_WEIGHT_ROLES = frozenset({Role.WEIGHT, Role.WEIGHT_IH, Role.WEIGHT_HH})
+_PARAM_ROLES = _WEIGHT_ROLES | {Role.BIAS}
+_REFINES = {Role.WEIGHT_IH: Role.WEIGHT, Role.WEIGHT_HH: Role.WEIGHT, Role.HIDDEN: Role.INPUT}
 
 
 class Kind(str, enum.Enum):
@@ -98,6 +130,8 @@ class GranularityKind(str, enum.Enum):
     """One per slice along ``axis`` (default 0 = output channels of a weight)."""
     GROUP = "group"
     """One per ``group_size`` consecutive elements along the reduction axis of each output channel."""
+    GATE = "gate"
+    """Recurrent weights only: one per gate block of rows (LSTM 4: i, f, g, o; GRU 3: r, z, n; RNN 1)."""
 
 
 class TargetKind(str, enum.Enum):
@@ -142,6 +176,8 @@ class Granularity:
             return "channel" if self.axis in (None, 0) else f"channel({self.axis})"
         if self.kind is GranularityKind.GROUP:
             return f"group({self.group_size})"
+        if self.kind is GranularityKind.GATE:
+            return "gate"
         return "tensor"
 
 

@@ -230,15 +230,19 @@ class HardwareProfile:
         return self == blank
 
     def caps(self, role: Role | str, op: str | None = None, positions: tuple[Position, ...] = ()) -> TensorCaps:
-        """The effective capabilities of ``role`` for ``op`` at ``positions`` (cascade)."""
+        """The effective capabilities of ``role`` for ``op`` at ``positions`` (cascade).
+
+        A recurrent layer's role the profile does not state takes the caps of the role it
+        refines at the same level (``weight_ih``/``weight_hh`` -> ``weight``, ``hidden`` ->
+        ``input``); ``cell`` has no fallback (an LSTM's cell state is commonly wider)."""
         role = Role(role)
-        caps = self.roles.get(role, TensorCaps())
+        caps = _level(self.roles, role) or TensorCaps()
         if op is not None and op in self.op_roles:
-            level = self.op_roles[op].get(role)
+            level = _level(self.op_roles[op], role)
             if level is not None:
                 caps = level.over(caps)
         for pos in positions:
-            level = self.positions.get(pos, {}).get(role)
+            level = _level(self.positions.get(pos, {}), role)
             if level is not None:
                 caps = level.over(caps)
         return caps
@@ -256,3 +260,11 @@ class HardwareProfile:
     def fusion_heads(self, op: str) -> tuple[str, ...]:
         """Ops that ``op`` may directly follow as part of a fusion."""
         return tuple(chain[i - 1] for chain in self.fusions for i in range(1, len(chain)) if chain[i] == op)
+
+
+def _level(by_role: Mapping[Role, TensorCaps], role: Role) -> TensorCaps | None:
+    """``role``'s entry, else that of the role it refines (``weight_ih`` -> ``weight``)."""
+    caps = by_role.get(role)
+    if caps is None and role.refines is not None:
+        caps = by_role.get(role.refines)
+    return caps

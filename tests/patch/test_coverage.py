@@ -41,13 +41,16 @@ def _first(out):
 
 MODULES = {
     "Embedding": (lambda: nn.Embedding(10, 8), lambda m, x: m(x), lambda: torch.randint(0, 10, (2, 5))),
+    "MultiheadAttention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True), lambda m, x: _first(m(x, x, x)),
+                           lambda: torch.randn(2, 5, 8)),
+}
+
+RECURRENT = {
     "LSTM": (lambda: nn.LSTM(8, 8, batch_first=True), lambda m, x: _first(m(x)), lambda: torch.randn(2, 5, 8)),
     "GRU": (lambda: nn.GRU(8, 8, batch_first=True), lambda m, x: _first(m(x)), lambda: torch.randn(2, 5, 8)),
     "RNN": (lambda: nn.RNN(8, 8, batch_first=True), lambda m, x: _first(m(x)), lambda: torch.randn(2, 5, 8)),
     "LSTMCell": (lambda: nn.LSTMCell(8, 8), lambda m, x: _first(m(x)), lambda: torch.randn(2, 8)),
     "GRUCell": (lambda: nn.GRUCell(8, 8), lambda m, x: m(x), lambda: torch.randn(2, 8)),
-    "MultiheadAttention": (lambda: nn.MultiheadAttention(8, 2, batch_first=True), lambda m, x: _first(m(x, x, x)),
-                           lambda: torch.randn(2, 5, 8)),
 }
 
 
@@ -88,6 +91,19 @@ def test_conv_transpose_is_quantized_not_left_float(type_name):
     handle, found = _apply(model, example_input=example(), strict=True)
     assert not [m for m in found if isinstance(m, LeftFloatWarning)]
     assert handle.layers["inner"].wq is not None and handle.layers["inner"].wq.axis == 1  # the output channels
+    handle.remove()
+
+
+@pytest.mark.parametrize("type_name", sorted(RECURRENT))
+def test_recurrent_layers_are_quantized_not_left_float(type_name):
+    # issue 19: LSTM/GRU/RNN and their cells were W505 (left float); defaults now quantize them
+    make, call, example = RECURRENT[type_name]
+    model = Wrap(make(), call)
+    handle, found = _apply(model, example_input=example(), strict=True)
+    assert not [m for m in found if isinstance(m, LeftFloatWarning)]
+    keys = set(handle.container.quantizers)
+    sfx = "" if type_name.endswith("Cell") else "_l0"
+    assert {f"inner:weight_ih{sfx}", f"inner:weight_hh{sfx}", "inner:input", f"inner:hidden{sfx}"} <= keys
     handle.remove()
 
 
@@ -164,18 +180,18 @@ def test_a_parameter_nobody_reads_through_an_op_is_reported_on_its_module():
 
 
 def test_type_rule_gives_the_same_located_error_as_the_exact_name():
-    model = Wrap(nn.LSTM(8, 8, batch_first=True), lambda m, x: m(x)[0])
+    model = Wrap(nn.MultiheadAttention(8, 2, batch_first=True), lambda m, x: m(x, x, x)[0])
     for extra in ("", "  input = a8"):  # with input set, the weight used to be dropped silently
         errs = {}
-        for target in ("type:LSTM", "inner"):
+        for target in ("type:MultiheadAttention", "inner"):
             with pytest.raises(SpecError) as info:
                 qdsl.apply(model, spec(W8A8 + f"rule {target} {{ weight = w8{extra} }}\n"))
             (d,) = info.value.diagnostics
             errs[target] = d
-        assert errs["type:LSTM"].code == errs["inner"].code == "E203"
-        assert errs["type:LSTM"].span.line == errs["inner"].span.line == 5
+        assert errs["type:MultiheadAttention"].code == errs["inner"].code == "E203"
+        assert errs["type:MultiheadAttention"].span.line == errs["inner"].span.line == 5
         for d in errs.values():
-            assert "weight_ih_l0" in " ".join(d.notes)
+            assert "in_proj_weight" in " ".join(d.notes)
             assert d.span.source_line()[d.span.col - 1:].startswith("w8")
     assert state_of(model) is None
 
@@ -265,7 +281,7 @@ def test_linear_subclass_gets_a_rule_hint():
     ("Embedding", W8A8 + "rule type:Embedding { weight = float }\n"),  # the spec says float
 ])
 def test_quiet_when_the_spec_does_not_reach_it(kind, text):
-    make, call, example = MODULES[kind]
+    make, call, example = {**MODULES, **RECURRENT}[kind]
     model = Wrap(make(), call)
     handle, found = _apply(model, text, example_input=example())
     assert found == []

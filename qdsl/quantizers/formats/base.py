@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from qdsl.quantizers import functional as F
-from qdsl.spec.model import Role
 
 __all__ = ["FormatOps", "WeightInts", "NotExportable", "packed_int_dtype", "TINY", "zero_gain", "is_weight"]
 
@@ -71,7 +70,7 @@ def zero_gain(sur: torch.Tensor) -> torch.Tensor:
 
 def is_weight(q: Any) -> bool:
     """The quantizer's tensor is a parameter (weight/bias), not an activation."""
-    return q.role in (Role.WEIGHT, Role.BIAS)
+    return q.role.is_param
 
 
 class _MaskedValue(torch.autograd.Function):

@@ -5,14 +5,13 @@ from __future__ import annotations
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import ste
 from qdsl.quantizers.formats.base import FormatOps, WeightInts, is_weight
-from qdsl.spec.model import Role
 
 __all__ = ["TernaryOps"]
 
 
 class TernaryOps(FormatOps):
     def raw_scale(self, q, x, lo, hi):
-        if q.role is Role.WEIGHT and x is not None:
+        if q.role.is_weight and x is not None:
             # TWN: threshold 0.7·mean|W| and α = mean|W| above it, from the weight itself
             thr, raw = F.ternary_params(x.detach(), q.axis, q.group_size)
             return raw, thr
