@@ -215,8 +215,8 @@ def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:
         return h.make_tensor_value_info(onnx_name, tp.FLOAT, dims)
 
     outputs = []
-    for i, name in enumerate(graph.outputs):
-        final = f"output{i}" if i else "output"
+    for name in graph.outputs:  # named as in the integer graph: output, output1, ... or a returned dict's keys
+        final = name
         w.nodes.append(h.make_node("Identity", [env[name]], [final], name=final))
         outputs.append(vi(name, final))
     g = h.make_graph(w.nodes, graph.name, [vi(n, n) for n in graph.inputs], outputs, w.inits)
