@@ -42,7 +42,7 @@ from qdsl.export.graph_io import ExampleCall, bind_example, output_names
 from qdsl.export.lower_layers import act_target, wide
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
-from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
+from qdsl.export.values import Builder, ExportError, FloatVal, IdsVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.patch.trace import MarkingTracer, quantizer_mark
 
@@ -84,6 +84,11 @@ def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = 
     except Exception as exc:  # fx raises many types for untraceable code
         raise ExportError("", f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}",
                           "export needs a model without data-dependent control flow") from None
+
+
+def _qualified(m: nn.Module) -> str:
+    cls = type(m)
+    return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__name__
 
 
 def is_single_layer(model: nn.Module, handle) -> bool:
@@ -233,8 +238,13 @@ class _Lowerer:
             if node.op == "placeholder":
                 self.env[node] = self.placeholder(node)
             elif node.op == "get_attr":
+                owner = self.modules.get(str(node.target).rpartition(".")[0])
+                hint = ("only modules and functional ops on activations can be exported" if owner is None
+                        else f"qdsl quantizes '{node.target}' only inside a call of {type(owner).__name__} "
+                             f"'{str(node.target).rpartition('.')[0]}': call the {_qualified(owner)} module "
+                             "instead of reading its parameter")
                 raise ExportError(self.where(node), f"the forward reads the tensor attribute '{node.target}' directly",
-                                  "only modules and functional ops on activations can be exported")
+                                  hint)
             elif node.op == "call_module":
                 self.env[node] = self.call_module(node, self.modules[node.target], args)
             elif node.op == "call_function":
@@ -258,9 +268,10 @@ class _Lowerer:
             return example
         base = "input" if len(self.call.tensor_params) == 1 else param
         shape = self.shape(node)
-        if not example.is_floating_point():
-            raise ExportError("", f"input '{param}' holds integers ({example.dtype}), which only an embedding "
-                                  "lookup reads", "pass float inputs, or feed the ids to an nn.Embedding")
+        if not example.is_floating_point():  # token ids: an I32 input only an embedding lookup reads
+            name = self.b.tensor(base, DType.I32, shape)
+            self.input_names.append(name)
+            return IdsVal(f"<input {param}>" if base != "input" else "<input>", shape, name)
         name = self.b.tensor(base, DType.F32, shape)
         self.input_names.append(name)
         self.input_shapes[name] = shape

@@ -2,6 +2,7 @@
 
 While lowering a traced model (lower.py) every fx node maps to one of:
 
+* :class:`IdsVal` - integer token ids (an I32 graph input; only an embedding reads them);
 * :class:`FloatVal` - a float tensor: the graph input (which a quantizer may turn into
   QUANTIZE/BINARIZE) or a value nothing quantized (an error if it reaches an integer op);
 * :class:`QVal` - an integer tensor of the graph with its grid: real = (q - zp) · scale;
@@ -26,7 +27,7 @@ import numpy as np
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["ExportError", "Target", "QVal", "FloatVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
+__all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
 
 ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 INT32_TARGET_BITS = 16
@@ -101,6 +102,15 @@ class FloatVal:
     shape: tuple[int, ...]
     name: str | None = None
     reshape: tuple[int, ...] | None = None
+
+
+@attrs.frozen
+class IdsVal:
+    """Integer token ids: an I32 graph input ``name``, read only by an embedding lookup."""
+
+    origin: str
+    shape: tuple[int, ...]
+    name: str
 
 
 @attrs.define(eq=False)

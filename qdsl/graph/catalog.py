@@ -56,6 +56,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "mul": ("MUL",),  # two activations (lower_mul.py); a constant factor has no lowering
     "lut": ("LUT", "LUT_CHANNEL"),  # an elementwise function of an 8-bit input: 256-entry tables (lower_lut.py)
     "resize": ("RESIZE",),  # nearest / (bi)linear upsampling (lower_resize.py)
+    "embedding": ("EMBEDDING",),  # a lookup of I32 token ids in the quantized table (lower_embedding.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
@@ -145,6 +146,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("GELU", "gelu", "lut"),
         ("SiLU", "silu", "lut"),
         ("PReLU", "prelu", "lut"),  # its slope is read at export: one table (per channel: LUT_CHANNEL)
+        ("Embedding", "embedding", "embedding"),
         ("Upsample", "upsample", "resize"),
         ("UpsamplingNearest2d", "upsample", "resize"),
         ("UpsamplingBilinear2d", "upsample", "resize"),

@@ -23,7 +23,7 @@ __all__ = ["CompiledGraph"]
 
 _F32, _I8, _U8, _I32, _BIN = 1, 2, 3, 4, 9
 _NP = {_F32: np.float32, _I8: np.int8, _U8: np.uint8, _I32: np.int32, _BIN: np.int8}
-_RANGE = {_I8: (-128, 127), _U8: (0, 255)}
+_RANGE = {_I8: (-128, 127), _U8: (0, 255), _I32: (-(2**31), 2**31 - 1)}
 
 
 class _IO:

@@ -32,8 +32,9 @@ enum OpCode : int {
   kConvTranspose2d = 23,
   kResize = 24,
   kLutChannel = 25,
+  kEmbedding = 30,
 };
-constexpr int kMaxOpcode = 25;
+constexpr int kMaxOpcode = 30;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -78,6 +79,7 @@ inline constexpr AttrSchema kConvTranspose1dAttrs[] = {{"stride", kAttrInts}, {"
 inline constexpr AttrSchema kConvTranspose2dAttrs[] = {{"stride", kAttrInts}, {"padding", kAttrInts}, {"output_padding", kAttrInts}, {"dilation", kAttrInts}, {"groups", kAttrInt}, {"in_zp", kAttrInt}, {"w_zp", kAttrInts}, {"acc_bits", kAttrInt}, {"overflow", kAttrInt}};
 inline constexpr AttrSchema kResizeAttrs[] = {{"size", kAttrInts}, {"index", kAttrInts}, {"weight", kAttrInts}, {"frac_bits", kAttrInt}, {"in_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kLutChannelAttrs[] = {{"table", kAttrInts}};
+inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -107,6 +109,11 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"CONV_TRANSPOSE2D", 2, 3, true, kConvTranspose2dAttrs, 9},
     {"RESIZE", 1, 1, false, kResizeAttrs, 12},
     {"LUT_CHANNEL", 1, 1, false, kLutChannelAttrs, 1},
+    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
+    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
+    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
+    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
+    {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -138,6 +145,7 @@ extern const OpDef kConvTranspose1dDef;
 extern const OpDef kConvTranspose2dDef;
 extern const OpDef kResizeDef;
 extern const OpDef kLutChannelDef;
+extern const OpDef kEmbeddingDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -165,6 +173,11 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kConvTranspose2dDef,
     &kResizeDef,
     &kLutChannelDef,
+    nullptr,  // unassigned
+    nullptr,  // unassigned
+    nullptr,  // unassigned
+    nullptr,  // unassigned
+    &kEmbeddingDef,
 };
 
 }  // namespace qdsl
