@@ -105,7 +105,8 @@ def _as_call(value: Any) -> tuple[tuple, dict]:
     return (value,), {}
 
 
-def _split(model: nn.Module, batch: Any, inputs: Any, sig: inspect.Signature | None, label: str) -> tuple[tuple, dict]:
+def _split(model: nn.Module, batch: Any, inputs: Any, sig: inspect.Signature | None, label: str,
+           what: str) -> tuple[tuple, dict]:
     if isinstance(batch, BatchCall):
         return batch.args, batch.kwargs
     if callable(inputs):
@@ -115,7 +116,7 @@ def _split(model: nn.Module, batch: Any, inputs: Any, sig: inspect.Signature | N
     if not isinstance(batch, (tuple, list)):
         if isinstance(batch, torch.Tensor):
             return (batch,), {}
-        raise BatchError(f"{label}: a batch must be a tensor, a tuple/list or a dict of keyword arguments, "
+        raise BatchError(f"{label}: {what} batches must be tensors, tuples/lists or dicts of keyword arguments, "
                          f"got {describe(batch)}")
     if not batch:
         raise BatchError(f"{label}: the batch is an empty {type(batch).__name__}")
@@ -149,7 +150,7 @@ def batch_call(model: nn.Module, batch: Any, inputs: Any = None, *, index: int |
     _check_inputs(inputs)
     label = f"{what} batch {index}" if index is not None else f"{what} batch"
     sig = _signature(model)
-    args, kwargs = _split(model, batch, inputs, sig, label)
+    args, kwargs = _split(model, batch, inputs, sig, label, what)
     if sig is not None:
         try:
             sig.bind(*args, **kwargs)

@@ -109,7 +109,7 @@ def test_dict_of_kwargs_nested_in_a_pair():
     ("short", None, r"needs 3 positional inputs"),
     ("extra", "all", r"too many positional arguments"),
     ("kw", None, r"missing a required argument: 'h'"),
-    ("str", None, r"must be a tensor, a tuple/list or a dict"),
+    ("str", None, r"batches must be tensors, tuples/lists or dicts"),
     ("short", 5, r"inputs=5 takes the first 5"),
     ("short", "first", r"inputs='first'"),
 ])
