@@ -261,3 +261,26 @@ def test_lint_and_export_agree_on_embeddings(tmp_path):
 
     found = [d for d in qdsl.lint(spec, "specs/hw/tflite-int8.toml", Functional()) if d.code == "W321"]
     assert len(found) == 1 and "'embedding' has no integer lowering" in found[0].message
+
+
+def test_onnx_gathers_the_dequantized_table(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnx")
+    from qdsl.export.onnx import export_onnx
+
+    ids = _ids()
+    graphs = []
+    for _ in range(2):  # export marks a model EXPORTED: the same weights, applied twice
+        torch.manual_seed(0)
+        model = Bag().eval()
+        _frozen(model, _spec(tmp_path), ids)
+        graphs.append(model)
+    g = qdsl.export(graphs[0], ids)
+    proto = export_onnx(graphs[1], ids)
+    assert "Gather" in {n.op_type for n in proto.graph.node}
+    basic = ort.SessionOptions()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    sess = ort.InferenceSession(proto.SerializeToString(), basic)
+    (y,) = sess.run(None, {"input": ids.numpy().astype(np.int32)})
+    want = execute(g, ids).outputs[0]
+    assert np.abs(y - want).max() <= 0.02 * np.abs(want).max()
