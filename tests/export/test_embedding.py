@@ -284,3 +284,28 @@ def test_onnx_gathers_the_dequantized_table(tmp_path):
     (y,) = sess.run(None, {"input": ids.numpy().astype(np.int32)})
     want = execute(g, ids).outputs[0]
     assert np.abs(y - want).max() <= 0.02 * np.abs(want).max()
+
+
+class TokenAndPosition(nn.Module):
+    """BERT-style: token and position embeddings added (two id inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(50, 8), nn.Embedding(5, 8)
+        self.fc = nn.Linear(5 * 8, 3)
+
+    def forward(self, ids, pos):
+        return self.fc((self.tok(ids) + self.pos(pos)).flatten(1))
+
+
+def test_token_plus_position_embeddings(tmp_path):
+    torch.manual_seed(0)
+    model = TokenAndPosition().eval()
+    ids, pos = _ids(), torch.arange(5).repeat(32, 1)
+    ref = _frozen(model, _spec(tmp_path), (ids, pos))
+    g = qdsl.export(model, (ids, pos))
+    assert [op.type.name for op in g.ops][:3] == ["EMBEDDING", "EMBEDDING", "ADD"]
+    y = qdsl.run_graph(g, (ids, pos), backend="reference")
+    assert float(F.cosine_similarity(torch.as_tensor(y).flatten(), ref.flatten(), 0)) >= 0.99
+    if rt.available():
+        np.testing.assert_array_equal(qdsl.run_graph(g, (ids, pos), backend="cpp"), y)
