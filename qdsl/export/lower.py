@@ -263,6 +263,8 @@ class _Lowerer:
         trace specialized it to (graph_io.py)."""
         i = self._placeholders
         self._placeholders += 1
+        if i >= len(self.call.params):  # fx's placeholder for an unused **kwargs (nothing was passed to it)
+            return None
         param, example = self.call.params[i], self.call.values[i]
         if not isinstance(example, torch.Tensor):
             return example

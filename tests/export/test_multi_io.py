@@ -195,3 +195,30 @@ def test_onnx_export_keeps_the_inputs_and_output_names(tmp_path):
     want = execute(g, (x, mask)).outputs
     for a, b in zip(got, want):
         assert np.abs(a - b).max() <= 0.02 * np.abs(b).max()
+
+
+def test_forward_with_unused_kwargs_and_varargs():
+    class KwArgs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(6, 3)
+
+        def forward(self, x, **kwargs):  # before: an IndexError (fx's placeholder for **kwargs)
+            return self.fc(x)
+
+    class VarArgs(KwArgs):
+        def forward(self, *args):
+            return self.fc(args[0])
+
+    x, _ = _data()
+    for cls in (KwArgs, VarArgs):
+        torch.manual_seed(0)
+        model = cls().eval()
+        qdsl.apply(model, SPEC)
+        qdsl.calibrate(model, [x])
+        qdsl.freeze(model)
+        if cls is KwArgs:
+            assert qdsl.export(model, x).inputs == ("input",)
+        else:
+            with pytest.raises(ExportError, match=r"takes \*args/\*\*kwargs \(args\)"):
+                qdsl.export(model, x)
