@@ -22,7 +22,12 @@ per catalog `lowering` name, dispatched from here):
 * max pool and reshapes commute with quantization and are applied after it; average
   pools sum integers and fold the divisor into the requantization; ``torch.cat`` becomes
   CONCAT with per-input rescales; ``a * b`` of two quantized values becomes MUL
-  (lower_mul.py); folded BatchNorms, Identity and Dropout vanish.
+  (lower_mul.py); an ``nn.Embedding`` with a quantized table becomes EMBEDDING on an I32
+  ids input (lower_embedding.py); folded BatchNorms, Identity and Dropout vanish.
+
+Inputs and outputs (graph_io.py): the example input is a tensor, a tuple of positional or
+a dict of keyword inputs (one graph input per tensor: F32, or I32 for integer token ids);
+a tuple or dict result gives one graph output per element.
 
 Anything else - an op with no integer lowering, a float layer between integer layers, a
 value that must be quantized but has no quantizer - raises :class:`ExportError` naming
