@@ -309,3 +309,14 @@ def test_token_plus_position_embeddings(tmp_path):
     assert float(F.cosine_similarity(torch.as_tensor(y).flatten(), ref.flatten(), 0)) >= 0.99
     if rt.available():
         np.testing.assert_array_equal(qdsl.run_graph(g, (ids, pos), backend="cpp"), y)
+
+
+def test_a_profile_can_list_embedding(tmp_path):
+    spec = _spec(tmp_path)
+    text = open("specs/hw/tflite-int8.toml").read()
+    assert 'ops = ["conv1d",' in text
+    prof = tmp_path / "with-embedding.toml"
+    prof.write_text(text.replace('ops = ["conv1d",', 'ops = ["embedding", "conv1d",'))
+    codes = lambda p: {(d.code, "embedding" in d.message) for d in qdsl.lint(spec, str(p), Bag())}  # noqa: E731
+    assert ("E310", True) in codes("specs/hw/tflite-int8.toml")
+    assert ("E310", True) not in codes(prof)
