@@ -43,10 +43,17 @@ def apply(model: Any, spec: Any, *, overrides: Any = None, registries: Any = Non
 
 
 def calibrate(model: Any, batches: Iterable[Any], num_batches: int | None = None,
-              progress: bool | None = None) -> Any:
+              progress: bool | None = None, *, inputs: Any = None) -> Any:
     """:func:`qdsl.calibration.calibrate` followed by the PTQ steps the spec enables
-    (:func:`qdsl.ptq.finish_calibration`), on the same batches."""
+    (:func:`qdsl.ptq.finish_calibration`), on the same batches.
+
+    A batch is a tensor, a tuple/list or a dict of keyword arguments: a tuple passes as
+    many leading elements as ``model.forward`` has required positional parameters (so
+    ``(x, y)`` pairs call ``model(x)`` and ``(x, h, c)`` calls ``model(x, h, c)``), a
+    ``((x, mask), y)`` tuple passes its first element; ``inputs="all"``, ``inputs=k`` or
+    ``inputs=lambda batch: ...`` say it explicitly (:mod:`qdsl.calibration.batches`).
+    A batch that does not fit the forward is a ``BatchError`` naming both."""
     from qdsl.calibration import calibrate as observe
     from qdsl.ptq import pipeline
 
-    return observe(model, batches, num_batches, progress, steps=pipeline)
+    return observe(model, batches, num_batches, progress, steps=pipeline, inputs=inputs)

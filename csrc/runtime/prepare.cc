@@ -147,11 +147,15 @@ Status PrepareGraph(Graph* g) {
   const int n_tensors = static_cast<int>(g->tensors.size());
   std::vector<char> ready(n_tensors, 0);
   for (int i = 0; i < n_tensors; ++i) ready[i] = g->tensors[i].is_constant;
+  // I32 graph inputs are token ids: only EMBEDDING reads them, as its first input (other
+  // ops take I32 activations as accumulators)
+  std::vector<char> ids(n_tensors, 0);
   for (uint32_t t : g->inputs) {
     const GraphTensor& in = g->tensors[t];
-    QDSL_CHECK(!in.is_constant && (in.dtype == kF32 || IsInt8(in.dtype)), StatusCode::kFormatError,
-               "graph input '%s' must be an F32/I8/U8 activation", in.name.c_str());
+    QDSL_CHECK(!in.is_constant && (in.dtype == kF32 || in.dtype == kI32 || IsInt8(in.dtype)), StatusCode::kFormatError,
+               "graph input '%s' must be an F32/I8/U8/I32 activation", in.name.c_str());
     ready[t] = 1;
+    ids[t] = in.dtype == kI32;
   }
   for (GraphTensor& t : g->tensors) DTypeRange(t.dtype, &t.value_min, &t.value_max);
   for (int index = 0; index < static_cast<int>(g->ops.size()); ++index) {
@@ -161,6 +165,10 @@ Status PrepareGraph(Graph* g) {
     OP_CHECK(n_in >= sc.min_inputs && (sc.max_inputs < 0 || n_in <= sc.max_inputs), "wrong number of inputs (%d)", n_in);
     OP_CHECK(op.outputs.size() == 1, "ops have exactly one output");
     for (uint32_t t : op.inputs) OP_CHECK(ready[t], "input '%s' is not produced before this op", g->tensors[t].name.c_str());
+    for (int k = 0; k < n_in; ++k)
+      OP_CHECK(!ids[op.inputs[k]] || (k == 0 && op.opcode == kEmbedding),
+               "input '%s' is an I32 graph input (token ids), which only EMBEDDING reads (as its first input)",
+               g->tensors[op.inputs[k]].name.c_str());
     const uint32_t out_index = op.outputs[0];
     GraphTensor& out = g->tensors[out_index];
     OP_CHECK(!ready[out_index] && !out.is_constant, "output '%s' is produced twice or is a constant", out.name.c_str());

@@ -8,8 +8,10 @@
   and dropout are left alone) and gets its train/eval flags back afterwards.
 * ``calibrate(model, batches, num_batches=None, progress=None, steps=None)`` runs
   batches under ``torch.no_grad()`` inside ``calibrating``.  A batch is a tensor, a
-  tuple/list whose first element is the input (``(x, y)`` pairs), or a dict of keyword
-  arguments.  A small progress bar goes to stderr when it is a terminal
+  tuple/list (positional inputs, then targets: ``(x, y)`` pairs call ``model(x)``,
+  ``(x, h, c)`` calls ``model(x, h, c)`` when forward requires three) or a dict of
+  keyword arguments; the rule and the ``inputs=`` selector that overrides it are in
+  :mod:`qdsl.calibration.batches`.  A small progress bar goes to stderr when it is a terminal
   (``progress=True/False`` forces it).  Under ``torch.distributed`` the observer
   statistics of all ranks are merged (:mod:`qdsl.calibration.distributed`).  Then, if
   the spec enables them, learned rounding and bias correction run on the same batches:
@@ -34,6 +36,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from qdsl.calibration.batches import batch_call
 from qdsl.patch.frozen import frozen_layer
 from qdsl.patch.handle import State, get_handle
 from qdsl.spec.diagnostics import QdslError
@@ -108,20 +111,6 @@ def calibrating(model: nn.Module) -> Iterator[nn.Module]:
             patch.refresh_now()  # module.weight reads the quantized weight again
 
 
-def _run(model: nn.Module, batch: Any) -> None:
-    if isinstance(batch, torch.Tensor):
-        model(batch)
-    elif isinstance(batch, dict):
-        model(**batch)
-    elif isinstance(batch, (tuple, list)) and batch:
-        model(batch[0])
-    else:
-        raise QdslError(
-            f"calibration batches must be tensors, (input, ...) tuples/lists or dicts of keyword "
-            f"arguments, got {type(batch).__name__}"
-        )
-
-
 def _spec_steps(model: nn.Module) -> list[str]:
     # what the spec asks to run after the observers (qdsl.ptq.pipeline implements them)
     spec = get_handle(model).plan.spec
@@ -130,8 +119,13 @@ def _spec_steps(model: nn.Module) -> list[str]:
 
 
 def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None = None,
-              progress: bool | None = None, *, steps: Any = None) -> nn.Module:
+              progress: bool | None = None, *, steps: Any = None, inputs: Any = None) -> nn.Module:
     """Run ``batches`` (at most ``num_batches``) through the model while observing.
+
+    ``inputs``: which part of a tuple/list batch is the model's input (None: the rule of
+    :mod:`qdsl.calibration.batches`; ``"all"``; an int k: the first k elements; or a
+    callable ``batch -> inputs``).  A batch that does not fit ``model.forward`` raises
+    :class:`~qdsl.calibration.batches.BatchError` naming the batch and the forward.
 
     Under ``torch.distributed`` (initialised), the observer statistics of all ranks are
     merged afterwards (:func:`qdsl.calibration.distributed.sync_observers`), so every
@@ -160,9 +154,10 @@ def calibrate(model: nn.Module, batches: Iterable[Any], num_batches: int | None 
         for batch in batches:
             if num_batches is not None and seen >= num_batches:
                 break
-            _run(model, batch)
+            call = batch_call(model, batch, inputs, index=seen)
+            model(*call.args, **call.kwargs)
             if kept is not None:
-                kept.append(batch)
+                kept.append(call)  # the PTQ steps re-run exactly these calls
             seen += 1
             bar.update()
     bar.close()

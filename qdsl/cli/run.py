@@ -1,7 +1,10 @@
 """``qdsl run GRAPH --input FILE.npy [--output FILE.npy] [--backend auto|reference|cpp] [--plan]``.
 
 Loads and validates a ``.qgraph`` file, runs it on the array stored in the ``.npy`` input
-file, and writes the output array (``.npy``) or prints a short summary. ``--overflow``
+file, and writes the output array (``.npy``) or prints a short summary. A graph with
+several inputs takes ``--input`` once per input, in the graph's input order
+(``-i x.npy -i mask.npy``) or by name (``-i x=x.npy -i mask=m.npy``), or one ``.npz``
+whose keys are the input names; several outputs are written to an ``.npz`` by name. ``--overflow``
 prints the per-layer accumulator overflow counts (reference backend). ``--plan`` prints,
 per op, what the C++ runtime proved and chose: the input's value range, the AVX2 int
 kernel of convs and linears, and whether an accumulator can overflow (no input needed).
@@ -20,7 +23,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("run", help="run an integer graph (.qgraph) on a .npy input",
                               description=__doc__.split("\n\n")[1] if __doc__ else None)
     p.add_argument("graph", help="the .qgraph file")
-    p.add_argument("--input", "-i", help="input array (.npy), batch first (required unless --plan)")
+    p.add_argument("--input", "-i", action="append",
+                   help="input array (.npy), batch first (required unless --plan); several inputs: repeat it, "
+                        "in input order or as NAME=FILE.npy, or pass one .npz keyed by input name")
     p.add_argument("--output", "-o", help="write the output array here (.npy); several outputs: .npz")
     p.add_argument("--backend", choices=("auto", "reference", "cpp"), default="auto")
     p.add_argument("--overflow", action="store_true", help="print accumulator overflow counts per layer (reference)")
@@ -40,6 +45,31 @@ def _load_npy(path: str):
         raise QdslError(f"cannot read input array {path!r}: {e}") from None
 
 
+def _read_inputs(graph, specs: list[str]):
+    """The graph's inputs from ``--input`` values: a tuple (positional) or a dict by name."""
+    import numpy as np
+
+    from qdsl.spec.diagnostics import QdslError
+
+    if len(specs) == 1 and specs[0].endswith(".npz") and "=" not in specs[0]:
+        try:
+            with np.load(specs[0], allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except (OSError, ValueError) as e:
+            raise QdslError(f"cannot read input arrays {specs[0]!r}: {e}") from None
+    named = ["=" in s for s in specs]
+    if any(named) and not all(named):
+        raise QdslError("--input: give every input by name (NAME=FILE.npy) or none")
+    if all(named):
+        pairs = [s.split("=", 1) for s in specs]
+        return {k: _load_npy(v) for k, v in pairs}
+    if len(specs) != len(graph.inputs):
+        raise QdslError(f"the graph takes {len(graph.inputs)} input(s) ({', '.join(graph.inputs)}), "
+                        f"got {len(specs)} --input file(s)")
+    arrays = [_load_npy(s) for s in specs]
+    return arrays[0] if len(arrays) == 1 else tuple(arrays)
+
+
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -55,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
     if not args.input:
         raise QdslError("qdsl run needs --input FILE.npy (or --plan alone)")
-    x = _load_npy(args.input)
+    x = _read_inputs(graph, args.input)
     if args.overflow:
         res = execute(graph, x)
         outputs = res.outputs
@@ -63,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"overflow {name}: {n}")
     else:
         y = run_graph(graph, x, backend=args.backend)
-        outputs = y if isinstance(y, tuple) else (y,)
+        outputs = tuple(y.values()) if isinstance(y, dict) else y if isinstance(y, tuple) else (y,)
     if args.output:
         if len(outputs) == 1:
             np.save(args.output, outputs[0])

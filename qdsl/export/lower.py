@@ -22,7 +22,12 @@ per catalog `lowering` name, dispatched from here):
 * max pool and reshapes commute with quantization and are applied after it; average
   pools sum integers and fold the divisor into the requantization; ``torch.cat`` becomes
   CONCAT with per-input rescales; ``a * b`` of two quantized values becomes MUL
-  (lower_mul.py); folded BatchNorms, Identity and Dropout vanish.
+  (lower_mul.py); an ``nn.Embedding`` with a quantized table becomes EMBEDDING on an I32
+  ids input (lower_embedding.py); folded BatchNorms, Identity and Dropout vanish.
+
+Inputs and outputs (graph_io.py): the example input is a tensor, a tuple of positional or
+a dict of keyword inputs (one graph input per tensor: F32, or I32 for integer token ids);
+a tuple or dict result gives one graph output per element.
 
 Anything else - an op with no integer lowering, a float layer between integer layers, a
 value that must be quantized but has no quantizer - raises :class:`ExportError` naming
@@ -33,16 +38,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.fx
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OutputStage
+from qdsl.export.graph_io import ExampleCall, bind_example, output_names
 from qdsl.export.lower_layers import act_target, wide
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
-from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
+from qdsl.export.values import Builder, ExportError, FloatVal, IdsVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph
@@ -65,11 +70,12 @@ class _ShapeRecorder(torch.fx.Interpreter):
         return self.module if target == "" else super().fetch_attr(target)  # the model is the layer
 
 
-def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
+def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = None) -> torch.fx.Graph:
     """The model's fx graph with explicit quantizer markers (see module doc); its module
-    targets are paths in ``model`` (``""`` when the model itself is the one layer)."""
+    targets are paths in ``model`` (``""`` when the model itself is the one layer).
+    ``concrete``: forward parameters specialized to a non-tensor value (fx concrete_args)."""
     tracer = MarkingTracer(handle)
-    if tracer.is_leaf_module(model, ""):
+    if is_single_layer(model, handle):
         # fx traces the root's forward and never treats the root as a call, so a model that
         # is one quantized layer (a bare nn.Linear) would read its weight as a tensor
         # attribute: build the one-call graph input -> layer -> output instead (the root's
@@ -80,10 +86,24 @@ def trace_quantized(model: nn.Module, handle) -> torch.fx.Graph:
         graph.output(call)
         return graph
     try:
-        return trace_graph(tracer, model)
+        return trace_graph(tracer, model, concrete)
     except Exception as exc:  # fx raises many types for untraceable code
         raise ExportError("", f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}",
                           "export needs a model without data-dependent control flow") from None
+
+
+def _qualified(m: nn.Module) -> str:
+    cls = type(m)
+    return f"nn.{cls.__name__}" if cls.__module__.startswith("torch.nn") else cls.__name__
+
+
+def is_single_layer(model: nn.Module, handle) -> bool:
+    """The model is one quantized layer (traced as one call, see trace_quantized)."""
+    return MarkingTracer(handle).is_leaf_module(model, "")
+
+
+# fx inserts this check after a parameter specialized by concrete_args; it is no graph op
+_ASSERT_IS_NONE = getattr(getattr(torch.fx, "_symbolic_trace", None), "_assert_is_none", None)
 
 
 # what each module class / function / method lowers to: the shared construct table
@@ -93,13 +113,15 @@ _METHOD_RULES = methods(lambda c: c.lowering is not None)
 
 
 class _Lowerer:
-    def __init__(self, model: nn.Module, handle, graph: torch.fx.Graph, single_rounding: bool):
-        self.model, self.handle, self.graph = model, handle, graph
+    def __init__(self, model: nn.Module, handle, graph: torch.fx.Graph, single_rounding: bool, call: ExampleCall):
+        self.model, self.handle, self.graph, self.call = model, handle, graph, call
         self.modules = dict(model.named_modules())
         self.folded_bns = {p.bn_fqn for p in handle.layers.values() if p.bn_fqn}
         self.b = Builder(single_rounding)
         self.env: dict[torch.fx.Node, Any] = {}
         self.input_names: list[str] = []
+        self.input_shapes: dict[str, tuple[int, ...]] = {}
+        self._placeholders = 0
 
     # ---------------------------------------------------------------- helpers
     def shape(self, node: torch.fx.Node) -> tuple[int, ...]:
@@ -119,7 +141,7 @@ class _Lowerer:
         if isinstance(value, QVal):
             return self.requantize(value, t)
         if isinstance(value, FloatVal) and value.name is not None:
-            shape = self.input_shape  # before any reshape the model applied to its float input
+            shape = self.input_shapes[value.name]  # before any reshape the model applied to its float input
             if t.dtype is DType.BIN:
                 name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, shape, {"zero_point": 0})
             else:
@@ -187,6 +209,8 @@ class _Lowerer:
         where = self.where(node)
         if fn is quantizer_mark:
             return self.quantize(args[0], args[1], args[2])
+        if fn is _ASSERT_IS_NONE and fn is not None:
+            return None
         construct = _FUNCTION_RULES.get(fn)
         rule = FUNCTION_RULES.get(construct.lowering) if construct is not None else None
         if rule is not None:
@@ -211,22 +235,26 @@ class _Lowerer:
     # ---------------------------------------------------------------- walk
     def run(self, graph_name: str) -> Any:
         outputs: list[str] = []
+        out_node = next(n for n in self.graph.nodes if n.op == "output")
+        names = [n for n, _ in output_names(out_node.args[0])]
+        clash = sorted(set(names) & set(self.call.tensor_params)) if len(self.call.tensor_params) > 1 else []
+        if clash:
+            raise ExportError("", f"the model returns output(s) named {', '.join(map(repr, clash))}, "
+                                  "which are also its input names", "rename the dict keys")
+        self.b.reserved.update(names)
         for node in self.graph.nodes:
             args = torch.fx.node.map_arg(node.args, lambda n: self.env[n])
             kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
             if node.op == "placeholder":
-                if self.input_names:
-                    raise ExportError("", "models with more than one input are not supported by export")
-                shape = self.input_shape = self.shape(node)
-                name = self.b.tensor("input", DType.F32, shape)
-                self.input_names.append(name)
-                value: Any = FloatVal("<input>", shape, name)
-                if self.handle.quantizer("", "input") is not None:
-                    value = self.quantize(value, "", "input")
-                self.env[node] = value
+                self.env[node] = self.placeholder(node)
             elif node.op == "get_attr":
+                owner = self.modules.get(str(node.target).rpartition(".")[0])
+                hint = ("only modules and functional ops on activations can be exported" if owner is None
+                        else f"qdsl quantizes '{node.target}' only inside a call of {type(owner).__name__} "
+                             f"'{str(node.target).rpartition('.')[0]}': call the {_qualified(owner)} module "
+                             "instead of reading its parameter")
                 raise ExportError(self.where(node), f"the forward reads the tensor attribute '{node.target}' directly",
-                                  "only modules and functional ops on activations can be exported")
+                                  hint)
             elif node.op == "call_module":
                 self.env[node] = self.call_module(node, self.modules[node.target], args)
             elif node.op == "call_function":
@@ -234,27 +262,49 @@ class _Lowerer:
             elif node.op == "call_method":
                 self.env[node] = self.call_method(node, node.target, args)
             elif node.op == "output":
-                results = args[0] if isinstance(args[0], (tuple, list)) else [args[0]]
-                for i, value in enumerate(results):
+                for name, value in output_names(args[0]):
                     if self.handle.quantizer("", "output") is not None:
                         value = self.quantize(value, "", "output")
-                    outputs.append(self.dequantize(value, i))
+                    outputs.append(self.dequantize(value, name))
         return self.b.graph(self.input_names, outputs, graph_name).validate()
 
-    def dequantize(self, value: Any, i: int) -> str:
-        out = "output" if i == 0 else f"output{i}"
+    def placeholder(self, node: torch.fx.Node) -> Any:
+        """A forward parameter: a graph input (a tensor in the example), or the value the
+        trace specialized it to (graph_io.py)."""
+        i = self._placeholders
+        self._placeholders += 1
+        if i >= len(self.call.params):  # fx's placeholder for an unused **kwargs (nothing was passed to it)
+            return None
+        param, example = self.call.params[i], self.call.values[i]
+        if not isinstance(example, torch.Tensor):
+            return example
+        base = "input" if len(self.call.tensor_params) == 1 else param
+        shape = self.shape(node)
+        if not example.is_floating_point():  # token ids: an I32 input only an embedding lookup reads
+            name = self.b.tensor(base, DType.I32, shape)
+            self.input_names.append(name)
+            return IdsVal(f"<input {param}>" if base != "input" else "<input>", shape, name)
+        name = self.b.tensor(base, DType.F32, shape)
+        self.input_names.append(name)
+        self.input_shapes[name] = shape
+        value: Any = FloatVal(f"<input {param}>" if base != "input" else "<input>", shape, name)
+        if i == 0 and self.handle.quantizer("", "input") is not None:  # the root's hook reads args[0]
+            value = self.quantize(value, "", "input")
+        return value
+
+    def dequantize(self, value: Any, out: str) -> str:
         if isinstance(value, Pending) and value.kind == "acc" and not value.post:
             # a float model output from a layer (no output quantizer): convert the int32
             # accumulator kept wide (exact for power-of-two scales)
             w = wide(self.b, value, value.origin)
             return self.b.op(OpType.DEQUANTIZE, "<output>", [w.name], DType.F32, value.shape,
-                             {"scale": w.scale, "zero_point": 0}, out=out)
+                             {"scale": w.scale, "zero_point": 0}, out=out, exact=True)
         if not isinstance(value, QVal):
             origin = getattr(value, "origin", "?")
             raise ExportError(origin, "the model output is not quantized, so the integer graph cannot produce it",
                               f"add `output = a8` (an activation quantizer) for '{origin}' in the spec")
         return self.b.op(OpType.DEQUANTIZE, "<output>", [value.name], DType.F32, value.shape,
-                         {"scale": value.scale, "zero_point": value.zp}, out=out)
+                         {"scale": value.scale, "zero_point": value.zp}, out=out, exact=True)
 
 
 REQUANT_MODES = ("gemmlowp", "single")
@@ -283,20 +333,20 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     if handle.state not in (State.FROZEN, State.EXPORTED):
         raise ExportError("", f"the model is {handle.state.value}, not frozen",
                           "calibrate it (qdsl.calibrate) and call qdsl.freeze(model) before exporting")
-    x = example_input if isinstance(example_input, torch.Tensor) else torch.as_tensor(np.asarray(example_input))
+    call = bind_example(model, example_input, is_single_layer(model, handle))
     # the trace only records shapes: run it in the model's own dtype (a float32 example
     # for a bfloat16 model, or the reverse); the integer graph itself has no float dtype
     dt = next((p.dtype for n, p in model.named_parameters() if not n.startswith("_qdsl.") and p.is_floating_point()),
               None)
-    if dt is not None and x.is_floating_point() and x.dtype != dt:
-        x = x.to(dt)
+    values = [v.to(dt) if dt is not None and isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != dt
+              else v for v in call.values]
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        graph_fx = trace_quantized(model, handle)
+        graph_fx = trace_quantized(model, handle, call.concrete)
         with torch.no_grad():  # the graph's targets are the model's own submodules (as a GraphModule's would be)
-            _ShapeRecorder(model, graph=graph_fx).run(x)
-        lowerer = _Lowerer(model, handle, graph_fx, requant == "single")
+            _ShapeRecorder(model, graph=graph_fx).run(*values)
+        lowerer = _Lowerer(model, handle, graph_fx, requant == "single", call)
         graph = lowerer.run(name or type(model).__name__)
     finally:
         for m, mode in modes.items():

@@ -176,6 +176,8 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return w.qdq(w.node("GlobalAveragePool", xs, out + "_pool"), out, *_stage(a))
     if t is OpType.RESIZE:
         return w.qdq(_resize(w, xs[0], op), out, *_stage(a))
+    if t is OpType.EMBEDDING:  # the dequantized table (per-row grid: axis 0), gathered by the int32 ids
+        return w.qdq(w.node("Gather", [w.weight(op.inputs[1]), xs[0]], out + "_gather", axis=0), out, *_stage(a))
     if t is OpType.RESHAPE:
         shape = w.const("shape", np.array([0, *a["shape"]], dtype=np.int64))
         return w.node("Reshape", [xs[0], shape], out)
@@ -217,11 +219,11 @@ def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:
     def vi(name: str, onnx_name: str):
         t = graph.tensor(name)
         dims = ["N"] + list(t.shape[1:]) if t.shape[0] == -1 else list(t.shape)
-        return h.make_tensor_value_info(onnx_name, tp.FLOAT, dims)
+        return h.make_tensor_value_info(onnx_name, tp.INT32 if t.dtype is DType.I32 else tp.FLOAT, dims)
 
     outputs = []
-    for i, name in enumerate(graph.outputs):
-        final = f"output{i}" if i else "output"
+    for name in graph.outputs:  # named as in the integer graph: output, output1, ... or a returned dict's keys
+        final = name
         w.nodes.append(h.make_node("Identity", [env[name]], [final], name=final))
         outputs.append(vi(name, final))
     g = h.make_graph(w.nodes, graph.name, [vi(n, n) for n in graph.inputs], outputs, w.inits)

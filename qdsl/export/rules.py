@@ -23,6 +23,7 @@ from torch import nn
 
 from qdsl.export.lower_attn import (View, layernorm_pending, permute_value, product, scale_pending,
                                      softmax_pending)
+from qdsl.export.lower_embedding import embedding_pending
 from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
 from qdsl.export.lower_lut import lut_pending
 from qdsl.export.lower_mul import mul_pending
@@ -67,6 +68,11 @@ def _is_value(a: Any) -> bool:
 def _layer(lw, node, m, x, shape, fqn):
     patch = lw.handle.layers.get(fqn)
     return layer_pending(lw.b, fqn, m, patch, lw.need_layer_input(x, fqn, patch), shape)
+
+
+@module_rule("embedding")
+def _embedding(lw, node, m, x, shape, fqn):
+    return embedding_pending(lw.b, fqn, m, lw.handle.layers.get(fqn), x, shape)
 
 
 @module_rule("batch_norm")

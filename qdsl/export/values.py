@@ -2,6 +2,7 @@
 
 While lowering a traced model (lower.py) every fx node maps to one of:
 
+* :class:`IdsVal` - integer token ids (an I32 graph input; only an embedding reads them);
 * :class:`FloatVal` - a float tensor: the graph input (which a quantizer may turn into
   QUANTIZE/BINARIZE) or a value nothing quantized (an error if it reaches an integer op);
 * :class:`QVal` - an integer tensor of the graph with its grid: real = (q - zp) · scale;
@@ -26,7 +27,7 @@ import numpy as np
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["ExportError", "Target", "QVal", "FloatVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
+__all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
 
 ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 INT32_TARGET_BITS = 16
@@ -103,6 +104,15 @@ class FloatVal:
     reshape: tuple[int, ...] | None = None
 
 
+@attrs.frozen
+class IdsVal:
+    """Integer token ids: an I32 graph input ``name``, read only by an embedding lookup."""
+
+    origin: str
+    shape: tuple[int, ...]
+    name: str
+
+
 @attrs.define(eq=False)
 class Pending:
     """A result waiting for its output stage (see module doc).
@@ -163,6 +173,8 @@ class Builder:
         self.tensors: list[Tensor] = []
         self.ops: list[Op] = []
         self._names: set[str] = set()
+        self.reserved: set[str] = set()
+        """Graph output names: other tensors avoid them, the output that asks gets it exactly."""
         self.info: dict[str, tuple[Any, Any]] = {}
         """Real-value grid per tensor name: ``(scale, zero point)`` (scalars or per channel)."""
 
@@ -171,23 +183,26 @@ class Builder:
         self.info[name] = (scale, zp)
         return QVal(name, scale, zp, qmin, qmax, dtype, tuple(shape))
 
-    def unique(self, base: str) -> str:
+    def unique(self, base: str, exact: bool = False) -> str:
         base = base or "t"
+        if exact and base in self.reserved and base not in self._names:
+            self._names.add(base)
+            return base
         name, i = base, 1
-        while name in self._names:
+        while name in self._names or name in self.reserved:
             i += 1
             name = f"{base}:{i}"
         self._names.add(name)
         return name
 
-    def tensor(self, base: str, dtype: DType, shape, data: Any = None) -> str:
-        name = self.unique(base)
+    def tensor(self, base: str, dtype: DType, shape, data: Any = None, exact: bool = False) -> str:
+        name = self.unique(base, exact)
         self.tensors.append(Tensor(name, dtype, shape, data))
         return name
 
     def op(self, type_: OpType, where: str, inputs: list[str], dtype: DType, shape, attrs_: dict,
-           out: str | None = None) -> str:
-        name = self.tensor(out or f"{where or 'model'}:{type_.name.lower()}", dtype, shape)
+           out: str | None = None, exact: bool = False) -> str:
+        name = self.tensor(out or f"{where or 'model'}:{type_.name.lower()}", dtype, shape, exact=exact)
         self.ops.append(Op(type_, where or "<model>", inputs, [name], attrs_))
         return name
 

@@ -55,12 +55,13 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "concat": ("CONCAT",),
     "mul": ("MUL",),  # two activations (lower_mul.py); a constant factor has no lowering
     "lut": ("LUT", "LUT_CHANNEL"),  # an elementwise function of an 8-bit input: 256-entry tables (lower_lut.py)
-    "resize": ("RESIZE",),
+    "resize": ("RESIZE",),  # nearest / (bi)linear upsampling (lower_resize.py)
     "matmul": ("MATMUL",),  # two activations, transposes folded in (lower_attn.py)
     "transpose": (),  # a view only a product reads (its operand or output permutation)
     "div": ("MATMUL",),  # a product's result divided by a constant: folded into its rescale
     "softmax": ("SOFTMAX",),  # last axis of an 8-bit input: exact exp table (lower_attn.py)
-    "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)  # nearest / (bi)linear upsampling (lower_resize.py)
+    "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)
+    "embedding": ("EMBEDDING",),  # a lookup of I32 token ids in the quantized table (lower_embedding.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }
@@ -75,7 +76,7 @@ WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpos
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",
     "hardsigmoid", "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
-    "reshape", "batch_norm", "prelu", "upsample", "matmul", "layer_norm",
+    "reshape", "batch_norm", "prelu", "upsample", "matmul", "layer_norm", "embedding",
 )
 """Every op name a profile may list (in ``ops``, ``op.<name>``, ``fusions``, ``fixed_output``)."""
 
@@ -151,6 +152,7 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("GELU", "gelu", "lut"),
         ("SiLU", "silu", "lut"),
         ("PReLU", "prelu", "lut"),  # its slope is read at export: one table (per channel: LUT_CHANNEL)
+        ("Embedding", "embedding", "embedding"),
         ("Upsample", "upsample", "resize"),
         ("UpsamplingNearest2d", "upsample", "resize"),
         ("UpsamplingBilinear2d", "upsample", "resize"),

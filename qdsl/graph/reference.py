@@ -37,9 +37,10 @@ from qdsl.graph.ops.lut import lut  # noqa: F401
 from qdsl.graph.ops.pool import avgpool, global_avgpool, maxpool  # noqa: F401
 from qdsl.graph.ops.requantize import requantize  # noqa: F401
 from qdsl.graph.ops.weighted import bconv, conv, linear  # noqa: F401
-from qdsl.spec.diagnostics import NonFiniteError, QdslError
+from qdsl.spec.diagnostics import NonFiniteError, QdslError, did_you_mean
 
-__all__ = ["GraphInputError", "ExecResult", "execute", "run_reference", "require_finite", "as_array"]
+__all__ = ["GraphInputError", "ExecResult", "execute", "run_reference", "require_finite", "as_array", "bind_inputs",
+           "shape_outputs"]
 
 
 class GraphInputError(QdslError):
@@ -92,6 +93,45 @@ def as_array(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def bind_inputs(names: Sequence[str], inputs) -> tuple[list, bool]:
+    """``(one value per graph input in order, keyed)`` for ``inputs``: a dict keyed by the
+    graph's input names (``keyed`` True), a tuple, or a list of arrays/tensors (positional,
+    in ``graph.inputs`` order), or anything else as the one input.  Missing, unknown or
+    surplus inputs raise :class:`GraphInputError` naming them."""
+    if isinstance(inputs, dict):
+        unknown = [k for k in inputs if k not in names]
+        missing = [n for n in names if n not in inputs]
+        if unknown or missing:
+            parts = []
+            if unknown:
+                parts.append("unknown input(s) " + ", ".join(repr(k) for k in unknown)
+                             + f" ({did_you_mean(str(unknown[0]), list(names), 'inputs')})")
+            if missing:
+                parts.append("missing " + ", ".join(repr(n) for n in missing))
+            raise GraphInputError(f"graph inputs are {', '.join(repr(n) for n in names)}: {'; '.join(parts)}")
+        return [inputs[n] for n in names], True
+    if isinstance(inputs, tuple) or (isinstance(inputs, list) and inputs and all(_is_array(v) for v in inputs)):
+        values = list(inputs)
+    else:
+        values = [inputs]
+    if len(values) != len(names):
+        raise GraphInputError(f"graph takes {len(names)} input(s) ({', '.join(repr(n) for n in names)}), "
+                              f"got {len(values)}")
+    return values, False
+
+
+def shape_outputs(names: Sequence[str], outputs: Sequence[np.ndarray], keyed: bool):
+    """A dict by output name when the inputs came keyed, else one array for a
+    single-output graph, else a tuple in ``graph.outputs`` order."""
+    if keyed:
+        return dict(zip(names, outputs))
+    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+
 def require_finite(x: np.ndarray, name: str) -> None:
     """Raise :class:`NonFiniteError` if the float input ``x`` holds a NaN or an infinity
     (``check_finite=True``; without it the QUANTIZE policy above applies)."""
@@ -103,17 +143,15 @@ def require_finite(x: np.ndarray, name: str) -> None:
 
 def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep_values: bool = False,
             check_finite: bool = False) -> ExecResult:
-    """Run ``graph`` on ``inputs`` (one array per graph input) with integer semantics.
+    """Run ``graph`` on ``inputs`` (one array per graph input: one array, a tuple/list in
+    ``graph.inputs`` order, or a dict by input name; :func:`bind_inputs`) with integer semantics.
 
     Integer outputs come back as their container dtype (int8/uint8; BIN as int8 ±1),
     float outputs as float32.  A batch of 0 gives empty outputs of the declared shapes.
     ``check_finite``: a NaN or infinity in a float input raises :class:`NonFiniteError`
     instead of being quantized by the policy (NaN -> zero point, ±inf -> qmax/qmin).
     """
-    if isinstance(inputs, np.ndarray) or not isinstance(inputs, (list, tuple)):
-        inputs = [inputs]
-    if len(inputs) != len(graph.inputs):
-        raise GraphInputError(f"graph takes {len(graph.inputs)} input(s), got {len(inputs)}")
+    inputs, _ = bind_inputs(graph.inputs, inputs)
     env: dict[str, np.ndarray] = {}
     for name, x in zip(graph.inputs, inputs):
         env[name] = _check_input(graph.tensor(name), x, check_finite)
@@ -133,7 +171,9 @@ def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep
     return ExecResult(outs, counts, env if keep_values else {})
 
 
-def run_reference(graph: IntegerGraph, x, check_finite: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Outputs only: one array for a single-output graph, else a tuple."""
+def run_reference(graph: IntegerGraph, x, check_finite: bool = False):
+    """Outputs only: one array for a single-output graph, else a tuple; a dict by output
+    name when ``x`` is a dict by input name."""
+    _, keyed = bind_inputs(graph.inputs, x)
     res = execute(graph, x, check_finite=check_finite)
-    return res.outputs[0] if len(res.outputs) == 1 else res.outputs
+    return shape_outputs(graph.outputs, res.outputs, keyed)

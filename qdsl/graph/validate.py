@@ -101,9 +101,12 @@ def validate_graph(graph: IntegerGraph) -> None:
         t = seen.get(name)
         if t is None:
             raise GraphFormatError("graph input names no tensor", f"input {name!r}")
-        if t.is_constant or t.dtype not in (DType.F32, DType.I8, DType.U8) or name in available:
-            raise GraphFormatError("graph input must be a distinct F32/I8/U8 activation", f"input {name!r}")
+        if t.is_constant or t.dtype not in (DType.F32, DType.I8, DType.U8, DType.I32) or name in available:
+            raise GraphFormatError("graph input must be a distinct F32/I8/U8/I32 activation", f"input {name!r}")
         available.add(name)
+    # I32 graph inputs are token ids: only an op that reads ids (EMBEDDING) may read one, as
+    # its first input (other ops take I32 activations as accumulators)
+    id_inputs = {n for n in graph.inputs if seen[n].dtype is DType.I32}
     for i, op in enumerate(graph.ops):
         where = f"op {i} ({op.type.name} {op.name!r})"
         schema = OP_SCHEMAS[op.type]
@@ -119,6 +122,10 @@ def validate_graph(graph: IntegerGraph) -> None:
             if name not in available:
                 raise GraphFormatError(f"input {name!r} is used before the op that produces it (ops must be in topological order)", where)
             ins.append(seen[name])
+        for k, name in enumerate(op.inputs):
+            if name in id_inputs and not (k == 0 and op_def(op.type).reads_ids):
+                raise GraphFormatError(f"input {name!r} is an I32 graph input (token ids), which only EMBEDDING "
+                                       "reads (as its first input)", where)
         out_name = op.outputs[0]
         out = seen.get(out_name)
         if out is None:

@@ -241,6 +241,10 @@ def _module_reason(fqn: str, m: nn.Module, kernels: list[str], parent: nn.Module
         base = next(b.__name__ for b in _SUPPORTED_BASES if isinstance(m, b))
         return (f"{t} subclasses {base}, but defaults apply to {', '.join(WEIGHTED_TYPES)} by exact class name",
                 f"add 'rule type:{t} {{ weight = ... }}' to quantize it, or 'skip' it")
+    if isinstance(m, nn.Embedding):  # quantized (and exported, EMBEDDING) by a rule, not by defaults
+        return ("defaults do not apply to nn.Embedding (its table stays float; a rule type:Embedding quantizes it)",
+                "add 'rule type:Embedding { weight = ... }' (per tensor, or per_channel: one scale per row) "
+                "to quantize and export it, or 'skip' it")
     if type(m).__module__.startswith("torch.nn"):
         return (f"nn.{t} weights are not supported yet ({shown} {'stays' if len(kernels) == 1 else 'stay'} float)",
                 "skip it with a rule to silence this, or quantize the model without it")

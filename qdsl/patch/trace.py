@@ -74,12 +74,15 @@ def _drop_concrete(graph: torch.fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def trace_graph(tracer: torch.fx.Tracer, model: nn.Module) -> torch.fx.Graph:
-    """``tracer.trace(model)``, through the classes of ``_TRANSPARENT`` (root or not)."""
-    concrete = next((c for t, c in _CONCRETE.items() if isinstance(model, t)), None)
+def trace_graph(tracer: torch.fx.Tracer, model: nn.Module, concrete: dict[str, Any] | None = None) -> torch.fx.Graph:
+    """``tracer.trace(model)``, through the classes of ``_TRANSPARENT`` (root or not).
+    ``concrete``: the caller's forward parameters specialized to a non-tensor value (export's
+    unset or ``None`` inputs), on top of the ones a known root class needs."""
+    known = next((c for t, c in _CONCRETE.items() if isinstance(model, t)), None)
+    merged = {**(known or {}), **(concrete or {})}
     with _slow_paths():
-        graph = tracer.trace(model, concrete_args=concrete)
-    if concrete is not None:
+        graph = tracer.trace(model, concrete_args=merged or None)
+    if known is not None:
         _drop_concrete(graph)
     return graph
 

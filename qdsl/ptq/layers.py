@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from qdsl.calibration.batches import batch_call
 from qdsl.patch.handle import get_handle
 from qdsl.spec.diagnostics import QdslError
 
@@ -45,20 +46,15 @@ def channel_dim(module: nn.Module) -> int:
     return -1 if isinstance(module, nn.Linear) else 1
 
 
-def _input(batch: Any) -> Any:
-    if isinstance(batch, (tuple, list)) and batch:
-        return batch[0]
-    return batch
-
-
 def run_batches(model: nn.Module, batches: Iterable[Any]) -> None:
-    """Forward every batch (a tensor, an ``(input, ...)`` tuple or a kwargs dict) without
-    gradients; a :class:`StopForward` from a hook ends that batch's pass quietly."""
+    """Forward every batch (a tensor, a tuple/list or a kwargs dict, by the rule of
+    :mod:`qdsl.calibration.batches`) without gradients; a :class:`StopForward` from a hook
+    ends that batch's pass quietly."""
     with torch.no_grad():
-        for batch in batches:
-            x = _input(batch)
+        for i, batch in enumerate(batches):
+            call = batch_call(model, batch, index=i, what="PTQ")
             try:
-                model(**x) if isinstance(x, dict) else model(x)
+                model(*call.args, **call.kwargs)
             except StopForward:
                 pass
 

@@ -23,7 +23,7 @@ __all__ = ["CompiledGraph"]
 
 _F32, _I8, _U8, _I32, _BIN = 1, 2, 3, 4, 9
 _NP = {_F32: np.float32, _I8: np.int8, _U8: np.uint8, _I32: np.int32, _BIN: np.int8}
-_RANGE = {_I8: (-128, 127), _U8: (0, 255)}
+_RANGE = {_I8: (-128, 127), _U8: (0, 255), _I32: (-(2**31), 2**31 - 1)}
 
 
 class _IO:
@@ -123,16 +123,17 @@ class CompiledGraph:
         return np.ascontiguousarray(x, dtype=_NP[spec.dtype])
 
     def run(self, *xs: Any, path: str = "auto", check_finite: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
-        """Run on one array per graph input; one array back for a single-output graph.
+        """Run on one array per graph input (positional, a tuple/list, or a dict by input
+        name); one array back for a single-output graph, else a tuple, and a dict by output
+        name when the inputs came as a dict.
 
         A batch of 0 gives empty outputs.  ``check_finite``: a NaN/inf in a float input
         raises ``NonFiniteError`` instead of following the QUANTIZE policy."""
-        if len(xs) == 1 and isinstance(xs[0], (list, tuple)):
-            xs = tuple(xs[0])
-        from qdsl.graph.reference import GraphInputError
+        from qdsl.graph.reference import GraphInputError, bind_inputs, shape_outputs
 
-        if len(xs) != len(self.inputs):
-            raise GraphInputError(f"graph takes {len(self.inputs)} input(s), got {len(xs)}")
+        names = [spec.name for spec in self.inputs]
+        values, keyed = bind_inputs(names, xs[0] if len(xs) == 1 else tuple(xs))
+        xs = tuple(values)
         if path not in PATHS:
             raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(PATHS)}")
         arrays = [self._check(spec, x, check_finite) for spec, x in zip(self.inputs, xs)]
@@ -142,7 +143,7 @@ class CompiledGraph:
         outs = [np.empty((batch,) + o.dims[1:], dtype=_NP[o.dtype]) for o in self.outputs]
         if batch == 0:  # nothing to compute (the reference executor agrees); nothing overflowed
             self._overflow = {n: 0 for n in self.op_names}
-            return outs[0] if len(outs) == 1 else tuple(outs)
+            return shape_outputs([o.name for o in self.outputs], outs, keyed)
         in_ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         out_ptrs = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
         err = ctypes.create_string_buffer(1024)
@@ -154,7 +155,7 @@ class CompiledGraph:
                 self._overflow = {n: int(c) for n, c in zip(self.op_names, counts)}
         if code != 0:
             raise RuntimeError_(err.value.decode("utf-8", "replace"), STATUS_NAMES.get(code, str(code)))
-        return outs[0] if len(outs) == 1 else tuple(outs)
+        return shape_outputs([o.name for o in self.outputs], outs, keyed)
 
     def overflow_counts(self) -> dict[str, int]:
         """Accumulator overflows per op name in the last ``run`` (all ops, zeros included)."""

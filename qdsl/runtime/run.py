@@ -21,7 +21,7 @@ import numpy as np
 
 from qdsl.graph.ir import IntegerGraph
 from qdsl.graph.qgraph import graph_from_bytes
-from qdsl.graph.reference import as_array, require_finite, run_reference
+from qdsl.graph.reference import as_array, bind_inputs, execute, require_finite, shape_outputs
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["run_graph", "BACKENDS"]
@@ -88,8 +88,13 @@ def _compiled(rt: Any, graph: IntegerGraph) -> Any:
 
 def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto", *, check_finite: bool = False) -> Any:
     """Run ``graph`` on ``x`` (a numpy array or torch tensor; float32, float16/bfloat16
-    (converted exactly to float32), float64 (rounded to float32) or int8/uint8; a batch of
-    0 gives empty outputs).
+    (converted exactly to float32), float64 (rounded to float32), int8/uint8, or integer
+    token ids for an I32 input; a batch of 0 gives empty outputs).
+
+    A graph with several inputs takes a tuple (or a list of arrays) in ``graph.inputs``
+    order, or a dict by input name (``qdsl.export`` names them after the ``forward``
+    parameters); it returns one array for a single output, else a tuple in
+    ``graph.outputs`` order, and a dict by output name whenever the inputs came as a dict.
 
     ``check_finite``: raise :class:`~qdsl.spec.diagnostics.NonFiniteError` when a float
     input holds a NaN or an infinity, instead of quantizing it by the policy (NaN -> zero
@@ -110,9 +115,12 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto", *, che
         raise QdslError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if isinstance(graph, (bytes, bytearray)):
         graph = graph_from_bytes(graph)
-    x = as_array(x)
-    if check_finite and np.issubdtype(x.dtype, np.floating):
-        require_finite(x, graph.inputs[0] if len(graph.inputs) == 1 else "x")
+    values, keyed = bind_inputs(graph.inputs, x)
+    xs = [as_array(v) for v in values]
+    if check_finite:
+        for name, v in zip(graph.inputs, xs):
+            if np.issubdtype(v.dtype, np.floating):
+                require_finite(v, name)
     if backend in ("auto", "cpp"):
         rt = _runtime()
         available = bool(rt is not None and rt.available())
@@ -123,8 +131,9 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto", *, che
                     raise compiled.with_traceback(None)
                 warnings.warn(f"the C++ runtime cannot run this graph ({compiled}); using the Python reference "
                               "executor (slow)", RuntimeWarning, stacklevel=2)
-                return run_reference(graph, x)
-            return compiled.run(x)
+                return shape_outputs(graph.outputs, execute(graph, xs).outputs, keyed)
+            out = compiled.run(xs)
+            return shape_outputs(graph.outputs, out if isinstance(out, tuple) else (out,), keyed)
         if backend == "cpp":
             why = rt.load_error() if rt is not None else "qdsl.runtime is not installed"
             raise QdslError(f"the C++ runtime is not available: {why}")
@@ -135,4 +144,4 @@ def run_graph(graph: IntegerGraph | bytes, x: Any, backend: str = "auto", *, che
                 stacklevel=2,
             )
             _warned_slow = True
-    return run_reference(graph, x)
+    return shape_outputs(graph.outputs, execute(graph, xs).outputs, keyed)

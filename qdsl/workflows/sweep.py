@@ -129,11 +129,17 @@ def run_point(
     seed: int = 0,
     keep: bool = False,
     strict: bool = False,
+    calib_batches: Sequence[Any] | None = None,
+    inputs: Any = None,
 ) -> tuple[float, int, Any]:
     """Quantize a copy of ``float_model`` with ``spec`` + ``setting``; ``(accuracy, size_bits, model)``.
 
     The returned model is the quantized copy when ``keep`` is true, else ``None``;
     ``strict`` is ``qdsl.apply``'s (refuse a spec that leaves reached layers in float).
+    ``calib_batches`` (a list: every point re-reads it) replaces the slices of ``data[0]``
+    as calibration data; its batches and ``inputs`` follow ``qdsl.calibrate``'s rule
+    (tuples as positional inputs then targets, dicts as keyword arguments;
+    :mod:`qdsl.calibration.batches`).
     """
     import qdsl
     from qdsl.zoo.train import evaluate
@@ -141,8 +147,11 @@ def run_point(
     model = copy.deepcopy(float_model).eval()
     overrides = [f"{k}={v}" for k, v in setting]
     handle = qdsl.apply(model, spec, overrides=overrides or None, strict=strict)
-    x_train = data[0]
-    qdsl.calibrate(model, (x_train[i : i + 64] for i in range(0, min(calib, len(x_train)), 64)))
+    if calib_batches is not None:
+        qdsl.calibrate(model, calib_batches, inputs=inputs)
+    else:
+        x_train = data[0]
+        qdsl.calibrate(model, (x_train[i : i + 64] for i in range(0, min(calib, len(x_train)), 64)), inputs=inputs)
     if qat_epochs:
         from qdsl.qat import fit
 
@@ -163,10 +172,18 @@ def sweep(
     qat_epochs: int = 0,
     progress: Callable[[str], None] | None = None,
     strict: bool = False,
+    calib_batches: Iterable[Any] | None = None,
+    inputs: Any = None,
 ) -> list[SweepPoint]:
-    """Run every setting; the float model is evaluated once for reference."""
+    """Run every setting; the float model is evaluated once for reference.
+
+    ``calib_batches``/``inputs``: calibration batches of any form ``qdsl.calibrate``
+    takes (tuples, dicts) instead of the first ``calib`` rows of ``data[0]``; see
+    :func:`run_point`."""
     from qdsl.zoo.train import evaluate
 
+    if calib_batches is not None:
+        calib_batches = list(calib_batches)  # every point calibrates on the same batches
     float_acc = evaluate(float_model, data[2], data[3])
     float_size = sum(p.numel() * 32 for p in float_model.parameters())
     points = []
@@ -175,7 +192,7 @@ def sweep(
             progress(f"[{i + 1}/{len(settings)}] " + (" ".join(f"{k}={v}" for k, v in setting) or "spec as written"))
         t0 = time.perf_counter()
         acc, size, _ = run_point(float_model, spec, data, setting, calib=calib, qat_epochs=qat_epochs,
-                                 strict=strict)
+                                 strict=strict, calib_batches=calib_batches, inputs=inputs)
         points.append(SweepPoint(tuple(setting), acc, float_acc, size, float_size, time.perf_counter() - t0))
     return points
 

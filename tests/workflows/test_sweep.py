@@ -115,4 +115,4 @@ def test_sweep_strict_refuses_layers_left_float(tmp_path, capsys):
             "--calib", "64"]
     assert main(args + ["--strict"]) == 2
     err = capsys.readouterr().err
-    assert "error[E505]: table: nn.Embedding weights are not supported yet" in err
+    assert "error[E505]: table: defaults do not apply to nn.Embedding" in err

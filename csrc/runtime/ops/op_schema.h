@@ -35,8 +35,9 @@ enum OpCode : int {
   kMatmul = 27,
   kSoftmax = 28,
   kLayernorm = 29,
+  kEmbedding = 30,
 };
-constexpr int kMaxOpcode = 29;
+constexpr int kMaxOpcode = 30;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -84,6 +85,7 @@ inline constexpr AttrSchema kLutChannelAttrs[] = {{"table", kAttrInts}};
 inline constexpr AttrSchema kMatmulAttrs[] = {{"in_zp", kAttrInts}, {"a_perm", kAttrInts}, {"b_perm", kAttrInts}, {"out_perm", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kSoftmaxAttrs[] = {{"table", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kLayernormAttrs[] = {{"gamma", kAttrInts}, {"beta", kAttrInts}, {"eps", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -117,6 +119,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"MATMUL", 2, 2, false, kMatmulAttrs, 11},
     {"SOFTMAX", 1, 1, false, kSoftmaxAttrs, 8},
     {"LAYERNORM", 1, 1, false, kLayernormAttrs, 10},
+    {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -151,6 +154,7 @@ extern const OpDef kLutChannelDef;
 extern const OpDef kMatmulDef;
 extern const OpDef kSoftmaxDef;
 extern const OpDef kLayernormDef;
+extern const OpDef kEmbeddingDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -182,6 +186,7 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kMatmulDef,
     &kSoftmaxDef,
     &kLayernormDef,
+    &kEmbeddingDef,
 };
 
 }  // namespace qdsl

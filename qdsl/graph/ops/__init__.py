@@ -51,6 +51,8 @@ class OpDef:
     doc: str = ""
     all_activations: bool = False
     """Every input must be an activation (ADD, CONCAT); otherwise only the first."""
+    reads_ids: bool = False
+    """Its first input may be an I32 graph input of token ids (EMBEDDING); no other op reads one."""
 
 
 def _collect(modules) -> tuple[OpDef, ...]:
@@ -82,6 +84,7 @@ _REGISTERED = (
     "matmul",
     "softmax",
     "layernorm",
+    "embedding",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
