@@ -93,6 +93,38 @@ inline __m256i Pairs(__m256i row, __m256i panel) {
                  [ones] "r"(ones16)                                                                      \
                : "xmm12", "xmm13", "xmm14", "xmm15", "memory")
 
+// One row of one k-quad into int32 accumulators c0 (columns 0..7) and c1 (8..15): the
+// broadcast, two vpmaddubsw, two vpmaddwd(ones), two adds in one asm block, so that the
+// compiler can neither hoist the broadcasts nor spill the accumulators in between.
+template <bool kU>
+__attribute__((always_inline)) inline void RowS1(const uint8_t* row, __m256i b0, __m256i b1, __m256i ones,
+                                                 __m256i* c0, __m256i* c1) {
+  const int32_t& bytes = *reinterpret_cast<const int32_t*>(row);
+  if (kU) {  // maddubs(unsigned row, signed panel)
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %[b0], %%ymm14, %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c0], %[c0]\n\t"
+        "vpmaddubsw %[b1], %%ymm14, %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c1], %[c1]\n\t"
+        : [c0] "+x"(*c0), [c1] "+x"(*c1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1), [ones] "x"(ones)
+        : "xmm14", "xmm15");
+  } else {  // maddubs(unsigned panel, signed row)
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %%ymm14, %[b0], %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c0], %[c0]\n\t"
+        "vpmaddubsw %%ymm14, %[b1], %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c1], %[c1]\n\t"
+        : [c0] "+x"(*c0), [c1] "+x"(*c1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1), [ones] "x"(ones)
+        : "xmm14", "xmm15");
+  }
+}
+
 alignas(32) const int16_t ones16[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 
 template <int MR, bool kU>
@@ -117,16 +149,30 @@ void KernelS1(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquad
     acc[0][0] = c00, acc[0][1] = c01, acc[1][0] = c10, acc[1][1] = c11, acc[2][0] = c20, acc[2][1] = c21;
     acc[3][0] = c30, acc[3][1] = c31, acc[4][0] = c40, acc[4][1] = c41, acc[5][0] = c50, acc[5][1] = c51;
   } else {
+    // one asm block per row (the intrinsics spilled the accumulators every step: 58 stack
+    // accesses in the 5-row loop); with <= 5 rows a register holds the ones
+    // (named variables, as above: an array kept the accumulators in memory)
     const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i z = _mm256_setzero_si256();
+    __m256i c00 = acc[0][0], c01 = acc[0][1], c10 = MR > 1 ? acc[1 % MR][0] : z, c11 = MR > 1 ? acc[1 % MR][1] : z;
+    __m256i c20 = MR > 2 ? acc[2 % MR][0] : z, c21 = MR > 2 ? acc[2 % MR][1] : z;
+    __m256i c30 = MR > 3 ? acc[3 % MR][0] : z, c31 = MR > 3 ? acc[3 % MR][1] : z;
+    __m256i c40 = MR > 4 ? acc[4 % MR][0] : z, c41 = MR > 4 ? acc[4 % MR][1] : z;
     for (int64_t j = 0; j < kquads; ++j) {
       const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64));
       const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64 + 32));
-      for (int r = 0; r < MR; ++r) {
-        const __m256i av = Bcast(a + r * lda + 4 * j);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(Pairs<kU>(av, b0), ones));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(Pairs<kU>(av, b1), ones));
-      }
+      const uint8_t* aj = a + 4 * j;
+      RowS1<kU>(aj, b0, b1, ones, &c00, &c01);
+      if (MR > 1) RowS1<kU>(aj + lda, b0, b1, ones, &c10, &c11);
+      if (MR > 2) RowS1<kU>(aj + 2 * lda, b0, b1, ones, &c20, &c21);
+      if (MR > 3) RowS1<kU>(aj + 3 * lda, b0, b1, ones, &c30, &c31);
+      if (MR > 4) RowS1<kU>(aj + 4 * lda, b0, b1, ones, &c40, &c41);
     }
+    acc[0][0] = c00, acc[0][1] = c01;
+    if (MR > 1) acc[1 % MR][0] = c10, acc[1 % MR][1] = c11;
+    if (MR > 2) acc[2 % MR][0] = c20, acc[2 % MR][1] = c21;
+    if (MR > 3) acc[3 % MR][0] = c30, acc[3 % MR][1] = c31;
+    if (MR > 4) acc[4 % MR][0] = c40, acc[4 % MR][1] = c41;
   }
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), acc[r][0]);
