@@ -348,74 +348,117 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 
 namespace {
 
-// How a panel's 16 position offsets can be loaded: one run of 16 consecutive bytes, two
-// runs of 8, or neither (byte gather).
-inline void PanelRuns(const int64_t* po, bool* run16, bool* run8) {
-  *run16 = *run8 = true;
+// How one panel's 16 position offsets are loaded: as runs of consecutive bytes (one run
+// of 16 for positions inside one output row; a panel crossing row ends has one run per
+// row piece), each run one unaligned 16-byte load placed so that lane i reads a[po[i]],
+// the runs merged with byte blends; more than kMaxRuns runs (or positions that do not
+// increase, the padding columns of the last panel) gather bytes.  A run starting at lane
+// i0 loads a + po[i0] - i0 .. + 15: with increasing positions those bytes lie within
+// [a + po[0], a + po[15]], which the panel reads anyway.
+constexpr int kMaxRuns = 4;
+struct PanelLoad {
+  int runs = 0;  // 0: byte gather
+  int64_t off[kMaxRuns];
+  __m128i mask[kMaxRuns];  // lanes >= the run's first lane
+};
+
+inline void PlanPanel(const int64_t* po, PanelLoad* pl) {
+  int runs = 1;
+  int first[16] = {0};
   for (int i = 1; i < 16; ++i) {
-    if (po[i] != po[0] + i) *run16 = false;
-    if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) *run8 = false;
+    if (po[i] <= po[i - 1]) {
+      pl->runs = 0;
+      return;
+    }
+    if (po[i] != po[i - 1] + 1) {
+      if (runs == kMaxRuns) {
+        pl->runs = 0;
+        return;
+      }
+      first[runs++] = i;
+    }
+  }
+  pl->runs = runs;
+  for (int r = 0; r < runs; ++r) {
+    pl->off[r] = po[first[r]] - first[r];
+    pl->mask[r] = _mm_cmpgt_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                 _mm_set1_epi8(static_cast<char>(first[r] - 1)));
   }
 }
 
-// The 16 bytes a[po[i]] of one tap row at a panel's positions (PanelRuns says how).
-inline __m128i LoadPositions(const uint8_t* a, const int64_t* po, bool run16, bool run8) {
-  if (run16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
-  if (run8)
-    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
+// The 16 bytes a[po[i]] of one tap row at a panel's positions.
+inline __m128i LoadPositions(const uint8_t* a, const int64_t* po, const PanelLoad& pl) {
+  if (pl.runs == 1) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pl.off[0]));
+  if (pl.runs > 1) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pl.off[0]));
+    for (int r = 1; r < pl.runs; ++r)
+      v = _mm_blendv_epi8(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pl.off[r])), pl.mask[r]);
+    return v;
+  }
   alignas(16) uint8_t g[16];
   for (int i = 0; i < 16; ++i) g[i] = a[po[i]];
   return _mm_load_si128(reinterpret_cast<const __m128i*>(g));
 }
+
+// Panels are gathered kGroup at a time with the k loop outside: consecutive panels read
+// consecutive bytes of each tap row, so a row's cache line serves them all while it is in
+// L1 (one panel at a time fetched each line again per panel).
+constexpr int64_t kGroup = 8;
 
 }  // namespace
 
 // int16 pair panels of 16 columns for GemmI16Avx2 (the activation operand of the int16
 // convs): panel q, pair j = 32 int16, slot 2i / 2i + 1 = tap rows 2j / 2j + 1 at position
 // 16q + i, minus the zero point's code `zu`, gathered from padded images: byte i of tap
-// row k for panel q is base[tap[k] + pos[16q + i]].  Runs of 16 (or two of 8) consecutive
-// positions load as one (two) vectors, anything else gathers bytes; then one byte
-// interleave and two widenings per 32 values.
+// row k for panel q is base[tap[k] + pos[16q + i]] (PanelLoad: runs of positions load as
+// vectors); then one byte interleave and two widenings per 32 values.
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels) {
   const __m256i z = _mm256_set1_epi16(zu);
-  for (int64_t q = 0; q < npanels; ++q) {
-    const int64_t* po = pos + 16 * q;
-    bool run16, run8;
-    PanelRuns(po, &run16, &run8);
+  PanelLoad pl[kGroup];
+  for (int64_t g0 = 0; g0 < npanels; g0 += kGroup) {
+    const int64_t ng = npanels - g0 < kGroup ? npanels - g0 : kGroup;
+    for (int64_t q = 0; q < ng; ++q) PlanPanel(pos + 16 * (g0 + q), &pl[q]);
     for (int64_t j = 0; j < kpairs; ++j) {
-      const __m128i r0 = LoadPositions(base + tap[2 * j], po, run16, run8);
-      const __m128i r1 = LoadPositions(base + tap[2 * j + 1], po, run16, run8);
-      const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
-      const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
-      __m256i* out = reinterpret_cast<__m256i*>(panels + (q * kpairs + j) * 32);
-      _mm256_storeu_si256(out, b0);
-      _mm256_storeu_si256(out + 1, b1);
+      const uint8_t* t0 = base + tap[2 * j];
+      const uint8_t* t1 = base + tap[2 * j + 1];
+      for (int64_t q = 0; q < ng; ++q) {
+        const int64_t* po = pos + 16 * (g0 + q);
+        const __m128i r0 = LoadPositions(t0, po, pl[q]);
+        const __m128i r1 = LoadPositions(t1, po, pl[q]);
+        const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
+        const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
+        __m256i* out = reinterpret_cast<__m256i*>(panels + ((g0 + q) * kpairs + j) * 32);
+        _mm256_storeu_si256(out, b0);
+        _mm256_storeu_si256(out + 1, b1);
+      }
     }
   }
 }
 
 // PackU8QuadPanels' layout gathered from padded images (the u8 convs): byte i of tap row k
 // for panel q is base[tap[k] + pos[16q + i]]; quad j's 64 bytes hold position i's four
-// taps 4j..4j+3.  Runs of 16 (or two of 8) consecutive positions load as one (two)
-// vectors, anything else gathers bytes.
+// taps 4j..4j+3 (PanelLoad: runs of positions load as vectors).
 void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
                             int64_t npanels, uint8_t* panels) {
-  for (int64_t q = 0; q < npanels; ++q) {
-    const int64_t* po = pos + 16 * q;
-    bool run16, run8;
-    PanelRuns(po, &run16, &run8);
+  PanelLoad pl[kGroup];
+  for (int64_t g0 = 0; g0 < npanels; g0 += kGroup) {
+    const int64_t ng = npanels - g0 < kGroup ? npanels - g0 : kGroup;
+    for (int64_t q = 0; q < ng; ++q) PlanPanel(pos + 16 * (g0 + q), &pl[q]);
     for (int64_t j = 0; j < kquads; ++j) {
-      __m128i r[4];
-      for (int t = 0; t < 4; ++t) r[t] = LoadPositions(base + tap[4 * j + t], po, run16, run8);
-      const __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
-      const __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
-      __m128i* out = reinterpret_cast<__m128i*>(panels + (q * kquads + j) * 64);
-      _mm_storeu_si128(out, _mm_unpacklo_epi16(a_lo, b_lo));
-      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a_lo, b_lo));
-      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));
-      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+      const uint8_t* t[4] = {base + tap[4 * j], base + tap[4 * j + 1], base + tap[4 * j + 2], base + tap[4 * j + 3]};
+      for (int64_t q = 0; q < ng; ++q) {
+        const int64_t* po = pos + 16 * (g0 + q);
+        __m128i r[4];
+        for (int u = 0; u < 4; ++u) r[u] = LoadPositions(t[u], po, pl[q]);
+        const __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
+        const __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
+        __m128i* out = reinterpret_cast<__m128i*>(panels + ((g0 + q) * kquads + j) * 64);
+        _mm_storeu_si128(out, _mm_unpacklo_epi16(a_lo, b_lo));
+        _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a_lo, b_lo));
+        _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));
+        _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+      }
     }
   }
 }
