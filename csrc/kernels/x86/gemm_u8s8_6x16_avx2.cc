@@ -21,7 +21,9 @@
 //
 // The 6-row bodies are inline asm: GCC hoists the six broadcasts of a step ahead of the
 // multiplies and then spills accumulators (33 stack accesses per step measured), which
-// cost 30 % here.  Fewer rows use the intrinsics (edge strips only).
+// cost 30 % here.  Fewer rows (edge strips: 64 channels are strips of 6, ..., 5, 5) use one
+// asm block per row on named accumulators (their intrinsics spilled every step too: 5-row
+// strips ran at 0.6x the 6-row rate).
 // Panels and zero points as in the AVX-VNNI file: 16 columns x 4 bytes per k-quad.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
@@ -34,19 +36,6 @@
 namespace qdsl {
 namespace x86 {
 namespace {
-
-inline __m256i Bcast(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// One pair-sum vector: kU (rows are u8 activations): maddubs(row, panel); else (rows are
-// s8 weights, the panel u8 activations): maddubs(panel, row).
-template <bool kU>
-inline __m256i Pairs(__m256i row, __m256i panel) {
-  return kU ? _mm256_maddubs_epi16(row, panel) : _mm256_maddubs_epi16(panel, row);
-}
 
 // AT&T: "vpmaddubsw s, u, d" is d = maddubs(unsigned u, signed s).
 #define QDSL_MADDUBS_U "vpmaddubsw %%ymm12, %%ymm14, %%ymm15\n\t"
@@ -121,6 +110,32 @@ __attribute__((always_inline)) inline void RowS1(const uint8_t* row, __m256i b0,
         "vpaddd %%ymm15, %[c1], %[c1]\n\t"
         : [c0] "+x"(*c0), [c1] "+x"(*c1)
         : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1), [ones] "x"(ones)
+        : "xmm14", "xmm15");
+  }
+}
+
+// The same into int16 pair-sum accumulators (KernelSteps: S pair sums fit int16).
+template <bool kU>
+__attribute__((always_inline)) inline void RowS16(const uint8_t* row, __m256i b0, __m256i b1, __m256i* h0,
+                                                  __m256i* h1) {
+  const int32_t& bytes = *reinterpret_cast<const int32_t*>(row);
+  if (kU) {
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %[b0], %%ymm14, %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h0], %[h0]\n\t"
+        "vpmaddubsw %[b1], %%ymm14, %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h1], %[h1]\n\t"
+        : [h0] "+x"(*h0), [h1] "+x"(*h1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1)
+        : "xmm14", "xmm15");
+  } else {
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %%ymm14, %[b0], %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h0], %[h0]\n\t"
+        "vpmaddubsw %%ymm14, %[b1], %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h1], %[h1]\n\t"
+        : [h0] "+x"(*h0), [h1] "+x"(*h1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1)
         : "xmm14", "xmm15");
   }
 }
@@ -208,16 +223,24 @@ void KernelSteps(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kq
       }
       h[0][0] = h00, h[0][1] = h01, h[1][0] = h10, h[1][1] = h11, h[2][0] = h20, h[2][1] = h21;
       h[3][0] = h30, h[3][1] = h31, h[4][0] = h40, h[4][1] = h41, h[5][0] = h50, h[5][1] = h51;
-    } else {
+    } else {  // named variables and one asm block per row, as in KernelS1
+      const __m256i z = h[0][0];
+      __m256i h00 = z, h01 = z, h10 = z, h11 = z, h20 = z, h21 = z, h30 = z, h31 = z, h40 = z, h41 = z;
       for (int64_t j = q0; j < q1; ++j) {
         const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64));
         const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64 + 32));
-        for (int r = 0; r < MR; ++r) {
-          const __m256i av = Bcast(a + r * lda + 4 * j);
-          h[r][0] = _mm256_add_epi16(h[r][0], Pairs<kU>(av, b0));
-          h[r][1] = _mm256_add_epi16(h[r][1], Pairs<kU>(av, b1));
-        }
+        const uint8_t* aj = a + 4 * j;
+        RowS16<kU>(aj, b0, b1, &h00, &h01);
+        if (MR > 1) RowS16<kU>(aj + lda, b0, b1, &h10, &h11);
+        if (MR > 2) RowS16<kU>(aj + 2 * lda, b0, b1, &h20, &h21);
+        if (MR > 3) RowS16<kU>(aj + 3 * lda, b0, b1, &h30, &h31);
+        if (MR > 4) RowS16<kU>(aj + 4 * lda, b0, b1, &h40, &h41);
       }
+      h[0][0] = h00, h[0][1] = h01;
+      if (MR > 1) h[1 % MR][0] = h10, h[1 % MR][1] = h11;
+      if (MR > 2) h[2 % MR][0] = h20, h[2 % MR][1] = h21;
+      if (MR > 3) h[3 % MR][0] = h30, h[3 % MR][1] = h31;
+      if (MR > 4) h[4 % MR][0] = h40, h[4 % MR][1] = h41;
     }
     for (int r = 0; r < MR; ++r) {
       __m256i* s = reinterpret_cast<__m256i*>(sum[r]);
