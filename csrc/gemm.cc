@@ -120,6 +120,15 @@ int32_t MaxCode(const ActView& a) {
   return hi;
 }
 
+// Rows of the strip starting at row r of `total`, strips of at most kMaxRows balanced
+// (32 rows: 6, 6, 5, 5, 5, 5, not 6 x 5 + 2: a 2-row strip loads the panel for few
+// multiplies), as conv::StripRows.
+int64_t BalancedRows(int64_t total, int64_t r) {
+  const int64_t strips = (total + kMaxRows - 1) / kMaxRows, base = total / strips, extra = total % strips;
+  const int64_t big = extra * (base + 1);  // the first `extra` strips have base + 1 rows
+  return r < big ? base + 1 : base;
+}
+
 // Tasks for `threads` threads: enough to balance, none when one thread runs them all
 // (each task packs its own rows, so extra tasks would repeat that work).
 int64_t WantTasks(int threads) { return threads > 1 ? 2 * threads : 1; }
@@ -316,10 +325,10 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
           } else {
             panel = w.vnni.data() + (p * kquads + q0) * 64;
           }
-          for (int64_t r = 0; r < rows_total; r += kMaxRows) {
-            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r));
-            vnni(rows, a8.data() + r * w.kp + 4 * q0, w.kp, panel, len, acc.data() + r * ldacc + (p - p0) * kPanelCols,
-                 ldacc, q0 > 0);
+          for (int64_t r = 0, rows = 0; r < rows_total; r += rows) {
+            rows = BalancedRows(rows_total, r);
+            vnni(static_cast<int>(rows), a8.data() + r * w.kp + 4 * q0, w.kp, panel, len,
+                 acc.data() + r * ldacc + (p - p0) * kPanelCols, ldacc, q0 > 0);
           }
         }
       }
@@ -349,10 +358,10 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
       const int64_t len = std::min(kKcPairs, kpairs - j0);
       for (int64_t p = p0; p < p1; ++p) {
         const uint8_t* panel = w.packed.data() + p * w.panel_bytes + j0 * bytes_per_pair;
-        for (int64_t r = 0; r < rows_total; r += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows_total - r));
-          kernel(rows, a16.data() + r * w.kp + 2 * j0, w.kp, panel, len, acc.data() + r * ldacc + (p - p0) * kPanelCols,
-                 ldacc, j0 > 0);
+        for (int64_t r = 0, rows = 0; r < rows_total; r += rows) {
+          rows = BalancedRows(rows_total, r);
+          kernel(static_cast<int>(rows), a16.data() + r * w.kp + 2 * j0, w.kp, panel, len,
+                 acc.data() + r * ldacc + (p - p0) * kPanelCols, ldacc, j0 > 0);
         }
       }
     }

@@ -197,3 +197,22 @@ def test_unpadded_stride1_conv_reads_input_in_place(k, hw, xdtype, batch):
     consts = [Tensor("w", DType.I8, w.shape, w), Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout))]
     graph = _graph(OpType.CONV2D, [("x", xdtype, (-1, cin, hw, hw))], attrs, DType.U8, consts)
     _check(graph, _rand(rng, xdtype, (batch, cin, hw, hw)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**31), hw=st.sampled_from([7, 14, 28]), batch=st.sampled_from([1, 2, 3]),
+       wmag=st.sampled_from([64, 128]), xdtype=st.sampled_from([DType.I8, DType.U8]))
+def test_resnet_plane_sizes_gather_runs_match_reference(seed, hw, batch, wmag, xdtype):
+    """ResNet's 3x3 convs on 7/14/28 planes: the AVX2 panel gathers load a panel that
+    crosses output row ends as one vector per row piece merged by blends (up to four),
+    else by bytes (the padding columns of the last panel), several panels per gather;
+    weight strips of 6 and 5 rows; wmag 64: the vpmaddubsw kernel, 128: the int16 one."""
+    rng = np.random.default_rng(seed)
+    cin, cout = 16, 23
+    w = np.clip(_rand(rng, DType.I8, (cout, cin, 3, 3)), -wmag, wmag)
+    attrs = {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1,
+             "in_zp": int(rng.integers(*xdtype.range)), "w_zp": [0], "acc_bits": 32, "overflow": 0,
+             **_stage(rng, cout, *DType.U8.range)}
+    graph = _graph(OpType.CONV2D, [("x", xdtype, (-1, cin, hw, hw))], attrs, DType.U8,
+                   [Tensor("w", DType.I8, w.shape, w)])
+    _check(graph, _rand(rng, xdtype, (batch, cin, hw, hw)))

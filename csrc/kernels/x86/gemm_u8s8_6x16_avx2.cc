@@ -21,7 +21,9 @@
 //
 // The 6-row bodies are inline asm: GCC hoists the six broadcasts of a step ahead of the
 // multiplies and then spills accumulators (33 stack accesses per step measured), which
-// cost 30 % here.  Fewer rows use the intrinsics (edge strips only).
+// cost 30 % here.  Fewer rows (edge strips: 64 channels are strips of 6, ..., 5, 5) use one
+// asm block per row on named accumulators (their intrinsics spilled every step too: 5-row
+// strips ran at 0.6x the 6-row rate).
 // Panels and zero points as in the AVX-VNNI file: 16 columns x 4 bytes per k-quad.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
@@ -34,19 +36,6 @@
 namespace qdsl {
 namespace x86 {
 namespace {
-
-inline __m256i Bcast(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
-// One pair-sum vector: kU (rows are u8 activations): maddubs(row, panel); else (rows are
-// s8 weights, the panel u8 activations): maddubs(panel, row).
-template <bool kU>
-inline __m256i Pairs(__m256i row, __m256i panel) {
-  return kU ? _mm256_maddubs_epi16(row, panel) : _mm256_maddubs_epi16(panel, row);
-}
 
 // AT&T: "vpmaddubsw s, u, d" is d = maddubs(unsigned u, signed s).
 #define QDSL_MADDUBS_U "vpmaddubsw %%ymm12, %%ymm14, %%ymm15\n\t"
@@ -93,6 +82,64 @@ inline __m256i Pairs(__m256i row, __m256i panel) {
                  [ones] "r"(ones16)                                                                      \
                : "xmm12", "xmm13", "xmm14", "xmm15", "memory")
 
+// One row of one k-quad into int32 accumulators c0 (columns 0..7) and c1 (8..15): the
+// broadcast, two vpmaddubsw, two vpmaddwd(ones), two adds in one asm block, so that the
+// compiler can neither hoist the broadcasts nor spill the accumulators in between.
+template <bool kU>
+__attribute__((always_inline)) inline void RowS1(const uint8_t* row, __m256i b0, __m256i b1, __m256i ones,
+                                                 __m256i* c0, __m256i* c1) {
+  const int32_t& bytes = *reinterpret_cast<const int32_t*>(row);
+  if (kU) {  // maddubs(unsigned row, signed panel)
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %[b0], %%ymm14, %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c0], %[c0]\n\t"
+        "vpmaddubsw %[b1], %%ymm14, %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c1], %[c1]\n\t"
+        : [c0] "+x"(*c0), [c1] "+x"(*c1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1), [ones] "x"(ones)
+        : "xmm14", "xmm15");
+  } else {  // maddubs(unsigned panel, signed row)
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %%ymm14, %[b0], %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c0], %[c0]\n\t"
+        "vpmaddubsw %%ymm14, %[b1], %%ymm15\n\t"
+        "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"
+        "vpaddd %%ymm15, %[c1], %[c1]\n\t"
+        : [c0] "+x"(*c0), [c1] "+x"(*c1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1), [ones] "x"(ones)
+        : "xmm14", "xmm15");
+  }
+}
+
+// The same into int16 pair-sum accumulators (KernelSteps: S pair sums fit int16).
+template <bool kU>
+__attribute__((always_inline)) inline void RowS16(const uint8_t* row, __m256i b0, __m256i b1, __m256i* h0,
+                                                  __m256i* h1) {
+  const int32_t& bytes = *reinterpret_cast<const int32_t*>(row);
+  if (kU) {
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %[b0], %%ymm14, %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h0], %[h0]\n\t"
+        "vpmaddubsw %[b1], %%ymm14, %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h1], %[h1]\n\t"
+        : [h0] "+x"(*h0), [h1] "+x"(*h1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1)
+        : "xmm14", "xmm15");
+  } else {
+    asm("vpbroadcastd %[a], %%ymm14\n\t"
+        "vpmaddubsw %%ymm14, %[b0], %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h0], %[h0]\n\t"
+        "vpmaddubsw %%ymm14, %[b1], %%ymm15\n\t"
+        "vpaddw %%ymm15, %[h1], %[h1]\n\t"
+        : [h0] "+x"(*h0), [h1] "+x"(*h1)
+        : [a] "m"(bytes), [b0] "x"(b0), [b1] "x"(b1)
+        : "xmm14", "xmm15");
+  }
+}
+
 alignas(32) const int16_t ones16[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};
 
 template <int MR, bool kU>
@@ -117,16 +164,30 @@ void KernelS1(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquad
     acc[0][0] = c00, acc[0][1] = c01, acc[1][0] = c10, acc[1][1] = c11, acc[2][0] = c20, acc[2][1] = c21;
     acc[3][0] = c30, acc[3][1] = c31, acc[4][0] = c40, acc[4][1] = c41, acc[5][0] = c50, acc[5][1] = c51;
   } else {
+    // one asm block per row (the intrinsics spilled the accumulators every step: 58 stack
+    // accesses in the 5-row loop); with <= 5 rows a register holds the ones
+    // (named variables, as above: an array kept the accumulators in memory)
     const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i z = _mm256_setzero_si256();
+    __m256i c00 = acc[0][0], c01 = acc[0][1], c10 = MR > 1 ? acc[1 % MR][0] : z, c11 = MR > 1 ? acc[1 % MR][1] : z;
+    __m256i c20 = MR > 2 ? acc[2 % MR][0] : z, c21 = MR > 2 ? acc[2 % MR][1] : z;
+    __m256i c30 = MR > 3 ? acc[3 % MR][0] : z, c31 = MR > 3 ? acc[3 % MR][1] : z;
+    __m256i c40 = MR > 4 ? acc[4 % MR][0] : z, c41 = MR > 4 ? acc[4 % MR][1] : z;
     for (int64_t j = 0; j < kquads; ++j) {
       const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64));
       const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64 + 32));
-      for (int r = 0; r < MR; ++r) {
-        const __m256i av = Bcast(a + r * lda + 4 * j);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(Pairs<kU>(av, b0), ones));
-        acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(Pairs<kU>(av, b1), ones));
-      }
+      const uint8_t* aj = a + 4 * j;
+      RowS1<kU>(aj, b0, b1, ones, &c00, &c01);
+      if (MR > 1) RowS1<kU>(aj + lda, b0, b1, ones, &c10, &c11);
+      if (MR > 2) RowS1<kU>(aj + 2 * lda, b0, b1, ones, &c20, &c21);
+      if (MR > 3) RowS1<kU>(aj + 3 * lda, b0, b1, ones, &c30, &c31);
+      if (MR > 4) RowS1<kU>(aj + 4 * lda, b0, b1, ones, &c40, &c41);
     }
+    acc[0][0] = c00, acc[0][1] = c01;
+    if (MR > 1) acc[1 % MR][0] = c10, acc[1 % MR][1] = c11;
+    if (MR > 2) acc[2 % MR][0] = c20, acc[2 % MR][1] = c21;
+    if (MR > 3) acc[3 % MR][0] = c30, acc[3 % MR][1] = c31;
+    if (MR > 4) acc[4 % MR][0] = c40, acc[4 % MR][1] = c41;
   }
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), acc[r][0]);
@@ -162,16 +223,24 @@ void KernelSteps(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kq
       }
       h[0][0] = h00, h[0][1] = h01, h[1][0] = h10, h[1][1] = h11, h[2][0] = h20, h[2][1] = h21;
       h[3][0] = h30, h[3][1] = h31, h[4][0] = h40, h[4][1] = h41, h[5][0] = h50, h[5][1] = h51;
-    } else {
+    } else {  // named variables and one asm block per row, as in KernelS1
+      const __m256i z = h[0][0];
+      __m256i h00 = z, h01 = z, h10 = z, h11 = z, h20 = z, h21 = z, h30 = z, h31 = z, h40 = z, h41 = z;
       for (int64_t j = q0; j < q1; ++j) {
         const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64));
         const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + j * 64 + 32));
-        for (int r = 0; r < MR; ++r) {
-          const __m256i av = Bcast(a + r * lda + 4 * j);
-          h[r][0] = _mm256_add_epi16(h[r][0], Pairs<kU>(av, b0));
-          h[r][1] = _mm256_add_epi16(h[r][1], Pairs<kU>(av, b1));
-        }
+        const uint8_t* aj = a + 4 * j;
+        RowS16<kU>(aj, b0, b1, &h00, &h01);
+        if (MR > 1) RowS16<kU>(aj + lda, b0, b1, &h10, &h11);
+        if (MR > 2) RowS16<kU>(aj + 2 * lda, b0, b1, &h20, &h21);
+        if (MR > 3) RowS16<kU>(aj + 3 * lda, b0, b1, &h30, &h31);
+        if (MR > 4) RowS16<kU>(aj + 4 * lda, b0, b1, &h40, &h41);
       }
+      h[0][0] = h00, h[0][1] = h01;
+      if (MR > 1) h[1 % MR][0] = h10, h[1 % MR][1] = h11;
+      if (MR > 2) h[2 % MR][0] = h20, h[2 % MR][1] = h21;
+      if (MR > 3) h[3 % MR][0] = h30, h[3 % MR][1] = h31;
+      if (MR > 4) h[4 % MR][0] = h40, h[4 % MR][1] = h41;
     }
     for (int r = 0; r < MR; ++r) {
       __m256i* s = reinterpret_cast<__m256i*>(sum[r]);
@@ -302,74 +371,117 @@ void PackU8QuadPanels(const uint8_t* rows, int64_t ld, int64_t kquads, int64_t n
 
 namespace {
 
-// How a panel's 16 position offsets can be loaded: one run of 16 consecutive bytes, two
-// runs of 8, or neither (byte gather).
-inline void PanelRuns(const int64_t* po, bool* run16, bool* run8) {
-  *run16 = *run8 = true;
+// How one panel's 16 position offsets are loaded: as runs of consecutive bytes (one run
+// of 16 for positions inside one output row; a panel crossing row ends has one run per
+// row piece), each run one unaligned 16-byte load placed so that lane i reads a[po[i]],
+// the runs merged with byte blends; more than kMaxRuns runs (or positions that do not
+// increase, the padding columns of the last panel) gather bytes.  A run starting at lane
+// i0 loads a + po[i0] - i0 .. + 15: with increasing positions those bytes lie within
+// [a + po[0], a + po[15]], which the panel reads anyway.
+constexpr int kMaxRuns = 4;
+struct PanelLoad {
+  int runs = 0;  // 0: byte gather
+  int64_t off[kMaxRuns];
+  __m128i mask[kMaxRuns];  // lanes >= the run's first lane
+};
+
+inline void PlanPanel(const int64_t* po, PanelLoad* pl) {
+  int runs = 1;
+  int first[16] = {0};
   for (int i = 1; i < 16; ++i) {
-    if (po[i] != po[0] + i) *run16 = false;
-    if (po[i] != po[i < 8 ? 0 : 8] + (i & 7)) *run8 = false;
+    if (po[i] <= po[i - 1]) {
+      pl->runs = 0;
+      return;
+    }
+    if (po[i] != po[i - 1] + 1) {
+      if (runs == kMaxRuns) {
+        pl->runs = 0;
+        return;
+      }
+      first[runs++] = i;
+    }
+  }
+  pl->runs = runs;
+  for (int r = 0; r < runs; ++r) {
+    pl->off[r] = po[first[r]] - first[r];
+    pl->mask[r] = _mm_cmpgt_epi8(_mm_setr_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                 _mm_set1_epi8(static_cast<char>(first[r] - 1)));
   }
 }
 
-// The 16 bytes a[po[i]] of one tap row at a panel's positions (PanelRuns says how).
-inline __m128i LoadPositions(const uint8_t* a, const int64_t* po, bool run16, bool run8) {
-  if (run16) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + po[0]));
-  if (run8)
-    return _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[0])),
-                              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + po[8])));
+// The 16 bytes a[po[i]] of one tap row at a panel's positions.
+inline __m128i LoadPositions(const uint8_t* a, const int64_t* po, const PanelLoad& pl) {
+  if (pl.runs == 1) return _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pl.off[0]));
+  if (pl.runs > 1) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pl.off[0]));
+    for (int r = 1; r < pl.runs; ++r)
+      v = _mm_blendv_epi8(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + pl.off[r])), pl.mask[r]);
+    return v;
+  }
   alignas(16) uint8_t g[16];
   for (int i = 0; i < 16; ++i) g[i] = a[po[i]];
   return _mm_load_si128(reinterpret_cast<const __m128i*>(g));
 }
+
+// Panels are gathered kGroup at a time with the k loop outside: consecutive panels read
+// consecutive bytes of each tap row, so a row's cache line serves them all while it is in
+// L1 (one panel at a time fetched each line again per panel).
+constexpr int64_t kGroup = 8;
 
 }  // namespace
 
 // int16 pair panels of 16 columns for GemmI16Avx2 (the activation operand of the int16
 // convs): panel q, pair j = 32 int16, slot 2i / 2i + 1 = tap rows 2j / 2j + 1 at position
 // 16q + i, minus the zero point's code `zu`, gathered from padded images: byte i of tap
-// row k for panel q is base[tap[k] + pos[16q + i]].  Runs of 16 (or two of 8) consecutive
-// positions load as one (two) vectors, anything else gathers bytes; then one byte
-// interleave and two widenings per 32 values.
+// row k for panel q is base[tap[k] + pos[16q + i]] (PanelLoad: runs of positions load as
+// vectors); then one byte interleave and two widenings per 32 values.
 void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs, const int64_t* pos,
                          int64_t npanels, uint8_t zu, int16_t* panels) {
   const __m256i z = _mm256_set1_epi16(zu);
-  for (int64_t q = 0; q < npanels; ++q) {
-    const int64_t* po = pos + 16 * q;
-    bool run16, run8;
-    PanelRuns(po, &run16, &run8);
+  PanelLoad pl[kGroup];
+  for (int64_t g0 = 0; g0 < npanels; g0 += kGroup) {
+    const int64_t ng = npanels - g0 < kGroup ? npanels - g0 : kGroup;
+    for (int64_t q = 0; q < ng; ++q) PlanPanel(pos + 16 * (g0 + q), &pl[q]);
     for (int64_t j = 0; j < kpairs; ++j) {
-      const __m128i r0 = LoadPositions(base + tap[2 * j], po, run16, run8);
-      const __m128i r1 = LoadPositions(base + tap[2 * j + 1], po, run16, run8);
-      const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
-      const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
-      __m256i* out = reinterpret_cast<__m256i*>(panels + (q * kpairs + j) * 32);
-      _mm256_storeu_si256(out, b0);
-      _mm256_storeu_si256(out + 1, b1);
+      const uint8_t* t0 = base + tap[2 * j];
+      const uint8_t* t1 = base + tap[2 * j + 1];
+      for (int64_t q = 0; q < ng; ++q) {
+        const int64_t* po = pos + 16 * (g0 + q);
+        const __m128i r0 = LoadPositions(t0, po, pl[q]);
+        const __m128i r1 = LoadPositions(t1, po, pl[q]);
+        const __m256i b0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(r0, r1)), z);
+        const __m256i b1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(r0, r1)), z);
+        __m256i* out = reinterpret_cast<__m256i*>(panels + ((g0 + q) * kpairs + j) * 32);
+        _mm256_storeu_si256(out, b0);
+        _mm256_storeu_si256(out + 1, b1);
+      }
     }
   }
 }
 
 // PackU8QuadPanels' layout gathered from padded images (the u8 convs): byte i of tap row k
 // for panel q is base[tap[k] + pos[16q + i]]; quad j's 64 bytes hold position i's four
-// taps 4j..4j+3.  Runs of 16 (or two of 8) consecutive positions load as one (two)
-// vectors, anything else gathers bytes.
+// taps 4j..4j+3 (PanelLoad: runs of positions load as vectors).
 void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
                             int64_t npanels, uint8_t* panels) {
-  for (int64_t q = 0; q < npanels; ++q) {
-    const int64_t* po = pos + 16 * q;
-    bool run16, run8;
-    PanelRuns(po, &run16, &run8);
+  PanelLoad pl[kGroup];
+  for (int64_t g0 = 0; g0 < npanels; g0 += kGroup) {
+    const int64_t ng = npanels - g0 < kGroup ? npanels - g0 : kGroup;
+    for (int64_t q = 0; q < ng; ++q) PlanPanel(pos + 16 * (g0 + q), &pl[q]);
     for (int64_t j = 0; j < kquads; ++j) {
-      __m128i r[4];
-      for (int t = 0; t < 4; ++t) r[t] = LoadPositions(base + tap[4 * j + t], po, run16, run8);
-      const __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
-      const __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
-      __m128i* out = reinterpret_cast<__m128i*>(panels + (q * kquads + j) * 64);
-      _mm_storeu_si128(out, _mm_unpacklo_epi16(a_lo, b_lo));
-      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a_lo, b_lo));
-      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));
-      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+      const uint8_t* t[4] = {base + tap[4 * j], base + tap[4 * j + 1], base + tap[4 * j + 2], base + tap[4 * j + 3]};
+      for (int64_t q = 0; q < ng; ++q) {
+        const int64_t* po = pos + 16 * (g0 + q);
+        __m128i r[4];
+        for (int u = 0; u < 4; ++u) r[u] = LoadPositions(t[u], po, pl[q]);
+        const __m128i a_lo = _mm_unpacklo_epi8(r[0], r[1]), a_hi = _mm_unpackhi_epi8(r[0], r[1]);
+        const __m128i b_lo = _mm_unpacklo_epi8(r[2], r[3]), b_hi = _mm_unpackhi_epi8(r[2], r[3]);
+        __m128i* out = reinterpret_cast<__m128i*>(panels + ((g0 + q) * kquads + j) * 64);
+        _mm_storeu_si128(out, _mm_unpacklo_epi16(a_lo, b_lo));
+        _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a_lo, b_lo));
+        _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));
+        _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+      }
     }
   }
 }

@@ -22,6 +22,13 @@ void Part(int64_t total, int64_t parts, int64_t part, int64_t* b, int64_t* e) {
   *e = total * (part + 1) / parts;
 }
 
+// Panels gathered and multiplied together (PanelGroup(bytes per panel)): the gather
+// reads each tap row's cache line once for all of them, and each weight strip runs over
+// all of them while it is in L1; at most 8 panels and ~256 KiB (they are read from L2).
+int64_t PanelGroup(int64_t panel_bytes) {
+  return std::max<int64_t>(1, std::min<int64_t>(8, (256 << 10) / std::max<int64_t>(1, panel_bytes)));
+}
+
 }  // namespace
 
 // Int conv with the weights as the broadcast operand: acc[o][col] = W'[o][:] . X'[:, col],
@@ -153,14 +160,17 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       // u8 quad panels gathered from padded images one panel at a time (as the int16 path
       // below; no im2col matrix).  K rows past kdim read offset 0 (their weights are 0).
       thread_local std::vector<uint8_t> panels8;
-      panels8.resize(static_cast<size_t>(kquads * 64));
+      const int64_t G = PanelGroup(kquads * 64);
+      panels8.resize(static_cast<size_t>(G * kquads * 64));
       const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
-      for (int64_t q = q0; q < q1; ++q) {
-        PackU8QuadPanelsGather(pi->base, pi->tap.data(), kquads, pi->pos.data() + 16 * q, 1, panels8.data());
+      for (int64_t g0 = q0; g0 < q1; g0 += G) {
+        const int64_t ng = std::min(G, q1 - g0);
+        PackU8QuadPanelsGather(pi->base, pi->tap.data(), kquads, pi->pos.data() + 16 * g0, ng, panels8.data());
         for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
           rows = StripRows(e.og, o0);
-          vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data(), kquads,
-               acc.data() + (o0 - r0) * ld + (q - q0) * 16, ld, false);
+          for (int64_t q = g0; q < g0 + ng; ++q)
+            vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data() + (q - g0) * kquads * 64, kquads,
+                 acc.data() + (o0 - r0) * ld + (q - q0) * 16, ld, false);
         }
       }
       // one pass for the zero-point offset and (when no overflow is possible) the bias;
@@ -181,16 +191,18 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       thread_local std::vector<int16_t> panels;
       // one panel at a time, packed right before its row strips read it (from L1; packing
       // all panels first left them in L2 for the kernel)
-      panels.resize(static_cast<size_t>(kpairs * 32));
+      const int64_t G = PanelGroup(kpairs * 64);
+      panels.resize(static_cast<size_t>(G * kpairs * 32));
       const int16_t* w = p.w16[gi].data();
-      for (int64_t q = q0; q < q1; ++q) {
-        PackI16PanelsGather(pi->base, pi->tap.data(), kpairs, pi->pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
+      for (int64_t g0 = q0; g0 < q1; g0 += G) {
+        const int64_t ng = std::min(G, q1 - g0);
+        PackI16PanelsGather(pi->base, pi->tap.data(), kpairs, pi->pos.data() + 16 * g0, ng, static_cast<uint8_t>(zu),
                             panels.data(), path);
-        const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
         for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
           rows = StripRows(e.og, o0);
-          kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + (o0 - r0) * ld + (q - q0) * 16,
-                 ld, false);
+          for (int64_t q = g0; q < g0 + ng; ++q)
+            kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, reinterpret_cast<const uint8_t*>(panels.data()) +
+                   (q - g0) * kpairs * 64, kpairs, acc.data() + (o0 - r0) * ld + (q - q0) * 16, ld, false);
         }
       }
     }
