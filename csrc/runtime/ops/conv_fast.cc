@@ -1,6 +1,7 @@
 // IntConvFast: int convs with the weights as the broadcast GEMM operand and activation
 // panels gathered from padded images (AVX2 int16 / vpmaddubsw, VNNI, AMX explicit).
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "runtime/ops/conv.h"
@@ -20,6 +21,17 @@ int64_t StripStart(int64_t og, int64_t s) {
 void Part(int64_t total, int64_t parts, int64_t part, int64_t* b, int64_t* e) {
   *b = total * part / parts;
   *e = total * (part + 1) / parts;
+}
+
+// Bytes of int32 sums per column tile (IntConvFast): with the tile's panels and output
+// well inside a Zen 3 / Skylake-SP L2 (512 KB / 1 MB).  QDSL_ACC_TILE_KB overrides (tuning).
+int64_t AccTileBytes() {
+  static const int64_t bytes = [] {
+    const char* v = std::getenv("QDSL_ACC_TILE_KB");
+    const long kb = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+    return kb > 0 ? int64_t{kb} * 1024 : int64_t{256} * 1024;
+  }();
+  return bytes;
 }
 
 }  // namespace
@@ -105,18 +117,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
     const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
     // this piece: panels [q0, q1) (columns [c0, c1)) x weight rows [r0, r1) (whole strips)
-    int64_t q0 = 0, q1 = 0, s0 = 0, s1 = 0;
-    Part(npanels, ctiles, piece / rblocks, &q0, &q1);
+    int64_t p0 = 0, p1 = 0, s0 = 0, s1 = 0;
+    Part(npanels, ctiles, piece / rblocks, &p0, &p1);
     Part(nstrips, rblocks, piece % rblocks, &s0, &s1);
-    if (q1 <= q0 || s1 <= s0) return;
+    if (p1 <= p0 || s1 <= s0) return;
     const int64_t r0 = StripStart(e.og, s0), r1 = StripStart(e.og, s1);
-    const int64_t c0 = q0 * 16, c1 = std::min(cols_n, q1 * 16), ld = (q1 - q0) * 16;
-    thread_local AlignedVector<int32_t> acc;
-    const int64_t og16 = (e.og + 15) / 16 * 16;
-    // grow only (as conv_dw.cc): a shrink made the next larger conv zero-fill its buffer
-    const size_t need = static_cast<size_t>((amx ? og16 : r1 - r0) * ld);
-    if (acc.size() < need) acc.resize(need);
-    bool bias_done = false;
     PaddedImages own;
     const PaddedImages* pi = &own;
     if (pieces > 1) {
@@ -125,6 +130,21 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       own = PadImagesU8(x, p, e, b0, nb, gi, flip, static_cast<uint8_t>(zu), p.kp);
       own.FillPositions(nb, e.OH, e.OW, Pp);
     }
+    // Column tiles of one image's panels, each through the GEMM and then the output stage
+    // while its accumulators are still in L2 (whole images: at 112 x 112 the int32 sums of
+    // all columns, e.g. 96 channels x 12544 x 4 B = 4.8 MB, left the cache before the stage
+    // read them back).  Several images (nb > 1, small planes) and AMX keep one tile.
+    int64_t tile = p1 - p0;
+    if (!amx && nb == 1) tile = std::max<int64_t>(1, AccTileBytes() / ((r1 - r0) * 16 * 4));
+    for (int64_t q0 = p0; q0 < p1; q0 += tile) {
+    const int64_t q1 = std::min(p1, q0 + tile);
+    const int64_t c0 = q0 * 16, c1 = std::min(cols_n, q1 * 16), ld = (q1 - q0) * 16;
+    thread_local AlignedVector<int32_t> acc;
+    const int64_t og16 = (e.og + 15) / 16 * 16;
+    // grow only (as conv_dw.cc): a shrink made the next larger conv zero-fill its buffer
+    const size_t need = static_cast<size_t>((amx ? og16 : r1 - r0) * ld);
+    if (acc.size() < need) acc.resize(need);
+    bool bias_done = false;
     if (amx) {  // whole units only: ld == Pp, rows [0, og)
       // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
       // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
@@ -237,6 +257,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
         }
       }
     }
+    }  // column tiles
   }, /*work=*/work);
   for (int64_t c : counts) *overflow += c;
   return Status::Ok();
