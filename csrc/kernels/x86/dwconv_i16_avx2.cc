@@ -121,5 +121,40 @@ void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const i
   }
 }
 
+// The interior of a padded int16 plane (conv_dw.cc FillInterior's contract): rows
+// [ph, min(rows, ph + H)) get input row r - ph minus zp at columns [pw, pw + W), 16 values
+// per step.  A row's last step (and whole rows narrower than 16: 7 x 7 and 14 x 14 planes)
+// stores its 16 lanes with the ones past W set to 0, the padding's value: the caller's row
+// pitch ldp >= pw + 16 + (W rounded down to 16) (DwConvPlaneCols), and those columns must
+// hold 0 anyway.  Loads never pass the plane's end (the last 16 bytes go through a copy).
+void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
+                     int64_t ldp, int32_t zp, int16_t* xp) {
+  const __m256i z = _mm256_set1_epi16(static_cast<int16_t>(zp));
+  const __m256i idx = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t* end = x + H * W;
+  auto widen = [&](__m128i b) { return _mm256_sub_epi16(x_signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b), z); };
+  const int64_t last = rows < ph + H ? rows : ph + H;
+  for (int64_t r = ph < rows ? ph : rows; r < last; ++r) {
+    int16_t* dst = xp + r * ldp + pw;
+    const uint8_t* src = x + (r - ph) * W;
+    int64_t i = 0;
+    for (; i + 16 <= W; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    if (i < W) {
+      const int64_t n = W - i;
+      __m128i b;
+      if (end - (src + i) >= 16) {
+        b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      } else {
+        alignas(16) uint8_t tmp[16] = {0};
+        for (int64_t j = 0; j < n; ++j) tmp[j] = src[i + j];
+        b = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m256i keep = _mm256_cmpgt_epi16(_mm256_set1_epi16(static_cast<int16_t>(n)), idx);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_and_si256(widen(b), keep));
+    }
+  }
+}
+
 }  // namespace x86
 }  // namespace qdsl
