@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <utility>
 
+#include "runtime/ops/add.h"
 #include "runtime/ops/conv.h"
 #include "threads/thread_pool.h"
 
@@ -108,6 +109,27 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       twins.emplace_back(&g->ops[j], g->tensors[g->ops[j].outputs[0]].dtype);
       g->fused_done[j] = 1;
     }
+  // Residual ADD fused into this conv (ConvParams::fused_add; I32 output, fast stage): after
+  // each tile's stage, its I32 values (written as usual, still in cache) go through AddRange
+  // with the ADD's other input at the same elements into the ADD's output; the executor skips
+  // the ADD.  Elementwise with per-tensor rescales, so pieces of the tensor compute what the
+  // whole-tensor ADD does, bit for bit.
+  const GraphOp* add = (p.fused_add >= 0 && out_dtype == kI32 && p.fast_acc) ? &g->ops[p.fused_add] : nullptr;
+  const AddParams* add_p = add != nullptr ? &ParamsOf<AddParams>(*add) : nullptr;
+  const uint8_t* add_other = nullptr;
+  uint8_t* add_y = nullptr;
+  int add_other_dtype = 0;
+  int64_t add_other_size = 1;
+  bool add_signed = false;
+  if (add != nullptr) {
+    const uint32_t other = add->inputs[1 - p.fused_slot];
+    add_other = g->buffers[other].data();
+    add_other_dtype = g->tensors[other].dtype;
+    add_other_size = add_other_dtype == kI32 ? 4 : 1;
+    add_y = g->buffers[add->outputs[0]].data();
+    add_signed = g->tensors[add->outputs[0]].dtype == kI8;
+    g->fused_done[p.fused_add] = 1;
+  }
   // the bias added inside the stage's pass (RequantAddKernel) when every output is I8/U8
   bool fold_bias = requant_add != nullptr && !p.bias.empty() && out_dtype != kI32;
   for (const auto& tw : twins) fold_bias = fold_bias && tw.second != kI32;
@@ -255,6 +277,25 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
           const int64_t bi = col / P, i = col % P;
           Emit(row[col - c0], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
         }
+      }
+    }
+    if (add != nullptr) {
+      // the fused ADD on the values just staged (still in cache): one call per image when
+      // the tile spans whole images (its rows are then contiguous), else one per row
+      const uint8_t* conv_out = y;
+      auto add_block = [&](int64_t at, int64_t n) {
+        const uint8_t* vb = conv_out + at * 4;
+        const uint8_t* ob = add_other + at * add_other_size;
+        AddRange(*add_p, p.fused_slot == 0 ? vb : ob, p.fused_slot == 0 ? kI32 : add_other_dtype,
+                 p.fused_slot == 0 ? ob : vb, p.fused_slot == 0 ? add_other_dtype : kI32, n, add_y + at, add_signed,
+                 path);
+      };
+      const int64_t ch0 = gi * e.og + r0;
+      if (len == P) {
+        for (int64_t bi = 0; bi < nb; ++bi) add_block(((b0 + bi) * e.O + ch0) * P, (r1 - r0) * P);
+      } else {
+        for (int64_t bi = 0; bi < nb; ++bi)
+          for (int64_t o = r0; o < r1; ++o) add_block(((b0 + bi) * e.O + gi * e.og + o) * P + c0, len);
       }
     }
     }  // column tiles
