@@ -90,6 +90,50 @@ void DwPlane(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int3
   }
 }
 
+// 3x3 (kh 3, two pairs per kernel row), the MobileNet case: the six tap pairs broadcast once
+// per plane into registers (the general loop re-broadcast them for every block of 16) and
+// the kernel rows unrolled.
+template <int S>
+void DwPlane3x3(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* pairs, int32_t init,
+                int32_t* acc, int64_t lda) {
+  const __m256i vinit = _mm256_set1_epi32(init);
+  const __m256i w0 = _mm256_set1_epi32(pairs[0]), w1 = _mm256_set1_epi32(pairs[1]);
+  const __m256i w2 = _mm256_set1_epi32(pairs[2]), w3 = _mm256_set1_epi32(pairs[3]);
+  const __m256i w4 = _mm256_set1_epi32(pairs[4]), w5 = _mm256_set1_epi32(pairs[5]);
+  const int64_t ow16 = DwConvAccCols(s), row_step = s.dh * ldp;
+  constexpr int kOdd = S == 2 ? 16 : 1;  // the second vector's offset (see DwPlane)
+  for (int64_t oy = 0; oy < s.oh; ++oy) {
+    const int16_t* top = plane + oy * s.sh * ldp;
+    int32_t* out = acc + oy * lda;
+    for (int64_t ox = 0; ox < ow16; ox += 16) {
+      const int16_t* r0 = top + S * ox;
+      const int16_t* r1 = r0 + row_step;
+      const int16_t* r2 = r1 + row_step;
+      __m256i a0 = _mm256_add_epi32(vinit, _mm256_madd_epi16(Load(r0), w0));
+      __m256i a1 = _mm256_add_epi32(vinit, _mm256_madd_epi16(Load(r0 + kOdd), w0));
+      __m256i b0 = _mm256_madd_epi16(Load(r0 + 2), w1);
+      __m256i b1 = _mm256_madd_epi16(Load(r0 + kOdd + 2), w1);
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(Load(r1), w2));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(Load(r1 + kOdd), w2));
+      b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(Load(r1 + 2), w3));
+      b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(Load(r1 + kOdd + 2), w3));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(Load(r2), w4));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(Load(r2 + kOdd), w4));
+      b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(Load(r2 + 2), w5));
+      b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(Load(r2 + kOdd + 2), w5));
+      a0 = _mm256_add_epi32(a0, b0);  // int32 sums are exact (no overflow): any order
+      a1 = _mm256_add_epi32(a1, b1);
+      if (S == 1) {
+        const __m256i lo = _mm256_unpacklo_epi32(a0, a1), hi = _mm256_unpackhi_epi32(a0, a1);
+        a0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+        a1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ox), a0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ox + 8), a1);
+    }
+  }
+}
+
 template <int S>
 void DwPlaneStride(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* pairs, int32_t init,
                    int32_t* acc, int64_t lda) {
@@ -100,6 +144,7 @@ void DwPlaneStride(const int16_t* plane, int64_t ldp, const DwConvShape& s, cons
       default: return DwPlane8<S, 0>(plane, ldp, s, pairs, init, acc, lda);
     }
   }
+  if (s.kh == 3 && s.kw == 3) return DwPlane3x3<S>(plane, ldp, s, pairs, init, acc, lda);
   switch ((s.kw + 1) / 2) {
     case 1: return DwPlane<S, 1>(plane, ldp, s, pairs, init, acc, lda);
     case 2: return DwPlane<S, 2>(plane, ldp, s, pairs, init, acc, lda);
