@@ -138,7 +138,7 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     const int64_t chunk = u / p.groups, gi = u % p.groups;
     const int64_t b0 = chunk * per_task, nb = std::min(per_task, e.n - b0);
     const int64_t cols_n = nb * P, Pp = (cols_n + 15) / 16 * 16, npanels = Pp / 16;
-    // this piece: panels [q0, q1) (columns [c0, c1)) x weight rows [r0, r1) (whole strips)
+    // this piece: panels [p0, p1) x weight rows [r0, r1) (whole strips), run in column tiles [q0, q1)
     int64_t p0 = 0, p1 = 0, s0 = 0, s1 = 0;
     Part(npanels, ctiles, piece / rblocks, &p0, &p1);
     Part(nstrips, rblocks, piece % rblocks, &s0, &s1);
@@ -159,145 +159,146 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     int64_t tile = p1 - p0;
     if (!amx && nb == 1) tile = std::max<int64_t>(1, AccTileBytes() / ((r1 - r0) * 16 * 4));
     for (int64_t q0 = p0; q0 < p1; q0 += tile) {
-    const int64_t q1 = std::min(p1, q0 + tile);
-    const int64_t c0 = q0 * 16, c1 = std::min(cols_n, q1 * 16), ld = (q1 - q0) * 16;
-    thread_local AlignedVector<int32_t> acc;
-    const int64_t og16 = (e.og + 15) / 16 * 16;
-    // grow only (as conv_dw.cc): a shrink made the next larger conv zero-fill its buffer
-    const size_t need = static_cast<size_t>((amx ? og16 : r1 - r0) * ld);
-    if (acc.size() < need) acc.resize(need);
-    bool bias_done = false;
-    if (amx) {  // whole units only: ld == Pp, rows [0, og)
-      // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
-      // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
-      // possible), one 16 x 16 tile per 16 channels, so no pass over C remains.
-      thread_local AlignedVector<uint8_t> cols8, panels8;
-      thread_local AlignedVector<int32_t> cinit;
-      const int64_t kblocks = p.kp64 / kAmxKBlock, kq16 = kblocks * 16;
-      cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
-      panels8.resize(static_cast<size_t>(npanels * kq16 * 64));
-      Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
-      PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, kq16, panels8.data());
-      cinit.resize(static_cast<size_t>(og16 * 16));
-      bias_done = p.fast_acc && !p.bias.empty();
-      for (int64_t o = 0; o < og16; ++o) {
-        const int64_t oc = gi * e.og + o;
-        uint32_t v = 0;
-        if (o < e.og) {
-          v = (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u) -
-              static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]);
+      const int64_t q1 = std::min(p1, q0 + tile);
+      const int64_t c0 = q0 * 16, c1 = std::min(cols_n, q1 * 16), ld = (q1 - q0) * 16;
+      thread_local AlignedVector<int32_t> acc;
+      const int64_t og16 = (e.og + 15) / 16 * 16;
+      // grow only (as conv_dw.cc): a shrink made the next larger conv zero-fill its buffer
+      const size_t need = static_cast<size_t>((amx ? og16 : r1 - r0) * ld);
+      if (acc.size() < need) acc.resize(need);
+      bool bias_done = false;
+      if (amx) {  // whole units only: ld == Pp, rows [0, og)
+        // AMX: s8 weight rows (A tiles) x u8 activation panels (B tiles, 16 quads per K
+        // block, zero past K).  C starts at -z_u * rowsum (+ bias when no overflow is
+        // possible), one 16 x 16 tile per 16 channels, so no pass over C remains.
+        thread_local AlignedVector<uint8_t> cols8, panels8;
+        thread_local AlignedVector<int32_t> cinit;
+        const int64_t kblocks = p.kp64 / kAmxKBlock, kq16 = kblocks * 16;
+        cols8.assign(static_cast<size_t>(p.kp * Pp), 0);
+        panels8.resize(static_cast<size_t>(npanels * kq16 * 64));
+        Im2colU8(x, p, e, b0, nb, gi, xt.dtype, static_cast<uint8_t>(zu), P, Pp, cols8.data());
+        PackU8QuadPanels(cols8.data(), Pp, kquads, npanels, kq16, panels8.data());
+        cinit.resize(static_cast<size_t>(og16 * 16));
+        bias_done = p.fast_acc && !p.bias.empty();
+        for (int64_t o = 0; o < og16; ++o) {
+          const int64_t oc = gi * e.og + o;
+          uint32_t v = 0;
+          if (o < e.og) {
+            v = (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u) -
+                static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]);
+          }
+          for (int i = 0; i < 16; ++i) cinit[o * 16 + i] = static_cast<int32_t>(v);
         }
-        for (int i = 0; i < 16; ++i) cinit[o * 16 + i] = static_cast<int32_t>(v);
-      }
-      amx(true, reinterpret_cast<const uint8_t*>(p.w8[gi].data()), p.kp64, og16 / 16, panels8.data(), kq16 * 64,
-          npanels, kblocks, acc.data(), Pp, AmxInit::kRows, cinit.data());
-    } else if (vnni) {
-      // u8 quad panels gathered from padded images one panel at a time (as the int16 path
-      // below; no im2col matrix).  K rows past kdim read offset 0 (their weights are 0).
-      thread_local std::vector<uint8_t> panels8;
-      panels8.resize(static_cast<size_t>(kquads * 64));
-      const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
-      for (int64_t q = q0; q < q1; ++q) {
-        PackU8QuadPanelsGather(pi->base, pi->tap.data(), kquads, pi->pos.data() + 16 * q, 1, panels8.data());
-        for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
-          rows = StripRows(e.og, o0);
-          vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data(), kquads,
-               acc.data() + (o0 - r0) * ld + (q - q0) * 16, ld, false);
+        amx(true, reinterpret_cast<const uint8_t*>(p.w8[gi].data()), p.kp64, og16 / 16, panels8.data(), kq16 * 64,
+            npanels, kblocks, acc.data(), Pp, AmxInit::kRows, cinit.data());
+      } else if (vnni) {
+        // u8 quad panels gathered from padded images one panel at a time (as the int16 path
+        // below; no im2col matrix).  K rows past kdim read offset 0 (their weights are 0).
+        thread_local std::vector<uint8_t> panels8;
+        panels8.resize(static_cast<size_t>(kquads * 64));
+        const uint8_t* w = reinterpret_cast<const uint8_t*>(p.w8[gi].data());
+        for (int64_t q = q0; q < q1; ++q) {
+          PackU8QuadPanelsGather(pi->base, pi->tap.data(), kquads, pi->pos.data() + 16 * q, 1, panels8.data());
+          for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
+            rows = StripRows(e.og, o0);
+            vnni(static_cast<int>(rows), w + o0 * p.kp64, p.kp64, panels8.data(), kquads,
+                 acc.data() + (o0 - r0) * ld + (q - q0) * 16, ld, false);
+          }
+        }
+        // one pass for the zero-point offset and (when no overflow is possible) the bias;
+        // none when both are 0 (e.g. ReLU outputs with zero point 0 and no bias)
+        bias_done = p.fast_acc && !p.bias.empty();
+        for (int64_t o = r0; o < r1; ++o) {
+          const int64_t oc = gi * e.og + o;
+          const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]) -
+                                (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u);
+          if (corr == 0) continue;
+          int32_t* row = acc.data() + (o - r0) * ld;
+          for (int64_t i = 0; i < c1 - c0; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
+        }
+      } else {
+        // int16 pair panels (code - zu) gathered straight from the padded images: no im2col
+        // matrix (its row copies cost more than the GEMM on small images).  Positions past
+        // cols_n and K rows past kdim read offset 0: their products are dropped / times 0.
+        thread_local std::vector<int16_t> panels;
+        // one panel at a time, packed right before its row strips read it (from L1; packing
+        // all panels first left them in L2 for the kernel)
+        panels.resize(static_cast<size_t>(kpairs * 32));
+        const int16_t* w = p.w16[gi].data();
+        for (int64_t q = q0; q < q1; ++q) {
+          PackI16PanelsGather(pi->base, pi->tap.data(), kpairs, pi->pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
+                              panels.data(), path);
+          const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
+          for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
+            rows = StripRows(e.og, o0);
+            kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, panel, kpairs,
+                   acc.data() + (o0 - r0) * ld + (q - q0) * 16,
+                   ld, false);
+          }
         }
       }
-      // one pass for the zero-point offset and (when no overflow is possible) the bias;
-      // none when both are 0 (e.g. ReLU outputs with zero point 0 and no bias)
-      bias_done = p.fast_acc && !p.bias.empty();
+      // columns [c0, c1) of nb images: one image's span when cut into pieces (nb == 1),
+      // else all nb * P columns (c0 == 0), P per image
+      const int64_t len = (c1 - c0) / nb;
       for (int64_t o = r0; o < r1; ++o) {
         const int64_t oc = gi * e.og + o;
-        const uint32_t corr = static_cast<uint32_t>(zu) * static_cast<uint32_t>(p.rowsum[oc]) -
-                              (bias_done ? static_cast<uint32_t>(p.bias[oc]) : 0u);
-        if (corr == 0) continue;
-        int32_t* row = acc.data() + (o - r0) * ld;
-        for (int64_t i = 0; i < c1 - c0; ++i) row[i] = static_cast<int32_t>(static_cast<uint32_t>(row[i]) - corr);
-      }
-    } else {
-      // int16 pair panels (code - zu) gathered straight from the padded images: no im2col
-      // matrix (its row copies cost more than the GEMM on small images).  Positions past
-      // cols_n and K rows past kdim read offset 0: their products are dropped / times 0.
-      thread_local std::vector<int16_t> panels;
-      // one panel at a time, packed right before its row strips read it (from L1; packing
-      // all panels first left them in L2 for the kernel)
-      panels.resize(static_cast<size_t>(kpairs * 32));
-      const int16_t* w = p.w16[gi].data();
-      for (int64_t q = q0; q < q1; ++q) {
-        PackI16PanelsGather(pi->base, pi->tap.data(), kpairs, pi->pos.data() + 16 * q, 1, static_cast<uint8_t>(zu),
-                            panels.data(), path);
-        const uint8_t* panel = reinterpret_cast<const uint8_t*>(panels.data());
-        for (int64_t o0 = r0, rows = 0; o0 < r1; o0 += rows) {
-          rows = StripRows(e.og, o0);
-          kernel(static_cast<int>(rows), w + o0 * p.kp, p.kp, panel, kpairs, acc.data() + (o0 - r0) * ld + (q - q0) * 16,
-                 ld, false);
-        }
-      }
-    }
-    // columns [c0, c1) of nb images: one image's span when cut into pieces (nb == 1),
-    // else all nb * P columns (c0 == 0), P per image
-    const int64_t len = (c1 - c0) / nb;
-    for (int64_t o = r0; o < r1; ++o) {
-      const int64_t oc = gi * e.og + o;
-      int32_t* row = acc.data() + (o - (amx ? 0 : r0)) * ld;
-      if (p.fast_acc) {
-        const bool add_bias = !p.bias.empty() && !bias_done;
-        if (add_bias && !fold_bias)
-          for (int64_t i = 0; i < c1 - c0; ++i) row[i] += p.bias[oc];
-        // this op's stage, then each twin's on the same accumulators
-        for (size_t tw = 0; tw <= twins.size(); ++tw) {
-          const StageData& sd = tw == 0 ? p.out : ParamsOf<ConvParams>(*twins[tw - 1].first).out;
-          const int dt = tw == 0 ? out_dtype : twins[tw - 1].second;
-          uint8_t* dst = tw == 0 ? y : g->buffers[twins[tw - 1].first->outputs[0]].data();
-          const Rescale& r = sd.stage.rescale;
-          OutputStage one = sd.stage;
-          const int64_t ch = r.channels == 1 ? 0 : oc;
-          one.rescale.multiplier = r.multiplier + ch;
-          one.rescale.shift = r.shift + ch;
-          one.rescale.channels = 1;
-          if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
-            if (add_bias && fold_bias) {
-              requant_add(row, nb, len, len, p.bias[oc], one, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
-            } else {
-              requant(row, nb, len, len, one, 0, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
+        int32_t* row = acc.data() + (o - (amx ? 0 : r0)) * ld;
+        if (p.fast_acc) {
+          const bool add_bias = !p.bias.empty() && !bias_done;
+          if (add_bias && !fold_bias)
+            for (int64_t i = 0; i < c1 - c0; ++i) row[i] += p.bias[oc];
+          // this op's stage, then each twin's on the same accumulators
+          for (size_t tw = 0; tw <= twins.size(); ++tw) {
+            const StageData& sd = tw == 0 ? p.out : ParamsOf<ConvParams>(*twins[tw - 1].first).out;
+            const int dt = tw == 0 ? out_dtype : twins[tw - 1].second;
+            uint8_t* dst = tw == 0 ? y : g->buffers[twins[tw - 1].first->outputs[0]].data();
+            const Rescale& r = sd.stage.rescale;
+            OutputStage one = sd.stage;
+            const int64_t ch = r.channels == 1 ? 0 : oc;
+            one.rescale.multiplier = r.multiplier + ch;
+            one.rescale.shift = r.shift + ch;
+            one.rescale.channels = 1;
+            if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
+              if (add_bias && fold_bias) {
+                requant_add(row, nb, len, len, p.bias[oc], one, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
+              } else {
+                requant(row, nb, len, len, one, 0, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
+              }
+              continue;
             }
-            continue;
+            int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P + c0;
+            if (stage_i32_rows != nullptr) {  // all nb images in one call, like requant above
+              stage_i32_rows(row, nb, len, len, one, dst32, e.O * P);
+            } else {
+              for (int64_t bi = 0; bi < nb; ++bi) stage_i32(row + bi * len, len, one, dst32 + bi * e.O * P);
+            }
           }
-          int32_t* dst32 = reinterpret_cast<int32_t*>(dst) + (b0 * e.O + oc) * P + c0;
-          if (stage_i32_rows != nullptr) {  // all nb images in one call, like requant above
-            stage_i32_rows(row, nb, len, len, one, dst32, e.O * P);
-          } else {
-            for (int64_t bi = 0; bi < nb; ++bi) stage_i32(row + bi * len, len, one, dst32 + bi * e.O * P);
+        } else {
+          for (int64_t col = c0; col < c1; ++col) {
+            const int64_t bi = col / P, i = col % P;
+            Emit(row[col - c0], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
           }
         }
-      } else {
-        for (int64_t col = c0; col < c1; ++col) {
-          const int64_t bi = col / P, i = col % P;
-          Emit(row[col - c0], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
+      }
+      if (add != nullptr) {
+        // the fused ADD on the values just staged (still in cache): one call per image when
+        // the tile spans whole images (its rows are then contiguous), else one per row
+        const uint8_t* conv_out = y;
+        auto add_block = [&](int64_t at, int64_t n) {
+          const uint8_t* vb = conv_out + at * 4;
+          const uint8_t* ob = add_other + at * add_other_size;
+          AddRange(*add_p, p.fused_slot == 0 ? vb : ob, p.fused_slot == 0 ? kI32 : add_other_dtype,
+                   p.fused_slot == 0 ? ob : vb, p.fused_slot == 0 ? add_other_dtype : kI32, n, add_y + at, add_signed,
+                   path);
+        };
+        const int64_t ch0 = gi * e.og + r0;
+        if (len == P) {
+          for (int64_t bi = 0; bi < nb; ++bi) add_block(((b0 + bi) * e.O + ch0) * P, (r1 - r0) * P);
+        } else {
+          for (int64_t bi = 0; bi < nb; ++bi)
+            for (int64_t o = r0; o < r1; ++o) add_block(((b0 + bi) * e.O + gi * e.og + o) * P + c0, len);
         }
       }
-    }
-    if (add != nullptr) {
-      // the fused ADD on the values just staged (still in cache): one call per image when
-      // the tile spans whole images (its rows are then contiguous), else one per row
-      const uint8_t* conv_out = y;
-      auto add_block = [&](int64_t at, int64_t n) {
-        const uint8_t* vb = conv_out + at * 4;
-        const uint8_t* ob = add_other + at * add_other_size;
-        AddRange(*add_p, p.fused_slot == 0 ? vb : ob, p.fused_slot == 0 ? kI32 : add_other_dtype,
-                 p.fused_slot == 0 ? ob : vb, p.fused_slot == 0 ? add_other_dtype : kI32, n, add_y + at, add_signed,
-                 path);
-      };
-      const int64_t ch0 = gi * e.og + r0;
-      if (len == P) {
-        for (int64_t bi = 0; bi < nb; ++bi) add_block(((b0 + bi) * e.O + ch0) * P, (r1 - r0) * P);
-      } else {
-        for (int64_t bi = 0; bi < nb; ++bi)
-          for (int64_t o = r0; o < r1; ++o) add_block(((b0 + bi) * e.O + gi * e.og + o) * P + c0, len);
-      }
-    }
     }  // column tiles
   }, /*work=*/work);
   for (int64_t c : counts) *overflow += c;
