@@ -355,4 +355,12 @@ DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path) {
   return portable::DwConv;
 }
 
+DwFillKernel SelectDwFillKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::DwFillPlaneAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 }  // namespace qdsl

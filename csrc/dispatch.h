@@ -119,6 +119,12 @@ using DwConvKernel = void (*)(const int16_t* plane, int64_t ldp, const DwConvSha
                               const int32_t* pairs, int32_t init, int32_t* acc, int64_t lda);
 // AVX2 for sw <= 2 and dw == 1 on every path from AVX2 up, else the portable loops.
 DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path);
+// The interior of a depthwise conv's zero-padded int16 plane: rows [ph, min(rows, ph + H))
+// hold input row r - ph minus zp at columns [pw, pw + W) (I8 codes when x_signed, else U8);
+// may also zero up to 16 columns past pw + W (ldp >= pw + W + 16).  nullptr: no vector kernel.
+using DwFillKernel = void (*)(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw,
+                              int64_t rows, int64_t ldp, int32_t zp, int16_t* xp);
+DwFillKernel SelectDwFillKernel(uint32_t path);
 
 // Threads (a small std::thread pool; no OpenMP, which would clash with torch's libgomp).
 void SetNumThreads(int n);  // <= 0 restores QDSL_NUM_THREADS or hardware_concurrency

@@ -149,19 +149,31 @@ void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
       const __m256i b = out_signed ? _mm256_packs_epi16(w01, w23) : _mm256_packus_epi16(w01, w23);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), _mm256_permutevar8x32_epi32(b, order));
     }
-    // the rest in blocks of 8, the last one through a zero-padded copy (no scalar tail)
+    // the rest in blocks of 8 (one 8-byte store each), the last partial one through a
+    // masked load and byte stores (no scalar tail; no memcpy calls: on 7 x 7 planes the
+    // tails were most of a row)
     for (; c < cols; c += 8) {
       const int64_t n = cols - c < 8 ? cols - c : 8;
-      alignas(32) int32_t pad[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      alignas(16) uint8_t codes[16];
-      std::memcpy(pad, a + c, static_cast<size_t>(n) * 4);
-      const __m256i x = at(pad);
+      __m256i x;
+      if (n == 8) {
+        x = at(a + c);
+      } else {  // masked lanes read as 0 and do not touch memory
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        x = _mm256_add_epi32(_mm256_maskload_epi32(a + c, mask), add);
+      }
       __m256 flag = _mm256_setzero_ps();
       __m256i y = estimate(x, flag);
       if (!_mm256_testz_ps(flag, flag)) y = exact(x);
       const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16));
-      std::memcpy(o + c, codes, static_cast<size_t>(n));
+      const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
+      if (n == 8) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), b);
+      } else {
+        alignas(16) uint8_t codes[16];
+        _mm_store_si128(reinterpret_cast<__m128i*>(codes), b);
+        for (int64_t i = 0; i < n; ++i) o[c + i] = codes[i];
+      }
     }
   }
 }

@@ -90,6 +90,50 @@ void DwPlane(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int3
   }
 }
 
+// 3x3 (kh 3, two pairs per kernel row), the MobileNet case: the six tap pairs broadcast once
+// per plane into registers (the general loop re-broadcast them for every block of 16) and
+// the kernel rows unrolled.
+template <int S>
+void DwPlane3x3(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* pairs, int32_t init,
+                int32_t* acc, int64_t lda) {
+  const __m256i vinit = _mm256_set1_epi32(init);
+  const __m256i w0 = _mm256_set1_epi32(pairs[0]), w1 = _mm256_set1_epi32(pairs[1]);
+  const __m256i w2 = _mm256_set1_epi32(pairs[2]), w3 = _mm256_set1_epi32(pairs[3]);
+  const __m256i w4 = _mm256_set1_epi32(pairs[4]), w5 = _mm256_set1_epi32(pairs[5]);
+  const int64_t ow16 = DwConvAccCols(s), row_step = s.dh * ldp;
+  constexpr int kOdd = S == 2 ? 16 : 1;  // the second vector's offset (see DwPlane)
+  for (int64_t oy = 0; oy < s.oh; ++oy) {
+    const int16_t* top = plane + oy * s.sh * ldp;
+    int32_t* out = acc + oy * lda;
+    for (int64_t ox = 0; ox < ow16; ox += 16) {
+      const int16_t* r0 = top + S * ox;
+      const int16_t* r1 = r0 + row_step;
+      const int16_t* r2 = r1 + row_step;
+      __m256i a0 = _mm256_add_epi32(vinit, _mm256_madd_epi16(Load(r0), w0));
+      __m256i a1 = _mm256_add_epi32(vinit, _mm256_madd_epi16(Load(r0 + kOdd), w0));
+      __m256i b0 = _mm256_madd_epi16(Load(r0 + 2), w1);
+      __m256i b1 = _mm256_madd_epi16(Load(r0 + kOdd + 2), w1);
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(Load(r1), w2));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(Load(r1 + kOdd), w2));
+      b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(Load(r1 + 2), w3));
+      b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(Load(r1 + kOdd + 2), w3));
+      a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(Load(r2), w4));
+      a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(Load(r2 + kOdd), w4));
+      b0 = _mm256_add_epi32(b0, _mm256_madd_epi16(Load(r2 + 2), w5));
+      b1 = _mm256_add_epi32(b1, _mm256_madd_epi16(Load(r2 + kOdd + 2), w5));
+      a0 = _mm256_add_epi32(a0, b0);  // int32 sums are exact (no overflow): any order
+      a1 = _mm256_add_epi32(a1, b1);
+      if (S == 1) {
+        const __m256i lo = _mm256_unpacklo_epi32(a0, a1), hi = _mm256_unpackhi_epi32(a0, a1);
+        a0 = _mm256_permute2x128_si256(lo, hi, 0x20);
+        a1 = _mm256_permute2x128_si256(lo, hi, 0x31);
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ox), a0);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ox + 8), a1);
+    }
+  }
+}
+
 template <int S>
 void DwPlaneStride(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* pairs, int32_t init,
                    int32_t* acc, int64_t lda) {
@@ -100,6 +144,7 @@ void DwPlaneStride(const int16_t* plane, int64_t ldp, const DwConvShape& s, cons
       default: return DwPlane8<S, 0>(plane, ldp, s, pairs, init, acc, lda);
     }
   }
+  if (s.kh == 3 && s.kw == 3) return DwPlane3x3<S>(plane, ldp, s, pairs, init, acc, lda);
   switch ((s.kw + 1) / 2) {
     case 1: return DwPlane<S, 1>(plane, ldp, s, pairs, init, acc, lda);
     case 2: return DwPlane<S, 2>(plane, ldp, s, pairs, init, acc, lda);
@@ -118,6 +163,41 @@ void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const i
     DwPlaneStride<2>(plane, ldp, s, pairs, init, acc, lda);
   } else {
     DwPlaneStride<1>(plane, ldp, s, pairs, init, acc, lda);
+  }
+}
+
+// The interior of a padded int16 plane (conv_dw.cc FillInterior's contract): rows
+// [ph, min(rows, ph + H)) get input row r - ph minus zp at columns [pw, pw + W), 16 values
+// per step.  A row's last step (and whole rows narrower than 16: 7 x 7 and 14 x 14 planes)
+// stores its 16 lanes with the ones past W set to 0, the padding's value: the caller's row
+// pitch ldp >= pw + 16 + (W rounded down to 16) (DwConvPlaneCols), and those columns must
+// hold 0 anyway.  Loads never pass the plane's end (the last 16 bytes go through a copy).
+void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
+                     int64_t ldp, int32_t zp, int16_t* xp) {
+  const __m256i z = _mm256_set1_epi16(static_cast<int16_t>(zp));
+  const __m256i idx = _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const uint8_t* end = x + H * W;
+  auto widen = [&](__m128i b) { return _mm256_sub_epi16(x_signed ? _mm256_cvtepi8_epi16(b) : _mm256_cvtepu8_epi16(b), z); };
+  const int64_t last = rows < ph + H ? rows : ph + H;
+  for (int64_t r = ph < rows ? ph : rows; r < last; ++r) {
+    int16_t* dst = xp + r * ldp + pw;
+    const uint8_t* src = x + (r - ph) * W;
+    int64_t i = 0;
+    for (; i + 16 <= W; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    if (i < W) {
+      const int64_t n = W - i;
+      __m128i b;
+      if (end - (src + i) >= 16) {
+        b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+      } else {
+        alignas(16) uint8_t tmp[16] = {0};
+        for (int64_t j = 0; j < n; ++j) tmp[j] = src[i + j];
+        b = _mm_load_si128(reinterpret_cast<const __m128i*>(tmp));
+      }
+      const __m256i keep = _mm256_cmpgt_epi16(_mm256_set1_epi16(static_cast<int16_t>(n)), idx);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_and_si256(widen(b), keep));
+    }
   }
 }
 

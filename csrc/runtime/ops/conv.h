@@ -47,7 +47,7 @@ struct ConvParams : OpParams {
   // is block kb's byte offset from the window's first tap, and amx_w holds one VNNI panel
   // of 16 output channels per amx_kblocks KiB (bytes past a segment's end are zero).
   bool amx_conv = false;
-  // Residual ADD fused into this conv (AMX implicit path only): when the conv's I32 output
+  // Residual ADD fused into this conv (AMX implicit and IntConvFast paths): when the conv's I32 output
   // feeds exactly one op, an ADD whose other input is ready before the conv runs, the conv's
   // epilogue computes the ADD's output directly (no I32 tensor written and read back) and
   // the executor skips the ADD.  fused_add: that ADD's op index (-1: none); fused_slot:

@@ -48,6 +48,7 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const DwConvShape s{e.OH, e.OW, p.kh, p.kw, p.sh, p.sw, p.dh, p.dw};
   const DwConvKernel kernel = SelectDwConvKernel(s, path);
+  const DwFillKernel fill = SelectDwFillKernel(path);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(path);
   const int64_t m = e.og, P = e.OH * e.OW, taps = p.kh * p.kw, npairs = (p.kw + 1) / 2;
@@ -86,7 +87,9 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / e.C, c = i % e.C;
       const uint8_t* xplane = x + i * e.H * e.W;
-      if (x_signed) {
+      if (fill != nullptr && ldp >= p.pw + e.W + 16) {
+        fill(xplane, x_signed, e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
+      } else if (x_signed) {
         FillInterior(reinterpret_cast<const int8_t*>(xplane), e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
       } else {
         FillInterior(xplane, e.H, e.W, p.ph, p.pw, rows, ldp, p.in_zp, xp.data());
