@@ -5,7 +5,8 @@ reference executor bit for bit and the graph agrees with the fake-quant model (i
 Integer adds and lookup tables read values the specs do not quantize: the plan's implied
 quantizers (qdsl.patch.implied) cover them.  MobileNetV3 and EfficientNet multiply two
 activations (squeeze-excitation: MUL).  Known misses of the graph-vs-fake-quant comparison are
-xfails that say why (FLOAT_TIE, SIGN_LOST).  The small U-Net (16×16 inputs)
+xfails that say why (FLOAT_TIE).  Under xnor-binary the sign codes agree exactly: a frozen
+binary layer sums exactly (binary64), so its ties at 0 are the graph's (test_binary_ties).  The small U-Net (16×16 inputs)
 upsamples with ConvTranspose2d, which has no binary form (xnor-binary: a strict xfail)."""
 
 import glob
@@ -39,13 +40,6 @@ NO_BIN_CONVT = pytest.mark.xfail(strict=True, raises=ExportError, reason="binary
 # one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie)
 FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
                               reason="a float32 near-tie in fake-quant flips one code; the network amplifies it")
-# MobileNetV3's Hardswish table before the binary classifier.3 outputs on an 8-bit grid where
-# hardswish(x) of a small negative x rounds to the zero point, which BINARIZE reads as +1;
-# fake-quant binarizes the float value (-1): 424 of 1024 signs differ.  A table read only by
-# a binarize should output the sign.  (EfficientNet-B0's binary classifier reads a pool of SiLU
-# tables: also signs near 0, not yet traced.)
-SIGN_LOST = pytest.mark.xfail(strict=True, raises=AssertionError,
-                              reason="a lookup table before a binary input rounds small negatives to 0 (sign +1)")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
@@ -58,7 +52,6 @@ def _cases(models, fast=FAST, marks=(), export=False):
             more = (NO_BIN_CONVT,) if (model, spec) == ("unet", "xnor-binary") else ()
             if export:  # the graph-vs-fake-quant comparison's known misses
                 more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
-                more += (SIGN_LOST,) if spec == "xnor-binary" and model in MUL_FACTORIES else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")
 
 
