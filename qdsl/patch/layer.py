@@ -83,6 +83,10 @@ class _SkipBN:
 class LayerPatch:
     """The patch of one module; see the module docstring."""
 
+    _unit = False  # (class defaults: a patch pickled before these existed)
+    _shadowed: tuple[str, ...] = ()
+    """Parameters a binary64 view shadows during this forward (see ``_pre``)."""
+
     def __init__(self, handle, plan: LayerPlan, module: nn.Module, proxies: dict[Role, Any],
                  bn: nn.Module | None = None, bn_fqn: str | None = None):
         self.handle = handle
@@ -137,6 +141,7 @@ class LayerPatch:
             self._hooks.append(self.bn.register_forward_hook(skip.post, prepend=True))
 
     def uninstall(self) -> None:
+        self._unshadow()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -258,11 +263,28 @@ class LayerPatch:
             args = (self.iq(args[0]),) + tuple(args[1:])
         if self._moved:
             self.refresh()
+        self._unshadow()
         if self._exact():
             args = (args[0].to(torch.float64),) + tuple(args[1:])
+            # a float parameter left in place (a bias with no quantizer and no folded BN):
+            # a binary64 view shadows it for this forward (the instance dict comes before
+            # nn.Module's parameter lookup); state_dict and autograd still see the parameter
+            shadowed = []
+            for name in ("weight", "bias"):
+                p = module._parameters.get(name)
+                if p is not None:
+                    module.__dict__[name] = p.to(torch.float64)
+                    shadowed.append(name)
+            self._shadowed = tuple(shadowed)
         return args
 
+    def _unshadow(self) -> None:
+        for name in self._shadowed:
+            self.module.__dict__.pop(name, None)
+        self._shadowed = ()
+
     def _post_exact(self, module, args, output):
+        self._unshadow()
         if isinstance(output, torch.Tensor) and output.dtype is torch.float64 and self._exact():
             w = self.master("weight")
             return output.to(w.dtype if w is not None else torch.float32)

@@ -134,3 +134,23 @@ def test_training_keeps_the_layers_dtype():
     model(torch.randn(2, 3, 6, 6)).sum().backward()
     assert seen == [(torch.float32, torch.float32)]
     assert model.c1.weight_float.grad is not None
+
+
+def test_a_float_bias_parameter_is_viewed_not_replaced():
+    # no bias quantizer, no BN: the bias stays a float32 parameter, which the binary64 forward
+    # reads through a view for that call only (was "Input type (double) and bias type (float)")
+    model = _model()
+    handle = qdsl.apply(model, parse_text(SPEC.replace("  bias = int(bits=32, signed, symmetric, scale=input*weight)\n",
+                                                       "  bias = float\n"), "ties.qspec"))
+    qdsl.calibrate(model, [torch.randn(4, 3, 6, 6) for _ in range(2)])
+    qdsl.freeze(model)
+    x = torch.randn(2, 3, 6, 6)
+    seen = []
+    hook = model.c1.register_forward_hook(lambda m, a, out: seen.append(out))
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    assert torch.all(seen[0][:, :BALANCED] == 0)
+    assert isinstance(model.c1.bias, nn.Parameter) and "bias" in model.c1.state_dict()
+    got, fq = _signs(model, handle, qdsl.export(model, x), x)
+    np.testing.assert_array_equal(got, fq)
