@@ -171,9 +171,11 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     if binary and wdtype is not DType.BIN:
         raise ExportError(fqn, "binary activations need binary weights (XNOR-popcount)", "make the weight binary too")
     if transposed:
-        if binary or wdtype is DType.BIN:
-            raise ExportError(fqn, "binary transposed convolutions have no integer lowering",
-                              "quantize this layer's input and weight as int")
+        if wdtype is DType.BIN:
+            # no XNOR form: CONV_TRANSPOSE reads the ±1 input itself (BIN, zero point 0) and
+            # the ±1 weight codes as I8 (zero point 0), so the accumulator is the exact
+            # Σ ±1·±1 and the stage's factor carries α_x·α_w[c] as for BCONV
+            wdtype, binary = DType.I8, False
         # output channel g·og + o has the scale and zero point of weight column o
         s_w, w_zp = np.tile(s_w, m.groups), np.tile(w_zp, m.groups)
     s_acc = np.float64(x.scale) * s_w
@@ -192,7 +194,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
         attrs_.update(_spatial(m, rank, fqn), output_padding=_output_padding(m, x.shape, shape, fqn))
     elif rank:
         attrs_.update(_spatial(m, rank, fqn))
-    if not binary:
+    if not binary:  # a BIN input (transposed) has zero point 0
         attrs_.update(in_zp=x.zp, w_zp=tuple(int(z) for z in w_zp) if np.any(w_zp != w_zp[0]) else (int(w_zp[0]),))
     if wdtype is DType.BIN and np.any(w_zp != 0):
         raise ExportError(fqn, "binary weights cannot have a zero point")
@@ -216,7 +218,8 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
             a.update(_rescale(bld, s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, ins, t.dtype, shape, a, out=fqn), shape
 
-    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
+    # CONV_TRANSPOSE has no BIN output (a binary reader of its result needs an int8 quantizer first)
+    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=not transposed)
 
 
 def wide(b: Builder, p: Pending, where: str, fraction_bits: int = 0) -> QVal:
