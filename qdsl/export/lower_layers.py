@@ -218,8 +218,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
             a.update(_rescale(bld, s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, ins, t.dtype, shape, a, out=fqn), shape
 
-    # CONV_TRANSPOSE has no BIN output (a binary reader of its result needs an int8 quantizer first)
-    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=not transposed)
+    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
 
 
 def wide(b: Builder, p: Pending, where: str, fraction_bits: int = 0) -> QVal:
@@ -383,4 +382,24 @@ def concat_value(b: Builder, where: str, values: list, dim: int, shape):
         return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(qs, t, lo, hi),
                       out=f"{where}:cat"), shape
 
-    return Pending("concat", where, shape, emit)
+    def binarize(bld: Builder, t: Target) -> QVal:
+        # a binary quantizer reading the concatenation (xnor-binary's U-Net: a binary conv
+        # after the skip cat) is the sign of each part: BINARIZE an int8 part at its zero
+        # point, a layer result takes its BIN output (the sign of its accumulator), and the
+        # signs are concatenated (CONCAT with a BIN output: identity rescales)
+        parts = []
+        for v in values:
+            if isinstance(v, Pending):
+                v = v.materialize(bld, t)
+            elif v.dtype is not DType.BIN:
+                name = bld.op(OpType.BINARIZE, t.where, [v.name], DType.BIN, v.shape, {"zero_point": v.zp})
+                v = bld.q(name, t.scale, 0, -1, 1, DType.BIN, v.shape)
+            parts.append(v)
+        one = Rescale(RescaleKind.POT, [1], [0])
+        n = len(parts)
+        a = dict(axis=axis, in_zp=(0,) * n, in_kind=(int(one.kind),) * n, in_multiplier=(1,) * n, in_shift=(0,) * n,
+                 in_rounding=(int(one.rounding),) * n, out_zp=0, out_min=-1, out_max=1)
+        name = bld.op(OpType.CONCAT, where, [v.name for v in parts], DType.BIN, shape, a, out=f"{where}:cat_sign")
+        return bld.q(name, t.scale, 0, -1, 1, DType.BIN, shape)
+
+    return Pending("concat", where, shape, emit, binarize=binarize)

@@ -238,3 +238,53 @@ def test_binary_conv_transpose_exports_exactly(rank):
     got = execute(graph, x.numpy(), keep_values=True).values[op.outputs[0]].astype(np.int64)
     diff = np.abs(got - fq_codes)
     assert (diff <= 1).mean() >= 0.995 and diff.max() <= 1, f"{(diff <= 1).mean():.4f}, max {diff.max()}"
+
+
+class _CatToBinary(nn.Module):
+    """A binary conv reading torch.cat of two binary layer results nothing quantizes to int8
+    (a transposed conv's, and a ReLU'd conv's): the xnor-binary U-Net's decoder step."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.Conv2d(8, 8, 2, stride=2)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.skip = nn.Conv2d(8, 4, 1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = self.c0(x)
+        return self.head(torch.cat([F.relu(self.skip(y)), self.up(self.down(y))], dim=1))
+
+
+@pytest.mark.parametrize("first", ["int8", "binary"])
+def test_binary_conv_reads_a_cat_of_layer_signs(first):
+    # the cat's signs are the parts' signs, concatenated (a CONCAT with a BIN output; was E402
+    # "a binary quantizer reads the result of a concat"): with an 8-bit first layer the parts
+    # get implied int8 quantizers (BINARIZE each); with none (the plan has no integer
+    # activation: xnor-binary's U-Net) CONV_TRANSPOSE2D and CONV2D give their signs
+    torch.manual_seed(0)
+    model = _CatToBinary()
+    spec = _XNOR.replace("rule 1 {\n  output = a8\n}\n", "")
+    spec = spec.replace("rule 0 {", "rule c0 {") if first == "int8" else spec[:spec.index("rule 0 {")]
+    handle = qdsl.apply(model, qdsl.parse.parse_text(spec, "x.qspec"))
+    qdsl.calibrate(model, [torch.randn(4, 3, 8, 8) for _ in range(2)])
+    qdsl.freeze(model)
+    x = torch.randn(4, 3, 8, 8)
+    graph = qdsl.export(model, x)
+    cat = next(op for op in graph.ops if op.type is OpType.CONCAT)
+    assert graph.tensor(cat.outputs[0]).dtype.name == "BIN"
+    bin_up = any(op.type is OpType.CONV_TRANSPOSE2D and graph.tensor(op.outputs[0]).dtype.name == "BIN"
+                 for op in graph.ops)
+    assert bin_up == (first == "binary")
+    ref = qdsl.run_graph(graph, x, backend="reference")
+    if rt.available():
+        np.testing.assert_array_equal(qdsl.run_graph(graph, x, backend="cpp"), ref)
+    seen = []
+    hook = model.head.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    fq = handle.container.quantizers[proxy_key("head", Role.INPUT)].int_repr(seen[0]).numpy().astype(np.int64)
+    got = execute(graph, x.numpy(), keep_values=True).values[cat.outputs[0]].astype(np.int64)
+    np.testing.assert_array_equal(got, fq)

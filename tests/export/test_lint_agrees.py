@@ -28,8 +28,6 @@ def _cases():
     for model in MODELS:
         for spec in SPECS:
             marks = () if (model, spec) in FAST else (pytest.mark.slow,)
-            if (model, spec) == ("unet", "xnor-binary"):  # export refuses the cat -> binary conv; lint does not see it
-                marks += (pytest.mark.xfail(strict=True, reason="a binary input reads a cat of layer results"),)
             yield pytest.param(model, spec, marks=marks, id=f"{model}-{spec}")
 
 

@@ -7,8 +7,8 @@ quantizers (qdsl.patch.implied) cover them.  MobileNetV3 and EfficientNet multip
 activations (squeeze-excitation: MUL).  Known misses of the graph-vs-fake-quant comparison are
 xfails that say why (FLOAT_TIE).  Under xnor-binary the sign codes agree exactly: a frozen
 binary layer sums exactly (binary64), so its ties at 0 are the graph's (test_binary_ties).  The small U-Net (16×16 inputs)
-upsamples with ConvTranspose2d (xnor-binary: on its BIN input, ±1 weights as I8; its binary
-convs after the skip cats: CAT_TO_BIN)."""
+upsamples with ConvTranspose2d (xnor-binary: on its BIN input, ±1 weights as I8; the binary
+conv after each skip cat reads the parts' signs, concatenated)."""
 
 import glob
 import os
@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import qdsl
-from qdsl.export.values import ExportError
 from qdsl.graph import execute
 from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
@@ -38,9 +37,6 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
 # one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie)
 FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
                               reason="a float32 near-tie in fake-quant flips one code; the network amplifies it")
-# the U-Net's binary up.conv.0 reads torch.cat([skip, up(x)]): a plan with no integer
-# activation quantizer implies none, and a cat of layer results has no BIN form yet
-CAT_TO_BIN = pytest.mark.xfail(strict=True, raises=ExportError, reason="a binary input reads a cat of layer results")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
@@ -50,7 +46,7 @@ def _cases(models, fast=FAST, marks=(), export=False):
     for model in models:
         for spec in CNN_SPECS:
             slow = () if (model, spec) in fast else (pytest.mark.slow,)
-            more = (CAT_TO_BIN,) if (model, spec) == ("unet", "xnor-binary") else ()
+            more = ()
             if export:  # the graph-vs-fake-quant comparison's known misses
                 more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")

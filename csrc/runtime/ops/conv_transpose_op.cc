@@ -4,8 +4,8 @@
 // Semantics (qdsl/graph/ops/conv_transpose.py; a BIN input is its ±1 values): input position i and tap k add
 // (x[ic][i] - in_zp) * (w[ic][o][k] - w_zp[oc]) to output position o = i*s - p + k*d, for
 // the input channels ic of output channel oc's group (oc = g*og + o).  Then bias, the
-// acc_bits wrap/saturate with overflow counting and the CONV output stage (conv::Emit, the
-// same code as CONV*).
+// acc_bits wrap/saturate with overflow counting and the CONV output stage or, for a BIN
+// output, the sign (conv::Emit, the same code as CONV*).
 //
 // Two kernels, equal to the reference exactly:
 // * reference (kPathRef, and any layer whose GEMM sums are not provably int32):
@@ -61,7 +61,8 @@ Status PrepareConvTranspose(Graph* g, GraphOp& op, int index, std::vector<int64_
   OP_CHECK(IsInt8(x.dtype) || x.dtype == kBin, "input must be I8/U8/BIN");
   OP_CHECK(w.is_constant && w.dtype != kF32 && w.dtype != kI32 && w.dtype != kBin,
            "weights must be a constant of an integer weight dtype (not BIN)");
-  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kI32, "output must be I8/U8/I32");
+  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kI32 || out.dtype == kBin,
+           "output must be I8/U8/I32/BIN");
   OP_CHECK(static_cast<int>(x.dims.size()) == 2 + rank && static_cast<int>(w.dims.size()) == 2 + rank,
            "input/weight ranks must be %d", 2 + rank);
   p.cin = x.dims[1];
@@ -108,7 +109,8 @@ Status PrepareConvTranspose(Graph* g, GraphOp& op, int index, std::vector<int64_
   OP_CHECK(s.acc_bits <= 32 || kHasWideRescale, "acc_bits %d > 32 needs a compiler with 128-bit integers", s.acc_bits);
   s.overflow_mode = static_cast<int>(A.at("overflow").i);
   OP_CHECK(s.overflow_mode == 0 || s.overflow_mode == 1, "overflow must be 0 (wrap) or 1 (saturate)");
-  QDSL_RETURN_IF_ERROR(ReadStage(op, index, p.cout, out.dtype, &s.out));
+  s.bin_out = out.dtype == kBin;  // the accumulator's sign (conv::Emit), no stage
+  if (!s.bin_out) QDSL_RETURN_IF_ERROR(ReadStage(op, index, p.cout, out.dtype, &s.out));
   int64_t xlo, xhi;
   DTypeRange(x.dtype, &xlo, &xhi);
   OP_CHECK(A.at("in_zp").i >= xlo && A.at("in_zp").i <= xhi && (x.dtype != kBin || A.at("in_zp").i == 0),

@@ -1,7 +1,7 @@
 """CONV_TRANSPOSE1D, CONV_TRANSPOSE2D: integer transposed convolution (PyTorch's
 ``ConvTranspose1d/2d``).  Input, constant weight ``Cin×Cout/g×k..`` (PyTorch's layout),
 optional int32 bias -> an accumulator of ``acc_bits`` (wrapping or saturating), then the
-same output stage as CONV* (per output channel).
+same output stage as CONV* (per output channel), or for a BIN output its sign.
 
 Every input position scatters into the output: input position ``i`` and tap ``k`` add
 ``(x[ic, i] - in_zp) · (w[ic, oc mod og, k] - w_zp[oc])`` to output position
@@ -111,9 +111,10 @@ def _inferrer(rank: int):
             n = transposed_len(x.shape[2 + i], w.shape[2 + i], stride[i], pad[i], opad[i], dil[i])
             c.need(n >= 1, f"spatial dim {i}: padding {pad[i]} leaves no output (length {n})")
             shape.append(n)
-        c.dt(out, INT8_DTYPES + (DType.I32,), "output")
-        check_out(c, out.dtype, cout)
-        return (DType.I8, DType.U8, DType.I32), tuple(shape)
+        if out.dtype is not DType.BIN:  # BIN: the sign of the accumulator, as CONV*
+            c.dt(out, INT8_DTYPES + (DType.I32,), "output")
+            check_out(c, out.dtype, cout)
+        return (DType.I8, DType.U8, DType.I32, DType.BIN), tuple(shape)
 
     return infer
 
