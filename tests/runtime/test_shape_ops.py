@@ -247,3 +247,23 @@ def test_concat_of_signs_cpp_equals_reference(seed, rank, parts):
     cg = rt.CompiledGraph(g)
     for path in PATHS:
         np.testing.assert_array_equal(cg.run(xs, path=path), want, err_msg=f"path {path}")
+
+
+@pytest.mark.parametrize("change", [{"in_shift": (0, 1)}, {"in_zp": (0, 1)}, {"out_min": 0}])
+def test_a_bin_concat_that_moves_a_sign_is_refused(change, monkeypatch):
+    # Python validation and the C++ Prepare (a graph loaded without it) refuse a BIN CONCAT
+    # whose rescales, zero points or clamp could turn ±1 into something else
+    ins = [Tensor(f"x{i}", DType.I8, (-1, 2, 3)) for i in range(2)]
+    signs = [Tensor(f"b{i}", DType.BIN, (-1, 2, 3)) for i in range(2)]
+    ops = [Op(OpType.BINARIZE, f"bin{i}", [f"x{i}"], [f"b{i}"], {"zero_point": 0}) for i in range(2)]
+    attrs = dict(axis=1, in_zp=(0, 0), in_kind=(1, 1), in_multiplier=(1, 1), in_shift=(0, 0), in_rounding=(0, 0),
+                 out_zp=0, out_min=-1, out_max=1)
+    y = Tensor("y", DType.BIN, (-1, 4, 3))
+    good = IntegerGraph(ins + signs + [y], ["x0", "x1"], ["y"], ops + [Op(OpType.CONCAT, "cat", ["b0", "b1"], ["y"], attrs)])
+    rt.CompiledGraph(good.validate())
+    bad = IntegerGraph(ins + signs + [y], ["x0", "x1"], ["y"],
+                       ops + [Op(OpType.CONCAT, "cat", ["b0", "b1"], ["y"], {**attrs, **change})])
+    with pytest.raises(GraphFormatError, match="BIN concat"):
+        bad.validate()
+    with pytest.raises(GraphFormatError, match="BIN CONCAT"):
+        rt.CompiledGraph(_unchecked(bad, monkeypatch))
