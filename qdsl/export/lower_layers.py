@@ -10,8 +10,10 @@ so they are exactly the codes the fake-quant model used.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
+import torch
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
@@ -75,12 +77,11 @@ def weight_ints(patch, where: str, out_axis: int = 0):
     return codes, DType[dtype_name], scale, zp, rec.bias_float
 
 
-def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):
+def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
     """int32 bias at scale ``s_acc`` (see lower.py module doc), or None.
 
-    A float bias ``b`` (no bias quantizer) becomes ``rounding(b / s_acc)``: ``rint`` before a
-    requantization (error <= half an accumulator LSB), ``floor`` before a sign (BIN output),
-    where ``acc + floor(b/s) < 0`` is exactly ``acc·s + b < 0`` for an integer ``acc``."""
+    A float bias ``b`` (no bias quantizer) becomes ``rint(b / s_acc)`` (error <= half an
+    accumulator LSB); before a sign (BIN output) :func:`_sign_bias` replaces it."""
     if b is None:
         return None
     bq = patch.bq
@@ -93,11 +94,35 @@ def _bias_ints(patch, b, s_acc: np.ndarray, where: str, rounding=np.rint):
         exact = codes * (s_b / s_acc)  # an exact integer when s_b / s_acc is a power of two >= 1
         vals = np.where(exact == np.round(exact), exact, np.rint(exact))
     else:
-        vals = rounding(b.detach().double().numpy() / s_acc)
+        vals = np.rint(b.detach().double().numpy() / s_acc)
     if np.abs(vals).max(initial=0) > INT32_MAX:
         raise ExportError(where, "the bias does not fit int32 at scale input·weight",
                           "the input or weight scale is too small for this bias")
     return vals.astype(np.int64)
+
+
+def _sign_bias(patch, b, s_acc: np.ndarray, where: str):
+    """int32 thresholds ``t[c]`` for a BIN output, or None: ``acc + t[c] < 0`` exactly when
+    ``acc·s_acc[c] + b̂[c] < 0``, ``b̂`` the bias the fake-quant layer adds (its bias
+    quantizer's value, else the float bias).  For an integer ``acc`` that is
+    ``t = floor(b̂ / s_acc)``, taken in exact rationals: near a tie (``acc = -b̂/s_acc``, an
+    integer bias code at a scale ``float32(s_x·s_w)`` a rounding away from ``s_acc``) a
+    rounded quotient gave the wrong side; the frozen XNOR layer computes this sum exactly
+    (qdsl.patch.layer), so the graph's sign is then the fake-quant model's."""
+    if b is None:
+        return None
+    with torch.no_grad():
+        if patch.bq is not None:
+            if not patch.bq.frozen:
+                raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
+            b = patch.bq(b)
+        vals = b.detach().float().reshape(-1).tolist()
+    s = np.broadcast_to(np.asarray(s_acc, dtype=np.float64), (len(vals),))
+    t = np.array([math.floor(Fraction(v) / Fraction(float(si))) for v, si in zip(vals, s)], dtype=np.int64)
+    if np.abs(t).max(initial=0) > INT32_MAX:
+        raise ExportError(where, "the bias does not fit int32 at scale input·weight",
+                          "the input or weight scale is too small for this bias")
+    return t
 
 
 def _rescale(bld: Builder, factors, rounding: Rounding, where: str, allow_pot: bool = True) -> Rescale:
@@ -146,9 +171,11 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     if binary and wdtype is not DType.BIN:
         raise ExportError(fqn, "binary activations need binary weights (XNOR-popcount)", "make the weight binary too")
     if transposed:
-        if binary or wdtype is DType.BIN:
-            raise ExportError(fqn, "binary transposed convolutions have no integer lowering",
-                              "quantize this layer's input and weight as int")
+        if wdtype is DType.BIN:
+            # no XNOR form: CONV_TRANSPOSE reads the ±1 input itself (BIN, zero point 0) and
+            # the ±1 weight codes as I8 (zero point 0), so the accumulator is the exact
+            # Σ ±1·±1 and the stage's factor carries α_x·α_w[c] as for BCONV
+            wdtype, binary = DType.I8, False
         # output channel g·og + o has the scale and zero point of weight column o
         s_w, w_zp = np.tile(s_w, m.groups), np.tile(w_zp, m.groups)
     s_acc = np.float64(x.scale) * s_w
@@ -167,7 +194,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
         attrs_.update(_spatial(m, rank, fqn), output_padding=_output_padding(m, x.shape, shape, fqn))
     elif rank:
         attrs_.update(_spatial(m, rank, fqn))
-    if not binary:
+    if not binary:  # a BIN input (transposed) has zero point 0
         attrs_.update(in_zp=x.zp, w_zp=tuple(int(z) for z in w_zp) if np.any(w_zp != w_zp[0]) else (int(w_zp[0]),))
     if wdtype is DType.BIN and np.any(w_zp != 0):
         raise ExportError(fqn, "binary weights cannot have a zero point")
@@ -176,7 +203,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     if bias is not None:
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
         b.info[inputs[2]] = (s_acc, np.zeros_like(w_zp))
-    sign_bias = _bias_ints(patch, bias_f, s_acc, fqn, np.floor) if patch.bq is None else bias
+    sign_bias = _sign_bias(patch, bias_f, s_acc, fqn)
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         a = dict(attrs_)
@@ -355,4 +382,24 @@ def concat_value(b: Builder, where: str, values: list, dim: int, shape):
         return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(qs, t, lo, hi),
                       out=f"{where}:cat"), shape
 
-    return Pending("concat", where, shape, emit)
+    def binarize(bld: Builder, t: Target) -> QVal:
+        # a binary quantizer reading the concatenation (xnor-binary's U-Net: a binary conv
+        # after the skip cat) is the sign of each part: BINARIZE an int8 part at its zero
+        # point, a layer result takes its BIN output (the sign of its accumulator), and the
+        # signs are concatenated (CONCAT with a BIN output: identity rescales)
+        parts = []
+        for v in values:
+            if isinstance(v, Pending):
+                v = v.materialize(bld, t)
+            elif v.dtype is not DType.BIN:
+                name = bld.op(OpType.BINARIZE, t.where, [v.name], DType.BIN, v.shape, {"zero_point": v.zp})
+                v = bld.q(name, t.scale, 0, -1, 1, DType.BIN, v.shape)
+            parts.append(v)
+        one = Rescale(RescaleKind.POT, [1], [0])
+        n = len(parts)
+        a = dict(axis=axis, in_zp=(0,) * n, in_kind=(int(one.kind),) * n, in_multiplier=(1,) * n, in_shift=(0,) * n,
+                 in_rounding=(int(one.rounding),) * n, out_zp=0, out_min=-1, out_max=1)
+        name = bld.op(OpType.CONCAT, where, [v.name for v in parts], DType.BIN, shape, a, out=f"{where}:cat_sign")
+        return bld.q(name, t.scale, 0, -1, 1, DType.BIN, shape)
+
+    return Pending("concat", where, shape, emit, binarize=binarize)

@@ -133,6 +133,8 @@ class Pending:
     post: tuple[tuple[OpType, dict, tuple[int, ...]], ...] = ()
     binary_ok: bool = False
     """Can produce a BIN output directly (sign of the accumulator)."""
+    binarize: Callable[["Builder", Target], QVal] | None = None
+    """Writes the value's signs for a BIN target another way (a concat: sign of each part)."""
     cache: dict = attrs.field(factory=dict)
 
     def clamped(self, lo: float, hi: float) -> "Pending":
@@ -151,6 +153,9 @@ class Pending:
                 mid = self.materialize(b, Target(t.scale, 0, -128, 127, DType.I8, Rounding.HALF_EVEN, t.where))
                 name = b.op(OpType.BINARIZE, t.where, [mid.name], DType.BIN, self.shape, {"zero_point": 0})
                 self.cache[key] = b.q(name, t.scale, 0, -1, 1, DType.BIN, self.shape)
+                return self.cache[key]
+            if t.dtype is DType.BIN and self.binarize is not None and not self.post and self.hi >= 0 >= self.lo:
+                self.cache[key] = self.binarize(b, t)  # a clamp around 0 keeps every sign
                 return self.cache[key]
             if t.dtype is DType.BIN and not self.binary_ok:
                 raise ExportError(self.origin, f"a binary quantizer ({t.where}) reads the result of a {self.kind}",

@@ -36,6 +36,7 @@ __all__ = [
     "BOUNDARY_OPS",
     "OPS",
     "WEIGHTED_OPS",
+    "BINARY_FORMS",
     "LINT_ONLY_OPS",
     "constructs",
     "short_name",
@@ -72,6 +73,14 @@ BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE")
 
 WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpose2d")
 """Ops with a weight (and optional bias): the ones with an integer accumulator."""
+
+BINARY_FORMS: dict[str, str] = {
+    "conv1d": "BCONV1D", "conv2d": "BCONV2D", "linear": "BLINEAR",
+    # no XNOR-popcount form: the op itself reads the BIN input, ±1 weights as I8
+    "conv_transpose1d": "CONV_TRANSPOSE1D", "conv_transpose2d": "CONV_TRANSPOSE2D",
+}
+"""The graph op (an ``OpType`` name) a weighted op becomes with binary weights and/or binary
+inputs; lint reports a binary layer whose op is missing here (W321)."""
 
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",

@@ -9,14 +9,15 @@ before any calibration.  Independent of the profile (the graph cannot hold the o
 the target), and a warning: the model still trains and fake-quantizes.  One finding per op
 name, located at its first place in the model, with every place listed.
 
-A weighted layer with a binary (bit-packed ±1) weight or input lowers only where the table's
-``layer`` rule has a binary op for it (``BCONV2D`` for ``conv2d``; none for
-``conv_transpose2d``): with the plan, such a layer is a W321 too.
+A weighted layer with a binary (±1) weight or input lowers only where the catalogue names
+its binary form (:data:`~qdsl.graph.catalog.BINARY_FORMS`: ``BCONV2D`` for ``conv2d``,
+``CONV_TRANSPOSE2D`` on the BIN input for ``conv_transpose2d``): with the plan, a binary
+layer of an op without one is a W321 too.
 """
 
 from __future__ import annotations
 
-from qdsl.graph.catalog import LOWERINGS
+from qdsl.graph.catalog import BINARY_FORMS
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.plan import Plan
@@ -38,7 +39,7 @@ def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Pla
             where.setdefault(node.op or node.construct, []).append(node.label)
     for layer in plan.layers if plan is not None else ():
         op = module_op(layer.type_name)
-        if (op in WEIGHTED_OPS and layer.quantized and f"B{op.upper()}" not in LOWERINGS["layer"]
+        if (op in WEIGHTED_OPS and layer.quantized and op not in BINARY_FORMS
                 and (_binary(layer, Role.WEIGHT) or _binary(layer, Role.INPUT))):
             where.setdefault(f"binary {op}", []).append(layer.fqn)
     out = []

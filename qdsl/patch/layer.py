@@ -16,6 +16,16 @@ What a :class:`LayerPatch` does to ``module`` (and undoes in :meth:`LayerPatch.u
   BN's hooks make it return its input without running (:class:`_SkipBN`), so its
   buffers never change while folded.
 
+Exact XNOR sums: a frozen layer whose input and weight quantizers both have unit codes
+(binary, ternary: values exactly ``±s`` or 0 in binary32) computes in binary64 and returns its
+own dtype.  Its sum is an integer times ``s_x·s_w[c]`` (a product binary64 holds exactly), so
+every partial sum is exact and a sum that is exactly 0 is 0, as the integer graph's
+accumulator is; binary32 rounds the partial sums (``3·s`` has 26 significant bits), and a
+reader's ``sign`` of ``±1e-9`` then flipped whole channels (MobileNetV3/EfficientNet-B0 under
+xnor-binary: a 1×1 binary conv reading all-positive inputs has ``Σ sign(w) = 0`` in about
+a quarter of its channels).  Only when frozen: training keeps binary32 (speed; the scales
+still move).
+
 Frozen fast path: when every proxy of the layer is frozen (and the input is not
 dynamic) and autograd does not need the weights, the fake-quantized weight and bias are
 computed once and reused until the master weight, the BN's tensors (their ``_version``)
@@ -73,6 +83,10 @@ class _SkipBN:
 class LayerPatch:
     """The patch of one module; see the module docstring."""
 
+    _unit = False  # (class defaults: a patch pickled before these existed)
+    _shadowed: tuple[str, ...] = ()
+    """Parameters a binary64 view shadows during this forward (see ``_pre``)."""
+
     def __init__(self, handle, plan: LayerPlan, module: nn.Module, proxies: dict[Role, Any],
                  bn: nn.Module | None = None, bn_fqn: str | None = None):
         self.handle = handle
@@ -89,6 +103,8 @@ class LayerPatch:
         self._param_order = list(module._parameters)
         self._moved: dict[str, bool] = {}  # name -> had a parameter (False: was None)
         self._cache_key: tuple | None = None
+        self._unit = all(q is not None and q.format.unit_codes for q in (self.iq, self.wq))
+        """Input and weight both have unit codes: the frozen layer computes in binary64."""
 
     def proxies(self) -> dict[Role, Any]:
         return {r: q for r, q in ((Role.INPUT, self.iq), (Role.WEIGHT, self.wq), (Role.BIAS, self.bq),
@@ -112,6 +128,8 @@ class LayerPatch:
             self._hooks.append(m.register_load_state_dict_pre_hook(self._load_float_names))
         if self._moved or self.iq is not None:
             self._hooks.append(m.register_forward_pre_hook(self._pre))
+        if self._unit:  # before the output quantizer: it reads the layer's own dtype
+            self._hooks.append(m.register_forward_hook(self._post_exact))
         if self.oq is not None:
             self._hooks.append(m.register_forward_hook(self._post))
         if self._moved:
@@ -127,6 +145,7 @@ class LayerPatch:
             self._hooks.append(self.bn.register_forward_hook(skip.post, prepend=True))
 
     def uninstall(self) -> None:
+        self._unshadow()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -173,6 +192,12 @@ class LayerPatch:
             b = b + beta
         return w, b
 
+    def _exact(self) -> bool:
+        """Compute in binary64 now (see the module doc)."""
+        from qdsl.patch.handle import State
+
+        return self._unit and self.handle.state in (State.FROZEN, State.EXPORTED)
+
     def _cacheable(self, w, b) -> tuple | None:
         from qdsl.patch.handle import State
 
@@ -182,7 +207,7 @@ class LayerPatch:
             return None
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self._grad_sources(w, b)):
             return None
-        key = [self.handle.generation]
+        key = [self.handle.generation, self._exact()]
         for t in self._grad_sources(w, b):
             # dtype: ``model.to(torch.bfloat16)`` swaps ``.data`` without bumping _version
             key += [id(t), t._version, t.dtype] if t is not None else [None, None, None]
@@ -215,12 +240,13 @@ class LayerPatch:
             b = self.bq(b)
         d = self.module.__dict__
         # the module computes in its own dtype (a folded half-precision layer came out of
-        # float_params in float32)
+        # float_params in float32), or in binary64 (exact XNOR sums, module doc)
+        exact = torch.float64 if self._exact() else None
         if "weight" in self._moved:
-            d["weight"] = w if w is None or w0 is None else w.to(w0.dtype)
+            d["weight"] = w if w is None or w0 is None else w.to(exact or w0.dtype)
         if "bias" in self._moved:
             ref = b0 if b0 is not None else w0
-            d["bias"] = b if b is None or ref is None else b.to(ref.dtype)
+            d["bias"] = b if b is None or ref is None else b.to(exact or ref.dtype)
         self._cache_key = key
 
     # ----------------------------------------------------------------- hooks
@@ -241,7 +267,32 @@ class LayerPatch:
             args = (self.iq(args[0]),) + tuple(args[1:])
         if self._moved:
             self.refresh()
+        self._unshadow()
+        if self._exact():
+            args = (args[0].to(torch.float64),) + tuple(args[1:])
+            # a float parameter left in place (a bias with no quantizer and no folded BN):
+            # a binary64 view shadows it for this forward (the instance dict comes before
+            # nn.Module's parameter lookup); state_dict and autograd still see the parameter
+            shadowed = []
+            for name in ("weight", "bias"):
+                p = module._parameters.get(name)
+                if p is not None:
+                    module.__dict__[name] = p.to(torch.float64)
+                    shadowed.append(name)
+            self._shadowed = tuple(shadowed)
         return args
+
+    def _unshadow(self) -> None:
+        for name in self._shadowed:
+            self.module.__dict__.pop(name, None)
+        self._shadowed = ()
+
+    def _post_exact(self, module, args, output):
+        self._unshadow()
+        if isinstance(output, torch.Tensor) and output.dtype is torch.float64 and self._exact():
+            w = self.master("weight")
+            return output.to(w.dtype if w is not None else torch.float32)
+        return output
 
     def _post(self, module, args, output):
         if not isinstance(output, torch.Tensor):

@@ -101,6 +101,11 @@ class NumberFormat:
     accumulator_weight: bool = False
     """An integer accumulator takes this format as its input / weight operand, at scale
     ``input_scale × weight_scale`` (so a folded BN's bias gets an int32 proxy there)."""
+    unit_codes: bool = False
+    """Its codes are -1, 0 or +1 (no zero point): a dequantized value is exactly ``±scale`` or 0
+    in binary32, so a layer whose input and weight both have such codes sums integer
+    multiples of ``s_x·s_w``, which binary64 holds exactly (the frozen layer computes there,
+    qdsl.patch.layer, so a sum that is exactly 0 is 0, as in the integer graph)."""
     sign_reader: bool = False
     """Its codes are a comparison of ``x`` with one threshold (binary), so a float bias
     read only by it lowers exactly as a sign threshold (qdsl.patch.consumers)."""
@@ -182,6 +187,7 @@ class BinaryFormat(NumberFormat):
     fixed_width = True
     accumulator_input = accumulator_weight = True
     sign_reader = True
+    unit_codes = True
 
     def activation_lowering(self, signed):
         return "bin" if signed else None  # sign(x) as bit-packed ±1; {0, 1} has no lowering
@@ -205,6 +211,7 @@ class TernaryFormat(NumberFormat):
     fixed_width = True
     signedness = False
     accumulator_weight = True
+    unit_codes = True
 
     def code_range(self, bits, signed, narrow):
         return -1, 1

@@ -5,8 +5,8 @@
 ``torch.cat([skip, up], dim=1)`` with the encoder's feature map at that size, a ``DoubleConv``),
 and ``outc`` (a 1×1 conv to ``num_classes`` per-pixel logits).  ``ReLU(inplace=True)``.
 ``width`` is the first stage's channel count (each level doubles it); inputs need sides
-divisible by ``2**depth`` (no padding of odd sizes).  ConvTranspose2d has no integer lowering
-yet, so this model is for apply/training and for the ops that come later.
+divisible by ``2**depth`` (no padding of odd sizes).  It exports with every bundled CNN spec
+(ConvTranspose2d lowers to CONV_TRANSPOSE2D, binary ones included).
 """
 
 from __future__ import annotations

@@ -109,3 +109,11 @@ def test_lint_and_export_read_the_same_row(name, op):
     row = next(c for c in CONSTRUCTS if c.path == name)
     assert lint_ops.function_op(row.name) == op
     assert (constructs.resolve(row) in lower._FUNCTION_RULES) == (row.lowering is not None)
+
+
+def test_binary_forms_are_ops_of_the_layer_rule():
+    # lint's W321 for a binary layer reads this; export emits these ops for it
+    from qdsl.graph.catalog import BINARY_FORMS
+
+    assert set(BINARY_FORMS) == set(WEIGHTED_OPS)
+    assert set(BINARY_FORMS.values()) <= set(LOWERINGS["layer"])

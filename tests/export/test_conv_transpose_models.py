@@ -186,3 +186,105 @@ def test_lint_model_reads_transposed_channel_axis_as_output_channels(name, capsy
     assert rc in (0, 1) and "Traceback" not in out.err
     assert "E305" not in out.out + out.err
     assert "conv_transpose" in out.out + out.err  # the profile does not list the op: E310 names it
+
+
+_XNOR = """version 1
+quantizer wbin = binary(signed, per_channel, observer=mean_abs)
+quantizer abin = binary(signed, per_tensor, observer=mean_abs)
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer a8 = int(bits=8, signed, asymmetric, per_tensor, observer=minmax)
+defaults {
+  weight = wbin
+  input = abin
+  bias = int(bits=32, signed, symmetric, scale=input*weight)
+}
+rule 0 {
+  weight = w8
+  input = a8
+}
+rule 1 {
+  output = a8
+}
+"""
+
+
+@pytest.mark.parametrize("rank", [2, 1])
+def test_binary_conv_transpose_exports_exactly(rank):
+    # binary input and weights (xnor-binary's defaults): CONV_TRANSPOSE on the BIN input with
+    # the ±1 weights as I8, scaled by α_x·α_w[c] (was E402 "binary transposed convolutions
+    # have no integer lowering"); grouped, strided, padded, with output padding
+    conv, convt = (nn.Conv2d, nn.ConvTranspose2d) if rank == 2 else (nn.Conv1d, nn.ConvTranspose1d)
+    torch.manual_seed(0)
+    model = nn.Sequential(conv(3, 8, 3, padding=1), convt(8, 6, 3, stride=2, padding=1, output_padding=1, groups=2))
+    handle = qdsl.apply(model, qdsl.parse.parse_text(_XNOR, "x.qspec"))
+    shape = (4, 3) + (9,) * rank
+    model.train()
+    model(torch.randn(*shape)).square().mean().backward()
+    assert handle.layers["1"].master("weight").grad.abs().sum() > 0
+    model.eval()
+    qdsl.calibrate(model, [torch.randn(*shape) for _ in range(2)])
+    qdsl.freeze(model)
+    x = torch.randn(*shape)
+    graph = qdsl.export(model, x)
+    op = next(op for op in graph.ops if op.type in (OpType.CONV_TRANSPOSE1D, OpType.CONV_TRANSPOSE2D))
+    assert graph.tensor(op.inputs[0]).dtype.name == "BIN" and graph.tensor(op.inputs[1]).dtype.name == "I8"
+    ref = qdsl.run_graph(graph, x, backend="reference")
+    if rt.available():
+        np.testing.assert_array_equal(qdsl.run_graph(graph, x, backend="cpp"), ref)
+    with torch.no_grad():
+        fq = model(x)
+    oq = handle.container.quantizers[proxy_key("1", Role.OUTPUT)]
+    fq_codes = oq.int_repr(fq).numpy().astype(np.int64)
+    got = execute(graph, x.numpy(), keep_values=True).values[op.outputs[0]].astype(np.int64)
+    diff = np.abs(got - fq_codes)
+    assert (diff <= 1).mean() >= 0.995 and diff.max() <= 1, f"{(diff <= 1).mean():.4f}, max {diff.max()}"
+
+
+class _CatToBinary(nn.Module):
+    """A binary conv reading torch.cat of two binary layer results nothing quantizes to int8
+    (a transposed conv's, and a ReLU'd conv's): the xnor-binary U-Net's decoder step."""
+
+    def __init__(self):
+        super().__init__()
+        self.c0 = nn.Conv2d(3, 8, 3, padding=1)
+        self.down = nn.Conv2d(8, 8, 2, stride=2)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2)
+        self.skip = nn.Conv2d(8, 4, 1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        y = self.c0(x)
+        return self.head(torch.cat([F.relu(self.skip(y)), self.up(self.down(y))], dim=1))
+
+
+@pytest.mark.parametrize("first", ["int8", "binary"])
+def test_binary_conv_reads_a_cat_of_layer_signs(first):
+    # the cat's signs are the parts' signs, concatenated (a CONCAT with a BIN output; was E402
+    # "a binary quantizer reads the result of a concat"): with an 8-bit first layer the parts
+    # get implied int8 quantizers (BINARIZE each); with none (the plan has no integer
+    # activation: xnor-binary's U-Net) CONV_TRANSPOSE2D and CONV2D give their signs
+    torch.manual_seed(0)
+    model = _CatToBinary()
+    spec = _XNOR.replace("rule 1 {\n  output = a8\n}\n", "")
+    spec = spec.replace("rule 0 {", "rule c0 {") if first == "int8" else spec[:spec.index("rule 0 {")]
+    handle = qdsl.apply(model, qdsl.parse.parse_text(spec, "x.qspec"))
+    qdsl.calibrate(model, [torch.randn(4, 3, 8, 8) for _ in range(2)])
+    qdsl.freeze(model)
+    x = torch.randn(4, 3, 8, 8)
+    graph = qdsl.export(model, x)
+    cat = next(op for op in graph.ops if op.type is OpType.CONCAT)
+    assert graph.tensor(cat.outputs[0]).dtype.name == "BIN"
+    bin_up = any(op.type is OpType.CONV_TRANSPOSE2D and graph.tensor(op.outputs[0]).dtype.name == "BIN"
+                 for op in graph.ops)
+    assert bin_up == (first == "binary")
+    ref = qdsl.run_graph(graph, x, backend="reference")
+    if rt.available():
+        np.testing.assert_array_equal(qdsl.run_graph(graph, x, backend="cpp"), ref)
+    seen = []
+    hook = model.head.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        model(x)
+    hook.remove()
+    fq = handle.container.quantizers[proxy_key("head", Role.INPUT)].int_repr(seen[0]).numpy().astype(np.int64)
+    got = execute(graph, x.numpy(), keep_values=True).values[cat.outputs[0]].astype(np.int64)
+    np.testing.assert_array_equal(got, fq)

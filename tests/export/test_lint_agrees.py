@@ -1,7 +1,7 @@
 """lint and export agree (issue 17): for each torchvision-shaped model and bundled CNN spec,
 ``qdsl.lint`` with the model reports an export refusal (W320: weights too wide for the graph;
-W321: an op with no integer lowering, from the one construct table, or a binary layer with
-no binary form: the U-Net's ConvTranspose2d under xnor-binary) exactly when
+W321: an op with no integer lowering, from the one construct table, or a binary layer of
+an op with no binary form in the catalogue) exactly when
 ``qdsl.export`` refuses the model, and names the place export names.  ``qdsl check --model``
 reports the same op."""
 

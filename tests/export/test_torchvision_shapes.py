@@ -5,8 +5,10 @@ reference executor bit for bit and the graph agrees with the fake-quant model (i
 Integer adds and lookup tables read values the specs do not quantize: the plan's implied
 quantizers (qdsl.patch.implied) cover them.  MobileNetV3 and EfficientNet multiply two
 activations (squeeze-excitation: MUL).  Known misses of the graph-vs-fake-quant comparison are
-xfails that say why (FLOAT_TIE, SIGN_LOST).  The small U-Net (16×16 inputs)
-upsamples with ConvTranspose2d, which has no binary form (xnor-binary: a strict xfail)."""
+xfails that say why (FLOAT_TIE).  Under xnor-binary the sign codes agree exactly: a frozen
+binary layer sums exactly (binary64), so its ties at 0 are the graph's (test_binary_ties).  The small U-Net (16×16 inputs)
+upsamples with ConvTranspose2d (xnor-binary: on its BIN input, ±1 weights as I8; the binary
+conv after each skip cat reads the parts' signs, concatenated)."""
 
 import glob
 import os
@@ -16,7 +18,6 @@ import pytest
 import torch
 
 import qdsl
-from qdsl.export.values import ExportError
 from qdsl.graph import execute
 from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
@@ -33,19 +34,9 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
         ("resnet50", "int8-default"), ("mobilenet_v2", "w4a8-per-channel")}
 
 
-
-# the graph has no binary transposed conv (lint says so too: W321)
-NO_BIN_CONVT = pytest.mark.xfail(strict=True, raises=ExportError, reason="binary ConvTranspose2d: no integer lowering")
 # one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie)
 FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
                               reason="a float32 near-tie in fake-quant flips one code; the network amplifies it")
-# MobileNetV3's Hardswish table before the binary classifier.3 outputs on an 8-bit grid where
-# hardswish(x) of a small negative x rounds to the zero point, which BINARIZE reads as +1;
-# fake-quant binarizes the float value (-1): 424 of 1024 signs differ.  A table read only by
-# a binarize should output the sign.  (EfficientNet-B0's binary classifier reads a pool of SiLU
-# tables: also signs near 0, not yet traced.)
-SIGN_LOST = pytest.mark.xfail(strict=True, raises=AssertionError,
-                              reason="a lookup table before a binary input rounds small negatives to 0 (sign +1)")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
@@ -55,10 +46,9 @@ def _cases(models, fast=FAST, marks=(), export=False):
     for model in models:
         for spec in CNN_SPECS:
             slow = () if (model, spec) in fast else (pytest.mark.slow,)
-            more = (NO_BIN_CONVT,) if (model, spec) == ("unet", "xnor-binary") else ()
+            more = ()
             if export:  # the graph-vs-fake-quant comparison's known misses
                 more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
-                more += (SIGN_LOST,) if spec == "xnor-binary" and model in MUL_FACTORIES else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")
 
 

@@ -138,3 +138,38 @@ def test_cpp_refuses_what_validation_refuses():
     graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV_TRANSPOSE2D, "layer", ["x", "w"], ["y"], attrs)])
     with pytest.raises(Exception, match="output_padding"):
         rt.CompiledGraph(graph)
+
+
+@needs_cpp
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), rank=st.sampled_from([1, 2]), out=st.sampled_from([DType.I8, DType.I32, DType.BIN]),
+       groups=st.sampled_from([1, 2, 3]), bias=st.booleans())
+def test_cpp_equals_reference_on_binary_transposed_convs(seed, rank, out, groups, bias):
+    # a binary transposed conv: BIN input (±1, in_zp 0), ±1 weights held as I8; a BIN output
+    # is the accumulator's sign (the C++ op refused a BIN input and output before)
+    from tests.runtime.test_graph import _check
+
+    rng = np.random.default_rng(seed)
+    k, s, d, op, p, sp = _geometry(rng, rank)
+    cg, og = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+    cin, cout = cg * groups, og * groups
+    w = rng.choice([-1, 1], size=(cin, og, *k)).astype(np.int8)
+    attrs = {"stride": s, "padding": p, "output_padding": op, "dilation": d, "groups": groups, "in_zp": 0,
+             "w_zp": [0], "acc_bits": 32, "overflow": 0}
+    if out is not DType.BIN:
+        lo, hi = (-(2**31), 2**31 - 1) if out is DType.I32 else out.range
+        attrs.update(_stage(rng, cout, lo, hi, pot=False if out is DType.I32 else None))
+    consts = [Tensor("w", DType.I8, w.shape, w)]
+    if bias:
+        consts.append(Tensor("b", DType.I32, (cout,), rng.integers(-8, 8, cout)))
+    from qdsl.graph.ir import IntegerGraph, Op
+    from qdsl.graph.validate import infer_output
+
+    op_type = OpType.CONV_TRANSPOSE1D if rank == 1 else OpType.CONV_TRANSPOSE2D
+    # a graph input is never BIN: BINARIZE an int8 input first (the sign of x - 0)
+    x, xb = Tensor("x", DType.I8, (-1, cin, *sp)), Tensor("xb", DType.BIN, (-1, cin, *sp))
+    conv = Op(op_type, "layer", ["xb"] + [t.name for t in consts], ["y"], attrs)
+    _, shape = infer_output(1, conv, [xb] + consts, Tensor("y", out, (1,)))
+    graph = IntegerGraph([x, xb] + consts + [Tensor("y", out, shape)], ["x"], ["y"],
+                         [Op(OpType.BINARIZE, "bin", ["x"], ["xb"], {"zero_point": 0}), conv]).validate()
+    _check(graph, _rand(rng, DType.I8, (int(rng.integers(1, 3)), cin, *sp)))

@@ -216,3 +216,54 @@ def test_an_unassigned_opcode_is_refused_by_both_loaders():
         graph_from_bytes(bytes(blob))
     with pytest.raises(GraphFormatError, match="unknown opcode"):
         rt.CompiledGraph(bytes(blob))
+
+
+@_SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), rank=st.integers(2, 4), parts=st.integers(1, 3))
+def test_concat_of_signs_cpp_equals_reference(seed, rank, parts):
+    # BIN inputs into a BIN output (identity rescales, clamp [-1, 1]): a binary layer reading a
+    # torch.cat of binary results (the C++ op refused BIN before)
+    rng = np.random.default_rng(seed)
+    axis = int(rng.integers(1, rank))
+    base = [int(v) for v in rng.integers(1, 6, rank - 1)]
+    ins, signs, ops = [], [], []
+    for i in range(parts):  # a graph input is never BIN: BINARIZE int8 inputs first
+        shape = list(base)
+        shape.insert(axis - 1, int(rng.integers(1, 9)))
+        ins.append(Tensor(f"x{i}", DType.I8, (-1, *shape)))
+        signs.append(Tensor(f"b{i}", DType.BIN, (-1, *shape)))
+        ops.append(Op(OpType.BINARIZE, f"bin{i}", [f"x{i}"], [f"b{i}"], {"zero_point": 0}))
+    out_shape = list(base)
+    out_shape.insert(axis - 1, sum(t.shape[axis] for t in signs))
+    attrs = dict(axis=axis, in_zp=(0,) * parts, in_kind=(1,) * parts, in_multiplier=(1,) * parts,
+                 in_shift=(0,) * parts, in_rounding=(0,) * parts, out_zp=0, out_min=-1, out_max=1)
+    y = Tensor("y", DType.BIN, (-1, *out_shape))
+    ops.append(Op(OpType.CONCAT, "cat", [t.name for t in signs], ["y"], attrs))
+    g = IntegerGraph(ins + signs + [y], [t.name for t in ins], ["y"], ops).validate()
+    n = int(rng.integers(1, 3))
+    xs = [rng.integers(-128, 128, size=(n, *t.shape[1:])).astype(np.int8) for t in ins]
+    want = execute(g, xs).outputs[0]
+    np.testing.assert_array_equal(want, np.concatenate([np.where(x < 0, -1, 1) for x in xs], axis=axis))
+    cg = rt.CompiledGraph(g)
+    for path in PATHS:
+        np.testing.assert_array_equal(cg.run(xs, path=path), want, err_msg=f"path {path}")
+
+
+@pytest.mark.parametrize("change", [{"in_shift": (0, 1)}, {"in_zp": (0, 1)}, {"out_min": 0}])
+def test_a_bin_concat_that_moves_a_sign_is_refused(change, monkeypatch):
+    # Python validation and the C++ Prepare (a graph loaded without it) refuse a BIN CONCAT
+    # whose rescales, zero points or clamp could turn ±1 into something else
+    ins = [Tensor(f"x{i}", DType.I8, (-1, 2, 3)) for i in range(2)]
+    signs = [Tensor(f"b{i}", DType.BIN, (-1, 2, 3)) for i in range(2)]
+    ops = [Op(OpType.BINARIZE, f"bin{i}", [f"x{i}"], [f"b{i}"], {"zero_point": 0}) for i in range(2)]
+    attrs = dict(axis=1, in_zp=(0, 0), in_kind=(1, 1), in_multiplier=(1, 1), in_shift=(0, 0), in_rounding=(0, 0),
+                 out_zp=0, out_min=-1, out_max=1)
+    y = Tensor("y", DType.BIN, (-1, 4, 3))
+    good = IntegerGraph(ins + signs + [y], ["x0", "x1"], ["y"], ops + [Op(OpType.CONCAT, "cat", ["b0", "b1"], ["y"], attrs)])
+    rt.CompiledGraph(good.validate())
+    bad = IntegerGraph(ins + signs + [y], ["x0", "x1"], ["y"],
+                       ops + [Op(OpType.CONCAT, "cat", ["b0", "b1"], ["y"], {**attrs, **change})])
+    with pytest.raises(GraphFormatError, match="BIN concat"):
+        bad.validate()
+    with pytest.raises(GraphFormatError, match="BIN CONCAT"):
+        rt.CompiledGraph(_unchecked(bad, monkeypatch))

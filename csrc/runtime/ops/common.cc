@@ -64,7 +64,9 @@ Status ReadInputRescales(Graph* g, const GraphOp& op, int index, bool concat, st
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& out = g->tensors[op.outputs[0]];
   const auto& A = op.attrs;
-  OP_CHECK(IsInt8(out.dtype), "output must be I8/U8");
+  // CONCAT may concatenate signs: BIN inputs (held one ±1 int8 each) into a BIN output
+  const bool bin = concat && out.dtype == kBin;
+  OP_CHECK(IsInt8(out.dtype) || bin, "output must be I8/U8 (CONCAT: or BIN)");
   const size_t n = op.inputs.size();
   for (const char* key : {"in_zp", "in_kind", "in_multiplier", "in_shift", "in_rounding"})
     OP_CHECK(A.at(key).ints.size() == n, "attribute '%s' needs %zu entries", key, n);
@@ -73,8 +75,8 @@ Status ReadInputRescales(Graph* g, const GraphOp& op, int index, bool concat, st
   if (concat) (*shape)[axis] = 0;
   for (size_t i = 0; i < n; ++i) {
     const GraphTensor& xi = g->tensors[op.inputs[i]];
-    OP_CHECK(!xi.is_constant && (IsInt8(xi.dtype) || (!concat && xi.dtype == kI32)),
-             "inputs must be I8/U8 activations (ADD: or I32)");
+    OP_CHECK(!xi.is_constant && (bin ? xi.dtype == kBin : (IsInt8(xi.dtype) || (!concat && xi.dtype == kI32))),
+             "inputs must be I8/U8 activations (ADD: or I32; a BIN CONCAT: BIN)");
     OP_CHECK(xi.dims.size() == x.dims.size(), "input ranks differ");
     for (size_t d = 0; d < x.dims.size(); ++d)
       OP_CHECK(static_cast<int64_t>(d) == axis || xi.dims[d] == x.dims[d], "input shapes differ");

@@ -27,6 +27,14 @@ Status PrepareConcat(Graph* g, GraphOp& op, int index, std::vector<int64_t>* sha
   OP_CHECK(A.at("out_zp").i >= lo && A.at("out_zp").i <= hi && A.at("out_min").i >= lo &&
                A.at("out_max").i <= hi && A.at("out_min").i <= A.at("out_max").i,
            "out_zp/out_min/out_max outside the output dtype");
+  if (g->tensors[op.outputs[0]].dtype == kBin) {  // signs concatenated: nothing may move a ±1
+    for (const StageData& sd : p->in)
+      OP_CHECK(sd.stage.zero_point == 0 && sd.stage.rescale.kind == RescaleKind::kPot &&
+                   sd.multiplier[0] == 1 && sd.shift[0] == 0,
+               "a BIN CONCAT takes in_zp 0 and identity rescales (POT, 1, 0)");
+    OP_CHECK(A.at("out_zp").i == 0 && A.at("out_min").i == -1 && A.at("out_max").i == 1,
+             "a BIN CONCAT takes out_zp 0 and the clamp [-1, 1]");
+  }
   p->axis = A.at("axis").i;
   p->zp = A.at("out_zp").i;
   p->lo = A.at("out_min").i;

@@ -1,11 +1,11 @@
 // CONV_TRANSPOSE1D / CONV_TRANSPOSE2D: integer transposed convolution (docs/qgraph.md §4.4).
 // (conv_transpose.cc is unrelated: byte transposes for the conv kernels.)
 //
-// Semantics (qdsl/graph/ops/conv_transpose.py): input position i and tap k add
+// Semantics (qdsl/graph/ops/conv_transpose.py; a BIN input is its ±1 values): input position i and tap k add
 // (x[ic][i] - in_zp) * (w[ic][o][k] - w_zp[oc]) to output position o = i*s - p + k*d, for
 // the input channels ic of output channel oc's group (oc = g*og + o).  Then bias, the
-// acc_bits wrap/saturate with overflow counting and the CONV output stage (conv::Emit, the
-// same code as CONV*).
+// acc_bits wrap/saturate with overflow counting and the CONV output stage or, for a BIN
+// output, the sign (conv::Emit, the same code as CONV*).
 //
 // Two kernels, equal to the reference exactly:
 // * reference (kPathRef, and any layer whose GEMM sums are not provably int32):
@@ -56,10 +56,13 @@ Status PrepareConvTranspose(Graph* g, GraphOp& op, int index, std::vector<int64_
   const GraphTensor& w = g->tensors[op.inputs[1]];
   const GraphTensor& out = g->tensors[op.outputs[0]];
   const auto& A = op.attrs;
-  OP_CHECK(IsInt8(x.dtype), "input must be I8/U8");
+  // BIN: a binary transposed conv (±1 codes held one int8 each, as BINARIZE writes them, at
+  // zero point 0; with ±1 I8 weights the sums are exact XNOR sums)
+  OP_CHECK(IsInt8(x.dtype) || x.dtype == kBin, "input must be I8/U8/BIN");
   OP_CHECK(w.is_constant && w.dtype != kF32 && w.dtype != kI32 && w.dtype != kBin,
            "weights must be a constant of an integer weight dtype (not BIN)");
-  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kI32, "output must be I8/U8/I32");
+  OP_CHECK(out.dtype == kI8 || out.dtype == kU8 || out.dtype == kI32 || out.dtype == kBin,
+           "output must be I8/U8/I32/BIN");
   OP_CHECK(static_cast<int>(x.dims.size()) == 2 + rank && static_cast<int>(w.dims.size()) == 2 + rank,
            "input/weight ranks must be %d", 2 + rank);
   p.cin = x.dims[1];
@@ -106,10 +109,12 @@ Status PrepareConvTranspose(Graph* g, GraphOp& op, int index, std::vector<int64_
   OP_CHECK(s.acc_bits <= 32 || kHasWideRescale, "acc_bits %d > 32 needs a compiler with 128-bit integers", s.acc_bits);
   s.overflow_mode = static_cast<int>(A.at("overflow").i);
   OP_CHECK(s.overflow_mode == 0 || s.overflow_mode == 1, "overflow must be 0 (wrap) or 1 (saturate)");
-  QDSL_RETURN_IF_ERROR(ReadStage(op, index, p.cout, out.dtype, &s.out));
+  s.bin_out = out.dtype == kBin;  // the accumulator's sign (conv::Emit), no stage
+  if (!s.bin_out) QDSL_RETURN_IF_ERROR(ReadStage(op, index, p.cout, out.dtype, &s.out));
   int64_t xlo, xhi;
   DTypeRange(x.dtype, &xlo, &xhi);
-  OP_CHECK(A.at("in_zp").i >= xlo && A.at("in_zp").i <= xhi, "in_zp outside the input dtype");
+  OP_CHECK(A.at("in_zp").i >= xlo && A.at("in_zp").i <= xhi && (x.dtype != kBin || A.at("in_zp").i == 0),
+           "in_zp outside the input dtype (BIN: 0)");
   p.in_zp = static_cast<int32_t>(A.at("in_zp").i);
   const auto& wzp = A.at("w_zp").ints;
   OP_CHECK(wzp.size() == 1 || static_cast<int64_t>(wzp.size()) == p.cout, "w_zp needs 1 or O entries");
@@ -136,7 +141,8 @@ Status PrepareConvTranspose(Graph* g, GraphOp& op, int index, std::vector<int64_
   for (int32_t b : s.bias) bmax = std::max<int64_t>(bmax, std::llabs(static_cast<int64_t>(b)));
   const int64_t acc_max = s.acc_bits >= 32 ? INT32_MAX : (int64_t{1} << (s.acc_bits - 1)) - 1;
   p.fast_stage = p.acc32 && p.groups == 1 && IsInt8(out.dtype) && p.cg * kk * xmax * wmax + bmax <= acc_max;
-  p.in_max_code = static_cast<int32_t>(std::max<int64_t>(xhi, p.in_zp) + (x.dtype == kI8 ? 128 : 0));
+  // (the GEMM reads a BIN input as the int8 it is held in: conv::Int8Rows)
+  p.in_max_code = static_cast<int32_t>(std::max<int64_t>(xhi, p.in_zp) + (x.dtype != kU8 ? 128 : 0));
   if (wmax <= 511 && p.cg * xmax * wmax <= INT32_MAX) {
     for (int64_t gi = 0; gi < p.groups; ++gi) {
       std::vector<int16_t> rows(static_cast<size_t>(kk * p.og * p.cg));

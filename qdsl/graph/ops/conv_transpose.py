@@ -1,14 +1,16 @@
 """CONV_TRANSPOSE1D, CONV_TRANSPOSE2D: integer transposed convolution (PyTorch's
 ``ConvTranspose1d/2d``).  Input, constant weight ``Cin×Cout/g×k..`` (PyTorch's layout),
 optional int32 bias -> an accumulator of ``acc_bits`` (wrapping or saturating), then the
-same output stage as CONV* (per output channel).
+same output stage as CONV* (per output channel), or for a BIN output its sign.
 
 Every input position scatters into the output: input position ``i`` and tap ``k`` add
 ``(x[ic, i] - in_zp) · (w[ic, oc mod og, k] - w_zp[oc])`` to output position
 ``o = i·stride - padding + k·dilation`` (dropped when ``o`` falls outside ``[0, L_out)``),
 with ``L_out = (L - 1)·stride - 2·padding + dilation·(k - 1) + output_padding + 1``.
 Only real input positions contribute: there is no padding value, so no zero point is
-read outside the input.
+read outside the input.  A BIN input (±1, ``in_zp`` 0) is a binary transposed conv: with ±1
+weights the sums are exact XNOR sums (there is no popcount form; the exporter stores the
+±1 weight codes as I8).
 """
 
 from __future__ import annotations
@@ -79,10 +81,10 @@ def _run(op, args, graph, counts):
 def _inferrer(rank: int):
     def infer(c, op, ins, out):
         x, w = ins[0], ins[1]
-        c.dt(x, INT8_DTYPES, "input")
+        c.dt(x, INT8_DTYPES + (DType.BIN,), "input")
         c.const(w, "weight")
         c.dt(w, WEIGHT_DTYPES, "weight")
-        c.need(w.dtype is not DType.BIN, f"weight {w.name!r}: binary transposed convolutions are not supported")
+        c.need(w.dtype is not DType.BIN, f"weight {w.name!r}: BIN weights are not supported (hold ±1 codes as I8)")
         c.need(len(x.shape) == rank + 2, f"input {x.name!r} must have rank {rank + 2}, has shape {x.shape}")
         c.need(len(w.shape) == rank + 2, f"weight {w.name!r} must have rank {rank + 2}, has shape {w.shape}")
         g = c.int("groups", 1, 1 << 20)
@@ -95,7 +97,7 @@ def _inferrer(rank: int):
             c.dt(ins[2], (DType.I32,), "bias")
             c.need(ins[2].shape == (cout,), f"bias {ins[2].name!r} must have shape ({cout},), has {ins[2].shape}")
         check_acc(c)
-        c.int("in_zp", *x.dtype.range)
+        c.int("in_zp", *((0, 0) if x.dtype is DType.BIN else x.dtype.range))  # ±1 values at zero point 0
         c.ints("w_zp", (1, cout), *w.dtype.range)
         stride = c.ints("stride", rank, 1, 1 << 20)
         pad = c.ints("padding", rank, 0, 1 << 20)
@@ -109,16 +111,17 @@ def _inferrer(rank: int):
             n = transposed_len(x.shape[2 + i], w.shape[2 + i], stride[i], pad[i], opad[i], dil[i])
             c.need(n >= 1, f"spatial dim {i}: padding {pad[i]} leaves no output (length {n})")
             shape.append(n)
-        c.dt(out, INT8_DTYPES + (DType.I32,), "output")
-        check_out(c, out.dtype, cout)
-        return (DType.I8, DType.U8, DType.I32), tuple(shape)
+        if out.dtype is not DType.BIN:  # BIN: the sign of the accumulator, as CONV*
+            c.dt(out, INT8_DTYPES + (DType.I32,), "output")
+            check_out(c, out.dtype, cout)
+        return (DType.I8, DType.U8, DType.I32, DType.BIN), tuple(shape)
 
     return infer
 
 
 OPS = (
     OpDef("CONV_TRANSPOSE1D", 22, OpSchema(2, 3, _ATTRS, needs_output_stage=True), _inferrer(1), _run,
-          "Integer transposed conv over ``N×C×L`` (weight ``C×O/g×k``); output stage as CONV1D."),
+          "Integer transposed conv over ``N×C×L`` (weight ``C×O/g×k``; input I8/U8/BIN); output stage as CONV1D."),
     OpDef("CONV_TRANSPOSE2D", 23, OpSchema(2, 3, _ATTRS, needs_output_stage=True), _inferrer(2), _run,
-          "Integer transposed conv over ``N×C×H×W`` (weight ``C×O/g×kh×kw``); output stage as CONV2D."),
+          "Integer transposed conv over ``N×C×H×W`` (weight ``C×O/g×kh×kw``; input I8/U8/BIN); output stage as CONV2D."),
 )
