@@ -39,6 +39,7 @@ import torch.fx
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OutputStage
+from qdsl.export.lower_dynamic import DynIn, DynOut, dynamic_input
 from qdsl.export.lower_layers import act_target, wide
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
@@ -111,15 +112,20 @@ class _Lowerer:
     def where(self, node: torch.fx.Node) -> str:
         return node.meta.get("qdsl_scope", "")
 
-    def quantize(self, value: Any, fqn: str, role: str) -> QVal:
+    def quantize(self, value: Any, fqn: str, role: str) -> QVal | DynIn:
         proxy = self.handle.quantizer(fqn, role)
+        if proxy.dynamic:  # a Linear's run-time quantized input (lower_dynamic.py)
+            return dynamic_input(self, value, fqn, role, proxy, self.modules.get(fqn))
         t = act_target(proxy, f"{fqn or '<model>'}:{role}")
+        if isinstance(value, DynOut):  # a dynamic Linear's F32 result, quantized statically
+            value = value.materialize()
         if isinstance(value, Pending):
             return value.materialize(self.b, t)
         if isinstance(value, QVal):
             return self.requantize(value, t)
         if isinstance(value, FloatVal) and value.name is not None:
-            shape = self.input_shape  # before any reshape the model applied to its float input
+            # the graph input before any reshape the model applied to it, or a float result
+            shape = self.input_shape if value.reshape is not None else value.shape
             if t.dtype is DType.BIN:
                 name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, shape, {"zero_point": 0})
             else:
@@ -243,6 +249,8 @@ class _Lowerer:
 
     def dequantize(self, value: Any, i: int) -> str:
         out = "output" if i == 0 else f"output{i}"
+        if isinstance(value, DynOut):  # already F32 (LINEAR_DYNAMIC)
+            return value.materialize().name
         if isinstance(value, Pending) and value.kind == "acc" and not value.post:
             # a float model output from a layer (no output quantizer): convert the int32
             # accumulator kept wide (exact for power-of-two scales)

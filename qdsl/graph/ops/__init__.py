@@ -51,6 +51,9 @@ class OpDef:
     doc: str = ""
     all_activations: bool = False
     """Every input must be an activation (ADD, CONCAT); otherwise only the first."""
+    extra_outputs: Callable[["Op", "list[Tensor]"], "tuple[tuple[DType, tuple[int, ...]], ...]"] | None = None
+    """For an op with ``schema.n_outputs > 1``: the (dtype, shape) of each output after the
+    first (called after ``infer`` accepted the op); ``run`` then returns one array per output."""
 
 
 def _collect(modules) -> tuple[OpDef, ...]:
@@ -82,6 +85,7 @@ _REGISTERED = (
     "matmul",
     "softmax",
     "layernorm",
+    "dynamic",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
