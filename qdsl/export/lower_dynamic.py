@@ -1,5 +1,5 @@
 """Lowering of dynamic activation quantization: a Linear whose input quantizer is
-``dynamic`` becomes QUANTIZE_DYNAMIC + LINEAR_DYNAMIC (docs/qgraph.md §4.9), as torch.ao's
+``dynamic`` becomes QUANTIZE_DYNAMIC + LINEAR_DYNAMIC (docs/qgraph.md §4.4), as torch.ao's
 dynamic Linear: the input's scale is computed per batch (per tensor or per row) when the
 graph runs, the weights are per-channel int8, the result is F32 (the next layer quantizes
 it again, dynamically or with a static QUANTIZE).

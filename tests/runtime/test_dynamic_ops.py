@@ -1,4 +1,4 @@
-"""QUANTIZE_DYNAMIC and LINEAR_DYNAMIC (docs/qgraph.md §4.9): the C++ runtime equals the
+"""QUANTIZE_DYNAMIC and LINEAR_DYNAMIC (docs/qgraph.md §4.4): the C++ runtime equals the
 reference executor bit for bit (random shapes, per tensor and per row, signed/unsigned,
 symmetric/affine, non-finite inputs), the reference's scales, zero points and codes are
 the fake-quant dynamic quantizer's, an exported dynamic MLP agrees with its fake-quant
@@ -221,3 +221,30 @@ rule type:Conv2d {
     with pytest.raises(ExportError) as e:
         qdsl.export(m, torch.randn(2, 24))
     assert "'0'" in str(e.value) and "bias" in str(e.value)
+
+
+def test_onnx_export_dynamic_quantize_linear_and_matmul_integer():
+    ort = pytest.importorskip("onnxruntime")
+    from qdsl.export.onnx import export_onnx
+
+    m = _mlp(5)
+    qdsl.apply(m, _spec(False, False, False))
+    qdsl.freeze(m)
+    x = torch.randn(6, 24)
+    proto = export_onnx(m, x)
+    kinds = [n.op_type for n in proto.graph.node]
+    assert kinds.count("DynamicQuantizeLinear") == 3 and kinds.count("MatMulInteger") == 3
+    sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    y = sess.run(None, {"input": x.numpy()})[0]
+    g = qdsl.export(m, x)
+    want = execute(g, x.numpy()).outputs[0]
+    # ONNX divides by the scale where the graph multiplies by its f32 reciprocal: a code may
+    # move by 1 where the quotient sits on a rounding boundary; otherwise the same integers
+    np.testing.assert_allclose(y, want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))
+
+    m = _mlp(5)
+    qdsl.apply(m, _spec(True, True, True))
+    qdsl.freeze(m)
+    with pytest.raises(ExportError) as e:
+        export_onnx(m, x)
+    assert "'0'" in str(e.value) and "DynamicQuantizeLinear" in str(e.value)

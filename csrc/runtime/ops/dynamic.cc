@@ -1,5 +1,5 @@
 // QUANTIZE_DYNAMIC (F32 -> I8/U8 codes + F32 qparams [rows, 2]) and LINEAR_DYNAMIC
-// (codes x int8 weights -> F32), docs/qgraph.md §4.9; the reference is
+// (codes x int8 weights -> F32), docs/qgraph.md §4.4; the reference is
 // qdsl/graph/ops/dynamic.py and this file equals it bit for bit.
 //
 // Float order: every float step is one binary32 operation in the order the reference
