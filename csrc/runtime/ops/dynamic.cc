@@ -11,6 +11,7 @@
 #include <cstring>
 #include <limits>
 
+#include "dispatch.h"
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
 
@@ -35,9 +36,11 @@ struct QuantizeDynamicParams : OpParams {
 struct LinearDynamicParams : OpParams {
   int64_t cout = 0, k = 0;
   std::vector<float> w_scale, bias;
-  std::vector<int64_t> colsum;  // sum_k w[o][k], for the per-row zero point
+  std::vector<int32_t> colsum;  // sum_k w[o][k], for the per-row zero point
   bool relu = false;
+  int32_t max_code = 255;  // the largest code the u8 kernels see (ActView::max_code): qmax, +128 for I8
   PackedWeights packed;
+  mutable std::vector<int32_t> acc;  // scratch, reused (a graph runs one call at a time)
 };
 
 float BitsF32(int64_t bits) {
@@ -150,6 +153,9 @@ Status RunQuantizeDynamic(RunCtx& c, const GraphOp& op) {
     FiniteRange(x, rows * k, &lo, &hi, &any);
     QParams(lo, hi, any, p, &ts, &tz);
   }
+  // QUANTIZE's vector kernel equals QuantizeRow bit for bit (same rule, NaN -> zp)
+  const QuantizeF32Kernel vec = SelectQuantizeF32Kernel(c.path);
+  const bool out_signed = c.DType(op.outputs[0]) == kI8;
   ParallelRanges(rows, /*chunk=*/std::max<int64_t>(1, 16384 / k), /*work=*/rows * k * 8, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float s = ts, z = tz;
@@ -159,7 +165,11 @@ Status RunQuantizeDynamic(RunCtx& c, const GraphOp& op) {
         FiniteRange(x + r * k, k, &lo, &hi, &any);
         QParams(lo, hi, any, p, &s, &z);
       }
-      QuantizeRow(x + r * k, k, s, z, p, y + r * k);
+      if (vec != nullptr) {
+        vec(x + r * k, k, 1.0f / s, static_cast<int32_t>(z), p.qmin, p.qmax, p.rounding, y + r * k, out_signed);
+      } else {
+        QuantizeRow(x + r * k, k, s, z, p, y + r * k);
+      }
       qp[2 * r] = s;
       qp[2 * r + 1] = z;
     }
@@ -206,6 +216,9 @@ Status PrepareLinearDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_
     OP_CHECK(std::isfinite(f), "bias must hold finite binary32 values");
     p->bias.push_back(f);
   }
+  // the codes' proven range (QUANTIZE_DYNAMIC's qmax): below 255 the AVX2 path can use the
+  // exact vpmaddubsw kernel (e.g. 7-bit codes, torch.ao's reduce_range)
+  p->max_code = static_cast<int32_t>(x.value_max + (x.dtype == kI8 ? 128 : 0));
   std::vector<int16_t> w16(w.values.begin(), w.values.end());
   p->colsum.assign(static_cast<size_t>(cout), 0);
   for (int64_t o = 0; o < cout; ++o)
@@ -229,7 +242,9 @@ Status RunLinearDynamic(RunCtx& c, const GraphOp& op) {
   av.rows = rows;
   av.cols = av.ld = p.k;
   av.zero_point = 0;
-  std::vector<int32_t> acc(static_cast<size_t>(rows * p.cout));
+  av.max_code = p.max_code;
+  std::vector<int32_t>& acc = p.acc;
+  acc.resize(static_cast<size_t>(rows * p.cout));
   GemmOutput o;
   o.data = acc.data();
   o.dtype = DType::kInt32;
@@ -242,17 +257,24 @@ Status RunLinearDynamic(RunCtx& c, const GraphOp& op) {
                  [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const float sx = qp[2 * r];
-      const int64_t zp = static_cast<int64_t>(qp[2 * r + 1]);
+      // acc - zp * colsum in wrapping 32-bit arithmetic: the true sum fits int32 (K <= 65536),
+      // so the result modulo 2^32 is it; straight loops, so the compiler vectorizes them
+      const uint32_t zp = static_cast<uint32_t>(static_cast<int32_t>(qp[2 * r + 1]));
       const int32_t* a = acc.data() + r * p.cout;
+      const int32_t* cs = p.colsum.data();
+      const float* ws = p.w_scale.data();
       float* yr = y + r * p.cout;
       for (int64_t ch = 0; ch < p.cout; ++ch) {
-        const int64_t exact = static_cast<int64_t>(a[ch]) - zp * p.colsum[ch];
-        const float m = sx * p.w_scale[ch];
-        float v = static_cast<float>(exact) * m;
-        if (has_bias) v = v + p.bias[ch];
-        if (p.relu) v = (v >= 0.f || std::isnan(v)) ? v : 0.f;  // np.maximum(v, 0)
-        yr[ch] = v;
+        const int32_t exact = static_cast<int32_t>(static_cast<uint32_t>(a[ch]) - zp * static_cast<uint32_t>(cs[ch]));
+        const float m = sx * ws[ch];
+        yr[ch] = static_cast<float>(exact) * m;
       }
+      if (has_bias) {
+        const float* b = p.bias.data();
+        for (int64_t ch = 0; ch < p.cout; ++ch) yr[ch] = yr[ch] + b[ch];
+      }
+      if (p.relu)  // np.maximum(v, 0): NaN and -0 kept
+        for (int64_t ch = 0; ch < p.cout; ++ch) yr[ch] = yr[ch] < 0.f ? 0.f : yr[ch];
     }
   });
   return Status::Ok();
