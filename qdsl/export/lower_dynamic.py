@@ -104,7 +104,8 @@ def as_float(b: Builder, value: Any, where: str) -> FloatVal:
         return FloatVal(where, value.shape, name)
     origin = getattr(value, "origin", "?")
     raise ExportError(where, f"a dynamic quantizer reads a value from '{origin}' that the graph has no float form of",
-                      "a dynamic quantizer reads the graph input, a layer's result or a dynamic Linear's output")
+                      "a dynamic quantizer reads the graph input, a layer's result or a dynamic Linear's output; "
+                      f"a layer result that is reshaped first needs an output quantizer (`output = a8` for '{origin}')")
 
 
 def dynamic_input(lw, value: Any, fqn: str, role: str, proxy, module: nn.Module | None) -> DynIn:
@@ -112,7 +113,7 @@ def dynamic_input(lw, value: Any, fqn: str, role: str, proxy, module: nn.Module 
     where = f"{fqn or '<model>'}:{role}"
     if role != "input" or not isinstance(module, nn.Linear):
         kind = type(module).__name__ if module is not None else "model"
-        raise ExportError(where, f"a dynamic {role} quantizer of a {kind} has no integer lowering (the graph "
+        raise ExportError(fqn, f"a dynamic {role} quantizer of a {kind} has no integer lowering (the graph "
                                  "quantizes dynamically only a Linear's input: QUANTIZE_DYNAMIC + LINEAR_DYNAMIC)",
                           "set `dynamic = false` for this quantizer and calibrate")
     f = as_float(lw.b, value, where)

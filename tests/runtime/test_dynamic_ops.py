@@ -206,7 +206,7 @@ rule type:Conv2d {
     qdsl.freeze(m)
     with pytest.raises(ExportError) as e:
         qdsl.export(m, torch.randn(1, 3, 8, 8))
-    assert "'0:input'" in str(e.value) and "Conv2d" in str(e.value)
+    assert "'0'" in str(e.value) and "dynamic input" in str(e.value) and "Conv2d" in str(e.value)
 
     m = _mlp()
     qdsl.apply(m, parse_text(_spec_text(True, True, False).replace("observer=minmax, rounding", "observer=histogram, rounding"), "d.qspec"))
@@ -295,3 +295,41 @@ rule "2" {
     assert np.abs(y - yf).max() <= 0.05 * np.abs(yf).max()
     if rt.available():
         np.testing.assert_array_equal(rt.CompiledGraph(g).run(xs[1].numpy()), y)
+
+
+@pytest.mark.parametrize("dynamic_conv", [True, False])
+def test_lint_reports_what_export_refuses(dynamic_conv):
+    # lint's W321 (no integer lowering) for a dynamic quantizer outside a Linear's input,
+    # exactly where export refuses (tests/export/test_lint_agrees.py's rule)
+    text = f"""version 1
+quantizer d8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax, dynamic)
+quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+defaults {{
+  weight = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+  input = {'d8' if dynamic_conv else 'a8'}
+  bias = float
+}}
+rule type:Linear {{
+  input = d8
+}}
+"""
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv1d(3, 4, 3), nn.ReLU(), nn.Linear(6, 5)).eval()  # Linear over L
+
+    spec = parse_text(text, "dyn.qspec")
+    found = [d for d in qdsl.lint(spec, "specs/hw/tflite-int8.toml", model()) if d.code == "W321"]
+    m = model()
+    qdsl.apply(m, spec)
+    x = torch.randn(4, 3, 8)
+    qdsl.calibrate(m, [x])
+    qdsl.freeze(m)
+    if dynamic_conv:
+        with pytest.raises(ExportError) as e:
+            qdsl.export(m, x[:1])
+        assert len(found) == 1 and "dynamic input of conv1d" in found[0].message and "'0'" in str(e.value)
+    else:
+        assert found == []
+        g = qdsl.export(m, x[:1])
+        assert OpType.LINEAR_DYNAMIC in {op.type for op in g.ops}
