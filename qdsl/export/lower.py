@@ -17,6 +17,8 @@ per catalog `lowering` name, dispatched from here):
   else the float bias rounded half-even at that scale), and the next quantizer's
   requantization: factor ``s_in · s_w[c] / s_out`` (exact shifts when every scale is a
   power of two, else gemmlowp multipliers), ReLU/ReLU6/Hardtanh fused into the clamp;
+* a Linear whose input quantizer is ``dynamic`` becomes QUANTIZE_DYNAMIC + LINEAR_DYNAMIC
+  with a float output (lower_dynamic.py);
 * a residual ``+`` of quantized values and/or layer results becomes ADD at the scale of
   the next quantizer (normally the block's output quantizer);
 * max pool and reshapes commute with quantization and are applied after it; average
