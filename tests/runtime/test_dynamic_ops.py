@@ -333,3 +333,4 @@ rule type:Linear {{
         assert found == []
         g = qdsl.export(m, x[:1])
         assert OpType.LINEAR_DYNAMIC in {op.type for op in g.ops}
+

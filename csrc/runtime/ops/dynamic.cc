@@ -273,8 +273,8 @@ Status RunLinearDynamic(RunCtx& c, const GraphOp& op) {
         const float* b = p.bias.data();
         for (int64_t ch = 0; ch < p.cout; ++ch) yr[ch] = yr[ch] + b[ch];
       }
-      if (p.relu)  // np.maximum(v, 0): NaN and -0 kept
-        for (int64_t ch = 0; ch < p.cout; ++ch) yr[ch] = yr[ch] < 0.f ? 0.f : yr[ch];
+      if (p.relu)  // np.maximum(v, 0): NaN kept, -0 -> +0
+        for (int64_t ch = 0; ch < p.cout; ++ch) yr[ch] = yr[ch] <= 0.f ? 0.f : yr[ch];
     }
   });
   return Status::Ok();
