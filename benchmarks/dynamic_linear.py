@@ -11,9 +11,10 @@ over ``--rounds`` rounds at 1 thread by default; figures are medians (min-max ov
 in ms, with the load average before and after.  Also printed: the largest |difference|
 of each quantized output from fp32, relative to fp32's largest |value|.
 
-Measured once (2 cores shared with other jobs, load average ~9: noisy), 1 thread, 2 blocks,
-ms: d=384 rows 128: fp32 26.6, torch.ao 13.4, qdsl 19.0 (8-bit) / 14.1 (7-bit); d=768 rows
-128: fp32 100.6 / 65.4, torch.ao 46.6 / 36.6, qdsl 60.0 (8-bit) / 28.6 (7-bit).  8-bit codes
+Measured (2 cores shared with other jobs, load average 8-10: noisy; two runs each), 1 thread,
+2 blocks, ms, torch.ao / qdsl: d=384 rows 128: 13.1-13.4 / 15.8-19.0 (8-bit), 13.5-19.8 /
+14.1-23.1 (7-bit); d=768 rows 128: 38.8-46.6 / 53.0-60.0 (8-bit), 36.6-58.1 / 28.6-55.7 (7-bit);
+rows 8: qdsl faster at d=384, slower at d=768; fp32 is 1.7-2.3x torch.ao.  8-bit codes
 against int8 weights make the AVX2 GEMM take its int16 kernel (a u8×s8 pair sum can
 saturate vpmaddubsw); 7-bit codes (torch.ao's own x86 setting) take the vpmaddubsw one.
 Error vs fp32 (max |diff| / max |fp32|): qdsl 8-bit ~0.018, torch.ao ~0.033, qdsl 7-bit ~0.035.
