@@ -82,6 +82,7 @@ def render() -> str:
         "  bool needs_output_stage;     // kStageAttrs follow unless the output dtype is BIN",
         "  const AttrSchema* attrs;",
         "  int n_attrs;",
+        "  int n_outputs;              // output tensors (1 except QUANTIZE_DYNAMIC)",
         "};",
         "",
         "// An output stage: the rescale (RQ_ATTRS), then zero point and clamp (OUT_ATTRS).",
@@ -92,16 +93,16 @@ def render() -> str:
         if attrs:
             out.append(f"inline constexpr AttrSchema k{_camel(t.name)}Attrs[] = {{{_attr_rows(attrs)}}};")
     out += ["", "// Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.", f"inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {{",
-            "    {nullptr, 0, 0, false, nullptr, 0},"]
+            "    {nullptr, 0, 0, false, nullptr, 0, 0},"]
     for t in slots:
         if t is None:
-            out.append("    {nullptr, 0, 0, false, nullptr, 0},  // unassigned")
+            out.append("    {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned")
             continue
         s = OP_SCHEMAS[t]
         hi = -1 if s.max_inputs is None else s.max_inputs
         stage = "true" if s.needs_output_stage else "false"
         table = f"k{_camel(t.name)}Attrs" if s.attrs else "nullptr"
-        out.append(f'    {{"{t.name}", {s.min_inputs}, {hi}, {stage}, {table}, {len(s.attrs)}}},')
+        out.append(f'    {{"{t.name}", {s.min_inputs}, {hi}, {stage}, {table}, {len(s.attrs)}, {s.n_outputs}}},')
     out += [
         "};",
         "",

@@ -165,7 +165,8 @@ Status PrepareGraph(Graph* g) {
     const OpSchema& sc = kOpSchemas[op.opcode];  // the loader admits opcodes 1..kMaxOpcode only
     const int n_in = static_cast<int>(op.inputs.size());
     OP_CHECK(n_in >= sc.min_inputs && (sc.max_inputs < 0 || n_in <= sc.max_inputs), "wrong number of inputs (%d)", n_in);
-    OP_CHECK(op.outputs.size() == 1, "ops have exactly one output");
+    OP_CHECK(static_cast<int>(op.outputs.size()) == sc.n_outputs, "has %zu outputs, expected %d", op.outputs.size(),
+             sc.n_outputs);
     for (uint32_t t : op.inputs) OP_CHECK(ready[t], "input '%s' is not produced before this op", g->tensors[t].name.c_str());
     for (int k = 0; k < n_in; ++k)
       OP_CHECK(!ids[op.inputs[k]] || (k == 0 && op.opcode == kEmbedding),
@@ -175,6 +176,12 @@ Status PrepareGraph(Graph* g) {
     GraphTensor& out = g->tensors[out_index];
     OP_CHECK(!ready[out_index] && !out.is_constant, "output '%s' is produced twice or is a constant", out.name.c_str());
     ready[out_index] = 1;
+    for (size_t k = 1; k < op.outputs.size(); ++k) {  // QUANTIZE_DYNAMIC's qparams: its Prepare checks them
+      const uint32_t t = op.outputs[k];
+      OP_CHECK(!ready[t] && !g->tensors[t].is_constant, "output '%s' is produced twice or is a constant",
+               g->tensors[t].name.c_str());
+      ready[t] = 1;
+    }
     // Exactly the listed attributes, with the listed types.
     std::vector<AttrSchema> want(sc.attrs, sc.attrs + sc.n_attrs);
     if (sc.needs_output_stage && out.dtype != kBin) want.insert(want.end(), std::begin(kStageAttrs), std::end(kStageAttrs));

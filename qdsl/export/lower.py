@@ -17,6 +17,8 @@ per catalog `lowering` name, dispatched from here):
   else the float bias rounded half-even at that scale), and the next quantizer's
   requantization: factor ``s_in · s_w[c] / s_out`` (exact shifts when every scale is a
   power of two, else gemmlowp multipliers), ReLU/ReLU6/Hardtanh fused into the clamp;
+* a Linear whose input quantizer is ``dynamic`` becomes QUANTIZE_DYNAMIC + LINEAR_DYNAMIC
+  with a float output (lower_dynamic.py);
 * a residual ``+`` of quantized values and/or layer results becomes ADD at the scale of
   the next quantizer (normally the block's output quantizer);
 * max pool and reshapes commute with quantization and are applied after it; average
@@ -44,6 +46,7 @@ from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OutputStage
 from qdsl.export.graph_io import ExampleCall, bind_example, output_names
+from qdsl.export.lower_dynamic import DynIn, DynOut, dynamic_input
 from qdsl.export.lower_layers import act_target, wide
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
@@ -133,15 +136,20 @@ class _Lowerer:
     def where(self, node: torch.fx.Node) -> str:
         return node.meta.get("qdsl_scope", "")
 
-    def quantize(self, value: Any, fqn: str, role: str) -> QVal:
+    def quantize(self, value: Any, fqn: str, role: str) -> QVal | DynIn:
         proxy = self.handle.quantizer(fqn, role)
+        if proxy.dynamic:  # a Linear's run-time quantized input (lower_dynamic.py)
+            return dynamic_input(self, value, fqn, role, proxy, self.modules.get(fqn))
         t = act_target(proxy, f"{fqn or '<model>'}:{role}")
+        if isinstance(value, DynOut):  # a dynamic Linear's F32 result, quantized statically
+            value = value.materialize()
         if isinstance(value, Pending):
             return value.materialize(self.b, t)
         if isinstance(value, QVal):
             return self.requantize(value, t)
         if isinstance(value, FloatVal) and value.name is not None:
-            shape = self.input_shapes[value.name]  # before any reshape the model applied to its float input
+            # the graph input before any reshape the model applied to it, or a float result
+            shape = self.input_shapes[value.name] if value.reshape is not None else value.shape
             if t.dtype is DType.BIN:
                 name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, shape, {"zero_point": 0})
             else:
@@ -293,6 +301,10 @@ class _Lowerer:
         return value
 
     def dequantize(self, value: Any, out: str) -> str:
+    def dequantize(self, value: Any, i: int) -> str:
+        out = "output" if i == 0 else f"output{i}"
+        if isinstance(value, DynOut):  # already F32 (LINEAR_DYNAMIC)
+            return value.materialize().name
         if isinstance(value, Pending) and value.kind == "acc" and not value.post:
             # a float model output from a layer (no output quantizer): convert the int32
             # accumulator kept wide (exact for power-of-two scales)

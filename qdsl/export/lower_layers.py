@@ -29,7 +29,8 @@ __all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat
 def act_target(proxy, where: str) -> Target:
     """The frozen per-tensor activation quantizer ``proxy`` as a :class:`Target`."""
     if proxy.dynamic:
-        raise ExportError(where, "dynamic activation quantization has no static integer graph",
+        raise ExportError(where, "a dynamic quantizer has no static target (only a Linear's input lowers, to "
+                                 "QUANTIZE_DYNAMIC + LINEAR_DYNAMIC: qdsl/export/lower_dynamic.py)",
                           "set `dynamic = false` for this quantizer and calibrate")
     if not proxy.frozen or proxy.scale.numel() == 0:
         raise ExportError(where, "the quantizer is not frozen", "call qdsl.freeze(model) after calibration")

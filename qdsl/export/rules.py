@@ -24,6 +24,7 @@ from torch import nn
 from qdsl.export.lower_attn import (View, layernorm_pending, permute_value, product, scale_pending,
                                      softmax_pending)
 from qdsl.export.lower_embedding import embedding_pending
+from qdsl.export.lower_dynamic import DynIn, DynOut, linear_dynamic
 from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
 from qdsl.export.lower_lut import lut_pending
 from qdsl.export.lower_mul import mul_pending
@@ -67,6 +68,8 @@ def _is_value(a: Any) -> bool:
 @module_rule("layer")
 def _layer(lw, node, m, x, shape, fqn):
     patch = lw.handle.layers.get(fqn)
+    if isinstance(x, DynIn):  # a dynamic input: QUANTIZE_DYNAMIC + LINEAR_DYNAMIC, float output
+        return linear_dynamic(lw.b, fqn, m, patch, x, shape)
     return layer_pending(lw.b, fqn, m, patch, lw.need_layer_input(x, fqn, patch), shape)
 
 
@@ -93,6 +96,8 @@ def relu(lw, value: Any, lo: float, hi: float, where: str) -> Any:
     """Fused into a pending output stage, else a CLAMP in the value's codes."""
     if isinstance(value, Pending):
         return value.clamped(lo, hi)
+    if isinstance(value, DynOut):  # fused into LINEAR_DYNAMIC (``relu``)
+        return value.with_relu(lo, hi, where)
     v = lw.need_q(value, where, "ReLU/clamp")
     t = Target(v.scale, v.zp, v.qmin, v.qmax, v.dtype, Rounding.HALF_EVEN, where)
     out_min, out_max = t.clamp_codes(lo, hi)

@@ -44,7 +44,8 @@ __all__ = [
 
 # lowering rule -> the graph ops it may emit (lower.py / lower_layers.py hold the rules)
 LOWERINGS: dict[str, tuple[str, ...]] = {
-    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR", "CONV_TRANSPOSE1D", "CONV_TRANSPOSE2D"),
+    "layer": ("CONV1D", "CONV2D", "LINEAR", "BCONV1D", "BCONV2D", "BLINEAR", "CONV_TRANSPOSE1D", "CONV_TRANSPOSE2D",
+              "LINEAR_DYNAMIC"),  # LINEAR_DYNAMIC: a Linear whose input quantizer is dynamic (lower_dynamic.py)
     "batch_norm": (),  # folded into the layer before it (`fold_bn`), else an error
     "pass": (),  # Identity / Dropout in eval: the value itself
     "relu": ("CLAMP",),  # fused into a pending output stage, else CLAMP
@@ -68,8 +69,9 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
 }
 """Export's lowering rules and the graph ops (``OpType`` names) each may emit."""
 
-BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE")
-"""Emitted where a quantizer sits (and at the graph's float input/output), for no construct."""
+BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE", "QUANTIZE_DYNAMIC")
+"""Emitted where a quantizer sits (and at the graph's float input/output), for no construct
+(QUANTIZE_DYNAMIC: a dynamic input quantizer, before its LINEAR_DYNAMIC)."""
 
 WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpose2d")
 """Ops with a weight (and optional bias): the ones with an integer accumulator."""

@@ -163,10 +163,15 @@ def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep
         if "acc_bits" in OP_SCHEMAS[op.type].attrs:  # the ops with an accumulator report a count, 0 or more
             counts.setdefault(op.name, 0)
         if empty:  # every value is an empty batch of its declared shape; nothing overflows
-            t = graph.tensor(op.outputs[0])
-            env[op.outputs[0]] = np.empty((0,) + tuple(t.shape[1:]), dtype=np.int64)
+            for name in op.outputs:
+                t = graph.tensor(name)
+                env[name] = np.empty((0,) + tuple(t.shape[1:]), dtype=t.dtype.numpy if t.dtype is DType.F32 else np.int64)
             continue
-        env[op.outputs[0]] = _run_op(op, graph, env, counts)
+        result = _run_op(op, graph, env, counts)
+        if len(op.outputs) == 1:
+            env[op.outputs[0]] = result
+        else:  # an op with several outputs (QUANTIZE_DYNAMIC) returns one array per output
+            env.update(zip(op.outputs, result))
     outs = tuple(env[n].astype(graph.tensor(n).dtype.numpy) for n in graph.outputs)
     return ExecResult(outs, counts, env if keep_values else {})
 

@@ -172,6 +172,9 @@ class OpSchema:
     attrs: Mapping[str, AttrType]
     needs_output_stage: bool = False
     """Requires :data:`RQ_ATTRS` + :data:`OUT_ATTRS` unless the output dtype is BIN."""
+    n_outputs: int = 1
+    """How many output tensors the op writes (QUANTIZE_DYNAMIC: codes and their run-time
+    qparams); every other op has exactly one.  The op's ``infer`` checks the extra ones."""
 
 
 RQ_ATTRS = {

@@ -113,8 +113,8 @@ def validate_graph(graph: IntegerGraph) -> None:
         if len(op.inputs) < schema.min_inputs or (schema.max_inputs is not None and len(op.inputs) > schema.max_inputs):
             arity = f"{schema.min_inputs}" + ("+" if schema.max_inputs is None else f"..{schema.max_inputs}")
             raise GraphFormatError(f"takes {arity} inputs, got {len(op.inputs)}", where)
-        if len(op.outputs) != 1:
-            raise GraphFormatError(f"must have exactly 1 output, got {len(op.outputs)}", where)
+        if len(op.outputs) != schema.n_outputs:
+            raise GraphFormatError(f"must have exactly {schema.n_outputs} output(s), got {len(op.outputs)}", where)
         ins = []
         for name in op.inputs:
             if name not in seen:
@@ -140,6 +140,17 @@ def validate_graph(graph: IntegerGraph) -> None:
         if tuple(out.shape) != tuple(shape):
             raise GraphFormatError(f"output {out_name!r} declared with shape {out.shape}, inferred {tuple(shape)}", where)
         available.add(out_name)
+        extras = op_def(op.type).extra_outputs(op, ins) if len(op.outputs) > 1 else ()
+        for extra, (dtype, shape) in zip(op.outputs[1:], extras):  # QUANTIZE_DYNAMIC's qparams
+            t = seen.get(extra)
+            if t is None:
+                raise GraphFormatError(f"output {extra!r} names no tensor (dangling reference)", where)
+            if extra in available:
+                raise GraphFormatError(f"output {extra!r} is a constant, a graph input or already produced", where)
+            if t.dtype is not dtype or tuple(t.shape) != tuple(shape):
+                raise GraphFormatError(f"output {extra!r} declared as {t.dtype.name} {t.shape}, expected "
+                                       f"{dtype.name} {tuple(shape)}", where)
+            available.add(extra)
     for name in graph.outputs:
         if name not in seen:
             raise GraphFormatError("graph output names no tensor", f"output {name!r}")

@@ -12,7 +12,9 @@ name, located at its first place in the model, with every place listed.
 A weighted layer with a binary (±1) weight or input lowers only where the catalogue names
 its binary form (:data:`~qdsl.graph.catalog.BINARY_FORMS`: ``BCONV2D`` for ``conv2d``,
 ``CONV_TRANSPOSE2D`` on the BIN input for ``conv_transpose2d``): with the plan, a binary
-layer of an op without one is a W321 too.
+layer of an op without one is a W321 too; and a ``dynamic``
+quantizer anywhere but a Linear's input is one too (QUANTIZE_DYNAMIC + LINEAR_DYNAMIC lower only
+that).
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Pla
         if (op in WEIGHTED_OPS and layer.quantized and op not in BINARY_FORMS
                 and (_binary(layer, Role.WEIGHT) or _binary(layer, Role.INPUT))):
             where.setdefault(f"binary {op}", []).append(layer.fqn)
+        # a dynamic (run-time scale) quantizer lowers only as a Linear's input (LINEAR_DYNAMIC)
+        for role, r in layer.roles.items():
+            if r is not None and r.dynamic and (role is not Role.INPUT or "LINEAR_DYNAMIC" not in LOWERINGS["layer"]
+                                                or op != "linear"):
+                where.setdefault(f"dynamic {role.value} of {op or layer.type_name}", []).append(layer.fqn)
     out = []
     for op, labels in where.items():
         shown = ", ".join(labels[:4]) + (f" and {len(labels) - 4} more" if len(labels) > 4 else "")

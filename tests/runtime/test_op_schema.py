@@ -40,9 +40,9 @@ def test_header_rows_equal_the_python_schema():
     tables = {}
     for name, body in re.findall(r"AttrSchema k(\w+)Attrs\[\] = \{(.*)\};", text):
         tables[name] = {k: types[t] for k, t in re.findall(r'\{"(\w+)", (kAttr\w+)\}', body)}
-    rows = re.findall(r'^    \{"(\w+)", (\d+), (-?\d+), (true|false), (?:k(\w+)Attrs|nullptr), (\d+)\},$', text, re.M)
+    rows = re.findall(r'^    \{"(\w+)", (\d+), (-?\d+), (true|false), (?:k(\w+)Attrs|nullptr), (\d+), (\d+)\},$', text, re.M)
     assert [r[0] for r in rows] == [t.name for t in sorted(OpType, key=int)]
-    for name, lo, hi, stage, table, n in rows:
+    for name, lo, hi, stage, table, n, n_out in rows:
         t = OpType[name]
         s = OP_SCHEMAS[t]
         camel = "".join(p.capitalize() for p in name.split("_"))
@@ -50,6 +50,7 @@ def test_header_rows_equal_the_python_schema():
         assert (int(lo), int(hi)) == (s.min_inputs, -1 if s.max_inputs is None else s.max_inputs)
         assert (stage == "true") == s.needs_output_stage
         assert tables.get(table, {}) == {k: int(v) for k, v in s.attrs.items()} and int(n) == len(s.attrs)
+        assert int(n_out) == s.n_outputs
     assert tables["Stage"] == {k: int(v) for k, v in {**RQ_ATTRS, **OUT_ATTRS}.items()}
 
 

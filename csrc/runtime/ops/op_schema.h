@@ -36,8 +36,10 @@ enum OpCode : int {
   kSoftmax = 28,
   kLayernorm = 29,
   kEmbedding = 30,
+  kQuantizeDynamic = 31,
+  kLinearDynamic = 32,
 };
-constexpr int kMaxOpcode = 30;
+constexpr int kMaxOpcode = 32;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -53,6 +55,7 @@ struct OpSchema {
   bool needs_output_stage;     // kStageAttrs follow unless the output dtype is BIN
   const AttrSchema* attrs;
   int n_attrs;
+  int n_outputs;              // output tensors (1 except QUANTIZE_DYNAMIC)
 };
 
 // An output stage: the rescale (RQ_ATTRS), then zero point and clamp (OUT_ATTRS).
@@ -86,40 +89,44 @@ inline constexpr AttrSchema kMatmulAttrs[] = {{"in_zp", kAttrInts}, {"a_perm", k
 inline constexpr AttrSchema kSoftmaxAttrs[] = {{"table", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kLayernormAttrs[] = {{"gamma", kAttrInts}, {"beta", kAttrInts}, {"eps", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kQuantizeDynamicAttrs[] = {{"qmin", kAttrInt}, {"qmax", kAttrInt}, {"symmetric", kAttrInt}, {"per_row", kAttrInt}, {"rounding", kAttrInt}};
+inline constexpr AttrSchema kLinearDynamicAttrs[] = {{"w_scale", kAttrInts}, {"bias", kAttrInts}, {"relu", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
-    {nullptr, 0, 0, false, nullptr, 0},
-    {"QUANTIZE", 1, 1, false, kQuantizeAttrs, 5},
-    {"DEQUANTIZE", 1, 1, false, kDequantizeAttrs, 2},
-    {"REQUANTIZE", 1, 1, false, kRequantizeAttrs, 8},
-    {"CONV1D", 2, 3, true, kConv1dAttrs, 8},
-    {"CONV2D", 2, 3, true, kConv2dAttrs, 8},
-    {"LINEAR", 2, 3, true, kLinearAttrs, 4},
-    {"BCONV1D", 2, 3, true, kBconv1dAttrs, 6},
-    {"BCONV2D", 2, 3, true, kBconv2dAttrs, 6},
-    {"BLINEAR", 2, 3, true, kBlinearAttrs, 2},
-    {"ADD", 2, 2, false, kAddAttrs, 13},
-    {"CONCAT", 1, -1, false, kConcatAttrs, 9},
-    {"CLAMP", 1, 1, false, kClampAttrs, 2},
-    {"MAXPOOL1D", 1, 1, false, kMaxpool1dAttrs, 4},
-    {"MAXPOOL2D", 1, 1, false, kMaxpool2dAttrs, 4},
-    {"AVGPOOL1D", 1, 1, false, kAvgpool1dAttrs, 11},
-    {"AVGPOOL2D", 1, 1, false, kAvgpool2dAttrs, 11},
-    {"GLOBAL_AVGPOOL", 1, 1, false, kGlobalAvgpoolAttrs, 8},
-    {"RESHAPE", 1, 1, false, kReshapeAttrs, 1},
-    {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1},
-    {"LUT", 1, 1, false, kLutAttrs, 1},
-    {"MUL", 2, 2, false, kMulAttrs, 8},
-    {"CONV_TRANSPOSE1D", 2, 3, true, kConvTranspose1dAttrs, 9},
-    {"CONV_TRANSPOSE2D", 2, 3, true, kConvTranspose2dAttrs, 9},
-    {"RESIZE", 1, 1, false, kResizeAttrs, 12},
-    {"LUT_CHANNEL", 1, 1, false, kLutChannelAttrs, 1},
-    {nullptr, 0, 0, false, nullptr, 0},  // unassigned
-    {"MATMUL", 2, 2, false, kMatmulAttrs, 11},
-    {"SOFTMAX", 1, 1, false, kSoftmaxAttrs, 8},
-    {"LAYERNORM", 1, 1, false, kLayernormAttrs, 10},
-    {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8},
+    {nullptr, 0, 0, false, nullptr, 0, 0},
+    {"QUANTIZE", 1, 1, false, kQuantizeAttrs, 5, 1},
+    {"DEQUANTIZE", 1, 1, false, kDequantizeAttrs, 2, 1},
+    {"REQUANTIZE", 1, 1, false, kRequantizeAttrs, 8, 1},
+    {"CONV1D", 2, 3, true, kConv1dAttrs, 8, 1},
+    {"CONV2D", 2, 3, true, kConv2dAttrs, 8, 1},
+    {"LINEAR", 2, 3, true, kLinearAttrs, 4, 1},
+    {"BCONV1D", 2, 3, true, kBconv1dAttrs, 6, 1},
+    {"BCONV2D", 2, 3, true, kBconv2dAttrs, 6, 1},
+    {"BLINEAR", 2, 3, true, kBlinearAttrs, 2, 1},
+    {"ADD", 2, 2, false, kAddAttrs, 13, 1},
+    {"CONCAT", 1, -1, false, kConcatAttrs, 9, 1},
+    {"CLAMP", 1, 1, false, kClampAttrs, 2, 1},
+    {"MAXPOOL1D", 1, 1, false, kMaxpool1dAttrs, 4, 1},
+    {"MAXPOOL2D", 1, 1, false, kMaxpool2dAttrs, 4, 1},
+    {"AVGPOOL1D", 1, 1, false, kAvgpool1dAttrs, 11, 1},
+    {"AVGPOOL2D", 1, 1, false, kAvgpool2dAttrs, 11, 1},
+    {"GLOBAL_AVGPOOL", 1, 1, false, kGlobalAvgpoolAttrs, 8, 1},
+    {"RESHAPE", 1, 1, false, kReshapeAttrs, 1, 1},
+    {"BINARIZE", 1, 1, false, kBinarizeAttrs, 1, 1},
+    {"LUT", 1, 1, false, kLutAttrs, 1, 1},
+    {"MUL", 2, 2, false, kMulAttrs, 8, 1},
+    {"CONV_TRANSPOSE1D", 2, 3, true, kConvTranspose1dAttrs, 9, 1},
+    {"CONV_TRANSPOSE2D", 2, 3, true, kConvTranspose2dAttrs, 9, 1},
+    {"RESIZE", 1, 1, false, kResizeAttrs, 12, 1},
+    {"LUT_CHANNEL", 1, 1, false, kLutChannelAttrs, 1, 1},
+    {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
+    {"MATMUL", 2, 2, false, kMatmulAttrs, 11, 1},
+    {"SOFTMAX", 1, 1, false, kSoftmaxAttrs, 8, 1},
+    {"LAYERNORM", 1, 1, false, kLayernormAttrs, 10, 1},
+    {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8, 1},
+    {"QUANTIZE_DYNAMIC", 1, 1, false, kQuantizeDynamicAttrs, 5, 2},
+    {"LINEAR_DYNAMIC", 3, 3, false, kLinearDynamicAttrs, 3, 1},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -155,6 +162,8 @@ extern const OpDef kMatmulDef;
 extern const OpDef kSoftmaxDef;
 extern const OpDef kLayernormDef;
 extern const OpDef kEmbeddingDef;
+extern const OpDef kQuantizeDynamicDef;
+extern const OpDef kLinearDynamicDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -187,6 +196,8 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kSoftmaxDef,
     &kLayernormDef,
     &kEmbeddingDef,
+    &kQuantizeDynamicDef,
+    &kLinearDynamicDef,
 };
 
 }  // namespace qdsl

@@ -53,6 +53,9 @@ class OpDef:
     """Every input must be an activation (ADD, CONCAT); otherwise only the first."""
     reads_ids: bool = False
     """Its first input may be an I32 graph input of token ids (EMBEDDING); no other op reads one."""
+    extra_outputs: Callable[["Op", "list[Tensor]"], "tuple[tuple[DType, tuple[int, ...]], ...]"] | None = None
+    """For an op with ``schema.n_outputs > 1``: the (dtype, shape) of each output after the
+    first (called after ``infer`` accepted the op); ``run`` then returns one array per output."""
 
 
 def _collect(modules) -> tuple[OpDef, ...]:
@@ -85,6 +88,7 @@ _REGISTERED = (
     "softmax",
     "layernorm",
     "embedding",
+    "dynamic",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
