@@ -301,8 +301,6 @@ class _Lowerer:
         return value
 
     def dequantize(self, value: Any, out: str) -> str:
-    def dequantize(self, value: Any, i: int) -> str:
-        out = "output" if i == 0 else f"output{i}"
         if isinstance(value, DynOut):  # already F32 (LINEAR_DYNAMIC)
             return value.materialize().name
         if isinstance(value, Pending) and value.kind == "acc" and not value.post:
