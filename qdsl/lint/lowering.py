@@ -19,7 +19,7 @@ that).
 
 from __future__ import annotations
 
-from qdsl.graph.catalog import BINARY_FORMS
+from qdsl.graph.catalog import BINARY_FORMS, LOWERINGS
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.plan import Plan
