@@ -53,6 +53,7 @@ from qdsl.graph.catalog import CONSTRUCTS, short_name
 from qdsl.patch.constructs import module_classes
 from qdsl.patch.implied import view_source
 from qdsl.patch.layer import MASTER_SUFFIX
+from qdsl.patch.attention import is_attention
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
@@ -291,6 +292,8 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
         if name == "weight":
             return quantized_weight(fqn)
         lp = reach.layers.get(fqn)
+        if is_attention(m) and name == "in_proj_weight":
+            return lp is not None and lp.quantized and lp.recipe(Role.WEIGHT) is not None
         if not is_recurrent(m) or lp is None or not lp.quantized:
             return False
         # a recurrent layer's weight_ih_l0 / weight_hh_l1_reverse (not weight_hr: E511)
@@ -329,7 +332,8 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
     for fqn, m in modules.items():
         lp = reach.layers.get(fqn)
         kernels = [k for k in _kernels(m) if not quantized_kernel(fqn, m, k)]
-        out_proj = isinstance(parents.get(fqn), nn.MultiheadAttention)
+        # out_proj of an MHA qdsl patches is called as a module (qdsl.patch.attention)
+        out_proj = isinstance(parents.get(fqn), nn.MultiheadAttention) and not quantized_weight(fqn.rpartition(".")[0])
         if out_proj and lp is not None and lp.quantized:
             kernels = kernels or ["weight"]  # a rule reached it, but its hooks never run
         kernels = [k for k in kernels if f"{fqn + '.' if fqn else ''}{k}" not in consumed]
