@@ -44,6 +44,8 @@ from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowe
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.export.lower_mha import lower_attention
+from qdsl.patch.attention import is_attention
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph
 
@@ -156,8 +158,10 @@ class _Lowerer:
                           f"or `input = a8` for '{where}'")
 
     # ---------------------------------------------------------------- dispatch (rules.py)
-    def call_module(self, node, m: nn.Module, args) -> Any:
+    def call_module(self, node, m: nn.Module, args, kwargs=None) -> Any:
         fqn, x = node.target, args[0] if args else None
+        if is_attention(m):  # returns (output, weights): the tuple an `[0]` reads
+            return lower_attention(self, node, m, args, kwargs or {})
         if is_recurrent(m):
             # before shape(): a recurrent layer returns a tuple, and the reason is the op
             raise ExportError(fqn, f"nn.{type(m).__name__} has no integer lowering yet (the graph has no "
@@ -225,10 +229,14 @@ class _Lowerer:
                     value = self.quantize(value, "", "input")
                 self.env[node] = value
             elif node.op == "get_attr":
+                if node.users and all(u.op == "call_module" and is_attention(self.modules[u.target])
+                                      for u in node.users):
+                    self.env[node] = node.target  # a constant mask: lower_attention names the masked call
+                    continue
                 raise ExportError(self.where(node), f"the forward reads the tensor attribute '{node.target}' directly",
                                   "only modules and functional ops on activations can be exported")
             elif node.op == "call_module":
-                self.env[node] = self.call_module(node, self.modules[node.target], args)
+                self.env[node] = self.call_module(node, self.modules[node.target], args, kwargs)
             elif node.op == "call_function":
                 self.env[node] = self.call_function(node, node.target, args, kwargs)
             elif node.op == "call_method":
