@@ -168,3 +168,33 @@ def test_unsupported_configurations_are_refused_with_a_location(kw, what):
     msg = str(e.value)
     assert "E511" in msg and what in msg and "MultiheadAttention" in msg and ":" in msg.split("E511")[0]
     assert not m._forward_pre_hooks  # untouched
+
+
+def test_masks_apply_to_the_quantized_scores():
+    torch.manual_seed(0)
+    m = Self(8, 2).eval()
+    x = torch.randn(3, 6, 8)
+    _apply(m)
+    qdsl.calibrate(m, [x])
+    qdsl.freeze(m)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[:, -2:] = True
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    out, w = m.attn(x, x, x, key_padding_mask=kpm, attn_mask=causal)
+    assert torch.isfinite(out).all()
+    assert (w[:, :, -2:] == 0).all() and (w.triu(1) == 0).all()  # masked keys get no probability
+    free, _ = m.attn(x, x, x)
+    assert not torch.allclose(out, free)
+
+
+def test_input_sets_the_inner_activations_and_a_type_rule_refines_them():
+    torch.manual_seed(0)
+    m = Self(8, 2)
+    text = W8A8 + "rule type:MultiheadAttention optional priority 1 { q = int(bits=6, signed, symmetric) }\n"
+    handle = _apply(m, text)
+    lp = next(lp for lp in handle.plan.layers if lp.fqn == "attn")
+    assert lp.roles[Role.Q].bits == 6 and lp.roles[Role.K].bits == 8 and lp.roles[Role.SCORES].bits == 8
+    assert lp.roles[Role.PROBS].signed is False and lp.roles[Role.SCORES].signed is True
+    # k, v, scores come from `defaults { input = s8 }` (they refine input); probs from the type rule
+    assert "defaults" in lp.provenance[(Role.K, "bits")].set_by.label
+    assert "type:MultiheadAttention" in lp.provenance[(Role.PROBS, "bits")].set_by.label
