@@ -198,3 +198,23 @@ def test_input_sets_the_inner_activations_and_a_type_rule_refines_them():
     # k, v, scores come from `defaults { input = s8 }` (they refine input); probs from the type rule
     assert "defaults" in lp.provenance[(Role.K, "bits")].set_by.label
     assert "type:MultiheadAttention" in lp.provenance[(Role.PROBS, "bits")].set_by.label
+
+
+def test_research_ranges_and_lean_optimizer_see_the_attention_layer():
+    # before: LeanOptimizer read AttentionPatch._moved (AttributeError)
+    import qdsl.qat
+
+    torch.manual_seed(0)
+    m = Self(8, 2)
+    x = torch.randn(4, 5, 8)
+    _apply(m, W8A8.replace("per_channel, observer=minmax)\nquantizer a8", "per_channel, observer=mse)\nquantizer a8"))
+    qdsl.calibrate(m, [x])
+    assert qdsl.qat.research_ranges(m, ["attn"]) == 3  # the q, k, v weight proxies
+    lean = qdsl.qat.LeanOptimizer(m, torch.optim.SGD, lr=0.1)
+    assert "attention layer" in lean.skipped["attn"] and "attn.out_proj" in lean.layers
+    lean.zero_grad()
+    m(x)[0].square().mean().backward()
+    before = m.attn.in_proj_weight.detach().clone()
+    lean.step()
+    assert not torch.equal(before, m.attn.in_proj_weight)
+    lean.finish()
