@@ -112,6 +112,25 @@ def test_exports_runs_in_cpp_bit_identical_and_agrees(case):
         assert cos_fq >= 0.9999 and np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.999
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gemmlowp_requantization_runs_in_cpp_bit_identical(case):
+    # two roundings per stage (docs/qgraph.md §4.1): more codes one LSB off, as for CNNs
+    torch.manual_seed(1)
+    model = Model(**CASES[case])
+    graph, xt, want, fq = _pipeline(model, requant="gemmlowp")
+    ref = execute(graph, xt.numpy()).outputs[0]
+    if rt.available():
+        from qdsl.runtime import kernels as K
+
+        cg = rt.CompiledGraph(graph)
+        for path in K.paths()["cpu"]:
+            np.testing.assert_array_equal(cg.run(xt.numpy(), path=path), ref, err_msg=f"path {path}")
+    lsb = np.abs(ref - fq) / float(get_handle(model).quantizer("head", "output").scale)
+    print(f"gemmlowp {case}: cos(graph, float) {_cos(ref, want):.5f}, output codes equal {np.mean(lsb < 0.5):.4f}, "
+          f"within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
+    assert _cos(ref, want) >= 0.99 and np.mean(lsb < 1.5) >= 0.98 and lsb.max() <= 2.5
+
+
 @pytest.mark.parametrize("call, match", [
     (dict(batch_first=False), "batch_first=False has no integer lowering"),
     (dict(key_padding_mask=torch.zeros(4, 10, dtype=torch.bool)), "with key_padding_mask has no integer lowering"),
