@@ -211,8 +211,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``hw=`` (lint the plan against a hardware profile first) is the façade's
     (:func:`qdsl.api.apply`): lint sits above patch.
 
-    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.MultiheadAttention``,
-    ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
+    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.Embedding``,
+    ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
     a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
     :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
     Quantized modules called more than once per forward get a ``SharedModuleWarning``.

@@ -9,14 +9,15 @@ lists them so ``apply`` can warn (:class:`LeftFloatWarning`, ``W505``) or, with
 Left float (one finding each, named, with the reason and the spec line that reaches it):
 
 * a module holding a weight kernel (a parameter of 2+ dimensions: ``nn.Embedding``'s ``weight``,
-  ``nn.MultiheadAttention``'s ``in_proj_weight``, a user module's own ``nn.Parameter``)
+  a user module's own ``nn.Parameter``)
   that gets no weight quantizer: its class is not one qdsl patches (``defaults`` apply
   to ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d/2d`` and the recurrent layers
-  ``LSTM``, ``GRU``, ``RNN`` and their cells by exact class name), or the forward reads the
+  ``LSTM``, ``GRU``, ``RNN`` and their cells, and ``MultiheadAttention`` by exact class name), or the forward reads the
   parameter directly;
 * a planned module whose ``forward`` never runs, so its hooks never do:
-  ``MultiheadAttention.out_proj`` (``F.multi_head_attention_forward`` reads its weight
-  and bias directly), or any module the fx trace never calls;
+  the ``out_proj`` of a ``MultiheadAttention`` the spec leaves float or skips
+  (``F.multi_head_attention_forward`` reads its weight and bias directly; a patched one
+  calls it as a module), or any module the fx trace never calls;
 * a functional product in a forward the spec reaches: ``F.linear``, ``F.conv*``,
   ``F.conv_transpose*``, ``F.embedding``, ``torch.matmul``/``bmm``/``mm``/``einsum``/...,
   ``@`` and the ``Tensor`` methods of the same names, with parameter or activation
