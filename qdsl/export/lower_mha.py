@@ -20,7 +20,8 @@ into the first MATMUL's requantization.
 Refused with the module named: ``batch_first=False`` (the graph is batch first), a call
 with ``attn_mask``/``key_padding_mask``/``is_causal`` (masks need graph inputs besides the
 one the graph has), an internal activation without a quantizer, an attention-weights
-result that is read (``need_weights``).
+result that is read (``need_weights``).  Cross-attention (key/value other values computed
+from the one graph input, e.g. a memory) quantizes each with the ``input`` quantizer.
 """
 
 from __future__ import annotations
@@ -92,18 +93,24 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
         raise ExportError(fqn, f"a MultiheadAttention call with {', '.join(masked)} has no integer lowering yet "
                                "(a mask is a second graph input; the graph takes one)",
                           "export the model without masks, or run the masked call in the fake-quant model")
+    # query, key and value: one input quantizer; one tensor (self-attention) is quantized once
     nodes = [node.args[i] if i < len(node.args) else node.kwargs.get(n) for i, n in enumerate(names[:3])]
-    x = call.get("query")
-    if nodes[1] is not nodes[0] or nodes[2] is not nodes[0]:
-        raise ExportError(fqn, "cross-attention (key/value other than the query) has no integer lowering yet "
-                               "(self-attention only)", "export a self-attention model")
-    xq = lw.quantize(x, fqn, "input") if patch.iq_all is not None else x
-    if not isinstance(xq, QVal):
-        raise ExportError(fqn, "the attention's input is not quantized", f"add `input = a8` for '{fqn}' in the spec")
-    if len(xq.shape) != 3:
-        raise ExportError(fqn, f"a MultiheadAttention on a rank-{len(xq.shape)} input has no integer lowering",
-                          "give it batched (N, L, E) inputs")
-    _, length, e = xq.shape
+    xs: list[QVal] = []
+    for i, n in enumerate(names[:3]):
+        same = next((j for j in range(i) if nodes[j] is nodes[i]), None)
+        if same is not None:
+            xs.append(xs[same])
+            continue
+        x = lw.quantize(call.get(n), fqn, "input") if patch.iq_all is not None else call.get(n)
+        if not isinstance(x, QVal):
+            raise ExportError(fqn, f"the attention's {n} is not quantized", f"add `input = a8` for '{fqn}' in the spec")
+        if len(x.shape) != 3:
+            raise ExportError(fqn, f"a MultiheadAttention on a rank-{len(x.shape)} {n} has no integer lowering",
+                              "give it batched (N, L, E) inputs")
+        xs.append(x)
+    inputs = dict(zip(SLICES, xs))
+    _, length, e = xs[0].shape
+    s_len = xs[1].shape[1]
     heads = int(m.num_heads)
     hd = e // heads
     proj: dict[str, QVal] = {}
@@ -115,10 +122,11 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
         rec = SliceRecord(where, patch.w[s], patch.b[s], patch.iq_all, patch.plan,
                           patch.rows("weight", s).detach(), None if patch.b[s] is None and patch.rows("bias", s) is None
                           else patch.rows("bias", s).detach())
-        pend = layer_pending(lw.b, where, m, rec, xq, (-1, length, e))
+        n = length if s == "q" else s_len
+        pend = layer_pending(lw.b, where, m, rec, inputs[s], (-1, n, e))
         role = Role(s)
         v = pend.materialize(lw.b, _target(lw, fqn, patch.acts[role], role.value))
-        proj[s] = reshape(lw, v, (-1, length, heads, hd), where)
+        proj[s] = reshape(lw, v, (-1, n, heads, hd), where)
     scores = matmul_pending(f"{fqn}.scores", proj["q"], (0, 2, 1, 3), proj["k"], (0, 2, 3, 1),
                             factor=math.sqrt(1.0 / hd))
     scores = scores.materialize(lw.b, _target(lw, fqn, patch.acts[Role.SCORES], "scores"))
@@ -135,5 +143,5 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
     out: Any = layer_pending(lw.b, op_fqn, m.out_proj, op_patch, ctx, (-1, length, e))
     if patch.out is not None:
         out = lw.quantize(out, fqn, "output")
-    weights = FloatVal(fqn, (-1, length, length))  # read only through an error naming the module
+    weights = FloatVal(fqn, (-1, length, s_len))  # read only through an error naming the module
     return out, weights

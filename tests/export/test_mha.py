@@ -46,8 +46,15 @@ class Model(nn.Module):
                                                    norm_first=norm_first)
         self.head = nn.Linear(32, 8)
 
+        if kind == "cross":
+            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.memory = nn.Linear(16, 32)
+
     def forward(self, x):
         h = self.embed(x)
+        if self.kind == "cross":  # key/value: a memory computed from the same input
+            mem = self.memory(x)
+            return self.head(self.attn(h, mem, mem, **self.call)[0])
         h = self.attn(h, h, h, **self.call)[0] if self.kind == "mha" else self.attn(h)
         return self.head(h)
 
@@ -76,6 +83,7 @@ def _pipeline(model, seed=0, requant="single"):
 CASES = {
     "mha": dict(kind="mha", need_weights=False),
     "mha-need_weights": dict(kind="mha"),  # the weights are returned, not read
+    "mha-cross": dict(kind="cross", need_weights=False),
     "encoder-post-norm": dict(kind="tel", norm_first=False),
     "encoder-pre-norm": dict(kind="tel", norm_first=True),
 }
@@ -91,7 +99,8 @@ def test_exports_runs_in_cpp_bit_identical_and_agrees(case):
     # embed, in_proj q/k/v, out_proj, head (+ linear1/2; post-norm: embed twice, as the
     # attention's int8 input and as the residual add's int32 operand)
     tel = CASES[case]["kind"] == "tel"
-    assert types.count(OpType.LINEAR) == 6 + (2 + (not CASES[case]["norm_first"]) if tel else 0)
+    assert types.count(OpType.LINEAR) == 6 + (2 + (not CASES[case]["norm_first"]) if tel else 0) \
+        + (CASES[case]["kind"] == "cross")  # the memory's Linear
     ref = execute(graph, xt.numpy()).outputs[0]
     if rt.available():
         from qdsl.runtime import kernels as K
