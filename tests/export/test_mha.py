@@ -176,3 +176,25 @@ def test_reading_the_attention_weights_names_the_module():
     qdsl.freeze(model)
     with pytest.raises(ExportError, match="attn"):
         qdsl.export(model, torch.randn(1, 10, 16))
+
+
+def test_float_in_proj_bias_is_rounded_to_the_accumulator_grid():
+    # no bias quantizer: the fake-quant model adds the float bias, the graph its int32 rounding
+    torch.manual_seed(1)
+    model = Model("mha", need_weights=False).eval()
+    with torch.no_grad():
+        model.attn.in_proj_bias.uniform_(-0.5, 0.5)
+    xt = torch.randn(4, 10, 16)
+    with torch.no_grad():
+        want = model(xt).numpy()
+    qdsl.apply(model, parse_text(SPEC.replace("  bias = int(bits=32, signed, symmetric, scale=input*weight)\n", ""),
+                                 "t.qspec"))
+    assert get_handle(model).layers["attn"].b["q"] is None
+    qdsl.calibrate(model, [torch.randn(64, 10, 16)])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, xt[:1])
+    ref = execute(graph, xt.numpy()).outputs[0]
+    with torch.no_grad():
+        fq = model(xt).numpy()
+    lsb = np.abs(ref - fq) / float(get_handle(model).quantizer("head", "output").scale)
+    assert _cos(ref, want) >= 0.99 and np.mean(lsb < 1.5) >= 0.99
