@@ -52,6 +52,8 @@ from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowe
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ExportError, FloatVal, IdsVal, Pending, QVal, Target
 from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.export.lower_mha import lower_attention
+from qdsl.patch.attention import is_attention
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph
 
@@ -186,8 +188,10 @@ class _Lowerer:
                           f"or `input = a8` for '{where}'")
 
     # ---------------------------------------------------------------- dispatch (rules.py)
-    def call_module(self, node, m: nn.Module, args) -> Any:
+    def call_module(self, node, m: nn.Module, args, kwargs=None) -> Any:
         fqn, x = node.target, args[0] if args else None
+        if is_attention(m):  # returns (output, weights): the tuple an `[0]` reads
+            return lower_attention(self, node, m, args, kwargs or {})
         if is_recurrent(m):
             # before shape(): a recurrent layer returns a tuple, and the reason is the op
             raise ExportError(fqn, f"nn.{type(m).__name__} has no integer lowering yet (the graph has no "
@@ -256,6 +260,10 @@ class _Lowerer:
             if node.op == "placeholder":
                 self.env[node] = self.placeholder(node)
             elif node.op == "get_attr":
+                if node.users and all(u.op == "call_module" and is_attention(self.modules[u.target])
+                                      for u in node.users):
+                    self.env[node] = node.target  # a constant mask: lower_attention names the masked call
+                    continue
                 owner = self.modules.get(str(node.target).rpartition(".")[0])
                 hint = ("only modules and functional ops on activations can be exported" if owner is None
                         else f"qdsl quantizes '{node.target}' only inside a call of {type(owner).__name__} "
@@ -264,7 +272,7 @@ class _Lowerer:
                 raise ExportError(self.where(node), f"the forward reads the tensor attribute '{node.target}' directly",
                                   hint)
             elif node.op == "call_module":
-                self.env[node] = self.call_module(node, self.modules[node.target], args)
+                self.env[node] = self.call_module(node, self.modules[node.target], args, kwargs)
             elif node.op == "call_function":
                 self.env[node] = self.call_function(node, node.target, args, kwargs)
             elif node.op == "call_method":

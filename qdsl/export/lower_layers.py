@@ -266,9 +266,23 @@ def _is_pot(*scales) -> bool:
     return all(pot_shift(float(s)) is not None for s in scales)
 
 
-def add_pending(where: str, a, b_, shape) -> Pending:
-    """A residual add of two quantized values and/or layer results (docs/qgraph.md ADD)."""
-    operands = [a, b_]
+def _settled(v, reuse):
+    if reuse is not None and isinstance(v, Pending) and v.kind == "add" and not v.post:
+        done = [q for (t, _, _), q in v.cache.items() if q.dtype in (DType.I8, DType.U8) and reuse(t)]
+        if done:
+            return done[0]
+    return v
+
+
+def add_pending(where: str, a, b_, shape, reuse=None) -> Pending:
+    """A residual add of two quantized values and/or layer results (docs/qgraph.md ADD).
+
+    An operand that is an earlier add's result, unquantized but already read by a quantizer
+    ``reuse(target)`` accepts (a pre-norm block's ``x + attn(norm1(x))``, quantized only as
+    ``norm2``'s input, then added again by the next residual), is read at that quantizer's
+    grid: the graph has those codes, the fake-quant model adds the float sum (within half
+    an LSB of that grid)."""
+    operands = [_settled(v, reuse) for v in (a, b_)]
     for v in operands:
         if isinstance(v, QVal) and v.dtype in (DType.I8, DType.U8):
             continue

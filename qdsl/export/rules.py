@@ -188,18 +188,24 @@ def _pool_fn(lw, node, fn, args, kwargs, where):
 
 
 # ---------------------------------------------------------------- add -> ADD, concat -> CONCAT
+def _layernorm_input(lw) -> Callable[[Any], bool]:
+    """A LayerNorm's input quantizer: the pre-norm residual sum (x + attn(norm1(x))) it read
+    is the one the next residual add reads too (lower_layers.add_pending)."""
+    return lambda t: t.where.endswith(":input") and isinstance(lw.modules.get(t.where[:-len(":input")]), nn.LayerNorm)
+
+
 @function_rule("add")
 def _add_fn(lw, node, fn, args, kwargs, where):
     if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(_is_value(a) for a in args):
         raise ExportError(where, f"'{node.name}' is not a plain two-tensor add")
-    return add_pending(where, args[0], args[1], lw.shape(node))
+    return add_pending(where, args[0], args[1], lw.shape(node), _layernorm_input(lw))
 
 
 @method_rule("add")
 def _add_method(lw, node, name, args, where):
     if len(args) != 2:
         raise NoLowering
-    return add_pending(where, args[0], args[1], lw.shape(node))
+    return add_pending(where, args[0], args[1], lw.shape(node), _layernorm_input(lw))
 
 
 @function_rule("concat")
@@ -355,6 +361,8 @@ def _shape_method(lw, node, name, args, where):
 
 @function_rule("item")
 def _item_fn(lw, node, fn, args, kwargs, where):
+    if isinstance(args[0], tuple) and any(_is_value(a) for a in args[0]):  # a module's tuple result (attention)
+        return args[0][args[1]]
     if _is_value(args[0]):  # indexing an activation is not shape arithmetic
         raise NoLowering
     return None

@@ -133,6 +133,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("Conv1d", "conv1d", "layer"),
         ("Conv2d", "conv2d", "layer"),
         ("Linear", "linear", "layer"),
+        # MultiheadAttention.out_proj's class (lint maps class names; qdsl.patch.attention calls it as a Linear)
+        ("modules.linear.NonDynamicallyQuantizableLinear", "linear", "layer"),
         ("ConvTranspose1d", "conv_transpose1d", "layer"),
         ("ConvTranspose2d", "conv_transpose2d", "layer"),
         ("BatchNorm1d", "batch_norm", "batch_norm", True),

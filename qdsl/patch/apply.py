@@ -24,7 +24,10 @@ an integer bias; any weight kind, the same codes the exporter writes), and left 
 otherwise, or when only binary quantizers read the layer's result (the exporter then
 lowers the float bias exactly as a sign threshold; :mod:`qdsl.patch.consumers`).
 ``nn.LSTM``/``GRU``/``RNN`` and their cells get a :class:`~qdsl.patch.recurrent.RecurrentPatch`
-(weights, bias, input, hidden and cell state per time step; their parameters do not move).
+(weights, bias, input, hidden and cell state per time step; their parameters do not move);
+``nn.MultiheadAttention`` an :class:`~qdsl.patch.attention.AttentionPatch` (the same way:
+in_proj weight and bias per q/k/v slice, inputs, q, k, v, scores, probs, output; its
+``out_proj`` is patched as a Linear).
 Whatever else the spec reaches (an
 ``nn.Embedding``, a functional ``torch.matmul``, ...) is listed by :mod:`qdsl.patch.coverage`
 in a warning, or refused with ``strict=True``.
@@ -51,6 +54,7 @@ from qdsl.patch.fold import find_bn_pairs
 from qdsl.patch.implied import with_implied
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
 from qdsl.patch.layer import LayerPatch
+from qdsl.patch.attention import AttentionPatch, is_attention, unsupported_attention
 from qdsl.patch.recurrent import RecurrentPatch, is_recurrent
 from qdsl.patch.trace import trace_model
 from qdsl.quantizers import functional as F
@@ -131,6 +135,14 @@ def _check(model: nn.Module, plan: Plan, modules: dict[str, nn.Module]) -> list[
                     "quantize LSTM projections (weight_hr) yet", _span(lp, role, "kind"),
                     "skip this layer, or use proj_size=0"))
             continue
+        if is_attention(m):
+            why = unsupported_attention(m)
+            if why is not None:
+                role = next((r for r in (Role.WEIGHT, Role.INPUT) if r in roles), next(iter(roles), Role.INPUT))
+                diags.append(Diagnostic.error(
+                    "E511", f"'{lp.fqn}' is a MultiheadAttention with {why}", _span(lp, role, "kind"),
+                    "skip this layer, or build it with kdim = vdim = embed_dim and no bias_k/bias_v/zero_attn"))
+            continue
         for role in (Role.WEIGHT, Role.BIAS):
             q = roles.get(role)
             if q is None or (role is Role.BIAS and q.scale == DERIVED_BIAS_SCALE):
@@ -199,8 +211,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``hw=`` (lint the plan against a hardware profile first) is the façade's
     (:func:`qdsl.api.apply`): lint sits above patch.
 
-    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.MultiheadAttention``,
-    ``nn.Embedding``, ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
+    Modules and functional ops the spec reaches but qdsl cannot quantize (``nn.Embedding``,
+    ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
     a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
     :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
     Quantized modules called more than once per forward get a ``SharedModuleWarning``.
@@ -234,8 +246,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         if not lp.quantized:
             continue
         module = modules[lp.fqn]
-        if is_recurrent(module):
-            rec = _recurrent_patch(handle, lp, module, regs, check_finite)
+        if is_recurrent(module) or is_attention(module):
+            rec = _fused_patch(handle, lp, module, regs, check_finite)
             if rec.quantizers:
                 container.quantizers.update(rec.quantizers)
                 handle.layers[lp.fqn] = rec
@@ -294,8 +306,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     return handle
 
 
-def _recurrent_patch(handle: QdslHandle, lp: LayerPlan, module: nn.Module, regs: Any,
-                     check_finite: bool) -> RecurrentPatch:
+def _fused_patch(handle: QdslHandle, lp: LayerPlan, module: nn.Module, regs: Any,
+                     check_finite: bool) -> RecurrentPatch | AttentionPatch:
     def make(role: Role, suffix: str) -> TensorQuantizer | None:
         recipe = lp.roles.get(role)
         if recipe is None or not recipe.format.quantized:
@@ -306,7 +318,7 @@ def _recurrent_patch(handle: QdslHandle, lp: LayerPlan, module: nn.Module, regs:
         q = TensorQuantizer(recipe, role, regs, name=f"{lp.fqn or '<model>'}:{role.value}{suffix}")
         q.check_finite = bool(check_finite)
         return q
-    return RecurrentPatch(handle, lp, module, make)
+    return (AttentionPatch if is_attention(module) else RecurrentPatch)(handle, lp, module, make)
 
 
 def remove(model: nn.Module) -> nn.Module:

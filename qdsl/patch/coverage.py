@@ -9,14 +9,15 @@ lists them so ``apply`` can warn (:class:`LeftFloatWarning`, ``W505``) or, with
 Left float (one finding each, named, with the reason and the spec line that reaches it):
 
 * a module holding a weight kernel (a parameter of 2+ dimensions: ``nn.Embedding``'s ``weight``,
-  ``nn.MultiheadAttention``'s ``in_proj_weight``, a user module's own ``nn.Parameter``)
+  a user module's own ``nn.Parameter``)
   that gets no weight quantizer: its class is not one qdsl patches (``defaults`` apply
   to ``Linear``, ``Conv1d``, ``Conv2d``, ``ConvTranspose1d/2d`` and the recurrent layers
-  ``LSTM``, ``GRU``, ``RNN`` and their cells by exact class name), or the forward reads the
+  ``LSTM``, ``GRU``, ``RNN`` and their cells, and ``MultiheadAttention`` by exact class name), or the forward reads the
   parameter directly;
 * a planned module whose ``forward`` never runs, so its hooks never do:
-  ``MultiheadAttention.out_proj`` (``F.multi_head_attention_forward`` reads its weight
-  and bias directly), or any module the fx trace never calls;
+  the ``out_proj`` of a ``MultiheadAttention`` the spec leaves float or skips
+  (``F.multi_head_attention_forward`` reads its weight and bias directly; a patched one
+  calls it as a module), or any module the fx trace never calls;
 * a functional product in a forward the spec reaches: ``F.linear``, ``F.conv*``,
   ``F.conv_transpose*``, ``F.embedding``, ``torch.matmul``/``bmm``/``mm``/``einsum``/...,
   ``@`` and the ``Tensor`` methods of the same names, with parameter or activation
@@ -53,6 +54,7 @@ from qdsl.graph.catalog import CONSTRUCTS, short_name
 from qdsl.patch.constructs import module_classes
 from qdsl.patch.implied import view_source
 from qdsl.patch.layer import MASTER_SUFFIX
+from qdsl.patch.attention import is_attention
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
@@ -295,6 +297,8 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
         if name == "weight":
             return quantized_weight(fqn)
         lp = reach.layers.get(fqn)
+        if is_attention(m) and name == "in_proj_weight":
+            return lp is not None and lp.quantized and lp.recipe(Role.WEIGHT) is not None
         if not is_recurrent(m) or lp is None or not lp.quantized:
             return False
         # a recurrent layer's weight_ih_l0 / weight_hh_l1_reverse (not weight_hr: E511)
@@ -333,7 +337,8 @@ def check_coverage(model: nn.Module, plan: Plan, trace: ModelTrace, registries: 
     for fqn, m in modules.items():
         lp = reach.layers.get(fqn)
         kernels = [k for k in _kernels(m) if not quantized_kernel(fqn, m, k)]
-        out_proj = isinstance(parents.get(fqn), nn.MultiheadAttention)
+        # out_proj of an MHA qdsl patches is called as a module (qdsl.patch.attention)
+        out_proj = isinstance(parents.get(fqn), nn.MultiheadAttention) and not quantized_weight(fqn.rpartition(".")[0])
         if out_proj and lp is not None and lp.quantized:
             kernels = kernels or ["weight"]  # a rule reached it, but its hooks never run
         kernels = [k for k in kernels if f"{fqn + '.' if fqn else ''}{k}" not in consumed]

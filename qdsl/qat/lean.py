@@ -67,6 +67,7 @@ from torch import nn
 
 from qdsl.patch.handle import get_handle
 from qdsl.patch.layer import MASTER_SUFFIX
+from qdsl.patch.attention import AttentionPatch
 from qdsl.patch.recurrent import RecurrentPatch
 from qdsl.quantizers import functional as F
 from qdsl.quantizers.proxy_grad import install as install_grad_path
@@ -107,6 +108,8 @@ def _unsupported(patch) -> str | None:
     q = patch.wq
     if isinstance(patch, RecurrentPatch):
         return "a recurrent layer (lean form is for one Linear/Conv weight; its float weights stay on the module)"
+    if isinstance(patch, AttentionPatch):
+        return "an attention layer's in_proj (lean form is for one Linear/Conv weight; its float weight stays on the module)"
     if q is None or "weight" not in patch._moved or patch.master("weight") is None:
         return "no quantized weight"
     if patch.bn is not None:

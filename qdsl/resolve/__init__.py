@@ -29,7 +29,7 @@ Diagnostic codes (stable; E2xx = resolve):
 E201    a rule target matches no module (rule not ``optional``); hint: close names
 E202    a rule matches modules but applies to none (none has the tensor it sets)
 E203    an exact-name rule sets weight/bias on a module without that parameter, or a ``type:``
-        rule on a class without a weight kernel (``type:MultiheadAttention { weight = ... }``)
+        rule on a class without a weight kernel (``type:LayerNorm { weight = ... }``)
         or a recurrent role on a class that is not recurrent (``type:Linear { hidden = ... }``); not an
         ``optional`` rule naming a parameterless container (it sets the container's input/output)
 E204    unknown observer / rounding / scale rule name; lists the registered names

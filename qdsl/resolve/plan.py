@@ -42,6 +42,7 @@ __all__ = [
     "OUT_CHANNEL_AXIS",
     "MODULE_ATTRS",
     "RECURRENT_TYPES",
+    "ATTENTION_TYPES",
     "param_shape",
 ]
 
@@ -50,7 +51,15 @@ RECURRENT_TYPES = ("LSTM", "GRU", "RNN", "LSTMCell", "GRUCell", "RNNCell")
 ``weight_hh`` (both set by ``weight``), ``bias``, ``input``, ``hidden`` (set by
 ``input`` too), ``cell`` (LSTM and LSTMCell) and ``output``."""
 
-WEIGHTED_TYPES = ("Linear", "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d") + RECURRENT_TYPES
+ATTENTION_TYPES = ("MultiheadAttention",)
+"""Attention classes qdsl quantizes (qdsl.patch.attention): roles ``weight`` and ``bias``
+(its ``in_proj_weight``/``in_proj_bias``, one proxy per q/k/v slice), ``input`` (query,
+key and value), ``q``, ``k``, ``v``, ``scores``, ``probs`` (each set by ``input`` too) and
+``output``.  Its ``out_proj`` is a Linear child (class ``NonDynamicallyQuantizableLinear``),
+matched and quantized as a Linear."""
+
+WEIGHTED_TYPES = (("Linear", "Conv1d", "Conv2d", "ConvTranspose1d", "ConvTranspose2d") + RECURRENT_TYPES
+                  + ATTENTION_TYPES + ("NonDynamicallyQuantizableLinear",))
 """Module classes that ``defaults`` apply to (layers with a weight, and bias)."""
 
 OUT_CHANNEL_AXIS = {"ConvTranspose1d": 1, "ConvTranspose2d": 1}
@@ -127,6 +136,10 @@ class ModuleEntry:
             if self.type_name.startswith("LSTM"):
                 out.append(Role.CELL)
             return tuple(out + [Role.OUTPUT])
+        # separate q/k/v weights (kdim/vdim != embed_dim) get the roles too: apply refuses them by name (E511)
+        if self.type_name in ATTENTION_TYPES and {"in_proj_weight", "q_proj_weight"} & set(self.param_shapes):
+            out = [Role.WEIGHT] + ([Role.BIAS] if "in_proj_bias" in self.param_shapes else [])
+            return tuple(out + [Role.INPUT, Role.Q, Role.K, Role.V, Role.SCORES, Role.PROBS, Role.OUTPUT])
         out = []
         weight = self.param_shapes.get("weight")
         if weight is not None and len(weight) >= 2:
@@ -148,6 +161,8 @@ def param_shape(entry: ModuleEntry, role: Role) -> tuple[int, ...] | None:
     shares the row count; layer 0's columns are the input size)."""
     if role.value in entry.param_shapes:
         return entry.param_shapes[role.value]
+    if f"in_proj_{role.value}" in entry.param_shapes:  # MultiheadAttention
+        return entry.param_shapes[f"in_proj_{role.value}"]
     prefix = "bias_ih" if role is Role.BIAS else role.value
     return next((s for n, s in entry.param_shapes.items() if n.startswith(prefix)), None)
 

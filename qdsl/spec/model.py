@@ -83,6 +83,19 @@ class Role(str, enum.Enum):
     matrix products)."""
     CELL = "cell"
     """LSTM layers: the cell state ``c``, quantized at every time step."""
+    Q = "q"
+    """``nn.MultiheadAttention``: the projected queries ``query·W_qᵀ + b_q`` (before the
+    ``1/sqrt(head_dim)`` scaling); refines ``input`` (an operand of ``q·kᵀ``)."""
+    K = "k"
+    """``nn.MultiheadAttention``: the projected keys; refines ``input``."""
+    V = "v"
+    """``nn.MultiheadAttention``: the projected values; refines ``input`` (an operand of ``probs·v``)."""
+    SCORES = "scores"
+    """``nn.MultiheadAttention``: the scaled scores ``q·kᵀ/sqrt(head_dim)``, before the mask
+    and the softmax; refines ``input`` (the softmax's input)."""
+    PROBS = "probs"
+    """``nn.MultiheadAttention``: the attention probabilities (the softmax's result, before
+    dropout); refines ``input`` (an operand of ``probs·v``)."""
 
     @property
     def is_param(self) -> bool:
@@ -103,7 +116,9 @@ class Role(str, enum.Enum):
 
 _WEIGHT_ROLES = frozenset({Role.WEIGHT, Role.WEIGHT_IH, Role.WEIGHT_HH})
 _PARAM_ROLES = _WEIGHT_ROLES | {Role.BIAS}
-_REFINES = {Role.WEIGHT_IH: Role.WEIGHT, Role.WEIGHT_HH: Role.WEIGHT, Role.HIDDEN: Role.INPUT}
+_REFINES = {Role.WEIGHT_IH: Role.WEIGHT, Role.WEIGHT_HH: Role.WEIGHT, Role.HIDDEN: Role.INPUT,
+            Role.Q: Role.INPUT, Role.K: Role.INPUT, Role.V: Role.INPUT, Role.SCORES: Role.INPUT,
+            Role.PROBS: Role.INPUT}
 
 
 class Kind(str, enum.Enum):
