@@ -54,8 +54,9 @@ from qdsl.export.values import Builder, ExportError, FloatVal, IdsVal, Pending, 
 from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.export.lower_mha import lower_attention
 from qdsl.patch.attention import is_attention
+from qdsl.patch.implied import analyse_operands
 from qdsl.patch.recurrent import is_recurrent
-from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph
+from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph, trace_model
 
 __all__ = ["export", "trace_quantized"]
 
@@ -325,6 +326,16 @@ class _Lowerer:
                          {"scale": value.scale, "zero_point": value.zp}, out=out, exact=True)
 
 
+def _refuse_unplaced(model: nn.Module, handle) -> None:
+    """Refuse, before lowering, a model where an integer op reads a value no module returns to
+    carry its quantizer (``y * torch.sigmoid(y)``): the walk that places implied quantizers
+    decides it (:mod:`qdsl.patch.unplaced`), on the eval-mode trace export lowers (a training-only
+    branch, stochastic depth's ``x * noise``, is not exported); lint reports the same records as W321."""
+    unplaced = analyse_operands(model, trace_model(model), handle.plan).unplaced
+    if unplaced:
+        raise ExportError(unplaced[0].where, unplaced[0].message, unplaced[0].hint)
+
+
 REQUANT_MODES = ("gemmlowp", "single")
 
 
@@ -361,6 +372,7 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
+        _refuse_unplaced(model, handle)
         graph_fx = trace_quantized(model, handle, call.concrete)
         with torch.no_grad():  # the graph's targets are the model's own submodules (as a GraphModule's would be)
             _ShapeRecorder(model, graph=graph_fx).run(*values)

@@ -239,14 +239,20 @@ def _pool_fraction_bits(p: Pending) -> int:
     as many (up to 16) as keep the sum over the whole spatial extent (the largest window)
     of ``[lo, hi]`` values within int32. A binary layer's accumulator unit ``α_x·α_w`` is
     often coarser than the consumer's grid; without them the rounding to ``s_t`` alone moved
-    the pooled value by up to one consumer LSB."""
+    the pooled value by up to one consumer LSB.
+
+    Each value's code also stays below 2^30 (a sum over one element, a 1×1 map, included):
+    the factor ``s_acc/s_t`` is then >= 1, applied as ``sat32(acc · 2^left) · m / 2^31``
+    with ``m`` in [2^30, 2^31), so an accumulator whose code is above ``m`` saturated to a
+    code near ``m``, below the clamp: MobileNetV2 under mixed-precision pooled 4.80 for 4.91
+    at features.18.0 (out_max 1.5·2^30, m = 1.2·2^30)."""
     bound = max(abs(p.lo), abs(p.hi))
     if not math.isfinite(bound):
         return 0
     n = max(1, math.prod(d for d in p.shape[2:] if d > 0))
     s_t = math.ldexp(1.0, math.frexp(float(np.min(p.scales)))[1] - 1)
     k = 0
-    while k < 16 and (math.ceil(bound / s_t) + 1) * n << (k + 1) <= INT32_MAX:
+    while k < 16 and (math.ceil(bound / s_t) + 1) * max(n, 2) << (k + 1) <= INT32_MAX:
         k += 1
     return k
 

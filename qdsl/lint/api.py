@@ -157,6 +157,25 @@ def _graph(plan: Plan, model: Any) -> ModelGraph:
     return index_graph(index) if index is not None else ModelGraph((), frozenset(), frozenset(), traced=False)
 
 
+def _unplaced(plan: Plan, model: Any, graph: ModelGraph) -> tuple:
+    """The operands of integer ops no implied quantizer can be placed on, found by the walk
+    apply and export run (:mod:`qdsl.patch.unplaced`) on the eval-mode trace export lowers,
+    so lint reports what export will refuse."""
+    if not graph.traced or graph.trace is None or not hasattr(model, "named_modules"):
+        return ()
+    from qdsl.patch.implied import analyse_operands  # torch: only with a traced nn.Module
+    from qdsl.patch.trace import trace_model
+
+    modes = {m: m.training for m in model.modules()}
+    model.eval()  # training-only branches (stochastic depth) are not exported
+    try:
+        trace = trace_model(model) if any(modes.values()) else graph.trace
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    return analyse_operands(model, trace, plan).unplaced
+
+
 def _ints(model: Any, calibrated: Any) -> Mapping[str, LayerInts]:
     if isinstance(calibrated, Mapping):
         return calibrated
@@ -179,7 +198,7 @@ def _lint_plan(plan, prep, original, prof, model, calibrated, regs, model_label)
     diags = check_plan(plan, prof, graph, _ints(model, calibrated), _pot_scales(regs),
                        spec_file=spec_file, model_label=model_label)
     diags += check_hygiene(plan, prep, original) + export_width_findings(prep)
-    diags += lowering_findings(graph, model_label, plan)
+    diags += lowering_findings(graph, model_label, plan, _unplaced(plan, model, graph))
     if not graph.traced and model is not None and (prof.ops is not None or prof.integer_only):
         if isinstance(model, ModelIndex):
             what, hint = "a ModelIndex has no forward()", "lint the nn.Module itself to check them"

@@ -52,6 +52,8 @@ class ModelGraph:
     first: frozenset[str]
     last: frozenset[str]
     traced: bool
+    trace: Any = attrs.field(default=None, eq=False, repr=False)
+    """The :class:`qdsl.patch.trace.ModelTrace` the nodes came from (a traced ``nn.Module``)."""
     by_name: dict[str, OpNode] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
@@ -117,7 +119,8 @@ def model_graph(model: Any) -> ModelGraph:
         node = OpNode("root", module_op(type(model).__name__), "", ("x",), "<model>")
         at = frozenset({""}) if node.op in WEIGHTED_OPS else frozenset()
         return ModelGraph((node,), at, at, traced=True)
-    graph = trace_model(model).graph
+    trace = trace_model(model)
+    graph = trace.graph
     if graph is None:  # any tracing failure means: use the module list
         return index_graph(ModelIndex.from_module(model))
     modules = dict(model.named_modules())
@@ -162,7 +165,7 @@ def model_graph(model: Any) -> ModelGraph:
             rule = rule if len(values) == 2 or shape else None
         nodes.append(OpNode(node.name, op, None, preds, label, rule is not None, name))
     first, last = _positions(nodes, inputs, output_preds)
-    return ModelGraph(tuple(nodes), first, last, traced=True)
+    return ModelGraph(tuple(nodes), first, last, traced=True, trace=trace)
 
 
 def index_graph(index: ModelIndex) -> ModelGraph:

@@ -15,6 +15,11 @@ its binary form (:data:`~qdsl.graph.catalog.BINARY_FORMS`: ``BCONV2D`` for ``con
 layer of an op without one is a W321 too; and a ``dynamic``
 quantizer anywhere but a Linear's input is one too (QUANTIZE_DYNAMIC + LINEAR_DYNAMIC lower only
 that).
+
+So is an operand of an integer op (a product, an add, a lookup table...) that needs a
+quantizer no module can carry (``y * torch.sigmoid(y)``): ``qdsl.patch.implied`` finds these
+while placing implied quantizers, and export refuses the model with the same record
+(:mod:`qdsl.patch.unplaced`); lint reports each one where export names it, with its words.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ def _binary(layer, role: Role) -> bool:
     return r is not None and r.format.activation_lowering(r.signed) == "bin"
 
 
-def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Plan | None = None) -> list[Diagnostic]:
+def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Plan | None = None,
+                      unplaced: tuple = ()) -> list[Diagnostic]:
     where: dict[str, list[str]] = {}
     for node in graph.nodes:
         if graph.traced and not node.lowered:
@@ -57,4 +63,7 @@ def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Pla
             Span(model_label, path=labels[0]),
             "the model still trains and fake-quantizes; to export, replace the construct with one the graph "
             "has (README: when an op is missing)"))
+    for u in unplaced:  # qdsl.patch.unplaced.Unplaced: export raises E402 with this message and hint
+        out.append(Diagnostic.warning("W321", f"qdsl.export refuses this model: {u.message} ({u.label})",
+                                      Span(model_label, path=u.label), u.hint))
     return out

@@ -54,10 +54,11 @@ from torch import nn
 
 from qdsl.patch.constructs import functions, methods, module_classes, module_construct
 from qdsl.patch.trace import ModelTrace
+from qdsl.patch.unplaced import Unplaced, unplaced
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
 from qdsl.spec.model import Role
 
-__all__ = ["implied_outputs", "with_implied", "view_source"]
+__all__ = ["ImpliedOperands", "analyse_operands", "implied_outputs", "view_source", "with_implied"]
 
 _INTEGER_OPS = ("add", "concat")
 _FUNCS = functions(lambda c: c.lowering in _INTEGER_OPS)
@@ -81,6 +82,13 @@ _SHAPE_FUNCS = functions(lambda c: c.lowering in ("shape", "item"))
 _SHAPE_METHODS = methods(lambda c: c.lowering == "shape")
 _PASS_MODULES = module_classes(lambda c: c.passes)
 _PASS_FUNCS = functions(lambda c: c.passes)
+_ALL_FUNCS = functions()
+_ALL_METHODS = methods()
+# ReLU and clamps fold into a pending accumulator's output stage; Identity/Dropout vanish
+_CLAMPS = ("relu", "relu6", "hardtanh", "pass")
+_CLAMP_MODULES = module_classes(lambda c: c.lowering in _CLAMPS)
+_CLAMP_FUNCS = functions(lambda c: c.lowering in _CLAMPS)
+_CLAMP_METHODS = methods(lambda c: c.lowering in _CLAMPS)
 # a direct result of these is an accumulator the exporter adds (or rescales) exactly
 _ACCUMULATORS = (nn.Conv1d, nn.Conv2d, nn.Linear, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.BatchNorm1d,
                  nn.BatchNorm2d)
@@ -177,11 +185,11 @@ def _read_by_int_input(a: torch.fx.Node, modules: dict, int_inputs: set[str]) ->
 
 
 def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str], found: dict[str, str],
-           modules: dict | None = None) -> bool:
+          modules: dict | None = None) -> bool:
     """An output quantizer on the outermost module returning ``a`` (called once per forward).
     With ``modules``, a value no module returns (``torch.relu`` at the top level) passes the
     quantizer back to the module whose result it passes through: the graph clamps the codes.
-    False when no module could take it."""
+    False when no module can carry it (:mod:`qdsl.patch.unplaced`)."""
     stack = _stack(a)
     returned_by = [m for m in stack if any(m not in _stack(u) for u in a.users)]
     if any(m in quantized_out for m in returned_by):
@@ -195,14 +203,56 @@ def _imply(a: torch.fx.Node, why: str, trace: ModelTrace, quantized_out: set[str
     return False
 
 
-def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan,
-                    inputs: dict[str, str] | None = None) -> dict[str, str]:
+def _refused_itself(a: torch.fx.Node) -> bool:
+    """A function or method export has no lowering for (``y * 2``, ``torch.softmax``): it refuses
+    the model there, before any reader (lint's W321 for the construct names it)."""
+    if a.op == "call_function":
+        c = _ALL_FUNCS.get(a.target)
+    elif a.op == "call_method":
+        c = _ALL_METHODS.get(a.target)
+    else:
+        return False
+    return c is None or c.lowering is None or (c.lowering == "mul" and not _mul_operands(a))
+
+
+def _clamped_accumulator(a, modules: dict) -> bool:
+    """A layer's accumulator seen through ReLU/clamps and no-ops: an add (or pool) reads it pending."""
+    while isinstance(a, torch.fx.Node):
+        if a.op == "call_module" and isinstance(modules.get(str(a.target)), _ACCUMULATORS):
+            return True
+        if not (a.op == "call_module" and isinstance(modules.get(str(a.target)), _CLAMP_MODULES)
+                or a.op == "call_function" and a.target in _CLAMP_FUNCS
+                or a.op == "call_method" and a.target in _CLAMP_METHODS) or not a.args:
+            return False
+        a = a.args[0]
+    return False
+
+
+@attrs.frozen
+class ImpliedOperands:
+    """What the operands of the model's integer ops need (see the module docstring)."""
+
+    outputs: dict[str, str]
+    """``{module fqn: "implied by <op> in '<where>'"}``: the implied output quantizers."""
+    unplaced: tuple[Unplaced, ...] = ()
+    """Operands that need one no module can carry (:mod:`qdsl.patch.unplaced`), in graph order:
+    export refuses the model at the first."""
+    inputs: dict[str, str] = attrs.field(factory=dict)
+    """``{module fqn: why}``: the softmax and LayerNorm modules whose (unquantized) input no
+    module returns, quantized at their own input instead (the scores ``q @ kᵀ / sqrt(d)``, a
+    residual sum)."""
+
+
+def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str, str]:
     """``{module fqn: "implied by <op> in '<where>'"}`` for the values integer adds and concats
-    read that the plan leaves unquantized (see the module docstring).  ``inputs`` receives
-    the softmax and LayerNorm modules whose (unquantized) input no module returns, to be
-    quantized at their own input (the scores ``q @ kᵀ / sqrt(d)``, a residual sum)."""
+    read that the plan leaves unquantized (see the module docstring)."""
+    return analyse_operands(model, trace, plan).outputs
+
+
+def analyse_operands(model: nn.Module, trace: ModelTrace, plan: Plan) -> ImpliedOperands:
+    """The implied output quantizers and the operands no module can carry one for."""
     if trace.graph is None:
-        return {}
+        return ImpliedOperands({})
     modules = dict(model.named_modules())
     int_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
                   and r.format.activation_lowering(r.signed) == "int"}
@@ -210,6 +260,23 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan,
     bin_inputs = {lp.fqn for lp in plan.layers if lp.quantized and (r := lp.roles.get(Role.INPUT)) is not None
                   and not _is_int(r)}
     found: dict[str, str] = {}
+    missing: list[Unplaced] = []
+    inputs: dict[str, str] = {}
+
+    def from_input(a) -> bool:  # the graph's QUANTIZE of the model input feeds it (through max pool, ...)
+        return "" in int_inputs and _behind(a, modules, lambda m: m.op == "placeholder")
+
+    def imply(op: str, where: str, a, why: str, pass_back: bool, readable=lambda a: False) -> None:
+        if a.op == "get_attr" or _refused_itself(a):  # export stops at the value's own op first
+            return
+        if any(m in int_inputs and m not in _stack(a) for m in _stack(n)):
+            # the value enters a module with an integer input quantizer around the op: export
+            # reads it quantized when it is that module's input (not decided here: no refusal)
+            return
+        if not _imply(a, why, trace, quantized_out, found, modules if pass_back else None) \
+                and not from_input(a) and not readable(a):
+            missing.append(unplaced(op, where, a, trace.calls))
+
     for n in trace.graph.nodes:
         # BINARIZE reads int8 or a layer's accumulator, not a sum, a table's or a pool's result
         if n.op == "call_module" and str(n.target) in bin_inputs and n.args and isinstance(n.args[0], torch.fx.Node):
@@ -219,16 +286,16 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan,
         if n.op == "call_function" and n.target in _FUNCS:
             op = "torch.cat" if _FUNCS[n.target].lowering == "concat" else "add"
         elif n.op == "call_method" and n.target in _METHODS:
-            op = n.target
+            op = n.target  # add, add_
         elif _is_matmul(n):
-            where = (_stack(n) or ["<model>"])[-1]
+            where = (_stack(n) or [""])[-1]
             for a in [x for x in n.args[:2] if isinstance(x, torch.fx.Node)]:
-                _imply(view_source(a), f"implied by matmul in '{where}'", trace, quantized_out, found, modules)
+                imply("matmul", where, view_source(a), f"implied by matmul in '{where or '<model>'}'", True)
             continue
         elif _is_mul(n):
-            where = (_stack(n) or ["<model>"])[-1]
+            where = (_stack(n) or [""])[-1]
             for a in _mul_operands(n):  # not even a layer's accumulator: MUL reads 8-bit codes
-                _imply(a, f"implied by mul in '{where}'", trace, quantized_out, found, modules)
+                imply("mul", where, a, f"implied by mul in '{where or '<model>'}'", True)
             continue
         elif _is_pool(n, modules):
             op = "average pool"
@@ -240,23 +307,30 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan,
             a = n.args[0] if n.args else None
             if isinstance(a, torch.fx.Node) and not _read_by_int_input(a, modules, int_inputs):
                 where = f"'{n.target}'" if n.op == "call_module" else f"in '{(_stack(n) or ['<model>'])[-1]}'"
-                ok = _imply(a, f"implied by {lut} {where}", trace, quantized_out, found, modules)
+                why = f"implied by {lut} {where}"
                 m = modules.get(str(n.target)) if n.op == "call_module" else None
-                if not ok and inputs is not None and lut in ("softmax", "layer_norm") and m is not None \
-                        and not _has_input(plan, str(n.target)):
-                    inputs.setdefault(str(n.target), f"implied by {lut} {where}")
+                if lut in ("softmax", "layer_norm") and m is not None and not _has_input(plan, str(n.target)):
+                    # no module returns the value: the nn.Softmax/nn.LayerNorm quantizes its own input
+                    if not _imply(a, why, trace, quantized_out, found, modules):
+                        inputs.setdefault(str(n.target), why)
+                else:
+                    imply(lut, (_stack(n) or [""])[-1], a, why, True)
             continue
         else:
             continue
-        where = (_stack(n) or ["<model>"])[-1]
+        where = (_stack(n) or [""])[-1]
         for a in _operands(n)[:1] if op == "average pool" else _operands(n):
             # an add or pool reads a layer's accumulator; CONCAT reads int8 values only
             if op != "torch.cat" and a.op == "call_module" and isinstance(modules.get(str(a.target)), _ACCUMULATORS):
                 continue
             if _read_by_int_input(a, modules, int_inputs):
                 continue
-            _imply(a, f"implied by {op} in '{where}'", trace, quantized_out, found)
-    return found
+            # what the op reads without a quantizer: an add a (clamped) accumulator, a concat any
+            # pending result (it lands on the concat's own grid), but neither a float input
+            readable = (lambda a: not _behind(a, modules, lambda m: m.op == "placeholder")) if op == "torch.cat" \
+                else (lambda a: False) if op == "average pool" else (lambda a: _clamped_accumulator(a, modules))
+            imply(op.rstrip("_"), where, a, f"implied by {op} in '{where or '<model>'}'", False, readable)
+    return ImpliedOperands(found, tuple(missing), inputs)
 
 
 def _has_input(plan: Plan, fqn: str) -> bool:
@@ -292,8 +366,8 @@ def with_implied(model: nn.Module, trace: ModelTrace, plan: Plan) -> Plan:
     if found is None:
         return plan
     source, source_role = found
-    inputs: dict[str, str] = {}
-    implied = implied_outputs(model, trace, plan, inputs)
+    ops = analyse_operands(model, trace, plan)
+    implied, inputs = ops.outputs, ops.inputs
     if not implied and not inputs:
         return plan
     recipe = source.roles[source_role]

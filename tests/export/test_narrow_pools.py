@@ -105,3 +105,51 @@ def test_pools_and_flatten_on_four_bit_activations():
         if op.type in (OpType.AVGPOOL2D, OpType.GLOBAL_AVGPOOL):  # the stage clamps to the 4-bit range
             assert graph.tensor(op.outputs[0]).dtype is DType.U8 and 0 <= op.attrs["out_min"] <= op.attrs["out_max"] <= 15
     assert_close(diff)
+
+
+class _PoolOfOne(nn.Module):
+    """conv -> BN -> ReLU6 -> global average pool over a 1×1 map -> linear (MobileNetV2's head
+    at 32×32 inputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 64, 3)
+        self.bn = nn.BatchNorm2d(64)
+        self.act = nn.ReLU6(inplace=True)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.pool(self.act(self.bn(self.conv(x)))), 1))
+
+
+def test_pool_of_one_element_keeps_large_values():
+    # the pool's int32 input had 16 fraction bits, codes up to 1.5·2^30 for ReLU6's 6: the
+    # factor's left shift saturated int32 for values whose code exceeded the multiplier, so a
+    # pooled 4.91 became 4.80 (5 LSB; MobileNetV2 mixed-precision's features.18.0); the
+    # codes now stay below 2^30 and the pool agrees with fake-quant layer by layer (before: 96%
+    # of the pooled codes within 1 LSB, max 84 LSB off)
+    import numpy as np
+
+    from qdsl.export.lower import export as export_graph
+
+    from .layer_agreement import layer_agreement
+
+    import qdsl
+
+    torch.manual_seed(0)
+    model = _PoolOfOne()
+    with torch.no_grad():
+        # most outputs in ReLU6's upper range, per-channel scales spread (so are the multipliers)
+        model.conv.weight.mul_(torch.linspace(4, 8, 64).view(-1, 1, 1, 1))
+    qdsl.apply(model, "specs/int8-default.qspec")
+    model.eval()
+    qdsl.calibrate(model, [torch.randn(16, 8, 3, 3) for _ in range(2)])
+    qdsl.freeze(model)
+    graph, info = export_graph(model, torch.randn(1, 8, 3, 3), with_info=True)
+    pool = next(op for op in graph.ops if op.type is OpType.GLOBAL_AVGPOOL)
+    wide = next(op for op in graph.ops if op.outputs[0] in pool.inputs)
+    assert wide.attrs["out_max"] < 2**30
+    rows = layer_agreement(model, graph, info, np.asarray(torch.randn(64, 8, 3, 3)))
+    row = next(r for r in rows if r.layer == "conv -> GLOBAL_AVGPOOL")
+    assert row.within == 1.0, row

@@ -5,11 +5,15 @@ reference executor bit for bit and the graph agrees with the fake-quant model (i
 Integer adds and lookup tables read values the specs do not quantize: the plan's implied
 quantizers (qdsl.patch.implied) cover them.  MobileNetV3 and EfficientNet multiply two
 activations (squeeze-excitation: MUL).  Known misses of the graph-vs-fake-quant comparison are
-xfails that say why (FLOAT_TIE).  Under xnor-binary the sign codes agree exactly: a frozen
-binary layer sums exactly (binary64), so its ties at 0 are the graph's (test_binary_ties).  The small U-Net (16×16 inputs)
-upsamples with ConvTranspose2d (xnor-binary: on its BIN input, ±1 weights as I8; the binary
-conv after each skip cat reads the parts' signs, concatenated)."""
+xfails that say why (FLOAT_TIE).  Every case is also compared layer by layer
+(test_graph_agrees_layer_by_layer, tests/export/layer_agreement.py): each quantized layer's graph
+output vs the fake-quant layer fed the graph's own input, where one near-tie cannot spread.  Under
+xnor-binary the sign codes agree exactly: a frozen binary layer sums exactly (binary64), so its
+ties at 0 are the graph's (test_binary_ties).  The small U-Net (16×16 inputs) upsamples with
+ConvTranspose2d (xnor-binary: on its BIN input, ±1 weights as I8; the binary conv after each skip
+cat reads the parts' signs, concatenated)."""
 
+import functools
 import glob
 import os
 
@@ -18,6 +22,7 @@ import pytest
 import torch
 
 import qdsl
+from qdsl.export.lower import export as export_graph
 from qdsl.graph import execute
 from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
@@ -26,6 +31,7 @@ from qdsl.patch.implied import implied_outputs
 from qdsl.patch.trace import trace_model
 from qdsl.spec.model import Role
 
+from .layer_agreement import WEIGHTED, layer_agreement
 from .tv_models import FACTORIES, MUL_FACTORIES
 
 SPECS = sorted(os.path.basename(p)[: -len(".qspec")] for p in glob.glob("specs/*.qspec"))
@@ -34,9 +40,11 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
         ("resnet50", "int8-default"), ("mobilenet_v2", "w4a8-per-channel")}
 
 
-# one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie)
+# one float32 near-tie, amplified by the random-init network (see test_mobilenet_v3_w4a8_differs_by_one_tie);
+# layer by layer the graph agrees (test_graph_agrees_layer_by_layer[mobilenet_v3_small-w4a8-per-channel] passes)
 FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
-                              reason="a float32 near-tie in fake-quant flips one code; the network amplifies it")
+                              reason="a float32 near-tie in fake-quant flips one code; the network amplifies it "
+                                     "(per layer it agrees: test_graph_agrees_layer_by_layer)")
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
@@ -57,8 +65,11 @@ LAST = {"resnet18": "fc", "resnet50": "fc", "mobilenet_v2": "classifier.1", "mob
         "efficientnet_b0": "classifier.1", "unet": "outc"}
 
 
-@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES, export=True), *_cases(MUL_FACTORIES, _WAITING_FAST, export=True)])
-def test_bundled_spec_trains_and_exports(name, spec):
+@functools.lru_cache(maxsize=None)
+def _exported(name: str, spec: str):
+    """``(model, handle, graph, info, xt)``: apply -> a training forward/backward -> calibrate ->
+    freeze -> export (``info``: each graph tensor's grid) of one case, and a test batch ``xt``;
+    cached, so the end-to-end and the per-layer tests of a case share one flow."""
     torch.manual_seed(0)
     model = ALL[name]().train()
     n = SIZE.get(name, 32)
@@ -71,8 +82,14 @@ def test_bundled_spec_trains_and_exports(name, spec):
     calib = torch.randn(8, 3, n, n)
     qdsl.calibrate(model, [calib[:4], calib[4:]])
     qdsl.freeze(model)
-    graph = qdsl.export(model, x)
+    graph, info = export_graph(model, x, with_info=True)
     xt = torch.randn(4, 3, n, n)
+    return model, handle, graph, info, xt
+
+
+@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES, export=True), *_cases(MUL_FACTORIES, _WAITING_FAST, export=True)])
+def test_bundled_spec_trains_and_exports(name, spec):
+    model, handle, graph, _, xt = _exported(name, spec)
     ref = qdsl.run_graph(graph, xt, backend="reference")
     np.testing.assert_array_equal(qdsl.run_graph(graph, xt, backend="cpp"), ref)
     # The specs leave the classifier's output an int32 accumulator, whose LSB is far finer
@@ -98,6 +115,23 @@ def test_bundled_spec_trains_and_exports(name, spec):
         assert diff.max() == 0
     else:
         assert (diff <= 1).mean() >= 0.995, f"{(diff <= 1).mean():.4f} within 1 LSB, max {diff.max()}"
+
+
+@pytest.mark.parametrize("name,spec", [*_cases(FACTORIES), *_cases(MUL_FACTORIES, _WAITING_FAST)])
+def test_graph_agrees_layer_by_layer(name, spec):
+    # Each quantized layer on its own (tests/export/layer_agreement.py): its graph output vs the
+    # fake-quant layer fed the graph's own dequantized input, within 1 LSB on >= 99.5% of the
+    # codes (equal signs for binary outputs), exact for power-of-two scales.  Unlike the end-to-end
+    # comparison, one float32 near-tie cannot spread here: MobileNetV3-small w4a8 passes (one code
+    # of features.2.block.1.0, by one), though its end-to-end comparison misses (FLOAT_TIE).
+    model, _, graph, info, xt = _exported(name, spec)
+    rows = layer_agreement(model, graph, info, xt.numpy())
+    assert {n for r in rows for n in r.layers} == {op.name for op in graph.ops if op.type in WEIGHTED}
+    if spec.startswith("pot"):
+        bad = [r for r in rows if r.exact < 1.0]
+    else:
+        bad = [r for r in rows if r.within < 0.995]
+    assert not bad, "\n".join(map(str, bad))
 
 
 @pytest.mark.slow
@@ -303,3 +337,20 @@ def test_sweep_runs(name, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "weight.bits=8" in out and "weight.bits=4" in out
+
+
+def test_layer_by_layer_check_finds_a_wrong_layer():
+    # the per-layer check is not vacuous: a bias off by a few int8 steps in one layer of an
+    # exported ResNet-18 shows at that layer (and not at the ones before it)
+    import attrs
+
+    model, _, graph, info, xt = _exported("resnet18", "int8-default")
+    layer = "layer1.0.conv1"
+    op = next(op for op in graph.ops if op.name == layer and op.type is OpType.CONV2D)
+    bias = graph.tensor(op.inputs[2])
+    step = float(info[op.outputs[0]][0]) / np.asarray(info[bias.name][0], dtype=np.float64)  # one output LSB
+    wrong = attrs.evolve(bias, data=(bias.data + np.rint(3 * step)).astype(bias.data.dtype))
+    broken = attrs.evolve(graph, tensors=[wrong if t.name == bias.name else t for t in graph.tensors])
+    rows = {r.layer: r for r in layer_agreement(model, broken, info, xt.numpy())}
+    assert rows["conv1"].within == 1.0
+    assert rows[layer].within < 0.995, rows[layer]

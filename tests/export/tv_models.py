@@ -8,7 +8,7 @@ from qdsl.zoo.unet import unet
 
 __all__ = ["FACTORIES", "MUL_FACTORIES", "random_images", "random_masks", "small_efficientnet_b0", "small_mobilenet_v2",
            "small_mobilenet_v3_small", "small_resnet18", "small_resnet50", "small_unet",
-           "softmax_classifier"]
+           "softmax_classifier", "swish_classifier"]
 
 
 def small_resnet18():
@@ -80,3 +80,21 @@ def random_masks():
     x = torch.randn(24, 3, 16, 16, generator=g)
     y = (x[:, 0] > 0).long()
     return x[:16], y[:16], x[16:], y[16:]
+
+
+def swish_classifier():
+    """``fc2(y * torch.sigmoid(y))``: the function's result has no module to carry the
+    quantizer the product needs, so export refuses it (and lint says so: W321)."""
+    import torch
+    from torch import nn
+
+    class SwishClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+        def forward(self, x):
+            y = self.fc1(x)
+            return self.fc2(y * torch.sigmoid(y))
+
+    return SwishClassifier()
