@@ -326,12 +326,12 @@ class _Lowerer:
                          {"scale": value.scale, "zero_point": value.zp}, out=out, exact=True)
 
 
-def _refuse_unplaced(model: nn.Module, handle) -> None:
+def _refuse_unplaced(model: nn.Module, handle, concrete: dict[str, Any] | None = None) -> None:
     """Refuse, before lowering, a model where an integer op reads a value no module returns to
     carry its quantizer (``y * torch.sigmoid(y)``): the walk that places implied quantizers
     decides it (:mod:`qdsl.patch.unplaced`), on the eval-mode trace export lowers (a training-only
     branch, stochastic depth's ``x * noise``, is not exported); lint reports the same records as W321."""
-    unplaced = analyse_operands(model, trace_model(model), handle.plan).unplaced
+    unplaced = analyse_operands(model, trace_model(model, concrete), handle.plan).unplaced
     if unplaced:
         raise ExportError(unplaced[0].where, unplaced[0].message, unplaced[0].hint)
 
@@ -372,7 +372,7 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        _refuse_unplaced(model, handle)
+        _refuse_unplaced(model, handle, call.concrete)
         graph_fx = trace_quantized(model, handle, call.concrete)
         with torch.no_grad():  # the graph's targets are the model's own submodules (as a GraphModule's would be)
             _ShapeRecorder(model, graph=graph_fx).run(*values)

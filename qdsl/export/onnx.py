@@ -126,6 +126,8 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     t, a = op.type, op.attrs
     out = op.outputs[0]
     xs = [env.get(n, n) for n in op.inputs]
+    if any(w.graph.tensor(o).dtype is DType.BIN for o in op.outputs):  # before its inputs' grids (a sign threshold has none)
+        raise ExportError(out, "BIN activations have no ONNX QDQ form", "use an 8-bit config")
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
         raise ExportError(op.name, "binary (XNOR) layers have no ONNX QDQ form", "export 8-bit configs to ONNX")
     if t in (OpType.LUT, OpType.LUT_CHANNEL):

@@ -212,7 +212,10 @@ def _refused_itself(a: torch.fx.Node) -> bool:
         c = _ALL_METHODS.get(a.target)
     else:
         return False
-    return c is None or c.lowering is None or (c.lowering == "mul" and not _mul_operands(a))
+    if c is None or c.lowering is None or (c.lowering == "mul" and not _mul_operands(a)):
+        return True
+    # a product with a parameter (``x @ self.k.weight``): export refuses the attribute read
+    return c.lowering == "matmul" and any(isinstance(x, torch.fx.Node) and x.op == "get_attr" for x in a.args[:2])
 
 
 def _clamped_accumulator(a, modules: dict) -> bool:
@@ -265,6 +268,13 @@ def analyse_operands(model: nn.Module, trace: ModelTrace, plan: Plan) -> Implied
 
     def from_input(a) -> bool:  # the graph's QUANTIZE of the model input feeds it (through max pool, ...)
         return "" in int_inputs and _behind(a, modules, lambda m: m.op == "placeholder")
+
+    def norm_input(a) -> bool:
+        # a pre-norm block's sum x + attn(norm1(x)), quantized as a LayerNorm's input (a rule's or
+        # implied): the exporter's next residual add reads it at that grid (lower_layers.add_pending)
+        return _sum_behind(a, modules) and any(
+            u.op == "call_module" and isinstance(modules.get(str(u.target)), nn.LayerNorm)
+            and (str(u.target) in int_inputs or str(u.target) in inputs) for u in a.users)
 
     def imply(op: str, where: str, a, why: str, pass_back: bool, readable=lambda a: False) -> None:
         if a.op == "get_attr" or _refused_itself(a):  # export stops at the value's own op first
@@ -328,7 +338,8 @@ def analyse_operands(model: nn.Module, trace: ModelTrace, plan: Plan) -> Implied
             # what the op reads without a quantizer: an add a (clamped) accumulator, a concat any
             # pending result (it lands on the concat's own grid), but neither a float input
             readable = (lambda a: not _behind(a, modules, lambda m: m.op == "placeholder")) if op == "torch.cat" \
-                else (lambda a: False) if op == "average pool" else (lambda a: _clamped_accumulator(a, modules))
+                else (lambda a: False) if op == "average pool" \
+                else (lambda a: _clamped_accumulator(a, modules) or norm_input(a))
             imply(op.rstrip("_"), where, a, f"implied by {op} in '{where or '<model>'}'", False, readable)
     return ImpliedOperands(found, tuple(missing), inputs)
 

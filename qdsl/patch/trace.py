@@ -127,11 +127,12 @@ class _CountingTracer(torch.fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-def trace_model(model: nn.Module) -> ModelTrace:
-    """Trace ``model`` with torch.fx (default leaves); never raises for an untraceable model."""
+def trace_model(model: nn.Module, concrete: dict[str, Any] | None = None) -> ModelTrace:
+    """Trace ``model`` with torch.fx (default leaves); never raises for an untraceable model.
+    ``concrete``: forward parameters specialized to a value (export's unset inputs)."""
     tracer = _CountingTracer()
     try:
-        graph = trace_graph(tracer, model)
+        graph = trace_graph(tracer, model, concrete)
     except Exception as exc:  # noqa: BLE001 - fx raises many types (TraceError, TypeError, ...)
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ModelTrace(type(model).__name__, None, error=f"{type(exc).__name__}: {msg}"[:300])
