@@ -74,7 +74,7 @@ def trace_calls(model: Any) -> tuple[tuple[str, ...] | None, str]:
     (None, why) when fx cannot trace it.  Never raises for an untraceable model."""
     import torch.fx  # a live model is being resolved: torch is loaded already
 
-    calls: list[str] = []
+    calls: list[str] = [""]  # the root runs first (fx calls its forward, not call_module)
 
     class _Recorder(torch.fx.Tracer):
         def call_module(self, m, forward, args, kwargs):
