@@ -326,7 +326,7 @@ class SchemaLowerer:
         t = Target.parse(node.value, node.span)
         if not t.pattern:
             self.err("E108", f"empty target '{node.value}'", node.span,
-                     "targets are a module name, a glob, re:<regex> or type:<ClassName>")
+                     "targets are a module name, a glob, re:<regex>, type:<ClassName>, @first or @last")
             return None
         if t.kind is TargetKind.REGEX:
             try:
