@@ -36,6 +36,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from qdsl.resolve import explain, load_model_ref, resolve, to_records
+    from qdsl.resolve.explain import positional_targets
 
     from qdsl.patch.coverage import check_coverage
     from qdsl.patch.implied import with_implied
@@ -52,7 +53,8 @@ def run(args) -> int:
                  "at": f.span.location() if f.span.known else None} for f in coverage.floats]
         shared = [{"name": f.name, "reason": f.reason} for f in coverage.shared]
         print(json.dumps({"spec": str(args.spec), "model": args.model, "rows": records,
-                          "left_float": left, "shared": shared, "untraced": coverage.untraced}, indent=2))
+                          "left_float": left, "shared": shared, "untraced": coverage.untraced,
+                          "positions": positional_targets(plan)}, indent=2))
     else:
         print(explain(plan, args.layer, args.role))
         for text in (coverage.report(), coverage.shared_report() if coverage.shared else ""):

@@ -44,7 +44,7 @@ TOP_KEYWORDS = ("version", "fold_bn", "bias_correction", "learned_rounding", "in
                 "quantizer", "defaults", "rule")
 RULE_OPTIONS = ("optional", "priority", "as")
 TARGET_CHARS = "A-Za-z0-9_.*?\\[\\]!\\-"
-_BARE = re.compile(rf"(?:type:)?[{TARGET_CHARS}]+")
+_BARE = re.compile(rf"(?:type:|@)?[{TARGET_CHARS}]+")
 _OPTION_WORD = re.compile(r"(?:" + "|".join(RULE_OPTIONS) + r")(?![" + TARGET_CHARS + ":])")
 _TOP_WORD = re.compile(r"(?:" + "|".join(TOP_KEYWORDS) + r")(?![A-Za-z0-9_])")
 _KEYWORD = re.compile("(" + "|".join(TOP_KEYWORDS) + ")")

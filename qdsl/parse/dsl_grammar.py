@@ -140,9 +140,9 @@ def _build_grammar() -> tuple[pp.ParserElement, pp.ParserElement]:
     re_quoted = _located(S("re:") + string_tok, lambda a, b, t: ast.TargetText("re:" + t[0], a, b), "re:<regex>")
     re_bare = _located(pp.Regex(r"re:[^\s,{}\"'#]+"), lambda a, b, t: ast.TargetText(t[0], a, b), "re:<regex>")
     quoted_target = _located(string_tok, lambda a, b, t: ast.TargetText(t[0], a, b), "a quoted target")
-    bare = _located(not_option + pp.Regex(rf"(?:type:)?[{_TARGET_CHARS}]+"),
+    bare = _located(not_option + pp.Regex(rf"(?:type:|@)?[{_TARGET_CHARS}]+"),
                     lambda a, b, t: ast.TargetText(t[0], a, b), "a target")
-    target = (re_quoted | re_bare | quoted_target | bare).set_name("a target (name, glob, re:..., type:...)")
+    target = (re_quoted | re_bare | quoted_target | bare).set_name("a target (name, glob, re:..., type:..., @first, @last)")
     option = _located(
         (kw("optional", tchars) + pp.Empty()) | (kw("priority", tchars) - number) | (kw("as", tchars) - (name | string)),
         lambda a, b, t: ast.RuleOption(ast.Name(t[0], a, a + len(t[0])), t[1] if len(t) > 1 else None, a, b),

@@ -35,7 +35,7 @@ from qdsl.spec.model import (
 __all__ = ["format_spec", "quote_string", "format_quant_dsl", "format_value_dsl"]
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_BARE_TARGET = re.compile(r"(?:type:)?[A-Za-z0-9_.*?\[\]!\-]+")
+_BARE_TARGET = re.compile(r"(?:type:|@)?[A-Za-z0-9_.*?\[\]!\-]+")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _SHORT_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 

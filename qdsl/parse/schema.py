@@ -43,6 +43,7 @@ from qdsl.spec.model import (
     RuleBody,
     Target,
     TargetKind,
+    TARGET_POSITIONS,
     TensorQuant,
 )
 
@@ -325,7 +326,7 @@ class SchemaLowerer:
         t = Target.parse(node.value, node.span)
         if not t.pattern:
             self.err("E108", f"empty target '{node.value}'", node.span,
-                     "targets are a module name, a glob, re:<regex> or type:<ClassName>")
+                     "targets are a module name, a glob, re:<regex>, type:<ClassName>, @first or @last")
             return None
         if t.kind is TargetKind.REGEX:
             try:
@@ -333,6 +334,12 @@ class SchemaLowerer:
             except (re.error, RecursionError, OverflowError) as exc:
                 self.err("E108", f"invalid regular expression in target: {exc}", node.span)
                 return None
+        if t.kind is TargetKind.POSITION and t.pattern not in TARGET_POSITIONS:
+            close = difflib.get_close_matches(t.pattern, TARGET_POSITIONS, n=1, cutoff=0.6)
+            known = "positional targets are @first and @last (the first / last weighted layer)"
+            self.err("E108", f"unknown positional target '{node.value}'", node.span,
+                     f"did you mean '@{close[0]}'? {known}" if close else known)
+            return None
         if t.kind is TargetKind.TYPE and not PRESET_NAME_RE.match(t.pattern):
             self.err("E108", f"'{t.pattern}' is not a class name", node.span, "e.g. type:Conv2d")
             return None

@@ -59,6 +59,7 @@ from qdsl.patch.recurrent import is_recurrent
 from qdsl.patch.trace import ModelTrace
 from qdsl.resolve.check import Body, prepare
 from qdsl.resolve.plan import WEIGHTED_TYPES, LayerPlan, Plan
+from qdsl.resolve.positions import positions
 from qdsl.spec.diagnostics import Diagnostic, QdslWarning, Span, SpecError, UNKNOWN_SPAN
 from qdsl.spec.formats import is_float
 from qdsl.spec.model import Role, TargetKind
@@ -180,6 +181,9 @@ class _Reach:
     def __init__(self, plan: Plan, registries: Any):
         self.prep = prepare(plan.spec, registries)
         self.layers: dict[str, LayerPlan] = {lp.fqn: lp for lp in plan.layers}
+        # what @first / @last named when the plan was resolved (no index: they name nothing)
+        pos = positions(plan.index) if plan.index is not None else None
+        self.named = {w: pos.of(w) for w in ("first", "last")} if pos is not None else {}
 
     def source(self, fqn: str, type_name: str, roles: tuple[Role, ...]) -> tuple[str, Span] | None:
         lp = self.layers.get(fqn)
@@ -190,7 +194,7 @@ class _Reach:
             role = next((r for r in roles if r in body.roles), None)
             if role is None:
                 continue
-            levels = [ct.level for ct in cts if _hits(ct, fqn, type_name)]
+            levels = [ct.level for ct in cts if _hits(ct, fqn, type_name, self.named)]
             if not levels:
                 continue
             key = (max(levels), body.priority, body.order)
@@ -205,8 +209,10 @@ class _Reach:
         return None
 
 
-def _hits(ct: Any, fqn: str, type_name: str) -> bool:
+def _hits(ct: Any, fqn: str, type_name: str, named: Mapping[str, str | None]) -> bool:
     kind = ct.target.kind
+    if kind is TargetKind.POSITION:
+        return named.get(ct.target.pattern) == fqn
     if kind is TargetKind.TYPE:
         return type_name == ct.target.pattern
     if kind is TargetKind.EXACT:

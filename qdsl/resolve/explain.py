@@ -21,11 +21,12 @@ import enum
 from typing import Any, Iterable, Sequence
 
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
+from qdsl.resolve.positions import positions
 from qdsl.resolve.targets import compile_glob
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError
-from qdsl.spec.model import Accumulator, Granularity, ObserverSpec, Role, TENSOR_QUANT_FIELDS
+from qdsl.spec.model import Accumulator, Granularity, ObserverSpec, Role, TargetKind, TENSOR_QUANT_FIELDS
 
-__all__ = ["explain", "to_records", "format_value"]
+__all__ = ["explain", "to_records", "format_value", "positional_targets"]
 
 _HEADER = ("layer", "role", "field", "value", "set by")
 
@@ -135,7 +136,25 @@ def explain(plan: Plan, layers: str | Sequence[str] | None = None, roles: Iterab
     for r in [_HEADER, *rows]:
         cells = [r[i].ljust(widths[i]) for i in range(4)] + [r[4]]
         lines.append("  ".join(cells).rstrip())
+    pos = positional_targets(plan)
+    if pos is not None:
+        named = ", ".join(f"@{w} = {v['module'] or '(no weighted layer)'}" for w, v in pos["targets"].items())
+        lines.append(f"\npositional targets ({pos['order']} order): {named}" + (f"\nnote: {pos['note']}" if pos["note"] else ""))
     return "\n".join(lines)
+
+
+def positional_targets(plan: Plan) -> dict[str, Any] | None:
+    """What the spec's ``@first`` / ``@last`` targets named, and by which order; ``None``
+    when the spec has none (or the plan has no model index)."""
+    words = sorted({t.pattern for r in plan.spec.rules for t in r.targets if t.kind is TargetKind.POSITION})
+    if not words or plan.index is None:
+        return None
+    pos = positions(plan.index)
+    return {
+        "order": "forward execution" if pos.traced else "registration",
+        "note": pos.note,
+        "targets": {w: {"module": pos.of(w)} for w in words},
+    }
 
 
 def to_records(plan: Plan, layers: str | Sequence[str] | None = None, roles: Iterable[Role | str] | None = None) -> list[dict[str, Any]]:

@@ -172,13 +172,19 @@ class ModelIndex:
     """All modules of a model in ``named_modules()`` order (the root has fqn ``""``)."""
 
     entries: tuple[ModuleEntry, ...] = attrs.field(converter=tuple)
+    calls: tuple[str, ...] | None = attrs.field(default=None, kw_only=True)
+    """Module fqns in forward execution order, one per call (a torch.fx trace), for the
+    positional targets ``@first`` / ``@last``; ``None`` when not traced (then positions
+    fall back to registration order and ``order_note`` says why)."""
+    order_note: str = attrs.field(default="", kw_only=True)
     by_name: Mapping[str, ModuleEntry] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "by_name", {e.fqn: e for e in self.entries})
 
     @classmethod
-    def from_module(cls, model: Any, skip: Iterable[Any] = ()) -> "ModelIndex":
+    def from_module(cls, model: Any, skip: Iterable[Any] = (), calls: tuple[str, ...] | None = None,
+                    order_note: str = "") -> "ModelIndex":
         """Index an ``nn.Module`` (duck-typed; no torch import).
 
         Modules marked internal (``_qdsl_internal = True``, as qdsl's own injected
@@ -213,7 +219,7 @@ class ModelIndex:
                     attrs_[a] = v
             children = [c for c in mod.children() if not _plain_attr(c, "_qdsl_internal", False)]
             entries.append(ModuleEntry(fqn, type(mod).__name__, shapes, attrs_, leaf=not children))
-        return cls(entries)
+        return cls(entries, calls=calls, order_note=order_note)
 
     def __len__(self) -> int:
         return len(self.entries)

@@ -61,6 +61,7 @@ from qdsl.resolve.plan import (
     RuleMatch,
     WEIGHTED_TYPES,
 )
+from qdsl.resolve.positions import trace_calls
 from qdsl.resolve.presets import Contribution
 from qdsl.resolve.targets import Level, TargetMatcher, unmatched_hint
 from qdsl.resolve.validate import (
@@ -80,6 +81,7 @@ from qdsl.spec.model import (
     Kind,
     QuantSpec,
     Role,
+    TargetKind,
     attrs_frozendict,
 )
 from qdsl.spec.registry import Registries
@@ -92,8 +94,9 @@ _RECURRENT_ROLES = (Role.WEIGHT_IH, Role.WEIGHT_HH, Role.HIDDEN, Role.CELL)
 _Cand = tuple[Level, Body, Contribution]
 
 
-def index_of(model_or_index: Any) -> ModelIndex:
-    """A :class:`ModelIndex` as given, or built from an ``nn.Module`` (duck-typed)."""
+def index_of(model_or_index: Any, trace: bool = False) -> ModelIndex:
+    """A :class:`ModelIndex` as given, or built from an ``nn.Module`` (duck-typed);
+    ``trace``: record the forward call order too (for ``@first`` / ``@last``)."""
     if isinstance(model_or_index, ModelIndex):
         return model_or_index
     if type(model_or_index).__module__.startswith("torch.jit"):
@@ -102,7 +105,8 @@ def index_of(model_or_index: Any) -> ModelIndex:
         raise QdslError(f"qdsl needs an eager nn.Module, got a TorchScript {type(model_or_index).__name__}: "
                         "resolve and apply the eager model before scripting or tracing it")
     if hasattr(model_or_index, "named_modules"):
-        return ModelIndex.from_module(model_or_index)
+        calls, note = trace_calls(model_or_index) if trace else (None, "")
+        return ModelIndex.from_module(model_or_index, calls=calls, order_note=note)
     raise QdslError(f"qdsl needs an nn.Module (or a ModelIndex) to resolve against, got {type(model_or_index).__name__}")
 
 
@@ -131,7 +135,8 @@ def resolve(
     """Resolve ``spec`` against a model; raise :class:`SpecError` with every problem found."""
     spec = load_for_resolve(spec, overrides)
     with gc_paused():
-        index = index_of(model_or_index)
+        positional = any(t.kind is TargetKind.POSITION for r in spec.rules for t in r.targets)
+        index = index_of(model_or_index, trace=positional)
         return _Resolver(prepare(spec, registries), index).run()
 
 

@@ -26,6 +26,10 @@ Target forms (DESIGN.md §2, STYLE.md "Naming"):
 ``type:Conv2d``  type
     The module's class name, compared exactly: subclasses do *not* match (the index only
     records ``type(module).__name__``; write one target per class).  Specificity: type.
+``@first`` / ``@last``  position
+    The first / last weighted layer in forward execution order (registration order when
+    the model does not trace); defined in :mod:`qdsl.resolve.positions`.  Each names one
+    module, so the specificity is exact-name.
 
 Glob and regex targets also see the root module, whose name is ``""`` (so ``**`` and
 ``re:.*`` include it); exact targets cannot name it, ``type:`` can.
@@ -41,8 +45,9 @@ from typing import Callable, Sequence
 import attrs
 
 from qdsl.resolve.plan import ModelIndex
+from qdsl.resolve.positions import Positions, positions
 from qdsl.spec.diagnostics import Diagnostic, did_you_mean
-from qdsl.spec.model import Target, TargetKind
+from qdsl.spec.model import TARGET_POSITIONS, Target, TargetKind
 
 __all__ = [
     "Level",
@@ -91,6 +96,7 @@ _KIND_LEVEL = {
     TargetKind.GLOB: Level.GLOB,
     TargetKind.REGEX: Level.GLOB,
     TargetKind.EXACT: Level.EXACT,
+    TargetKind.POSITION: Level.EXACT,  # names one module, as an exact name does
 }
 
 
@@ -182,6 +188,9 @@ def compile_target(target: Target) -> CompiledTarget | Diagnostic:
             "E218", f"empty target: missing {what.get(target.kind, 'module name')}", target.span
         )
     level = _KIND_LEVEL[target.kind]
+    if target.kind is TargetKind.POSITION and target.pattern not in TARGET_POSITIONS:
+        return Diagnostic.error("E218", f"unknown positional target '{target.text}'", target.span,
+                                "positional targets are @first and @last")
     try:
         if target.kind is TargetKind.REGEX:
             return CompiledTarget(target, level, re.compile(target.pattern).fullmatch)
@@ -206,6 +215,14 @@ class TargetMatcher:
         for e in index.entries:
             self._by_type.setdefault(e.type_name, []).append(e.fqn)
         self._memo: dict[tuple[TargetKind, str], tuple[str, ...]] = {}
+        self._positions: Positions | None = None
+
+    @property
+    def positions(self) -> Positions:
+        """What ``@first`` / ``@last`` name on this index (computed on first use)."""
+        if self._positions is None:
+            self._positions = positions(self.index)
+        return self._positions
 
     def match(self, ct: CompiledTarget) -> tuple[str, ...]:
         """Names of the modules ``ct`` matches, in index order."""
@@ -217,6 +234,9 @@ class TargetMatcher:
                 hit = (ct.target.pattern,) if ct.target.pattern in self.index.by_name else ()
             elif kind is TargetKind.TYPE:
                 hit = tuple(self._by_type.get(ct.target.pattern, ()))
+            elif kind is TargetKind.POSITION:
+                fqn = self.positions.of(ct.target.pattern)
+                hit = (fqn,) if fqn is not None else ()
             else:
                 hit = tuple(filter(ct.fullmatch, self._names))
             self._memo[key] = hit
@@ -233,6 +253,8 @@ def unmatched_hint(target: Target, index: ModelIndex) -> str:
     """A "did you mean" for a target that matched nothing (names or class names)."""
     if target.kind is TargetKind.TYPE:
         return did_you_mean(target.pattern, {e.type_name for e in index.entries}, "module types")
+    if target.kind is TargetKind.POSITION:
+        return "the model has no weighted layer (Linear, Conv1d/2d, ConvTranspose1d/2d, LSTM/GRU/RNN)"
     names = [e.fqn for e in index.entries if e.fqn]
     if target.kind is TargetKind.EXACT:
         close = difflib.get_close_matches(target.pattern, names, n=3, cutoff=0.6)

@@ -14,6 +14,7 @@ from qdsl.spec.model import (
     RuleBody,
     Target,
     TargetKind,
+    TARGET_POSITIONS,
     TensorQuant,
 )
 from qdsl.spec.profile import HardwareProfile, TensorCaps
@@ -41,6 +42,7 @@ __all__ = [
     "SpecError",
     "Target",
     "TargetKind",
+    "TARGET_POSITIONS",
     "TensorCaps",
     "TensorQuant",
     "did_you_mean",

@@ -38,6 +38,7 @@ __all__ = [
     "Kind",
     "GranularityKind",
     "TargetKind",
+    "TARGET_POSITIONS",
     "Overflow",
     "Granularity",
     "ObserverSpec",
@@ -160,6 +161,12 @@ class TargetKind(str, enum.Enum):
     """``re:<pattern>``, a full match of the dotted name."""
     TYPE = "type"
     """``type:<ClassName>``, the module's class name."""
+    POSITION = "position"
+    """``@first`` / ``@last``: the first / last weighted layer in forward execution order."""
+
+
+TARGET_POSITIONS = ("first", "last")
+"""The words a positional target (``@first``, ``@last``) may name."""
 
 
 class Overflow(str, enum.Enum):
@@ -289,6 +296,8 @@ class Target:
             return f"type:{self.pattern}"
         if self.kind is TargetKind.REGEX:
             return f"re:{self.pattern}"
+        if self.kind is TargetKind.POSITION:
+            return f"@{self.pattern}"
         return self.pattern
 
     @classmethod
@@ -298,6 +307,8 @@ class Target:
             return cls(TargetKind.TYPE, text[5:], span)
         if text.startswith("re:"):
             return cls(TargetKind.REGEX, text[3:], span)
+        if text.startswith("@"):
+            return cls(TargetKind.POSITION, text[1:], span)
         if any(c in text for c in "*?["):
             return cls(TargetKind.GLOB, text, span)
         return cls(TargetKind.EXACT, text, span)

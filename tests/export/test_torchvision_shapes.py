@@ -355,3 +355,22 @@ def test_layer_by_layer_check_finds_a_wrong_layer():
     rows = {r.layer: r for r in layer_agreement(model, broken, info, xt.numpy())}
     assert rows["conv1"].within == 1.0
     assert rows[layer].within < 0.995, rows[layer]
+
+
+FIRST = {"resnet18": "conv1", "resnet50": "conv1", "mobilenet_v2": "features.0.0",
+         "mobilenet_v3_small": "features.0.0", "efficientnet_b0": "features.0.0", "unet": "inc.0"}
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_xnor_binary_keeps_first_and_last_layers_8bit(name):
+    # @first / @last name the image conv and the classifier whatever the model calls them
+    # (before they were rules naming the zoo's test nets: features.0 here is a container, so
+    # the first conv binarised the image and the classifier stayed binary)
+    plan = qdsl.resolve(ALL[name](), "specs/xnor-binary.qspec")
+    for fqn in (FIRST[name], LAST[name]):
+        lp = plan.layer(fqn)
+        assert (lp.roles[Role.WEIGHT].kind.value, lp.roles[Role.WEIGHT].bits) == ("int", 8), fqn
+        assert (lp.roles[Role.INPUT].kind.value, lp.roles[Role.INPUT].bits) == ("int", 8), fqn
+    binary = [lp.fqn for lp in plan.layers if lp.roles.get(Role.WEIGHT) is not None
+              and lp.roles[Role.WEIGHT].kind.value == "binary"]
+    assert binary and FIRST[name] not in binary and LAST[name] not in binary

@@ -80,7 +80,7 @@ def bodies(draw):
     return RuleBody(roles, draw(st.none() | st.booleans()), acc)
 
 
-exact_names = texts.filter(lambda s: not re.search(r"[*?\[]", s) and not s.startswith(("type:", "re:")))
+exact_names = texts.filter(lambda s: not re.search(r"[*?\[]", s) and not s.startswith(("type:", "re:", "@")))
 glob_names = st.from_regex(r"[a-z0-9_]{1,4}(\.(\*\*|\*|[a-z0-9_]{1,3}\?|\[!?ab\]))+", fullmatch=True)
 
 
@@ -95,7 +95,8 @@ def _compiles(p):
 regexes = st.one_of(st.sampled_from([r".*downsample.*", r"layer\d+\.conv[12]", "a|b", "x'y\"z"]),
                     texts.filter(_compiles)).map(lambda p: "re:" + p)
 type_names = preset_names.map(lambda n: "type:" + n)
-targets = st.one_of(exact_names, glob_names, regexes, type_names).map(Target.parse)
+positional = st.sampled_from(["@first", "@last"])
+targets = st.one_of(exact_names, glob_names, regexes, type_names, positional).map(Target.parse)
 
 rules = st.builds(
     Rule,
