@@ -62,3 +62,35 @@ def test_hf_bert_trace_failure_is_located():
     text = str(ei.value)
     # the statement that failed, with its file, whichever construct it is in this version
     assert "torch.fx cannot trace BertModel" in text and " at " in text and ".py:" in text
+
+
+def test_transformer_int8_spec_quantizes_embeddings_and_layernorms():
+    # specs/transformer-int8.qspec: every Embedding (per-row int8 table, 8-bit output) and every
+    # LayerNorm input on top of the Linear layers; the fake-quant model stays close to float
+    from pathlib import Path
+
+    from qdsl.parse import load_spec
+    from qdsl.patch.handle import get_handle
+
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "transformer-int8.qspec")
+    torch.manual_seed(0)
+    model = TinyBert().eval()
+    ids = torch.randint(0, 50, (8, 12))
+    mask = torch.ones(8, 12, dtype=torch.long)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        want = model(ids, mask)[0]
+    handle = qdsl.apply(model, spec)
+    names = set(handle.layers)
+    emb = {f"embeddings.{n}_embeddings" for n in ("word", "position", "token_type")}
+    norms = {n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
+    assert emb | norms <= names and len(norms) == 5
+    qdsl.calibrate(model, [{"input_ids": ids, "attention_mask": mask}])
+    qdsl.freeze(model)
+    h = get_handle(model)
+    assert all(h.quantizer(n, "output") is not None for n in emb)
+    assert all(h.quantizer(n, "input") is not None for n in norms)
+    with torch.no_grad():
+        got = model(ids, mask)[0]
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
+    assert cos >= 0.98
