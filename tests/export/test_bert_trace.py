@@ -94,3 +94,38 @@ def test_transformer_int8_spec_quantizes_embeddings_and_layernorms():
         got = model(ids, mask)[0]
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)
     assert cos >= 0.98
+
+
+class _Branchy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:  # data-dependent control flow: fx's TraceError
+            y = -y
+        return y
+
+
+class _Outer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(4, 4)
+        self.block = _Branchy()
+
+    def forward(self, x):
+        return self.block(self.head(x))
+
+
+def test_control_flow_trace_failure_names_the_submodule():
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    model = _Outer().eval()
+    qdsl.apply(model, parse_text(SPEC, "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError) as ei:
+        qdsl.export(model, x[:1])
+    assert ei.value.where == "block"
+    assert "_Branchy.forward" in str(ei.value) and "if y.sum() > 0:" in str(ei.value)
