@@ -56,6 +56,7 @@ from qdsl.export.lower_mha import lower_attention
 from qdsl.patch.attention import is_attention
 from qdsl.patch.implied import analyse_operands
 from qdsl.patch.recurrent import is_recurrent
+from qdsl.export.trace_errors import trace_failure
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph, trace_model
 
 __all__ = ["export", "trace_quantized"]
@@ -94,8 +95,11 @@ def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = 
     try:
         return trace_graph(tracer, model, concrete)
     except Exception as exc:  # fx raises many types for untraceable code
-        raise ExportError("", f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}",
-                          "export needs a model without data-dependent control flow") from None
+        where, stmt = trace_failure(model, exc)
+        at = f" ({stmt})" if stmt else ""
+        raise ExportError(where, f"torch.fx cannot trace {type(model).__name__}: {type(exc).__name__}: {exc}{at}",
+                          "export needs a model without data-dependent control flow or tensor-valued "
+                          "indices/shapes used as Python values (fx traces with proxies)") from None
 
 
 def _qualified(m: nn.Module) -> str:
