@@ -74,20 +74,14 @@ def trace_calls(model: Any) -> tuple[tuple[str, ...] | None, str]:
     (None, why) when fx cannot trace it.  Never raises for an untraceable model."""
     import torch.fx  # a live model is being resolved: torch is loaded already
 
-    calls: list[str] = [""]  # the root runs first (fx calls its forward, not call_module)
-
-    class _Recorder(torch.fx.Tracer):
-        def call_module(self, m, forward, args, kwargs):
-            try:
-                calls.append(self.path_of_module(m))
-            except NameError:  # built inside forward: not part of the model's tree
-                pass
-            return super().call_module(m, forward, args, kwargs)
-
+    # the plain tracer (no subclass: every qdsl tracer lives in qdsl/patch/trace.py, which this
+    # torch-free layer cannot import): torch.nn layers stay call_module nodes, in call order
     try:
-        _Recorder().trace(model)
+        graph = torch.fx.Tracer().trace(model)
     except Exception as exc:  # noqa: BLE001 - fx raises many types (TraceError, TypeError, ...)
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         why = f"{type(exc).__name__}: {first}"[:200]
         return None, f"torch.fx cannot trace {type(model).__name__} ({why}); positions use registration order"
+    # the root runs first (fx calls its forward, not call_module)
+    calls = [""] + [str(n.target) for n in graph.nodes if n.op == "call_module"]
     return tuple(calls), ""
