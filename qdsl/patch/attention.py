@@ -31,7 +31,6 @@ other than ``embed_dim`` (separate q/k/v weights), ``add_bias_kv``, ``add_zero_a
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any, Callable
 
@@ -39,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qdsl.patch.computed import ComputedPatch
 from qdsl.patch.handle import proxy_key
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
@@ -120,7 +120,7 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
     return out, (probs.mean(dim=1) if average_attn_weights else probs)
 
 
-class AttentionPatch:
+class AttentionPatch(ComputedPatch):
     """See the module docstring."""
 
     def __init__(self, handle, plan: LayerPlan, module: nn.MultiheadAttention, make: Callable[[Role, str], Any]):
@@ -150,21 +150,8 @@ class AttentionPatch:
         self._stash: list[Any] = []
 
     # ----------------------------------------------------- LayerPatch's interface
-    def proxies(self) -> dict[Role, Any]:
-        """Empty: the one-proxy-per-role view does not fit; see :attr:`quantizers`."""
-        return {}
-
     def param_proxies(self) -> list[Any]:
         return [self.w[s] for s in SLICES] + [self.b[s] for s in SLICES]
-
-    def master(self, name: str) -> torch.Tensor | None:
-        return self.module._parameters.get(name)
-
-    def float_params(self) -> tuple[None, None]:
-        return None, None
-
-    def _cacheable(self, w, b) -> None:
-        return None
 
     def rows(self, name: str, s: str) -> torch.Tensor | None:
         """The ``s`` slice of ``in_proj_weight``/``in_proj_bias`` (``name``: weight, bias)."""
@@ -174,23 +161,6 @@ class AttentionPatch:
         e = int(self.module.embed_dim)
         i = SLICES.index(s)
         return t[i * e:(i + 1) * e]
-
-    def install(self) -> None:
-        m = self.module
-        self._hooks.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-        self._hooks.append(m.register_forward_hook(self._post, prepend=True))
-
-    def install_bn_skip(self) -> None:
-        pass
-
-    def uninstall(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._stash.clear()
-
-    def refresh_now(self) -> None:
-        pass  # nothing cached: the weights are fake-quantized on every forward
 
     def freeze(self) -> None:
         """Activations first, then weights, then biases (a derived scale needs both)."""
@@ -274,17 +244,3 @@ class AttentionPatch:
         empty = q.new_zeros((0, 1, e) if module.batch_first else (1, 0, e))
         return (empty, empty, empty), {"need_weights": False}
 
-    def _post(self, module, args, output):
-        return self._stash.pop()
-
-    # ---------------------------------------------------------- pickle, copy
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_stash"] = []
-        return state
-
-    def __deepcopy__(self, memo: dict) -> "AttentionPatch":
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
-        return new

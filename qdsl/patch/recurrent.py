@@ -32,13 +32,13 @@ Refused (E511 at apply): ``proj_size > 0`` (an LSTM with projections has a third
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
+from qdsl.patch.computed import ComputedPatch
 from qdsl.patch.handle import proxy_key
 from qdsl.patch.recurrent_math import GATES, DirParams, run_layers
 from qdsl.resolve.plan import LayerPlan
@@ -63,7 +63,7 @@ def _kind(module: nn.Module) -> str:
     return "RNN"
 
 
-class RecurrentPatch:
+class RecurrentPatch(ComputedPatch):
     """See the module docstring."""
 
     def __init__(self, handle, plan: LayerPlan, module: nn.Module, make: Callable[[Role, str], Any]):
@@ -105,40 +105,9 @@ class RecurrentPatch:
         self._stash: list[Any] = []
 
     # ----------------------------------------------------- LayerPatch's interface
-    def proxies(self) -> dict[Role, Any]:
-        """Empty: the one-proxy-per-role view does not fit; see :attr:`quantizers`."""
-        return {}
-
     def param_proxies(self) -> list[Any]:
         """Every weight and bias proxy, per layer and direction (None where absent)."""
         return self.w_ih + self.w_hh + self.b_ih + self.b_hh
-
-    def master(self, name: str) -> torch.Tensor | None:
-        return self.module._parameters.get(name)
-
-    def float_params(self) -> tuple[None, None]:
-        """No single ``weight``/``bias`` (the per-direction tensors are in ``quantizers``)."""
-        return None, None
-
-    def _cacheable(self, w, b) -> None:
-        return None
-
-    def install(self) -> None:
-        m = self.module
-        self._hooks.append(m.register_forward_pre_hook(self._pre, with_kwargs=True))
-        self._hooks.append(m.register_forward_hook(self._post, prepend=True))
-
-    def install_bn_skip(self) -> None:
-        pass
-
-    def uninstall(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
-        self._stash.clear()
-
-    def refresh_now(self) -> None:
-        pass  # nothing cached: the weights are fake-quantized on every forward
 
     def freeze(self) -> None:
         """Activations first, then weights, then biases (a derived scale needs both)."""
@@ -258,20 +227,6 @@ class RecurrentPatch:
             empty = x.new_zeros((0, 1, x.shape[-1]) if module.batch_first else (1, 0, x.shape[-1]))
         return (empty,), {}
 
-    def _post(self, module, args, output):
-        return self._stash.pop()
-
-    # ---------------------------------------------------------- pickle, copy
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_stash"] = []
-        return state
-
-    def __deepcopy__(self, memo: dict) -> "RecurrentPatch":
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        new.__dict__.update(copy.deepcopy(self.__getstate__(), memo))
-        return new
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
