@@ -31,6 +31,7 @@ other than ``embed_dim`` (separate q/k/v weights), ``add_bias_kv``, ``add_zero_a
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -39,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.computed import ComputedPatch
-from qdsl.patch.handle import proxy_key
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Role
@@ -124,30 +124,15 @@ class AttentionPatch(ComputedPatch):
     """See the module docstring."""
 
     def __init__(self, handle, plan: LayerPlan, module: nn.MultiheadAttention, make: Callable[[Role, str], Any]):
-        self.handle = handle
-        self.fqn = plan.fqn
-        self.plan = plan
-        self.module = module
-        # LayerPatch's one-proxy-per-role slots stay empty (generic weight code skips it);
         # the tracer treats the module as a leaf and export lowers it (qdsl.export.lower_mha)
-        self.wq = self.bq = self.iq = self.oq = None
-        self.bn = self.bn_fqn = None
-        self.quantizers: dict[str, Any] = {}
-
-        def proxy(role: Role, suffix: str) -> Any:
-            q = make(role, suffix)
-            if q is not None:
-                self.quantizers[proxy_key(self.fqn, role) + suffix] = q
-            return q
-
+        super().__init__(handle, plan, module)
+        proxy = functools.partial(self._proxy, make)
         has_bias = module.in_proj_bias is not None
         self.w = {s: proxy(Role.WEIGHT, f"_{s}") for s in SLICES}
         self.b = {s: proxy(Role.BIAS, f"_{s}") if has_bias else None for s in SLICES}
         self.iq_all = proxy(Role.INPUT, "")
         self.acts = {r: proxy(r, "") for r in ACT_ROLES}
         self.out = proxy(Role.OUTPUT, "")
-        self._hooks: list[Any] = []
-        self._stash: list[Any] = []
 
     # ----------------------------------------------------- LayerPatch's interface
     def param_proxies(self) -> list[Any]:

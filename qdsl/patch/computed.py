@@ -15,9 +15,11 @@ they share.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from qdsl.patch.handle import proxy_key
 
 __all__ = ["ComputedPatch"]
 
@@ -26,9 +28,27 @@ class ComputedPatch:
     """Base of :class:`~qdsl.patch.recurrent.RecurrentPatch` and
     :class:`~qdsl.patch.attention.AttentionPatch` (see the module docstring)."""
 
-    module: Any
-    _hooks: list[Any]
-    _stash: list[Any]
+    def __init__(self, handle, plan: Any, module: Any):
+        self.handle = handle
+        self.fqn = plan.fqn
+        self.plan = plan
+        self.module = module
+        # LayerPatch's one-proxy-per-role slots stay empty, so generic weight code skips the
+        # layer: it has one proxy per tensor instead (``quantizers``, made by ``_proxy``)
+        self.wq = self.bq = self.iq = self.oq = None
+        self.bn = self.bn_fqn = None
+        self.quantizers: dict[str, Any] = {}
+        self._hooks: list[Any] = []
+        self._stash: list[Any] = []
+
+    def _proxy(self, make: Callable[[Any, str], Any], role: Any, suffix: str) -> Any:
+        """The proxy ``make`` gives for ``role`` (None: not quantized), kept in ``quantizers``
+        under its key plus ``suffix`` (one per layer/direction, q/k/v block...).  ``make`` is
+        apply's closure: passed, not kept, so the patch stays picklable."""
+        q = make(role, suffix)
+        if q is not None:
+            self.quantizers[proxy_key(self.fqn, role) + suffix] = q
+        return q
 
     def proxies(self) -> dict:
         """Empty: the one-proxy-per-role view does not fit; see ``quantizers``."""

@@ -32,6 +32,7 @@ Refused (E511 at apply): ``proj_size > 0`` (an LSTM with projections has a third
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -39,7 +40,6 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from qdsl.patch.computed import ComputedPatch
-from qdsl.patch.handle import proxy_key
 from qdsl.patch.recurrent_math import GATES, DirParams, run_layers
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
@@ -67,28 +67,14 @@ class RecurrentPatch(ComputedPatch):
     """See the module docstring."""
 
     def __init__(self, handle, plan: LayerPlan, module: nn.Module, make: Callable[[Role, str], Any]):
-        self.handle = handle
-        self.fqn = plan.fqn
-        self.plan = plan
-        self.module = module
-        # a LayerPatch's one-proxy-per-role slots: a recurrent layer has one proxy per
-        # layer and direction instead (``quantizers``), so generic weight code skips it
-        self.wq = self.bq = self.iq = self.oq = None
-        self.bn = self.bn_fqn = None
+        super().__init__(handle, plan, module)
         self.kind = _kind(module)
         self.cell = isinstance(module, nn.RNNCellBase)
         self.layers = 1 if self.cell else int(module.num_layers)
         self.dirs = 2 if getattr(module, "bidirectional", False) else 1
         self.suffixes = [""] if self.cell else [
             f"_l{layer}{'_reverse' if d else ''}" for layer in range(self.layers) for d in range(self.dirs)]
-        self.quantizers: dict[str, Any] = {}
-
-        def proxy(role: Role, suffix: str) -> Any:
-            q = make(role, suffix)
-            if q is not None:
-                self.quantizers[proxy_key(self.fqn, role) + suffix] = q
-            return q
-
+        proxy = functools.partial(self._proxy, make)
         self.inputs = [proxy(Role.INPUT, "" if layer == 0 else f"_l{layer}") for layer in range(self.layers)]
         self.w_ih = [proxy(Role.WEIGHT_IH, s) for s in self.suffixes]
         self.w_hh = [proxy(Role.WEIGHT_HH, s) for s in self.suffixes]
@@ -101,8 +87,6 @@ class RecurrentPatch(ComputedPatch):
         # granularity = gate: the proxy is per channel over the weight viewed as (gates, rows·cols)
         self.gated = {r: (q := plan.roles.get(r)) is not None and q.granularity.kind is GranularityKind.GATE
                       for r in (Role.WEIGHT_IH, Role.WEIGHT_HH)}
-        self._hooks: list[Any] = []
-        self._stash: list[Any] = []
 
     # ----------------------------------------------------- LayerPatch's interface
     def param_proxies(self) -> list[Any]:
