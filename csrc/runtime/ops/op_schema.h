@@ -87,7 +87,7 @@ inline constexpr AttrSchema kResizeAttrs[] = {{"size", kAttrInts}, {"index", kAt
 inline constexpr AttrSchema kLutChannelAttrs[] = {{"table", kAttrInts}};
 inline constexpr AttrSchema kMatmulAttrs[] = {{"in_zp", kAttrInts}, {"a_perm", kAttrInts}, {"b_perm", kAttrInts}, {"out_perm", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kSoftmaxAttrs[] = {{"table", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
-inline constexpr AttrSchema kLayernormAttrs[] = {{"gamma", kAttrInts}, {"beta", kAttrInts}, {"eps", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kLayernormAttrs[] = {{"in_zp", kAttrInts}, {"in_kind", kAttrInts}, {"in_multiplier", kAttrInts}, {"in_shift", kAttrInts}, {"in_rounding", kAttrInts}, {"gamma", kAttrInts}, {"beta", kAttrInts}, {"eps", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kQuantizeDynamicAttrs[] = {{"qmin", kAttrInt}, {"qmax", kAttrInt}, {"symmetric", kAttrInt}, {"per_row", kAttrInt}, {"rounding", kAttrInt}};
 inline constexpr AttrSchema kLinearDynamicAttrs[] = {{"w_scale", kAttrInts}, {"bias", kAttrInts}, {"relu", kAttrInt}};
@@ -123,7 +123,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
     {"MATMUL", 2, 2, false, kMatmulAttrs, 11, 1},
     {"SOFTMAX", 1, 1, false, kSoftmaxAttrs, 8, 1},
-    {"LAYERNORM", 1, 1, false, kLayernormAttrs, 10, 1},
+    {"LAYERNORM", 1, 2, false, kLayernormAttrs, 15, 1},
     {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8, 1},
     {"QUANTIZE_DYNAMIC", 1, 1, false, kQuantizeDynamicAttrs, 5, 2},
     {"LINEAR_DYNAMIC", 3, 3, false, kLinearDynamicAttrs, 3, 1},
