@@ -34,6 +34,8 @@ import torch
 import torch.fx
 from torch import nn
 
+from qdsl.patch.example_trace import ExampleTracing, unwrapped_forward
+
 __all__ = ["ModelTrace", "trace_model", "trace_graph", "MarkingTracer", "quantizer_mark"]
 
 # torch.nn classes traced through rather than kept as leaves: their forward guards a fused
@@ -74,14 +76,29 @@ def _drop_concrete(graph: torch.fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def trace_graph(tracer: torch.fx.Tracer, model: nn.Module, concrete: dict[str, Any] | None = None) -> torch.fx.Graph:
+def trace_graph(tracer: torch.fx.Tracer, model: nn.Module, concrete: dict[str, Any] | None = None,
+                examples: dict[str, Any] | None = None) -> torch.fx.Graph:
     """``tracer.trace(model)``, through the classes of ``_TRANSPARENT`` (root or not).
     ``concrete``: the caller's forward parameters specialized to a non-tensor value (export's
-    unset or ``None`` inputs), on top of the ones a known root class needs."""
+    unset or ``None`` inputs), on top of the ones a known root class needs.  ``examples``
+    (forward parameter -> example value; an :class:`ExampleTracing` tracer): when the plain
+    trace fails, trace again with the example's values and concrete shapes, through a
+    ``**kwargs`` forward decorator (:mod:`qdsl.patch.example_trace`); its error is the one
+    raised if that fails too."""
     known = next((c for t, c in _CONCRETE.items() if isinstance(model, t)), None)
     merged = {**(known or {}), **(concrete or {})}
     with _slow_paths():
-        graph = tracer.trace(model, concrete_args=merged or None)
+        try:
+            graph = tracer.trace(model, concrete_args=merged or None)
+        except Exception:
+            if examples is None or not isinstance(tracer, ExampleTracing):
+                raise
+            tracer.examples = examples
+            try:
+                with unwrapped_forward(model) as extra:
+                    graph = tracer.trace(model, concrete_args={**merged, **extra} or None)
+            finally:
+                tracer.examples = None
     if known is not None:
         _drop_concrete(graph)
     return graph
@@ -109,7 +126,7 @@ class ModelTrace:
         return not any(".".join(parts[:i]) in self.leaves for i in range(1, len(parts)))
 
 
-class _CountingTracer(torch.fx.Tracer):
+class _CountingTracer(ExampleTracing, torch.fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = {"": 1}
@@ -127,12 +144,14 @@ class _CountingTracer(torch.fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-def trace_model(model: nn.Module, concrete: dict[str, Any] | None = None) -> ModelTrace:
+def trace_model(model: nn.Module, concrete: dict[str, Any] | None = None,
+                examples: dict[str, Any] | None = None) -> ModelTrace:
     """Trace ``model`` with torch.fx (default leaves); never raises for an untraceable model.
-    ``concrete``: forward parameters specialized to a value (export's unset inputs)."""
+    ``concrete``: forward parameters specialized to a value (export's unset inputs);
+    ``examples``: see :func:`trace_graph`."""
     tracer = _CountingTracer()
     try:
-        graph = trace_graph(tracer, model, concrete)
+        graph = trace_graph(tracer, model, concrete, examples)
     except Exception as exc:  # noqa: BLE001 - fx raises many types (TraceError, TypeError, ...)
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ModelTrace(type(model).__name__, None, error=f"{type(exc).__name__}: {msg}"[:300])
@@ -146,7 +165,7 @@ def quantizer_mark(x, fqn: str, role: str):
     return x
 
 
-class MarkingTracer(torch.fx.Tracer):
+class MarkingTracer(ExampleTracing, torch.fx.Tracer):
     """Export's variant: bypasses hooks; inserts :func:`quantizer_mark` nodes for the
     patched input/output quantizers of ``handle`` (a ``qdsl.patch`` handle)."""
 
