@@ -133,6 +133,8 @@ class _Lowerer:
         self.env: dict[torch.fx.Node, Any] = {}
         self.input_names: list[str] = []
         self.input_shapes: dict[str, tuple[int, ...]] = {}
+        self.input_dtypes: dict[str, torch.dtype] = {}
+        """The example's dtype per graph input (a bool one is a mask)."""
         self._placeholders = 0
 
     # ---------------------------------------------------------------- helpers
@@ -320,9 +322,10 @@ class _Lowerer:
             return example
         base = "input" if len(self.call.tensor_params) == 1 else param
         shape = self.shape(node)
-        if not example.is_floating_point():  # token ids: an I32 input only an embedding lookup reads
+        if not example.is_floating_point():  # token ids or a bool mask: an I32 input (EMBEDDING, SOFTMAX_MASKED)
             name = self.b.tensor(base, DType.I32, shape)
             self.input_names.append(name)
+            self.input_dtypes[name] = example.dtype
             return IdsVal(f"<input {param}>" if base != "input" else "<input>", shape, name)
         name = self.b.tensor(base, DType.F32, shape)
         self.input_names.append(name)

@@ -11,7 +11,9 @@ layer normalization (LAYERNORM), with the transposes that feed a product.
   by ``s_a · s_b · c / s_out`` when the next quantizer is known, ``c`` a positive
   constant factor folded in (attention's ``/ sqrt(d)``).
 * Softmax along the last axis reads an 8-bit value and lands on the next quantizer's grid
-  through an exact exp table (:mod:`qdsl.graph.ops.softmax`).
+  through an exact exp table (:mod:`qdsl.graph.ops.softmax`); with masks (:class:`MaskInput`:
+  a key or attention mask, a graph input or a constant) it is SOFTMAX_MASKED
+  (:mod:`qdsl.graph.ops.softmax_masked`), masked positions at probability exactly 0.
 * LayerNorm over the last axis reads an 8-bit value, or - when its input is not quantized -
   the residual sum it normalizes at a wide int32 grid: a layer's accumulator plus a
   quantized value (BERT's ``LayerNorm(dense(h) + x)``) or a quantized value plus a constant
@@ -36,8 +38,8 @@ from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
 from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, SOFTMAX_TABLE_BITS
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 
-__all__ = ["View", "MatmulPending", "permute_value", "matmul_pending", "scale_pending", "softmax_pending",
-           "layernorm_pending"]
+__all__ = ["View", "MatmulPending", "MaskInput", "permute_value", "matmul_pending", "scale_pending",
+           "softmax_pending", "layernorm_pending"]
 
 
 @attrs.frozen
@@ -158,12 +160,34 @@ def softmax_table(scale: float) -> tuple[int, ...]:
     return tuple(int(math.floor(one * math.exp(scale * (i - 255)) + 0.5)) for i in range(256))
 
 
-def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...]) -> Pending:
-    """Softmax of the quantized ``x`` along ``dim`` (the last axis only)."""
+@attrs.frozen
+class MaskInput:
+    """A mask a softmax reads (SOFTMAX_MASKED, docs/qgraph.md §4.4): the graph tensor ``name``
+    (an I32/I8/U8/F32 graph input, an activation, or a constant the lowering added with
+    ``Builder.tensor(..., data=...)``), where it sits on the scores (``dims``: per scores
+    axis the mask dim indexing it, or -1 to broadcast) and which values attend (``attend``
+    1: nonzero attends, Hugging Face's ``attention_mask``; 0: zero attends, torch's bool
+    masks and additive F32 0/-inf masks)."""
+
+    name: str
+    dims: tuple[int, ...]
+    attend: int
+
+
+def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...], masks: Sequence[MaskInput] = ()) -> Pending:
+    """Softmax of the quantized ``x`` along ``dim`` (the last axis only); with one or two
+    ``masks``, over the positions they keep (SOFTMAX_MASKED)."""
     v = _need_int8(where, "softmax", x)
     if dim not in (-1, len(v.shape) - 1):
         raise ExportError(where, f"softmax along dim {dim} has no integer lowering (the last axis only)",
                           "move the axis last (transpose) before the softmax")
+    masks = tuple(masks)
+    if len(masks) > 2:
+        raise ExportError(where, f"a softmax with {len(masks)} masks has no integer lowering (at most 2)")
+    for mk in masks:
+        if len(mk.dims) != len(v.shape):
+            raise ExportError(where, f"mask {mk.name!r} is placed on {len(mk.dims)} axes, the scores have "
+                                     f"{len(v.shape)}")
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         if t.dtype not in (DType.I8, DType.U8):
@@ -171,7 +195,11 @@ def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...]) -> Pen
         rescale = make_rescale(2.0**-SOFTMAX_FRAC_BITS / t.scale, t.rounding, single=bld.single_rounding)
         out_min, out_max = t.clamp_codes(lo, hi)
         a = dict(table=softmax_table(v.scale), **rescale.attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
-        return bld.op(OpType.SOFTMAX, where, [v.name], t.dtype, shape, a, out=f"{where}:softmax"), shape
+        if not masks:
+            return bld.op(OpType.SOFTMAX, where, [v.name], t.dtype, shape, a, out=f"{where}:softmax"), shape
+        a.update(mask_dims=tuple(d for mk in masks for d in mk.dims), mask_attend=tuple(mk.attend for mk in masks))
+        return bld.op(OpType.SOFTMAX_MASKED, where, [v.name] + [mk.name for mk in masks], t.dtype, shape, a,
+                      out=f"{where}:softmax"), shape
 
     return Pending("softmax", where, shape, emit)
 

