@@ -34,6 +34,13 @@ def _frozen(model, batch):
     return model
 
 
+def _int8_spec():
+    """specs/transformer-int8.qspec plus rules for the attention's q/k/v and nn.Softmax."""
+    from tests.export.test_bert_export import _spec
+
+    return _spec()
+
+
 def test_tiny_bert_traces_past_the_buffer_slices_and_stops_at_the_mask():
     # position/token-type ids sliced from a buffer by the input's length: the example-carrying
     # trace folds them (they stopped fx before, at 'embeddings'); export now stops at the
@@ -50,12 +57,6 @@ def test_tiny_bert_traces_past_the_buffer_slices_and_stops_at_the_mask():
     assert ei.value.where == "encoder.layer.0.attention.self"
     text = str(ei.value)
     assert "softmax" in text and "'+'" in text
-
-
-def _int8_spec():
-    from tests.export.test_bert_export import _spec
-
-    return _spec()
 
 
 def test_hf_bert_traces_and_stops_at_the_functional_softmax():
