@@ -20,10 +20,13 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
   QDSL_RETURN_IF_ERROR(ResolvePath(path, &chosen));
   if (g->planned_batch != batch) {
     g->buffers.assign(g->tensors.size(), {});
+    std::vector<char> is_input(g->tensors.size(), 0);
+    for (uint32_t t : g->inputs) is_input[t] = 1;
     for (size_t t = 0; t < g->tensors.size(); ++t) {
       const GraphTensor& ts = g->tensors[t];
       if (ts.is_constant) continue;
-      QDSL_CHECK_ARG(ts.dims[0] == -1 || ts.dims[0] == batch, "batch %lld does not match tensor '%s' (batch %lld)",
+      // a graph input declared with a static first dim (an attention mask (L, S)) is not batched
+      QDSL_CHECK_ARG(ts.dims[0] == -1 || ts.dims[0] == batch || is_input[t], "batch %lld does not match tensor '%s' (batch %lld)",
                      (long long)batch, ts.name.c_str(), (long long)ts.dims[0]);
       const int64_t n = Numel(ShapeFor(ts, batch));
       QDSL_CHECK(n <= (int64_t{1} << 34), StatusCode::kInvalidArgument, "tensor '%s' too large for batch %lld",

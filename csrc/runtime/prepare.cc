@@ -149,8 +149,8 @@ Status PrepareGraph(Graph* g) {
   const int n_tensors = static_cast<int>(g->tensors.size());
   std::vector<char> ready(n_tensors, 0);
   for (int i = 0; i < n_tensors; ++i) ready[i] = g->tensors[i].is_constant;
-  // I32 graph inputs are token ids: only EMBEDDING reads them, as its first input (other
-  // ops take I32 activations as accumulators)
+  // I32 graph inputs are token ids or masks: only EMBEDDING reads them, as its first input,
+  // and SOFTMAX_MASKED, after its first (other ops take I32 activations as accumulators)
   std::vector<char> ids(n_tensors, 0);
   for (uint32_t t : g->inputs) {
     const GraphTensor& in = g->tensors[t];
@@ -169,8 +169,9 @@ Status PrepareGraph(Graph* g) {
              sc.n_outputs);
     for (uint32_t t : op.inputs) OP_CHECK(ready[t], "input '%s' is not produced before this op", g->tensors[t].name.c_str());
     for (int k = 0; k < n_in; ++k)
-      OP_CHECK(!ids[op.inputs[k]] || (k == 0 && op.opcode == kEmbedding),
-               "input '%s' is an I32 graph input (token ids), which only EMBEDDING reads (as its first input)",
+      OP_CHECK(!ids[op.inputs[k]] || (k == 0 && op.opcode == kEmbedding) || (k > 0 && op.opcode == kSoftmaxMasked),
+               "input '%s' is an I32 graph input (token ids), which only EMBEDDING reads (as its first input), "
+               "or a mask, which only SOFTMAX_MASKED reads (after its first input)",
                g->tensors[op.inputs[k]].name.c_str());
     const uint32_t out_index = op.outputs[0];
     GraphTensor& out = g->tensors[out_index];

@@ -8,8 +8,8 @@ Example input (``qdsl.export(model, example)``):
 * a dict is keyword inputs: ``export(m, {"input_ids": ids, "attention_mask": mask})``.
 
 Parameters given a tensor become graph inputs, in ``forward``'s parameter order; a float
-tensor an F32 input, an integer one (token ids) an I32 input.  Parameters not given (they
-have defaults) and parameters given a non-tensor (``None``, a Python number) are
+tensor an F32 input, an integer one (token ids) or a bool one (a mask) an I32 input.
+Parameters not given (they have defaults) and parameters given a non-tensor (``None``, a Python number) are
 specialized: the trace uses that value (fx ``concrete_args``), so ``if mask is None``
 takes the branch the example takes.  A graph with one input calls it ``input``; with
 several, each is named after its ``forward`` parameter (the names ``run_graph`` accepts
@@ -103,14 +103,15 @@ def bind_example(model: nn.Module, example: Any, single_leaf: bool = False) -> E
     for p, v in zip(params, values):
         if isinstance(v, torch.Tensor) and not (v.is_floating_point() or _is_int(v)):
             raise ExportError("", f"input '{p}' has dtype {v.dtype}",
-                              "graph inputs are float tensors or integer token ids")
+                              "graph inputs are float tensors, integer token ids or bool masks")
     if not any(isinstance(v, torch.Tensor) for v in values):
         raise ExportError("", "the example input holds no tensor", "pass the model's input tensor(s)")
     return ExampleCall(tuple(params), tuple(values))
 
 
 def _is_int(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+    # bool: a mask (an I32 input of 0/1 that only SOFTMAX_MASKED reads)
+    return t.dtype in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool)
 
 
 def output_names(result: Any, where: str = "") -> list[tuple[str, Any]]:

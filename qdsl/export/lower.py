@@ -50,7 +50,8 @@ from qdsl.export.lower_dynamic import DynIn, DynOut, dynamic_input
 from qdsl.export.lower_layers import act_target, wide
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
-from qdsl.export.values import Builder, ExportError, FloatVal, IdsVal, Pending, QVal, Target
+from qdsl.export.values import Builder, ConstVal, ExportError, FloatVal, IdsVal, OffsetVal, Pending, QVal, Target
+from qdsl.patch.example_trace import tensor_constant
 from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.export.lower_mha import lower_attention
 from qdsl.patch.attention import is_attention
@@ -77,7 +78,8 @@ class _ShapeRecorder(torch.fx.Interpreter):
         return self.module if target == "" else super().fetch_attr(target)  # the model is the layer
 
 
-def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = None) -> torch.fx.Graph:
+def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = None,
+                    examples: dict[str, Any] | None = None) -> torch.fx.Graph:
     """The model's fx graph with explicit quantizer markers (see module doc); its module
     targets are paths in ``model`` (``""`` when the model itself is the one layer).
     ``concrete``: forward parameters specialized to a non-tensor value (fx concrete_args)."""
@@ -93,7 +95,7 @@ def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = 
         graph.output(call)
         return graph
     try:
-        return trace_graph(tracer, model, concrete)
+        return trace_graph(tracer, model, concrete, examples)
     except Exception as exc:  # fx raises many types for untraceable code
         where, stmt = trace_failure(model, exc)
         at = f" ({stmt})" if stmt else ""
@@ -131,6 +133,8 @@ class _Lowerer:
         self.env: dict[torch.fx.Node, Any] = {}
         self.input_names: list[str] = []
         self.input_shapes: dict[str, tuple[int, ...]] = {}
+        self.input_dtypes: dict[str, torch.dtype] = {}
+        """The example's dtype per graph input (a bool one is a mask)."""
         self._placeholders = 0
 
     # ---------------------------------------------------------------- helpers
@@ -148,6 +152,13 @@ class _Lowerer:
         if proxy.dynamic:  # a Linear's run-time quantized input (lower_dynamic.py)
             return dynamic_input(self, value, fqn, role, proxy, self.modules.get(fqn))
         t = act_target(proxy, f"{fqn or '<model>'}:{role}")
+        if isinstance(value, ConstVal):  # a constant stays one: its fake-quant value
+            with torch.no_grad():
+                return ConstVal(value.origin, proxy(value.value))
+        if isinstance(value, OffsetVal):
+            raise ExportError(fqn, f"the {role} quantizer reads an activation plus a constant ('{value.origin}': "
+                                   "position/token-type embeddings at the exported length), which has no integer op",
+                              "leave this input unquantized: a LayerNorm reads the sum at a wide grid itself")
         if isinstance(value, DynOut):  # a dynamic Linear's F32 result, quantized statically
             value = value.materialize()
         if isinstance(value, Pending):
@@ -197,6 +208,14 @@ class _Lowerer:
         fqn, x = node.target, args[0] if args else None
         if is_attention(m):  # returns (output, weights): the tuple an `[0]` reads
             return lower_attention(self, node, m, args, kwargs or {})
+        tensors = [a for a in args if not isinstance(a, (int, float, bool, str, type(None)))]
+        if tensors and all(isinstance(a, ConstVal) for a in tensors) and not kwargs:
+            # a module reading only constants (the position/token-type lookup at the exported
+            # length): fold it, its weight fake-quantized as in the model (m.forward: no hooks;
+            # its quantizer markers apply around this call)
+            with torch.no_grad():
+                out = m.forward(*[a.value if isinstance(a, ConstVal) else a for a in args])
+            return ConstVal(fqn, out)
         if is_recurrent(m):
             # before shape(): a recurrent layer returns a tuple, and the reason is the op
             raise ExportError(fqn, f"nn.{type(m).__name__} has no integer lowering yet (the graph has no "
@@ -228,6 +247,8 @@ class _Lowerer:
             return self.quantize(args[0], args[1], args[2])
         if fn is _ASSERT_IS_NONE and fn is not None:
             return None
+        if fn is tensor_constant:  # computed from buffers at the example's sizes (example_trace.py)
+            return ConstVal(where or "<model>", args[0].value)
         construct = _FUNCTION_RULES.get(fn)
         rule = FUNCTION_RULES.get(construct.lowering) if construct is not None else None
         if rule is not None:
@@ -301,9 +322,10 @@ class _Lowerer:
             return example
         base = "input" if len(self.call.tensor_params) == 1 else param
         shape = self.shape(node)
-        if not example.is_floating_point():  # token ids: an I32 input only an embedding lookup reads
+        if not example.is_floating_point():  # token ids or a bool mask: an I32 input (EMBEDDING, SOFTMAX_MASKED)
             name = self.b.tensor(base, DType.I32, shape)
             self.input_names.append(name)
+            self.input_dtypes[name] = example.dtype
             return IdsVal(f"<input {param}>" if base != "input" else "<input>", shape, name)
         name = self.b.tensor(base, DType.F32, shape)
         self.input_names.append(name)
@@ -330,12 +352,13 @@ class _Lowerer:
                          {"scale": value.scale, "zero_point": value.zp}, out=out, exact=True)
 
 
-def _refuse_unplaced(model: nn.Module, handle, concrete: dict[str, Any] | None = None) -> None:
+def _refuse_unplaced(model: nn.Module, handle, concrete: dict[str, Any] | None = None,
+                     examples: dict[str, Any] | None = None) -> None:
     """Refuse, before lowering, a model where an integer op reads a value no module returns to
     carry its quantizer (``y * torch.sigmoid(y)``): the walk that places implied quantizers
     decides it (:mod:`qdsl.patch.unplaced`), on the eval-mode trace export lowers (a training-only
     branch, stochastic depth's ``x * noise``, is not exported); lint reports the same records as W321."""
-    unplaced = analyse_operands(model, trace_model(model, concrete), handle.plan).unplaced
+    unplaced = analyse_operands(model, trace_model(model, concrete, examples), handle.plan).unplaced
     if unplaced:
         raise ExportError(unplaced[0].where, unplaced[0].message, unplaced[0].hint)
 
@@ -376,8 +399,9 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     modes = {m: m.training for m in model.modules()}
     model.eval()
     try:
-        _refuse_unplaced(model, handle, call.concrete)
-        graph_fx = trace_quantized(model, handle, call.concrete)
+        examples = dict(zip(call.params, values))
+        _refuse_unplaced(model, handle, call.concrete, examples)
+        graph_fx = trace_quantized(model, handle, call.concrete, examples)
         with torch.no_grad():  # the graph's targets are the model's own submodules (as a GraphModule's would be)
             _ShapeRecorder(model, graph=graph_fx).run(*values)
         lowerer = _Lowerer(model, handle, graph_fx, requant == "single", call)

@@ -11,9 +11,14 @@ layer normalization (LAYERNORM), with the transposes that feed a product.
   by ``s_a · s_b · c / s_out`` when the next quantizer is known, ``c`` a positive
   constant factor folded in (attention's ``/ sqrt(d)``).
 * Softmax along the last axis reads an 8-bit value and lands on the next quantizer's grid
-  through an exact exp table (:mod:`qdsl.graph.ops.softmax`).
-* LayerNorm over the last axis reads an 8-bit value; its affine weight becomes 14-bit
-  codes and its bias accumulator units (:mod:`qdsl.graph.ops.layernorm`).
+  through an exact exp table (:mod:`qdsl.graph.ops.softmax`); with masks (:class:`MaskInput`:
+  a key or attention mask, a graph input or a constant) it is SOFTMAX_MASKED
+  (:mod:`qdsl.graph.ops.softmax_masked`), masked positions at probability exactly 0.
+* LayerNorm over the last axis reads an 8-bit value, or - when its input is not quantized -
+  the residual sum it normalizes at a wide int32 grid: a layer's accumulator plus a
+  quantized value (BERT's ``LayerNorm(dense(h) + x)``) or a quantized value plus a constant
+  (the word embedding plus the position and token-type embeddings); its affine weight
+  becomes 14-bit codes and its bias accumulator units (:mod:`qdsl.graph.ops.layernorm`).
 """
 
 from __future__ import annotations
@@ -25,15 +30,16 @@ import attrs
 import numpy as np
 
 from qdsl.export.lower_mul import int8_operand
-from qdsl.export.values import Builder, ExportError, Pending, QVal, Target
-from qdsl.graph.ir import DType, OpType
-from qdsl.graph.ops.layernorm import BETA_MAX, GAMMA_MAX, LN_FRAC_BITS
+from qdsl.export.lower_layers import AddPending
+from qdsl.export.values import Builder, ExportError, OffsetVal, Pending, QVal, Target
+from qdsl.graph.ir import DType, OpType, Rescale, RescaleKind, Rounding
+from qdsl.graph.ops.layernorm import BETA_MAX, GAMMA_MAX, LN_FRAC_BITS, WIDE_MAX_N
 from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
 from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, SOFTMAX_TABLE_BITS
-from qdsl.graph.requant import make_rescale
+from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 
-__all__ = ["View", "MatmulPending", "permute_value", "matmul_pending", "scale_pending", "softmax_pending",
-           "layernorm_pending"]
+__all__ = ["View", "MatmulPending", "MaskInput", "permute_value", "matmul_pending", "scale_pending",
+           "softmax_pending", "layernorm_pending"]
 
 
 @attrs.frozen
@@ -154,12 +160,34 @@ def softmax_table(scale: float) -> tuple[int, ...]:
     return tuple(int(math.floor(one * math.exp(scale * (i - 255)) + 0.5)) for i in range(256))
 
 
-def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...]) -> Pending:
-    """Softmax of the quantized ``x`` along ``dim`` (the last axis only)."""
+@attrs.frozen
+class MaskInput:
+    """A mask a softmax reads (SOFTMAX_MASKED, docs/qgraph.md §4.4): the graph tensor ``name``
+    (an I32/I8/U8/F32 graph input, an activation, or a constant the lowering added with
+    ``Builder.tensor(..., data=...)``), where it sits on the scores (``dims``: per scores
+    axis the mask dim indexing it, or -1 to broadcast) and which values attend (``attend``
+    1: nonzero attends, Hugging Face's ``attention_mask``; 0: zero attends, torch's bool
+    masks and additive F32 0/-inf masks)."""
+
+    name: str
+    dims: tuple[int, ...]
+    attend: int
+
+
+def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...], masks: Sequence[MaskInput] = ()) -> Pending:
+    """Softmax of the quantized ``x`` along ``dim`` (the last axis only); with one or two
+    ``masks``, over the positions they keep (SOFTMAX_MASKED)."""
     v = _need_int8(where, "softmax", x)
     if dim not in (-1, len(v.shape) - 1):
         raise ExportError(where, f"softmax along dim {dim} has no integer lowering (the last axis only)",
                           "move the axis last (transpose) before the softmax")
+    masks = tuple(masks)
+    if len(masks) > 2:
+        raise ExportError(where, f"a softmax with {len(masks)} masks has no integer lowering (at most 2)")
+    for mk in masks:
+        if len(mk.dims) != len(v.shape):
+            raise ExportError(where, f"mask {mk.name!r} is placed on {len(mk.dims)} axes, the scores have "
+                                     f"{len(v.shape)}")
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         if t.dtype not in (DType.I8, DType.U8):
@@ -167,18 +195,60 @@ def softmax_pending(where: str, x: Any, dim: int, shape: tuple[int, ...]) -> Pen
         rescale = make_rescale(2.0**-SOFTMAX_FRAC_BITS / t.scale, t.rounding, single=bld.single_rounding)
         out_min, out_max = t.clamp_codes(lo, hi)
         a = dict(table=softmax_table(v.scale), **rescale.attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
-        return bld.op(OpType.SOFTMAX, where, [v.name], t.dtype, shape, a, out=f"{where}:softmax"), shape
+        if not masks:
+            return bld.op(OpType.SOFTMAX, where, [v.name], t.dtype, shape, a, out=f"{where}:softmax"), shape
+        a.update(mask_dims=tuple(d for mk in masks for d in mk.dims), mask_attend=tuple(mk.attend for mk in masks))
+        return bld.op(OpType.SOFTMAX_MASKED, where, [v.name] + [mk.name for mk in masks], t.dtype, shape, a,
+                      out=f"{where}:softmax"), shape
 
     return Pending("softmax", where, shape, emit)
 
 
+def _pow2_floor(v: float) -> float:
+    return math.ldexp(1.0, math.frexp(v)[1] - 1)
+
+
+OFFSET_FRACTION_BITS = 8
+"""Bits below the 8-bit grid of a LayerNorm's ``base + constant`` input kept by its wide grid."""
+
+
+def _wide_terms(where: str, x: Any) -> tuple[list, float] | None:
+    """The terms of a LayerNorm input read wide (a residual sum of a layer accumulator and a
+    quantized value, or a quantized value plus a constant) and their common grid ``s_t``, or
+    ``None`` for another value."""
+    if isinstance(x, AddPending) and not x.post and x.lo == -math.inf and x.hi == math.inf:
+        terms = list(x.args)
+        scales = [s for v in terms for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
+        # the accumulator's own grid (or finer): the sum is exact up to the requantization's rounding
+        return terms, _pow2_floor(float(min(scales)))
+    if isinstance(x, OffsetVal):
+        base, const = x.base, x.const.detach().double().numpy()
+        bound = max(abs(base.qmin - base.zp), abs(base.qmax - base.zp)) * base.scale + float(np.abs(const).max(initial=0))
+        s_t = _pow2_floor(base.scale) / 2**OFFSET_FRACTION_BITS
+        while bound / s_t >= 2**30:
+            s_t *= 2
+        return [base, const], s_t
+    return None
+
+
 def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weight, bias, eps: float,
                       shape: tuple[int, ...]) -> Pending:
-    """LayerNorm over the last axis of the quantized ``x`` (``weight``/``bias``: float arrays or None)."""
-    v = _need_int8(where, "LayerNorm", x)
+    """LayerNorm over the last axis (``weight``/``bias``: float arrays or None) of the
+    quantized ``x`` (the narrow form: one 8-bit input), or of a residual sum read wide: a
+    layer's accumulator plus a quantized value, or a quantized value plus a constant, each
+    brought to one int32 grid (LAYERNORM's wide form: two inputs)."""
     if len(normalized_shape) != 1:
         raise ExportError(where, f"LayerNorm over {len(normalized_shape)} dims has no integer lowering (the last only)")
     n = int(normalized_shape[0])
+    wide = _wide_terms(where, x)
+    if wide is None:
+        v = _need_int8(where, "LayerNorm", x)
+        terms, s_in = [v], v.scale
+    else:
+        terms, s_in = wide
+        if n > WIDE_MAX_N:
+            raise ExportError(where, f"a LayerNorm over {n} channels reading a wide residual sum has no integer "
+                                     f"lowering (at most {WIDE_MAX_N})", "quantize its input (`input = a8`)")
     gamma = np.ones(n) if weight is None else np.asarray(weight, dtype=np.float64).reshape(n)
     beta = np.zeros(n) if bias is None else np.asarray(bias, dtype=np.float64).reshape(n)
     s_gamma = float(np.abs(gamma).max()) / GAMMA_MAX or 1.0
@@ -186,9 +256,42 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
     # acc = Z·gamma + beta is the affine output in units of s_gamma·sqrt(N)/2^16 (ops/layernorm.py)
     unit = s_gamma * math.sqrt(n) / 2.0**LN_FRAC_BITS
     b_int = np.clip(np.rint(beta / unit), -BETA_MAX, BETA_MAX).astype(np.int64)
-    eps_int = int(round(n**3 * eps / (v.scale * v.scale)))
-    if n**3 * 255**2 + eps_int >= 2**62:
+    eps_int = int(round(n**3 * eps / (s_in * s_in)))
+    if wide is None and n**3 * 255**2 + eps_int >= 2**62:
         raise ExportError(where, f"LayerNorm over {n} channels with eps {eps} overflows the int64 variance sum")
+    if wide is not None and eps_int >= 2**61:
+        raise ExportError(where, f"LayerNorm eps {eps} at the input grid {s_in:.3g} overflows the int64 variance sum")
+
+    def inputs(bld: Builder, rounding) -> tuple[list[str], dict]:
+        names, zps, rescales = [], [], []
+        one = Rescale(RescaleKind.POT, [1], [0])
+        for v in terms:
+            if wide is None:
+                names.append(v.name)
+                zps.append(v.zp)
+                rescales.append(one)
+            elif isinstance(v, QVal):
+                names.append(v.name)
+                zps.append(v.zp)
+                try:
+                    rescales.append(make_rescale(v.scale / s_in, rounding, single=bld.single_rounding))
+                except ValueError as e:
+                    raise ExportError(where, f"the LayerNorm input rescale is out of range ({e})") from None
+            elif isinstance(v, Pending):
+                t32 = Target(s_in, 0, INT32_MIN, INT32_MAX, DType.I32, Rounding.HALF_AWAY, where)
+                names.append(v.materialize(bld, t32).name)
+                zps.append(0)
+                rescales.append(one)
+            else:  # the constant (1, ...) at the wide grid
+                codes = np.rint(v[:1] / s_in).astype(np.int64)
+                names.append(bld.tensor(f"{where}.offset", DType.I32, codes.shape, codes))
+                bld.info[names[-1]] = (s_in, 0)
+                zps.append(0)
+                rescales.append(one)
+        return names, dict(in_zp=tuple(zps), in_kind=tuple(int(r.kind) for r in rescales),
+                           in_multiplier=tuple(int(r.multiplier[0]) for r in rescales),
+                           in_shift=tuple(int(r.shift[0]) for r in rescales),
+                           in_rounding=tuple(int(r.rounding) for r in rescales))
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         if t.dtype not in (DType.I8, DType.U8):
@@ -198,8 +301,9 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
         except ValueError as e:
             raise ExportError(where, f"the LayerNorm requantization factor is out of range ({e})") from None
         out_min, out_max = t.clamp_codes(lo, hi)
-        a = dict(gamma=tuple(int(g) for g in g_int), beta=tuple(int(b) for b in b_int), eps=eps_int,
+        names, in_attrs = inputs(bld, t.rounding)
+        a = dict(in_attrs, gamma=tuple(int(g) for g in g_int), beta=tuple(int(b) for b in b_int), eps=eps_int,
                  **rescale.attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
-        return bld.op(OpType.LAYERNORM, where, [v.name], t.dtype, shape, a, out=f"{where}:layernorm"), shape
+        return bld.op(OpType.LAYERNORM, where, names, t.dtype, shape, a, out=f"{where}:layernorm"), shape
 
     return Pending("layernorm", where, shape, emit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 
+import attrs
 import numpy as np
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import NotExportable
 from qdsl.spec.model import Overflow
 
-__all__ = ["act_target", "layer_pending", "add_pending", "pool_pending", "concat_value", "weight_ints", "wide", "raw"]
+__all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints", "wide", "raw"]
 
 
 def act_target(proxy, where: str) -> Target:
@@ -280,6 +281,14 @@ def _settled(v, reuse):
     return v
 
 
+@attrs.define(eq=False)
+class AddPending(Pending):
+    """A residual add's result: its operands (quantized values or layer accumulators), so a
+    LayerNorm reads the sum at a wide grid instead (lower_attn.layernorm_pending)."""
+
+    args: tuple = ()
+
+
 def add_pending(where: str, a, b_, shape, reuse=None) -> Pending:
     """A residual add of two quantized values and/or layer results (docs/qgraph.md ADD).
 
@@ -324,7 +333,7 @@ def add_pending(where: str, a, b_, shape, reuse=None) -> Pending:
                       **_rescale(bld, s_t / t.scale, t.rounding, where).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(OpType.ADD, where, names, t.dtype, shape, attrs_, out=f"{where}:add"), shape
 
-    return Pending("add", where, shape, emit)
+    return AddPending("add", where, shape, emit, args=tuple(operands))
 
 
 def pool_pending(fqn: str, m: nn.Module, v: QVal, shape, scales: np.ndarray | None = None) -> Pending:

@@ -17,11 +17,20 @@ uses them); the head split is a RESHAPE and an operand permutation of the MATMUL
 MATMUL's output permutation and a RESHAPE.  The ``1/sqrt(head_dim)`` factor is folded
 into the first MATMUL's requantization.
 
-Refused with the module named: ``batch_first=False`` (the graph is batch first), a call
-with ``attn_mask``/``key_padding_mask``/``is_causal`` (masks need graph inputs besides the
-one the graph has), an internal activation without a quantizer, an attention-weights
-result that is read (``need_weights``).  Cross-attention (key/value other values computed
-from the one graph input, e.g. a memory) quantizes each with the ``input`` quantizer.
+Masks make the SOFTMAX a SOFTMAX_MASKED (:mod:`qdsl.graph.ops.softmax_masked`) reading them
+as they are: a ``key_padding_mask`` ``(N, S)`` graph input (bool: an I32 input of 0/1, True
+= masked; float: an F32 input, 0 or -inf) broadcast over heads and queries; an
+``attn_mask`` ``(L, S)`` or ``(N·H, L, S)``, a graph input (declared with its static shape:
+its first dim is not the batch, so a 3-D one fixes the batch of the example) or a constant
+(a buffer: bool, or float 0/-inf, becomes an I32 constant).  ``is_causal`` is a hint about
+``attn_mask``, which the graph reads.  A float constant mask with other values is refused
+here, a float graph input's at run time (both naming the module and the op).
+
+Refused with the module named: ``batch_first=False`` (the graph's first axis is the batch, and
+no graph op moves it), a mask computed inside the model, an internal activation without a
+quantizer, an attention-weights result that is read (``need_weights``).  Cross-attention
+(key/value other values computed from the one graph input, e.g. a memory) quantizes each
+with the ``input`` quantizer.
 """
 
 from __future__ import annotations
@@ -30,11 +39,14 @@ import math
 from typing import Any
 
 import attrs
+import numpy as np
+import torch
 
-from qdsl.export.lower_attn import matmul_pending, softmax_pending
+from qdsl.export.lower_attn import MaskInput, matmul_pending, softmax_pending
 from qdsl.export.lower_layers import act_target, layer_pending
 from qdsl.export.rules import reshape
-from qdsl.export.values import ExportError, FloatVal, QVal
+from qdsl.export.values import ExportError, FloatVal, IdsVal, QVal
+from qdsl.graph.ir import DType
 from qdsl.patch.attention import SLICES
 from qdsl.spec.model import Role
 
@@ -65,7 +77,57 @@ class SliceRecord:
         return None
 
 
-_MASK_KWARGS = ("attn_mask", "key_padding_mask", "is_causal")
+def _arg_node(node, i: int, name: str):
+    return node.args[i] if i < len(node.args) else node.kwargs.get(name)
+
+
+def _constant(lw, target: str) -> torch.Tensor:
+    obj: Any = lw.model
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _mask(lw, fqn: str, node, value: Any, which: str, heads: int, n_len: int, s_len: int) -> MaskInput:
+    """The SOFTMAX_MASKED input for the call's ``which`` mask (see the module doc)."""
+    where = f"{fqn}.softmax"
+    if isinstance(value, str):  # a constant the model holds (lower.py passes its attribute path)
+        t = _constant(lw, value).detach().cpu()
+        shape = tuple(t.shape)
+        if t.is_floating_point():
+            bad = ~((t == 0) | torch.isneginf(t))
+            if bad.any():
+                raise ExportError(fqn, f"the float {which} '{value}' holds {float(t[bad][0]):g}: SOFTMAX_MASKED "
+                                       f"('{where}') reads additive masks of 0 (attend) and -inf (masked) only",
+                                  "pass a bool mask (True = masked), or a float one of 0 and -inf")
+            t = torch.isneginf(t)
+        data = (t != 0).numpy().astype(np.int32)
+        name = lw.b.tensor(f"{fqn}:{which}", DType.I32, shape, data)
+    elif isinstance(value, (IdsVal, FloatVal)) and value.name is not None and value.name in lw.input_names:
+        name = value.name
+        shape = tuple(int(d) for d in node.meta["qdsl_shape"])
+        if isinstance(value, IdsVal) and lw.input_dtypes.get(value.name) not in (torch.bool, None):
+            raise ExportError(fqn, f"the {which} '{value.name}' is an integer tensor: MultiheadAttention reads bool "
+                                   "(True = masked) or float masks", "pass a bool mask")
+    else:
+        origin = getattr(value, "origin", "?")
+        raise ExportError(fqn, f"the {which} is computed inside the model (from '{origin}'), so the graph cannot "
+                               "read it", "pass the mask to the model as an input (export(model, (x, mask))) or "
+                                          "hold it as a buffer")
+    if which == "key_padding_mask":
+        if len(shape) != 2 or shape[1] != s_len:
+            raise ExportError(fqn, f"a key_padding_mask of shape {shape} has no integer lowering "
+                                   f"(batched (N, {s_len}))")
+        return MaskInput(name, (0, -1, -1, 1), 0)
+    if len(shape) == 2 and shape == (n_len, s_len):
+        dims = (-1, -1, 0, 1)
+    elif len(shape) == 3 and shape[1:] == (n_len, s_len) and shape[0] % heads == 0:
+        dims = (0, 0, 1, 2)
+    else:
+        raise ExportError(fqn, f"an attn_mask of shape {shape} has no integer lowering ((L, S) or (N·H, L, S))")
+    if name in lw.input_names:  # its first dim is not the batch
+        lw.b.redeclare(name, shape)
+    return MaskInput(name, dims, 0)
 
 
 def _target(lw, fqn: str, proxy, role: str):
@@ -88,11 +150,8 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     call = dict(zip(names, args))
     call.update(kwargs)
-    masked = [k for k in _MASK_KWARGS if call.get(k) not in (None, False)]
-    if masked:
-        raise ExportError(fqn, f"a MultiheadAttention call with {', '.join(masked)} has no integer lowering yet "
-                               "(a mask is a second graph input; the graph takes one)",
-                          "export the model without masks, or run the masked call in the fake-quant model")
+    if call.get("is_causal") and call.get("attn_mask") is None:
+        raise ExportError(fqn, "is_causal=True needs the causal mask as attn_mask (torch needs it too)")
     # query, key and value: one input quantizer; one tensor (self-attention) is quantized once
     nodes = [node.args[i] if i < len(node.args) else node.kwargs.get(n) for i, n in enumerate(names[:3])]
     xs: list[QVal] = []
@@ -130,7 +189,9 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
     scores = matmul_pending(f"{fqn}.scores", proj["q"], (0, 2, 1, 3), proj["k"], (0, 2, 3, 1),
                             factor=math.sqrt(1.0 / hd))
     scores = scores.materialize(lw.b, _target(lw, fqn, patch.acts[Role.SCORES], "scores"))
-    probs = softmax_pending(f"{fqn}.softmax", scores, -1, scores.shape)
+    masks = [_mask(lw, fqn, _arg_node(node, i, which), call[which], which, heads, length, s_len)
+             for i, which in ((3, "key_padding_mask"), (5, "attn_mask")) if call.get(which) is not None]
+    probs = softmax_pending(f"{fqn}.softmax", scores, -1, scores.shape, masks)
     probs = probs.materialize(lw.b, _target(lw, fqn, patch.acts[Role.PROBS], "probs"))
     ctx = matmul_pending(f"{fqn}.context", probs, (0, 1, 2, 3), proj["v"], (0, 2, 1, 3), out_perm=(0, 2, 1, 3))
     op_fqn = f"{fqn}.out_proj"

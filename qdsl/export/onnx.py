@@ -13,6 +13,10 @@ becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
 * wide int32 intermediates (residual operands, pooled or final layer results that the
   fake-quant model keeps in float) stay float.
 
+Attention: MATMUL is MatMulInteger on the operands' codes and QuantizeLinear at
+``1 / factor``; SOFTMAX(_MASKED) is float Softmax between the QDQ pairs, masks added as
+0/-inf (:func:`_matmul`, :func:`_softmax`).  LAYERNORM has no ONNX form yet.
+
 Binary (XNOR) layers have no QDQ form and raise :class:`ExportError`. onnxruntime runs the
 result in float, like the fake-quant model, at its basic optimization level;
 tests/export/test_onnx.py states and checks the agreement tolerance. At its full level
@@ -28,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Rounding
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, RescaleKind, Rounding
 from qdsl.export.values import ExportError
 
 __all__ = ["export_onnx", "graph_to_onnx", "OPSET"]
@@ -185,6 +189,10 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     if t is OpType.RESHAPE:
         shape = w.const("shape", np.array([0, *a["shape"]], dtype=np.int64))
         return w.node("Reshape", [xs[0], shape], out)
+    if t is OpType.MATMUL:
+        return _matmul(w, op, xs)
+    if t in (OpType.SOFTMAX, OpType.SOFTMAX_MASKED):
+        return _softmax(w, op, xs)
     if t is OpType.QUANTIZE_DYNAMIC:
         return _quantize_dynamic(w, op, xs[0])
     if t is OpType.LINEAR_DYNAMIC:
@@ -226,6 +234,87 @@ def _linear_dynamic(w: _Writer, op: Op, codes: str) -> str:
     if a["bias"]:
         y = w.node("Add", [y, w.const(out + "_bias", bits_f32(a["bias"]))], out + "_bias")
     return w.node("Relu", [y], out) if a["relu"] else y
+
+
+def _real_factor(a: dict) -> float:
+    """The real factor of an op's (per-tensor) rescale: ``2^-shift`` or ``m · 2^(-31-shift)``."""
+    m, sh = a["rq_multiplier"][0], a["rq_shift"][0]
+    return 2.0**-sh if a["rq_kind"] == int(RescaleKind.POT) else m * 2.0 ** (-31 - sh)
+
+
+def _matmul(w: _Writer, op: Op, xs: list[str]) -> str:
+    """MATMUL as MatMulInteger: each operand's codes (re-quantized from its dequantized value,
+    exact) as uint8 (an int8 operand shifted by 128 with its zero point: the same integers,
+    and onnxruntime's u8·u8 kernel is exact where its u8·s8 one saturates without VNNI), the
+    permutations as Transposes, then QuantizeLinear of the int32 product at scale
+    ``1 / factor`` onto the output grid (half even, a float division: codes can differ from
+    the graph's fixed-point rescale by 1 where the product lies that close to a rounding boundary)."""
+    a, out = op.attrs, op.outputs[0]
+    codes, zps = [], []
+    for i, (name, x) in enumerate(zip(op.inputs, xs)):
+        scale, _ = w.grid(name)
+        zp = a["in_zp"][i] + (128 if w.graph.tensor(name).dtype is DType.I8 else 0)
+        z = w.const(f"{out}_zp{i}", np.array(zp, dtype=np.uint8))
+        q = w.node("QuantizeLinear", [x, w.const(f"{out}_s{i}", np.float32(scale)), z], f"{out}_u8_{i}")
+        perm = list(a["a_perm" if i == 0 else "b_perm"])
+        codes.append(q if perm == sorted(perm) else w.node("Transpose", [q], f"{out}_t{i}", perm=perm))
+        zps.append(z)
+    acc = w.node("MatMulInteger", [codes[0], codes[1], zps[0], zps[1]], out + "_acc")
+    acc = w.node("Cast", [acc], out + "_accf", to=w.TP.FLOAT)
+    if list(a["out_perm"]) != sorted(a["out_perm"]):
+        acc = w.node("Transpose", [acc], out + "_tout", perm=list(a["out_perm"]))
+    t = w.graph.tensor(out)
+    scale, zp = w.grid(out)
+    z = w.const(out + "_zp", np.array(a["out_zp"], dtype=t.dtype.numpy))
+    q = w.node("QuantizeLinear", [acc, w.const(out + "_inv", np.float32(1.0 / _real_factor(a))), z], out + "_q")
+    y = w.node("DequantizeLinear", [q, w.const(out + "_scale", np.float32(scale)), z], out + "_dq")
+    lo, hi = t.dtype.range
+    if a["out_min"] > lo or a["out_max"] < hi:  # a fused ReLU: clip the real value (exact on the grid)
+        y = w.node("Clip", [y, w.const("lo", np.float32((a["out_min"] - zp) * scale)),
+                            w.const("hi", np.float32((a["out_max"] - zp) * scale))], out)
+    return y
+
+
+def _softmax(w: _Writer, op: Op, xs: list[str]) -> str:
+    """SOFTMAX(_MASKED) as float Softmax of the dequantized scores between DequantizeLinear and
+    QuantizeLinear (the fake-quant model's form, not the graph's exp table: a code can differ
+    by 1 LSB, see tests/export/test_onnx_attention.py).  A mask becomes an additive 0/-inf
+    tensor reshaped onto the scores' axes; a fully masked row (Softmax: NaN) gets 0, as the
+    graph gives it."""
+    a, out = op.attrs, op.outputs[0]
+    x = xs[0]
+    xt = w.graph.tensor(op.inputs[0])
+    rank = len(xt.shape)
+    masked = None
+    for j, (name, m) in enumerate(zip(op.inputs[1:], xs[1:])):
+        mt = w.graph.tensor(name)
+        dims = a["mask_dims"][j * rank:(j + 1) * rank]
+        if mt.is_constant:
+            m = w.const(name, mt.data.astype(np.int32))
+        zero = np.array(0, dtype=np.float32 if mt.dtype is DType.F32 else np.int32)
+        if mt.dtype not in (DType.F32, DType.I32):
+            m = w.node("Cast", [m], f"{out}_m{j}", to=w.TP.INT32)
+        keep = w.node("Equal", [m, w.const(f"{out}_zero{j}", zero)], f"{out}_eq{j}")  # zero attends
+        if a["mask_attend"][j]:
+            keep = w.node("Not", [keep], f"{out}_keep{j}")
+        # the mask viewed on the scores' axes: its dims where they index one, 1 where it broadcasts
+        view = [1] * rank
+        for k in range(len(mt.shape)):
+            axes = [ax for ax, d in enumerate(dims) if d == k]
+            if mt.shape[k] != 1:
+                for ax in axes:
+                    view[ax] = xt.shape[ax]
+        keep = w.node("Reshape", [keep, w.const(f"{out}_view{j}", np.array(view, dtype=np.int64))], f"{out}_v{j}")
+        masked = keep if masked is None else w.node("And", [masked, keep], f"{out}_and{j}")
+    if masked is not None:
+        add = w.node("Where", [masked, w.const(out + "_0", np.float32(0.0)),
+                               w.const(out + "_ninf", np.float32(-np.inf))], out + "_add")
+        x = w.node("Add", [x, add], out + "_masked")
+    y = w.node("Softmax", [x], out + "_softmax", axis=-1)
+    if masked is not None:
+        y = w.node("Where", [w.node("IsNaN", [y], out + "_nan"), w.const(out + "_z", np.float32(0.0)), y],
+                   out + "_finite")
+    return w.qdq(y, out, *_stage(a))
 
 
 def _resize(w: _Writer, x: str, op: Op) -> str:

@@ -29,8 +29,8 @@ from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, p
 from qdsl.export.lower_lut import lut_pending
 from qdsl.export.lower_mul import mul_pending
 from qdsl.export.lower_resize import function_call, module_call, resize_value
-from qdsl.export.values import ExportError, FloatVal, Pending, QVal, Target
-from qdsl.graph.ir import OpType, Rounding
+from qdsl.export.values import ConstVal, ExportError, FloatVal, OffsetVal, Pending, QVal, Target
+from qdsl.graph.ir import DType, OpType, Rounding
 from qdsl.patch.constructs import functions, resolve_path
 
 __all__ = ["MODULE_RULES", "FUNCTION_RULES", "METHOD_RULES", "NoLowering", "module_rule", "function_rule",
@@ -194,18 +194,48 @@ def _layernorm_input(lw) -> Callable[[Any], bool]:
     return lambda t: t.where.endswith(":input") and isinstance(lw.modules.get(t.where[:-len(":input")]), nn.LayerNorm)
 
 
+def _add_constant(where: str, a: Any, c: ConstVal) -> Any:
+    """``a + c`` for a constant ``c``: folded with a constant, else an :class:`OffsetVal` (the
+    embeddings' ``word + token_type + position``, which only a LayerNorm reads)."""
+    if isinstance(a, ConstVal):
+        return ConstVal(where, a.value + c.value)
+    if isinstance(a, OffsetVal):
+        return OffsetVal(a.base, a.const + c.value, where)
+    value = c.value
+    if value.dim() == len(a.shape) and value.shape[0] > 1:  # expanded over the example's batch
+        if not bool((value == value[:1]).all()):
+            raise ExportError(where, "a constant added to an activation differs between batch rows")
+        value = value[:1]
+    if value.dim() != len(a.shape) or tuple(value.shape[1:]) != tuple(a.shape[1:]):
+        raise ExportError(where, f"a constant of shape {tuple(value.shape)} added to an activation {a.shape} has no "
+                                 "integer lowering (a (1, ...) constant of the same shape only)")
+    if not (isinstance(a, QVal) and a.dtype in (DType.I8, DType.U8)):
+        origin = getattr(a, "origin", "?")
+        raise ExportError(where, f"a constant is added to an unquantized value from '{origin}'",
+                          f"add `output = a8` (an activation quantizer) for '{origin}'")
+    return OffsetVal(a, value, where)
+
+
+def _add(lw, node, a, b, where):
+    for x, c in ((a, b), (b, a)):
+        if isinstance(c, ConstVal):
+            return _add_constant(where, x, c)
+    return add_pending(where, a, b, lw.shape(node), _layernorm_input(lw))
+
+
 @function_rule("add")
 def _add_fn(lw, node, fn, args, kwargs, where):
-    if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(_is_value(a) for a in args):
+    consts = any(isinstance(a, ConstVal) for a in args)
+    if len(args) != 2 or kwargs.get("alpha", 1) != 1 or not all(_is_value(a) or consts for a in args):
         raise ExportError(where, f"'{node.name}' is not a plain two-tensor add")
-    return add_pending(where, args[0], args[1], lw.shape(node), _layernorm_input(lw))
+    return _add(lw, node, args[0], args[1], where)
 
 
 @method_rule("add")
 def _add_method(lw, node, name, args, where):
     if len(args) != 2:
         raise NoLowering
-    return add_pending(where, args[0], args[1], lw.shape(node), _layernorm_input(lw))
+    return _add(lw, node, args[0], args[1], where)
 
 
 @function_rule("concat")

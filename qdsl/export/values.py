@@ -27,7 +27,8 @@ import numpy as np
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "Pending", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
+__all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "ConstVal", "OffsetVal", "Pending", "Builder",
+           "ROUNDINGS", "INT32_TARGET_BITS"]
 
 ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 INT32_TARGET_BITS = 16
@@ -111,6 +112,36 @@ class IdsVal:
     origin: str
     shape: tuple[int, ...]
     name: str
+
+
+@attrs.frozen(eq=False)
+class ConstVal:
+    """A constant the traced code computed from buffers and fixed sizes (float, fake-quant
+    values where a quantizer acted): BERT's position and token-type embeddings at the
+    exported sequence length (qdsl.patch.example_trace)."""
+
+    origin: str
+    value: Any
+    """A ``torch.Tensor``."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+
+@attrs.frozen(eq=False)
+class OffsetVal:
+    """``base + const``: a quantized activation plus a constant broadcast over the batch
+    (``word_embeddings(ids) + token_type + position``); a LAYERNORM reads it as two inputs."""
+
+    base: "QVal"
+    const: Any
+    """A float ``torch.Tensor`` of shape ``(1, ...)``."""
+    origin: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
 
 
 @attrs.define(eq=False)
@@ -204,6 +235,11 @@ class Builder:
         name = self.unique(base, exact)
         self.tensors.append(Tensor(name, dtype, shape, data))
         return name
+
+    def redeclare(self, name: str, shape) -> None:
+        """Declare tensor ``name`` (a graph input) with ``shape``: an attention mask whose
+        first dim is not the batch gets its static shape."""
+        self.tensors = [attrs.evolve(t, shape=tuple(shape)) if t.name == name else t for t in self.tensors]
 
     def op(self, type_: OpType, where: str, inputs: list[str], dtype: DType, shape, attrs_: dict,
            out: str | None = None, exact: bool = False) -> str:

@@ -61,7 +61,9 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "matmul": ("MATMUL",),  # two activations, transposes folded in (lower_attn.py)
     "transpose": (),  # a view only a product reads (its operand or output permutation)
     "div": ("MATMUL",),  # a product's result divided by a constant: folded into its rescale
-    "softmax": ("SOFTMAX",),  # last axis of an 8-bit input: exact exp table (lower_attn.py)
+    # last axis of an 8-bit input: exact exp table (lower_attn.py); SOFTMAX_MASKED when a
+    # key/attention mask (a graph input or constant) removes positions (masked attention)
+    "softmax": ("SOFTMAX", "SOFTMAX_MASKED"),
     "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)
     "embedding": ("EMBEDDING",),  # a lookup of I32 token ids in the quantized table (lower_embedding.py)
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor

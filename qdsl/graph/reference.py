@@ -69,6 +69,8 @@ def _check_input(t: Tensor, x: np.ndarray, check_finite: bool = False) -> np.nda
         if check_finite:
             require_finite(x, t.name)
         return x
+    if x.dtype == np.bool_:  # a bool mask: 0/1
+        x = x.astype(np.int64)
     if not np.issubdtype(x.dtype, np.integer):
         raise GraphInputError(f"input {t.name!r} expects {t.dtype.name} integers, got {x.dtype}")
     lo, hi = t.dtype.range
@@ -155,10 +157,12 @@ def execute(graph: IntegerGraph, inputs: Sequence[np.ndarray] | np.ndarray, keep
     env: dict[str, np.ndarray] = {}
     for name, x in zip(graph.inputs, inputs):
         env[name] = _check_input(graph.tensor(name), x, check_finite)
-    if len({x.shape[0] for x in env.values()}) > 1:
+    # an input declared with a static first dim (an attention mask (L, S)) is not batched
+    batched = [env[n].shape[0] for n in graph.inputs if graph.tensor(n).shape[0] == -1]
+    if len(set(batched)) > 1:
         raise GraphInputError("all graph inputs must have the same batch size")
     counts: dict[str, int] = {}
-    empty = next(iter(env.values())).shape[0] == 0 if env else False
+    empty = (batched[0] if batched else next(iter(env.values())).shape[0]) == 0 if env else False
     for op in graph.ops:
         if "acc_bits" in OP_SCHEMAS[op.type].attrs:  # the ops with an accumulator report a count, 0 or more
             counts.setdefault(op.name, 0)

@@ -104,8 +104,9 @@ def validate_graph(graph: IntegerGraph) -> None:
         if t.is_constant or t.dtype not in (DType.F32, DType.I8, DType.U8, DType.I32) or name in available:
             raise GraphFormatError("graph input must be a distinct F32/I8/U8/I32 activation", f"input {name!r}")
         available.add(name)
-    # I32 graph inputs are token ids: only an op that reads ids (EMBEDDING) may read one, as
-    # its first input (other ops take I32 activations as accumulators)
+    # I32 graph inputs are token ids or masks: only an op that reads ids (EMBEDDING, as its
+    # first input) or masks (SOFTMAX_MASKED, after its first) may read one (other ops take
+    # I32 activations as accumulators)
     id_inputs = {n for n in graph.inputs if seen[n].dtype is DType.I32}
     for i, op in enumerate(graph.ops):
         where = f"op {i} ({op.type.name} {op.name!r})"
@@ -123,9 +124,11 @@ def validate_graph(graph: IntegerGraph) -> None:
                 raise GraphFormatError(f"input {name!r} is used before the op that produces it (ops must be in topological order)", where)
             ins.append(seen[name])
         for k, name in enumerate(op.inputs):
-            if name in id_inputs and not (k == 0 and op_def(op.type).reads_ids):
+            d = op_def(op.type)
+            if name in id_inputs and not ((k == 0 and d.reads_ids) or (k > 0 and d.reads_masks)):
                 raise GraphFormatError(f"input {name!r} is an I32 graph input (token ids), which only EMBEDDING "
-                                       "reads (as its first input)", where)
+                                       "reads (as its first input), or a mask, which only SOFTMAX_MASKED reads "
+                                       "(after its first input)", where)
         out_name = op.outputs[0]
         out = seen.get(out_name)
         if out is None:

@@ -25,7 +25,8 @@ does for recurrent layers:
 
 Masks: ``attn_mask`` (2-D or 3-D) and ``key_padding_mask``, bool (True = masked) or float
 (added), are applied to the quantized scores; ``is_causal`` needs the ``attn_mask`` (as in
-torch).  Dropout on the probabilities in training.  Refused at apply (E511): ``kdim``/``vdim``
+torch).  A fully masked row gets probability 0 at every position (torch: NaN), the value
+the graph's SOFTMAX_MASKED gives it.  Dropout on the probabilities in training.  Refused at apply (E511): ``kdim``/``vdim``
 other than ``embed_dim`` (separate q/k/v weights), ``add_bias_kv``, ``add_zero_attn``.
 """
 
@@ -110,7 +111,12 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
     kpm = _mask(key_padding_mask, scores.dtype)
     if kpm is not None:
         scores = scores + kpm.reshape(n, 1, 1, s_len)
-    probs = act(Role.PROBS, torch.softmax(scores, dim=-1))
+    probs = torch.softmax(scores, dim=-1)
+    if add is not None or kpm is not None:
+        # a fully masked row (float softmax: NaN) gets probability 0 everywhere, as the
+        # graph's SOFTMAX_MASKED gives it (docs/qgraph.md §4.4)
+        probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
+    probs = act(Role.PROBS, probs)
     if training and dropout > 0.0:
         probs = F.dropout(probs, p=dropout)
     ctx = torch.matmul(probs, v).transpose(1, 2).reshape(n, length, e)

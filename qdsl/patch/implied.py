@@ -53,6 +53,7 @@ import torch.fx
 from torch import nn
 
 from qdsl.patch.constructs import functions, methods, module_classes, module_construct
+from qdsl.patch.example_trace import tensor_constant
 from qdsl.patch.trace import ModelTrace
 from qdsl.patch.unplaced import Unplaced, unplaced
 from qdsl.resolve.plan import FieldProvenance, LayerPlan, Origin, Plan
@@ -252,6 +253,23 @@ def implied_outputs(model: nn.Module, trace: ModelTrace, plan: Plan) -> dict[str
     return analyse_operands(model, trace, plan).outputs
 
 
+def _constant(a: torch.fx.Node, depth: int = 0) -> bool:
+    """A value computed from constants only (example_trace's ``tensor_constant``: BERT's
+    position ids at the exported length) - the lookup it feeds folds to a constant."""
+    if a.op == "call_function" and a.target is tensor_constant:
+        return True
+    args = [x for x in a.all_input_nodes]
+    return depth < 16 and a.op in ("call_module", "call_function", "call_method") and bool(args) and all(
+        _constant(x, depth + 1) for x in args)
+
+
+def _offset(a: torch.fx.Node) -> bool:
+    """``x + constant`` (the word embedding plus the token-type embedding)."""
+    add = (a.op == "call_function" and a.target in _FUNCS and _FUNCS[a.target].lowering == "add") or (
+        a.op == "call_method" and a.target in _METHODS)
+    return add and any(_constant(x) for x in a.all_input_nodes)
+
+
 def analyse_operands(model: nn.Module, trace: ModelTrace, plan: Plan) -> ImpliedOperands:
     """The implied output quantizers and the operands no module can carry one for."""
     if trace.graph is None:
@@ -328,6 +346,8 @@ def analyse_operands(model: nn.Module, trace: ModelTrace, plan: Plan) -> Implied
             continue
         else:
             continue
+        if op.startswith("add") and any(_constant(a) or _offset(a) for a in _operands(n)):
+            continue  # a constant added to an activation (export: quantized + constant, read by a LayerNorm)
         where = (_stack(n) or [""])[-1]
         for a in _operands(n)[:1] if op == "average pool" else _operands(n):
             # an add or pool reads a layer's accumulator; CONCAT reads int8 values only

@@ -32,7 +32,10 @@ from typing import Any, Iterator
 import attrs
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
+
+from qdsl.patch.example_trace import ExampleTracing, unwrapped_forward
 
 __all__ = ["ModelTrace", "trace_model", "trace_graph", "MarkingTracer", "quantizer_mark"]
 
@@ -46,15 +49,41 @@ _CONCRETE: dict[type, dict[str, Any]] = {
 }
 
 
+def _pass_mask(canonical):
+    # TransformerEncoderLayer.forward turns a bool mask into an additive float one
+    # (F._canonical_mask), asking the other mask's dtype first (F._none_or_dtype); on a proxy
+    # both raise.  A traced mask goes to the MultiheadAttention call as it is: a bool mask
+    # (True = masked) means what its -inf/0 form does (qdsl.patch.attention reads either).
+    def wrapped(mask, *args, **kwargs):
+        if isinstance(mask, torch.fx.Proxy):
+            return mask
+        return canonical(mask, *args, **kwargs)
+    return wrapped
+
+
+def _none_or_dtype(x):
+    return None if isinstance(x, torch.fx.Proxy) else _NONE_OR_DTYPE(x)
+
+
+_NONE_OR_DTYPE = getattr(F, "_none_or_dtype", None)
+_CANONICAL_MASK = getattr(F, "_canonical_mask", None)
+
+
 @contextlib.contextmanager
 def _slow_paths() -> Iterator[None]:
-    # torch's process-wide switch, restored when the trace ends (fx runs no other code meanwhile)
+    # torch's process-wide switch and the two mask helpers above, restored when the trace
+    # ends (fx runs no other code meanwhile)
     prev = torch.backends.mha.get_fastpath_enabled()
     torch.backends.mha.set_fastpath_enabled(False)
+    patched = _NONE_OR_DTYPE is not None and _CANONICAL_MASK is not None
+    if patched:
+        F._none_or_dtype, F._canonical_mask = _none_or_dtype, _pass_mask(_CANONICAL_MASK)
     try:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(prev)
+        if patched:
+            F._none_or_dtype, F._canonical_mask = _NONE_OR_DTYPE, _CANONICAL_MASK
 
 
 def _drop_concrete(graph: torch.fx.Graph) -> None:
@@ -74,14 +103,29 @@ def _drop_concrete(graph: torch.fx.Graph) -> None:
             graph.erase_node(n)
 
 
-def trace_graph(tracer: torch.fx.Tracer, model: nn.Module, concrete: dict[str, Any] | None = None) -> torch.fx.Graph:
+def trace_graph(tracer: torch.fx.Tracer, model: nn.Module, concrete: dict[str, Any] | None = None,
+                examples: dict[str, Any] | None = None) -> torch.fx.Graph:
     """``tracer.trace(model)``, through the classes of ``_TRANSPARENT`` (root or not).
     ``concrete``: the caller's forward parameters specialized to a non-tensor value (export's
-    unset or ``None`` inputs), on top of the ones a known root class needs."""
+    unset or ``None`` inputs), on top of the ones a known root class needs.  ``examples``
+    (forward parameter -> example value; an :class:`ExampleTracing` tracer): when the plain
+    trace fails, trace again with the example's values and concrete shapes, through a
+    ``**kwargs`` forward decorator (:mod:`qdsl.patch.example_trace`); its error is the one
+    raised if that fails too."""
     known = next((c for t, c in _CONCRETE.items() if isinstance(model, t)), None)
     merged = {**(known or {}), **(concrete or {})}
     with _slow_paths():
-        graph = tracer.trace(model, concrete_args=merged or None)
+        try:
+            graph = tracer.trace(model, concrete_args=merged or None)
+        except Exception:
+            if examples is None or not isinstance(tracer, ExampleTracing):
+                raise
+            tracer.examples = examples
+            try:
+                with unwrapped_forward(model) as extra:
+                    graph = tracer.trace(model, concrete_args={**merged, **extra} or None)
+            finally:
+                tracer.examples = None
     if known is not None:
         _drop_concrete(graph)
     return graph
@@ -109,7 +153,7 @@ class ModelTrace:
         return not any(".".join(parts[:i]) in self.leaves for i in range(1, len(parts)))
 
 
-class _CountingTracer(torch.fx.Tracer):
+class _CountingTracer(ExampleTracing, torch.fx.Tracer):
     def __init__(self) -> None:
         super().__init__()
         self.calls: dict[str, int] = {"": 1}
@@ -127,12 +171,14 @@ class _CountingTracer(torch.fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-def trace_model(model: nn.Module, concrete: dict[str, Any] | None = None) -> ModelTrace:
+def trace_model(model: nn.Module, concrete: dict[str, Any] | None = None,
+                examples: dict[str, Any] | None = None) -> ModelTrace:
     """Trace ``model`` with torch.fx (default leaves); never raises for an untraceable model.
-    ``concrete``: forward parameters specialized to a value (export's unset inputs)."""
+    ``concrete``: forward parameters specialized to a value (export's unset inputs);
+    ``examples``: see :func:`trace_graph`."""
     tracer = _CountingTracer()
     try:
-        graph = trace_graph(tracer, model, concrete)
+        graph = trace_graph(tracer, model, concrete, examples)
     except Exception as exc:  # noqa: BLE001 - fx raises many types (TraceError, TypeError, ...)
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return ModelTrace(type(model).__name__, None, error=f"{type(exc).__name__}: {msg}"[:300])
@@ -146,7 +192,7 @@ def quantizer_mark(x, fqn: str, role: str):
     return x
 
 
-class MarkingTracer(torch.fx.Tracer):
+class MarkingTracer(ExampleTracing, torch.fx.Tracer):
     """Export's variant: bypasses hooks; inserts :func:`quantizer_mark` nodes for the
     patched input/output quantizers of ``handle`` (a ``qdsl.patch`` handle)."""
 

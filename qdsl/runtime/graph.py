@@ -115,6 +115,8 @@ class CompiledGraph:
             if check_finite:
                 require_finite(x, spec.name)
             return x
+        if x.dtype == np.bool_:  # a bool mask: 0/1
+            x = x.astype(np.int32)
         if not np.issubdtype(x.dtype, np.integer):
             raise GraphInputError(f"input {spec.name!r} expects integers, got {x.dtype}")
         lo, hi = _RANGE[spec.dtype]
@@ -137,8 +139,10 @@ class CompiledGraph:
         if path not in PATHS:
             raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(PATHS)}")
         arrays = [self._check(spec, x, check_finite) for spec, x in zip(self.inputs, xs)]
-        batch = arrays[0].shape[0]
-        if any(a.shape[0] != batch for a in arrays):
+        # an input declared with a static first dim (an attention mask (L, S)) is not batched
+        batched = [a.shape[0] for spec, a in zip(self.inputs, arrays) if spec.dims[0] == -1]
+        batch = batched[0] if batched else arrays[0].shape[0]
+        if any(b != batch for b in batched):
             raise GraphInputError("all graph inputs must have the same batch size")
         outs = [np.empty((batch,) + o.dims[1:], dtype=_NP[o.dtype]) for o in self.outputs]
         if batch == 0:  # nothing to compute (the reference executor agrees); nothing overflowed

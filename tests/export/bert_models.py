@@ -33,19 +33,25 @@ class Embeddings(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, e: int, heads: int):
+    def __init__(self, e: int, heads: int, softmax_module: bool = False):
         super().__init__()
         self.h, self.d = heads, e // heads
         self.query, self.key, self.value = nn.Linear(e, e), nn.Linear(e, e), nn.Linear(e, e)
         self.dropout = nn.Dropout(0.1)
+        # an nn.Softmax module (older BERT ports) gives the scores and probabilities a module
+        # to carry their quantizers; Hugging Face's eager attention calls the function
+        self.softmax = nn.Softmax(dim=-1) if softmax_module else None
 
     def forward(self, x, mask):
         b, l, e = x.shape
         q = self.query(x).view(b, l, self.h, self.d).transpose(1, 2)
         k = self.key(x).view(b, l, self.h, self.d).transpose(1, 2)
         v = self.value(x).view(b, l, self.h, self.d).transpose(1, 2)
-        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.d)) + mask
-        p = self.dropout(nn.functional.softmax(scores, dim=-1))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(self.d))
+        if mask is not None:
+            scores = scores + mask
+        p = self.softmax(scores) if self.softmax is not None else nn.functional.softmax(scores, dim=-1)
+        p = self.dropout(p)
         return torch.matmul(p, v).transpose(1, 2).reshape(b, l, e)
 
 
@@ -61,9 +67,9 @@ class SelfOutput(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, e: int, heads: int):
+    def __init__(self, e: int, heads: int, softmax_module: bool = False):
         super().__init__()
-        self.self, self.output = SelfAttention(e, heads), SelfOutput(e)
+        self.self, self.output = SelfAttention(e, heads, softmax_module), SelfOutput(e)
 
     def forward(self, x, mask):
         return self.output(self.self(x, mask), x)
@@ -79,9 +85,9 @@ class Intermediate(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, e: int, heads: int, inner: int):
+    def __init__(self, e: int, heads: int, inner: int, softmax_module: bool = False):
         super().__init__()
-        self.attention = Attention(e, heads)
+        self.attention = Attention(e, heads, softmax_module)
         self.intermediate = Intermediate(e, inner)
         self.output = SelfOutput(e, inner)
 
@@ -91,9 +97,9 @@ class Layer(nn.Module):
 
 
 class Encoder(nn.Module):
-    def __init__(self, layers: int, e: int, heads: int, inner: int):
+    def __init__(self, layers: int, e: int, heads: int, inner: int, softmax_module: bool = False):
         super().__init__()
-        self.layer = nn.ModuleList(Layer(e, heads, inner) for _ in range(layers))
+        self.layer = nn.ModuleList(Layer(e, heads, inner, softmax_module) for _ in range(layers))
 
     def forward(self, x, mask):
         for layer in self.layer:
@@ -111,16 +117,18 @@ class Pooler(nn.Module):
 
 
 class TinyBert(nn.Module):
-    """``forward(input_ids, attention_mask) -> (last_hidden_state, pooler_output)``."""
+    """``forward(input_ids, attention_mask=None) -> (last_hidden_state, pooler_output)``."""
 
     def __init__(self, vocab: int = 50, e: int = 32, heads: int = 4, layers: int = 2, inner: int = 64,
-                 max_pos: int = 16, pooler: bool = True):
+                 max_pos: int = 16, pooler: bool = True, softmax_module: bool = False):
         super().__init__()
         self.embeddings = Embeddings(vocab, e, max_pos)
-        self.encoder = Encoder(layers, e, heads, inner)
+        self.encoder = Encoder(layers, e, heads, inner, softmax_module)
         self.pooler = Pooler(e) if pooler else None
 
-    def forward(self, input_ids, attention_mask):
-        ext = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
+    def forward(self, input_ids, attention_mask=None):
+        ext = None
+        if attention_mask is not None:
+            ext = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * torch.finfo(torch.float32).min
         h = self.encoder(self.embeddings(input_ids), ext)
         return (h, self.pooler(h)) if self.pooler is not None else h

@@ -187,6 +187,26 @@ def test_masks_apply_to_the_quantized_scores():
     assert not torch.allclose(out, free)
 
 
+def test_a_fully_masked_row_gets_probability_zero():
+    # torch gives NaN; the fake-quant model gives 0 everywhere, as the graph's SOFTMAX_MASKED
+    torch.manual_seed(0)
+    m = Self(8, 2).eval()
+    x = torch.randn(3, 6, 8)
+    _apply(m)
+    qdsl.calibrate(m, [x])
+    qdsl.freeze(m)
+    kpm = torch.zeros(3, 6, dtype=torch.bool)
+    kpm[1] = True  # every key of sample 1 masked
+    out, w = m.attn(x, x, x, key_padding_mask=kpm)
+    assert torch.isfinite(out).all() and torch.isfinite(w).all()
+    assert (w[1] == 0).all() and torch.allclose(w[0].sum(-1), torch.ones(6), atol=0.05)
+    # with the probs quantizer off too (float_mode): 0, not NaN
+    with float_mode(m):
+        out, w = m.attn(x, x, x, key_padding_mask=kpm)
+    assert torch.isfinite(out).all() and (w[1] == 0).all()
+    assert torch.allclose(out[1], m.attn.out_proj.bias.expand(6, -1))  # context 0: out_proj's bias
+
+
 def test_input_sets_the_inner_activations_and_a_type_rule_refines_them():
     torch.manual_seed(0)
     m = Self(8, 2)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 import qdsl.runtime as rt
 from qdsl.export.lower_attn import softmax_table
-from qdsl.graph.ir import DType, GraphFormatError, OpType
+from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, OutputStage, Rescale, Tensor
+from qdsl.graph.requant import make_rescale
 from qdsl.graph.ops.layernorm import isqrt, layernorm
 from qdsl.graph.ops.matmul import matmul_shape
 from qdsl.graph.ops.softmax import softmax
@@ -116,9 +117,12 @@ def test_softmax_reference_is_the_formula():
         assert np.abs(y / 256 - p / p.sum()).max() < 1.5 / 256
 
 
-def _ln_attrs(rng, n, out, eps=None):
+_IDENTITY_IN = {"in_zp": [0], "in_kind": [1], "in_multiplier": [1], "in_shift": [0], "in_rounding": [0]}
+
+
+def _ln_attrs(rng, n, out, eps=None, zp=0):
     lo, hi = out.range
-    return {"gamma": [int(v) for v in rng.integers(-(2**14) + 1, 2**14, n)],
+    return {**_IDENTITY_IN, "in_zp": [zp], "gamma": [int(v) for v in rng.integers(-(2**14) + 1, 2**14, n)],
             "beta": [int(v) for v in rng.integers(-(2**20), 2**20, n)],
             "eps": int(rng.choice([0, 1, 1000, 10**9])) if eps is None else eps,
             **_stage(rng, lo=lo, hi=hi)}
@@ -131,7 +135,8 @@ def _ln_attrs(rng, n, out, eps=None):
 def test_layernorm_matches_reference(seed, d, out, n):
     rng = np.random.default_rng(seed)
     shape = (-1, int(rng.integers(1, 4)), n)
-    graph = _graph(OpType.LAYERNORM, [("x", d, shape)], _ln_attrs(rng, n, out), out_dtype=out)
+    zp = int(rng.integers(*d.range, endpoint=True))  # cancels in D_i
+    graph = _graph(OpType.LAYERNORM, [("x", d, shape)], _ln_attrs(rng, n, out, zp=zp), out_dtype=out)
     x = _rand(rng, d, (int(rng.integers(1, 4)), *shape[1:]))
     x[0, 0] = x[0, 0, 0]  # a constant row: zero variance (eps only, or R = 0)
     _check(graph, x)
@@ -142,7 +147,7 @@ def test_layernorm_reference_is_the_formula():
     n = 24
     x = rng.integers(0, 256, (4, n))
     x[0] = 7
-    attrs = {"gamma": [int(v) for v in rng.integers(-(2**14) + 1, 2**14, n)],
+    attrs = {**_IDENTITY_IN, "gamma": [int(v) for v in rng.integers(-(2**14) + 1, 2**14, n)],
              "beta": [int(v) for v in rng.integers(-1000, 1000, n)], "eps": 5,
              "rq_kind": 1, "rq_multiplier": [1], "rq_shift": [0], "rq_rounding": 0, "out_zp": 0,
              "out_min": -2**31, "out_max": 2**31 - 1}
@@ -161,6 +166,93 @@ def test_layernorm_reference_is_the_formula():
         np.testing.assert_allclose(z, 2**16 * (row - row.mean()) / math.sqrt(n * var), atol=1.01)
 
 
+def _in_rescales(rng, dtypes):
+    """Per-input rescales to a common grid: 8-bit inputs scaled up by 2^4..2^14, I32 inputs by
+    2^-1..2^10, POT or fixed-point."""
+    attrs = {k: [] for k in ("in_zp", "in_kind", "in_multiplier", "in_shift", "in_rounding")}
+    for d in dtypes:
+        big = d is not DType.I32
+        factor = float(2.0 ** rng.uniform(4, 14)) if big else float(2.0 ** rng.uniform(-1, 10))
+        if rng.random() < 0.4:
+            r = Rescale(1, (1,), (-int(round(math.log2(factor))),), int(rng.integers(0, 4)))
+        else:
+            r = make_rescale(factor, int(rng.integers(0, 4)), allow_pot=False, single=True)
+        zp = int(rng.integers(*d.range, endpoint=True)) if big else 0
+        for k, v in (("in_zp", zp), ("in_kind", int(r.kind)), ("in_multiplier", int(r.multiplier[0])),
+                     ("in_shift", int(r.shift[0])), ("in_rounding", int(r.rounding))):
+            attrs[k].append(v)
+    return attrs
+
+
+@needs_cpp
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31), d0=st.sampled_from([DType.I8, DType.U8, DType.I32]),
+       d1=st.sampled_from([None, DType.I8, DType.U8, DType.I32]), const1=st.booleans(),
+       out=st.sampled_from([DType.I8, DType.U8]), n=st.sampled_from([1, 3, 17, 64, 384]))
+def test_wide_layernorm_matches_reference(seed, d0, d1, const1, out, n):
+    # the wide form: an I32 residual sum (a LINEAR's wide result plus a rescaled 8-bit
+    # residual, or two I32 results), or a value plus a (1, ...) constant over the batch;
+    # I32 terms scaled up to ~2^30 exercise the row shift k > 0
+    rng = np.random.default_rng(seed)
+    rows, k_in, batch = int(rng.integers(1, 4)), 16, int(rng.integers(1, 4))
+    shape = (-1, rows, n)
+    i32 = OutputStage(Rescale(1, (1,), (0,), 0), 0, -(2**31), 2**31 - 1).attrs()
+    tensors = [Tensor("x", DType.F32, (-1, rows, k_in)), Tensor("qx", DType.U8, (-1, rows, k_in))]
+    ops = [Op(OpType.QUANTIZE, "q", ["x"], ["qx"], {"scale": 0.05, "zero_point": 128, "qmin": 0, "qmax": 255,
+                                                    "rounding": 1})]
+    feeds = {"x": rng.standard_normal((batch, rows, k_in)).astype(np.float32) * 3}
+
+    def operand(name, d, const):
+        if const:
+            data = rng.integers(-(2**20), 2**20, (1, rows, n)) if d is DType.I32 else _rand(rng, d, (1, rows, n))
+            tensors.append(Tensor(name, d, (1, rows, n), data))
+        elif d is DType.I32:
+            w = _rand(rng, DType.I8, (n, k_in))
+            tensors.extend([Tensor(f"{name}.w", DType.I8, w.shape, w), Tensor(name, DType.I32, shape)])
+            ops.append(Op(OpType.LINEAR, name, ["qx", f"{name}.w"], [name],
+                          {"in_zp": 128, "w_zp": [0], "acc_bits": 32, "overflow": 0, **i32}))
+        else:
+            tensors.append(Tensor(name, d, shape))
+            feeds[name] = _rand(rng, d, (batch, rows, n))
+            if name == "x0":
+                feeds[name][0, 0] = feeds[name][0, 0, 0]  # a constant row
+        return name
+
+    dtypes = [d0] + ([d1] if d1 is not None else [])
+    names = [operand("x0", d0, False)] + ([operand("x1", d1, const1)] if d1 is not None else [])
+    attrs = {**_ln_attrs(rng, n, out, eps=int(rng.choice([0, 7, 10**12]))), **_in_rescales(rng, dtypes)}
+    tensors.append(Tensor("y", out, shape))
+    ops.append(Op(OpType.LAYERNORM, "ln", names, ["y"], attrs))
+    graph_inputs = [t.name for t in tensors if t.name in feeds]
+    graph = IntegerGraph(tensors, graph_inputs, ["y"], ops).validate()
+    _check(graph, *[feeds[k] for k in graph_inputs])
+
+
+def test_wide_layernorm_reference_is_the_formula():
+    # two inputs brought to one grid, the row shift k, eps shifted by 2k: Python integers
+    rng = np.random.default_rng(5)
+    n = 16
+    x0 = rng.integers(-(2**30), 2**30, (3, n))
+    x1 = rng.integers(0, 256, (1, n))  # a constant row over the batch, zero point 100, x 2^6
+    attrs = {"in_zp": [0, 100], "in_kind": [1, 1], "in_multiplier": [1, 1], "in_shift": [0, -6],
+             "in_rounding": [0, 0], "gamma": [1] * n, "beta": [0] * n, "eps": 10**15,
+             "rq_kind": 1, "rq_multiplier": [1], "rq_shift": [0], "rq_rounding": 0, "out_zp": 0,
+             "out_min": -2**31, "out_max": 2**31 - 1}
+    got = layernorm([x0, x1], attrs)
+    half_away = lambda v, k: v if k == 0 else int(math.copysign((abs(v) + (1 << (k - 1))) >> k, v))  # noqa: E731
+    for row, y in zip(x0, got):
+        v = [max(-2**31, min(2**31 - 1, int(a) + ((int(b) - 100) << 6))) for a, b in zip(row, x1[0])]
+        d = [n * a - sum(v) for a in v]
+        k = max(0, max(abs(a) for a in d).bit_length() - 24)
+        assert k > 0
+        d = [half_away(a, k) for a in d]
+        w = sum(a * a for a in d) + half_away(10**15, 2 * k)
+        g = (62 - w.bit_length()) // 2
+        root = math.isqrt(w << (2 * g))
+        z = [int(math.copysign((2 * (abs(a) << (g + 16)) + root) // (2 * root), a)) for a in d]
+        assert [int(t) for t in y] == z
+
+
 def test_isqrt_is_exact():
     vals = np.array([0, 1, 2, 3, 4, 15, 16, 17, 2**52 - 1, 2**52, 2**62, 2**62 - 1, (2**31 - 1) ** 2,
                      (2**31 - 1) ** 2 - 1] + list(np.random.default_rng(3).integers(0, 2**62, 200)), dtype=np.int64)
@@ -170,8 +262,10 @@ def test_isqrt_is_exact():
 @pytest.mark.parametrize("op, attrs, msg", [
     (OpType.SOFTMAX, {"table": [0] * 256}, "table\\[255\\]"),
     (OpType.SOFTMAX, {"table": [2**25] * 256}, "out of range"),
-    (OpType.LAYERNORM, {"gamma": [2**14] * 4, "beta": [0] * 4, "eps": 0}, "out of range"),
-    (OpType.LAYERNORM, {"gamma": [1] * 3, "beta": [0] * 4, "eps": 0}, "length"),
+    (OpType.LAYERNORM, {**_IDENTITY_IN, "gamma": [2**14] * 4, "beta": [0] * 4, "eps": 0}, "out of range"),
+    (OpType.LAYERNORM, {**_IDENTITY_IN, "gamma": [1] * 3, "beta": [0] * 4, "eps": 0}, "length"),
+    (OpType.LAYERNORM, {**_IDENTITY_IN, "in_shift": [-3], "gamma": [1] * 4, "beta": [0] * 4, "eps": 2**61},
+     "below 2\\^61"),
 ])
 def test_bad_attributes_are_refused(op, attrs, msg):
     stage = {"rq_kind": 1, "rq_multiplier": [1], "rq_shift": [4], "rq_rounding": 0, "out_zp": 0, "out_min": -128,

@@ -1,13 +1,17 @@
-// LAYERNORM over the last axis of an I8/U8 input, integer only (docs/qgraph.md §4.4): per
-// row of N codes,
-//   D_i = N·x_i - Σ x,  W = Σ D_i² + eps,  G = (62 - bitlen(W)) / 2,  R = isqrt(W · 4^G),
+// LAYERNORM over the last axis, integer only (docs/qgraph.md §4.4).  The row is the sum of
+// one or two inputs (I8/U8/I32; input 1 may be a constant (1, ...) over the batch), each
+// rescaled to one grid as ADD does: x_i = sat32(Σ_j rescale_j(x_j,i - zp_j)).  Per row of N,
+//   D_i = N·x_i - Σ x,  k = max(0, bitlen(max |D|) - 24),  D_i = round_half_away(D_i / 2^k),
+//   W = Σ D_i² + round_half_away(eps / 4^k),  G = (62 - bitlen(W)) / 2,  R = isqrt(W · 4^G),
 //   Z_i = round_half_away(D_i · 2^(G+16) / R) (0 when R = 0),  acc_i = Z_i·gamma_i + beta_i,
 //   y_i = clamp(rescale(acc_i) + out_zp, out_min, out_max).
+// k is 0 in the narrow form (one I8/U8 input, identity rescale: |D| < 2^24).
 // W < 2^62 (checked at prepare from N and eps); R < 2^31 and |D_i|·2^G <= R + 1, so the
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
 #include <algorithm>
 #include <cmath>
 
+#include "qdsl/requant.h"
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
 
@@ -15,6 +19,8 @@ namespace qdsl {
 namespace {
 
 struct LayernormParams : OpParams {
+  std::vector<StageData> in;  // per input: zero point and rescale
+  std::vector<int64_t> const1;  // a constant input 1, rescaled at prepare (repeats per batch row)
   std::vector<int64_t> gamma, beta;
   int64_t eps = 0;
   StageData out;
@@ -37,15 +43,66 @@ int64_t ISqrt(int64_t v) {
   return r;
 }
 
+// round_half_away(v / 2^k) for k in [0, 62]
+int64_t HalfAwayShift(int64_t v, int k) {
+  if (k == 0) return v;
+  const int64_t a = ((v < 0 ? -v : v) + (int64_t{1} << (k - 1))) >> k;
+  return v < 0 ? -a : a;
+}
+
 }  // namespace
 
 Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& out = g->tensors[op.outputs[0]];
-  OP_CHECK(IsInt8(x.dtype) && IsInt8(out.dtype), "LAYERNORM input and output must be I8/U8");
+  const size_t n_in = op.inputs.size();
+  OP_CHECK(IsInt8(out.dtype), "LAYERNORM output must be I8/U8");
+  OP_CHECK(!x.is_constant, "LAYERNORM input 0 must be an activation");
   OP_CHECK(shape->size() >= 2 && shape->back() >= 1, "LAYERNORM needs a normalized axis");
   const int64_t n = shape->back();
   auto p = std::make_shared<LayernormParams>();
+  const auto& A = op.attrs;
+  for (const char* key : {"in_zp", "in_kind", "in_multiplier", "in_shift", "in_rounding"})
+    OP_CHECK(A.at(key).ints.size() == n_in, "attribute '%s' needs %zu entries", key, n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const GraphTensor& xi = g->tensors[op.inputs[i]];
+    OP_CHECK(IsInt8(xi.dtype) || xi.dtype == kI32, "LAYERNORM inputs must be I8/U8/I32");
+    if (i == 1) {
+      bool same = xi.dims.size() == x.dims.size(), bcast = xi.is_constant && same && xi.dims[0] == 1;
+      for (size_t d = 1; same && d < x.dims.size(); ++d) same = xi.dims[d] == x.dims[d];
+      OP_CHECK(same && (bcast || xi.dims[0] == x.dims[0]), "input 1 must have input 0's shape (a constant: (1, ...))");
+    }
+    int64_t lo, hi;
+    DTypeRange(xi.dtype, &lo, &hi);
+    const int64_t zp = A.at("in_zp").ints[i], m = A.at("in_multiplier").ints[i], s = A.at("in_shift").ints[i];
+    const int64_t kind = A.at("in_kind").ints[i], rnd = A.at("in_rounding").ints[i];
+    OP_CHECK(zp >= lo && zp <= hi, "in_zp outside the input dtype");
+    OP_CHECK(m >= 0 && m <= INT32_MAX && std::llabs(s) <= 64 && kind >= 0 && kind <= 2 && rnd >= 0 && rnd <= 3,
+             "per-input rescale %zu out of range", i);
+    StageData sd;
+    sd.multiplier = {static_cast<int32_t>(m)};
+    sd.shift = {static_cast<int32_t>(s)};
+    sd.stage.rescale.kind = static_cast<RescaleKind>(kind);
+    sd.stage.rescale.rounding = static_cast<Rounding>(rnd);
+    sd.stage.zero_point = static_cast<int32_t>(zp);
+    p->in.push_back(sd);
+  }
+  for (StageData& sd : p->in) {  // pointers into the final vectors
+    sd.stage.rescale.multiplier = sd.multiplier.data();
+    sd.stage.rescale.shift = sd.shift.data();
+    const Status v = ValidateRescale(sd.stage.rescale, 1);
+    OP_CHECK(v.ok(), "per-input rescale: %s", v.message().c_str());
+  }
+  if (n_in > 1 && g->tensors[op.inputs[1]].is_constant) {
+    const GraphTensor& c1 = g->tensors[op.inputs[1]];
+    const Rescale& q1 = p->in[1].stage.rescale;
+    for (int64_t v : c1.values)
+      p->const1.push_back(RescaleOne(v - p->in[1].stage.zero_point, q1.kind, q1.multiplier[0], q1.shift[0], q1.rounding));
+    OP_CHECK(!p->const1.empty(), "constant input 1 is empty");
+  }
+  const Rescale& r0 = p->in[0].stage.rescale;
+  const bool narrow = n_in == 1 && IsInt8(x.dtype) && r0.kind == RescaleKind::kPot && r0.shift[0] == 0 &&
+                      r0.multiplier[0] == 1;
   p->gamma = op.attrs.at("gamma").ints;
   p->beta = op.attrs.at("beta").ints;
   p->eps = op.attrs.at("eps").i;
@@ -55,8 +112,14 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
     OP_CHECK(std::abs(p->gamma[i]) <= (1 << 14) - 1, "gamma entry %lld outside 14 bits", (long long)i);
     OP_CHECK(std::abs(p->beta[i]) <= (int64_t{1} << 30), "beta entry %lld outside [-2^30, 2^30]", (long long)i);
   }
-  OP_CHECK(p->eps >= 0 && n <= 40000 && n * n * n * 65025 + p->eps < (int64_t{1} << 62) && n * n * n * 65025 > 0,
-           "row length %lld with eps %lld overflows the int64 variance sum", (long long)n, (long long)p->eps);
+  if (narrow) {
+    OP_CHECK(p->eps >= 0 && n <= 40000 && n * n * n * 65025 + p->eps < (int64_t{1} << 62) && n * n * n * 65025 > 0,
+             "row length %lld with eps %lld overflows the int64 variance sum", (long long)n, (long long)p->eps);
+  } else {  // |D| <= 2^24 after the row shift: N·2^48 <= 2^61
+    OP_CHECK(p->eps >= 0 && n <= 8192 && p->eps < (int64_t{1} << 61),
+             "row length %lld (at most 8192) with eps %lld (below 2^61) overflows a wide LAYERNORM's variance sum",
+             (long long)n, (long long)p->eps);
+  }
   QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &p->out));
   OP_CHECK(p->out.multiplier.size() == 1, "LAYERNORM rescales are per tensor");
   op.prepared = std::move(p);
@@ -67,19 +130,42 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
   const LayernormParams& p = ParamsOf<LayernormParams>(op);
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
   const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
+  const size_t n_in = op.inputs.size();
   const uint8_t* x = c.Buf(op.inputs[0]);
   const int dt = c.DType(op.inputs[0]);
+  const bool act1 = n_in > 1 && p.const1.empty();
+  const uint8_t* x1 = act1 ? c.Buf(op.inputs[1]) : nullptr;
+  const int dt1 = act1 ? c.DType(op.inputs[1]) : 0;
+  const int64_t n1 = static_cast<int64_t>(p.const1.size());  // a (1, ...) constant repeats per batch row
   uint8_t* y = c.Buf(op.outputs[0]);
   const OutputStage& st = p.out.stage;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
+  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> d(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * n;
-      int64_t sum = 0;
-      for (int64_t i = 0; i < n; ++i) sum += LoadValue(x, dt, o + i);
-      int64_t w = p.eps;
+      int64_t sum = 0, most = 0;
       for (int64_t i = 0; i < n; ++i) {
-        d[i] = n * LoadValue(x, dt, o + i) - sum;
+        const Rescale& q0 = p.in[0].stage.rescale;
+        int64_t v = RescaleOne(static_cast<int64_t>(LoadValue(x, dt, o + i)) - p.in[0].stage.zero_point, q0.kind,
+                               q0.multiplier[0], q0.shift[0], q0.rounding);
+        if (x1 != nullptr) {
+          const Rescale& q1 = p.in[1].stage.rescale;
+          v = Sat32(v + RescaleOne(static_cast<int64_t>(LoadValue(x1, dt1, o + i)) - p.in[1].stage.zero_point, q1.kind,
+                                   q1.multiplier[0], q1.shift[0], q1.rounding));
+        } else if (n1 > 0) {
+          v = Sat32(v + p.const1[static_cast<size_t>((o + i) % n1)]);
+        }
+        d[i] = v;
+        sum += v;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        d[i] = n * d[i] - sum;
+        most = std::max(most, d[i] < 0 ? -d[i] : d[i]);
+      }
+      const int k = std::max(0, BitLength(static_cast<uint64_t>(most)) - 24);
+      int64_t w = HalfAwayShift(p.eps, 2 * k);
+      for (int64_t i = 0; i < n; ++i) {
+        d[i] = HalfAwayShift(d[i], k);
         w += d[i] * d[i];
       }
       const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;

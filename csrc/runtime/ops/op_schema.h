@@ -38,8 +38,9 @@ enum OpCode : int {
   kEmbedding = 30,
   kQuantizeDynamic = 31,
   kLinearDynamic = 32,
+  kSoftmaxMasked = 34,
 };
-constexpr int kMaxOpcode = 32;
+constexpr int kMaxOpcode = 34;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -87,10 +88,11 @@ inline constexpr AttrSchema kResizeAttrs[] = {{"size", kAttrInts}, {"index", kAt
 inline constexpr AttrSchema kLutChannelAttrs[] = {{"table", kAttrInts}};
 inline constexpr AttrSchema kMatmulAttrs[] = {{"in_zp", kAttrInts}, {"a_perm", kAttrInts}, {"b_perm", kAttrInts}, {"out_perm", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kSoftmaxAttrs[] = {{"table", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
-inline constexpr AttrSchema kLayernormAttrs[] = {{"gamma", kAttrInts}, {"beta", kAttrInts}, {"eps", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kLayernormAttrs[] = {{"in_zp", kAttrInts}, {"in_kind", kAttrInts}, {"in_multiplier", kAttrInts}, {"in_shift", kAttrInts}, {"in_rounding", kAttrInts}, {"gamma", kAttrInts}, {"beta", kAttrInts}, {"eps", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kQuantizeDynamicAttrs[] = {{"qmin", kAttrInt}, {"qmax", kAttrInt}, {"symmetric", kAttrInt}, {"per_row", kAttrInt}, {"rounding", kAttrInt}};
 inline constexpr AttrSchema kLinearDynamicAttrs[] = {{"w_scale", kAttrInts}, {"bias", kAttrInts}, {"relu", kAttrInt}};
+inline constexpr AttrSchema kSoftmaxMaskedAttrs[] = {{"table", kAttrInts}, {"mask_dims", kAttrInts}, {"mask_attend", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -123,10 +125,12 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
     {"MATMUL", 2, 2, false, kMatmulAttrs, 11, 1},
     {"SOFTMAX", 1, 1, false, kSoftmaxAttrs, 8, 1},
-    {"LAYERNORM", 1, 1, false, kLayernormAttrs, 10, 1},
+    {"LAYERNORM", 1, 2, false, kLayernormAttrs, 15, 1},
     {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8, 1},
     {"QUANTIZE_DYNAMIC", 1, 1, false, kQuantizeDynamicAttrs, 5, 2},
     {"LINEAR_DYNAMIC", 3, 3, false, kLinearDynamicAttrs, 3, 1},
+    {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
+    {"SOFTMAX_MASKED", 2, 3, false, kSoftmaxMaskedAttrs, 10, 1},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -164,6 +168,7 @@ extern const OpDef kLayernormDef;
 extern const OpDef kEmbeddingDef;
 extern const OpDef kQuantizeDynamicDef;
 extern const OpDef kLinearDynamicDef;
+extern const OpDef kSoftmaxMaskedDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -198,6 +203,8 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kEmbeddingDef,
     &kQuantizeDynamicDef,
     &kLinearDynamicDef,
+    nullptr,  // unassigned
+    &kSoftmaxMaskedDef,
 };
 
 }  // namespace qdsl

@@ -52,7 +52,10 @@ class OpDef:
     all_activations: bool = False
     """Every input must be an activation (ADD, CONCAT); otherwise only the first."""
     reads_ids: bool = False
-    """Its first input may be an I32 graph input of token ids (EMBEDDING); no other op reads one."""
+    """Its first input may be an I32 graph input of token ids (EMBEDDING)."""
+    reads_masks: bool = False
+    """Its inputs after the first may be I32 graph inputs (SOFTMAX_MASKED's masks); no op
+    other than these two kinds reads an I32 graph input."""
     extra_outputs: Callable[["Op", "list[Tensor]"], "tuple[tuple[DType, tuple[int, ...]], ...]"] | None = None
     """For an op with ``schema.n_outputs > 1``: the (dtype, shape) of each output after the
     first (called after ``infer`` accepted the op); ``run`` then returns one array per output."""
@@ -86,6 +89,7 @@ _REGISTERED = (
     "mul",
     "matmul",
     "softmax",
+    "softmax_masked",
     "layernorm",
     "embedding",
     "dynamic",

@@ -1,11 +1,25 @@
-"""LAYERNORM: integer layer normalization over the last axis of an 8-bit input, then a
-per-channel affine into the output grid (integer only, I-BERT style: exact sums, an
-integer square root, a fixed-point quotient).
+"""LAYERNORM: integer layer normalization over the last axis, then a per-channel affine
+into the output grid (integer only, I-BERT style: exact sums, an integer square root, a
+fixed-point quotient).
 
-For a row of ``N`` codes ``x`` (the zero point cancels)::
+The normalized value is the sum of one or two inputs (I8/U8, or I32: a layer's wide
+result), each brought to one common grid by its own rescale, as ADD does::
+
+    x_i = sat32(Σ_j rescale_j(x_j,i - in_zp_j))
+
+so a post-norm block's ``LayerNorm(dense(h) + residual)`` reads the residual sum at a fine
+int32 grid instead of 8-bit codes (BERT's residual stream has channels 37-124x the typical
+range; I-BERT's LayerNorm also takes INT32 input).  Input 1 may be a constant of shape
+``(1, ...)`` added to every batch row (the position and token-type embeddings of a fixed
+sequence length).  The narrow form - one I8/U8 input with the identity rescale - is the
+original op; the wide form (anything else) allows rows of up to 8192.
+
+For a row of ``N`` values ``x`` (a zero point cancels)::
 
     D_i = N·x_i - Σ_j x_j                 (= N·(x_i - mean), exact)
-    W   = Σ_i D_i² + eps                  (int64; eps = round(N³·ε / s²), ε in codes)
+    k   = max(0, bitlen(max_i |D_i|) - 24)   (0 in the narrow form: |D| < 2^24)
+    D_i = round_half_away(D_i / 2^k),  eps_k = round_half_away(eps / 4^k)
+    W   = Σ_i D_i² + eps_k                (int64; eps = round(N³·ε / s²), ε in codes)
     G   = (62 - bitlen(W)) // 2           (scales W to 61..62 bits: full precision)
     R   = isqrt(W · 4^G)                  (exact floor square root, R < 2^31)
     Z_i = round_half_away(D_i · 2^(G+16) / R)   (0 when R = 0)
@@ -16,23 +30,29 @@ For a row of ``N`` codes ``x`` (the zero point cancels)::
 by ``sqrt(N)``, so ``|Z_i| <= 2^16 + 1`` (``D_i² <= W``).  ``gamma`` holds the affine
 weight in codes of at most 14 bits, ``beta`` the bias in accumulator units (``|beta| <=
 2^30``), so ``acc`` stays in int32; the rescale carries ``s_gamma · sqrt(N) / (2^16 · s_out)``.
-``N³ · 255² + eps < 2^62`` bounds ``W``.
+``N³ · 255² + eps < 2^62`` bounds ``W`` in the narrow form; in the wide form ``N <= 8192``
+and ``eps < 2^61`` do (``|D_i| <= 2^24`` after the shift).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from qdsl.graph.checks import check_out
+from qdsl.graph.checks import check_out, check_rescale
 from qdsl.graph.ops import OpDef
-from qdsl.graph.requant import apply_rescale
-from qdsl.graph.schema import INT8_DTYPES, OUT_ATTRS, RQ_ATTRS, AttrType, OpSchema, OutputStage
+from qdsl.graph.ops.add import in_rescale
+from qdsl.graph.requant import apply_rescale, rounding_shift, sat
+from qdsl.graph.schema import (IN_RQ_ATTRS, INT8_DTYPES, OUT_ATTRS, RQ_ATTRS, AttrType, DType, OpSchema, OutputStage,
+                               RescaleKind, Rounding)
 
-__all__ = ["OPS", "layernorm", "isqrt", "LN_FRAC_BITS", "GAMMA_MAX", "BETA_MAX"]
+__all__ = ["OPS", "layernorm", "isqrt", "LN_FRAC_BITS", "GAMMA_MAX", "BETA_MAX", "WIDE_MAX_N", "D_BITS"]
 
 LN_FRAC_BITS = 16
 GAMMA_MAX = 2**14 - 1
 BETA_MAX = 2**30
+WIDE_MAX_N = 8192
+D_BITS = 24
+"""Bits of ``|D_i|`` kept by the row shift ``k``."""
 
 
 def isqrt(v: np.ndarray) -> np.ndarray:
@@ -56,11 +76,23 @@ def _bitlen(v: np.ndarray) -> np.ndarray:
     return out + (w > 0)
 
 
-def layernorm(x: np.ndarray, a) -> np.ndarray:
-    x = np.asarray(x, dtype=np.int64)
+def _half_away_shift(v: np.ndarray, k: np.ndarray) -> np.ndarray:
+    return np.sign(v) * rounding_shift(np.abs(v), k, Rounding.HALF_AWAY)
+
+
+def layernorm(xs, a) -> np.ndarray:
+    if isinstance(xs, np.ndarray):  # one input (the narrow form's callers)
+        xs = [xs]
+    xs = [np.asarray(x, dtype=np.int64) for x in xs]
+    shape = xs[0].shape
+    x = sat(sum(apply_rescale(np.broadcast_to(v, shape) - a["in_zp"][i], in_rescale(a, i), None)
+                for i, v in enumerate(xs)))
     n = x.shape[-1]
     d = n * x - x.sum(axis=-1, keepdims=True)
-    w = (d * d).sum(axis=-1, keepdims=True) + a["eps"]
+    m = np.abs(d).max(axis=-1, keepdims=True)
+    k = np.maximum(_bitlen(m) - D_BITS, 0)
+    d = _half_away_shift(d, k)
+    w = (d * d).sum(axis=-1, keepdims=True) + _half_away_shift(np.full(k.shape, a["eps"], dtype=np.int64), 2 * k)
     g = (62 - _bitlen(w)) // 2
     r = isqrt(w << (2 * g))
     num = np.abs(d) << (g + LN_FRAC_BITS)
@@ -71,23 +103,44 @@ def layernorm(x: np.ndarray, a) -> np.ndarray:
     return np.clip(apply_rescale(acc, st.rescale) + st.zero_point, st.qmin, st.qmax)
 
 
+def is_narrow(ins, a) -> bool:
+    """One I8/U8 input read with the identity rescale: the original op's bounds apply."""
+    return (len(ins) == 1 and ins[0].dtype in INT8_DTYPES and a["in_kind"][0] == RescaleKind.POT
+            and a["in_shift"][0] == 0 and a["in_multiplier"][0] == 1)
+
+
 def _infer(c, op, ins, out):
     x = ins[0]
-    c.dt(x, INT8_DTYPES, "input")
+    c.need(not x.is_constant, f"input 0 {x.name!r} must be an activation, not a constant")
+    for i, t in enumerate(ins):
+        c.dt(t, INT8_DTYPES + (DType.I32,), f"input {i}")
     c.need(len(x.shape) >= 2 and x.shape[-1] >= 1, f"input {x.name!r} needs a normalized axis, has shape {x.shape}")
+    if len(ins) == 2:
+        y = ins[1]
+        c.need(y.shape == x.shape or (y.is_constant and tuple(y.shape) == (1,) + tuple(x.shape[1:])),
+               f"input 1 {y.name!r} has shape {y.shape}: input 0's {x.shape}, or a constant (1, ...) over the batch")
+    zps = c.ints("in_zp", len(ins))
+    for t, zp in zip(ins, zps):
+        c.need(t.dtype.range[0] <= zp <= t.dtype.range[1], f"in_zp {zp} outside the range of {t.name!r}")
+    check_rescale(c, "in_", len(ins), per_input=True)
     n = x.shape[-1]
     c.ints("gamma", n, -GAMMA_MAX, GAMMA_MAX)
     c.ints("beta", n, -BETA_MAX, BETA_MAX)
     eps = c.int("eps", 0, 2**62)
-    c.need(n**3 * 255**2 + eps < 2**62, f"row length {n} with eps {eps} overflows the int64 variance sum")
+    if is_narrow(ins, op.attrs):
+        c.need(n**3 * 255**2 + eps < 2**62, f"row length {n} with eps {eps} overflows the int64 variance sum")
+    else:
+        c.need(n <= WIDE_MAX_N and eps < 2**61, f"row length {n} (at most {WIDE_MAX_N}) with eps {eps} (below 2^61) "
+                                                  "overflows the int64 variance sum of a wide LAYERNORM")
     c.dt(out, INT8_DTYPES, "output")
     check_out(c, out.dtype, 1)
     return INT8_DTYPES, x.shape
 
 
 OPS = (
-    OpDef("LAYERNORM", 29, OpSchema(1, 1, {"gamma": AttrType.INTS, "beta": AttrType.INTS, "eps": AttrType.INT,
-                                           **RQ_ATTRS, **OUT_ATTRS}), _infer,
-          lambda op, args, graph, counts: layernorm(args[0], op.attrs),
-          "Layer normalization over the last axis: exact sums, integer sqrt, fixed-point quotient, affine, one stage."),
+    OpDef("LAYERNORM", 29, OpSchema(1, 2, {**IN_RQ_ATTRS, "gamma": AttrType.INTS, "beta": AttrType.INTS,
+                                           "eps": AttrType.INT, **RQ_ATTRS, **OUT_ATTRS}), _infer,
+          lambda op, args, graph, counts: layernorm([a if isinstance(a, np.ndarray) else a.data for a in args], op.attrs),
+          "Layer normalization over the last axis of the sum of one or two rescaled inputs (I8/U8/I32): exact "
+          "sums, integer sqrt, fixed-point quotient, affine, one stage."),
 )

@@ -1,0 +1,127 @@
+"""A BERT-shaped encoder (tests/export/bert_models.py: Hugging Face BertModel's constructs)
+through the integer graph: the trace carries the example's sizes (position and token-type ids
+sliced from buffers fold to constants), the embeddings' chained sum and every post-norm
+residual sum reach LAYERNORM at a wide int32 grid (specs/transformer-int8.qspec leaves the
+LayerNorm inputs in float), C++ equals the reference executor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import qdsl
+import qdsl.runtime as rt
+from qdsl.export.values import ExportError
+from qdsl.graph.ir import DType, OpType
+from qdsl.parse import parse_text
+from qdsl.runtime.run import run_graph
+
+from tests.export.bert_models import TinyBert
+
+SPEC_FILE = Path(__file__).resolve().parents[2] / "specs" / "transformer-int8.qspec"
+# the attention's pieces that have a module to carry their quantizer (an nn.Softmax here; no
+# apply-time trace implies them, as BertEmbeddings' slicing stops a plain fx trace)
+ATTENTION = """
+rule re:'.*\\.(query|key|value|intermediate\\.dense)' { output = a8 }
+rule type:Softmax optional { input = a8  output = a8 }
+"""
+
+
+def _spec():
+    return parse_text(SPEC_FILE.read_text() + ATTENTION, "transformer-int8+attention.qspec")
+
+
+def _cos(a, b) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def exported():
+    torch.manual_seed(0)
+    model = TinyBert(pooler=False, softmax_module=True).eval()
+    ids = torch.randint(0, 50, (16, 12))
+    with torch.no_grad():
+        want = model(ids).numpy()
+    qdsl.apply(model, _spec())
+    qdsl.calibrate(model, [{"input_ids": ids[:8]}, {"input_ids": ids[8:]}])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(ids).numpy()
+    graph = qdsl.export(model, {"input_ids": ids[:1]})
+    return graph, ids.numpy(), want, fq
+
+
+def test_tiny_bert_exports_with_wide_layernorm_inputs(exported):
+    graph, ids, want, fq = exported
+    lns = [op for op in graph.ops if op.type is OpType.LAYERNORM]
+    assert len(lns) == 5 and all(len(op.inputs) == 2 for op in lns)
+    # the embeddings: the word lookup's codes plus the position + token-type constant (1, L, E)
+    emb = graph.tensor(lns[0].inputs[1])
+    assert emb.is_constant and emb.dtype is DType.I32 and tuple(emb.shape) == (1, 12, 32)
+    # the residual LayerNorms read a Linear's int32 result and the 8-bit residual
+    assert all(graph.tensor(op.inputs[0]).dtype is DType.I32 for op in lns[1:])
+    assert tuple(graph.inputs) == ("input",) and graph.tensor("input").dtype is DType.I32
+    got = np.asarray(run_graph(graph, ids, backend="reference"))
+    # graph vs float as close as the fake-quant model, graph vs fake-quant: a few output LSBs
+    assert _cos(got, want) >= 0.999 and _cos(fq, want) >= 0.999
+    assert _cos(got, fq) >= 0.9999
+    print(f"\ncos(graph, float) {_cos(got, want):.6f}  cos(fq, float) {_cos(fq, want):.6f}  "
+          f"cos(graph, fq) {_cos(got, fq):.7f}  max |graph - fq| {np.abs(got - fq).max():.4f}")
+
+
+@pytest.mark.skipif(not rt.available(), reason="C++ runtime not built")
+def test_tiny_bert_cpp_equals_reference(exported):
+    graph, ids, _, _ = exported
+    want = np.asarray(run_graph(graph, ids, backend="reference"))
+    got = np.asarray(run_graph(graph, ids, backend="cpp"))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_layernorm_with_quantized_input_keeps_the_narrow_form():
+    # a spec that quantizes the LayerNorm inputs (the previous transformer-int8) still lowers
+    # to the one-input LAYERNORM reading 8-bit codes
+    torch.manual_seed(1)
+    model = TinyBert(pooler=False, softmax_module=True, layers=1).eval()
+    ids = torch.randint(0, 50, (8, 12))
+    encoder_ln_inputs = "rule re:'encoder\\..*\\.LayerNorm' { input = a8 }\n"
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ATTENTION + encoder_ln_inputs, "t.qspec"))
+    qdsl.calibrate(model, [{"input_ids": ids}])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, {"input_ids": ids[:1]})
+    lns = [op for op in graph.ops if op.type is OpType.LAYERNORM]
+    assert len(lns) == 3 and len(lns[0].inputs) == 2  # the embeddings' sum stays wide
+    assert all(len(op.inputs) == 1 and graph.tensor(op.inputs[0]).dtype in (DType.U8, DType.I8) for op in lns[1:])
+
+
+def test_quantized_embedding_sum_is_refused_by_name():
+    # a quantizer on word + position + token-type: the graph has no add of a constant
+    torch.manual_seed(1)
+    model = TinyBert(pooler=False, softmax_module=True, layers=1).eval()
+    ids = torch.randint(0, 50, (8, 12))
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ATTENTION + "rule embeddings.LayerNorm { input = a8 }\n",
+                                 "t.qspec"))
+    qdsl.calibrate(model, [{"input_ids": ids}])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError) as ei:
+        qdsl.export(model, {"input_ids": ids[:1]})
+    assert ei.value.where == "embeddings.LayerNorm" and "constant" in str(ei.value)
+
+
+def test_functional_softmax_is_refused_naming_module_and_op():
+    # Hugging Face's eager attention calls F.softmax inside the self-attention module: no module
+    # returns the scores, so nothing quantizes them, and export says where
+    torch.manual_seed(0)
+    model = TinyBert(pooler=False).eval()
+    ids = torch.randint(0, 50, (8, 12))
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text().replace("rule type:LayerNorm", ATTENTION.split("rule type")[0]
+                                                                 + "rule type:LayerNorm"), "t.qspec"))
+    qdsl.calibrate(model, [{"input_ids": ids}])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError) as ei:
+        qdsl.export(model, {"input_ids": ids[:1]})
+    assert ei.value.where == "encoder.layer.0.attention.self"
+    assert "softmax" in str(ei.value)
