@@ -73,27 +73,29 @@ void FindTwinConvs(Graph* g) {
   }
 }
 
-bool AmxImplicitConv(const GraphOp& op) {
-  const ConvParams* p = AsConv(op);
-  return p != nullptr && p->amx_conv && p->fast_acc && p->spatial > 0;
-}
+}  // namespace
 
-// Graph::nhwc: start from every tensor an AMX implicit conv or an ADD produces, then drop
-// tensors with another reader (or that are graph outputs) until stable; an ADD keeps both
-// inputs and its output in one layout (it is elementwise: any layout, but the same).
-void PlanNhwc(Graph* g) {
+// Graph::nhwc for runs on `path`: start from every tensor an NHWC conv (conv::RunsNhwc: the
+// AMX and AVX2 implicit-GEMM convs that this path runs) or an ADD produces, then drop tensors
+// with another reader (or that are graph outputs) until stable; an ADD keeps both inputs and
+// its output in one layout (it is elementwise: any layout, but the same).
+void PlanNhwc(Graph* g, uint32_t path) {
   const size_t nt = g->tensors.size();
   std::vector<char>& s = g->nhwc;
   s.assign(nt, 0);
+  auto nhwc_conv = [&](const GraphOp& op) {
+    const ConvParams* p = AsConv(op);
+    return p != nullptr && conv::RunsNhwc(*p, path);
+  };
   for (const GraphOp& op : g->ops)
-    if (AmxImplicitConv(op) || op.opcode == kAdd) s[op.outputs[0]] = 1;
+    if (nhwc_conv(op) || op.opcode == kAdd) s[op.outputs[0]] = 1;
   for (uint32_t t : g->outputs) s[t] = 0;
   for (bool changed = true; changed;) {
     changed = false;
     for (const GraphOp& op : g->ops) {
       for (size_t k = 0; k < op.inputs.size(); ++k) {
         const uint32_t t = op.inputs[k];
-        const bool reads_nhwc = (AmxImplicitConv(op) && k == 0) || op.opcode == kAdd;
+        const bool reads_nhwc = (nhwc_conv(op) && k == 0) || op.opcode == kAdd;
         if (s[t] && !reads_nhwc) {
           s[t] = 0;
           changed = true;
@@ -110,7 +112,10 @@ void PlanNhwc(Graph* g) {
       }
     }
   }
+  g->nhwc_path = path;
 }
+
+namespace {
 
 // The output's proven value range (GraphTensor::value_min/max) by the op's table rule:
 // the clamp the op applies (checked within the dtype by its Prepare), the input's range for
@@ -206,7 +211,8 @@ Status PrepareGraph(Graph* g) {
   g->overflow.assign(g->ops.size(), 0);
   FuseResidualAdds(g);
   FindTwinConvs(g);
-  PlanNhwc(g);
+  g->nhwc.assign(g->tensors.size(), 0);  // planned per path by the first run (PlanNhwc)
+  g->nhwc_path = 0;
   return Status::Ok();
 }
 
