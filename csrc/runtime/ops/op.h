@@ -44,10 +44,10 @@ struct StageData {
   bool present = false;
 };
 
-// One graph run: the graph, its batch size and the resolved kernel path.
 // Graph::nhwc for runs on kernel path `path` (runtime/prepare.cc).
 void PlanNhwc(Graph* g, uint32_t path);
 
+// One graph run: the graph, its batch size and the resolved kernel path.
 struct RunCtx {
   Graph* g;
   int64_t batch;
