@@ -125,7 +125,9 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     int64_t n0 = 0, n1 = 0;
     Part(p.ig_panels, nparts, part, &n0, &n1);
     if (n1 <= n0) return;
-    // row pointers [position][tap]
+    // row pointers [position][tap], built per block here rather than once at prepare time:
+    // the rows live in this run's buffers, and one pointer per tap costs a few scalar ops
+    // against the tap's C / 4 k-quads x N / 16 panels of kernel steps
     thread_local std::vector<const uint8_t*> ind;
     ind.resize(static_cast<size_t>(m * taps));
     const uint8_t* img = rows + b * HW * cp;
