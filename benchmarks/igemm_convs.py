@@ -47,7 +47,9 @@ for name, c, o, k, s, hw in {shapes!r}:
     w = rng.integers(-127, 128, (o, c, k, k)).astype(np.int8)
     ohw = (hw + 2 * (k // 2) - k) // s + 1
     attrs = {{"stride": [s, s], "padding": [k // 2] * 2, "dilation": [1, 1], "groups": 1, "in_zp": 0, "w_zp": [0],
-             "acc_bits": 32, "overflow": 0, **OutputStage(make_rescale(rng.uniform(5e-4, 2e-3, o), allow_pot=False, single=True), 0, 0, 127).attrs()}}
+             "acc_bits": 32, "overflow": 0}}
+    rescale = make_rescale(rng.uniform(5e-4, 2e-3, o), allow_pot=False, single=True)
+    attrs.update(OutputStage(rescale, 0, 0, 127).attrs())
     ts = [Tensor("x", DType.U8, (-1, c, hw, hw)), Tensor("xc", DType.U8, (-1, c, hw, hw)),
           Tensor("w", DType.I8, w.shape, w), Tensor("y", DType.U8, (-1, o, ohw, ohw))]
     g = IntegerGraph(ts, ["x"], ["y"], [Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {{"out_min": 0, "out_max": 127}}),

@@ -324,11 +324,13 @@ void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t ld
   const Rescale& rs = stage.rescale;
   if (!RequantAvx2Supports(stage) || stage.zero_point != 0) {
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c) out[r * ldo + c] = ref::StageOne(acc[r * lda + c], ChannelStage(stage, c0 + c));
+      for (int64_t c = 0; c < cols; ++c)
+        out[r * ldo + c] = ref::StageOne(acc[r * lda + c], ChannelStage(stage, c0 + c));
     return;
   }
   bool ident = rs.kind == RescaleKind::kPot;  // POT shift 0 on every channel: a clamped copy
-  for (int64_t c = 0; ident && c < (rs.channels == 1 ? 1 : cols); ++c) ident = rs.shift[rs.channels == 1 ? 0 : c0 + c] == 0;
+  for (int64_t c = 0; ident && c < (rs.channels == 1 ? 1 : cols); ++c)
+    ident = rs.shift[rs.channels == 1 ? 0 : c0 + c] == 0;
   if (ident) {
     I32ColRows<RescaleKind::kPot, Rounding::kHalfAway, true>::Run(acc, rows, cols, lda, stage, c0, out, ldo);
     return;

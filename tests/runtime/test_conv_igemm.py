@@ -3,10 +3,11 @@ row pointers, output stage and fused residual ADD in the epilogue) equals the Py
 executor bit for bit, on every kernel path this CPU has.  It runs for groups-1 convs with at
 least 8 input channels whose int8 weights keep every vpmaddubsw pair sum within int16 for the
 input's codes (weights within +-64 for full-range U8/I8 inputs, any int8 weights behind a
-7-bit clamp), on the shapes where it pays, and here (QDSL_IGEMM_ALL) on all of them.  Shapes cover 1x1/3x3/7x7 kernels, strides 1/2, padding, dilation, channel counts
-off the 4/16 multiples (C padded to 4, N tails of a 16-channel panel), M tails of the 6-row
-strips, I8/U8/I32 outputs with clamps, batch > 1, and 1 and 2 threads (2 threads split the
-output channels too when an image has few position blocks)."""
+7-bit clamp), on the shapes where it pays, and here (QDSL_IGEMM_ALL) on all of them.  Shapes
+cover 1x1/3x3/7x7 kernels, strides 1/2, padding, dilation, channel counts off the 4/16
+multiples (C padded to 4, N tails of a 16-channel panel), M tails of the 6-row strips,
+I8/U8/I32 outputs with clamps, batch > 1, and 1 and 2 threads (2 threads split the output
+channels too when an image has few position blocks)."""
 
 from __future__ import annotations
 
