@@ -131,6 +131,14 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
+IgemmKernel SelectIgemmKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2) return x86::IgemmU8S8Avx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path) {
   if (VnniMicroKernel k = SelectVnniMicroKernel(broadcast_unsigned, path)) return k;
 #ifdef QDSL_HAVE_X86
@@ -254,6 +262,7 @@ StageI32RowsKernel SelectStageI32RowsKernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx512) return x86::StageI32RowsAvx512;
+  if (path == kPathAvx2 || path == kPathAvxVnni) return x86::StageI32RowsAvx2;
 #endif
   return StageI32RowsPortable;
 }

@@ -94,6 +94,14 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 // sums (MaddubsStepsFor): the VNNI one where the CPU has it, else on AVX2 the vpmaddubsw one
 // (maddubs_steps >= 1); nullptr when neither applies (the int16 kernels run).
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path);
+// Implicit-GEMM conv micro-kernel (x86::IgemmU8S8Avx2, csrc/kernels/x86/igemm_u8s8_6x16_avx2.cc):
+// c[r][0..16) (+)= sum over taps t and k-quads j of the u8 bytes ind[r * taps + t][4j..4j+3]
+// times the s8 panel quad (t * cquads + j) (16 channels x 4 bytes), for rows <= 6 positions.
+// Exact when the weights allow one int16 pair sum (MaddubsStepsFor >= 1).
+using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                             int32_t* c, int64_t ldc, bool accumulate);
+// nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs).
+IgemmKernel SelectIgemmKernel(uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
 // unless `path` is kPathAmx.
 using AmxKernel = void (*)(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b,

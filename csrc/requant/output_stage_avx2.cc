@@ -73,6 +73,48 @@ struct I32Rows {
   }
 };
 
+// Channel ch's stage as a one-channel stage (ref::StageOne applies channel 0).
+inline OutputStage ChannelStage(const OutputStage& stage, int64_t ch) {
+  OutputStage one = stage;
+  if (stage.rescale.channels != 1) {
+    one.rescale.multiplier += ch;
+    one.rescale.shift += ch;
+    one.rescale.channels = 1;
+  }
+  return one;
+}
+
+// I32 output stage per column (channel c0 + c) over a [rows][cols] block, zero point 0:
+// the implicit-GEMM conv's [positions][channels] tiles.  Tail columns: the scalar rule.
+template <RescaleKind K, Rounding R, bool kIdent = false>
+struct I32ColRows {
+  static void Run(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                  int32_t* out, int64_t ldo) {
+    const Rescale& rs = stage.rescale;
+    const bool per_tensor = rs.channels == 1;
+    const __m256i mult1 = _mm256_set1_epi32(rs.multiplier[0]), shift1 = _mm256_set1_epi32(rs.shift[0]);
+    const __m256i qmin = _mm256_set1_epi32(stage.qmin), qmax = _mm256_set1_epi32(stage.qmax);
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* a = acc + r * lda;
+      int32_t* o = out + r * ldo;
+      int64_t c = 0;
+      for (; c + 8 <= cols; c += 8) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + c));
+        __m256i y = x;
+        if (!kIdent) {
+          const __m256i mult =
+              per_tensor ? mult1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.multiplier + c0 + c));
+          const __m256i shift =
+              per_tensor ? shift1 : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rs.shift + c0 + c));
+          y = RescaleVec(x, K, mult, shift, R);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c), _mm256_min_epi32(_mm256_max_epi32(y, qmin), qmax));
+      }
+      for (; c < cols; ++c) o[c] = ref::StageOne(a[c], ChannelStage(stage, c0 + c));
+    }
+  }
+};
+
 // FIXED_SINGLE, one channel per call (the conv paths stage one channel row or plane per
 // call), right shift >= 0: a float32 estimate, checked, with the exact integer form as the
 // fallback.  The result is bit-exact; the proof:
@@ -275,6 +317,25 @@ void RequantI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t 
     return;
   }
   Pick<I32Rows>(rs)(acc, rows, cols, lda, one, out, ldo);
+}
+
+void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
+                      int64_t c0, int32_t* out, int64_t ldo) {
+  const Rescale& rs = stage.rescale;
+  if (!RequantAvx2Supports(stage) || stage.zero_point != 0) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        out[r * ldo + c] = ref::StageOne(acc[r * lda + c], ChannelStage(stage, c0 + c));
+    return;
+  }
+  bool ident = rs.kind == RescaleKind::kPot;  // POT shift 0 on every channel: a clamped copy
+  for (int64_t c = 0; ident && c < (rs.channels == 1 ? 1 : cols); ++c)
+    ident = rs.shift[rs.channels == 1 ? 0 : c0 + c] == 0;
+  if (ident) {
+    I32ColRows<RescaleKind::kPot, Rounding::kHalfAway, true>::Run(acc, rows, cols, lda, stage, c0, out, ldo);
+    return;
+  }
+  Pick<I32ColRows>(rs)(acc, rows, cols, lda, stage, c0, out, ldo);
 }
 
 }  // namespace x86

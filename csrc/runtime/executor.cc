@@ -39,6 +39,7 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
     QDSL_CHECK_ARG(inputs[i] != nullptr, "null input %zu", i);
     std::memcpy(g->buffers[g->inputs[i]].data(), inputs[i], g->buffers[g->inputs[i]].size());
   }
+  if (g->nhwc_path != chosen) PlanNhwc(g, chosen);  // which convs run NHWC depends on the path
   std::fill(g->overflow.begin(), g->overflow.end(), 0);
   g->fused_done.assign(g->ops.size(), 0);
   // QDSL_PROFILE=1 prints each op's wall time to stderr (for finding slow ops).

@@ -73,28 +73,47 @@ void FindTwinConvs(Graph* g) {
   }
 }
 
-bool AmxImplicitConv(const GraphOp& op) {
+}  // namespace
+
+namespace {
+
+// The ops that run on NHWC tensors (Graph::nhwc) on `path`: whether op writes its output
+// NHWC when asked to, and whether it reads input k NHWC when that is stored so.
+//   convs     the AMX and AVX2 implicit-GEMM convs that path runs (conv::RunsNhwc): input 0
+//   ADD       elementwise: any layout, but all three tensors the same (PlanNhwc below)
+//   pools     MAXPOOL2D/AVGPOOL2D: input and output each either way (transposed per image)
+//   GLOBAL_AVGPOOL  reads NHWC; its [N][C][1][1] output is the same in both layouts
+bool WritesNhwc(const GraphOp& op, uint32_t path) {
   const ConvParams* p = AsConv(op);
-  return p != nullptr && p->amx_conv && p->fast_acc && p->spatial > 0;
+  if (p != nullptr) return conv::RunsNhwc(*p, path);
+  return op.opcode == kAdd || op.opcode == kMaxpool2d || op.opcode == kAvgpool2d;
+}
+bool ReadsNhwc(const GraphOp& op, size_t k, uint32_t path) {
+  const ConvParams* p = AsConv(op);
+  if (p != nullptr) return k == 0 && conv::RunsNhwc(*p, path);
+  if (op.opcode == kAdd) return true;
+  return k == 0 && (op.opcode == kMaxpool2d || op.opcode == kAvgpool2d || op.opcode == kGlobalAvgpool);
 }
 
-// Graph::nhwc: start from every tensor an AMX implicit conv or an ADD produces, then drop
-// tensors with another reader (or that are graph outputs) until stable; an ADD keeps both
-// inputs and its output in one layout (it is elementwise: any layout, but the same).
-void PlanNhwc(Graph* g) {
+}  // namespace
+
+// Graph::nhwc for runs on `path`: start from every tensor an op that writes NHWC produces
+// (WritesNhwc), then drop tensors with another reader (ReadsNhwc; or that are graph outputs)
+// until stable; an ADD keeps both inputs and its output in one layout (it is elementwise:
+// any layout, but the same).  Graph inputs stay NCHW.
+void PlanNhwc(Graph* g, uint32_t path) {
   const size_t nt = g->tensors.size();
   std::vector<char>& s = g->nhwc;
   s.assign(nt, 0);
   for (const GraphOp& op : g->ops)
-    if (AmxImplicitConv(op) || op.opcode == kAdd) s[op.outputs[0]] = 1;
+    if (WritesNhwc(op, path)) s[op.outputs[0]] = 1;
   for (uint32_t t : g->outputs) s[t] = 0;
   for (bool changed = true; changed;) {
     changed = false;
     for (const GraphOp& op : g->ops) {
       for (size_t k = 0; k < op.inputs.size(); ++k) {
         const uint32_t t = op.inputs[k];
-        const bool reads_nhwc = (AmxImplicitConv(op) && k == 0) || op.opcode == kAdd;
-        if (s[t] && !reads_nhwc) {
+        if (s[t] && !ReadsNhwc(op, k, path)) {
           s[t] = 0;
           changed = true;
         }
@@ -110,7 +129,10 @@ void PlanNhwc(Graph* g) {
       }
     }
   }
+  g->nhwc_path = path;
 }
+
+namespace {
 
 // The output's proven value range (GraphTensor::value_min/max) by the op's table rule:
 // the clamp the op applies (checked within the dtype by its Prepare), the input's range for
@@ -207,7 +229,8 @@ Status PrepareGraph(Graph* g) {
   g->overflow.assign(g->ops.size(), 0);
   FuseResidualAdds(g);
   FindTwinConvs(g);
-  PlanNhwc(g);
+  g->nhwc.assign(g->tensors.size(), 0);  // planned per path by the first run (PlanNhwc)
+  g->nhwc_path = 0;
   return Status::Ok();
 }
 

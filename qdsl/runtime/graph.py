@@ -79,7 +79,8 @@ class CompiledGraph:
         ``maddubs_steps`` (int conv/linear only: S >= 1 means AVX2 CPUs without VNNI run the
         exact ``vpmaddubsw`` kernel, adding S pair sums in int16; 0 the int16 kernel) and
         ``no_overflow`` (int conv/linear only: no accumulator can overflow, so the fast output
-        stage runs)."""
+        stage runs), ``implicit_gemm`` (int conv/linear only: AVX2 runs the implicit-GEMM NHWC
+        conv) and ``nhwc_output`` (the op's output was stored NHWC in the last run)."""
         info = (ctypes.c_int64 * 10)()
         name = ctypes.create_string_buffer(4100)
         out = []
@@ -92,6 +93,9 @@ class CompiledGraph:
                 entry["no_overflow"] = bool(info[5])
             if info[4] >= 0:
                 entry["maddubs_steps"] = int(info[4])
+            if info[6] >= 0:
+                entry["implicit_gemm"] = bool(info[6])
+            entry["nhwc_output"] = bool(info[7])
             out.append(entry)
         return out
 

@@ -62,10 +62,12 @@ struct Graph {
   std::vector<std::vector<uint8_t>> buffers;
   // Per run: ADD ops already computed by the conv they were fused into (ConvParams::fused_add).
   std::vector<char> fused_done;
-  // Per tensor: stored NHWC instead of NCHW on AMX runs (runtime/prepare.cc PlanNhwc): only
-  // tensors that AMX implicit convs produce or ADDs pass on, and that only such convs and
-  // ADDs read, so no other op ever sees the layout.  Other paths ignore it.
+  // Per tensor: stored NHWC instead of NCHW (runtime/prepare.cc PlanNhwc), planned for the
+  // kernel path of the run (nhwc_path; RunGraph plans again when it changes): only tensors
+  // that NHWC convs (the AMX and AVX2 implicit-GEMM convs that path runs) produce or ADDs
+  // pass on, and that only such convs and ADDs read, so no other op ever sees the layout.
   std::vector<char> nhwc;
+  uint32_t nhwc_path = 0;
 };
 
 Status LoadGraph(const uint8_t* data, int64_t size, std::unique_ptr<Graph>* out);

@@ -29,6 +29,12 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
                         int64_t ldc, bool accumulate);                                                           \
   void GemmS8U8Avx2S##S(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c, \
                         int64_t ldc, bool accumulate);
+// Implicit-GEMM conv kernel (dispatch.h IgemmKernel's contract), the S == 1 sequence above.
+void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                   int32_t* c, int64_t ldc, bool accumulate);
+// Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
+void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
+                      int64_t c0, int32_t* out, int64_t ldo);
 QDSL_DECLARE_MADDUBS(1)
 QDSL_DECLARE_MADDUBS(2)
 QDSL_DECLARE_MADDUBS(4)

@@ -4,6 +4,7 @@
 //   conv_exec.cc      RunConv: path choice and the generic im2col + GEMM / exact int64 path
 //   conv_fast.cc      IntConvFast: the gathered-panel AVX2 / VNNI / AMX-explicit conv
 //   conv_amx.cc       AmxConvImplicit: the AMX implicit-GEMM conv (with a fused residual ADD)
+//   conv_igemm.cc     IgemmConv: the AVX2 implicit-GEMM conv on NHWC rows (with a fused residual ADD)
 //   conv_dw.cc        DepthwiseConv: depthwise convs (groups == C) on zero-padded int16 planes
 //   conv_im2col.cc    im2col forms and padded (phase-split) images
 //   conv_transpose.cc byte / int32 transposes and NCHW -> padded NHWC rows
@@ -62,6 +63,15 @@ struct ConvParams : OpParams {
   int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
   std::vector<int64_t> amx_koff;
   AlignedVector<uint8_t> amx_w;
+  // AVX2 implicit-GEMM conv (IgemmConv, conv_igemm.cc; groups 1, U8/I8 input, int8 weights whose
+  // pairs allow the vpmaddubsw kernel: MaddubsStepsFor >= 1, no overflow possible).  M = output
+  // positions, N = output channels, K = taps x ig_cp (C rounded up to 4, zero weights past C).
+  // ig_w: per panel of 16 output channels, [tap][k-quad][16 channels][4 bytes] s8 weights;
+  // ig_cinit[n] = bias[n] - zu * rowsum[n] (0 past O), the accumulators' start value.
+  bool igemm = false;
+  int64_t ig_cp = 0, ig_taps = 0, ig_panels = 0;
+  AlignedVector<uint8_t> ig_w;
+  std::vector<int32_t> ig_cinit;
   // Depthwise (groups == C, so each output channel reads one input plane; a depth
   // multiplier m = O / C >= 1) with int32-exact sums: DepthwiseConv runs it (conv_dw.cc).
   // dw_taps: [O][kh * kw] (W - w_zp); dw_pairs: [O][kh][(kw + 1) / 2] taps 2j (low half)
@@ -195,6 +205,17 @@ void ToPaddedNhwcRows(const uint8_t* x, bool x_nhwc, int64_t C, int64_t H, int64
                       int64_t Wp, int64_t r0, int64_t r1, uint8_t flip, uint8_t pad, uint8_t* xp);
 // conv_amx.cc, conv_fast.cc, conv_dw.cc, conv_exec.cc
 Status AmxConvImplicit(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, AmxGatherKernel amx);
+Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, IgemmKernel kernel);
+// False when QDSL_IGEMM=0 (read once): the gathered-panel conv runs instead (timing the two
+// in one build; conv_igemm.cc).
+bool IgemmEnabled();
+// Whether the conv's chosen implementation on `path` reads and writes Graph::nhwc layouts
+// (the AMX and AVX2 implicit-GEMM convs); RunConv picks by the same rules.
+inline bool RunsNhwc(const ConvParams& p, uint32_t path) {
+  if (p.spatial == 0) return false;
+  if (p.amx_conv && p.fast_acc && SelectAmxGatherKernel(path) != nullptr) return true;
+  return p.igemm && SelectIgemmKernel(path) != nullptr && IgemmEnabled();
+}
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);

@@ -21,6 +21,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
   if (p.spatial > 0 && p.amx_conv && p.fast_acc) {
     if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
   }
+  if (RunsNhwc(p, path)) return IgemmConv(g, op, batch, path, SelectIgemmKernel(path));  // (AMX: above)
   if (p.depthwise && path != kPathRef) return DepthwiseConv(g, op, batch, path, overflow);
   if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
   const Geometry e = Geo(g, op, batch);

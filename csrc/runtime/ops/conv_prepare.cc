@@ -81,6 +81,50 @@ void PrepareDepthwise(ConvParams* pp) {
   p.depthwise = true;
 }
 
+// The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
+// vpmaddubsw kernel is exact on them for the input's codes and the shape is one where it
+// beats the gathered-panel conv (measured on ResNet-18 and MobileNetV2 convs, AVX2):
+//   K = taps x C >= 128 and O >= 64, or a strided 1x1 conv with C >= 64 and O >= 128
+//   (ResNet's downsample convs); not 1x1 convs that widen more than 4x (MobileNetV2's
+//   expansions: their outputs go to NCHW depthwise convs through a transpose, and those
+//   depthwise convs then ran slower by more than the expansion gained).
+// Below that (MobileNetV2's 16..96-channel expansions, its 24/32-channel projections, an
+// RGB stem) the kernel's per-call accumulator loads and stores, the 16-channel panel tails
+// and the NHWC copies to and from the NCHW depthwise convs cost more than the gather saves.
+void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
+  ConvParams& p = *pp;
+  // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
+  // row pointer loads)
+  if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.w8.empty() || p.cin < 8 || out.dtype == kBin) return;
+  const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
+  const bool strided = p.sh > 1 || p.sw > 1;
+  const bool pays = ((taps * cp >= 128 && O >= 64) || (taps == 1 && strided && p.cin >= 64 && O >= 128)) &&
+                    !(taps == 1 && O > 4 * p.cin);
+  // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
+  if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
+  const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
+  // the weights in K order [tap][channel] (zero past C): its pairs are the kernel's
+  std::vector<int8_t> rows(static_cast<size_t>(O * taps * cp), 0);
+  for (int64_t oc = 0; oc < O; ++oc)
+    for (int64_t c = 0; c < p.cin; ++c)
+      for (int64_t t = 0; t < taps; ++t)
+        rows[(oc * taps + t) * cp + c] = static_cast<int8_t>(p.w_int[0][oc * kdim + c * taps + t]);
+  if (MaddubsStepsFor(MaddubsPairBound(rows.data(), O, taps * cp, taps * cp), p.in_max_code) < 1) return;
+  p.ig_w.assign(static_cast<size_t>(panels * kq * 64), 0);
+  for (int64_t oc = 0; oc < O; ++oc)
+    for (int64_t k = 0; k < taps * cp; ++k)  // panel oc / 16, quad k / 4, column oc % 16, byte k % 4
+      p.ig_w[((oc / 16) * kq + k / 4) * 64 + (oc % 16) * 4 + k % 4] = static_cast<uint8_t>(rows[oc * taps * cp + k]);
+  const uint32_t zu = static_cast<uint32_t>(p.in_zp + (x.dtype == kI8 ? 128 : 0));
+  p.ig_cinit.assign(static_cast<size_t>(panels * 16), 0);
+  for (int64_t oc = 0; oc < O; ++oc)  // mod 2^32 like the sums (no overflow: fast_acc)
+    p.ig_cinit[oc] = static_cast<int32_t>((p.bias.empty() ? 0u : static_cast<uint32_t>(p.bias[oc])) -
+                                          zu * static_cast<uint32_t>(p.rowsum[oc]));
+  p.ig_cp = cp;
+  p.ig_taps = taps;
+  p.ig_panels = panels;
+  p.igemm = true;
+}
+
 }  // namespace
 
 Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_shape) {
@@ -224,6 +268,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         p.w8.push_back(std::move(rows));
       }
       if (p.groups == 1) PrepareAmxConv(x, &p);
+      PrepareIgemm(x, out, &p);
     }
   } else if (p.int32_exact) {
     for (int64_t gi = 0; gi < p.groups; ++gi) {

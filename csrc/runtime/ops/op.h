@@ -44,6 +44,9 @@ struct StageData {
   bool present = false;
 };
 
+// Graph::nhwc for runs on kernel path `path` (runtime/prepare.cc).
+void PlanNhwc(Graph* g, uint32_t path);
+
 // One graph run: the graph, its batch size and the resolved kernel path.
 struct RunCtx {
   Graph* g;

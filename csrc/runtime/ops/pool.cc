@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "qdsl/aligned.h"
+#include "runtime/ops/conv.h"
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
 
@@ -96,6 +98,33 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
   const int64_t planes = xs[0] * xs[1];
+  // NHWC tensors (Graph::nhwc: a pool's input and output may each be NHWC): the pool runs on
+  // NCHW planes, an NHWC input transposed in and an NHWC output transposed out per image
+  // (a ResNet's stem pool: one transpose there keeps the whole first stage NHWC)
+  const bool in_nhwc = c.g->nhwc[xi] != 0, out_nhwc = c.g->nhwc[yi] != 0;
+  const int64_t esize = xd == kI32 ? 4 : 1, HW = H * W, OHW = OH * OW;
+  auto transpose = [&](const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {  // per image
+    ParallelFor(static_cast<int>(xs[0]), [&](int b) {
+      const int64_t off = b * rows * cols * esize;
+      if (esize == 4) {
+        conv::TransposeI32(reinterpret_cast<const int32_t*>(in + off), cols, rows, cols,
+                           reinterpret_cast<int32_t*>(out + off), rows);
+      } else {
+        conv::TransposeBytes(in + off, cols, rows, cols, out + off, rows);
+      }
+    }, /*work=*/xs[0] * rows * cols * 4);
+  };
+  thread_local AlignedVector<uint8_t> in_planes, out_planes;
+  if (in_nhwc) {
+    in_planes.resize(static_cast<size_t>(planes * HW * esize));
+    transpose(x, HW, xs[1], in_planes.data());
+    x = in_planes.data();
+  }
+  uint8_t* const y_out = y;
+  if (out_nhwc) {
+    out_planes.resize(static_cast<size_t>(planes * OHW));
+    y = out_planes.data();
+  }
   const int32_t in_zp = pp.in_zp;
   const OutputStage* st = is_max ? nullptr : &pp.out.stage;
   // the taps inside the input per output row / column, once per op (padding taps never
@@ -198,6 +227,12 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
       }
     }
   }, /*work=*/planes * OH * OW * kh * kw * 4);
+  if (out_nhwc) {  // I8/U8 outputs
+    const uint8_t* planes_y = y;
+    ParallelFor(static_cast<int>(xs[0]), [&](int b) {
+      conv::TransposeBytes(planes_y + b * xs[1] * OHW, OHW, xs[1], OHW, y_out + b * OHW * xs[1], xs[1]);
+    }, /*work=*/planes * OHW * 4);
+  }
   return Status::Ok();
 }
 
@@ -231,6 +266,37 @@ Status RunGlobalAvgpool(RunCtx& c, const GraphOp& op) {
   uint8_t* y = c.Buf(yi);
   const int64_t planes = xs[0] * xs[1], sp = n / planes;
   const int64_t zp = p.in_zp;
+  if (c.g->nhwc[xi]) {  // NHWC input: per image, the sums of its sp rows of C channels (the
+    // output [N][C][1...] is the same in either layout)
+    const int64_t C = xs[1];
+    ParallelFor(static_cast<int>(xs[0]), [&](int b) {
+      std::vector<int64_t> acc(static_cast<size_t>(C), 0);
+      std::vector<int32_t> a32(static_cast<size_t>(C), 0);
+      // int32 partial sums over at most 2^23 rows of bytes (exact), then int64
+      for (int64_t r0 = 0; r0 < sp; r0 += int64_t{1} << 23) {
+        const int64_t r1 = std::min(sp, r0 + (int64_t{1} << 23));
+        std::fill(a32.begin(), a32.end(), 0);
+        int32_t* __restrict s32 = a32.data();
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t at = (b * sp + r) * C;
+          if (xd == kU8) {
+            const uint8_t* __restrict row = x + at;
+            for (int64_t ch = 0; ch < C; ++ch) s32[ch] += row[ch];
+          } else if (xd == kI32) {
+            const int32_t* row = reinterpret_cast<const int32_t*>(x) + at;
+            for (int64_t ch = 0; ch < C; ++ch) acc[ch] += row[ch];
+          } else {
+            const int8_t* __restrict row = reinterpret_cast<const int8_t*>(x) + at;
+            for (int64_t ch = 0; ch < C; ++ch) s32[ch] += row[ch];
+          }
+        }
+        for (int64_t ch = 0; ch < C; ++ch) acc[ch] += a32[ch];
+      }
+      for (int64_t ch = 0; ch < C; ++ch)
+        y[b * C + ch] = static_cast<uint8_t>(ApplyStage(acc[ch] - zp * sp, p.out.stage, ch));
+    }, /*work=*/n);
+    return Status::Ok();
+  }
   // blocks of planes per task: one task per plane made 2 threads slower than one
   // (2048 planes of 256 bytes: 0.24 vs 0.10 ms), the claim of a task costs more than its sum
   const int64_t block = std::max<int64_t>(1, std::min<int64_t>(planes, 16384 / std::max<int64_t>(sp, 1)));

@@ -1,0 +1,196 @@
+// IgemmConv: the AVX2 implicit-GEMM conv (ConvParams::igemm) on NHWC activation rows, with
+// the output stage and a fused residual ADD (ConvParams::fused_add) in its epilogue.
+//
+// M = output positions, N = output channels, K = taps x C.  The kernel reads each output
+// position's tap rows in place through a table of row pointers (a zero-point row for taps
+// in the padding), so no activation panel is gathered: the rows are the NHWC image itself
+// when the input tensor is stored NHWC (Graph::nhwc) with C a multiple of 4 and U8 codes,
+// else a copy in that form (transposed from NCHW, padded to 4 channels, I8 flipped to u8
+// codes).  The accumulators start at bias - z_u * rowsum (ConvParams::ig_cinit), so the
+// epilogue is the output stage alone, per [positions][channels] tile while it is in L1/L2,
+// written as NHWC rows, or transposed into NCHW planes when the output tensor is NCHW.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "runtime/ops/add.h"
+#include "runtime/ops/conv.h"
+#include "threads/thread_pool.h"
+
+namespace qdsl {
+namespace conv {
+namespace {
+
+// Part `part` of `parts` near-equal parts of [0, total).
+void Part(int64_t total, int64_t parts, int64_t part, int64_t* b, int64_t* e) {
+  *b = total * part / parts;
+  *e = total * (part + 1) / parts;
+}
+
+// Positions per M block: about 60 (10 six-row strips; a 3x3 x 256-channel block's rows are
+// ~140 KB, read once per 16-channel weight panel from L2), balanced over the image so the
+// last strip of a 7 x 7 image is not a lone row.
+int64_t BlockPositions(int64_t P) {
+  const int64_t blocks = std::max<int64_t>(1, (P + 59) / 60);
+  const int64_t per = (P + blocks - 1) / blocks;
+  return (per + 5) / 6 * 6;
+}
+
+}  // namespace
+
+bool IgemmEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("QDSL_IGEMM");
+    return v == nullptr || !(v[0] == '0' && v[1] == '\0');
+  }();
+  return on;
+}
+
+Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, IgemmKernel kernel) {
+  const ConvParams& p = ParamsOf<ConvParams>(op);
+  const Geometry e = Geo(g, op, batch);
+  const GraphTensor& xt = g->tensors[op.inputs[0]];
+  const int out_dtype = g->tensors[op.outputs[0]].dtype;
+  const bool in_nhwc = g->nhwc[op.inputs[0]] != 0, out_nhwc = g->nhwc[op.outputs[0]] != 0;
+  const uint8_t* x = g->buffers[op.inputs[0]].data();
+  uint8_t* y = g->buffers[op.outputs[0]].data();
+  const int64_t P = e.OH * e.OW, HW = e.H * e.W, C = e.C, O = e.O, cp = p.ig_cp, taps = p.ig_taps;
+  const int64_t cquads = cp / 4, panel_bytes = taps * cquads * 64;
+  const uint8_t zu = static_cast<uint8_t>(p.in_zp + (xt.dtype == kI8 ? 128 : 0));
+  const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
+  // the rows the kernel reads: the input itself, or an NHWC u8 copy with rows of cp bytes
+  const uint8_t* rows = x;
+  thread_local AlignedVector<uint8_t> copy;
+  if (!in_nhwc || cp != C || flip != 0) {
+    copy.resize(static_cast<size_t>(e.n * HW * cp));
+    uint8_t* const copied = copy.data();  // (a thread_local named in the lambda would be each worker's own)
+    ParallelFor(static_cast<int>(e.n), [&](int b) {
+      uint8_t* dst = copied + b * HW * cp;
+      if (in_nhwc) {
+        for (int64_t i = 0; i < HW; ++i) std::memcpy(dst + i * cp, x + (b * HW + i) * C, static_cast<size_t>(C));
+      } else {
+        TransposeBytes(x + b * C * HW, HW, C, HW, dst, cp);
+      }
+      if (cp != C)
+        for (int64_t i = 0; i < HW; ++i) std::memset(dst + i * cp + C, zu, static_cast<size_t>(cp - C));
+      if (flip != 0)
+        for (int64_t i = 0; i < HW * cp; ++i) dst[i] ^= flip;
+    }, /*work=*/e.n * HW * cp * 8);
+    rows = copied;
+  }
+  std::vector<uint8_t> zero_row(static_cast<size_t>(cp), zu);  // taps in the padding
+  const uint8_t* zrow = zero_row.data();
+
+  // fused residual ADD (ConvParams::fused_add; I32 output): computed here, skipped by the
+  // executor.  The ADD's tensors share the conv output's layout (PlanNhwc keeps an ADD's
+  // tensors in one layout), so it runs on the same element offsets.
+  const GraphOp* add = (p.fused_add >= 0 && out_dtype == kI32) ? &g->ops[p.fused_add] : nullptr;
+  const AddParams* add_p = add != nullptr ? &ParamsOf<AddParams>(*add) : nullptr;
+  const uint8_t* add_other = nullptr;
+  uint8_t* add_y = nullptr;
+  int add_other_dtype = 0;
+  int64_t add_other_size = 1;
+  bool add_signed = false;
+  if (add != nullptr) {
+    const uint32_t other = add->inputs[1 - p.fused_slot];
+    add_other = g->buffers[other].data();
+    add_other_dtype = g->tensors[other].dtype;
+    add_other_size = add_other_dtype == kI32 ? 4 : 1;
+    add_y = g->buffers[add->outputs[0]].data();
+    add_signed = g->tensors[add->outputs[0]].dtype == kI8;
+    g->fused_done[p.fused_add] = 1;
+  }
+  // conv value v (I32, at vb) + the ADD's other input at element `at`, n elements
+  auto add_run = [&](const int32_t* v, int64_t at, int64_t n) {
+    const uint8_t* vb = reinterpret_cast<const uint8_t*>(v);
+    const uint8_t* ob = add_other + at * add_other_size;
+    AddRange(*add_p, p.fused_slot == 0 ? vb : ob, p.fused_slot == 0 ? kI32 : add_other_dtype,
+             p.fused_slot == 0 ? ob : vb, p.fused_slot == 0 ? add_other_dtype : kI32, n, add_y + at, add_signed, path);
+  };
+
+  const RequantKernel requant = SelectRequantKernel(path);
+  const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
+  const int64_t bsz = BlockPositions(P), blocks = (P + bsz - 1) / bsz;
+  const int64_t work = e.n * P * O * (taps * cp + 64);
+  const int threads = ThreadsFor(work);
+  // Tasks: (image, M block) x N parts.  N is split only when the M blocks alone do not give
+  // each thread several tasks (7 x 7 images at batch 1); each N part re-reads its block's rows.
+  int64_t nparts = 1;
+  if (threads > 1 && e.n * blocks < 4 * threads)
+    nparts = std::min<int64_t>(p.ig_panels, (4 * threads + e.n * blocks - 1) / (e.n * blocks));
+  const int64_t tasks = e.n * blocks * nparts;
+  ParallelFor(static_cast<int>(tasks), [&](int t) {
+    const int64_t part = t % nparts, bb = t / nparts, b = bb / blocks, blk = bb % blocks;
+    const int64_t p0 = blk * bsz, p1 = std::min(P, p0 + bsz), m = p1 - p0;
+    int64_t n0 = 0, n1 = 0;
+    Part(p.ig_panels, nparts, part, &n0, &n1);
+    if (n1 <= n0) return;
+    // row pointers [position][tap], built per block here rather than once at prepare time:
+    // the rows live in this run's buffers, and one pointer per tap costs a few scalar ops
+    // against the tap's C / 4 k-quads x N / 16 panels of kernel steps
+    thread_local std::vector<const uint8_t*> ind;
+    ind.resize(static_cast<size_t>(m * taps));
+    const uint8_t* img = rows + b * HW * cp;
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t oy = (p0 + i) / e.OW, ox = (p0 + i) % e.OW;
+      const uint8_t** r = ind.data() + i * taps;
+      for (int64_t ky = 0; ky < p.kh; ++ky) {
+        const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
+        for (int64_t kx = 0; kx < p.kw; ++kx) {
+          const int64_t ix = ox * p.sw - p.pw + kx * p.dw;
+          r[ky * p.kw + kx] = (iy >= 0 && iy < e.H && ix >= 0 && ix < e.W) ? img + (iy * e.W + ix) * cp : zrow;
+        }
+      }
+    }
+    const int64_t ld = (n1 - n0) * 16, c0 = n0 * 16, cols = std::min(O, n1 * 16) - c0;
+    thread_local AlignedVector<int32_t> acc;
+    if (acc.size() < static_cast<size_t>(m * ld)) acc.resize(static_cast<size_t>(m * ld));
+    for (int64_t i = 0; i < m; ++i)
+      std::memcpy(acc.data() + i * ld, p.ig_cinit.data() + c0, static_cast<size_t>(ld) * 4);
+    // weight panel outer: it stays in L1/L2 while the block's strips run over it
+    for (int64_t np = n0; np < n1; ++np) {
+      const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+      for (int64_t s = 0; s < m; s += 6)
+        kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
+               acc.data() + s * ld + (np - n0) * 16, ld, true);
+    }
+    const int64_t first = b * P + p0;  // NHWC: the block's first position
+    if (out_dtype != kI32) {
+      const bool out_signed = out_dtype == kI8;
+      if (out_nhwc) {
+        requant(acc.data(), m, cols, ld, p.out.stage, c0, y + first * O + c0, O, out_signed);
+      } else {
+        thread_local std::vector<uint8_t> tile;
+        tile.resize(static_cast<size_t>(m * cols));
+        requant(acc.data(), m, cols, ld, p.out.stage, c0, tile.data(), cols, out_signed);
+        TransposeBytes(tile.data(), cols, m, cols, y + (b * O + c0) * P + p0, P);
+      }
+      return;
+    }
+    int32_t* y32 = reinterpret_cast<int32_t*>(y);
+    if (add == nullptr && out_nhwc) {
+      stage_rows(acc.data(), m, cols, ld, p.out.stage, c0, y32 + first * O + c0, O);
+      return;
+    }
+    thread_local AlignedVector<int32_t> tile32, planes;
+    tile32.resize(static_cast<size_t>(m * cols));
+    stage_rows(acc.data(), m, cols, ld, p.out.stage, c0, tile32.data(), cols);
+    if (add == nullptr) {
+      TransposeI32(tile32.data(), cols, m, cols, y32 + (b * O + c0) * P + p0, P);
+    } else if (out_nhwc) {  // the conv's I32 values go straight into the ADD (never stored)
+      if (cols == O) {
+        add_run(tile32.data(), first * O, m * O);
+      } else {
+        for (int64_t i = 0; i < m; ++i) add_run(tile32.data() + i * cols, (first + i) * O + c0, cols);
+      }
+    } else {
+      planes.resize(static_cast<size_t>(m * cols));
+      TransposeI32(tile32.data(), cols, m, cols, planes.data(), m);
+      for (int64_t c = 0; c < cols; ++c) add_run(planes.data() + c * m, (b * O + c0 + c) * P + p0, m);
+    }
+  }, /*work=*/work);
+  return Status::Ok();
+}
+
+}  // namespace conv
+}  // namespace qdsl

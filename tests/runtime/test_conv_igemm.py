@@ -1,0 +1,187 @@
+"""The AVX2 implicit-GEMM conv (csrc/runtime/ops/conv_igemm.cc: NHWC rows read in place through
+row pointers, output stage and fused residual ADD in the epilogue) equals the Python reference
+executor bit for bit, on every kernel path this CPU has.  It runs for groups-1 convs with at
+least 8 input channels whose int8 weights keep every vpmaddubsw pair sum within int16 for the
+input's codes (weights within +-64 for full-range U8/I8 inputs, any int8 weights behind a
+7-bit clamp), on the shapes where it pays, and here (QDSL_IGEMM_ALL) on all of them.  Shapes
+cover 1x1/3x3/7x7 kernels, strides 1/2, padding, dilation, channel counts off the 4/16
+multiples (C padded to 4, N tails of a 16-channel panel), M tails of the 6-row strips,
+I8/U8/I32 outputs with clamps, batch > 1, and 1 and 2 threads (2 threads split the output
+channels too when an image has few position blocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import qdsl.runtime as rt
+
+pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
+
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Tensor  # noqa: E402
+
+from tests.runtime.test_graph import PATHS, _check, _rand, _stage  # noqa: E402
+
+
+def _layouts(cg, x):
+    """Per op name: (runs the implicit-GEMM conv, output stored NHWC) after an AVX2 run (the
+    NHWC plan is per kernel path); None where this CPU has no AVX2."""
+    if "avx2" not in PATHS:
+        return None
+    cg.run(x, path="avx2")
+    return {p["name"]: (p.get("implicit_gemm"), p["nhwc_output"]) for p in cg.plan()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _every_shape():
+    """QDSL_IGEMM_ALL=1: the implicit-GEMM conv for every eligible shape, not only those where
+    it is the faster conv (conv_prepare.cc PrepareIgemm), so small shapes test it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QDSL_IGEMM_ALL", "1")
+        yield
+
+
+def _attrs(rng, cout, out, k, stride, pad, dil=1, in_zp=3):
+    lo, hi = (-(2**31), 2**31 - 1) if out is DType.I32 else out.range
+    return {"stride": [stride, stride], "padding": [pad, pad], "dilation": [dil, dil], "groups": 1, "in_zp": in_zp,
+            "w_zp": [0], "acc_bits": 32, "overflow": 0,
+            **_stage(rng, cout, lo, hi, pot=False if out is DType.I32 else None)}
+
+
+def _weights(rng, cout, cin, k, mag):
+    return np.clip(rng.integers(-127, 128, (cout, cin, k, k)), -mag, mag).astype(np.int8)
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """The thread count for every example of the test (the same for all of them)."""
+    before = rt.get_num_threads()
+    rt.set_num_threads(request.param)
+    yield request.param
+    rt.set_num_threads(before)
+
+
+_FIXTURE_OK = [HealthCheck.function_scoped_fixture]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3, 3, 7]), stride=st.sampled_from([1, 2]),
+       xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8, DType.I32]),
+       bias=st.booleans())
+def test_igemm_conv_matches_reference(threads, seed, k, stride, xdtype, out, bias):
+    rng = np.random.default_rng(seed)
+    cin = int(rng.choice([8, 13, 16, 30, 64]))
+    cout = int(rng.choice([1, 7, 16, 17, 40, 64]))
+    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 20))
+    pad = int(rng.integers(0, k // 2 + 2))
+    dil = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) and w + 2 * pad > 2 * (k - 1) else 1
+    wt = _weights(rng, cout, cin, k, 64)
+    in_zp = int(rng.integers(*xdtype.range))
+    attrs = _attrs(rng, cout, out, k, stride, pad, dil, in_zp)
+    oh, ow = ((n + 2 * pad - dil * (k - 1) - 1) // stride + 1 for n in (h, w))
+    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt)]
+    ins = ["x", "w"]
+    if bias:
+        tensors.append(Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout)))
+        ins.append("b")
+    tensors.append(Tensor("y", out, (-1, cout, oh, ow)))
+    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ins, ["y"], attrs)]).validate()
+    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
+    layouts = _layouts(_check(graph, x), x)
+    assert layouts is None or layouts["conv"] == (True, False)  # the graph output stays NCHW
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), hw=st.sampled_from([7, 14, 15]), c=st.sampled_from([24, 64]),
+       down=st.booleans(), pot=st.booleans())
+def test_igemm_residual_block_matches_reference(threads, seed, hw, c, down, pot):
+    """A ResNet block on 7-bit activations: x -> CLAMP(0, 127) -> conv1 (3x3, U8 clamped to
+    0..127) -> conv2 (3x3, I32) + shortcut -> ADD (U8, 0..127) -> conv3 (1x1) -> y.  The
+    shortcut is the block input, or a 1x1 stride-2 conv (I32) when `down`, which then takes the
+    ADD into its epilogue.  Full-range int8 weights: the 7-bit clamps make them exact on the
+    vpmaddubsw kernel.  The tensors between the convs are kept NHWC (PlanNhwc), and the ADD's
+    when its shortcut is a conv; the graph input and output stay NCHW."""
+    rng = np.random.default_rng(seed)
+    s = 2 if down else 1
+    o = (hw - 1) // s + 1
+    w1, w2 = _weights(rng, c, c, 3, 127), _weights(rng, c, c, 3, 127)
+    wd, w3 = _weights(rng, c, c, 1, 127), _weights(rng, 17, c, 1, 127)
+    x_shape, y_shape = (-1, c, hw, hw), (-1, c, o, o)
+    tensors = [Tensor("x", DType.U8, x_shape), Tensor("xc", DType.U8, x_shape),
+               Tensor("w1", DType.I8, w1.shape, w1), Tensor("w2", DType.I8, w2.shape, w2),
+               Tensor("wd", DType.I8, wd.shape, wd), Tensor("w3", DType.I8, w3.shape, w3),
+               Tensor("b2", DType.I32, (c,), rng.integers(-3000, 3000, c)),
+               Tensor("a", DType.U8, y_shape), Tensor("r", DType.I32, y_shape), Tensor("sum", DType.U8, y_shape),
+               Tensor("y", DType.U8, (-1, 17, o, o))]
+    a_attrs = _attrs(rng, c, DType.U8, 3, s, 1, in_zp=0)
+    a_attrs["out_max"] = 127
+    a_attrs["out_zp"] = min(a_attrs["out_zp"], 127)
+    a_attrs["out_min"] = min(a_attrs["out_min"], a_attrs["out_zp"])
+    clamp = Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {"out_min": 0, "out_max": 127})
+    ops = [clamp, Op(OpType.CONV2D, "conv1", ["xc", "w1"], ["a"], a_attrs),
+           Op(OpType.CONV2D, "conv2", ["a", "w2", "b2"], ["r"], _attrs(rng, c, DType.I32, 3, 1, 1, in_zp=0))]
+    other = "xc"
+    if down:
+        tensors.append(Tensor("d", DType.I32, y_shape))
+        ops.append(Op(OpType.CONV2D, "down", ["xc", "wd"], ["d"], _attrs(rng, c, DType.I32, 1, 2, 0, in_zp=0)))
+        other = "d"
+    in_rq = {"in_zp": [0, 0 if down else 5], "in_kind": [1, 1] if pot else [2, 2],
+             "in_multiplier": [1, 1] if pot else [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)],
+             "in_shift": [0, 0] if pot else [-6, -4], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
+    ops.append(Op(OpType.ADD, "add", ["r", other], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 127)}))
+    ops.append(Op(OpType.CONV2D, "conv3", ["sum", "w3"], ["y"], _attrs(rng, 17, DType.U8, 1, 1, 0, in_zp=0)))
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), c, hw, hw))
+    layouts = _layouts(_check(graph, x), x)
+    if layouts is not None:
+        assert layouts["clamp"] == (None, False)  # read by the convs: they transpose it in
+        assert layouts["conv1"] == (True, True)
+        # the ADD keeps its tensors in one layout: NCHW when it reads the clamp's output
+        assert layouts["conv2"] == (True, down) and layouts["add"] == (None, down)
+        assert not down or layouts["down"] == (True, True)
+        assert layouts["conv3"] == (True, False)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), pool=st.sampled_from([OpType.MAXPOOL2D, OpType.AVGPOOL2D]),
+       last=st.sampled_from([OpType.GLOBAL_AVGPOOL, OpType.AVGPOOL2D]))
+def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
+    """A ResNet's ends: stem conv (3 input channels: the gathered NCHW path) -> pool, which
+    writes NHWC for the implicit-GEMM conv and the ADD reading it -> conv (I32) + pool output
+    -> ADD -> a pool reading NHWC (GLOBAL_AVGPOOL: [N][C][1][1], the same in both layouts;
+    AVGPOOL2D: transposed back to the NCHW graph output)."""
+    rng = np.random.default_rng(seed)
+    c, hw = 16, 18
+    ws, w1 = _weights(rng, c, 3, 3, 127), _weights(rng, c, c, 3, 127)
+    mid = (hw - 1) // 2 + 1
+    s_shape, p_shape = (-1, c, hw, hw), (-1, c, mid, mid)
+    y_shape = (-1, c, 1, 1) if last is OpType.GLOBAL_AVGPOOL else (-1, c, mid - 2, mid - 2)
+    s_attrs = _attrs(rng, c, DType.U8, 3, 1, 1, in_zp=0)
+    s_attrs.update(out_zp=0, out_min=0, out_max=127)
+    pool_attrs = {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1]}
+    if pool is OpType.MAXPOOL2D:
+        pool_attrs["dilation"] = [1, 1]
+    else:
+        pool_attrs.update(in_zp=0, **_stage(rng, 1, 0, 127))
+        pool_attrs.update(out_zp=0, out_min=0, out_max=127)
+    last_attrs = {"in_zp": 0, **_stage(rng, c if last is OpType.GLOBAL_AVGPOOL else 1, 0, 255)}
+    if last is OpType.AVGPOOL2D:
+        last_attrs.update(kernel=[3, 3], stride=[1, 1], padding=[0, 0])
+    in_rq = {"in_zp": [0, 0], "in_kind": [2, 2], "in_multiplier": [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)],
+             "in_shift": [-6, -1], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
+    tensors = [Tensor("x", DType.U8, (-1, 3, hw, hw)), Tensor("ws", DType.I8, ws.shape, ws),
+               Tensor("w1", DType.I8, w1.shape, w1), Tensor("s", DType.U8, s_shape), Tensor("p", DType.U8, p_shape),
+               Tensor("r", DType.I32, p_shape), Tensor("sum", DType.U8, p_shape), Tensor("y", DType.U8, y_shape)]
+    ops = [Op(OpType.CONV2D, "stem", ["x", "ws"], ["s"], s_attrs), Op(pool, "pool", ["s"], ["p"], pool_attrs),
+           Op(OpType.CONV2D, "conv", ["p", "w1"], ["r"], _attrs(rng, c, DType.I32, 3, 1, 1, in_zp=0)),
+           Op(OpType.ADD, "add", ["r", "p"], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 127)}),
+           Op(last, "last", ["sum"], ["y"], last_attrs)]
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), 3, hw, hw))
+    layouts = _layouts(_check(graph, x), x)
+    if layouts is not None:
+        assert layouts["stem"] == (False, False)  # 3 input channels: the gathered NCHW conv
+        assert layouts["pool"][1] and layouts["conv"] == (True, True) and layouts["add"][1]
+        assert not layouts["last"][1]
