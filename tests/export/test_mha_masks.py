@@ -204,3 +204,13 @@ def test_a_mask_computed_inside_the_model_names_the_module():
     qdsl.freeze(model)
     with pytest.raises(ExportError, match="cannot export '"):
         qdsl.export(model, torch.randn(1, L, 16))
+
+
+def test_an_integer_key_padding_mask_input_names_the_module():
+    # torch's MultiheadAttention reads bool or float masks; an int64 input would be token ids
+    model = Mha(("key_padding_mask",)).eval()
+    qdsl.apply(model, parse_text(SPEC, "t.qspec"))
+    qdsl.calibrate(model, [{"x": torch.randn(N, L, 16), "m1": _kpm()}])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="cannot export 'attn': the key_padding_mask 'm1' is an integer tensor"):
+        qdsl.export(model, (torch.randn(1, L, 16), _kpm()[:1].long()))
