@@ -31,10 +31,10 @@ query/key/value must be batch-first values read through ``transpose(0, 1)``
 (:class:`~qdsl.export.lower_attn.SeqFirst`); the result is one too (lower.py runs the
 last-axis and elementwise ops of a seq-first block on the batch-first values).
 
-Refused with the module named: a seq-first call on a batch-first value, a mask computed inside the model, an internal activation without a
-quantizer, an attention-weights result that is read (``need_weights``).  Cross-attention
-(key/value other values computed from the one graph input, e.g. a memory) quantizes each
-with the ``input`` quantizer.
+Refused with the module named: a seq-first call on a batch-first value, a mask computed
+inside the model, an internal activation without a quantizer, an attention-weights result
+that is read (``need_weights``).  Cross-attention (key/value other values computed from the
+one graph input, e.g. a memory) quantizes each with the ``input`` quantizer.
 """
 
 from __future__ import annotations
