@@ -53,6 +53,7 @@ from qdsl.graph.requant import make_rescale
 from qdsl.export.values import Builder, ConstVal, ExportError, FloatVal, IdsVal, OffsetVal, Pending, QVal, Target
 from qdsl.patch.example_trace import tensor_constant
 from qdsl.patch.constructs import functions, methods, module_construct
+from qdsl.export.lower_attn import SeqFirst, View
 from qdsl.export.lower_mha import lower_attention
 from qdsl.patch.attention import is_attention
 from qdsl.patch.implied import analyse_operands
@@ -114,6 +115,11 @@ def is_single_layer(model: nn.Module, handle) -> bool:
     return MarkingTracer(handle).is_leaf_module(model, "")
 
 
+# lowerings that act on the last axis or elementwise: they commute with swapping a rank-3
+# value's first two dims, so inside a seq-first (batch_first=False) block they run on the
+# batch-first value (_Lowerer.batch_first)
+_SWAP_SAFE = frozenset({"layer", "pass", "relu", "relu6", "hardtanh", "lut", "add", "mul", "layer_norm"})
+
 # fx inserts this check after a parameter specialized by concrete_args; it is no graph op
 _ASSERT_IS_NONE = getattr(getattr(torch.fx, "_symbolic_trace", None), "_assert_is_none", None)
 
@@ -147,7 +153,9 @@ class _Lowerer:
     def where(self, node: torch.fx.Node) -> str:
         return node.meta.get("qdsl_scope", "")
 
-    def quantize(self, value: Any, fqn: str, role: str) -> QVal | DynIn:
+    def quantize(self, value: Any, fqn: str, role: str) -> QVal | DynIn | SeqFirst:
+        if isinstance(value, SeqFirst):  # elementwise: quantize the batch-first value
+            return SeqFirst(self.quantize(value.value, fqn, role))
         proxy = self.handle.quantizer(fqn, role)
         if proxy.dynamic:  # a Linear's run-time quantized input (lower_dynamic.py)
             return dynamic_input(self, value, fqn, role, proxy, self.modules.get(fqn))
@@ -203,6 +211,27 @@ class _Lowerer:
                           f"quantize it: add `output = a8` (any activation quantizer) for '{origin}' in the spec, "
                           f"or `input = a8` for '{where}'")
 
+    def batch_first(self, node, lowering: str | None, args, kwargs, linear: bool = True) -> tuple[tuple, dict, bool]:
+        """``(args, kwargs, swapped)``: a rule reading values transposed for a seq-first
+        (``batch_first=False``) attention (:class:`SeqFirst`) runs on the batch-first values when
+        it acts on the last axis or elementwise (it commutes with the swap; its result is
+        swapped back), else the value is refused naming the op."""
+        values = list(args) + list(kwargs.values())
+        if not any(isinstance(a, SeqFirst) for a in values):
+            return tuple(args), dict(kwargs), False
+        if lowering not in _SWAP_SAFE or (lowering == "layer" and not linear) \
+                or any(isinstance(a, (QVal, Pending, FloatVal, View)) for a in values):
+            raise ExportError(self.where(node), f"'{node.name}' reads a value transposed for a batch_first=False "
+                                                "attention (its first two dims swapped), which its integer lowering "
+                                                "cannot", "transpose it back (transpose(0, 1)) before this op")
+        shape = node.meta.get("qdsl_shape")
+        if shape is not None and len(shape) == 3:  # the rule sees the batch-first value's shape
+            node.meta["qdsl_shape"] = (shape[1], shape[0], shape[2])
+
+        def plain(a):
+            return a.value if isinstance(a, SeqFirst) else a
+        return tuple(plain(a) for a in args), {k: plain(v) for k, v in kwargs.items()}, True
+
     # ---------------------------------------------------------------- dispatch (rules.py)
     def call_module(self, node, m: nn.Module, args, kwargs=None) -> Any:
         fqn, x = node.target, args[0] if args else None
@@ -224,8 +253,11 @@ class _Lowerer:
         construct = module_construct(m)
         rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
         if rule is not None:
+            args, _, swapped = self.batch_first(node, construct.lowering, args, {}, isinstance(m, nn.Linear))
+            x = args[0] if args else None
             try:
-                return rule(self, node, m, x, self.shape(node), fqn)
+                out = rule(self, node, m, x, self.shape(node), fqn)
+                return SeqFirst(out) if swapped else out
             except NoLowering:
                 pass
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",
@@ -252,8 +284,14 @@ class _Lowerer:
         construct = _FUNCTION_RULES.get(fn)
         rule = FUNCTION_RULES.get(construct.lowering) if construct is not None else None
         if rule is not None:
+            if construct.lowering != "transpose":
+                args, kwargs, swapped = self.batch_first(node, construct.lowering, args, kwargs,
+                                                         fn is torch.nn.functional.linear)
+            else:
+                swapped = False
             try:
-                return rule(self, node, fn, args, kwargs, where)
+                out = rule(self, node, fn, args, kwargs, where)
+                return SeqFirst(out) if swapped else out
             except NoLowering:
                 pass
         raise ExportError(where, f"the function {getattr(fn, '__name__', fn)!s} ('{node.name}') has no integer lowering",
@@ -264,8 +302,12 @@ class _Lowerer:
         construct = _METHOD_RULES.get(name)
         rule = METHOD_RULES.get(construct.lowering) if construct is not None else None
         if rule is not None:
+            swapped = False
+            if construct.lowering != "transpose":
+                args, _, swapped = self.batch_first(node, construct.lowering, args, {})
             try:
-                return rule(self, node, name, args, where)
+                out = rule(self, node, name, args, where)
+                return SeqFirst(out) if swapped else out
             except NoLowering:
                 pass
         raise ExportError(where, f"the method .{name}() ('{node.name}') has no integer lowering")

@@ -31,14 +31,14 @@ import numpy as np
 
 from qdsl.export.lower_mul import int8_operand
 from qdsl.export.lower_layers import AddPending
-from qdsl.export.values import Builder, ExportError, OffsetVal, Pending, QVal, Target
+from qdsl.export.values import Builder, ExportError, FloatVal, OffsetVal, Pending, QVal, Target
 from qdsl.graph.ir import DType, OpType, Rescale, RescaleKind, Rounding
 from qdsl.graph.ops.layernorm import BETA_MAX, GAMMA_MAX, LN_FRAC_BITS, WIDE_MAX_N
 from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
 from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, SOFTMAX_TABLE_BITS
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 
-__all__ = ["View", "MatmulPending", "MaskInput", "permute_value", "matmul_pending", "scale_pending",
+__all__ = ["View", "SeqFirst", "MatmulPending", "MaskInput", "permute_value", "matmul_pending", "scale_pending",
            "softmax_pending", "layernorm_pending"]
 
 
@@ -58,6 +58,25 @@ class View:
         return self.base.name
 
 
+@attrs.frozen
+class SeqFirst:
+    """A rank-3 value read with its first two dims swapped: ``x.transpose(0, 1)`` of a
+    batch-first ``(N, L, E)`` value, the ``(L, N, E)`` a ``batch_first=False``
+    MultiheadAttention reads (lower_mha.py; its result is one too).  No graph op moves the
+    batch axis, so only such an attention or a transpose back reads it."""
+
+    value: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        s = self.value.shape
+        return (s[1], s[0], *s[2:])
+
+    @property
+    def origin(self) -> str:
+        return getattr(self.value, "origin", getattr(self.value, "name", "?"))
+
+
 @attrs.define(eq=False)
 class MatmulPending(Pending):
     """A product's result: the operands, their permutations, the output permutation and the
@@ -74,8 +93,14 @@ def _compose(perm: Sequence[int], outer: Sequence[int]) -> tuple[int, ...]:
 def permute_value(where: str, value: Any, perm: Sequence[int]) -> Any:
     """``value`` with its dims permuted by ``perm`` (batch first): a view or a rebuilt product."""
     perm = tuple(int(p) for p in perm)
+    if perm == (1, 0, 2) and isinstance(value, SeqFirst):  # back to batch first
+        return value.value
+    if perm == (1, 0, 2) and isinstance(value, (QVal, Pending, FloatVal)):
+        return SeqFirst(value)
     if perm[0] != 0:
-        raise ExportError(where, f"a permutation {perm} that moves the batch dimension has no integer lowering")
+        raise ExportError(where, f"a permutation {perm} that moves the batch dimension has no integer lowering",
+                          "only a (N, L, E) value transposed for a batch_first=False MultiheadAttention, and its "
+                          "result transposed back, may swap the first two dims")
     if perm == tuple(range(len(perm))):
         return value
     if isinstance(value, QVal):

@@ -26,11 +26,15 @@ its first dim is not the batch, so a 3-D one fixes the batch of the example) or 
 ``attn_mask``, which the graph reads.  A float constant mask with other values is refused
 here, a float graph input's at run time (both naming the module and the op).
 
-Refused with the module named: ``batch_first=False`` (the graph's first axis is the batch, and
-no graph op moves it), a mask computed inside the model, an internal activation without a
-quantizer, an attention-weights result that is read (``need_weights``).  Cross-attention
-(key/value other values computed from the one graph input, e.g. a memory) quantizes each
-with the ``input`` quantizer.
+``batch_first=False``: the graph's first axis is the batch and no op moves it, so the
+query/key/value must be batch-first values read through ``transpose(0, 1)``
+(:class:`~qdsl.export.lower_attn.SeqFirst`); the result is one too (lower.py runs the
+last-axis and elementwise ops of a seq-first block on the batch-first values).
+
+Refused with the module named: a seq-first call on a batch-first value, a mask computed
+inside the model, an internal activation without a quantizer, an attention-weights result
+that is read (``need_weights``).  Cross-attention (key/value other values computed from the
+one graph input, e.g. a memory) quantizes each with the ``input`` quantizer.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import attrs
 import numpy as np
 import torch
 
-from qdsl.export.lower_attn import MaskInput, matmul_pending, softmax_pending
+from qdsl.export.lower_attn import MaskInput, SeqFirst, matmul_pending, softmax_pending
 from qdsl.export.lower_layers import act_target, layer_pending
 from qdsl.export.rules import reshape
 from qdsl.export.values import ExportError, FloatVal, IdsVal, QVal
@@ -144,12 +148,18 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
     if patch is None:
         raise ExportError(fqn, "MultiheadAttention is left in float, so it cannot be part of the integer graph",
                           "quantize it in the spec (its weight, input, q, k, v, scores and probs)")
-    if not m.batch_first:
-        raise ExportError(fqn, "a MultiheadAttention with batch_first=False has no integer lowering (the graph's "
-                               "first axis is the batch)", "build it with batch_first=True")
     names = ("query", "key", "value", "key_padding_mask", "need_weights", "attn_mask")
     call = dict(zip(names, args))
     call.update(kwargs)
+    if not m.batch_first:
+        # (L, N, E) operands: batch-first graph values read through transpose(0, 1) (SeqFirst)
+        for n in names[:3]:
+            if not isinstance(call.get(n), SeqFirst):
+                raise ExportError(fqn, f"a MultiheadAttention with batch_first=False reads its {n} with the batch "
+                                       "second, which the graph (batch first) holds only as a batch-first value "
+                                       "transposed by transpose(0, 1)",
+                                  "build it with batch_first=True, or feed it x.transpose(0, 1) of a batch-first x")
+            call[n] = call[n].value
     if call.get("is_causal") and call.get("attn_mask") is None:
         raise ExportError(fqn, "is_causal=True needs the causal mask as attn_mask (torch needs it too)")
     # query, key and value: one input quantizer; one tensor (self-attention) is quantized once
@@ -205,4 +215,4 @@ def lower_attention(lw, node, m, args, kwargs) -> tuple[Any, Any]:
     if patch.out is not None:
         out = lw.quantize(out, fqn, "output")
     weights = FloatVal(fqn, (-1, length, s_len))  # read only through an error naming the module
-    return out, weights
+    return (out if m.batch_first else SeqFirst(out)), weights

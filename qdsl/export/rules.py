@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from qdsl.export.lower_attn import (View, layernorm_pending, permute_value, product, scale_pending,
+from qdsl.export.lower_attn import (SeqFirst, View, layernorm_pending, permute_value, product, scale_pending,
                                      softmax_pending)
 from qdsl.export.lower_embedding import embedding_pending
 from qdsl.export.lower_dynamic import DynIn, DynOut, linear_dynamic
@@ -296,7 +296,7 @@ def _transpose(lw, node, value, d0, d1, where):
 
 @function_rule("transpose")
 def _transpose_fn(lw, node, fn, args, kwargs, where):
-    if len(args) != 3 or kwargs or not (_is_value(args[0]) or isinstance(args[0], View)):
+    if len(args) != 3 or kwargs or not (_is_value(args[0]) or isinstance(args[0], (View, SeqFirst))):
         raise NoLowering
     return _transpose(lw, node, args[0], int(args[1]), int(args[2]), where)
 

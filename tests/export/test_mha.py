@@ -141,7 +141,8 @@ def test_gemmlowp_requantization_runs_in_cpp_bit_identical(case):
 
 
 @pytest.mark.parametrize("call, match", [
-    (dict(batch_first=False), "batch_first=False has no integer lowering"),
+    # a seq-first attention fed a batch-first value (no transpose(0, 1) before it)
+    (dict(batch_first=False), "batch_first=False reads its query with the batch second"),
     # masks lower (SOFTMAX_MASKED, tests/export/test_mha_masks.py), float ones of 0 and -inf only
     (dict(attn_mask=torch.full((10, 10), -5.0).triu(1)), "the float attn_mask '.*' holds -5: SOFTMAX_MASKED"),
 ])

@@ -66,15 +66,33 @@ class Mha(nn.Module):
         return self.head(out)
 
 
-class Encoder(nn.Module):
-    def __init__(self, norm_first: bool):
+class SeqFirstMha(nn.Module):
+    """A batch_first=False attention fed transpose(0, 1) of batch-first values."""
+
+    def __init__(self):
         super().__init__()
+        self.embed, self.attn, self.head = nn.Linear(16, 32), nn.MultiheadAttention(32, HEADS), nn.Linear(32, 8)
+
+    def forward(self, x, m1=None):
+        h = self.embed(x).transpose(0, 1)
+        return self.head(self.attn(h, h, h, key_padding_mask=m1, need_weights=False)[0].transpose(0, 1))
+
+
+class Encoder(nn.Module):
+    def __init__(self, norm_first: bool, batch_first: bool = True):
+        super().__init__()
+        self.batch_first = batch_first
         self.embed = nn.Linear(16, 32)
-        self.enc = nn.TransformerEncoderLayer(32, HEADS, 64, dropout=0.0, batch_first=True, norm_first=norm_first)
+        self.enc = nn.TransformerEncoderLayer(32, HEADS, 64, dropout=0.0, batch_first=batch_first,
+                                              norm_first=norm_first)
         self.head = nn.Linear(32, 8)
 
     def forward(self, x, kpm, mask):
-        return self.head(self.enc(self.embed(x), src_mask=mask, src_key_padding_mask=kpm))
+        h = self.embed(x)
+        if self.batch_first:
+            return self.head(self.enc(h, src_mask=mask, src_key_padding_mask=kpm))
+        # seq-first: the layer's LayerNorms, linears and adds run on the batch-first values
+        return self.head(self.enc(h.transpose(0, 1), src_mask=mask, src_key_padding_mask=kpm).transpose(0, 1))
 
 
 CASES = {
@@ -86,6 +104,9 @@ CASES = {
     "kpm+attn": (lambda: Mha(("key_padding_mask", "attn_mask")), lambda: (_kpm(), _causal())),
     "encoder-post-norm": (lambda: Encoder(False), lambda: (_kpm(), _causal())),
     "encoder-pre-norm": (lambda: Encoder(True), lambda: (_kpm(), _causal())),
+    "seq-first-kpm": (SeqFirstMha, lambda: (_kpm(),)),
+    "seq-first-encoder-post-norm": (lambda: Encoder(False, batch_first=False), lambda: (_kpm(), _causal())),
+    "seq-first-encoder-pre-norm": (lambda: Encoder(True, batch_first=False), lambda: (_kpm(), _causal())),
 }
 
 
@@ -135,7 +156,7 @@ def test_masked_attention_exports_runs_in_cpp_bit_identical_and_agrees(case, req
     print(f"{case} ({requant}): cos(graph, float) {cos_float:.5f}, cos(graph, fake-quant) {cos_fq:.6f}, codes equal "
           f"{np.mean(lsb < 0.5):.4f}, within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
     assert cos_float >= 0.99
-    if case == "encoder-pre-norm":  # the float first residual sum (test_mha.py); 320 codes here
+    if case.endswith("encoder-pre-norm"):  # the float first residual sum (test_mha.py); 320 codes here
         assert cos_fq >= 0.999 and np.mean(lsb < 1.5) >= 0.97 and lsb.max() <= 2.5
     elif requant == "gemmlowp":  # two roundings per stage, as unmasked (test_mha.py)
         assert np.mean(lsb < 1.5) >= 0.98 and lsb.max() <= 2.5
@@ -204,3 +225,13 @@ def test_a_mask_computed_inside_the_model_names_the_module():
     qdsl.freeze(model)
     with pytest.raises(ExportError, match="cannot export '"):
         qdsl.export(model, torch.randn(1, L, 16))
+
+
+def test_an_integer_key_padding_mask_input_names_the_module():
+    # torch's MultiheadAttention reads bool or float masks; an int64 input would be token ids
+    model = Mha(("key_padding_mask",)).eval()
+    qdsl.apply(model, parse_text(SPEC, "t.qspec"))
+    qdsl.calibrate(model, [{"x": torch.randn(N, L, 16), "m1": _kpm()}])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="cannot export 'attn': the key_padding_mask 'm1' is an integer tensor"):
+        qdsl.export(model, (torch.randn(1, L, 16), _kpm()[:1].long()))
