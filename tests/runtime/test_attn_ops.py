@@ -197,6 +197,37 @@ def test_isqrt_is_exact():
     assert [int(r) for r in isqrt(vals)] == [math.isqrt(int(v)) for v in vals]
 
 
+@needs_cpp
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("op", [OpType.SOFTMAX, OpType.LAYERNORM])
+@pytest.mark.parametrize("n", [5, 37, 128, 384])
+def test_row_ops_many_rows_match_reference(threads, op, n):
+    """SOFTMAX and LAYERNORM rows (ForEachLastAxisRow) split across threads, every path, with
+    extreme rows: constant (softmax: all at the max; layernorm: zero variance), one code at
+    each end of the dtype, and table scales from flat to steep."""
+    rng = np.random.default_rng(n + threads)
+    for d, out in [(DType.U8, DType.U8), (DType.I8, DType.I8), (DType.U8, DType.I8)]:
+        shape = (-1, 70, n)
+        if op is OpType.SOFTMAX:
+            attrs = _softmax_attrs(rng, float(rng.choice([1e-3, 0.05, 1.0])), out)
+        else:
+            attrs = _ln_attrs(rng, n, out, eps=int(rng.choice([0, 1000])))
+        graph = _graph(op, [("x", d, shape)], attrs, out_dtype=out)
+        x = _rand(rng, d, (3, *shape[1:]))
+        lo, hi = d.range
+        x[0, 0] = lo
+        x[0, 1] = hi
+        x[0, 2] = lo
+        x[0, 2, n // 2] = hi
+        x[1, 3] = hi
+        x[1, 3, 0] = lo
+        rt.set_num_threads(threads)
+        try:
+            _check(graph, x)
+        finally:
+            rt.set_num_threads(0)
+
+
 @pytest.mark.parametrize("op, attrs, msg", [
     (OpType.SOFTMAX, {"table": [0] * 256}, "table\\[255\\]"),
     (OpType.SOFTMAX, {"table": [2**25] * 256}, "out of range"),

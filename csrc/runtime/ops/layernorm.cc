@@ -5,17 +5,23 @@
 //   y_i = clamp(rescale(acc_i) + out_zp, out_min, out_max).
 // W < 2^62 (checked at prepare from N and eps); R < 2^31 and |D_i|·2^G <= R + 1, so the
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
+//
+// Reference path: those lines as written.  Optimized paths, the same values: typed loops for
+// the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R) by FloorDivByReciprocal (numerator below
+// 2^51: exact as a double; no int64 division per element), acc_i from int32 copies of gamma
+// and beta, and the vectorized output stage (RequantKernel) over the row of acc.
 #include <algorithm>
 #include <cmath>
 
-#include "runtime/ops/op.h"
-#include "threads/thread_pool.h"
+#include "dispatch.h"
+#include "runtime/ops/last_axis.h"
 
 namespace qdsl {
 namespace {
 
 struct LayernormParams : OpParams {
   std::vector<int64_t> gamma, beta;
+  std::vector<int32_t> gamma32, beta32;  // the same values (14 bits, |beta| <= 2^30) for the optimized rows
   int64_t eps = 0;
   StageData out;
 };
@@ -57,43 +63,98 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
   }
   OP_CHECK(p->eps >= 0 && n <= 40000 && n * n * n * 65025 + p->eps < (int64_t{1} << 62) && n * n * n * 65025 > 0,
            "row length %lld with eps %lld overflows the int64 variance sum", (long long)n, (long long)p->eps);
+  p->gamma32.assign(p->gamma.begin(), p->gamma.end());
+  p->beta32.assign(p->beta.begin(), p->beta.end());
   QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &p->out));
   OP_CHECK(p->out.multiplier.size() == 1, "LAYERNORM rescales are per tensor");
   op.prepared = std::move(p);
   return Status::Ok();
 }
 
+namespace {
+
+struct LayernormScratch {
+  std::vector<int64_t> d;
+  std::vector<int32_t> acc;
+};
+
+// The reference row: the header's formula line by line (LoadValue reads any input dtype).
+void LayernormRowRef(const LayernormParams& p, const uint8_t* x, int dt, int64_t n, std::vector<int64_t>* scratch,
+                     uint8_t* y) {
+  scratch->resize(static_cast<size_t>(n));
+  int64_t* d = scratch->data();
+  int64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += LoadValue(x, dt, i);
+  int64_t w = p.eps;
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = n * LoadValue(x, dt, i) - sum;
+    w += d[i] * d[i];
+  }
+  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
+  const int64_t root = ISqrt(w << (2 * gs));
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t z = 0;
+    if (root != 0) {
+      const int64_t num = (d[i] < 0 ? -d[i] : d[i]) << (gs + 16);
+      z = (2 * num + root) / (2 * root);
+      if (d[i] < 0) z = -z;
+    }
+    y[i] = static_cast<uint8_t>(ApplyStage(z * p.gamma[i] + p.beta[i], p.out.stage, 0));
+  }
+}
+
+// One row into acc (the stage's int32 input), from the same integers as the reference.
+template <typename T>
+void LayernormRowFast(const LayernormParams& p, const T* x, int64_t n, int64_t* d, int32_t* acc) {
+  int64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  int64_t w = p.eps;
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = n * static_cast<int64_t>(x[i]) - sum;
+    w += d[i] * d[i];
+  }
+  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
+  const int64_t root = ISqrt(w << (2 * gs));
+  if (root == 0) {
+    for (int64_t i = 0; i < n; ++i) acc[i] = p.beta32[i];
+    return;
+  }
+  // z = round_half_away(|d| · 2^(gs+16) / root) = floor((2·|d|·2^(gs+16) + root) / (2·root))
+  const int64_t den = 2 * root;
+  const double inv = 1.0 / static_cast<double>(den);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t mag = d[i] < 0 ? -d[i] : d[i];
+    const int64_t z = FloorDivByReciprocal((mag << (gs + 17)) + root, den, inv);
+    acc[i] = static_cast<int32_t>(d[i] < 0 ? -z : z) * p.gamma32[i] + p.beta32[i];
+  }
+}
+
+}  // namespace
+
 Status RunLayernorm(RunCtx& c, const GraphOp& op) {
   const LayernormParams& p = ParamsOf<LayernormParams>(op);
-  const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
-  const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
-  const uint8_t* x = c.Buf(op.inputs[0]);
   const int dt = c.DType(op.inputs[0]);
-  uint8_t* y = c.Buf(op.outputs[0]);
+  const bool out_signed = c.DType(op.outputs[0]) == kI8;
   const OutputStage& st = p.out.stage;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> d(static_cast<size_t>(n));
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t o = r * n;
-      int64_t sum = 0;
-      for (int64_t i = 0; i < n; ++i) sum += LoadValue(x, dt, o + i);
-      int64_t w = p.eps;
-      for (int64_t i = 0; i < n; ++i) {
-        d[i] = n * LoadValue(x, dt, o + i) - sum;
-        w += d[i] * d[i];
-      }
-      const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
-      const int64_t root = ISqrt(w << (2 * gs));
-      for (int64_t i = 0; i < n; ++i) {
-        int64_t z = 0;
-        if (root != 0) {
-          const int64_t num = (d[i] < 0 ? -d[i] : d[i]) << (gs + 16);
-          z = (2 * num + root) / (2 * root);
-          if (d[i] < 0) z = -z;
-        }
-        y[o + i] = static_cast<uint8_t>(ApplyStage(z * p.gamma[i] + p.beta[i], st, 0));
-      }
+  if (c.path == kPathRef) {
+    ForEachLastAxisRow<LayernormScratch>(c, op, 16, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
+                                                        int64_t n) { LayernormRowRef(p, x, dt, n, &sc.d, y); });
+    return Status::Ok();
+  }
+  const RequantKernel requant = SelectRequantKernel(c.path);
+  ForEachLastAxisRow<LayernormScratch>(c, op, 6, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
+                                                     int64_t n) {
+    sc.d.resize(static_cast<size_t>(n));
+    sc.acc.resize(static_cast<size_t>(n));
+    if (dt == kU8) {
+      LayernormRowFast(p, x, n, sc.d.data(), sc.acc.data());
+    } else if (dt == kI8) {
+      LayernormRowFast(p, reinterpret_cast<const int8_t*>(x), n, sc.d.data(), sc.acc.data());
+    } else {  // other input dtypes: the reference row
+      LayernormRowRef(p, x, dt, n, &sc.d, y);
+      return;
     }
+    requant(sc.acc.data(), 1, n, n, st, 0, y, n, out_signed);
   });
   return Status::Ok();
 }
