@@ -7,8 +7,9 @@
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
 //
 // Reference path: those lines as written.  Optimized paths, the same values: typed loops for
-// the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R) by FloorDivByReciprocal (numerator below
-// 2^51: exact as a double; no int64 division per element), acc_i from int32 copies of gamma
+// the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R) by the exact vector division
+// (FloorDivScaledKernel; portable: FloorDivByReciprocal; numerator below 2^51, exact as a
+// double), no int64 division per element, acc_i from int32 copies of gamma
 // and beta, and the vectorized output stage (RequantKernel) over the row of acc.
 #include <algorithm>
 #include <cmath>
@@ -74,8 +75,8 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
 namespace {
 
 struct LayernormScratch {
-  std::vector<int64_t> d;
-  std::vector<int32_t> acc;
+  std::vector<int64_t> d;    // the reference row's D_i
+  std::vector<int32_t> acc;  // the optimized row's D_i, |D_i| and the stage's input, n each
 };
 
 // The reference row: the header's formula line by line (LoadValue reads any input dtype).
@@ -104,29 +105,41 @@ void LayernormRowRef(const LayernormParams& p, const uint8_t* x, int dt, int64_t
 }
 
 // One row into acc (the stage's int32 input), from the same integers as the reference.
+// D_i fits int32 (|D_i| <= n·255 < 2^24) and D_i² int64; restrict pointers and int32 arrays
+// let the compiler vectorize every loop but the division (FloorDivScaledKernel's).
 template <typename T>
-void LayernormRowFast(const LayernormParams& p, const T* x, int64_t n, int64_t* d, int32_t* acc) {
-  int64_t sum = 0;
+void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n, FloorDivScaledKernel div,
+                      int32_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
+  const int32_t* __restrict gamma = p.gamma32.data();
+  const int32_t* __restrict beta = p.beta32.data();
+  int32_t sum = 0;  // |sum| <= 40000 · 255
   for (int64_t i = 0; i < n; ++i) sum += x[i];
-  int64_t w = p.eps;
+  const int32_t n32 = static_cast<int32_t>(n);
+  int64_t w = 0;
   for (int64_t i = 0; i < n; ++i) {
-    d[i] = n * static_cast<int64_t>(x[i]) - sum;
-    w += d[i] * d[i];
+    d[i] = n32 * static_cast<int32_t>(x[i]) - sum;
+    mag[i] = d[i] < 0 ? -d[i] : d[i];
+    w += static_cast<int64_t>(d[i]) * d[i];
   }
+  w += p.eps;
   const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
   const int64_t root = ISqrt(w << (2 * gs));
   if (root == 0) {
-    for (int64_t i = 0; i < n; ++i) acc[i] = p.beta32[i];
+    for (int64_t i = 0; i < n; ++i) acc[i] = beta[i];
     return;
   }
-  // z = round_half_away(|d| · 2^(gs+16) / root) = floor((2·|d|·2^(gs+16) + root) / (2·root))
+  // Z = round_half_away(|D| · 2^(gs+16) / R) = floor((|D| · 2^(gs+17) + R) / 2R); the
+  // numerator is below 2^51 (exact as a double), the quotient at most 2^16 + 1
   const int64_t den = 2 * root;
-  const double inv = 1.0 / static_cast<double>(den);
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t mag = d[i] < 0 ? -d[i] : d[i];
-    const int64_t z = FloorDivByReciprocal((mag << (gs + 17)) + root, den, inv);
-    acc[i] = static_cast<int32_t>(d[i] < 0 ? -z : z) * p.gamma32[i] + p.beta32[i];
+  if (div != nullptr) {
+    div(mag, n, static_cast<double>(int64_t{1} << (gs + 17)), static_cast<double>(root), static_cast<double>(den),
+        acc);
+  } else {
+    const double inv = 1.0 / static_cast<double>(den);
+    for (int64_t i = 0; i < n; ++i)
+      acc[i] = static_cast<int32_t>(FloorDivByReciprocal((static_cast<int64_t>(mag[i]) << (gs + 17)) + root, den, inv));
   }
+  for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
 }
 
 }  // namespace
@@ -142,19 +155,20 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
     return Status::Ok();
   }
   const RequantKernel requant = SelectRequantKernel(c.path);
+  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
   ForEachLastAxisRow<LayernormScratch>(c, op, 6, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
                                                      int64_t n) {
-    sc.d.resize(static_cast<size_t>(n));
-    sc.acc.resize(static_cast<size_t>(n));
+    sc.acc.resize(static_cast<size_t>(3 * n));
+    int32_t* acc = sc.acc.data() + 2 * n;
     if (dt == kU8) {
-      LayernormRowFast(p, x, n, sc.d.data(), sc.acc.data());
+      LayernormRowFast(p, x, n, div, sc.acc.data(), sc.acc.data() + n, acc);
     } else if (dt == kI8) {
-      LayernormRowFast(p, reinterpret_cast<const int8_t*>(x), n, sc.d.data(), sc.acc.data());
+      LayernormRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, sc.acc.data(), sc.acc.data() + n, acc);
     } else {  // other input dtypes: the reference row
       LayernormRowRef(p, x, dt, n, &sc.d, y);
       return;
     }
-    requant(sc.acc.data(), 1, n, n, st, 0, y, n, out_signed);
+    requant(acc, 1, n, n, st, 0, y, n, out_signed);
   });
   return Status::Ok();
 }

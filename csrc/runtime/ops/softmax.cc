@@ -5,8 +5,9 @@
 // keeps Q_i in [0, 2^30] (an int32 accumulator for the stage).
 //
 // Reference path: those lines as written.  Optimized paths, the same values: the row's max
-// over typed bytes, E_i from an int32 copy of the table, Q_i by FloorDivByReciprocal (exact;
-// no int64 division per element), and the vectorized output stage (RequantKernel) over Q.
+// over typed bytes, E_i from an int32 copy of the table, Q_i by the exact vector division
+// (FloorDivScaledKernel; portable: FloorDivByReciprocal), no int64 division per element, and
+// the vectorized output stage (RequantKernel) over Q.
 #include <algorithm>
 
 #include "dispatch.h"
@@ -50,13 +51,18 @@ struct SoftmaxScratch {
   std::vector<int32_t> q;
 };
 
+// One row's quotients Q into q (e: scratch for the E_i), the reference's integers.
 template <typename T>
-void SoftmaxRowFast(const SoftmaxParams& p, const T* x, int64_t n, int32_t* e, int32_t* q) {
+void SoftmaxRowFast(const SoftmaxParams& p, const T* x, int64_t n, FloorDivScaledKernel div, int32_t* e, int32_t* q) {
   T mx = x[0];
   for (int64_t i = 1; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   const int32_t* table = p.table32 + 255 - static_cast<int32_t>(mx);  // table[x - max + 255]
   int64_t s = 0;
   for (int64_t i = 0; i < n; ++i) s += e[i] = table[static_cast<int32_t>(x[i])];
+  if (div != nullptr) {  // E_i · 2^30 <= 2^54 with 25 significant bits; S < 2^52; Q_i <= 2^30
+    div(e, n, 1073741824.0, 0.0, static_cast<double>(s), q);
+    return;
+  }
   const double inv = 1.0 / static_cast<double>(s);
   for (int64_t i = 0; i < n; ++i)
     q[i] = static_cast<int32_t>(FloorDivByReciprocal(static_cast<int64_t>(e[i]) << 30, s, inv));
@@ -82,13 +88,15 @@ Status RunSoftmax(RunCtx& c, const GraphOp& op) {
     return Status::Ok();
   }
   const RequantKernel requant = SelectRequantKernel(c.path);
+  // S <= n · 2^24 must stay below 2^52 for the vector division (n < 2^28: any real row)
+  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
   ForEachLastAxisRow<SoftmaxScratch>(c, op, 4, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
     sc.q.resize(static_cast<size_t>(2 * n));
     int32_t* e = sc.q.data() + n;
     if (dt == kU8) {
-      SoftmaxRowFast(p, x, n, e, sc.q.data());
+      SoftmaxRowFast(p, x, n, div, e, sc.q.data());
     } else {
-      SoftmaxRowFast(p, reinterpret_cast<const int8_t*>(x), n, e, sc.q.data());
+      SoftmaxRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, e, sc.q.data());
     }
     requant(sc.q.data(), 1, n, n, st, 0, y, n, out_signed);
   });
