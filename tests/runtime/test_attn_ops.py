@@ -71,7 +71,7 @@ def test_matmul_blocked_path_matches_reference(threads, shape_a, shape_b, pa, pb
     """The packed-panel path on shapes with row blocks past 96 rows, K not a multiple of 4,
     N not a multiple of 16, strided operands and results, at 1 and 2 threads."""
     rng = np.random.default_rng(threads)
-    for d0, d1, out in [(DType.U8, DType.U8, DType.U8), (DType.I8, DType.U8, DType.I8)]:
+    for d0, d1, out in [(DType.U8, DType.U8, DType.U8), (DType.I8, DType.U8, DType.I8), (DType.U8, DType.I8, DType.U8)]:
         zps = [int(rng.integers(*d.range, endpoint=True)) for d in (d0, d1)]
         lo, hi = out.range
         attrs = {"in_zp": zps, "a_perm": pa, "b_perm": pb, "out_perm": po, **_stage(rng, lo=lo, hi=hi)}

@@ -216,7 +216,20 @@ Status RunMatmulFast(RunCtx& c, const GraphOp& op, const MatmulParams& p, const 
     // b - zp_b as N rows of K (bt), then into panels: k-pair j of panel q holds
     // slot i < 16: column 16q + i/2, k = 2j + i%2, then slot 16 + i: column 16q + 8 + i/2.
     bt.assign(static_cast<size_t>(ldacc * kp), 0);
-    GatherI16(xb, db, ob, sbn, sbk, N, K, p.zp[1], bt.data(), kp);
+    if (sbn == 1 && sbk != 1) {  // b's rows (fixed k) are contiguous: read them in order (attention's v)
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t* src = xb + ob + k * sbk;
+        int16_t* dst = bt.data() + k;
+        if (db == kU8) {
+          for (int64_t n = 0; n < N; ++n) dst[n * kp] = static_cast<int16_t>(src[n] - p.zp[1]);
+        } else {
+          const int8_t* s8 = reinterpret_cast<const int8_t*>(src);
+          for (int64_t n = 0; n < N; ++n) dst[n * kp] = static_cast<int16_t>(s8[n] - p.zp[1]);
+        }
+      }
+    } else {
+      GatherI16(xb, db, ob, sbn, sbk, N, K, p.zp[1], bt.data(), kp);
+    }
     bpack.resize(static_cast<size_t>(panels * kpairs * 32));
     for (int64_t q = 0; q < panels; ++q) {
       int16_t* panel = bpack.data() + q * kpairs * 32;
