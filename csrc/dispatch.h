@@ -70,6 +70,9 @@ QuantizeF32Kernel SelectQuantizeF32Kernel(uint32_t path);  // nullptr: the scala
 // b is an integer in [1, 2^52) and every quotient is in [0, 2^31).
 using FloorDivScaledKernel = void (*)(const int32_t* v, int64_t n, double scale, double add, double b, int32_t* q);
 FloorDivScaledKernel SelectFloorDivScaledKernel(uint32_t path);  // nullptr: the scalar loop
+// y[i] = table[x[i]] for i < n over a 256-byte table (LUT, LUT_CHANNEL).
+using LutKernel = void (*)(const uint8_t* table, const uint8_t* x, int64_t n, uint8_t* y);
+LutKernel SelectLutKernel(uint32_t path);  // nullptr: the scalar loop
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // One-channel stage into int32 over rows x cols with row strides (the conv's images of one
 // channel); nullptr where the path has none (call the StageI32Kernel per row).
