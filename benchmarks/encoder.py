@@ -28,6 +28,15 @@ per-op-type time instead (QDSL_PROFILE lines, summed over the ops of each type).
 
     python benchmarks/encoder.py [--quick] [--batches 1,8] [--threads 1,2] [--rounds 5] [--reps 3]
     python benchmarks/encoder.py --profile [--batches 1] [--threads 1]
+
+Measured (AMD EPYC, AVX2 without VNNI, 2 cores shared with other jobs, load average 8-8.5:
+noisy), 1 thread, 4 rounds, qdsl / contender per round, median (range): batch 1: qdsl 74.8 ms,
+/ ORT dyn int8 1.22 (1.02-1.67), / torch.ao 0.88 (0.57-1.08), / fp32 0.76; batch 8: qdsl
+758 ms, / ORT 1.12 (1.09-1.39), / torch.ao 0.97 (0.73-1.12), / fp32 0.71.  Cosine to fp32:
+qdsl 0.9992, torch.ao 0.9997, ORT 0.983 (batch 1) / 0.993 (batch 8; its u8 x s8 kernels
+saturate here).  qdsl's CPU time per op type at batch 1 (QDSL_PROFILE): LINEAR ~70% (the
+exact int16 GEMM: on this CPU ~0.8x the throughput of the saturating u8 x s8 pattern the
+peers use, benchmarks/int8_ceiling.py), MATMUL, SOFTMAX, LAYERNORM ~4-9% each.
 """
 
 from __future__ import annotations
