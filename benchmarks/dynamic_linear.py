@@ -18,6 +18,10 @@ rows 8: qdsl faster at d=384, slower at d=768; fp32 is 1.7-2.3x torch.ao.  8-bit
 against int8 weights make the AVX2 GEMM take its int16 kernel (a u8×s8 pair sum can
 saturate vpmaddubsw); 7-bit codes (torch.ao's own x86 setting) take the vpmaddubsw one.
 Error vs fp32 (max |diff| / max |fp32|): qdsl 8-bit ~0.018, torch.ao ~0.033, qdsl 7-bit ~0.035.
+Where the 8-bit gap is (issue 19; load 8-9, 1 thread, d=384, 128 rows): per op (QDSL_PROFILE,
+CPU time) LINEAR_DYNAMIC takes 1.9-2.2 ms per 75.5M MACs with 8-bit codes (int16 kernel) and
+1.2-1.6 ms with 7-bit codes (vpmaddubsw), QUANTIZE_DYNAMIC 0.07-0.3 ms: it is the kernel, not
+the dynamic ops.  Interleaved: 8-bit qdsl 67.2 ms vs torch.ao 48.1; 7-bit qdsl 62.3 vs 72.6.
 
 Run: python benchmarks/dynamic_linear.py [--threads 1] [--rounds 5] [--reps 20] [--bits 8|7] [--quick]
 """

@@ -293,6 +293,22 @@ QuantizeF32Kernel SelectQuantizeF32Kernel(uint32_t path) {
   return nullptr;
 }
 
+FloorDivScaledKernel SelectFloorDivScaledKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::FloorDivScaledAvx2;  // every path from AVX2 up has AVX2 and FMA
+#endif
+  (void)path;
+  return nullptr;
+}
+
+LutKernel SelectLutKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::LutU8Avx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 StageI32StridedKernel SelectStageI32StridedKernel(uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86

@@ -65,6 +65,14 @@ MulKernel SelectMulKernel(uint32_t path);  // nullptr: no vector kernel on this 
 using QuantizeF32Kernel = void (*)(const float* x, int64_t n, float inv, int32_t zp, int32_t qmin, int32_t qmax,
                                    int rounding, uint8_t* out, bool out_signed);
 QuantizeF32Kernel SelectQuantizeF32Kernel(uint32_t path);  // nullptr: the scalar loop
+// q[i] = floor((v[i] * scale + add) / b) for i < n (SOFTMAX's and LAYERNORM's quotients), exact
+// when every v[i] * scale + add is an integer a double holds exactly (scale a power of two),
+// b is an integer in [1, 2^52) and every quotient is in [0, 2^31).
+using FloorDivScaledKernel = void (*)(const int32_t* v, int64_t n, double scale, double add, double b, int32_t* q);
+FloorDivScaledKernel SelectFloorDivScaledKernel(uint32_t path);  // nullptr: the scalar loop
+// y[i] = table[x[i]] for i < n over a 256-byte table (LUT, LUT_CHANNEL).
+using LutKernel = void (*)(const uint8_t* table, const uint8_t* x, int64_t n, uint8_t* y);
+LutKernel SelectLutKernel(uint32_t path);  // nullptr: the scalar loop
 StageI32Kernel SelectStageI32Kernel(uint32_t path);
 // One-channel stage into int32 over rows x cols with row strides (the conv's images of one
 // channel); nullptr where the path has none (call the StageI32Kernel per row).

@@ -57,6 +57,36 @@ def test_matmul_matches_reference(seed, d0, d1, out, rank):
     _check(graph, xa, xb)
 
 
+@needs_cpp
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape_a, shape_b, pa, pb, po", [
+    # attention scores: q (B, T, H, d) as (B, H, T, d) times k as (B, H, d, T)
+    ((-1, 100, 3, 33), (-1, 100, 3, 33), [0, 2, 1, 3], [0, 2, 3, 1], [0, 1, 2, 3]),
+    # context: probs (B, H, T, T) times v (B, T, H, d) as (B, H, T, d), result as (B, T, H, d)
+    ((-1, 3, 130, 97), (-1, 97, 3, 20), [0, 1, 2, 3], [0, 2, 1, 3], [0, 2, 1, 3]),
+    # a transposed (columns strided), b broadcast over dim 1, result columns strided
+    ((-1, 2, 37, 98), (-1, 1, 37, 17), [0, 1, 3, 2], [0, 1, 2, 3], [0, 1, 3, 2]),
+    ((-1, 7, 5), (-1, 5, 40), [0, 1, 2], [0, 1, 2], [0, 1, 2]),
+])
+def test_matmul_blocked_path_matches_reference(threads, shape_a, shape_b, pa, pb, po):
+    """The packed-panel path on shapes with row blocks past 96 rows, K not a multiple of 4,
+    N not a multiple of 16, strided operands and results, at 1 and 2 threads."""
+    rng = np.random.default_rng(threads)
+    for d0, d1, out in [(DType.U8, DType.U8, DType.U8), (DType.I8, DType.U8, DType.I8), (DType.U8, DType.I8, DType.U8)]:
+        zps = [int(rng.integers(*d.range, endpoint=True)) for d in (d0, d1)]
+        lo, hi = out.range
+        attrs = {"in_zp": zps, "a_perm": pa, "b_perm": pb, "out_perm": po, **_stage(rng, lo=lo, hi=hi)}
+        graph = _graph(OpType.MATMUL, [("a", d0, shape_a), ("b", d1, shape_b)], attrs, out_dtype=out)
+        xa, xb = _rand(rng, d0, (2, *shape_a[1:])), _rand(rng, d1, (2, *shape_b[1:]))
+        xa[0, ...] = d0.range[1]  # extreme differences: |a - zp| and |b - zp| up to 255
+        xb[0, ...] = d1.range[0]
+        rt.set_num_threads(threads)
+        try:
+            _check(graph, xa, xb)
+        finally:
+            rt.set_num_threads(0)
+
+
 def test_matmul_reference_is_the_integer_product():
     rng = np.random.default_rng(0)
     a = rng.integers(-128, 128, (2, 3, 5, 4))
@@ -257,6 +287,37 @@ def test_isqrt_is_exact():
     vals = np.array([0, 1, 2, 3, 4, 15, 16, 17, 2**52 - 1, 2**52, 2**62, 2**62 - 1, (2**31 - 1) ** 2,
                      (2**31 - 1) ** 2 - 1] + list(np.random.default_rng(3).integers(0, 2**62, 200)), dtype=np.int64)
     assert [int(r) for r in isqrt(vals)] == [math.isqrt(int(v)) for v in vals]
+
+
+@needs_cpp
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("op", [OpType.SOFTMAX, OpType.LAYERNORM])
+@pytest.mark.parametrize("n", [5, 37, 128, 384])
+def test_row_ops_many_rows_match_reference(threads, op, n):
+    """SOFTMAX and LAYERNORM rows (ForEachLastAxisRow) split across threads, every path, with
+    extreme rows: constant (softmax: all at the max; layernorm: zero variance), one code at
+    each end of the dtype, and table scales from flat to steep."""
+    rng = np.random.default_rng(n + threads)
+    for d, out in [(DType.U8, DType.U8), (DType.I8, DType.I8), (DType.U8, DType.I8)]:
+        shape = (-1, 70, n)
+        if op is OpType.SOFTMAX:
+            attrs = _softmax_attrs(rng, float(rng.choice([1e-3, 0.05, 1.0])), out)
+        else:
+            attrs = _ln_attrs(rng, n, out, eps=int(rng.choice([0, 1000])))
+        graph = _graph(op, [("x", d, shape)], attrs, out_dtype=out)
+        x = _rand(rng, d, (3, *shape[1:]))
+        lo, hi = d.range
+        x[0, 0] = lo
+        x[0, 1] = hi
+        x[0, 2] = lo
+        x[0, 2, n // 2] = hi
+        x[1, 3] = hi
+        x[1, 3, 0] = lo
+        rt.set_num_threads(threads)
+        try:
+            _check(graph, x)
+        finally:
+            rt.set_num_threads(0)
 
 
 @pytest.mark.parametrize("op, attrs, msg", [

@@ -58,3 +58,26 @@ def test_malformed_lut_is_rejected_by_the_cpp_loader(table, y_dtype, msg, monkey
     blob = graph_to_bytes(g)
     with pytest.raises(GraphFormatError, match=msg):
         rt.CompiledGraph(blob)
+
+
+@pytest.mark.parametrize("op_type, shape", [(OpType.LUT, (-1, 77)), (OpType.LUT, (-1, 3, 300)),
+                                            (OpType.LUT_CHANNEL, (-1, 3, 37)), (OpType.LUT_CHANNEL, (-1, 2, 65))])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lut_vector_tails_every_path(op_type, shape, threads):
+    """The vector gather (32 bytes a step) on lengths with tails, every code present, per
+    channel tables too, at 1 and 2 threads, every path against the reference."""
+    rng = np.random.default_rng(len(shape) * 7 + threads)
+    channels = shape[1] if op_type is OpType.LUT_CHANNEL else 1
+    table = tuple(int(v) for v in rng.integers(-128, 128, 256 * channels))
+    g = IntegerGraph([Tensor("x", DType.U8, shape), Tensor("y", DType.I8, shape)], ["x"], ["y"],
+                     [Op(op_type, "act", ["x"], ["y"], {"table": table})]).validate()
+    x = rng.integers(0, 256, (5, *shape[1:])).astype(np.uint8)
+    x.reshape(-1)[:256] = np.arange(256)
+    want = execute(g, x).outputs[0]
+    cg = rt.CompiledGraph(g)
+    rt.set_num_threads(threads)
+    try:
+        for path in PATHS:
+            np.testing.assert_array_equal(cg.run(x, path=path), want, err_msg=f"path {path}")
+    finally:
+        rt.set_num_threads(0)

@@ -75,6 +75,11 @@ void BinaryPopcountSplitAvx2(const uint64_t* a, int64_t m, int64_t lda, const ui
 void BinaryPopcountAvx2(const uint64_t* a, int64_t m, int64_t lda, const uint64_t* w, int64_t n, int64_t ldw,
                         int64_t kwords, int32_t* pc, int64_t ldc);
 bool RequantAvx2Supports(const OutputStage& stage);
+// q[i] = floor((v[i] * scale + add) / b) (csrc/kernels/x86/floordiv_f64_avx2.cc; contract:
+// FloorDivScaledKernel in csrc/dispatch.h).
+void FloorDivScaledAvx2(const int32_t* v, int64_t n, double scale, double add, double b, int32_t* q);
+// y[i] = table[x[i]] over a 256-byte table (csrc/kernels/x86/lut_u8_avx2.cc).
+void LutU8Avx2(const uint8_t* table, const uint8_t* x, int64_t n, uint8_t* y);
 // One-channel stage to int32 (I32 outputs): out[i] = clamp(rescale(acc[i]) + zp, qmin, qmax).
 void RequantI32Avx2(const int32_t* acc, int64_t n, const OutputStage& one, int32_t* out);
 // The same over rows x cols (acc and out row strides lda, ldo), one channel.

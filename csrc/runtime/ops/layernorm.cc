@@ -8,22 +8,32 @@
 // k is 0 in the narrow form (one I8/U8 input, identity rescale: |D| < 2^24).
 // W < 2^62 (checked at prepare from N and eps); R < 2^31 and |D_i|·2^G <= R + 1, so the
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
+//
+// Narrow form, reference path: those lines as written.  Narrow form, optimized paths, the
+// same values: typed loops for the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R) by the exact vector division
+// (FloorDivScaledKernel; portable: FloorDivByReciprocal; numerator below 2^51, exact as a
+// double), no int64 division per element, acc_i from int32 copies of gamma
+// and beta, and the vectorized output stage (RequantKernel) over the row of acc.
+// The wide form (two inputs, an I32 input or a non-identity rescale) runs its row as written on
+// every path.
 #include <algorithm>
 #include <cmath>
 
+#include "dispatch.h"
 #include "qdsl/requant.h"
-#include "runtime/ops/op.h"
-#include "threads/thread_pool.h"
+#include "runtime/ops/last_axis.h"
 
 namespace qdsl {
 namespace {
 
 struct LayernormParams : OpParams {
-  std::vector<StageData> in;  // per input: zero point and rescale
-  std::vector<int64_t> const1;  // a constant input 1, rescaled at prepare (repeats per batch row)
   std::vector<int64_t> gamma, beta;
+  std::vector<int32_t> gamma32, beta32;  // the same values (14 bits, |beta| <= 2^30) for the optimized rows
   int64_t eps = 0;
   StageData out;
+  std::vector<StageData> in;    // per input: zero point and rescale
+  std::vector<int64_t> const1;  // a constant input 1, rescaled at prepare (repeats per batch row)
+  bool narrow = true;           // one I8/U8 input, identity rescale: the header's narrow form
 };
 
 int BitLength(uint64_t v) {
@@ -120,14 +130,87 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
              "row length %lld (at most 8192) with eps %lld (below 2^61) overflows a wide LAYERNORM's variance sum",
              (long long)n, (long long)p->eps);
   }
+  p->narrow = narrow;
+  p->gamma32.assign(p->gamma.begin(), p->gamma.end());
+  p->beta32.assign(p->beta.begin(), p->beta.end());
   QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &p->out));
   OP_CHECK(p->out.multiplier.size() == 1, "LAYERNORM rescales are per tensor");
   op.prepared = std::move(p);
   return Status::Ok();
 }
 
-Status RunLayernorm(RunCtx& c, const GraphOp& op) {
-  const LayernormParams& p = ParamsOf<LayernormParams>(op);
+namespace {
+
+struct LayernormScratch {
+  std::vector<int64_t> d;    // the reference row's D_i
+  std::vector<int32_t> acc;  // the optimized row's D_i, |D_i| and the stage's input, n each
+};
+
+// The reference row: the header's formula line by line (LoadValue reads any input dtype).
+void LayernormRowRef(const LayernormParams& p, const uint8_t* x, int dt, int64_t n, std::vector<int64_t>* scratch,
+                     uint8_t* y) {
+  scratch->resize(static_cast<size_t>(n));
+  int64_t* d = scratch->data();
+  int64_t sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += LoadValue(x, dt, i);
+  int64_t w = p.eps;
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = n * LoadValue(x, dt, i) - sum;
+    w += d[i] * d[i];
+  }
+  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
+  const int64_t root = ISqrt(w << (2 * gs));
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t z = 0;
+    if (root != 0) {
+      const int64_t num = (d[i] < 0 ? -d[i] : d[i]) << (gs + 16);
+      z = (2 * num + root) / (2 * root);
+      if (d[i] < 0) z = -z;
+    }
+    y[i] = static_cast<uint8_t>(ApplyStage(z * p.gamma[i] + p.beta[i], p.out.stage, 0));
+  }
+}
+
+// One row into acc (the stage's int32 input), from the same integers as the reference.
+// D_i fits int32 (|D_i| <= n·255 < 2^24) and D_i² int64; restrict pointers and int32 arrays
+// let the compiler vectorize every loop but the division (FloorDivScaledKernel's).
+template <typename T>
+void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n, FloorDivScaledKernel div,
+                      int32_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
+  const int32_t* __restrict gamma = p.gamma32.data();
+  const int32_t* __restrict beta = p.beta32.data();
+  int32_t sum = 0;  // |sum| <= 40000 · 255
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const int32_t n32 = static_cast<int32_t>(n);
+  int64_t w = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = n32 * static_cast<int32_t>(x[i]) - sum;
+    mag[i] = d[i] < 0 ? -d[i] : d[i];
+    w += static_cast<int64_t>(d[i]) * d[i];
+  }
+  w += p.eps;
+  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
+  const int64_t root = ISqrt(w << (2 * gs));
+  if (root == 0) {
+    for (int64_t i = 0; i < n; ++i) acc[i] = beta[i];
+    return;
+  }
+  // Z = round_half_away(|D| · 2^(gs+16) / R) = floor((|D| · 2^(gs+17) + R) / 2R); the
+  // numerator is below 2^51 (exact as a double), the quotient at most 2^16 + 1
+  const int64_t den = 2 * root;
+  if (div != nullptr) {
+    div(mag, n, static_cast<double>(int64_t{1} << (gs + 17)), static_cast<double>(root), static_cast<double>(den),
+        acc);
+  } else {
+    const double inv = 1.0 / static_cast<double>(den);
+    for (int64_t i = 0; i < n; ++i)
+      acc[i] = static_cast<int32_t>(FloorDivByReciprocal((static_cast<int64_t>(mag[i]) << (gs + 17)) + root, den, inv));
+  }
+  for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
+}
+
+// The wide form's rows, on every path: the header's formula as written.
+void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
   const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
   const size_t n_in = op.inputs.size();
@@ -180,6 +263,40 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
         y[o + i] = static_cast<uint8_t>(ApplyStage(z * p.gamma[i] + p.beta[i], st, 0));
       }
     }
+  });
+}
+
+}  // namespace
+
+Status RunLayernorm(RunCtx& c, const GraphOp& op) {
+  const LayernormParams& p = ParamsOf<LayernormParams>(op);
+  const int dt = c.DType(op.inputs[0]);
+  const bool out_signed = c.DType(op.outputs[0]) == kI8;
+  const OutputStage& st = p.out.stage;
+  if (!p.narrow) {
+    RunLayernormWide(c, op, p);
+    return Status::Ok();
+  }
+  if (c.path == kPathRef) {
+    ForEachLastAxisRow<LayernormScratch>(c, op, 16, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
+                                                        int64_t n) { LayernormRowRef(p, x, dt, n, &sc.d, y); });
+    return Status::Ok();
+  }
+  const RequantKernel requant = SelectRequantKernel(c.path);
+  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
+  ForEachLastAxisRow<LayernormScratch>(c, op, 6, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
+                                                     int64_t n) {
+    sc.acc.resize(static_cast<size_t>(3 * n));
+    int32_t* acc = sc.acc.data() + 2 * n;
+    if (dt == kU8) {
+      LayernormRowFast(p, x, n, div, sc.acc.data(), sc.acc.data() + n, acc);
+    } else if (dt == kI8) {
+      LayernormRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, sc.acc.data(), sc.acc.data() + n, acc);
+    } else {  // other input dtypes: the reference row
+      LayernormRowRef(p, x, dt, n, &sc.d, y);
+      return;
+    }
+    requant(acc, 1, n, n, st, 0, y, n, out_signed);
   });
   return Status::Ok();
 }

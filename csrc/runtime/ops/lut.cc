@@ -1,8 +1,10 @@
 // LUT: y = table[x - min(x's dtype)], an I8/U8 -> I8/U8 byte gather over 256 entries;
 // LUT_CHANNEL: y = table[256·c + x - min(x's dtype)], one such table per channel (axis 1)
 // (docs/qgraph.md §4.4).  The tables are stored as the output's bytes once, at prepare.
+// The scalar gather is the reference; paths with a LutKernel (dispatch.h) run it instead.
 #include <algorithm>
 
+#include "dispatch.h"
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
 
@@ -67,7 +69,12 @@ Status RunLut(RunCtx& c, const GraphOp& op) {
   const int64_t n = Numel(c.Shape(xi));
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
+  const LutKernel kernel = c.path == kPathRef ? nullptr : SelectLutKernel(c.path);
   ParallelRanges(n, /*chunk=*/16384, /*work=*/n * 4, [&](int64_t i0, int64_t i1) {
+    if (kernel != nullptr) {
+      kernel(p.table, x + i0, i1 - i0, y + i0);
+      return;
+    }
     for (int64_t i = i0; i < i1; ++i) y[i] = p.table[x[i]];
   });
   return Status::Ok();
@@ -81,9 +88,14 @@ Status RunLutChannel(RunCtx& c, const GraphOp& op) {
   const uint8_t* x = c.Buf(xi);
   uint8_t* y = c.Buf(yi);
   const int64_t planes = xs[0] * channels;
+  const LutKernel kernel = c.path == kPathRef ? nullptr : SelectLutKernel(c.path);
   ParallelFor(static_cast<int>(planes), [&](int pl) {
     const uint8_t* table = p.table.data() + (pl % channels) * 256;
     const int64_t o = pl * inner;
+    if (kernel != nullptr) {
+      kernel(table, x + o, inner, y + o);
+      return;
+    }
     for (int64_t i = 0; i < inner; ++i) y[o + i] = table[x[o + i]];
   }, /*work=*/n * 4);
   return Status::Ok();

@@ -2,12 +2,20 @@
 // on the operands viewed through a_perm / b_perm, the result permuted by out_perm
 // (docs/qgraph.md §4.4).  Differences are in [-255, 255] and K <= 33025, so the int32 sum is
 // exact.  The permutations are strides: each operand's row-major strides (batch filled in at
-// run time) read through its permutation, a broadcast leading dimension stride 0.  Each
-// (batch, leading..., m) row of a is gathered once as int32 differences, each (batch,
-// leading...) matrix of b once, transposed (N rows of K), so the inner loop is a dot product
-// of two contiguous int32 rows.
+// run time) read through its permutation, a broadcast leading dimension stride 0.
+//
+// Reference path (RunMatmulRef): each (batch, leading..., m) row of a is gathered once as
+// int32 differences, each (batch, leading...) matrix of b once, transposed (N rows of K), so
+// the inner loop is a dot product of two contiguous int32 rows.
+// Optimized paths (RunMatmulFast): per (batch, leading...) matrix, b - zp_b is packed into
+// the int16 16-column panels of the GEMM micro-kernels (PanelFormat::kI16, the layout of
+// csrc/pack/pack_weights.cc) and a - zp_a into int16 rows, both K padded with zeros to a
+// multiple of 4; the vpmaddwd kernel multiplies int16 pairs into int32 exactly (|diff| <= 255),
+// so the sums equal the reference's.  The output stage then runs vectorized over each block
+// of rows (RequantKernel), straight into y when the result's columns are contiguous there.
 #include <algorithm>
 
+#include "dispatch.h"
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
 
@@ -85,59 +93,185 @@ Status PrepareMatmul(Graph* g, GraphOp& op, int index, std::vector<int64_t>* sha
   return Status::Ok();
 }
 
-Status RunMatmul(RunCtx& c, const GraphOp& op) {
-  const MatmulParams& p = ParamsOf<MatmulParams>(op);
+namespace {
+
+// The run's views: a (B, ..., M, K), b (B, ..., K, N), result (B, ..., M, N), as strides of
+// the three buffers (broadcast leading dims stride 0).
+struct MatmulView {
+  size_t rank = 0;
+  std::vector<int64_t> rs, sta, stb, str;
+  int64_t M = 0, K = 0, N = 0, outer = 1;
+  // offsets of the (batch, leading...) matrix o in a, b and y
+  void Offsets(int64_t o, int64_t* oa, int64_t* ob, int64_t* oy) const {
+    *oa = *ob = *oy = 0;
+    for (size_t d = rank - 2; d-- > 0;) {
+      const int64_t i = o % rs[d];
+      o /= rs[d];
+      *oa += i * sta[d];
+      *ob += i * stb[d];
+      *oy += i * str[d];
+    }
+  }
+};
+
+MatmulView ViewOf(const RunCtx& c, const GraphOp& op, const MatmulParams& p) {
   const std::vector<int64_t> sa = c.Shape(op.inputs[0]), sb = c.Shape(op.inputs[1]), sy = c.Shape(op.outputs[0]);
-  const size_t rank = sa.size();
+  MatmulView v;
+  const size_t rank = v.rank = sa.size();
   const std::vector<int64_t> ta = RowMajorStrides(sa), tb = RowMajorStrides(sb), ty = RowMajorStrides(sy);
-  // view shapes and strides: a (B, ..., M, K), b (B, ..., K, N), result (B, ..., M, N)
-  std::vector<int64_t> va(rank), vb(rank), sta(rank), stb(rank), str(rank), rs(rank);
+  std::vector<int64_t> va(rank), vb(rank);
+  v.sta.resize(rank);
+  v.stb.resize(rank);
+  v.str.resize(rank);
+  v.rs.resize(rank);
   for (size_t d = 0; d < rank; ++d) {
     va[d] = sa[p.perm[0][d]];
-    sta[d] = ta[p.perm[0][d]];
+    v.sta[d] = ta[p.perm[0][d]];
     vb[d] = sb[p.perm[1][d]];
-    stb[d] = tb[p.perm[1][d]];
-    str[p.perm[2][d]] = ty[d];  // result dim perm[2][d] is output dim d
+    v.stb[d] = tb[p.perm[1][d]];
+    v.str[p.perm[2][d]] = ty[d];  // result dim perm[2][d] is output dim d
   }
   for (size_t d = 0; d + 2 < rank; ++d) {
-    rs[d] = std::max(va[d], vb[d]);
-    if (va[d] == 1 && rs[d] != 1) sta[d] = 0;
-    if (vb[d] == 1 && rs[d] != 1) stb[d] = 0;
+    v.rs[d] = std::max(va[d], vb[d]);
+    if (va[d] == 1 && v.rs[d] != 1) v.sta[d] = 0;
+    if (vb[d] == 1 && v.rs[d] != 1) v.stb[d] = 0;
+    v.outer *= v.rs[d];
   }
-  const int64_t M = va[rank - 2], K = va[rank - 1], N = vb[rank - 1];
-  int64_t outer = 1;
-  for (size_t d = 0; d + 2 < rank; ++d) outer *= rs[d];
+  v.M = va[rank - 2];
+  v.K = va[rank - 1];
+  v.N = vb[rank - 1];
+  return v;
+}
+
+Status RunMatmulRef(RunCtx& c, const GraphOp& op, const MatmulParams& p, const MatmulView& v) {
+  const size_t rank = v.rank;
+  const int64_t M = v.M, K = v.K, N = v.N;
   const uint8_t* xa = c.Buf(op.inputs[0]);
   const uint8_t* xb = c.Buf(op.inputs[1]);
   const int da = c.DType(op.inputs[0]), db = c.DType(op.inputs[1]);
   uint8_t* y = c.Buf(op.outputs[0]);
   const OutputStage& st = p.out.stage;
-  ParallelFor(static_cast<int>(outer), [&](int o) {
-    // offsets of this (batch, leading...) index in a, b and y
-    int64_t rest = o, oa = 0, ob = 0, oy = 0;
-    for (size_t d = rank - 2; d-- > 0;) {
-      const int64_t i = rest % rs[d];
-      rest /= rs[d];
-      oa += i * sta[d];
-      ob += i * stb[d];
-      oy += i * str[d];
-    }
+  ParallelFor(static_cast<int>(v.outer), [&](int o) {
+    int64_t oa, ob, oy;
+    v.Offsets(o, &oa, &ob, &oy);
     std::vector<int32_t> bt(static_cast<size_t>(N * K)), row(static_cast<size_t>(K));
     for (int64_t k = 0; k < K; ++k)
       for (int64_t n = 0; n < N; ++n)
-        bt[n * K + k] = LoadValue(xb, db, ob + k * stb[rank - 2] + n * stb[rank - 1]) - p.zp[1];
+        bt[n * K + k] = LoadValue(xb, db, ob + k * v.stb[rank - 2] + n * v.stb[rank - 1]) - p.zp[1];
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t k = 0; k < K; ++k)
-        row[k] = LoadValue(xa, da, oa + m * sta[rank - 2] + k * sta[rank - 1]) - p.zp[0];
+        row[k] = LoadValue(xa, da, oa + m * v.sta[rank - 2] + k * v.sta[rank - 1]) - p.zp[0];
       for (int64_t n = 0; n < N; ++n) {
         const int32_t* col = bt.data() + n * K;
         int32_t acc = 0;
         for (int64_t k = 0; k < K; ++k) acc += row[k] * col[k];
-        y[oy + m * str[rank - 2] + n * str[rank - 1]] = static_cast<uint8_t>(ApplyStage(acc, st, 0));
+        y[oy + m * v.str[rank - 2] + n * v.str[rank - 1]] = static_cast<uint8_t>(ApplyStage(acc, st, 0));
       }
     }
-  }, /*work=*/outer * M * N * K);
+  }, /*work=*/v.outer * M * N * K);
   return Status::Ok();
+}
+
+// Element (r, i) of a strided 8-bit matrix minus zp, as int16 into dst[r][i] (row stride ld),
+// for r < rows, i < cols; the unit-stride u8/s8 rows take a loop the compiler vectorizes.
+void GatherI16(const uint8_t* x, int dtype, int64_t off, int64_t s_row, int64_t s_col, int64_t rows, int64_t cols,
+               int32_t zp, int16_t* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    int16_t* d = dst + r * ld;
+    const uint8_t* src = x + off + r * s_row;
+    if (s_col == 1 && dtype == kU8) {
+      for (int64_t i = 0; i < cols; ++i) d[i] = static_cast<int16_t>(src[i] - zp);
+    } else if (s_col == 1) {
+      const int8_t* s8 = reinterpret_cast<const int8_t*>(src);
+      for (int64_t i = 0; i < cols; ++i) d[i] = static_cast<int16_t>(s8[i] - zp);
+    } else {
+      for (int64_t i = 0; i < cols; ++i) d[i] = static_cast<int16_t>(LoadValue(src, dtype, i * s_col) - zp);
+    }
+  }
+}
+
+Status RunMatmulFast(RunCtx& c, const GraphOp& op, const MatmulParams& p, const MatmulView& v) {
+  const size_t rank = v.rank;
+  const int64_t M = v.M, K = v.K, N = v.N;
+  const int64_t kp = (K + 3) / 4 * 4, kpairs = kp / 2, panels = (N + kPanelCols - 1) / kPanelCols;
+  const int64_t ldacc = panels * kPanelCols;
+  const uint8_t* xa = c.Buf(op.inputs[0]);
+  const uint8_t* xb = c.Buf(op.inputs[1]);
+  const int da = c.DType(op.inputs[0]), db = c.DType(op.inputs[1]);
+  uint8_t* y = c.Buf(op.outputs[0]);
+  const bool out_signed = c.DType(op.outputs[0]) == kI8;
+  const IntMicroKernel kernel = SelectIntMicroKernel(PanelFormat::kI16, c.path);
+  const RequantKernel requant = SelectRequantKernel(c.path);
+  const int64_t sam = v.sta[rank - 2], sak = v.sta[rank - 1], sbk = v.stb[rank - 2], sbn = v.stb[rank - 1];
+  const int64_t sym = v.str[rank - 2], syn = v.str[rank - 1];
+  // Row blocks of <= 96 rows keep a block's int16 rows and int32 sums in L1/L2 (as gemm.cc).
+  constexpr int64_t kRowBlock = 16 * kMaxRows;
+  const int64_t mblocks = (M + kRowBlock - 1) / kRowBlock;
+  ParallelFor(static_cast<int>(v.outer), [&](int o) {
+    int64_t oa, ob, oy;
+    v.Offsets(o, &oa, &ob, &oy);
+    thread_local std::vector<int16_t> bpack, a16, bt;
+    thread_local std::vector<int32_t> acc;
+    thread_local std::vector<uint8_t> tmp;
+    // b - zp_b as N rows of K (bt), then into panels: k-pair j of panel q holds
+    // slot i < 16: column 16q + i/2, k = 2j + i%2, then slot 16 + i: column 16q + 8 + i/2.
+    bt.assign(static_cast<size_t>(ldacc * kp), 0);
+    if (sbn == 1 && sbk != 1) {  // b's rows (fixed k) are contiguous: read them in order (attention's v)
+      for (int64_t k = 0; k < K; ++k) {
+        const uint8_t* src = xb + ob + k * sbk;
+        int16_t* dst = bt.data() + k;
+        if (db == kU8) {
+          for (int64_t n = 0; n < N; ++n) dst[n * kp] = static_cast<int16_t>(src[n] - p.zp[1]);
+        } else {
+          const int8_t* s8 = reinterpret_cast<const int8_t*>(src);
+          for (int64_t n = 0; n < N; ++n) dst[n * kp] = static_cast<int16_t>(s8[n] - p.zp[1]);
+        }
+      }
+    } else {
+      GatherI16(xb, db, ob, sbn, sbk, N, K, p.zp[1], bt.data(), kp);
+    }
+    bpack.resize(static_cast<size_t>(panels * kpairs * 32));
+    for (int64_t q = 0; q < panels; ++q) {
+      int16_t* panel = bpack.data() + q * kpairs * 32;
+      for (int64_t j = 0; j < kpairs; ++j)
+        for (int i = 0; i < 16; ++i) {
+          panel[j * 32 + i] = bt[(16 * q + i / 2) * kp + 2 * j + i % 2];
+          panel[j * 32 + 16 + i] = bt[(16 * q + 8 + i / 2) * kp + 2 * j + i % 2];
+        }
+    }
+    for (int64_t mb = 0; mb < mblocks; ++mb) {
+      const int64_t m0 = mb * kRowBlock, rows_total = std::min(kRowBlock, M - m0);
+      a16.assign(static_cast<size_t>(rows_total * kp), 0);
+      GatherI16(xa, da, oa + m0 * sam, sam, sak, rows_total, K, p.zp[0], a16.data(), kp);
+      acc.resize(static_cast<size_t>(rows_total * ldacc));
+      for (int64_t q = 0; q < panels; ++q) {
+        const uint8_t* panel = reinterpret_cast<const uint8_t*>(bpack.data() + q * kpairs * 32);
+        for (int64_t r = 0, rows = 0; r < rows_total; r += rows) {
+          rows = std::min<int64_t>(kMaxRows, rows_total - r);
+          kernel(static_cast<int>(rows), a16.data() + r * kp, kp, panel, kpairs, acc.data() + r * ldacc + q * 16,
+                 ldacc, false);
+        }
+      }
+      if (syn == 1) {  // the result's rows are contiguous in y: stage straight into it
+        requant(acc.data(), rows_total, N, ldacc, p.out.stage, 0, y + oy + m0 * sym, sym, out_signed);
+      } else {
+        tmp.resize(static_cast<size_t>(rows_total * N));
+        requant(acc.data(), rows_total, N, ldacc, p.out.stage, 0, tmp.data(), N, out_signed);
+        for (int64_t r = 0; r < rows_total; ++r)
+          for (int64_t n = 0; n < N; ++n) y[oy + (m0 + r) * sym + n * syn] = tmp[r * N + n];
+      }
+    }
+  }, /*work=*/v.outer * M * N * K);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status RunMatmul(RunCtx& c, const GraphOp& op) {
+  const MatmulParams& p = ParamsOf<MatmulParams>(op);
+  const MatmulView v = ViewOf(c, op, p);
+  if (v.M == 0 || v.N == 0 || v.outer == 0) return Status::Ok();
+  return c.path == kPathRef ? RunMatmulRef(c, op, p, v) : RunMatmulFast(c, op, p, v);
 }
 
 // The op table's entry (op_schema.h names it by opcode).

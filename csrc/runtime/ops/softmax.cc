@@ -3,16 +3,22 @@
 //   y_i = clamp(rescale(Q_i) + out_zp, out_min, out_max).
 // Entries are in [0, 2^24] with table[255] >= 1, so S >= 1 and E_i · 2^30 < 2^54; E_i <= S
 // keeps Q_i in [0, 2^30] (an int32 accumulator for the stage).
+//
+// Reference path: those lines as written.  Optimized paths, the same values: the row's max
+// over typed bytes, E_i from an int32 copy of the table, Q_i by the exact vector division
+// (FloorDivScaledKernel; portable: FloorDivByReciprocal), no int64 division per element, and
+// the vectorized output stage (RequantKernel) over Q.
 #include <algorithm>
 
-#include "runtime/ops/op.h"
-#include "threads/thread_pool.h"
+#include "dispatch.h"
+#include "runtime/ops/last_axis.h"
 
 namespace qdsl {
 namespace {
 
 struct SoftmaxParams : OpParams {
   int64_t table[256] = {};
+  int32_t table32[256] = {};  // the same entries (<= 2^24) for the optimized rows
   StageData out;
 };
 
@@ -29,6 +35,7 @@ Status PrepareSoftmax(Graph* g, GraphOp& op, int index, std::vector<int64_t>* sh
   for (int i = 0; i < 256; ++i) {
     OP_CHECK(t[i] >= 0 && t[i] <= (int64_t{1} << 24), "table entry %d = %lld outside [0, 2^24]", i, (long long)t[i]);
     p->table[i] = t[i];
+    p->table32[i] = static_cast<int32_t>(t[i]);
   }
   OP_CHECK(t[255] >= 1, "table[255] (exp(0)) must be >= 1");
   QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &p->out));
@@ -37,24 +44,61 @@ Status PrepareSoftmax(Graph* g, GraphOp& op, int index, std::vector<int64_t>* sh
   return Status::Ok();
 }
 
+namespace {
+
+struct SoftmaxScratch {
+  std::vector<int64_t> e;
+  std::vector<int32_t> q;
+};
+
+// One row's quotients Q into q (e: scratch for the E_i), the reference's integers.
+template <typename T>
+void SoftmaxRowFast(const SoftmaxParams& p, const T* x, int64_t n, FloorDivScaledKernel div, int32_t* e, int32_t* q) {
+  T mx = x[0];
+  for (int64_t i = 1; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  const int32_t* table = p.table32 + 255 - static_cast<int32_t>(mx);  // table[x - max + 255]
+  int64_t s = 0;
+  for (int64_t i = 0; i < n; ++i) s += e[i] = table[static_cast<int32_t>(x[i])];
+  if (div != nullptr) {  // E_i · 2^30 <= 2^54 with 25 significant bits; S < 2^52; Q_i <= 2^30
+    div(e, n, 1073741824.0, 0.0, static_cast<double>(s), q);
+    return;
+  }
+  const double inv = 1.0 / static_cast<double>(s);
+  for (int64_t i = 0; i < n; ++i)
+    q[i] = static_cast<int32_t>(FloorDivByReciprocal(static_cast<int64_t>(e[i]) << 30, s, inv));
+}
+
+}  // namespace
+
 Status RunSoftmax(RunCtx& c, const GraphOp& op) {
   const SoftmaxParams& p = ParamsOf<SoftmaxParams>(op);
-  const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
-  const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
-  const uint8_t* x = c.Buf(op.inputs[0]);
   const int dt = c.DType(op.inputs[0]);
-  uint8_t* y = c.Buf(op.outputs[0]);
+  const bool out_signed = c.DType(op.outputs[0]) == kI8;
   const OutputStage& st = p.out.stage;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> e(static_cast<size_t>(n));
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t o = r * n;
-      int32_t mx = LoadValue(x, dt, o);
-      for (int64_t i = 1; i < n; ++i) mx = std::max(mx, LoadValue(x, dt, o + i));
+  if (c.path == kPathRef) {
+    ForEachLastAxisRow<SoftmaxScratch>(c, op, 16, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
+      sc.e.resize(static_cast<size_t>(n));
+      int64_t* e = sc.e.data();
+      int32_t mx = LoadValue(x, dt, 0);
+      for (int64_t i = 1; i < n; ++i) mx = std::max(mx, LoadValue(x, dt, i));
       int64_t s = 0;
-      for (int64_t i = 0; i < n; ++i) s += e[i] = p.table[LoadValue(x, dt, o + i) - mx + 255];
-      for (int64_t i = 0; i < n; ++i) y[o + i] = static_cast<uint8_t>(ApplyStage((e[i] << 30) / s, st, 0));
+      for (int64_t i = 0; i < n; ++i) s += e[i] = p.table[LoadValue(x, dt, i) - mx + 255];
+      for (int64_t i = 0; i < n; ++i) y[i] = static_cast<uint8_t>(ApplyStage((e[i] << 30) / s, st, 0));
+    });
+    return Status::Ok();
+  }
+  const RequantKernel requant = SelectRequantKernel(c.path);
+  // S <= n · 2^24 must stay below 2^52 for the vector division (n < 2^28: any real row)
+  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
+  ForEachLastAxisRow<SoftmaxScratch>(c, op, 4, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
+    sc.q.resize(static_cast<size_t>(2 * n));
+    int32_t* e = sc.q.data() + n;
+    if (dt == kU8) {
+      SoftmaxRowFast(p, x, n, div, e, sc.q.data());
+    } else {
+      SoftmaxRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, e, sc.q.data());
     }
+    requant(sc.q.data(), 1, n, n, st, 0, y, n, out_signed);
   });
   return Status::Ok();
 }
