@@ -197,16 +197,12 @@ class _Lowerer:
         fqn, x = node.target, args[0] if args else None
         if is_attention(m):  # returns (output, weights): the tuple an `[0]` reads
             return lower_attention(self, node, m, args, kwargs or {})
-        if is_recurrent(m):
-            # before shape(): a recurrent layer returns a tuple, and the reason is the op
-            raise ExportError(fqn, f"nn.{type(m).__name__} has no integer lowering yet (the graph has no "
-                              f"{type(m).__name__} op; qdsl quantizes it in the fake-quant model only)",
-                              "export the part of the model before it, or run the model with its fake quantizers")
         construct = module_construct(m)
         rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
         if rule is not None:
             try:
-                return rule(self, node, m, x, self.shape(node), fqn)
+                # a recurrent layer returns a tuple: no one shape (its rule reads the call itself)
+                return rule(self, node, m, x, None if is_recurrent(m) else self.shape(node), fqn)
             except NoLowering:
                 pass
         raise ExportError(fqn, f"{type(m).__name__} has no integer lowering",

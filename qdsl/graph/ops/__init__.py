@@ -89,6 +89,7 @@ _REGISTERED = (
     "layernorm",
     "embedding",
     "dynamic",
+    "recurrent",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
