@@ -38,7 +38,7 @@ from torch import nn
 from qdsl.export.lower_layers import act_target, concat_value
 from qdsl.export.values import ROUNDINGS, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.graph.ir import DType, Op, OpType, Rounding
-from qdsl.graph.ops.recurrent import BIAS_LIMIT, factor, gate_tables
+from qdsl.graph.ops.recurrent import BIAS_LIMIT, factor, sigmoid_table
 from qdsl.patch.recurrent_math import GATES
 
 __all__ = ["lower_recurrent", "last_step"]
@@ -150,21 +150,20 @@ def _direction(lw, patch, i: int, x: QVal, t_h: Target, t_c: Target | None, stat
     acc_ih, acc_hh = s_x * s_wih, s_h * s_whh  # the fake-quant derived bias scales (binary32)
     b_ih, b_hh = _bias(patch, i, "ih", acc_ih), _bias(patch, i, "hh", acc_hh)
     try:
-        ih = _factors(acc_ih.double() * 65536.0)
-        hh = _factors(acc_hh.double() * 65536.0)
-        h_m, h_s = factor(2.0**-14 / t_h.scale)
+        ih = _factors(acc_ih.double() * 2.0**20)
+        hh = _factors(acc_hh.double() * 2.0**20)
+        h_m, h_s = factor(2.0**-24 / t_h.scale if t_c is not None else 1.0 / t_h.scale)
         extra: dict = {}
         if t_c is not None:
-            c_m, c_s = factor(2.0**-14 / t_c.scale)
-            ct_m, ct_s = factor(t_c.scale * 65536.0)
+            c_m, c_s = factor(1.0 / t_c.scale)
+            ct_m, ct_s = factor(t_c.scale * 2.0**20)
             extra = dict(c_zp=t_c.zp, c_qmin=t_c.qmin, c_qmax=t_c.qmax, c_mult=c_m, c_shift=c_s,
                          ct_mult=ct_m, ct_shift=ct_s)
     except ValueError as exc:
         raise ExportError(patch.fqn, f"a scale of the recurrent layer is out of the op's range: {exc}") from None
-    sig, tanh = gate_tables()
     a = dict(reverse=int(reverse), x_zp=x.zp, h_zp=t_h.zp, h_qmin=t_h.qmin, h_qmax=t_h.qmax,
              ih_mult=ih[0], ih_shift=ih[1], hh_mult=hh[0], hh_shift=hh[1], h_mult=h_m, h_shift=h_s,
-             sigmoid=sig, tanh=tanh, **extra)
+             sigmoid=sigmoid_table(), **extra)
     b = lw.b
     consts = [b.tensor(f"{where}.weight_ih", DType.I8, w_ih.shape, w_ih),
               b.tensor(f"{where}.weight_hh", DType.I8, w_hh.shape, w_hh),
@@ -261,22 +260,29 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
         t = _act(patch.out, f"{fqn}:output")
         out = _to(lw, value, t)
         last = None if last is None else (lambda h=last, t=t: _to(lw, h, t))
-    if last is not None:
-        getattr(lw, _LAST, None) or setattr(lw, _LAST, {})
-        getattr(lw, _LAST)[out.name] = last
+    if getattr(lw, _LAST, None) is None:
+        setattr(lw, _LAST, {})
+    # by identity (a bidirectional sequence without an output quantizer is a pending CONCAT)
+    getattr(lw, _LAST)[id(out)] = (out, last, fqn, type(m).__name__)
     hn = tuple(h_n)
     return (out, (hn, tuple(c_n))) if lstm else (out, hn)
 
 
 def last_step(lw, value: Any, index: Any) -> QVal | None:
-    """``value[:, -1]`` (or ``[:, -1, :]``) when ``value`` is a unidirectional recurrent output
-    sequence: that step's value (its last layer's ``h_n``), else None."""
-    table = getattr(lw, _LAST, None)
-    if not table or not isinstance(value, QVal) or value.name not in table:
+    """``value[:, -1]`` (or ``[:, -1, :]``) when ``value`` is a recurrent module's output
+    sequence: a unidirectional module's last step (its last layer's ``h_n``); a bidirectional
+    one's is refused (its reverse half is that direction's first step, not a state the op
+    returns).  None for any other value or index."""
+    entry = (getattr(lw, _LAST, None) or {}).get(id(value))
+    if entry is None or entry[0] is not value:
         return None
     if not isinstance(index, tuple) or len(index) not in (2, 3) or index[1] != -1 or index[0] != slice(None):
         return None
     if len(index) == 3 and index[2] != slice(None):
         return None
-    v = table[value.name]
-    return v() if callable(v) else v
+    _, last, fqn, kind = entry
+    if last is None:
+        _fail(fqn, f"out[:, -1] of a bidirectional nn.{kind} has no integer lowering (its reverse half is the "
+                   "reverse direction's first step, which the graph's op does not return)",
+              "read the final states instead: torch.cat([h_n[-2], h_n[-1]], 1)")
+    return last() if callable(last) else last

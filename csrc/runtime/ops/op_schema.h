@@ -38,8 +38,10 @@ enum OpCode : int {
   kEmbedding = 30,
   kQuantizeDynamic = 31,
   kLinearDynamic = 32,
+  kLstm = 35,
+  kGru = 36,
 };
-constexpr int kMaxOpcode = 32;
+constexpr int kMaxOpcode = 36;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -91,6 +93,8 @@ inline constexpr AttrSchema kLayernormAttrs[] = {{"gamma", kAttrInts}, {"beta", 
 inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
 inline constexpr AttrSchema kQuantizeDynamicAttrs[] = {{"qmin", kAttrInt}, {"qmax", kAttrInt}, {"symmetric", kAttrInt}, {"per_row", kAttrInt}, {"rounding", kAttrInt}};
 inline constexpr AttrSchema kLinearDynamicAttrs[] = {{"w_scale", kAttrInts}, {"bias", kAttrInts}, {"relu", kAttrInt}};
+inline constexpr AttrSchema kLstmAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"c_zp", kAttrInt}, {"c_qmin", kAttrInt}, {"c_qmax", kAttrInt}, {"c_mult", kAttrInt}, {"c_shift", kAttrInt}, {"ct_mult", kAttrInt}, {"ct_shift", kAttrInt}};
+inline constexpr AttrSchema kGruAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -127,6 +131,10 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"EMBEDDING", 2, 2, false, kEmbeddingAttrs, 8, 1},
     {"QUANTIZE_DYNAMIC", 1, 1, false, kQuantizeDynamicAttrs, 5, 2},
     {"LINEAR_DYNAMIC", 3, 3, false, kLinearDynamicAttrs, 3, 1},
+    {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
+    {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
+    {"LSTM", 5, 7, false, kLstmAttrs, 19, 3},
+    {"GRU", 5, 6, false, kGruAttrs, 12, 2},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -164,6 +172,8 @@ extern const OpDef kLayernormDef;
 extern const OpDef kEmbeddingDef;
 extern const OpDef kQuantizeDynamicDef;
 extern const OpDef kLinearDynamicDef;
+extern const OpDef kLstmDef;
+extern const OpDef kGruDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -198,6 +208,10 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kEmbeddingDef,
     &kQuantizeDynamicDef,
     &kLinearDynamicDef,
+    nullptr,  // unassigned
+    nullptr,  // unassigned
+    &kLstmDef,
+    &kGruDef,
 };
 
 }  // namespace qdsl

@@ -8,26 +8,28 @@ i, f, g, o; GRU r, z, n), the int32 biases ``b_ih``, ``b_hh [G·H]`` (at the sca
 zero points (real 0).  Outputs: ``y`` (the hidden state of every step, ``[N, T, H]``;
 ``[N, H]`` for a cell), ``h_n [N, H]`` and, for an LSTM, ``c_n [N, H]``.
 
-Everything is integer (int64 here, int64 in C++), with one rounding primitive,
-``rnd(v, s) = round_half_even(v / 2^s)``, and the factor pairs ``(m, s)`` (``m·2^-s``,
-``m < 2^31``, ``1 <= s <= 62``) the exporter computes from the scales:
+Everything is integer (int64 here and in C++), with one rounding primitive,
+``rnd(v, s) = round_half_even(v / 2^s)``, and factor pairs ``(m, s)`` (``m·2^-s``,
+``0 <= m < 2^31``, ``1 <= s <= 62``) the exporter computes from the scales.  Gate values
+are Q24 (``ONE = 2^24``), pre-activations Q20:
 
-* ``A_ih = (x - x_zp)·W_ihᵀ + b_ih`` and ``A_hh = (h - h_zp)·W_hhᵀ + b_hh`` (exact);
-  pre-activations in Q16 (units of 2^-16): ``P = rnd(A_ih·m_ih[r], s_ih[r]) +
-  rnd(A_hh·m_hh[r], s_hh[r])`` (``m·2^-s ≈ s_x·s_w[r]·2^16``);
-* ``σ(P)``, ``tanh(P)``: Q15 values from the 2049-entry tables ``sigmoid``/``tanh``
-  (the function at ``-16 + k/64``, ``k = 0..2048``, times 2^15, rounded), linearly
-  interpolated: ``u = clamp(P, -2^20, 2^20 - 1) + 2^20``, ``i = u >> 10``,
-  ``f = u & 1023``, ``T[i] + (((T[i+1] - T[i])·f + 512) >> 10)``;
-* LSTM: ``U = 2·σf·(c - c_zp) + rnd(σi·tanh(g)·c_m, c_s)`` (units of 2^-16 of a cell
-  code; ``c_m·2^-c_s ≈ 2^-14 / s_c``), ``c' = clamp(rnd(U, 16) + c_zp, c_qmin, c_qmax)``;
-  ``tc = tanh(rnd((c' - c_zp)·ct_m, ct_s))`` (``≈ s_c·2^16``: the cell value in Q16);
-  ``h' = clamp(rnd(rnd(σo·tc·h_m, h_s), 16) + h_zp, h_qmin, h_qmax)`` (``≈ 2^-14 / s_h``);
-* GRU: ``r = σ(P_r)``, ``z = σ(P_z)``, ``n = tanh(Pih_n + rnd(r·Phh_n, 15))``,
-  ``U = rnd((2^15 - z)·n·h_m, h_s) + 2·z·(h - h_zp)``, ``h' = clamp(rnd(U, 16) + h_zp, ..)``.
+* ``A_ih = (x - x_zp)·W_ihᵀ + b_ih``, ``A_hh = (h - h_zp)·W_hhᵀ + b_hh`` (exact);
+  ``Pih = clamp(rnd(A_ih·m_ih[r], s_ih[r]), ±2^36)`` (``m·2^-s ≈ s_x·s_wih[r]·2^20``),
+  ``Phh`` alike (``≈ s_h·s_whh[r]·2^20``);
+* ``σ(P)``: the 4097-entry table ``sigmoid`` (``rint(2^24·σ(-16 + k/128))``), linearly
+  interpolated: ``u = clamp(P, -2^24, 2^24 - 1) + 2^24``, ``i = u >> 13``, ``f = u & 8191``,
+  ``T[i] + (((T[i+1] - T[i])·f + 4096) >> 13)``; ``tanh(P) = 2·σ(2P) - ONE``;
+* LSTM (``P = Pih + Phh``, gates i, f, g, o): ``U = σf·(c - c_zp) + rnd(rnd(σi·tanh(g), 24)·c_m, c_s)``
+  (units of 2^-24 of a cell code; ``c_m·2^-c_s ≈ 1/s_c``),
+  ``c' = clamp(rnd(U, 24) + c_zp, c_qmin, c_qmax)``; ``tc = tanh(rnd((c' - c_zp)·ct_m, ct_s))``
+  (``≈ s_c·2^20``: the cell value in Q20); ``h' = clamp(rnd(rnd(σo·tc, 24)·h_m, h_s) + h_zp,
+  h_qmin, h_qmax)`` (``≈ 2^-24/s_h``);
+* GRU: ``r = σ(Pih_r + Phh_r)``, ``z = σ(Pih_z + Phh_z)``, ``n = tanh(Pih_n + rnd(r·Phh_n, 24))``,
+  ``U = rnd(rnd((ONE - z)·n, 24)·h_m, h_s) + z·(h - h_zp)`` (``≈ 1/s_h``),
+  ``h' = clamp(rnd(U, 24) + h_zp, h_qmin, h_qmax)``.
 
 This is the fake-quant model's step (qdsl/patch/recurrent_math.py) with its float gates
-replaced by fixed point; docs/qgraph.md §4 has the measured agreement.
+replaced by fixed point; docs/qgraph.md §4.4 has the measured agreement.
 """
 
 from __future__ import annotations
@@ -39,15 +41,18 @@ import numpy as np
 from qdsl.graph.ops import OpDef
 from qdsl.graph.schema import INT8_DTYPES, AttrType, DType, OpSchema
 
-__all__ = ["OPS", "lstm", "gru", "factor", "gate_tables", "TABLE_SIZE", "MAX_FEATURES"]
+__all__ = ["OPS", "lstm", "gru", "factor", "sigmoid_table", "TABLE_SIZE", "MAX_FEATURES", "BIAS_LIMIT"]
 
-TABLE_SIZE = 2049
-"""Entries of the sigmoid/tanh tables: [-16, 16] in steps of 1/64."""
-ONE = 1 << 15
-"""1.0 in the tables' Q15."""
+TABLE_SIZE = 4097
+"""Entries of the sigmoid table: [-16, 16] in steps of 1/128."""
+ONE = 1 << 24
+"""1.0 in the gates' Q24."""
 MAX_FEATURES = 16384
 """Largest F or H: |code - zp| <= 255 times |w| <= 128, K times, plus a bias below 2^30, fits int32."""
 BIAS_LIMIT = 1 << 30
+PRE_LIMIT = 1 << 36
+"""Pre-activation terms are clamped to ±2^36 (Q20: ±65536; the table saturates at ±16), so
+the products that follow (``r·Phh_n``) stay inside int64."""
 _SIGNED_WEIGHTS = (DType.I8,)
 
 
@@ -63,12 +68,10 @@ def factor(real: float) -> tuple[int, int]:
     return m, s
 
 
-def gate_tables() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The ``sigmoid`` and ``tanh`` attributes (see the module doc)."""
-    x = -16.0 + np.arange(TABLE_SIZE, dtype=np.float64) / 64.0
-    sig = np.rint(ONE / (1.0 + np.exp(-x))).astype(np.int64)
-    tanh = np.rint(ONE * np.tanh(x)).astype(np.int64)
-    return tuple(int(v) for v in sig), tuple(int(v) for v in tanh)
+def sigmoid_table() -> tuple[int, ...]:
+    """The ``sigmoid`` attribute (see the module doc)."""
+    x = -16.0 + np.arange(TABLE_SIZE, dtype=np.float64) / 128.0
+    return tuple(int(v) for v in np.rint(ONE / (1.0 + np.exp(-x))).astype(np.int64))
 
 
 def rnd(v: np.ndarray, s) -> np.ndarray:
@@ -80,15 +83,19 @@ def rnd(v: np.ndarray, s) -> np.ndarray:
     return q + ((r > half) | ((r == half) & ((q & 1) == 1)))
 
 
-def _lut(table: np.ndarray, p: np.ndarray) -> np.ndarray:
-    u = np.clip(p, -(1 << 20), (1 << 20) - 1) + (1 << 20)
-    i, f = u >> 10, u & 1023
+def _sig(table: np.ndarray, p: np.ndarray) -> np.ndarray:
+    u = np.clip(p, -(1 << 24), (1 << 24) - 1) + (1 << 24)
+    i, f = u >> 13, u & 8191
     lo = table[i]
-    return lo + (((table[i + 1] - lo) * f + 512) >> 10)
+    return lo + (((table[i + 1] - lo) * f + 4096) >> 13)
+
+
+def _tanh(table: np.ndarray, p: np.ndarray) -> np.ndarray:
+    return 2 * _sig(table, np.clip(p, -PRE_LIMIT, PRE_LIMIT) * 2) - ONE
 
 
 def _pre(acc: np.ndarray, m, s) -> np.ndarray:
-    return rnd(acc * np.asarray(m, dtype=np.int64), s)
+    return np.clip(rnd(acc * np.asarray(m, dtype=np.int64), s), -PRE_LIMIT, PRE_LIMIT)
 
 
 def _setup(args, a, n_state: int):
@@ -98,19 +105,17 @@ def _setup(args, a, n_state: int):
     w_ih, w_hh = (np.asarray(t.data, dtype=np.int64) for t in args[1:3])
     b_ih, b_hh = (np.asarray(t.data, dtype=np.int64).reshape(-1) for t in args[3:5])
     states = [np.asarray(s, dtype=np.int64) for s in args[5:5 + n_state]]
-    xih = (seq - a["x_zp"]) @ w_ih.T + b_ih  # [N, T, G·H], exact
-    p_ih = _pre(xih, a["ih_mult"], a["ih_shift"])
+    p_ih = _pre((seq - a["x_zp"]) @ w_ih.T + b_ih, a["ih_mult"], a["ih_shift"])  # [N, T, G·H]
     order = range(seq.shape[1] - 1, -1, -1) if a["reverse"] else range(seq.shape[1])
-    tables = np.asarray(a["sigmoid"], dtype=np.int64), np.asarray(a["tanh"], dtype=np.int64)
-    return cell, seq, w_hh, b_hh, states, p_ih, order, tables
+    return cell, seq, w_hh, b_hh, states, p_ih, order, np.asarray(a["sigmoid"], dtype=np.int64)
 
 
-def _hidden(u: np.ndarray, a) -> np.ndarray:
-    return np.clip(rnd(u, 16) + a["h_zp"], a["h_qmin"], a["h_qmax"])
+def _hidden(u: np.ndarray, a, s) -> np.ndarray:
+    return np.clip(rnd(u, s) + a["h_zp"], a["h_qmin"], a["h_qmax"])
 
 
 def lstm(args, a) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    cell, seq, w_hh, b_hh, states, p_ih, order, (sig, tanh) = _setup(args, a, 2)
+    cell, seq, w_hh, b_hh, states, p_ih, order, sig = _setup(args, a, 2)
     n, hid = seq.shape[0], w_hh.shape[1]
     h = states[0] if states else np.full((n, hid), a["h_zp"], dtype=np.int64)
     c = states[1] if len(states) > 1 else np.full((n, hid), a["c_zp"], dtype=np.int64)
@@ -118,28 +123,28 @@ def lstm(args, a) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for t in order:
         p = p_ih[:, t] + _pre((h - a["h_zp"]) @ w_hh.T + b_hh, a["hh_mult"], a["hh_shift"])
         gi, gf, gg, go = (p[:, k * hid:(k + 1) * hid] for k in range(4))
-        si, sf, tg, so = _lut(sig, gi), _lut(sig, gf), _lut(tanh, gg), _lut(sig, go)
-        u = 2 * sf * (c - a["c_zp"]) + rnd(si * tg * a["c_mult"], a["c_shift"])
-        c = np.clip(rnd(u, 16) + a["c_zp"], a["c_qmin"], a["c_qmax"])
-        tc = _lut(tanh, rnd((c - a["c_zp"]) * a["ct_mult"], a["ct_shift"]))
-        h = _hidden(rnd(so * tc * a["h_mult"], a["h_shift"]), a)
+        si, sf, tg, so = _sig(sig, gi), _sig(sig, gf), _tanh(sig, gg), _sig(sig, go)
+        u = sf * (c - a["c_zp"]) + rnd(rnd(si * tg, 24) * a["c_mult"], a["c_shift"])
+        c = np.clip(rnd(u, 24) + a["c_zp"], a["c_qmin"], a["c_qmax"])
+        tc = _tanh(sig, rnd((c - a["c_zp"]) * a["ct_mult"], a["ct_shift"]))
+        h = _hidden(rnd(so * tc, 24) * a["h_mult"], a, a["h_shift"])
         ys[:, t] = h
     return (ys[:, 0] if cell else ys), h, c
 
 
 def gru(args, a) -> tuple[np.ndarray, np.ndarray]:
-    cell, seq, w_hh, b_hh, states, p_ih, order, (sig, tanh) = _setup(args, a, 1)
+    cell, seq, w_hh, b_hh, states, p_ih, order, sig = _setup(args, a, 1)
     n, hid = seq.shape[0], w_hh.shape[1]
     h = states[0] if states else np.full((n, hid), a["h_zp"], dtype=np.int64)
     ys = np.zeros((n, seq.shape[1], hid), dtype=np.int64)
     for t in order:
         p_hh = _pre((h - a["h_zp"]) @ w_hh.T + b_hh, a["hh_mult"], a["hh_shift"])
         pi = p_ih[:, t]
-        r = _lut(sig, pi[:, :hid] + p_hh[:, :hid])
-        z = _lut(sig, pi[:, hid:2 * hid] + p_hh[:, hid:2 * hid])
-        nn_ = _lut(tanh, pi[:, 2 * hid:] + rnd(r * p_hh[:, 2 * hid:], 15))
-        u = rnd((ONE - z) * nn_ * a["h_mult"], a["h_shift"]) + 2 * z * (h - a["h_zp"])
-        h = _hidden(u, a)
+        r = _sig(sig, pi[:, :hid] + p_hh[:, :hid])
+        z = _sig(sig, pi[:, hid:2 * hid] + p_hh[:, hid:2 * hid])
+        nn_ = _tanh(sig, pi[:, 2 * hid:] + rnd(r * p_hh[:, 2 * hid:], 24))
+        u = rnd(rnd((ONE - z) * nn_, 24) * a["h_mult"], a["h_shift"]) + z * (h - a["h_zp"])
+        h = _hidden(u, a, 24)
         ys[:, t] = h
     return (ys[:, 0] if cell else ys), h
 
@@ -183,8 +188,7 @@ def _infer(gates: int, lstm_: bool):
         for name in ("ih", "hh"):
             _factor_attr(c, name, rows)
         _factor_int(c, "h")
-        c.ints("sigmoid", TABLE_SIZE, -ONE, ONE)
-        c.ints("tanh", TABLE_SIZE, -ONE, ONE)
+        c.ints("sigmoid", TABLE_SIZE, 0, ONE)
         if lstm_:
             _factor_int(c, "c")
             _factor_int(c, "ct")
@@ -215,7 +219,6 @@ _COMMON = {
     "reverse": AttrType.INT, "x_zp": AttrType.INT, "h_zp": AttrType.INT, "h_qmin": AttrType.INT,
     "h_qmax": AttrType.INT, "ih_mult": AttrType.INTS, "ih_shift": AttrType.INTS, "hh_mult": AttrType.INTS,
     "hh_shift": AttrType.INTS, "h_mult": AttrType.INT, "h_shift": AttrType.INT, "sigmoid": AttrType.INTS,
-    "tanh": AttrType.INTS,
 }
 _LSTM = {**_COMMON, "c_zp": AttrType.INT, "c_qmin": AttrType.INT, "c_qmax": AttrType.INT,
          "c_mult": AttrType.INT, "c_shift": AttrType.INT, "ct_mult": AttrType.INT, "ct_shift": AttrType.INT}
@@ -224,9 +227,9 @@ OPS = (
     OpDef("LSTM", 35, OpSchema(5, 7, _LSTM, n_outputs=3), _infer(4, True),
           lambda op, args, graph, counts: lstm(args, op.attrs),
           "One LSTM layer and direction over time: I8/U8 x, int8 W_ih/W_hh, int32 biases, optional h0/c0 codes "
-          "-> y, h_n, c_n (fixed-point gates, Q15 sigmoid/tanh tables).", extra_outputs=_extra(True)),
+          "-> y, h_n, c_n (fixed-point gates, a Q24 sigmoid table).", extra_outputs=_extra(True)),
     OpDef("GRU", 36, OpSchema(5, 6, _COMMON, n_outputs=2), _infer(3, False),
           lambda op, args, graph, counts: gru(args, op.attrs),
           "One GRU layer and direction over time: I8/U8 x, int8 W_ih/W_hh, int32 biases, optional h0 codes "
-          "-> y, h_n (fixed-point gates, Q15 sigmoid/tanh tables).", extra_outputs=_extra(False)),
+          "-> y, h_n (fixed-point gates, a Q24 sigmoid table).", extra_outputs=_extra(False)),
 )
