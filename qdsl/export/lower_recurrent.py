@@ -35,9 +35,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from qdsl.export.lower_dynamic import as_float, dynamic_attrs
 from qdsl.export.lower_layers import act_target, concat_value
 from qdsl.export.values import ROUNDINGS, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.graph.ir import DType, Op, OpType, Rounding
+from qdsl.graph.ops.dynamic import f32_bits
 from qdsl.graph.ops.recurrent import BIAS_LIMIT, factor, sigmoid_table
 from qdsl.patch.recurrent_math import GATES
 
@@ -225,6 +227,8 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
         _fail(fqn, f"an initial state passed to nn.{type(m).__name__} has no integer lowering yet (its "
                    "(layers·directions, N, H) layout has the batch second)",
               "start from zeros (pass no state), or step an LSTMCell/GRUCell, whose state is a graph input")
+    if patch.inputs[0] is not None and patch.inputs[0].dynamic:
+        return _lower_dynamic(lw, patch, m, fqn, x)
     dirs = patch.dirs
     hidden = [_act(patch.hidden[i], f"{fqn}:hidden{patch.suffixes[i]}") for i in range(len(patch.suffixes))]
     cells = [_cell_target(patch.cells[i], f"{fqn}:cell{patch.suffixes[i]}") if lstm else None
@@ -260,12 +264,76 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
         t = _act(patch.out, f"{fqn}:output")
         out = _to(lw, value, t)
         last = None if last is None else (lambda h=last, t=t: _to(lw, h, t))
+    _register_last(lw, out, last, fqn, type(m).__name__)
+    hn = tuple(h_n)
+    return (out, (hn, tuple(c_n))) if lstm else (out, hn)
+
+
+def _register_last(lw, out: Any, last: Any, fqn: str, kind: str) -> None:
     if getattr(lw, _LAST, None) is None:
         setattr(lw, _LAST, {})
     # by identity (a bidirectional sequence without an output quantizer is a pending CONCAT)
-    getattr(lw, _LAST)[id(out)] = (out, last, fqn, type(m).__name__)
-    hn = tuple(h_n)
-    return (out, (hn, tuple(c_n))) if lstm else (out, hn)
+    getattr(lw, _LAST)[id(out)] = (out, last, fqn, kind)
+
+
+def _dyn_q(proxy, where: str, shape, prefix: str) -> dict:
+    fqn = where.partition(":")[0]
+    if proxy is None or not proxy.dynamic:
+        _fail(fqn, f"'{where}' must be a dynamic quantizer in a dynamically quantized LSTM (torch.ao quantizes "
+                   "the input and the hidden state of every step at run time)",
+              f"set `{where.partition(':')[2].split('_l')[0]} = d8` (dynamic) for '{fqn}' in the spec")
+    a = dynamic_attrs(proxy, where, shape)
+    if a["per_row"]:
+        _fail(fqn, f"'{where}' must be per tensor for LSTM_DYNAMIC", "use `granularity = tensor`")
+    return {f"{prefix}_{k}": v for k, v in a.items() if k != "per_row"}
+
+
+def _lower_dynamic(lw, patch, m: nn.Module, fqn: str, x: Any) -> Any:
+    """LSTM_DYNAMIC per layer and direction (F32 in and out; qdsl/graph/ops/recurrent_dynamic.py)."""
+    kind = type(m).__name__
+    if patch.kind != "LSTM" or patch.cell:
+        _fail(fqn, f"a dynamically quantized nn.{kind} has no integer lowering (the graph has LSTM_DYNAMIC for "
+                   "nn.LSTM only)", "quantize it statically (calibrate; no `dynamic`), or use nn.LSTM")
+    if patch.out is not None or any(q is not None for q in patch.cells):
+        _fail(fqn, "a dynamically quantized LSTM keeps its cell state and output float (as torch.ao's)",
+              "remove the `cell`/`output` quantizers of this layer")
+    if any(b is not None for b in patch.b_ih + patch.b_hh):
+        _fail(fqn, "a dynamically quantized LSTM keeps its bias float (its scale would follow the run-time input "
+                   "scale)", "set `bias = float` for this layer")
+    hid, dirs = int(m.hidden_size), patch.dirs
+    b = lw.b
+    parts = [as_float(b, x, f"{fqn}:input")]
+    h_n: list[FloatVal] = []
+    c_n: list[FloatVal] = []
+    for layer in range(patch.layers):
+        shape = tuple(parts[0].shape[:-1]) + (sum(p.shape[-1] for p in parts),)
+        role = "input" if layer == 0 else f"input_l{layer}"
+        qin = _dyn_q(patch.inputs[layer], f"{fqn}:{role}", shape, "in")
+        outs = []
+        for d in range(dirs):
+            i = layer * dirs + d
+            where = f"{fqn}.l{layer}{'_reverse' if d else ''}"
+            a = dict(reverse=int(d), **qin, **_dyn_q(patch.hidden[i], f"{fqn}:hidden{patch.suffixes[i]}", (-1, hid), "h"))
+            consts = []
+            for side in ("ih", "hh"):
+                codes, scale = _weight(patch, i, side, where)
+                a[f"w_{side}_scale"] = f32_bits(scale.numpy())
+                bias = patch.master(f"bias_{side}{patch.suffixes[i]}")
+                a[f"b_{side}"] = () if bias is None else f32_bits(bias.detach().float().numpy())
+                consts.append(b.tensor(f"{where}.weight_{side}", DType.I8, codes.shape, codes))
+                b.info[consts[-1]] = (scale.double().numpy(), np.zeros(len(scale), dtype=np.int64))
+            y_shape = shape[:-1] + (hid,)
+            names = [b.tensor(f"{where}:y", DType.F32, y_shape), b.tensor(f"{where}:h_n", DType.F32, (-1, hid)),
+                     b.tensor(f"{where}:c_n", DType.F32, (-1, hid))]
+            b.ops.append(Op(OpType.LSTM_DYNAMIC, where, [parts[0].name] + consts + [p.name for p in parts[1:]], names, a))
+            outs.append(FloatVal(where, y_shape, names[0]))
+            h_n.append(FloatVal(where, (-1, hid), names[1]))
+            c_n.append(FloatVal(where, (-1, hid), names[2]))
+        parts = outs
+    # a bidirectional sequence is two F32 tensors: the graph has no float concat to join them
+    out = parts[0] if dirs == 1 else FloatVal(fqn, parts[0].shape[:-1] + (dirs * hid,))
+    _register_last(lw, out, h_n[-1] if dirs == 1 else None, fqn, kind)
+    return out, (tuple(h_n), tuple(c_n))
 
 
 def last_step(lw, value: Any, index: Any) -> QVal | None:

@@ -64,7 +64,8 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "softmax": ("SOFTMAX",),  # last axis of an 8-bit input: exact exp table (lower_attn.py)
     "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)
     "embedding": ("EMBEDDING",),  # a lookup of I32 token ids in the quantized table (lower_embedding.py)
-    "recurrent": ("LSTM", "GRU", "CONCAT", "REQUANTIZE"),  # one op per layer and direction (lower_recurrent.py)
+    "recurrent": ("LSTM", "GRU", "LSTM_DYNAMIC", "CONCAT", "REQUANTIZE", "QUANTIZE", "DEQUANTIZE"),  # one op per
+    # layer and direction (lower_recurrent.py); LSTM_DYNAMIC: an nn.LSTM with dynamic input and hidden quantizers
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
 }

@@ -253,3 +253,68 @@ def test_packed_sequence_and_proj_size_keep_their_errors():
         model.rnn(packed)
     with pytest.raises(QdslError, match="proj_size"):
         qdsl.apply(_Wrap(nn.LSTM(8, 16, proj_size=4, batch_first=True)), parse_text(SPEC.replace("CELL", "16"), "t.qspec"))
+
+
+# ---------------------------------------------------------------- dynamic int8 (LSTM_DYNAMIC)
+class DynClassifier(nn.Module):
+    """specs/int8-dynamic.qspec's model: an LSTM, then a Linear on its last hidden state."""
+
+    def __init__(self, layers: int = 2, bidirectional: bool = True, read: str = "h_n"):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, layers, bidirectional=bidirectional, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+        self.read = read
+
+    def forward(self, x):
+        out, (h, c) = self.rnn(x)
+        return self.fc(out[:, -1] if self.read == "last" else h[-1])
+
+
+DYN_CASES = {
+    "lstm-2l-bi": dict(),
+    "lstm-2l-last-step": dict(bidirectional=False, read="last"),
+    "lstm-1l": dict(layers=1, bidirectional=False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DYN_CASES))
+def test_dynamic_lstm_exports_runs_in_cpp_bit_identical_and_agrees(case):
+    torch.manual_seed(3)
+    model = DynClassifier(**DYN_CASES[case])
+    xs = torch.randn(256, 12, 8)
+    _train(model, xs)
+    x = torch.randn(16, 12, 8)
+    with torch.no_grad():
+        want = model(x).numpy()
+    qdsl.apply(model, "specs/int8-dynamic.qspec")
+    qdsl.calibrate(model, [xs[:64]])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(x).numpy()
+        out, (h_n, _) = model.rnn(x)
+    graph = qdsl.export(model, x[:2])
+    types = [op.type for op in graph.ops]
+    layers, dirs = model.rnn.num_layers, 2 if model.rnn.bidirectional else 1
+    assert types.count(OpType.LSTM_DYNAMIC) == layers * dirs and OpType.LINEAR_DYNAMIC in types
+    res = execute(graph, x.numpy(), keep_values=True)
+    _cpp_equal(graph, x.numpy())
+    # every layer and direction's final hidden state (dequantized, per-step dynamic scale)
+    got = np.stack([res.values[f"rnn.l{k // dirs}{'_reverse' if k % dirs else ''}:h_n"] for k in range(layers * dirs)])
+    fq_h = h_n.numpy()
+    step = np.abs(fq_h).max() / 127
+    lsb = np.abs(got - fq_h) / step
+    ref = res.outputs[0]
+    print(f"dynamic {case}: cos(graph, float) {_cos(ref, want):.5f}, cos(graph, fake-quant) {_cos(ref, fq):.6f}, "
+          f"h_n values equal {np.mean(got == fq_h):.4f}, within 1 step {np.mean(lsb < 1.5):.4f}, max {lsb.max():.1f}")
+    assert _cos(ref, want) >= 0.99 and _cos(ref, fq) >= 0.999
+    assert np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.995
+
+
+def test_dynamic_gru_is_refused_with_the_module_named():
+    model = _Wrap(nn.GRU(8, 16, batch_first=True)).eval()
+    qdsl.apply(model, "specs/int8-dynamic.qspec")
+    x = torch.randn(4, 6, 8)
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="'rnn'.*dynamically quantized nn.GRU"):
+        qdsl.export(model, x[:2])

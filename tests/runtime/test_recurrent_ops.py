@@ -1,18 +1,21 @@
-"""LSTM and GRU graph ops (docs/qgraph.md §4.4): the C++ runtime equals the reference executor
-bit for bit on random weights, factors, zero points, states (rank 2 and 3, both directions,
-an I32 cell), and the reference's fixed-point gates follow the float formulas closely."""
+"""LSTM, GRU and LSTM_DYNAMIC graph ops (docs/qgraph.md §4.4): the C++ runtime equals the
+reference executor bit for bit on random weights, factors, zero points, states (rank 2 and 3,
+both directions, an I32 cell; dynamic: one or two input parts, biases, signed/unsigned
+grids), the reference's fixed-point gates follow the float formulas closely, and its
+binary32 exp is within 5e-7 of exp."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import qdsl.runtime as rt
 from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, Tensor
-from qdsl.graph.ops.recurrent import ONE, factor, lstm, gru, rnd, sigmoid_table
+from qdsl.graph.ops.dynamic import f32_bits
+from qdsl.graph.ops.recurrent import ONE, factor, rnd, sigmoid_table
+from qdsl.graph.ops.recurrent_dynamic import exp_f32
 from qdsl.graph.reference import execute
 
 from tests.runtime.test_graph import _check
@@ -130,3 +133,48 @@ def test_malformed_graphs_are_refused_with_the_op_named():
     g = _graph(rng, False, 3, 4, 4, 2, DType.U8, DType.I8, DType.I8, 0, False, validate=False)
     with pytest.raises(GraphFormatError, match="GRU 'rnn'.*hh_shift"):
         _with(g, hh_shift=(0,) * 12).validate()
+
+
+# ---------------------------------------------------------------- LSTM_DYNAMIC
+def _dyn_graph(rng, f: int, f2: int, hid: int, steps: int, reverse: bool, bias: bool, signed_in: bool,
+               symmetric_h: bool) -> IntegerGraph:
+    rows = 4 * hid
+    q = lambda p, signed, sym: {f"{p}_qmin": -128 if signed else 0, f"{p}_qmax": 127 if signed else 255,  # noqa: E731
+                                f"{p}_symmetric": int(sym), f"{p}_rounding": 1}
+    a = dict(reverse=int(reverse), **q("in", signed_in, signed_in), **q("h", symmetric_h, symmetric_h),
+             w_ih_scale=f32_bits(rng.uniform(1e-3, 2e-2, rows)), w_hh_scale=f32_bits(rng.uniform(1e-3, 2e-2, rows)),
+             b_ih=f32_bits(rng.standard_normal(rows)) if bias else (),
+             b_hh=f32_bits(rng.standard_normal(rows)) if bias else ())
+    tensors = [Tensor("x", DType.F32, (-1, steps, f)),
+               Tensor("w_ih", DType.I8, (rows, f + f2), rng.integers(-127, 128, (rows, f + f2))),
+               Tensor("w_hh", DType.I8, (rows, hid), rng.integers(-127, 128, (rows, hid))),
+               Tensor("y", DType.F32, (-1, steps, hid)), Tensor("h_n", DType.F32, (-1, hid)),
+               Tensor("c_n", DType.F32, (-1, hid))]
+    inputs = ["x"]
+    if f2:
+        tensors.append(Tensor("x2", DType.F32, (-1, steps, f2)))
+        inputs.append("x2")
+    op = Op(OpType.LSTM_DYNAMIC, "rnn", ["x", "w_ih", "w_hh"] + inputs[1:], ["y", "h_n", "c_n"], a)
+    return IntegerGraph(tensors, inputs, ["y", "h_n", "c_n"], [op]).validate()
+
+
+@needs_cpp
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), two_parts=st.booleans(), reverse=st.booleans(), bias=st.booleans(),
+       signed_in=st.booleans(), symmetric_h=st.booleans())
+def test_dynamic_cpp_matches_reference(seed, two_parts, reverse, bias, signed_in, symmetric_h):
+    rng = np.random.default_rng(seed)
+    f, hid, steps = int(rng.choice([1, 3, 8])), int(rng.choice([1, 4, 9])), int(rng.integers(1, 6))
+    f2 = int(rng.choice([2, 5])) if two_parts else 0
+    g = _dyn_graph(rng, f, f2, hid, steps, reverse, bias, signed_in, symmetric_h)
+    n = int(rng.integers(1, 5))
+    xs = [(rng.standard_normal((n, steps, f)) * rng.choice([0.1, 1, 10])).astype(np.float32)]
+    if f2:
+        xs.append(rng.standard_normal((n, steps, f2)).astype(np.float32))
+    _check(g, *xs)
+
+
+def test_exp_f32_is_close_to_exp():
+    x = np.linspace(-87, 87, 200001, dtype=np.float32)
+    rel = np.abs(exp_f32(x).astype(np.float64) / np.exp(x.astype(np.float64)) - 1)
+    assert rel.max() < 5e-7

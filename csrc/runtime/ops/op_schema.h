@@ -40,8 +40,9 @@ enum OpCode : int {
   kLinearDynamic = 32,
   kLstm = 35,
   kGru = 36,
+  kLstmDynamic = 37,
 };
-constexpr int kMaxOpcode = 36;
+constexpr int kMaxOpcode = 37;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -95,6 +96,7 @@ inline constexpr AttrSchema kQuantizeDynamicAttrs[] = {{"qmin", kAttrInt}, {"qma
 inline constexpr AttrSchema kLinearDynamicAttrs[] = {{"w_scale", kAttrInts}, {"bias", kAttrInts}, {"relu", kAttrInt}};
 inline constexpr AttrSchema kLstmAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"c_zp", kAttrInt}, {"c_qmin", kAttrInt}, {"c_qmax", kAttrInt}, {"c_mult", kAttrInt}, {"c_shift", kAttrInt}, {"ct_mult", kAttrInt}, {"ct_shift", kAttrInt}};
 inline constexpr AttrSchema kGruAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}};
+inline constexpr AttrSchema kLstmDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih_scale", kAttrInts}, {"w_hh_scale", kAttrInts}, {"b_ih", kAttrInts}, {"b_hh", kAttrInts}, {"in_qmin", kAttrInt}, {"in_qmax", kAttrInt}, {"in_symmetric", kAttrInt}, {"in_rounding", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"h_symmetric", kAttrInt}, {"h_rounding", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -135,6 +137,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
     {"LSTM", 5, 7, false, kLstmAttrs, 19, 3},
     {"GRU", 5, 6, false, kGruAttrs, 12, 2},
+    {"LSTM_DYNAMIC", 3, 4, false, kLstmDynamicAttrs, 13, 3},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -174,6 +177,7 @@ extern const OpDef kQuantizeDynamicDef;
 extern const OpDef kLinearDynamicDef;
 extern const OpDef kLstmDef;
 extern const OpDef kGruDef;
+extern const OpDef kLstmDynamicDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -212,6 +216,7 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,  // unassigned
     &kLstmDef,
     &kGruDef,
+    &kLstmDynamicDef,
 };
 
 }  // namespace qdsl

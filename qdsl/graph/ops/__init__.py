@@ -90,6 +90,7 @@ _REGISTERED = (
     "embedding",
     "dynamic",
     "recurrent",
+    "recurrent_dynamic",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
