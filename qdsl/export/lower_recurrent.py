@@ -41,7 +41,6 @@ from qdsl.export.values import ROUNDINGS, ExportError, FloatVal, Pending, QVal, 
 from qdsl.graph.ir import DType, Op, OpType, Rounding
 from qdsl.graph.ops.dynamic import f32_bits
 from qdsl.graph.ops.recurrent import BIAS_LIMIT, factor, sigmoid_table
-from qdsl.patch.recurrent_math import GATES
 
 __all__ = ["lower_recurrent", "last_step"]
 

@@ -318,3 +318,17 @@ def test_dynamic_gru_is_refused_with_the_module_named():
     qdsl.freeze(model)
     with pytest.raises(ExportError, match="'rnn'.*dynamically quantized nn.GRU"):
         qdsl.export(model, x[:2])
+
+
+def test_onnx_export_refuses_the_recurrent_op_by_name():
+    pytest.importorskip("onnx")
+    from qdsl.export.onnx import export_onnx
+
+    torch.manual_seed(1)
+    model = Classifier(kind="GRU", layers=1, bidirectional=False).eval()
+    x = torch.randn(8, 12, 8)
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "16"), "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="'rnn.l0'.*GRU has no ONNX lowering"):
+        export_onnx(model, x[:2])
