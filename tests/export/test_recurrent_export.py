@@ -332,3 +332,35 @@ def test_onnx_export_refuses_the_recurrent_op_by_name():
     qdsl.freeze(model)
     with pytest.raises(ExportError, match="'rnn.l0'.*GRU has no ONNX lowering"):
         export_onnx(model, x[:2])
+
+
+class _Raw(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)
+
+
+def test_a_returned_output_and_state_tuple_are_graph_outputs():
+    """``(output, (h_n, c_n))`` flattens to output, h_n per layer, c_n per layer (each
+    exactly the fake-quant value, or one cell code off), in C++ too."""
+    torch.manual_seed(0)
+    model = _Raw().eval()
+    x = torch.randn(8, 5, 8)
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "16"), "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        out, (h, c) = model(x)
+    graph = qdsl.export(model, x[:2])
+    assert graph.outputs == ("output", "output1", "output2", "output3", "output4") or \
+        list(graph.outputs) == ["output", "output1", "output2", "output3", "output4"]
+    got = execute(graph, x.numpy()).outputs
+    _cpp_equal(graph, x.numpy())
+    np.testing.assert_array_equal(got[0], out.numpy())
+    for k in range(2):
+        np.testing.assert_array_equal(got[1 + k], h[k].numpy())
+        s_c = float(get_handle(model).layers["rnn"].cells[k].scale)
+        assert np.abs(got[3 + k] - c[k].numpy()).max() <= 1.01 * s_c
