@@ -20,11 +20,19 @@ and direction (``h_n[-1]``, ``torch.cat([h_n[-2], h_n[-1]], 1)``: a tuple of per
 values here) and ``out[:, -1]`` of a unidirectional module (that step is ``h_n`` of the
 last layer: no slicing op needed).
 
+An ``nn.LSTM`` whose input quantizers are ``dynamic`` (specs/int8-dynamic.qspec) becomes
+one LSTM_DYNAMIC per layer and direction instead (qdsl/graph/ops/recurrent_dynamic.py): F32
+in and out, the input and each step's hidden state quantized when the graph runs, float
+gates and cell; a bidirectional layer's two F32 outputs are the next layer's two input
+parts (the graph has no float concat).
+
 Refused with the module named: ``batch_first=False`` (the graph's first axis is the
 batch), an initial state passed to a (multi-step) module (its ``(layers·dirs, N, H)``
-layout has the batch second), ``nn.RNN``/``RNNCell`` (no catalog row: no op), quantizers
-the op cannot reproduce (dynamic, wider than 8 bits for the hidden state or 16 for the
-cell, not half-even rounding, asymmetric weights).
+layout has the batch second), an unbatched call, ``nn.RNN``/``RNNCell`` (no catalog row:
+no op), a dynamic GRU or cell, ``out[:, -1]`` of a bidirectional module, and quantizers the
+ops cannot reproduce (static: wider than 8 bits for the hidden state or 16 for the cell,
+not half-even rounding, asymmetric weights; dynamic: per-row scales, a quantized bias, cell
+or output).
 """
 
 from __future__ import annotations
@@ -41,10 +49,11 @@ from qdsl.export.values import ROUNDINGS, ExportError, FloatVal, Pending, QVal, 
 from qdsl.graph.ir import DType, Op, OpType, Rounding
 from qdsl.graph.ops.dynamic import f32_bits
 from qdsl.graph.ops.recurrent import BIAS_LIMIT, factor, sigmoid_table
+from qdsl.patch.recurrent import RecurrentPatch
 
 __all__ = ["lower_recurrent", "last_step"]
 
-_LAST = "_qdsl_recurrent_last"  # lw attribute: {output tensor name: its last step's value}
+_LAST = "_qdsl_recurrent_last"  # lw attribute: {id(output sequence value): (value, its last step, fqn, class)}
 
 
 def _fail(fqn: str, message: str, hint: str | None = None):
@@ -202,8 +211,6 @@ def _initial_state(lw, patch, hx: Any, lstm: bool, t_h: Target, t_c: Target | No
 
 def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
     """The value(s) the recurrent module call ``node`` returns (see the module doc)."""
-    from qdsl.patch.recurrent import RecurrentPatch  # the patch layer sits below export: no cycle
-
     patch = lw.handle.layers.get(fqn)
     if not isinstance(patch, RecurrentPatch):
         _fail(fqn, f"nn.{type(m).__name__} is left in float, so it cannot be part of the integer graph",
