@@ -149,14 +149,16 @@ def _agreement(graph, model, x, seq) -> tuple[float, float, int]:
 
 
 # (hidden codes equal, within one code, max difference) each case asserts at least / at most:
-# a code that differs once is carried on by the recurrence, so the GRU (whose h' keeps z·h)
-# and an 8-bit cell (coarse c, fed back every step) agree a little less (docs/qgraph.md §4.4)
+# the CNN level (> 99.7% of codes equal, the rest one code off); measured: every code equal
+# (docs/qgraph.md §4.4; a code that flips once is carried on by the recurrence, so this
+# needs the gates' fixed point far below a code: linear interpolation gave 98.4% for GRUs)
+_CNN_LEVEL = (0.997, 0.9999, 1)
 CASES = {
-    "lstm-2l-bi": (dict(kind="LSTM"), (0.999, 1.0, 1)),
-    "lstm-2l-bi-cell8": (dict(kind="LSTM", cell_bits=8), (0.99, 0.998, 8)),
-    "lstm-1l-last-step": (dict(kind="LSTM", layers=1, bidirectional=False, read="last"), (0.999, 1.0, 1)),
-    "gru-2l-bi": (dict(kind="GRU"), (0.98, 0.995, 3)),
-    "gru-1l": (dict(kind="GRU", layers=1, bidirectional=False), (0.98, 0.999, 2)),
+    "lstm-2l-bi": (dict(kind="LSTM"), _CNN_LEVEL),
+    "lstm-2l-bi-cell8": (dict(kind="LSTM", cell_bits=8), _CNN_LEVEL),
+    "lstm-1l-last-step": (dict(kind="LSTM", layers=1, bidirectional=False, read="last"), _CNN_LEVEL),
+    "gru-2l-bi": (dict(kind="GRU"), _CNN_LEVEL),
+    "gru-1l": (dict(kind="GRU", layers=1, bidirectional=False), _CNN_LEVEL),
 }
 
 

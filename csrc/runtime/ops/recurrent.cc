@@ -5,7 +5,7 @@
 //   Rnd(v, s) = round_half_even(v / 2^s)   (s >= 1),
 //
 // factor pairs (m, s) meaning m·2^-s, gates in Q24 from one sigmoid table over [-16, 16]
-// in steps of 1/128, linearly interpolated from Q20 pre-activations; tanh(x) = 2σ(2x) - 1.  Samples are independent,
+// in steps of 1/128, interpolated quadratically from Q20 pre-activations; tanh(x) = 2σ(2x) - 1.  Samples are independent,
 // so the batch is split across threads; every sample runs the same scalar code on every
 // path (there is no vector kernel: the products are H×(F+H) per step, small next to the
 // graph's convs and linears).
@@ -19,7 +19,7 @@
 namespace qdsl {
 namespace {
 
-constexpr int64_t kTableSize = 4097;
+constexpr int64_t kTableSize = 4098;  // -16 + k/128, one past +16 for the second difference
 constexpr int64_t kOne = int64_t{1} << 24;      // 1.0 in the gates' Q24
 constexpr int64_t kMaxFeatures = 16384;         // F, H: the accumulators stay below 2^31
 constexpr int64_t kBiasLimit = int64_t{1} << 30;
@@ -50,11 +50,13 @@ inline int64_t Rnd(int64_t v, int s) {
   return q + ((r > half || (r == half && (q & 1) != 0)) ? 1 : 0);
 }
 
+// Newton's quadratic through T[i], T[i+1], T[i+2] at t = f / 2^13, over 2^27, rounded half up.
 inline int64_t Sig(const std::vector<int64_t>& t, int64_t p) {
   const int64_t u = ClampI64(p, -(int64_t{1} << 24), (int64_t{1} << 24) - 1) + (int64_t{1} << 24);
   const int64_t i = u >> 13, f = u & 8191;
-  const int64_t lo = t[static_cast<size_t>(i)];
-  return lo + (((t[static_cast<size_t>(i) + 1] - lo) * f + 4096) >> 13);
+  const int64_t t0 = t[static_cast<size_t>(i)], t1 = t[static_cast<size_t>(i) + 1], t2 = t[static_cast<size_t>(i) + 2];
+  const int64_t num = (t1 - t0) * f * (int64_t{1} << 14) + (t2 - 2 * t1 + t0) * f * (f - 8192);
+  return t0 + ((num + (int64_t{1} << 26)) >> 27);
 }
 inline int64_t Tanh(const std::vector<int64_t>& t, int64_t p) {
   return 2 * Sig(t, ClampI64(p, -kPreLimit, kPreLimit) * 2) - kOne;

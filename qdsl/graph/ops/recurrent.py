@@ -16,9 +16,10 @@ are Q24 (``ONE = 2^24``), pre-activations Q20:
 * ``A_ih = (x - x_zp)·W_ihᵀ + b_ih``, ``A_hh = (h - h_zp)·W_hhᵀ + b_hh`` (exact);
   ``Pih = clamp(rnd(A_ih·m_ih[r], s_ih[r]), ±2^36)`` (``m·2^-s ≈ s_x·s_wih[r]·2^20``),
   ``Phh`` alike (``≈ s_h·s_whh[r]·2^20``);
-* ``σ(P)``: the 4097-entry table ``sigmoid`` (``rint(2^24·σ(-16 + k/128))``), linearly
-  interpolated: ``u = clamp(P, -2^24, 2^24 - 1) + 2^24``, ``i = u >> 13``, ``f = u & 8191``,
-  ``T[i] + (((T[i+1] - T[i])·f + 4096) >> 13)``; ``tanh(P) = 2·σ(2P) - ONE``;
+* ``σ(P)``: the 4098-entry table ``sigmoid`` (``rint(2^24·σ(-16 + k/128))``), interpolated
+  quadratically: ``u = clamp(P, -2^24, 2^24 - 1) + 2^24``, ``i = u >> 13``, ``f = u & 8191``,
+  ``T[i] + ((Δ1·f·2^14 + Δ2·f·(f - 8192) + 2^26) >> 27)`` with ``Δ1 = T[i+1] - T[i]``,
+  ``Δ2 = T[i+2] - 2·T[i+1] + T[i]``; ``tanh(P) = 2·σ(2·clamp(P, ±2^36)) - ONE``;
 * LSTM (``P = Pih + Phh``, gates i, f, g, o): ``U = σf·(c - c_zp) + rnd(rnd(σi·tanh(g), 24)·c_m, c_s)``
   (units of 2^-24 of a cell code; ``c_m·2^-c_s ≈ 1/s_c``),
   ``c' = clamp(rnd(U, 24) + c_zp, c_qmin, c_qmax)``; ``tc = tanh(rnd((c' - c_zp)·ct_m, ct_s))``
@@ -43,8 +44,8 @@ from qdsl.graph.schema import INT8_DTYPES, AttrType, DType, OpSchema
 
 __all__ = ["OPS", "lstm", "gru", "factor", "sigmoid_table", "TABLE_SIZE", "MAX_FEATURES", "BIAS_LIMIT"]
 
-TABLE_SIZE = 4097
-"""Entries of the sigmoid table: [-16, 16] in steps of 1/128."""
+TABLE_SIZE = 4098
+"""Entries of the sigmoid table: -16 + k/128 for k = 0..4097 (one past +16 for the second difference)."""
 ONE = 1 << 24
 """1.0 in the gates' Q24."""
 MAX_FEATURES = 16384
@@ -84,10 +85,13 @@ def rnd(v: np.ndarray, s) -> np.ndarray:
 
 
 def _sig(table: np.ndarray, p: np.ndarray) -> np.ndarray:
+    # Newton's quadratic through T[i], T[i+1], T[i+2] at t = f / 2^13:
+    # T[i] + t·Δ1 + t(t - 1)/2·Δ2, all over 2^27 and rounded once (half up)
     u = np.clip(p, -(1 << 24), (1 << 24) - 1) + (1 << 24)
     i, f = u >> 13, u & 8191
-    lo = table[i]
-    return lo + (((table[i + 1] - lo) * f + 4096) >> 13)
+    t0, t1, t2 = table[i], table[i + 1], table[i + 2]
+    num = (t1 - t0) * f * (1 << 14) + (t2 - 2 * t1 + t0) * f * (f - 8192)
+    return t0 + ((num + (1 << 26)) >> 27)
 
 
 def _tanh(table: np.ndarray, p: np.ndarray) -> np.ndarray:
