@@ -16,7 +16,9 @@ several, each is named after its ``forward`` parameter (the names ``run_graph`` 
 as dict keys).
 
 Result: a tensor is the one output ``output``; a tuple/list gives ``output``,
-``output1``, ...; a dict gives one output per key, named by the key, in the dict's order.
+``output1``, ... (nested ones flattened in order: an LSTM's ``(output, (h_n, c_n))``, whose
+``h_n``/``c_n`` are one value per layer and direction); a dict gives one output per key,
+named by the key, in the dict's order.
 """
 
 from __future__ import annotations
@@ -124,5 +126,13 @@ def output_names(result: Any, where: str = "") -> list[tuple[str, Any]]:
                               "graph outputs are named by the keys: use strings")
         return items
     if isinstance(result, (tuple, list)):
-        return [("output" if i == 0 else f"output{i}", v) for i, v in enumerate(result)]
+        # nested tuples (a recurrent layer's ``(output, (h_n, c_n))``) flatten in order
+        return [("output" if i == 0 else f"output{i}", v) for i, v in enumerate(_leaves(result))]
     return [("output", result)]
+
+
+def _leaves(result: Any) -> list[Any]:
+    out: list[Any] = []
+    for v in result:
+        out.extend(_leaves(v) if isinstance(v, (tuple, list)) else [v])
+    return out

@@ -245,18 +245,14 @@ class _Lowerer:
             with torch.no_grad():
                 out = m.forward(*[a.value if isinstance(a, ConstVal) else a for a in args])
             return ConstVal(fqn, out)
-        if is_recurrent(m):
-            # before shape(): a recurrent layer returns a tuple, and the reason is the op
-            raise ExportError(fqn, f"nn.{type(m).__name__} has no integer lowering yet (the graph has no "
-                              f"{type(m).__name__} op; qdsl quantizes it in the fake-quant model only)",
-                              "export the part of the model before it, or run the model with its fake quantizers")
         construct = module_construct(m)
         rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
         if rule is not None:
             args, _, swapped = self.batch_first(node, construct.lowering, args, {}, isinstance(m, nn.Linear))
             x = args[0] if args else None
             try:
-                out = rule(self, node, m, x, self.shape(node), fqn)
+                # a recurrent layer returns a tuple: no one shape (its rule reads the call itself)
+                out = rule(self, node, m, x, None if is_recurrent(m) else self.shape(node), fqn)
                 return SeqFirst(out) if swapped else out
             except NoLowering:
                 pass

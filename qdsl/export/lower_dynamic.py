@@ -26,7 +26,7 @@ from qdsl.graph.ir import DType, Op, OpType
 from qdsl.graph.ops.dynamic import f32_bits
 from qdsl.quantizers.observers import MinMaxObserver
 
-__all__ = ["DynIn", "DynOut", "dynamic_input", "linear_dynamic", "as_float"]
+__all__ = ["DynIn", "DynOut", "dynamic_input", "linear_dynamic", "as_float", "dynamic_attrs"]
 
 
 @attrs.frozen
@@ -85,6 +85,12 @@ def _dyn_attrs(proxy, where: str, shape: tuple[int, ...]) -> dict:
                           "use `granularity = tensor`, or `channel(0)` on a (batch, features) input (per row)")
     return dict(qmin=int(proxy.qmin), qmax=int(proxy.qmax), symmetric=int(bool(rec.symmetric)),
                 per_row=int(proxy.axis == 0), rounding=int(rounding))
+
+
+def dynamic_attrs(proxy, where: str, shape: tuple[int, ...]) -> dict:
+    """QUANTIZE_DYNAMIC's attributes for the dynamic quantizer ``proxy`` reading a value of
+    ``shape`` (an ExportError naming ``where`` when the graph cannot compute it)."""
+    return _dyn_attrs(proxy, where, shape)
 
 
 def as_float(b: Builder, value: Any, where: str) -> FloatVal:

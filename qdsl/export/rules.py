@@ -28,6 +28,7 @@ from qdsl.export.lower_dynamic import DynIn, DynOut, linear_dynamic
 from qdsl.export.lower_layers import add_pending, concat_value, layer_pending, pool_pending, raw
 from qdsl.export.lower_lut import lut_pending
 from qdsl.export.lower_mul import mul_pending
+from qdsl.export.lower_recurrent import last_step, lower_recurrent
 from qdsl.export.lower_resize import function_call, module_call, resize_value
 from qdsl.export.values import ConstVal, ExportError, FloatVal, OffsetVal, Pending, QVal, Target
 from qdsl.graph.ir import DType, OpType, Rounding
@@ -76,6 +77,11 @@ def _layer(lw, node, m, x, shape, fqn):
 @module_rule("embedding")
 def _embedding(lw, node, m, x, shape, fqn):
     return embedding_pending(lw.b, fqn, m, lw.handle.layers.get(fqn), x, shape)
+
+
+@module_rule("recurrent")
+def _recurrent(lw, node, m, x, shape, fqn):  # LSTM/GRU (cells too) -> one op per layer and direction
+    return lower_recurrent(lw, node, m, fqn)
 
 
 @module_rule("batch_norm")
@@ -389,10 +395,17 @@ def _shape_method(lw, node, name, args, where):
     return None
 
 
+def _holds_value(a: Any) -> bool:
+    return isinstance(a, tuple) and any(_is_value(v) or _holds_value(v) for v in a)
+
+
 @function_rule("item")
 def _item_fn(lw, node, fn, args, kwargs, where):
-    if isinstance(args[0], tuple) and any(_is_value(a) for a in args[0]):  # a module's tuple result (attention)
+    if _holds_value(args[0]):  # a module's tuple result (attention; a recurrent layer's nested (h_n, c_n))
         return args[0][args[1]]
     if _is_value(args[0]):  # indexing an activation is not shape arithmetic
+        step = last_step(lw, args[0], args[1])  # out[:, -1] of a recurrent layer: its last h_n
+        if step is not None:
+            return step
         raise NoLowering
     return None

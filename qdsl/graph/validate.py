@@ -150,9 +150,10 @@ def validate_graph(graph: IntegerGraph) -> None:
                 raise GraphFormatError(f"output {extra!r} names no tensor (dangling reference)", where)
             if extra in available:
                 raise GraphFormatError(f"output {extra!r} is a constant, a graph input or already produced", where)
-            if t.dtype is not dtype or tuple(t.shape) != tuple(shape):
+            allowed = dtype if isinstance(dtype, tuple) else (dtype,)  # a dtype, or the ones allowed
+            if t.dtype not in allowed or tuple(t.shape) != tuple(shape):
                 raise GraphFormatError(f"output {extra!r} declared as {t.dtype.name} {t.shape}, expected "
-                                       f"{dtype.name} {tuple(shape)}", where)
+                                       f"{'/'.join(d.name for d in allowed)} {tuple(shape)}", where)
             available.add(extra)
     for name in graph.outputs:
         if name not in seen:

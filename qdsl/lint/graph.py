@@ -21,7 +21,8 @@ from typing import Any
 
 import attrs
 
-from qdsl.lint.ops import WEIGHTED_OPS, function_lowering, function_op, method_op, module_lowered, module_op
+from qdsl.lint.ops import (WEIGHTED_OPS, function_lowering, function_op, method_op, module_lowered, module_lowering,
+                           module_op)
 from qdsl.resolve.plan import ModelIndex
 
 __all__ = ["OpNode", "ModelGraph", "model_graph", "index_graph"]
@@ -75,6 +76,16 @@ class ModelGraph:
             else:
                 out.append(p)
         return out
+
+
+def _recurrent_result(node: Any, modules: dict) -> bool:
+    """``node`` is (an item of) a recurrent layer's tuple result: export reads ``out``,
+    ``h_n[k]`` and ``out[:, -1]`` from it (qdsl/export/lower_recurrent.py)."""
+    while getattr(node, "op", "") == "call_function" and _fn_name(node.target) == "getitem":
+        node = node.args[0]
+    if getattr(node, "op", "") != "call_module":
+        return False
+    return module_lowering(type(modules.get(str(node.target))).__name__) == "recurrent"
 
 
 def _positions(nodes: list[OpNode], inputs: list[str], output_preds: list[str]) -> tuple[frozenset, frozenset]:
@@ -156,8 +167,8 @@ def model_graph(model: Any) -> ModelGraph:
         rule = function_lowering(name)
         if rule == "item":  # x.size()[0] is shape arithmetic; indexing a tensor has no lowering
             src = node.args[0] if node.args else None
-            rule = rule if getattr(src, "op", "").startswith("call_") and function_lowering(
-                _fn_name(src.target)) == "shape" else None
+            rule = rule if (getattr(src, "op", "").startswith("call_") and function_lowering(
+                _fn_name(src.target)) == "shape") or _recurrent_result(src, modules) else None
         if rule == "mul":  # two activations, or shape arithmetic; a constant factor has no lowering
             values = [a for a in node.args if hasattr(a, "op")]
             shape = any(a.op.startswith("call_") and function_lowering(_fn_name(a.target)) in ("shape", "item")

@@ -13,8 +13,8 @@ A weighted layer with a binary (±1) weight or input lowers only where the catal
 its binary form (:data:`~qdsl.graph.catalog.BINARY_FORMS`: ``BCONV2D`` for ``conv2d``,
 ``CONV_TRANSPOSE2D`` on the BIN input for ``conv_transpose2d``): with the plan, a binary
 layer of an op without one is a W321 too; and a ``dynamic``
-quantizer anywhere but a Linear's input is one too (QUANTIZE_DYNAMIC + LINEAR_DYNAMIC lower only
-that).
+quantizer anywhere but a Linear's input (QUANTIZE_DYNAMIC + LINEAR_DYNAMIC) or an nn.LSTM's
+input and hidden state (LSTM_DYNAMIC) is one too.
 
 So is an operand of an integer op (a product, an add, a lookup table...) that needs a
 quantizer no module can carry (``y * torch.sigmoid(y)``): ``qdsl.patch.implied`` finds these
@@ -51,9 +51,12 @@ def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Pla
                 and (_binary(layer, Role.WEIGHT) or _binary(layer, Role.INPUT))):
             where.setdefault(f"binary {op}", []).append(layer.fqn)
         # a dynamic (run-time scale) quantizer lowers only as a Linear's input (LINEAR_DYNAMIC)
+        # and as an nn.LSTM's input and hidden state (LSTM_DYNAMIC)
         for role, r in layer.roles.items():
-            if r is not None and r.dynamic and (role is not Role.INPUT or "LINEAR_DYNAMIC" not in LOWERINGS["layer"]
-                                                or op != "linear"):
+            lstm = layer.type_name == "LSTM" and role in (Role.INPUT, Role.HIDDEN) and "LSTM_DYNAMIC" in LOWERINGS[
+                "recurrent"]
+            if r is not None and r.dynamic and not lstm and (
+                    role is not Role.INPUT or "LINEAR_DYNAMIC" not in LOWERINGS["layer"] or op != "linear"):
                 where.setdefault(f"dynamic {role.value} of {op or layer.type_name}", []).append(layer.fqn)
     out = []
     for op, labels in where.items():

@@ -23,6 +23,7 @@ __all__ = [
     "function_op",
     "method_op",
     "module_lowered",
+    "module_lowering",
     "function_lowering",
 ]
 
@@ -69,6 +70,11 @@ def function_op(name: str) -> str | None:
 def method_op(name: str) -> str | None:
     """The op of a traced tensor method call (``x.view(...)`` -> ``reshape``)."""
     return function_op(name)
+
+
+def module_lowering(type_name: str) -> str | None:
+    """Export's rule name for a leaf module of class ``type_name`` (None: no lowering)."""
+    return _MODULE_LOWERING.get(type_name)
 
 
 def module_lowered(type_name: str) -> bool:

@@ -48,3 +48,29 @@ def test_hidden_is_checked_against_the_input_caps():
                  calibrated=False)
     hidden = [d for d in diags if d.message.startswith("hidden.signed = false")]
     assert len(hidden) == 1 and _on(hidden[0], "rnn") and hidden[0].span.line == 3
+
+
+class _Head(nn.Module):
+    def __init__(self, rnn):
+        super().__init__()
+        self.rnn, self.head = rnn, nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[1][-1])
+
+
+W8 = """version 1
+defaults { weight = int(bits=8, signed, symmetric, per_channel)  input = int(bits=8, unsigned) }
+rule type:GRU, type:RNN { hidden = int(bits=8, signed, symmetric) }
+"""
+
+
+def test_w321_names_the_recurrent_layers_export_refuses_only():
+    """GRU/LSTM have graph ops (no W321); nn.RNN has none (W321 naming it), as export says."""
+    spec = parse_text(W8, "r.qspec")
+    gru = [d for d in lint(spec, "tflite-int8", _Head(nn.GRU(4, 16, batch_first=True)), calibrated=False)
+           if d.code == "W321"]
+    rnn = [d for d in lint(spec, "tflite-int8", _Head(nn.RNN(4, 16, batch_first=True)), calibrated=False)
+           if d.code == "W321"]
+    assert gru == []
+    assert any(d.message.startswith("'rnn' has no integer lowering") for d in rnn)

@@ -39,8 +39,11 @@ enum OpCode : int {
   kQuantizeDynamic = 31,
   kLinearDynamic = 32,
   kSoftmaxMasked = 34,
+  kLstm = 35,
+  kGru = 36,
+  kLstmDynamic = 37,
 };
-constexpr int kMaxOpcode = 34;
+constexpr int kMaxOpcode = 37;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -93,6 +96,9 @@ inline constexpr AttrSchema kEmbeddingAttrs[] = {{"w_zp", kAttrInt}, {"rq_kind",
 inline constexpr AttrSchema kQuantizeDynamicAttrs[] = {{"qmin", kAttrInt}, {"qmax", kAttrInt}, {"symmetric", kAttrInt}, {"per_row", kAttrInt}, {"rounding", kAttrInt}};
 inline constexpr AttrSchema kLinearDynamicAttrs[] = {{"w_scale", kAttrInts}, {"bias", kAttrInts}, {"relu", kAttrInt}};
 inline constexpr AttrSchema kSoftmaxMaskedAttrs[] = {{"table", kAttrInts}, {"mask_dims", kAttrInts}, {"mask_attend", kAttrInts}, {"rq_kind", kAttrInt}, {"rq_multiplier", kAttrInts}, {"rq_shift", kAttrInts}, {"rq_rounding", kAttrInt}, {"out_zp", kAttrInt}, {"out_min", kAttrInt}, {"out_max", kAttrInt}};
+inline constexpr AttrSchema kLstmAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"c_zp", kAttrInt}, {"c_qmin", kAttrInt}, {"c_qmax", kAttrInt}, {"c_mult", kAttrInt}, {"c_shift", kAttrInt}, {"ct_mult", kAttrInt}, {"ct_shift", kAttrInt}};
+inline constexpr AttrSchema kGruAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}};
+inline constexpr AttrSchema kLstmDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih_scale", kAttrInts}, {"w_hh_scale", kAttrInts}, {"b_ih", kAttrInts}, {"b_hh", kAttrInts}, {"in_qmin", kAttrInt}, {"in_qmax", kAttrInt}, {"in_symmetric", kAttrInt}, {"in_rounding", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"h_symmetric", kAttrInt}, {"h_rounding", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -131,6 +137,9 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"LINEAR_DYNAMIC", 3, 3, false, kLinearDynamicAttrs, 3, 1},
     {nullptr, 0, 0, false, nullptr, 0, 0},  // unassigned
     {"SOFTMAX_MASKED", 2, 3, false, kSoftmaxMaskedAttrs, 10, 1},
+    {"LSTM", 5, 7, false, kLstmAttrs, 19, 3},
+    {"GRU", 5, 6, false, kGruAttrs, 12, 2},
+    {"LSTM_DYNAMIC", 3, 4, false, kLstmDynamicAttrs, 13, 3},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -169,6 +178,9 @@ extern const OpDef kEmbeddingDef;
 extern const OpDef kQuantizeDynamicDef;
 extern const OpDef kLinearDynamicDef;
 extern const OpDef kSoftmaxMaskedDef;
+extern const OpDef kLstmDef;
+extern const OpDef kGruDef;
+extern const OpDef kLstmDynamicDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -205,6 +217,9 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kLinearDynamicDef,
     nullptr,  // unassigned
     &kSoftmaxMaskedDef,
+    &kLstmDef,
+    &kGruDef,
+    &kLstmDynamicDef,
 };
 
 }  // namespace qdsl

@@ -93,6 +93,8 @@ _REGISTERED = (
     "layernorm",
     "embedding",
     "dynamic",
+    "recurrent",
+    "recurrent_dynamic",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)
