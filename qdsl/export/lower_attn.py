@@ -19,6 +19,8 @@ layer normalization (LAYERNORM), with the transposes that feed a product.
   quantized value (BERT's ``LayerNorm(dense(h) + x)``) or a quantized value plus a constant
   (the word embedding plus the position and token-type embeddings); its affine weight
   becomes 14-bit codes and its bias accumulator units (:mod:`qdsl.graph.ops.layernorm`).
+  A result read unquantized (a residual add, the model output) stays wide: LAYERNORM writes
+  its I32 accumulator once and 8-bit readers REQUANTIZE it (:class:`WidePending`).
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def test_layernorm_matches_reference(seed, d, out, n):
 
 @needs_cpp
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**31), d=st.sampled_from([DType.U8, DType.I32]), out=st.sampled_from([DType.I8, DType.U8]),
+@given(seed=st.integers(0, 2**31), d=st.sampled_from([DType.U8, DType.I8]), out=st.sampled_from([DType.I8, DType.U8]),
        n=st.sampled_from([1, 3, 17, 384]), pot=st.booleans())
 def test_wide_output_layernorm_matches_reference(seed, d, out, n, pot):
     # the wide output: LAYERNORM writes I32 (the accumulator itself, or a random int32-range
@@ -155,9 +155,7 @@ def test_wide_output_layernorm_matches_reference(seed, d, out, n, pot):
     shape = (-1, rows, n)
     one = OutputStage(Rescale(1, (1,), (0,), 0), 0, -(2**31), 2**31 - 1).attrs()
     wide_stage = one if rng.random() < 0.5 else _stage(rng, lo=-(2**31), hi=2**31 - 1, pot=pot)
-    ln1 = {**_ln_attrs(rng, n, DType.I32, zp=0), **wide_stage}
-    if d is DType.I32:
-        ln1.update(_in_rescales(rng, [d]))
+    ln1 = {**_ln_attrs(rng, n, DType.I32, zp=int(rng.integers(*d.range, endpoint=True))), **wide_stage}
     lo, hi = out.range
     rq = {"in_zp": 0, **_stage(rng, lo=lo, hi=hi, pot=pot)}
     rq_scale = {"rq_kind": 2, "rq_multiplier": [int(rng.integers(2**30, 2**31))], "rq_shift": [int(rng.integers(12, 24))],
@@ -168,19 +166,19 @@ def test_wide_output_layernorm_matches_reference(seed, d, out, n, pot):
     ops = [Op(OpType.LAYERNORM, "ln1", ["x"], ["w"], ln1), Op(OpType.REQUANTIZE, "rq", ["w"], ["q"], rq),
            Op(OpType.LAYERNORM, "ln2", ["w", "q"], ["y"], ln2)]
     graph = IntegerGraph(tensors, ["x"], ["w", "q", "y"], ops).validate()
-    if d is DType.I32:
-        x = rng.integers(-(2**30), 2**30, (int(rng.integers(1, 3)), rows, n)).astype(np.int32)
-    else:
-        x = _rand(rng, d, (int(rng.integers(1, 3)), rows, n))
+    x = _rand(rng, d, (int(rng.integers(1, 3)), rows, n))
     x[0, 0] = x[0, 0, 0]  # a constant row
     _check(graph, x)
 
 
 def test_requantize_of_i32_needs_zero_point_0():
     # x - in_zp of an int32 value must stay int32: an I32 input is read at zero point 0
+    # (the op's own rule; an I32 graph input is token ids, so the graph check is not the point)
     with pytest.raises(GraphFormatError, match="in_zp"):
-        _graph(OpType.REQUANTIZE, [("x", DType.I32, (-1, 4))], {"in_zp": 1, **_stage(np.random.default_rng(0))})
-    _graph(OpType.REQUANTIZE, [("x", DType.I32, (-1, 4))], {"in_zp": 0, **_stage(np.random.default_rng(0))})
+        _graph(OpType.REQUANTIZE, [("x", DType.I32, (-1, 4))], {"in_zp": 1, **_stage(np.random.default_rng(0))},
+               validate=False)
+    _graph(OpType.REQUANTIZE, [("x", DType.I32, (-1, 4))], {"in_zp": 0, **_stage(np.random.default_rng(0))},
+           validate=False)
 
 
 def test_layernorm_reference_is_the_formula():
