@@ -303,9 +303,9 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
                            in_rounding=tuple(int(r.rounding) for r in rescales))
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
-        if t.raw:  # the wide output: the accumulator itself, I32 at `unit`
-            rescale, out_zp, out_min, out_max, rounding = Rescale(RescaleKind.POT, [1], [0]), 0, INT32_MIN, INT32_MAX, \
-                Rounding.HALF_AWAY
+        if t.raw:  # the wide output: the accumulator itself, I32 at `unit` (WidePending.wide)
+            rescale, rounding = Rescale(RescaleKind.POT, [1], [0]), Rounding.HALF_EVEN
+            out_zp, out_min, out_max = 0, INT32_MIN, INT32_MAX
         elif t.dtype not in (DType.I8, DType.U8):
             raise ExportError(where, f"the LayerNorm result must be int8-quantized, not {t.dtype.name} ({t.where})")
         else:
@@ -324,5 +324,5 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
                  **rescale.attrs(), out_zp=out_zp, out_min=out_min, out_max=out_max)
         return bld.op(OpType.LAYERNORM, where, names, t.dtype, shape, a, out=f"{where}:layernorm"), shape
 
-    result = WidePending("layernorm", where, shape, emit, unit=unit, wide_out=wide_out)
+    result = WidePending("layernorm", where, shape, emit, unit=unit, wide_out=wide_out)  # emit reads it
     return result

@@ -24,8 +24,8 @@ from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import NotExportable
 from qdsl.spec.model import Overflow
 
-__all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints", "wide", "raw",
-           "term_grid"]
+__all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints",
+           "wide", "raw", "term_grid"]
 
 
 def act_target(proxy, where: str) -> Target:
