@@ -278,8 +278,9 @@ def term_grid(terms) -> float:
     it instead: its unit would push a layer accumulator out of int32."""
     scales = [s for v in terms if wide_scale(v) is None
               for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
-    low = float(min(scales or [wide_scale(v) for v in terms]))
-    return math.ldexp(1.0, math.frexp(low)[1] - 1)
+    if not scales:  # wide outputs only: a grid >= 2x each unit, so each term (|acc| < 2^31) halves
+        return math.ldexp(1.0, math.frexp(max(wide_scale(v) for v in terms))[1] + 1)
+    return math.ldexp(1.0, math.frexp(float(min(scales)))[1] - 1)
 
 
 def _is_pot(*scales) -> bool:

@@ -168,3 +168,39 @@ def test_functional_softmax_is_refused_naming_module_and_op():
         qdsl.export(model, {"input_ids": ids[:1]})
     assert ei.value.where == "encoder.layer.0.attention.self"
     assert "softmax" in str(ei.value)
+
+
+class _TwoNorms(torch.nn.Module):
+    """norm1(h) + norm2(h): a residual add of two LayerNorm results, both kept wide."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.norm1, self.norm2, self.norm3 = (torch.nn.LayerNorm(32) for _ in range(3))
+        with torch.no_grad():
+            for n in (self.norm1, self.norm2):
+                n.weight.uniform_(0.5, 3.0)
+                n.bias.uniform_(-1.0, 1.0)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.norm3(self.norm1(h) + self.norm2(h)))
+
+
+def test_add_of_two_wide_layernorm_outputs():
+    # both operands are LAYERNORM I32 outputs, rounded onto the add's grid; C++ == reference
+    torch.manual_seed(3)
+    model = _TwoNorms().eval()
+    x = torch.randn(8, 10, 16)
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + "rule head { output = a8 }\n", "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(x).numpy()
+    graph = qdsl.export(model, x[:1])
+    lns = {op.name: op for op in graph.ops if op.type is OpType.LAYERNORM}
+    assert all(graph.tensor(lns[n].outputs[0]).dtype is DType.I32 for n in ("norm1", "norm2"))
+    got = np.asarray(run_graph(graph, x.numpy(), backend="reference"))
+    assert _cos(got, fq) >= 0.9999
+    if rt.available():
+        np.testing.assert_array_equal(np.asarray(run_graph(graph, x.numpy(), backend="cpp")), got)
