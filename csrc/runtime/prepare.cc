@@ -34,9 +34,10 @@ void FuseResidualAdds(Graph* g) {
       const int a = producer[t];
       if (a < 0 || consumers[t] != 1 || is_output[t] || g->tensors[t].dtype != kI32) continue;
       const ConvParams* p = AsConv(g->ops[a]);
+      if (p == nullptr) continue;  // not a conv: a LAYERNORM's wide (I32) output, ...
       // the AMX implicit conv's epilogue or IntConvFast's output stage (conv_fast.cc) computes it
       const bool gathered = !p->w16.empty() && !p->depthwise;
-      if (p == nullptr || !(p->amx_conv || gathered) || !p->fast_acc || p->spatial == 0) continue;
+      if (!(p->amx_conv || gathered) || !p->fast_acc || p->spatial == 0) continue;
       const int other = producer[add.inputs[1 - slot]];
       if (other >= a) continue;  // (graph inputs have no producer: -1)
       if (best < 0 || a > producer[add.inputs[best]]) best = slot;

@@ -50,7 +50,8 @@ from qdsl.export.lower_dynamic import DynIn, DynOut, dynamic_input
 from qdsl.export.lower_layers import act_target, wide
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
-from qdsl.export.values import Builder, ConstVal, ExportError, FloatVal, IdsVal, OffsetVal, Pending, QVal, Target
+from qdsl.export.values import (Builder, ConstVal, ExportError, FloatVal, IdsVal, OffsetVal, Pending, QVal, Target,
+                                wide_scale)
 from qdsl.patch.example_trace import tensor_constant
 from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.export.lower_attn import SeqFirst, View
@@ -380,6 +381,10 @@ class _Lowerer:
             # a float model output from a layer (no output quantizer): convert the int32
             # accumulator kept wide (exact for power-of-two scales)
             w = wide(self.b, value, value.origin)
+            return self.b.op(OpType.DEQUANTIZE, "<output>", [w.name], DType.F32, value.shape,
+                             {"scale": w.scale, "zero_point": 0}, out=out, exact=True)
+        if wide_scale(value) is not None:  # a LayerNorm's wide output: its I32 accumulator
+            w = value.wide(self.b)
             return self.b.op(OpType.DEQUANTIZE, "<output>", [w.name], DType.F32, value.shape,
                              {"scale": w.scale, "zero_point": 0}, out=out, exact=True)
         if not isinstance(value, QVal):

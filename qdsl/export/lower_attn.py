@@ -19,6 +19,8 @@ layer normalization (LAYERNORM), with the transposes that feed a product.
   quantized value (BERT's ``LayerNorm(dense(h) + x)``) or a quantized value plus a constant
   (the word embedding plus the position and token-type embeddings); its affine weight
   becomes 14-bit codes and its bias accumulator units (:mod:`qdsl.graph.ops.layernorm`).
+  A result read unquantized (a residual add, the model output) stays wide: LAYERNORM writes
+  its I32 accumulator once and 8-bit readers REQUANTIZE it (:class:`WidePending`).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import attrs
 import numpy as np
 
 from qdsl.export.lower_mul import int8_operand
-from qdsl.export.lower_layers import AddPending
-from qdsl.export.values import Builder, ExportError, FloatVal, OffsetVal, Pending, QVal, Target
+from qdsl.export.lower_layers import AddPending, term_grid
+from qdsl.export.values import (Builder, ExportError, FloatVal, OffsetVal, Pending, QVal, Target, WidePending,
+                               wide_scale)
 from qdsl.graph.ir import DType, OpType, Rescale, RescaleKind, Rounding
 from qdsl.graph.ops.layernorm import BETA_MAX, GAMMA_MAX, LN_FRAC_BITS, WIDE_MAX_N
 from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
@@ -239,13 +242,11 @@ OFFSET_FRACTION_BITS = 8
 
 def _wide_terms(where: str, x: Any) -> tuple[list, float] | None:
     """The terms of a LayerNorm input read wide (a residual sum of a layer accumulator and a
-    quantized value, or a quantized value plus a constant) and their common grid ``s_t``, or
-    ``None`` for another value."""
+    quantized value or a LayerNorm's wide output, or a quantized value plus a constant) and
+    their common grid ``s_t``, or ``None`` for another value."""
     if isinstance(x, AddPending) and not x.post and x.lo == -math.inf and x.hi == math.inf:
         terms = list(x.args)
-        scales = [s for v in terms for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
-        # the accumulator's own grid (or finer): the sum is exact up to the requantization's rounding
-        return terms, _pow2_floor(float(min(scales)))
+        return terms, term_grid(terms)
     if isinstance(x, OffsetVal):
         base, const = x.base, x.const.detach().double().numpy()
         bound = max(abs(base.qmin - base.zp), abs(base.qmax - base.zp)) * base.scale + float(np.abs(const).max(initial=0))
@@ -257,11 +258,12 @@ def _wide_terms(where: str, x: Any) -> tuple[list, float] | None:
 
 
 def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weight, bias, eps: float,
-                      shape: tuple[int, ...]) -> Pending:
+                      shape: tuple[int, ...], wide_out: bool = False) -> WidePending:
     """LayerNorm over the last axis (``weight``/``bias``: float arrays or None) of the
     quantized ``x`` (the narrow form: one 8-bit input), or of a residual sum read wide: a
-    layer's accumulator plus a quantized value, or a quantized value plus a constant, each
-    brought to one int32 grid (LAYERNORM's wide form: two inputs)."""
+    layer's accumulator plus a quantized value or a LayerNorm's wide output, or a quantized
+    value plus a constant, each brought to one int32 grid (LAYERNORM's wide form: two
+    inputs).  ``wide_out``: the result is also read unquantized (:class:`~qdsl.export.values.WidePending`)."""
     if len(normalized_shape) != 1:
         raise ExportError(where, f"LayerNorm over {len(normalized_shape)} dims has no integer lowering (the last only)")
     n = int(normalized_shape[0])
@@ -295,6 +297,14 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
                 names.append(v.name)
                 zps.append(v.zp)
                 rescales.append(one)
+            elif wide_scale(v) is not None:  # a LayerNorm's wide output, rounded onto the sum's grid
+                w = v.wide(bld)
+                names.append(w.name)
+                zps.append(0)
+                try:
+                    rescales.append(make_rescale(w.scale / s_in, rounding, single=bld.single_rounding))
+                except ValueError as e:
+                    raise ExportError(where, f"the LayerNorm input rescale is out of range ({e})") from None
             elif isinstance(v, QVal):
                 names.append(v.name)
                 zps.append(v.zp)
@@ -319,16 +329,26 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
                            in_rounding=tuple(int(r.rounding) for r in rescales))
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
-        if t.dtype not in (DType.I8, DType.U8):
+        if t.raw:  # the wide output: the accumulator itself, I32 at `unit` (WidePending.wide)
+            rescale, rounding = Rescale(RescaleKind.POT, [1], [0]), Rounding.HALF_EVEN
+            out_zp, out_min, out_max = 0, INT32_MIN, INT32_MAX
+        elif t.dtype not in (DType.I8, DType.U8):
             raise ExportError(where, f"the LayerNorm result must be int8-quantized, not {t.dtype.name} ({t.where})")
-        try:
-            rescale = make_rescale(unit / t.scale, t.rounding, single=bld.single_rounding)
-        except ValueError as e:
-            raise ExportError(where, f"the LayerNorm requantization factor is out of range ({e})") from None
-        out_min, out_max = t.clamp_codes(lo, hi)
-        names, in_attrs = inputs(bld, t.rounding)
+        else:
+            try:
+                rescale = make_rescale(unit / t.scale, t.rounding, single=bld.single_rounding)
+            except ValueError as e:
+                raise ExportError(where, f"the LayerNorm requantization factor is out of range ({e})") from None
+            out_zp, rounding = t.zp, t.rounding
+            out_min, out_max = t.clamp_codes(lo, hi)
+            if result.wide_out:  # an 8-bit reader of the wide output: REQUANTIZE by the same factor
+                w = result.wide(bld)
+                a = dict(in_zp=0, **rescale.attrs(), out_zp=out_zp, out_min=out_min, out_max=out_max)
+                return bld.op(OpType.REQUANTIZE, t.where, [w.name], t.dtype, shape, a), shape
+        names, in_attrs = inputs(bld, rounding)
         a = dict(in_attrs, gamma=tuple(int(g) for g in g_int), beta=tuple(int(b) for b in b_int), eps=eps_int,
-                 **rescale.attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
+                 **rescale.attrs(), out_zp=out_zp, out_min=out_min, out_max=out_max)
         return bld.op(OpType.LAYERNORM, where, names, t.dtype, shape, a, out=f"{where}:layernorm"), shape
 
-    return Pending("layernorm", where, shape, emit)
+    result = WidePending("layernorm", where, shape, emit, unit=unit, wide_out=wide_out)  # emit reads it
+    return result

@@ -19,12 +19,13 @@ from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
-from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target
+from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import NotExportable
 from qdsl.spec.model import Overflow
 
-__all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints", "wide", "raw"]
+__all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints",
+           "wide", "raw", "term_grid"]
 
 
 def act_target(proxy, where: str) -> Target:
@@ -269,6 +270,19 @@ def raw(b: Builder, p: Pending, where: str) -> tuple[QVal, np.ndarray | None]:
     return wide(b, p, where, frac), None
 
 
+def term_grid(terms) -> float:
+    """The common power-of-two grid of a residual sum's terms (layer accumulators, 8-bit
+    values, LayerNorm wide outputs): the largest power of two at or below the finest
+    accumulator or 8-bit grid, so the sum is exact up to the requantization's rounding.  A
+    LayerNorm's wide output (a far finer unit, about ``max|γ|·sqrt(N)/2^30``) is rounded onto
+    it instead: its unit would push a layer accumulator out of int32."""
+    scales = [s for v in terms if wide_scale(v) is None
+              for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
+    if not scales:  # wide outputs only: a grid >= 2x each unit, so each term (|acc| < 2^31) halves
+        return math.ldexp(1.0, math.frexp(max(wide_scale(v) for v in terms))[1] + 1)
+    return math.ldexp(1.0, math.frexp(float(min(scales)))[1] - 1)
+
+
 def _is_pot(*scales) -> bool:
     return all(pot_shift(float(s)) is not None for s in scales)
 
@@ -303,6 +317,8 @@ def add_pending(where: str, a, b_, shape, reuse=None) -> Pending:
             continue
         if isinstance(v, Pending) and v.kind == "acc" and not v.post:
             continue
+        if wide_scale(v) is not None:  # a LayerNorm's wide output (I32)
+            continue
         origin = getattr(v, "origin", "?")
         raise ExportError(where, f"the residual add reads a value from '{origin}' that is neither quantized nor a "
                                  "layer's accumulator", f"add `output = a8` (an activation quantizer) for '{origin}'")
@@ -310,14 +326,20 @@ def add_pending(where: str, a, b_, shape, reuse=None) -> Pending:
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         if t.dtype not in (DType.I8, DType.U8):
             raise ExportError(where, f"the add result must be int8-quantized, not {t.dtype.name} ({t.where})")
-        term_scales = [s for v in operands for s in (np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
+        term_scales = [s for v in operands for s in ([wide_scale(v)] if wide_scale(v) is not None else
+                                                      np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
         pot = _is_pot(t.scale, *term_scales)
         # exact common scale for powers of two; else INT32_TARGET_BITS fraction bits below the
         # output scale, so the final factor is an exact shift with the output's rounding
-        s_t = float(min(term_scales)) if pot else t.scale / 2**INT32_TARGET_BITS
+        s_t = term_grid(operands) if pot else t.scale / 2**INT32_TARGET_BITS
         names, zps, rescales = [], [], []
         for v in operands:
-            if isinstance(v, QVal):
+            if wide_scale(v) is not None:  # a LayerNorm's wide output: rounded onto s_t
+                w = v.wide(bld)
+                names.append(w.name)
+                zps.append(0)
+                rescales.append(_rescale(bld, w.scale / s_t, t.rounding, where, pot))
+            elif isinstance(v, QVal):
                 names.append(v.name)
                 zps.append(v.zp)
                 rescales.append(_rescale(bld, v.scale / s_t, t.rounding, where, pot))

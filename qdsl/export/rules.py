@@ -32,7 +32,9 @@ from qdsl.export.lower_recurrent import last_step, lower_recurrent
 from qdsl.export.lower_resize import function_call, module_call, resize_value
 from qdsl.export.values import ConstVal, ExportError, FloatVal, OffsetVal, Pending, QVal, Target
 from qdsl.graph.ir import DType, OpType, Rounding
-from qdsl.patch.constructs import functions, resolve_path
+from qdsl.patch.attention import is_attention
+from qdsl.patch.constructs import functions, methods, module_construct, resolve_path
+from qdsl.patch.trace import quantizer_mark
 
 __all__ = ["MODULE_RULES", "FUNCTION_RULES", "METHOD_RULES", "NoLowering", "module_rule", "function_rule",
            "method_rule"]
@@ -349,11 +351,46 @@ def _softmax_method(lw, node, name, args, where):
     return softmax_pending(where, args[0], int(args[1]), lw.shape(node))
 
 
+_PASS_FUNCTIONS = functions(lambda c: c.lowering == "pass")
+_PASS_METHODS = methods(lambda c: c.lowering == "pass")
+
+
+def _read_unquantized(lw, node) -> bool:
+    """Whether something other than a quantizer reads ``node``'s value (through Identity,
+    Dropout and other pass-through calls): a residual add, the model output.  Quantizer
+    markers and attention modules (which quantize their inputs themselves) do not."""
+    todo, seen = list(node.users), set()
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.op == "call_function" and u.target is quantizer_mark:
+            continue
+        if u.op == "call_module":
+            m = lw.modules[u.target]
+            if is_attention(m):
+                continue
+            c = module_construct(m)
+            if c is not None and c.lowering == "pass":
+                todo.extend(u.users)
+                continue
+        if (u.op == "call_function" and u.target in _PASS_FUNCTIONS) or (u.op == "call_method"
+                                                                         and u.target in _PASS_METHODS):
+            todo.extend(u.users)
+            continue
+        return True
+    return False
+
+
 @module_rule("layer_norm")
 def _layer_norm(lw, node, m, x, shape, fqn):
     weight = None if m.weight is None else m.weight.detach().double().numpy()
     bias = None if m.bias is None else m.bias.detach().double().numpy()
-    return layernorm_pending(fqn, x, m.normalized_shape, weight, bias, float(m.eps), shape)
+    # a result read unquantized (a residual add, the model output) is kept wide: LAYERNORM's
+    # I32 output, which 8-bit readers REQUANTIZE (post-norm BERT's residual stream)
+    return layernorm_pending(fqn, x, m.normalized_shape, weight, bias, float(m.eps), shape,
+                             wide_out=_read_unquantized(lw, node))
 
 
 # ---------------------------------------------------------------- lut -> LUT, LUT_CHANNEL (lower_lut.py)

@@ -27,8 +27,8 @@ import numpy as np
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Rounding, Tensor
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "ConstVal", "OffsetVal", "Pending", "Builder",
-           "ROUNDINGS", "INT32_TARGET_BITS"]
+__all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "ConstVal", "OffsetVal", "Pending", "WidePending",
+           "wide_scale", "Builder", "ROUNDINGS", "INT32_TARGET_BITS"]
 
 ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 INT32_TARGET_BITS = 16
@@ -198,6 +198,30 @@ class Pending:
                 shape = out_shape
             self.cache[key] = b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, self.shape)
         return self.cache[key]
+
+
+@attrs.define(eq=False)
+class WidePending(Pending):
+    """A result (a LayerNorm's) that, with ``wide_out``, is also read unquantized - by a
+    residual add, the next LayerNorm or the model output: it is written once as I32 at its
+    accumulator unit ``unit`` (:meth:`wide`; LAYERNORM's wide output), and an 8-bit quantizer
+    reads it through a REQUANTIZE by ``unit / s_out``, the very rescale the 8-bit op applies,
+    so those codes are the narrow op's."""
+
+    unit: float = 1.0
+    wide_out: bool = False
+
+    def wide(self, bld: "Builder") -> QVal:
+        if self.post or self.lo != -math.inf or self.hi != math.inf:
+            raise ExportError(self.origin, f"a clamped or reshaped {self.kind} result has no wide (I32) form",
+                              f"quantize it: add `output = a8` (an activation quantizer) for '{self.origin}'")
+        return self.materialize(bld, Target(self.unit, 0, -(2**31), 2**31 - 1, DType.I32, Rounding.HALF_AWAY,
+                                            self.origin, raw=True))
+
+
+def wide_scale(v: Any) -> float | None:
+    """The grid of a :class:`WidePending`'s wide output, else ``None``."""
+    return v.unit if isinstance(v, WidePending) and v.wide_out else None
 
 
 class Builder:

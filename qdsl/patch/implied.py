@@ -23,7 +23,8 @@ input reads (xnor-binary on MobileNetV2) is quantized too: the graph binarizes i
 lookup table (Hardswish, SiLU, Sigmoid...: the construct table's ``lut`` rows) indexes 8-bit
 codes, so the value it reads gets one unless a layer's integer input already materializes it
 (MobileNetV3's BN -> Hardswish: "implied by hardswish 'features.0.2'"), and so does a table's
-result an average pool reads (EfficientNet's squeeze-excitation).  An implied
+result an average pool reads (EfficientNet's squeeze-excitation).  A LayerNorm's result an add
+reads gets none: the exporter keeps it wide (LAYERNORM's I32 output; post-norm blocks).  An implied
 quantizer goes on the outermost module that returns the value (the value has a reader
 outside it) and is called once per forward; a value no such module returns (a model
 input, a bare function's result at the top level) gets none, and export still names it.
@@ -219,6 +220,20 @@ def _refused_itself(a: torch.fx.Node) -> bool:
     return c.lowering == "matmul" and any(isinstance(x, torch.fx.Node) and x.op == "get_attr" for x in a.args[:2])
 
 
+def _layer_norm_result(a, modules: dict) -> bool:
+    """A LayerNorm's result, seen through Dropout/Identity: a residual add reads it wide (post-norm
+    blocks: ``norm2(x + ff(x))`` with ``x = norm1(...)``; lower_attn.layernorm_pending)."""
+    while isinstance(a, torch.fx.Node) and a.op == "call_module":
+        m = modules.get(str(a.target))
+        if isinstance(m, nn.LayerNorm):
+            return True
+        c = module_construct(m)
+        if c is None or c.lowering != "pass" or not a.args:
+            return False
+        a = a.args[0]
+    return False
+
+
 def _clamped_accumulator(a, modules: dict) -> bool:
     """A layer's accumulator seen through ReLU/clamps and no-ops: an add (or pool) reads it pending."""
     while isinstance(a, torch.fx.Node):
@@ -353,6 +368,8 @@ def analyse_operands(model: nn.Module, trace: ModelTrace, plan: Plan) -> Implied
             # an add or pool reads a layer's accumulator; CONCAT reads int8 values only
             if op != "torch.cat" and a.op == "call_module" and isinstance(modules.get(str(a.target)), _ACCUMULATORS):
                 continue
+            if op.startswith("add") and _layer_norm_result(a, modules):
+                continue  # the exporter keeps a LayerNorm's result wide (LAYERNORM's I32 output) for the add
             if _read_by_int_input(a, modules, int_inputs):
                 continue
             # what the op reads without a quantizer: an add a (clamped) accumulator, a concat any

@@ -1,8 +1,9 @@
 """A BERT-shaped encoder (tests/export/bert_models.py: Hugging Face BertModel's constructs)
 through the integer graph: the trace carries the example's sizes (position and token-type ids
 sliced from buffers fold to constants), the embeddings' chained sum and every post-norm
-residual sum reach LAYERNORM at a wide int32 grid (specs/transformer-int8.qspec leaves the
-LayerNorm inputs in float), C++ equals the reference executor."""
+residual sum reach LAYERNORM at a wide int32 grid and its output stays wide (I32) on the
+residual path while the next Linears read 8-bit codes (specs/transformer-int8.qspec leaves
+LayerNorm inputs and outputs in float), C++ equals the reference executor."""
 
 from __future__ import annotations
 
@@ -73,12 +74,55 @@ def test_tiny_bert_exports_with_wide_layernorm_inputs(exported):
           f"cos(graph, fq) {_cos(got, fq):.7f}  max |graph - fq| {np.abs(got - fq).max():.4f}")
 
 
+def test_layernorm_outputs_stay_wide(exported):
+    # the spec leaves LayerNorm outputs unquantized: each LAYERNORM writes I32 (its
+    # accumulator), the next residual LayerNorm reads it as its second term, the Linears'
+    # 8-bit input quantizers REQUANTIZE it (q/k/v share one), and the model output is the last
+    # LayerNorm's I32 value dequantized
+    graph, *_ = exported
+    lns = [op for op in graph.ops if op.type is OpType.LAYERNORM]
+    wide = {op.outputs[0] for op in lns}
+    assert all(graph.tensor(n).dtype is DType.I32 for n in wide)
+    assert all(op.inputs[1] in wide for op in lns[1:])
+    readers = [op for op in graph.ops if set(op.inputs) & wide and op.type is not OpType.LAYERNORM]
+    assert sorted(op.type.name for op in readers) == ["DEQUANTIZE"] + ["REQUANTIZE"] * 4
+    assert all(graph.tensor(op.outputs[0]).dtype in (DType.U8, DType.I8) for op in readers
+               if op.type is OpType.REQUANTIZE)
+
+
+def test_wide_layernorm_outputs_beat_8_bit_ones():
+    # the same tiny BERT with 8-bit LayerNorm outputs (the previous transformer-int8): the
+    # residual adds then read 8-bit codes; wide outputs are closer to float and to fake-quant
+    results = {}
+    for name, extra in (("wide", ""), ("8-bit", "rule type:LayerNorm optional { output = a8 }\n")):
+        torch.manual_seed(0)
+        model = TinyBert(pooler=False, softmax_module=True).eval()
+        ids = torch.randint(0, 50, (16, 12))
+        with torch.no_grad():
+            want = model(ids).numpy()
+        qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ATTENTION + extra, "t.qspec"))
+        qdsl.calibrate(model, [{"input_ids": ids[:8]}, {"input_ids": ids[8:]}])
+        qdsl.freeze(model)
+        with torch.no_grad():
+            fq = model(ids).numpy()
+        graph = qdsl.export(model, {"input_ids": ids[:1]})
+        got = np.asarray(run_graph(graph, ids.numpy(), backend="reference"))
+        results[name] = (_cos(got, want), _cos(got, fq))
+        print(f"\n{name} LayerNorm outputs: cos(graph, float) {results[name][0]:.6f}  "
+              f"cos(graph, fq) {results[name][1]:.7f}")
+    assert results["wide"][0] >= results["8-bit"][0]
+    assert results["wide"][1] >= results["8-bit"][1]
+
+
 @pytest.mark.skipif(not rt.available(), reason="C++ runtime not built")
 def test_tiny_bert_cpp_equals_reference(exported):
+    from qdsl.runtime import kernels as K
+
     graph, ids, _, _ = exported
     want = np.asarray(run_graph(graph, ids, backend="reference"))
-    got = np.asarray(run_graph(graph, ids, backend="cpp"))
-    np.testing.assert_array_equal(got, want)
+    cg = rt.CompiledGraph(graph)
+    for path in K.paths()["cpu"]:  # the wide LAYERNORM outputs and their I32 REQUANTIZEs too
+        np.testing.assert_array_equal(np.asarray(cg.run(ids, path=path)), want, err_msg=f"path {path}")
 
 
 def test_layernorm_with_quantized_input_keeps_the_narrow_form():
@@ -117,11 +161,46 @@ def test_functional_softmax_is_refused_naming_module_and_op():
     torch.manual_seed(0)
     model = TinyBert(pooler=False).eval()
     ids = torch.randint(0, 50, (8, 12))
-    qdsl.apply(model, parse_text(SPEC_FILE.read_text().replace("rule type:LayerNorm", ATTENTION.split("rule type")[0]
-                                                                 + "rule type:LayerNorm"), "t.qspec"))
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ATTENTION.split("rule type")[0], "t.qspec"))
     qdsl.calibrate(model, [{"input_ids": ids}])
     qdsl.freeze(model)
     with pytest.raises(ExportError) as ei:
         qdsl.export(model, {"input_ids": ids[:1]})
     assert ei.value.where == "encoder.layer.0.attention.self"
     assert "softmax" in str(ei.value)
+
+
+class _TwoNorms(torch.nn.Module):
+    """norm1(h) + norm2(h): a residual add of two LayerNorm results, both kept wide."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+        self.norm1, self.norm2, self.norm3 = (torch.nn.LayerNorm(32) for _ in range(3))
+        with torch.no_grad():
+            for n in (self.norm1, self.norm2):
+                n.weight.uniform_(0.5, 3.0)
+                n.bias.uniform_(-1.0, 1.0)
+
+    def forward(self, x):
+        h = self.embed(x)
+        return self.head(self.norm3(self.norm1(h) + self.norm2(h)))
+
+
+def test_add_of_two_wide_layernorm_outputs():
+    # both operands are LAYERNORM I32 outputs, rounded onto the add's grid; C++ == reference
+    torch.manual_seed(3)
+    model = _TwoNorms().eval()
+    x = torch.randn(8, 10, 16)
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + "rule head { output = a8 }\n", "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(x).numpy()
+    graph = qdsl.export(model, x[:1])
+    lns = {op.name: op for op in graph.ops if op.type is OpType.LAYERNORM}
+    assert all(graph.tensor(lns[n].outputs[0]).dtype is DType.I32 for n in ("norm1", "norm2"))
+    got = np.asarray(run_graph(graph, x.numpy(), backend="reference"))
+    assert _cos(got, fq) >= 0.9999
+    if rt.available():
+        np.testing.assert_array_equal(np.asarray(run_graph(graph, x.numpy(), backend="cpp")), got)

@@ -80,10 +80,10 @@ def test_hf_bert_traces_and_stops_at_the_functional_softmax():
     assert "softmax" in str(ei.value)
 
 
-def test_transformer_int8_spec_quantizes_embeddings_and_layernorms():
-    # specs/transformer-int8.qspec: every Embedding (per-row int8 table, 8-bit output) and every
-    # LayerNorm output (its input stays float: the graph reads the residual sum wide) on top of
-    # the Linear layers; the fake-quant model stays close to float
+def test_transformer_int8_spec_quantizes_embeddings_not_layernorms():
+    # specs/transformer-int8.qspec: every Embedding (per-row int8 table, 8-bit output) on top of
+    # the Linear layers, and no LayerNorm quantizer (the graph reads the residual sum wide and
+    # keeps the LayerNorm output wide); the fake-quant model stays close to float
     from pathlib import Path
 
     from qdsl.parse import load_spec
@@ -101,12 +101,12 @@ def test_transformer_int8_spec_quantizes_embeddings_and_layernorms():
     names = set(handle.layers)
     emb = {f"embeddings.{n}_embeddings" for n in ("word", "position", "token_type")}
     norms = {n for n, m in model.named_modules() if isinstance(m, torch.nn.LayerNorm)}
-    assert emb | norms <= names and len(norms) == 5
+    assert emb <= names and len(norms) == 5
     qdsl.calibrate(model, [{"input_ids": ids, "attention_mask": mask}])
     qdsl.freeze(model)
     h = get_handle(model)
     assert all(h.quantizer(n, "output") is not None for n in emb)
-    assert all(h.quantizer(n, "output") is not None and h.quantizer(n, "input") is None for n in norms)
+    assert all(h.quantizer(n, "output") is None and h.quantizer(n, "input") is None for n in norms)
     with torch.no_grad():
         got = model(ids, mask)[0]
     cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0)

@@ -172,6 +172,45 @@ def test_layernorm_matches_reference(seed, d, out, n):
     _check(graph, x)
 
 
+@needs_cpp
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), d=st.sampled_from([DType.U8, DType.I8]), out=st.sampled_from([DType.I8, DType.U8]),
+       n=st.sampled_from([1, 3, 17, 384]), pot=st.booleans())
+def test_wide_output_layernorm_matches_reference(seed, d, out, n, pot):
+    # the wide output: LAYERNORM writes I32 (the accumulator itself, or a random int32-range
+    # stage), an 8-bit consumer reads it through REQUANTIZE (I32 input, zero point 0; rows of
+    # >= 16 elements take the paths' vector stage) and a LAYERNORM reads it as a residual term
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 40))
+    shape = (-1, rows, n)
+    one = OutputStage(Rescale(1, (1,), (0,), 0), 0, -(2**31), 2**31 - 1).attrs()
+    wide_stage = one if rng.random() < 0.5 else _stage(rng, lo=-(2**31), hi=2**31 - 1, pot=pot)
+    ln1 = {**_ln_attrs(rng, n, DType.I32, zp=int(rng.integers(*d.range, endpoint=True))), **wide_stage}
+    lo, hi = out.range
+    rq = {"in_zp": 0, **_stage(rng, lo=lo, hi=hi, pot=pot)}
+    rq_scale = {"rq_kind": 2, "rq_multiplier": [int(rng.integers(2**30, 2**31))], "rq_shift": [int(rng.integers(12, 24))],
+                "rq_rounding": int(rng.integers(0, 4))}
+    rq.update(rq_scale if not pot and rng.random() < 0.5 else {})
+    ln2 = {**_ln_attrs(rng, n, out), **_in_rescales(rng, [DType.I32, out])}
+    tensors = [Tensor("x", d, shape), Tensor("w", DType.I32, shape), Tensor("q", out, shape), Tensor("y", out, shape)]
+    ops = [Op(OpType.LAYERNORM, "ln1", ["x"], ["w"], ln1), Op(OpType.REQUANTIZE, "rq", ["w"], ["q"], rq),
+           Op(OpType.LAYERNORM, "ln2", ["w", "q"], ["y"], ln2)]
+    graph = IntegerGraph(tensors, ["x"], ["w", "q", "y"], ops).validate()
+    x = _rand(rng, d, (int(rng.integers(1, 3)), rows, n))
+    x[0, 0] = x[0, 0, 0]  # a constant row
+    _check(graph, x)
+
+
+def test_requantize_of_i32_needs_zero_point_0():
+    # x - in_zp of an int32 value must stay int32: an I32 input is read at zero point 0
+    # (the op's own rule; an I32 graph input is token ids, so the graph check is not the point)
+    with pytest.raises(GraphFormatError, match="in_zp"):
+        _graph(OpType.REQUANTIZE, [("x", DType.I32, (-1, 4))], {"in_zp": 1, **_stage(np.random.default_rng(0))},
+               validate=False)
+    _graph(OpType.REQUANTIZE, [("x", DType.I32, (-1, 4))], {"in_zp": 0, **_stage(np.random.default_rng(0))},
+           validate=False)
+
+
 def test_layernorm_reference_is_the_formula():
     rng = np.random.default_rng(2)
     n = 24

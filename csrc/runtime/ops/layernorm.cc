@@ -4,7 +4,7 @@
 //   D_i = N·x_i - Σ x,  k = max(0, bitlen(max |D|) - 24),  D_i = round_half_away(D_i / 2^k),
 //   W = Σ D_i² + round_half_away(eps / 4^k),  G = (62 - bitlen(W)) / 2,  R = isqrt(W · 4^G),
 //   Z_i = round_half_away(D_i · 2^(G+16) / R) (0 when R = 0),  acc_i = Z_i·gamma_i + beta_i,
-//   y_i = clamp(rescale(acc_i) + out_zp, out_min, out_max).
+//   y_i = clamp(rescale(acc_i) + out_zp, out_min, out_max)  (I8/U8, or I32: the wide output).
 // k is 0 in the narrow form (one I8/U8 input, identity rescale: |D| < 2^24).
 // W < 2^62 (checked at prepare from N and eps); R < 2^31 and |D_i|·2^G <= R + 1, so the
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
@@ -18,6 +18,7 @@
 // every path.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "dispatch.h"
 #include "qdsl/requant.h"
@@ -66,7 +67,7 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& out = g->tensors[op.outputs[0]];
   const size_t n_in = op.inputs.size();
-  OP_CHECK(IsInt8(out.dtype), "LAYERNORM output must be I8/U8");
+  OP_CHECK(IsInt8(out.dtype) || out.dtype == kI32, "LAYERNORM output must be I8/U8/I32");
   OP_CHECK(!x.is_constant, "LAYERNORM input 0 must be an activation");
   OP_CHECK(shape->size() >= 2 && shape->back() >= 1, "LAYERNORM needs a normalized axis");
   const int64_t n = shape->back();
@@ -221,6 +222,7 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   const int dt1 = act1 ? c.DType(op.inputs[1]) : 0;
   const int64_t n1 = static_cast<int64_t>(p.const1.size());  // a (1, ...) constant repeats per batch row
   uint8_t* y = c.Buf(op.outputs[0]);
+  const bool y32 = c.DType(op.outputs[0]) == kI32;  // the wide output
   const OutputStage& st = p.out.stage;
   ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> d(static_cast<size_t>(n));
@@ -260,7 +262,12 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
           z = (2 * num + root) / (2 * root);
           if (d[i] < 0) z = -z;
         }
-        y[o + i] = static_cast<uint8_t>(ApplyStage(z * p.gamma[i] + p.beta[i], st, 0));
+        const int32_t v = ApplyStage(z * p.gamma[i] + p.beta[i], st, 0);
+        if (y32) {
+          std::memcpy(y + 4 * (o + i), &v, 4);
+        } else {
+          y[o + i] = static_cast<uint8_t>(v);
+        }
       }
     }
   });

@@ -1,7 +1,8 @@
 // REQUANTIZE: y = stage(x - in_zp), per tensor or per channel along axis 1 (docs/qgraph.md
-// §4.1).  Segments of one channel (a plane, or 16K-element chunks of a per-tensor stage) run
-// over the pool; I8/U8 inputs (and I32 with in_zp 0) go through the path's vector output
-// stage (dispatch.h SelectRequantKernel) on int32 rows, else the scalar ApplyStage rule.
+// §4.1); the input is I8/U8, or I32 with in_zp 0 (a wide activation: LAYERNORM's I32 output).
+// Segments of one channel (a plane, or 16K-element chunks of a per-tensor stage) run over the
+// pool; I8/U8 inputs (and I32 with in_zp 0) go through the path's vector output stage
+// (dispatch.h SelectRequantKernel) on int32 rows, else the scalar ApplyStage rule.
 #include <algorithm>
 
 #include "dispatch.h"
@@ -21,9 +22,10 @@ struct RequantizeParams : OpParams {
 Status PrepareRequantize(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& out = g->tensors[op.outputs[0]];
-  OP_CHECK(IsInt8(x.dtype) && IsInt8(out.dtype), "input and output must be I8/U8 (GLOBAL_AVGPOOL input: or I32)");
+  OP_CHECK((IsInt8(x.dtype) || x.dtype == kI32) && IsInt8(out.dtype), "input must be I8/U8/I32, output I8/U8");
   int64_t lo, hi;
   DTypeRange(x.dtype, &lo, &hi);
+  if (x.dtype == kI32) lo = hi = 0;  // a wide activation (LAYERNORM's I32 output): x - in_zp stays int32
   const int64_t in_zp = op.attrs.at("in_zp").i;
   OP_CHECK(in_zp >= lo && in_zp <= hi, "in_zp outside the input dtype");
   auto p = std::make_shared<RequantizeParams>();

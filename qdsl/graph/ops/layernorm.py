@@ -26,6 +26,11 @@ For a row of ``N`` values ``x`` (a zero point cancels)::
     acc_i = Z_i · gamma_i + beta_i
     y_i = clamp(rescale(acc_i) + out_zp, out_min, out_max)
 
+The output is I8/U8, or I32 (the **wide output**: the stage clamps within int32, e.g. the
+accumulator itself with the identity rescale), which a residual add and the next LayerNorm
+read wide while the next Linear's input quantizer is a REQUANTIZE from it (post-norm BERT:
+an 8-bit per-tensor grid cannot hold its residual stream).
+
 ``Z_i = 2^16 · (x_i - mean) / (sqrt(N) · sqrt(var + ε))``: the normalized value divided
 by ``sqrt(N)``, so ``|Z_i| <= 2^16 + 1`` (``D_i² <= W``).  ``gamma`` holds the affine
 weight in codes of at most 14 bits, ``beta`` the bias in accumulator units (``|beta| <=
@@ -103,6 +108,11 @@ def layernorm(xs, a) -> np.ndarray:
     return np.clip(apply_rescale(acc, st.rescale) + st.zero_point, st.qmin, st.qmax)
 
 
+# the wide output (I32) keeps the affine result on a fine grid for a residual stream; the
+# next Linear's input quantizer is then a REQUANTIZE from it
+OUT_DTYPES = INT8_DTYPES + (DType.I32,)
+
+
 def is_narrow(ins, a) -> bool:
     """One I8/U8 input read with the identity rescale: the original op's bounds apply."""
     return (len(ins) == 1 and ins[0].dtype in INT8_DTYPES and a["in_kind"][0] == RescaleKind.POT
@@ -132,9 +142,9 @@ def _infer(c, op, ins, out):
     else:
         c.need(n <= WIDE_MAX_N and eps < 2**61, f"row length {n} (at most {WIDE_MAX_N}) with eps {eps} (below 2^61) "
                                                   "overflows the int64 variance sum of a wide LAYERNORM")
-    c.dt(out, INT8_DTYPES, "output")
+    c.dt(out, OUT_DTYPES, "output")
     check_out(c, out.dtype, 1)
-    return INT8_DTYPES, x.shape
+    return OUT_DTYPES, x.shape
 
 
 OPS = (
@@ -142,5 +152,5 @@ OPS = (
                                            "eps": AttrType.INT, **RQ_ATTRS, **OUT_ATTRS}), _infer,
           lambda op, args, graph, counts: layernorm([a if isinstance(a, np.ndarray) else a.data for a in args], op.attrs),
           "Layer normalization over the last axis of the sum of one or two rescaled inputs (I8/U8/I32): exact "
-          "sums, integer sqrt, fixed-point quotient, affine, one stage."),
+          "sums, integer sqrt, fixed-point quotient, affine, one stage (I8/U8, or I32: the wide output)."),
 )
