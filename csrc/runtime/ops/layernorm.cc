@@ -14,8 +14,8 @@
 // (FloorDivScaledKernel; portable: FloorDivByReciprocal; numerator below 2^51, exact as a
 // double), no int64 division per element, acc_i from int32 copies of gamma
 // and beta, and the vectorized output stage (RequantKernel) over the row of acc.
-// The wide form (two inputs, an I32 input or a non-identity rescale) runs its row as written on
-// every path.
+// The wide form (two inputs, an I32 input, a non-identity rescale or an I32 output) runs its
+// row as written on every path.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -34,7 +34,7 @@ struct LayernormParams : OpParams {
   StageData out;
   std::vector<StageData> in;    // per input: zero point and rescale
   std::vector<int64_t> const1;  // a constant input 1, rescaled at prepare (repeats per batch row)
-  bool narrow = true;           // one I8/U8 input, identity rescale: the header's narrow form
+  bool narrow = true;           // one I8/U8 input, identity rescale, I8/U8 output: the narrow rows
 };
 
 int BitLength(uint64_t v) {
@@ -131,7 +131,7 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
              "row length %lld (at most 8192) with eps %lld (below 2^61) overflows a wide LAYERNORM's variance sum",
              (long long)n, (long long)p->eps);
   }
-  p->narrow = narrow;
+  p->narrow = narrow && IsInt8(out.dtype);  // the wide (I32) output is written by the wide rows
   p->gamma32.assign(p->gamma.begin(), p->gamma.end());
   p->beta32.assign(p->beta.begin(), p->beta.end());
   QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &p->out));
