@@ -28,12 +28,13 @@ import math
 from typing import Any
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["SoftmaxRoles", "quantized_softmax", "masked_positions", "SOFTMAX_FUNCTIONS"]
+__all__ = ["SoftmaxRoles", "TracingRoles", "quantized_softmax", "masked_positions", "SOFTMAX_FUNCTIONS"]
 
 SOFTMAX_FUNCTIONS = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
 """The softmax entry points the roles intercept (``nn.Softmax`` calls ``F.softmax``)."""
@@ -152,3 +153,44 @@ class SoftmaxRoles:
             if not _MODE.stack:
                 _MODE.__exit__(None, None, None)
         return None
+
+
+class TracingRoles(TorchFunctionMode):
+    """Export's counterpart (used by :class:`qdsl.patch.trace.MarkingTracer`): while a module
+    with the roles is traced, a softmax of a traced value gets the ``scores`` marker on its
+    input and the ``probs`` marker on its result (``mark(value, fqn, role)`` makes the node),
+    and ``F.scaled_dot_product_attention`` is traced as its decomposition with the same
+    markers.  Calls on real tensors (the example values the tracer computes) pass through."""
+
+    def __init__(self, mark: Any) -> None:
+        super().__init__()
+        self.mark = mark
+        self.stack: list[tuple[str, bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.stack and (func in SOFTMAX_FUNCTIONS or func is F.scaled_dot_product_attention) \
+                and any(isinstance(a, torch.fx.Proxy) for a in args):
+            fqn, s, p = self.stack[-1]
+            if func is F.scaled_dot_product_attention:
+                return self._sdpa(fqn, s, p, *args, **kwargs)
+            x, dim, _dtype = _softmax_call(func, args, kwargs)  # dtype: the traced values are float32
+            return self._softmax(fqn, s, p, x, dim)
+        return func(*args, **kwargs)
+
+    def _softmax(self, fqn: str, s: bool, p: bool, x: Any, dim: int) -> Any:
+        if s:
+            x = self.mark(x, fqn, "scores")
+        y = F.softmax(x, dim)
+        return self.mark(y, fqn, "probs") if p else y
+
+    def _sdpa(self, fqn, s, p, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if is_causal or enable_gqa:
+            raise QdslError(f"'{fqn or '<model>'}': scaled_dot_product_attention with "
+                            f"{'is_causal' if is_causal else 'enable_gqa'} has no integer lowering")
+        factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        scores = torch.matmul(query, key.transpose(-2, -1)) * factor
+        if attn_mask is not None:
+            scores = scores + attn_mask  # a mask expression (qdsl.export.lower_mask) or refused there
+        return torch.matmul(self._softmax(fqn, s, p, scores, -1), value)

@@ -125,3 +125,50 @@ def test_functional_softmax_is_refused_naming_module_and_op():
         qdsl.export(model, {"input_ids": ids[:1]})
     assert ei.value.where == "encoder.layer.0.attention.self"
     assert "softmax" in str(ei.value)
+
+
+ROLES = """
+rule re:'.*\\.(query|key|value|intermediate\\.dense)' { output = a8 }
+rule re:'.*attention\\.self' { scores = a8  probs = a8 }
+"""
+
+
+def _roles_export(mask: bool, layers: int = 2):
+    torch.manual_seed(0)
+    model = TinyBert(pooler=False, layers=layers).eval()
+    ids = torch.randint(0, 50, (16, 12))
+    am = torch.ones(16, 12, dtype=torch.long)
+    am[::2, 7:] = 0  # padding in every other sentence
+    am[1, 2:] = 0
+
+    def kw(sl):
+        return {"input_ids": ids[sl], **({"attention_mask": am[sl]} if mask else {})}
+    with torch.no_grad():
+        want = model(**kw(slice(None))).numpy()
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ROLES, "t.qspec"))
+    qdsl.calibrate(model, [kw(slice(0, 8)), kw(slice(8, 16))])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(**kw(slice(None))).numpy()
+    graph = qdsl.export(model, kw(slice(0, 1)))
+    inputs = {"input_ids": ids.numpy(), "attention_mask": am.numpy()} if mask else ids.numpy()
+    return graph, inputs, want, fq, am.numpy()
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "mask"])
+def test_functional_softmax_exports_with_scores_probs_roles(mask):
+    # Hugging Face's eager attention: F.softmax inside the self-attention module, whose
+    # scores/probs roles put the quantizers around it
+    graph, inputs, want, fq, am = _roles_export(mask)
+    op = OpType.SOFTMAX_MASKED if mask else OpType.SOFTMAX
+    assert sum(o.type is op for o in graph.ops) == 2
+    got = np.asarray(run_graph(graph, inputs, backend="reference"))
+    if mask:  # padded tokens' states are not compared (the model computes them, nobody reads them)
+        keep = am.astype(bool)
+        got, want, fq = got[keep], want[keep], fq[keep]
+    print(f"\n{op.name}: cos(graph, float) {_cos(got, want):.6f}  cos(fq, float) {_cos(fq, want):.6f}  "
+          f"cos(graph, fq) {_cos(got, fq):.7f}")
+    assert _cos(got, want) >= 0.999 and _cos(got, fq) >= 0.9999
+    if rt.available():
+        np.testing.assert_array_equal(np.asarray(run_graph(graph, inputs, backend="cpp")),
+                                      np.asarray(run_graph(graph, inputs, backend="reference")))
