@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OutputStage
@@ -79,6 +80,12 @@ class _ShapeRecorder(torch.fx.Interpreter):
 
     def fetch_attr(self, target: str) -> Any:
         return self.module if target == "" else super().fetch_attr(target)  # the model is the layer
+
+
+def _dropout_active(args, kwargs) -> bool:
+    call = dict(zip(("input", "p", "training", "inplace"), args))
+    call.update(kwargs)
+    return bool(call.get("training", True)) and float(call.get("p", 0.5)) > 0.0
 
 
 def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = None,
@@ -251,6 +258,8 @@ class _Lowerer:
             if isinstance(args[0], MaskedScores):  # the scores quantizer reads the scores alone
                 return MaskedQ(args[0].origin, self.quantize(args[0].scores, args[1], args[2]), args[0].mask)
             return self.quantize(args[0], args[1], args[2])
+        if fn is F.dropout and not _dropout_active(args, kwargs):
+            return args[0]  # eager attention's dropout on the probabilities, in eval: the identity
         masked = self._mask_call("function", fn, args, kwargs, where, node)
         if masked is not NOT_A_MASK:
             return masked
@@ -270,7 +279,8 @@ class _Lowerer:
 
     def call_method(self, node, name: str, args) -> Any:
         where = self.where(node)
-        masked = self._mask_call("method", name, args, {}, where, node)
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
+        masked = self._mask_call("method", name, args, kwargs, where, node)
         if masked is not NOT_A_MASK:
             return masked
         construct = _METHOD_RULES.get(name)

@@ -192,5 +192,9 @@ class TracingRoles(TorchFunctionMode):
         factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         scores = torch.matmul(query, key.transpose(-2, -1)) * factor
         if attn_mask is not None:
-            scores = scores + attn_mask  # a mask expression (qdsl.export.lower_mask) or refused there
+            # a mask expression (qdsl.export.lower_mask) or refused there; sdpa's bool mask
+            # (True = attend) as its additive form (the dtype check needs the example trace)
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.where(attn_mask, 0.0, float("-inf"))
+            scores = scores + attn_mask
         return torch.matmul(self._softmax(fqn, s, p, scores, -1), value)
