@@ -303,6 +303,11 @@ class _Lowerer:
             call = dict(zip(("input", "dim"), args))
             call.update(kwargs)
             return masked_softmax(where, args[0], int(call.get("dim", -1)), self.shape(node))
+        if args and isinstance(args[0], MaskedScores) and (target in SOFTMAX_FUNCTIONS or target == "softmax"):
+            raise ExportError(where, "the softmax reads masked attention scores that no quantizer quantized "
+                                     "(no module returns them)",
+                              f"give '{where or '<model>'}' the scores and probs roles: "
+                              f"rule {where or '<model>'} {{ scores = a8  probs = a8 }}")
         if args and isinstance(args[0], (MaskedScores, MaskedQ)):
             raise ExportError(where, f"the masked attention scores are read by {getattr(target, '__name__', target)} "
                                      f"('{node.name}'), which has no integer lowering: only the softmax may read them")
