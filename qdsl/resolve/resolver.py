@@ -317,11 +317,12 @@ class _Resolver:
         roles: dict[Role, QuantizerRecipe | None] = {}
         gran_spans: dict[Role, Span] = {}
         for role in entry.roles:
-            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles or (role.refines is not None and role.refines in b.roles)]
+            parent = entry.inherits(role)
+            srcs = [(lvl, b) for lvl, b in bodies if role in b.roles or (parent is not None and parent in b.roles)]
             if skip or not srcs:
                 roles[role] = None
                 continue
-            roles[role] = self._role(role, srcs, prov, conflicts, diags, gran_spans, entry.type_name)
+            roles[role] = self._role(role, srcs, prov, conflicts, diags, gran_spans, entry.type_name, parent)
         problem = bias_scale_problem(roles, entry.type_name)  # the one rule (qdsl/resolve/invariants.py)
         if problem is not None:
             p = prov[(Role.BIAS, "scale")]
@@ -368,6 +369,7 @@ class _Resolver:
         diags: list[Diagnostic],
         gran_spans: dict[Role, Span],
         type_name: str,
+        parent: Role | None = None,
     ) -> QuantizerRecipe | None:
         """Cascade, override, fill and validate one role; None when it ends up in float."""
         won: dict[str, FieldProvenance] = {}
@@ -378,8 +380,8 @@ class _Resolver:
                 # a refining role (weight_ih) beats the role it refines (weight) at one level
                 if field in b.roles.get(role, {}):
                     cands.append((lvl, b, b.roles[role][field], 1, role))
-                elif role.refines is not None and field in b.roles.get(role.refines, {}):
-                    cands.append((lvl, b, b.roles[role.refines][field], 0, role.refines))
+                elif parent is not None and field in b.roles.get(parent, {}):
+                    cands.append((lvl, b, b.roles[parent][field], 0, parent))
             if cands:
                 won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
         kind = won["kind"].value if "kind" in won else Kind.INT
@@ -387,7 +389,7 @@ class _Resolver:
             prov[(role, "kind")] = won["kind"]
             return None
         # overrides only touch roles that are quantized at this point
-        ov_fields = dict(self.prep.overrides.roles.get(role.refines, {})) if role.refines is not None else {}
+        ov_fields = dict(self.prep.overrides.roles.get(parent, {})) if parent is not None else {}
         ov_fields.update(self.prep.overrides.roles.get(role, {}))
         for field, c in ov_fields.items():
             below = won.get(field)

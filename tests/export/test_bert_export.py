@@ -204,3 +204,76 @@ def test_add_of_two_wide_layernorm_outputs():
     assert _cos(got, fq) >= 0.9999
     if rt.available():
         np.testing.assert_array_equal(np.asarray(run_graph(graph, x.numpy(), backend="cpp")), got)
+
+
+ROLES = """
+rule re:'.*\\.(query|key|value|intermediate\\.dense)' { output = a8 }
+rule re:'.*attention\\.self' { scores = a8  probs = a8 }
+"""
+
+
+def _roles_export(mask: bool, layers: int = 2):
+    torch.manual_seed(0)
+    model = TinyBert(pooler=False, layers=layers).eval()
+    ids = torch.randint(0, 50, (16, 12))
+    am = torch.ones(16, 12, dtype=torch.long)
+    am[::2, 7:] = 0  # padding in every other sentence
+    am[1, 2:] = 0
+
+    def kw(sl):
+        return {"input_ids": ids[sl], **({"attention_mask": am[sl]} if mask else {})}
+    with torch.no_grad():
+        want = model(**kw(slice(None))).numpy()
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ROLES, "t.qspec"))
+    qdsl.calibrate(model, [kw(slice(0, 8)), kw(slice(8, 16))])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(**kw(slice(None))).numpy()
+    graph = qdsl.export(model, kw(slice(0, 1)))
+    inputs = {"input_ids": ids.numpy(), "attention_mask": am.numpy()} if mask else ids.numpy()
+    return graph, inputs, want, fq, am.numpy()
+
+
+@pytest.mark.parametrize("mask", [False, True], ids=["no-mask", "mask"])
+def test_functional_softmax_exports_with_scores_probs_roles(mask):
+    # Hugging Face's eager attention: F.softmax inside the self-attention module, whose
+    # scores/probs roles put the quantizers around it
+    graph, inputs, want, fq, am = _roles_export(mask)
+    op = OpType.SOFTMAX_MASKED if mask else OpType.SOFTMAX
+    assert sum(o.type is op for o in graph.ops) == 2
+    got = _out(run_graph(graph, inputs, backend="reference"))
+    if mask:  # padded tokens' states are not compared (the model computes them, nobody reads them)
+        keep = am.astype(bool)
+        got, want, fq = got[keep], want[keep], fq[keep]
+    print(f"\n{op.name}: cos(graph, float) {_cos(got, want):.6f}  cos(fq, float) {_cos(fq, want):.6f}  "
+          f"cos(graph, fq) {_cos(got, fq):.7f}")
+    assert _cos(got, want) >= 0.999 and _cos(got, fq) >= 0.9999
+    if rt.available():
+        np.testing.assert_array_equal(_out(run_graph(graph, inputs, backend="cpp")),
+                                      _out(run_graph(graph, inputs, backend="reference")))
+
+
+def _out(result):
+    return np.asarray(result["output"] if isinstance(result, dict) else result)
+
+
+class _OddMask(TinyBert):
+    # an additive mask that is not 0 / finfo.min: scaled by 0.5 after the fact
+    def forward(self, input_ids, attention_mask=None):
+        ext = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * -0.5
+        return self.encoder(self.embeddings(input_ids), ext)
+
+
+def test_a_mask_that_is_not_a_padding_mask_is_refused_naming_module_and_op():
+    torch.manual_seed(0)
+    model = _OddMask(pooler=False, layers=1).eval()
+    ids = torch.randint(0, 50, (4, 12))
+    am = torch.ones(4, 12, dtype=torch.long)
+    am[0, 6:] = 0
+    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ROLES, "t.qspec"))
+    qdsl.calibrate(model, [{"input_ids": ids, "attention_mask": am}])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError) as ei:
+        qdsl.export(model, {"input_ids": ids[:1], "attention_mask": am[:1]})
+    assert ei.value.where == "encoder.layer.0.attention.self"
+    assert "not a padding mask" in str(ei.value) and "attention_mask" in str(ei.value)

