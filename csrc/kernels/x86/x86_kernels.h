@@ -31,7 +31,7 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
                         int64_t ldc, bool accumulate);
 // Implicit-GEMM conv kernel (dispatch.h IgemmKernel's contract), the S == 1 sequence above.
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
-                   int32_t* c, int64_t ldc, bool accumulate);
+                   int32_t* c, int64_t ldc, const int32_t* init);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
 void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                       int64_t c0, int32_t* out, int64_t ldo);

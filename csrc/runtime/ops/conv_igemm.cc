@@ -145,14 +145,14 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     const int64_t ld = (n1 - n0) * 16, c0 = n0 * 16, cols = std::min(O, n1 * 16) - c0;
     thread_local AlignedVector<int32_t> acc;
     if (acc.size() < static_cast<size_t>(m * ld)) acc.resize(static_cast<size_t>(m * ld));
-    for (int64_t i = 0; i < m; ++i)
-      std::memcpy(acc.data() + i * ld, p.ig_cinit.data() + c0, static_cast<size_t>(ld) * 4);
-    // weight panel outer: it stays in L1/L2 while the block's strips run over it
+    // weight panel outer: it stays in L1/L2 while the block's strips run over it; each call
+    // covers all of K, so its sums start at the panel's start values (no copy into acc)
     for (int64_t np = n0; np < n1; ++np) {
       const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+      const int32_t* init = p.ig_cinit.data() + np * 16;
       for (int64_t s = 0; s < m; s += 6)
         kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
-               acc.data() + s * ld + (np - n0) * 16, ld, true);
+               acc.data() + s * ld + (np - n0) * 16, ld, init);
     }
     const int64_t first = b * P + p0;  // NHWC: the block's first position
     if (out_dtype != kI32) {
