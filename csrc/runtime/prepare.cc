@@ -78,22 +78,50 @@ bool AmxImplicitConv(const GraphOp& op) {
   return p != nullptr && p->amx_conv && p->fast_acc && p->spatial > 0;
 }
 
-// Graph::nhwc: start from every tensor an AMX implicit conv or an ADD produces, then drop
-// tensors with another reader (or that are graph outputs) until stable; an ADD keeps both
-// inputs and its output in one layout (it is elementwise: any layout, but the same).
+// Depthwise convs that run channels-last (DepthwiseConvNhwc, on every path but the
+// reference one: ConvParams::dw_nhwc and no twins) read their input and write their output
+// in either layout, so both sides may be NHWC.  Not a twin of another conv either (a twin's
+// output is written by the conv it twins, NCHW).  Not in graphs with AMX implicit convs:
+// those keep NHWC only on runs that have the AMX kernels, the depthwise convs on every fast
+// run, so a tensor between the two could be read in the wrong layout on a forced path (and a
+// one-channel depthwise conv is itself a groups-1 conv the AMX plan may claim).
+// ConvParams::dw_nhwc stays set only on the convs chosen here (the executor reads it).
+std::vector<char> NhwcDepthwise(Graph* g) {
+  std::vector<char> dw(g->ops.size(), 0), twin(g->ops.size(), 0);
+  bool amx = false;
+  for (const GraphOp& op : g->ops) {
+    amx = amx || AmxImplicitConv(op);
+    if (const ConvParams* p = AsConv(op))
+      for (int32_t j : p->twins) twin[j] = 1;
+  }
+  for (size_t i = 0; i < g->ops.size(); ++i) {
+    ConvParams* p = AsConv(g->ops[i]);
+    if (p == nullptr) continue;
+    dw[i] = !amx && p->dw_nhwc && p->twins.empty() && !twin[i];
+    p->dw_nhwc = dw[i];
+  }
+  return dw;
+}
+
+// Graph::nhwc: start from every tensor an AMX implicit conv, an NHWC depthwise conv or an
+// ADD produces, then drop tensors with another reader (or that are graph outputs) until
+// stable; an ADD keeps both inputs and its output in one layout (it is elementwise: any
+// layout, but the same).
 void PlanNhwc(Graph* g) {
   const size_t nt = g->tensors.size();
   std::vector<char>& s = g->nhwc;
   s.assign(nt, 0);
-  for (const GraphOp& op : g->ops)
-    if (AmxImplicitConv(op) || op.opcode == kAdd) s[op.outputs[0]] = 1;
+  const std::vector<char> dw = NhwcDepthwise(g);
+  for (size_t i = 0; i < g->ops.size(); ++i)
+    if (AmxImplicitConv(g->ops[i]) || g->ops[i].opcode == kAdd || dw[i]) s[g->ops[i].outputs[0]] = 1;
   for (uint32_t t : g->outputs) s[t] = 0;
   for (bool changed = true; changed;) {
     changed = false;
-    for (const GraphOp& op : g->ops) {
+    for (size_t i = 0; i < g->ops.size(); ++i) {
+      const GraphOp& op = g->ops[i];
       for (size_t k = 0; k < op.inputs.size(); ++k) {
         const uint32_t t = op.inputs[k];
-        const bool reads_nhwc = (AmxImplicitConv(op) && k == 0) || op.opcode == kAdd;
+        const bool reads_nhwc = ((AmxImplicitConv(op) || dw[i]) && k == 0) || op.opcode == kAdd;
         if (s[t] && !reads_nhwc) {
           s[t] = 0;
           changed = true;

@@ -21,7 +21,14 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
   if (p.spatial > 0 && p.amx_conv && p.fast_acc) {
     if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
   }
-  if (p.depthwise && path != kPathRef) return DepthwiseConv(g, op, batch, path, overflow);
+  if (p.depthwise && path != kPathRef) {
+    // channels-last when PlanNhwc chose it (dw_nhwc) and a neighbour keeps NHWC tensors;
+    // between NCHW tensors the transposes in and out cost more than the plane kernel
+    // (benchmarks/dw_nhwc.py).  (Graph::nhwc alone is not enough: a one-channel depthwise
+    // conv is also a groups-1 conv, whose tensors the AMX plan may mark for AMX runs only.)
+    if (p.dw_nhwc && (g->nhwc[op.inputs[0]] || g->nhwc[op.outputs[0]])) return DepthwiseConvNhwc(g, op, batch, path);
+    return DepthwiseConv(g, op, batch, path, overflow);
+  }
   if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
   const Geometry e = Geo(g, op, batch);
   const int out_dtype = g->tensors[op.outputs[0]].dtype;
