@@ -184,13 +184,21 @@ void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
 // with M the lane's multiplier.  The channel parameters are copied in chunks of kChunk into
 // aligned arrays padded with zeros (a partial last vector then reads no past-the-end
 // memory).  false: some right shift < 0, nothing written (the caller takes the integer form).
+// 2^-(31 + right) for right in [0, 31]: multiplying by it equals SingleRowsF32's division
+// by 2^31 and 2^right bit for bit (powers of two scale exactly), without a division per
+// channel and call (this stage runs once per pixel row).
+constexpr double kInvPow2[32] = {
+    0x1p-31, 0x1p-32, 0x1p-33, 0x1p-34, 0x1p-35, 0x1p-36, 0x1p-37, 0x1p-38, 0x1p-39, 0x1p-40, 0x1p-41,
+    0x1p-42, 0x1p-43, 0x1p-44, 0x1p-45, 0x1p-46, 0x1p-47, 0x1p-48, 0x1p-49, 0x1p-50, 0x1p-51, 0x1p-52,
+    0x1p-53, 0x1p-54, 0x1p-55, 0x1p-56, 0x1p-57, 0x1p-58, 0x1p-59, 0x1p-60, 0x1p-61, 0x1p-62};
+
 template <Rounding R>
 bool ChannelRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
                     uint8_t* out, int64_t ldo, bool out_signed) {
   constexpr int64_t kChunk = 256;
   const Rescale& rs = stage.rescale;
   for (int64_t c = 0; c < cols; ++c)
-    if (rs.shift[c0 + c] < 0) return false;
+    if (rs.shift[c0 + c] < 0 || rs.shift[c0 + c] > 31) return false;
   const int32_t lo = stage.qmin - stage.zero_point, hi = stage.qmax - stage.zero_point;
   const int64_t alo = lo < 0 ? -int64_t{lo} : lo, ahi = hi < 0 ? -int64_t{hi} : hi;
   const double bound = double(alo > ahi ? alo : ahi) + 1.0, u = 1.0 / 16777216.0;  // u = 2^-24
@@ -208,7 +216,7 @@ bool ChannelRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
       const int32_t m = i < nc ? rs.multiplier[c0 + cb + i] : 0, right = i < nc ? rs.shift[c0 + cb + i] : 0;
       mults[i] = m;
       shifts[i] = right;
-      mfs[i] = static_cast<float>(double(m) / 2147483648.0 / double(int64_t{1} << right));
+      mfs[i] = static_cast<float>(double(m) * kInvPow2[right]);  // = m / 2^(31 + right), exactly
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int32_t* a = acc + r * lda + cb;
