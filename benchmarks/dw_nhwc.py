@@ -1,6 +1,8 @@
 """Per-op wall time of MobileNetV2's depthwise convs (3x3, U8 activations, per-channel
-FIXED_SINGLE stage with a ReLU6-style clamp, batch 1, 1 thread) on the NCHW plane path
-(csrc/runtime/ops/conv_dw.cc) and the NHWC path (conv_dw_nhwc.cc), from QDSL_PROFILE.
+FIXED_SINGLE stage with a ReLU6-style clamp, batch 1, 1 thread) between NCHW tensors and
+between NHWC tensors (conv_dw_nhwc.cc), from QDSL_PROFILE.  Between NCHW tensors the
+runtime takes the plane path (conv_dw.cc), except on output planes of at most 8 x 8, which
+go channels-last with transposes in and out (conv_exec.cc): there the NCHW column is that.
 
 Each shape runs as the middle conv of a chain dw -> dw(shape) -> dw: with the two inner
 tensors NHWC (PlanNhwc keeps them between depthwise convs) the middle conv reads and
@@ -82,7 +84,7 @@ def main(argv=None) -> None:
 
     rt.set_num_threads(1)
     print(f"load average before {load_average()}")
-    print(f"{'C':>4s} {'HxW':>7s} {'s':>2s} {'NCHW plane ms':>20s} {'NHWC ms':>20s} {'NHWC/NCHW':>10s}")
+    print(f"{'C':>4s} {'HxW':>7s} {'s':>2s} {'NCHW tensors ms':>20s} {'NHWC tensors ms':>20s} {'NHWC/NCHW':>10s}")
     for c, hw, stride in SHAPES:
         rng = np.random.default_rng(0)
         x = rng.integers(0, 128, (1, c, hw, hw)).astype(np.uint8)  # 7-bit codes, as in MobileNetV2 a7
