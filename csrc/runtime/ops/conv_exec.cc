@@ -24,7 +24,8 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
   if (p.depthwise && path != kPathRef) {
     // channels-last when PlanNhwc allows it (dw_nhwc) and a neighbour keeps NHWC tensors, or
     // on small output planes (at most 8 x 8: the plane kernel's rows of 16-output blocks are
-    // mostly empty there, and channels-last with the transposes in and out measured faster);
+    // mostly empty there; channels-last with the transposes in and out measured faster on
+    // lone convs, and no slower inside MobileNetV2);
     // between NCHW tensors on larger planes the transposes cost more than the plane kernel
     // saves.  (Graph::nhwc alone is not enough: a one-channel depthwise conv is also a
     // groups-1 conv, whose tensors the AMX plan may mark for AMX runs only.)
