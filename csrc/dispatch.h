@@ -128,6 +128,12 @@ using DwConvKernel = void (*)(const int16_t* plane, int64_t ldp, const DwConvSha
                               const int32_t* pairs, int32_t init, int32_t* acc, int64_t lda);
 // AVX2 for sw <= 2 and dw == 1 on every path from AVX2 up, else the portable loops.
 DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path);
+// Depthwise conv in NHWC over tap pointers (DwConvNhwc contract in qdsl/gemm.h): AVX2 on
+// every path from AVX2 up, else the portable loops (never nullptr).
+using DwNhwcKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                              const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc,
+                              int64_t ldc);
+DwNhwcKernel SelectDwNhwcKernel(uint32_t path);
 // The interior of a depthwise conv's zero-padded int16 plane: rows [ph, min(rows, ph + H))
 // hold input row r - ph minus zp at columns [pw, pw + W) (I8 codes when x_signed, else U8);
 // may also zero up to 16 columns past pw + W (ldp >= pw + W + 16).  nullptr: no vector kernel.

@@ -112,6 +112,9 @@ void QuantizeF32Avx2(const float* x, int64_t n, float inv, int32_t zp, int32_t q
 // dw 1, blocks of 16 outputs per row.
 void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps, const int32_t* pairs,
                 int32_t init, int32_t* acc, int64_t lda);
+// Depthwise conv in NHWC (DwNhwcKernel in dispatch.h; dwconv_nhwc_avx2.cc): 16 channels per step.
+void DwConvNhwcAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                    const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc, int64_t ldc);
 // Padded int16 plane interior of a depthwise conv (DwFillKernel in dispatch.h).
 void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
                      int64_t ldp, int32_t zp, int16_t* xp);

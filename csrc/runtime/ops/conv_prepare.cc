@@ -79,6 +79,26 @@ void PrepareDepthwise(ConvParams* pp) {
         p.dw_pairs[(oc * p.kh + ky) * npairs + kx / 2] |= static_cast<int32_t>(v << (16 * (kx % 2)));
       }
   p.depthwise = true;
+  if (p.cout != p.cin || !p.fast_stage || p.bin_out) return;
+  const int64_t C = p.cin, cols = DwNhwcCols(C), np = (taps + 1) / 2;
+  p.dwn_taps.assign(static_cast<size_t>(taps * cols), 0);
+  p.dwn_pairs.assign(static_cast<size_t>(cols * np), 0);
+  p.dwn_init.assign(static_cast<size_t>(cols), 0);
+  for (int64_t c = 0; c < C; ++c) {
+    int64_t sum = 0;
+    for (int64_t t = 0; t < taps; ++t) {
+      const int32_t v = p.dw_taps[c * taps + t];
+      sum += v;
+      p.dwn_taps[t * cols + c] = v;
+      const uint32_t half = static_cast<uint16_t>(static_cast<int16_t>(v));  // |v| <= 511
+      int32_t& pair = p.dwn_pairs[((c / 16) * np + t / 2) * 16 + kDwNhwcLane[c % 16]];
+      pair = static_cast<int32_t>(static_cast<uint32_t>(pair) | (half << (16 * (t % 2))));
+    }
+    const int64_t init = (p.bias.empty() ? 0 : p.bias[c]) - int64_t{p.in_zp} * sum;
+    p.dwn_init[c] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(init)));
+  }
+  p.dwn_zrow.assign(static_cast<size_t>(cols), static_cast<uint8_t>(p.in_zp));
+  p.dw_nhwc = true;
 }
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
