@@ -103,23 +103,17 @@ void PrepareDepthwise(ConvParams* pp) {
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
 // vpmaddubsw kernel is exact on them for the input's codes and the shape is one where it
-// beats the gathered-panel conv (measured on ResNet-18 and MobileNetV2 convs, AVX2):
-//   K = taps x C >= 128 and O >= 64, or a strided 1x1 conv with C >= 64 and O >= 128
-//   (ResNet's downsample convs); not 1x1 convs that widen more than 4x (MobileNetV2's
-//   expansions: their outputs go to NCHW depthwise convs through a transpose, and those
-//   depthwise convs then ran slower by more than the expansion gained).
-// Below that (MobileNetV2's 16..96-channel expansions, its 24/32-channel projections, an
-// RGB stem) the kernel's per-call accumulator loads and stores, the 16-channel panel tails
-// and the NHWC copies to and from the NCHW depthwise convs cost more than the gather saves.
+// beats the gathered-panel conv (measured per op inside MobileNetV2 and ResNet-18, AVX2, with
+// the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 24 and O >= 24.  Below
+// that (MobileNetV2's 16-channel layers at 112 x 112: its 16 -> 96 expansion and 32 -> 16
+// projection) the NCHW gathered conv and the plane depthwise kernel next to it are faster.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
   // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
   // row pointer loads)
   if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.w8.empty() || p.cin < 8 || out.dtype == kBin) return;
   const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
-  const bool strided = p.sh > 1 || p.sw > 1;
-  const bool pays = ((taps * cp >= 128 && O >= 64) || (taps == 1 && strided && p.cin >= 64 && O >= 128)) &&
-                    !(taps == 1 && O > 4 * p.cin);
+  const bool pays = taps * cp >= 24 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
   const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
