@@ -380,6 +380,14 @@ DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path) {
   return portable::DwConv;
 }
 
+DwNhwcKernel SelectDwNhwcKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::DwConvNhwcAvx2;  // every path from AVX2 up has AVX2
+#endif
+  (void)path;
+  return portable::DwConvNhwc;
+}
+
 DwFillKernel SelectDwFillKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2) return x86::DwFillPlaneAvx2;

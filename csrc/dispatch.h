@@ -103,11 +103,12 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
 // (maddubs_steps >= 1); nullptr when neither applies (the int16 kernels run).
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path);
 // Implicit-GEMM conv micro-kernel (x86::IgemmU8S8Avx2, csrc/kernels/x86/igemm_u8s8_6x16_avx2.cc):
-// c[r][0..16) (+)= sum over taps t and k-quads j of the u8 bytes ind[r * taps + t][4j..4j+3]
-// times the s8 panel quad (t * cquads + j) (16 channels x 4 bytes), for rows <= 6 positions.
+// c[r][0..16) = start + sum over taps t and k-quads j of the u8 bytes ind[r * taps + t][4j..4j+3]
+// times the s8 panel quad (t * cquads + j) (16 channels x 4 bytes), for rows <= 6 positions;
+// start is init[0..16) for every row, or c[r]'s own values when init is nullptr.
 // Exact when the weights allow one int16 pair sum (MaddubsStepsFor >= 1).
 using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
-                             int32_t* c, int64_t ldc, bool accumulate);
+                             int32_t* c, int64_t ldc, const int32_t* init);
 // nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs).
 IgemmKernel SelectIgemmKernel(uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
@@ -135,6 +136,12 @@ using DwConvKernel = void (*)(const int16_t* plane, int64_t ldp, const DwConvSha
                               const int32_t* pairs, int32_t init, int32_t* acc, int64_t lda);
 // AVX2 for sw <= 2 and dw == 1 on every path from AVX2 up, else the portable loops.
 DwConvKernel SelectDwConvKernel(const DwConvShape& s, uint32_t path);
+// Depthwise conv in NHWC over tap pointers (DwConvNhwc contract in qdsl/gemm.h): AVX2 on
+// every path from AVX2 up, else the portable loops (never nullptr).
+using DwNhwcKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                              const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc,
+                              int64_t ldc);
+DwNhwcKernel SelectDwNhwcKernel(uint32_t path);
 // The interior of a depthwise conv's zero-padded int16 plane: rows [ph, min(rows, ph + H))
 // hold input row r - ph minus zp at columns [pw, pw + W) (I8 codes when x_signed, else U8);
 // may also zero up to 16 columns past pw + W (ldp >= pw + W + 16).  nullptr: no vector kernel.

@@ -220,6 +220,85 @@ void SingleRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, 
   }
 }
 
+// SingleRowsF32's estimate with a multiplier and right shift per column (FIXED_SINGLE with
+// per-channel parameters, column c is channel c0 + c: the NHWC depthwise conv's rows of
+// pixels).  The proof above is per lane (lo, hi and zp are the stage's), so it carries over
+// with M the lane's multiplier.  The channel parameters are copied in chunks of kChunk into
+// aligned arrays padded with zeros (a partial last vector then reads no past-the-end
+// memory).  false: some right shift < 0, nothing written (the caller takes the integer form).
+// 2^-(31 + right) for right in [0, 31]: multiplying by it equals SingleRowsF32's division
+// by 2^31 and 2^right bit for bit (powers of two scale exactly), without a division per
+// channel and call (this stage runs once per pixel row).
+constexpr double kInvPow2[32] = {
+    0x1p-31, 0x1p-32, 0x1p-33, 0x1p-34, 0x1p-35, 0x1p-36, 0x1p-37, 0x1p-38, 0x1p-39, 0x1p-40, 0x1p-41,
+    0x1p-42, 0x1p-43, 0x1p-44, 0x1p-45, 0x1p-46, 0x1p-47, 0x1p-48, 0x1p-49, 0x1p-50, 0x1p-51, 0x1p-52,
+    0x1p-53, 0x1p-54, 0x1p-55, 0x1p-56, 0x1p-57, 0x1p-58, 0x1p-59, 0x1p-60, 0x1p-61, 0x1p-62};
+
+template <Rounding R>
+bool ChannelRowsF32(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage, int64_t c0,
+                    uint8_t* out, int64_t ldo, bool out_signed) {
+  constexpr int64_t kChunk = 256;
+  const Rescale& rs = stage.rescale;
+  for (int64_t c = 0; c < cols; ++c)
+    if (rs.shift[c0 + c] < 0 || rs.shift[c0 + c] > 31) return false;
+  const int32_t lo = stage.qmin - stage.zero_point, hi = stage.qmax - stage.zero_point;
+  const int64_t alo = lo < 0 ? -int64_t{lo} : lo, ahi = hi < 0 ? -int64_t{hi} : hi;
+  const double bound = double(alo > ahi ? alo : ahi) + 1.0, u = 1.0 / 16777216.0;  // u = 2^-24
+  const double e = bound * (8 * u) + u;
+  const __m256 thr = _mm256_set1_ps(static_cast<float>(0.5 - 2 * e - u));
+  const __m256 lof = _mm256_set1_ps(float(lo)), hif = _mm256_set1_ps(float(hi));
+  const __m256 half = _mm256_set1_ps(0.5f), sign = _mm256_set1_ps(-0.0f);
+  const __m256i zp = _mm256_set1_epi32(stage.zero_point);
+  const __m256i loi = _mm256_set1_epi32(lo), hii = _mm256_set1_epi32(hi);
+  alignas(32) float mfs[kChunk];
+  alignas(32) int32_t mults[kChunk], shifts[kChunk];
+  for (int64_t cb = 0; cb < cols; cb += kChunk) {
+    const int64_t nc = cols - cb < kChunk ? cols - cb : kChunk, padded = (nc + 7) / 8 * 8;
+    for (int64_t i = 0; i < padded; ++i) {
+      const int32_t m = i < nc ? rs.multiplier[c0 + cb + i] : 0, right = i < nc ? rs.shift[c0 + cb + i] : 0;
+      mults[i] = m;
+      shifts[i] = right;
+      mfs[i] = static_cast<float>(double(m) * kInvPow2[right]);  // = m / 2^(31 + right), exactly
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int32_t* a = acc + r * lda + cb;
+      uint8_t* o = out + r * ldo + cb;
+      for (int64_t c = 0; c < nc; c += 8) {
+        const int64_t n = nc - c < 8 ? nc - c : 8;
+        __m256i x;
+        if (n == 8) {
+          x = LoadI32(a + c);
+        } else {  // masked lanes read as 0 and do not touch memory
+          const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          x = _mm256_maskload_epi32(a + c, mask);
+        }
+        __m256 xf = _mm256_mul_ps(_mm256_cvtepi32_ps(x), _mm256_load_ps(mfs + c));
+        if (R == Rounding::kFloor) xf = _mm256_sub_ps(xf, half);
+        xf = _mm256_min_ps(_mm256_max_ps(xf, lof), hif);
+        const __m256 rf = _mm256_round_ps(xf, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 flag = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(xf, rf)), thr, _CMP_GT_OQ);
+        __m256i y = _mm256_add_epi32(_mm256_cvtps_epi32(rf), zp);  // rf is integral: exact
+        if (!_mm256_testz_ps(flag, flag)) {
+          const __m256i q = FixedSingle(x, _mm256_load_si256(reinterpret_cast<const __m256i*>(mults + c)),
+                                        _mm256_load_si256(reinterpret_cast<const __m256i*>(shifts + c)), R);
+          y = _mm256_add_epi32(_mm256_min_epi32(_mm256_max_epi32(q, loi), hii), zp);
+        }
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(y), _mm256_extracti128_si256(y, 1));
+        const __m128i b = out_signed ? _mm_packs_epi16(w16, w16) : _mm_packus_epi16(w16, w16);
+        if (n == 8) {
+          _mm_storel_epi64(reinterpret_cast<__m128i*>(o + c), b);
+        } else {
+          alignas(16) uint8_t codes[16];
+          _mm_store_si128(reinterpret_cast<__m128i*>(codes), b);
+          for (int64_t i = 0; i < n; ++i) o[c + i] = codes[i];
+        }
+      }
+    }
+  }
+  return true;
+}
+
 // F<K, R>::Run for a run-time kind and rounding (FIXED rounds half away only).
 template <template <RescaleKind, Rounding, bool...> class F>
 auto Pick(const Rescale& rs) -> decltype(&F<RescaleKind::kFixed, Rounding::kHalfAway>::Run) {
@@ -263,6 +342,17 @@ void RequantAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, co
       default: SingleRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, 0, stage, o, ldo, out_signed); break;
     }
     return;
+  }
+  if (rs.kind == RescaleKind::kFixedSingle && rs.channels > 1) {
+    uint8_t* o = static_cast<uint8_t*>(out);
+    bool done = false;
+    switch (rs.rounding) {
+      case Rounding::kHalfEven: done = ChannelRowsF32<Rounding::kHalfEven>(acc, rows, cols, lda, stage, c0, o, ldo, out_signed); break;
+      case Rounding::kFloor: done = ChannelRowsF32<Rounding::kFloor>(acc, rows, cols, lda, stage, c0, o, ldo, out_signed); break;
+      case Rounding::kHalfUp: done = ChannelRowsF32<Rounding::kHalfUp>(acc, rows, cols, lda, stage, c0, o, ldo, out_signed); break;
+      default: done = ChannelRowsF32<Rounding::kHalfAway>(acc, rows, cols, lda, stage, c0, o, ldo, out_signed); break;
+    }
+    if (done) return;
   }
   Pick<RequantRows>(rs)(acc, rows, cols, lda, stage, c0, static_cast<uint8_t*>(out), ldo, out_signed);
   // Tail columns: the scalar reference (defined in another translation unit, so no

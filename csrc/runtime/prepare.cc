@@ -74,24 +74,41 @@ void FindTwinConvs(Graph* g) {
   }
 }
 
+// ConvParams::dw_nhwc stays set only on depthwise convs that are neither twins nor twinned:
+// a twin's output is written NCHW by the conv it twins (the executor reads dw_nhwc).
+void KeepNhwcDepthwise(Graph* g) {
+  std::vector<char> twin(g->ops.size(), 0);
+  for (const GraphOp& op : g->ops)
+    if (const ConvParams* p = AsConv(op))
+      for (int32_t j : p->twins) twin[j] = 1;
+  for (size_t i = 0; i < g->ops.size(); ++i)
+    if (ConvParams* p = AsConv(g->ops[i])) p->dw_nhwc = p->dw_nhwc && p->twins.empty() && !twin[i];
+}
+
 }  // namespace
 
 namespace {
 
+// Depthwise convs that run channels-last (DepthwiseConvNhwc: ConvParams::dw_nhwc, on every
+// path but the reference one) read their input and write their output in either layout.
+// (A one-channel depthwise conv is also a groups-1 conv that the AMX path may run: NHWC too.)
+bool DwNhwc(const ConvParams& p, uint32_t path) { return p.depthwise && p.dw_nhwc && path != kPathRef; }
+
 // The ops that run on NHWC tensors (Graph::nhwc) on `path`: whether op writes its output
 // NHWC when asked to, and whether it reads input k NHWC when that is stored so.
-//   convs     the AMX and AVX2 implicit-GEMM convs that path runs (conv::RunsNhwc): input 0
+//   convs     the AMX and AVX2 implicit-GEMM convs that path runs (conv::RunsNhwc) and the
+//             channels-last depthwise convs (DwNhwc): input 0
 //   ADD       elementwise: any layout, but all three tensors the same (PlanNhwc below)
 //   pools     MAXPOOL2D/AVGPOOL2D: input and output each either way (transposed per image)
 //   GLOBAL_AVGPOOL  reads NHWC; its [N][C][1][1] output is the same in both layouts
 bool WritesNhwc(const GraphOp& op, uint32_t path) {
   const ConvParams* p = AsConv(op);
-  if (p != nullptr) return conv::RunsNhwc(*p, path);
+  if (p != nullptr) return conv::RunsNhwc(*p, path) || DwNhwc(*p, path);
   return op.opcode == kAdd || op.opcode == kMaxpool2d || op.opcode == kAvgpool2d;
 }
 bool ReadsNhwc(const GraphOp& op, size_t k, uint32_t path) {
   const ConvParams* p = AsConv(op);
-  if (p != nullptr) return k == 0 && conv::RunsNhwc(*p, path);
+  if (p != nullptr) return k == 0 && (conv::RunsNhwc(*p, path) || DwNhwc(*p, path));
   if (op.opcode == kAdd) return true;
   return k == 0 && (op.opcode == kMaxpool2d || op.opcode == kAvgpool2d || op.opcode == kGlobalAvgpool);
 }
@@ -111,7 +128,8 @@ void PlanNhwc(Graph* g, uint32_t path) {
   for (uint32_t t : g->outputs) s[t] = 0;
   for (bool changed = true; changed;) {
     changed = false;
-    for (const GraphOp& op : g->ops) {
+    for (size_t i = 0; i < g->ops.size(); ++i) {
+      const GraphOp& op = g->ops[i];
       for (size_t k = 0; k < op.inputs.size(); ++k) {
         const uint32_t t = op.inputs[k];
         if (s[t] && !ReadsNhwc(op, k, path)) {
@@ -230,6 +248,7 @@ Status PrepareGraph(Graph* g) {
   g->overflow.assign(g->ops.size(), 0);
   FuseResidualAdds(g);
   FindTwinConvs(g);
+  KeepNhwcDepthwise(g);
   g->nhwc.assign(g->tensors.size(), 0);  // planned per path by the first run (PlanNhwc)
   g->nhwc_path = 0;
   return Status::Ok();

@@ -185,3 +185,58 @@ def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
         assert layouts["stem"] == (False, False)  # 3 input channels: the gathered NCHW conv
         assert layouts["pool"][1] and layouts["conv"] == (True, True) and layouts["add"][1]
         assert not layouts["last"][1]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), hw=st.sampled_from([5, 9, 14]), c=st.sampled_from([8, 16, 24]),
+       stride=st.sampled_from([1, 2]))
+def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw, c, stride):
+    """A MobileNetV2 block on 7-bit activations, NHWC end to end: stem (1x1, the block input)
+    -> expansion (1x1, 6x wider) -> depthwise 3x3 (conv_dw_nhwc.cc) -> projection (1x1) and,
+    at stride 1, + the block input -> ADD (the projection takes it into its epilogue) -> head
+    (1x1) -> y.  As in exported MobileNetV2s, the ADD reads the block input from a twin of the
+    stem (the same conv with an I32 stage), which the stem's run computes from the same
+    accumulators.  Every tensor between the stem and the head stays NHWC on the AVX2 path."""
+    rng = np.random.default_rng(seed)
+    e = 6 * c
+    o = (hw - 1) // stride + 1
+    ws, we, wp, wh = (_weights(rng, n, m, 1, 127) for n, m in ((c, c), (e, c), (c, e), (17, c)))
+    wd = _weights(rng, e, 1, 3, 127)
+    a_shape, e_shape, d_shape, p_shape = (-1, c, hw, hw), (-1, e, hw, hw), (-1, e, o, o), (-1, c, o, o)
+    residual = stride == 1
+    p_dtype = DType.I32 if residual else DType.U8
+    tensors = [Tensor("x", DType.U8, a_shape), Tensor("xc", DType.U8, a_shape),
+               Tensor("ws", DType.I8, ws.shape, ws), Tensor("we", DType.I8, we.shape, we),
+               Tensor("wd", DType.I8, wd.shape, wd), Tensor("wp", DType.I8, wp.shape, wp),
+               Tensor("wh", DType.I8, wh.shape, wh), Tensor("bd", DType.I32, (e,), rng.integers(-3000, 3000, e)),
+               Tensor("a", DType.U8, a_shape), Tensor("ex", DType.U8, e_shape), Tensor("dw", DType.U8, d_shape),
+               Tensor("p", p_dtype, p_shape), Tensor("y", DType.U8, (-1, 17, o, o))]
+
+    def seven_bit(k, n, groups=1, s=1):
+        attrs = _attrs(rng, n, DType.U8, k, s, k // 2, in_zp=0)
+        attrs.update(out_zp=0, out_min=0, out_max=127, groups=groups)
+        return attrs
+
+    p_attrs = _attrs(rng, c, DType.I32, 1, 1, 0, in_zp=0) if residual else seven_bit(1, c)
+    ops = [Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {"out_min": 0, "out_max": 127}),
+           Op(OpType.CONV2D, "stem", ["xc", "ws"], ["a"], seven_bit(1, c)),
+           Op(OpType.CONV2D, "expand", ["a", "we"], ["ex"], seven_bit(1, e)),
+           Op(OpType.CONV2D, "dw", ["ex", "wd", "bd"], ["dw"], seven_bit(3, e, groups=e, s=stride)),
+           Op(OpType.CONV2D, "project", ["dw", "wp"], ["p"], p_attrs)]
+    head_in = "p"
+    if residual:
+        tensors += [Tensor("sum", DType.U8, p_shape), Tensor("a32", DType.I32, a_shape)]
+        ops.insert(2, Op(OpType.CONV2D, "stem_i32", ["xc", "ws"], ["a32"], _attrs(rng, c, DType.I32, 1, 1, 0, in_zp=0)))
+        in_rq = {"in_zp": [0, 0], "in_kind": [2, 2],
+                 "in_multiplier": [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)],
+                 "in_shift": [-6, -1], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
+        ops.append(Op(OpType.ADD, "add", ["p", "a32"], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 127)}))
+        head_in = "sum"
+    ops.append(Op(OpType.CONV2D, "head", [head_in, "wh"], ["y"], seven_bit(1, 17)))
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), c, hw, hw))
+    layouts = _layouts(_check(graph, x), x)
+    if layouts is not None:
+        assert all(layouts[n] == (True, True) for n in ("stem", "expand", "project"))
+        assert layouts["dw"][1] and (not residual or (layouts["add"][1] and layouts["stem_i32"] == (True, True)))
+        assert layouts["head"] == (True, False)

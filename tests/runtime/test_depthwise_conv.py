@@ -132,3 +132,76 @@ def test_depthwise_twin_convs_match_reference(seed, out2):
         want = execute(graph, [xs]).outputs
         for g, w_ in zip(cg.run(xs, path=path), want):
             np.testing.assert_array_equal(g, w_, err_msg=f"path {path}")
+
+
+def _dw_chain_graph(rng, *, c, xdtype, mid_dtype, layers, extra_reader, mid_output, hw=None):
+    """x -> dw conv -> t1 -> dw conv -> t2 ... -> y: the tensors between two depthwise convs
+    are kept NHWC (PlanNhwc) unless another op reads them (extra_reader: a 1x1 dense conv of
+    t1 as a second graph output) or they are graph outputs (mid_output: t1)."""
+    from qdsl.graph.ir import IntegerGraph, Op
+
+    h, w = hw or [int(v) for v in rng.choice([1, 2, 3, 5, 7, 8, 13, 17], 2)]
+    tensors, ops = [Tensor("x", xdtype, (-1, c, h, w))], []
+    src, src_dtype = "x", xdtype
+    for i, (k, stride, pad) in enumerate(layers):
+        pad = min(pad, k // 2 + 1)
+        oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+        if oh < 1 or ow < 1:
+            pad = k  # the window must fit the padded input
+            oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+        out = DType.U8 if i == len(layers) - 1 and rng.random() < 0.5 else mid_dtype
+        wt = _rand(rng, DType.I8, (c, 1, k, k))
+        attrs = {"stride": [stride] * 2, "padding": [pad] * 2, "dilation": [1, 1], "groups": c,
+                 "in_zp": int(rng.integers(*src_dtype.range)), "w_zp": [0], "acc_bits": 32, "overflow": 0}
+        attrs.update(_stage(rng, c, *out.range))
+        name = "y" if i == len(layers) - 1 else f"t{i + 1}"
+        tensors += [Tensor(f"w{i}", DType.I8, wt.shape, wt), Tensor(f"b{i}", DType.I32, (c,), rng.integers(-9000, 9000, c)),
+                    Tensor(name, out, (-1, c, oh, ow))]
+        ops.append(Op(OpType.CONV2D, f"dw{i}", [src, f"w{i}", f"b{i}"], [name], attrs))
+        src, src_dtype, h, w = name, out, oh, ow
+    outputs = ["y"]
+    if extra_reader:
+        t1 = next(t for t in tensors if t.name == "t1")
+        wd = _rand(rng, DType.I8, (3, c, 1, 1))
+        attrs = {"stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "groups": 1,
+                 "in_zp": int(rng.integers(*t1.dtype.range)), "w_zp": [0], "acc_bits": 32, "overflow": 0}
+        attrs.update(_stage(rng, 3, -128, 127))
+        tensors += [Tensor("wd", DType.I8, wd.shape, wd), Tensor("z", DType.I8, (-1, 3, *t1.shape[2:]))]
+        ops.append(Op(OpType.CONV2D, "dense", ["t1", "wd"], ["z"], attrs))
+        outputs.append("z")
+    if mid_output:
+        outputs.append("t1")
+    return IntegerGraph(tensors, ["x"], outputs, ops).validate()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), xdtype=st.sampled_from([DType.U8, DType.I8]),
+       mid_dtype=st.sampled_from([DType.U8, DType.I8]), threads=st.sampled_from([1, 2]),
+       extra_reader=st.sampled_from([False, False, True]), mid_output=st.sampled_from([False, False, True]))
+def test_depthwise_chain_nhwc_matches_reference(seed, xdtype, mid_dtype, threads, extra_reader, mid_output):
+    """Chains of depthwise convs (O == C, the fast stage): the tensors between them are NHWC
+    on the fast paths, so the convs read and write every layout pair (NCHW in / NHWC out,
+    NHWC both, NHWC in / NCHW out); 3x3 and 5x5, stride 1 and 2, padding 0..2, channel counts
+    around the 16-channel steps, tiny and odd planes, batch > 1, clamps, I8 and U8."""
+    rng = np.random.default_rng(seed)
+    c = int(rng.choice([1, 3, 8, 16, 17, 24, 33]))
+    layers = [(int(rng.choice([3, 5])), int(rng.choice([1, 2])), int(rng.integers(0, 3)))
+              for _ in range(int(rng.integers(2, 4)))]
+    graph = _dw_chain_graph(rng, c=c, xdtype=xdtype, mid_dtype=mid_dtype, layers=layers,
+                            extra_reader=extra_reader, mid_output=mid_output)
+    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), c, *graph.tensors[0].shape[2:]))
+    _with_threads(threads, lambda: _check(graph, x))
+
+
+@settings(max_examples=4, deadline=None)
+@given(seed=st.integers(0, 2**31), stride=st.sampled_from([1, 2]))
+def test_depthwise_chain_nhwc_threaded_matches_reference(seed, stride):
+    """MobileNet-sized NHWC depthwise convs (many rows: the pool splits output rows across 2
+    threads, bands of rows within a task), U8 activations with a ReLU6-style clamp."""
+    rng = np.random.default_rng(seed)
+    graph = _dw_chain_graph(rng, c=int(rng.choice([32, 40])), xdtype=DType.U8, mid_dtype=DType.U8,
+                            layers=[(3, 1, 1), (3, stride, 1), (5, 1, 2)], extra_reader=False, mid_output=False,
+                            hw=(57, 57))
+    x = _rand(rng, DType.U8, (2, *graph.tensors[0].shape[1:]))
+    for threads in (1, 2):
+        _with_threads(threads, lambda: _check(graph, x))

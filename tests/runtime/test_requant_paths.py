@@ -228,3 +228,29 @@ def test_fixed_single_per_tensor_exhaustive(m, right, rounding):
         for path in PATHS:
             got = K.requantize(acc.astype(np.int32), stage, dtype, path=path)
             np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(rounding=st.integers(0, 3), cols=st.sampled_from([1, 7, 8, 9, 33, 255, 256, 257, 300]),
+       rows=st.integers(1, 4), seed=st.integers(0, 2**31), out_signed=st.booleans())
+def test_per_channel_single_rounding_stage_equals_formula(rounding, cols, rows, seed, out_signed):
+    """FIXED_SINGLE with a multiplier and a right shift >= 0 per channel (the NHWC depthwise
+    conv's pixel rows): the AVX2 float estimate per column, in chunks of 256 channels, with
+    the integer form for undecided lanes, equals the formula on ties and corner sums."""
+    rng = np.random.default_rng(seed)
+    mult = rng.integers(0, 1 << 31, cols)
+    mult[rng.random(cols) < 0.2] = (1 << 31) - 1
+    mult[rng.random(cols) < 0.1] = 0
+    shift = rng.integers(0, 32, cols)
+    acc = rng.integers(-(1 << 31), 1 << 31, (rows + 2, cols))
+    acc[0, :] = rng.choice(_CORNERS, cols)
+    acc[1, :] = rng.integers(-2000, 2000, cols) * (1 << int(rng.integers(0, 12)))  # rounding ties
+    lo, hi = (-128, 127) if out_signed else (0, 255)
+    zp = int(rng.integers(lo, hi + 1))
+    qmin = int(rng.integers(lo, zp + 1)) if rng.random() < 0.3 else lo
+    stage = K.OutputStage(mult, shift, zero_point=zp, qmin=qmin, qmax=hi, kind=2, rounding=rounding)
+    r = Rescale(2, tuple(int(v) for v in mult), tuple(int(v) for v in shift), rounding)
+    want = np.clip(apply_rescale(acc, r, axis=1) + zp, qmin, hi)
+    for path in PATHS:
+        got = K.requantize(acc.astype(np.int32), stage, np.int8 if out_signed else np.uint8, path=path)
+        np.testing.assert_array_equal(got.astype(np.int64), want, err_msg=f"path {path}")

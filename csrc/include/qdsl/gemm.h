@@ -51,6 +51,24 @@ struct DwConvShape {
 inline int64_t DwConvAccCols(const DwConvShape& s) { return (s.ow + 15) / 16 * 16; }
 inline int64_t DwConvPlaneCols(const DwConvShape& s) { return s.sw * DwConvAccCols(s) + s.kw * s.dw + 16; }
 
+// Depthwise conv in NHWC (groups == C == O; csrc/runtime/ops/conv_dw_nhwc.cc, DwNhwcKernel):
+// for output positions i < n and channels c < C, with t < ntaps the flattened kernel taps,
+//   acc[i*ldc + c] = init[c] + sum_t w[t][c] * x_i,t[c]   (int32, wrapping)
+// where x_i,t = ptrs[i*ntaps + t] points at the C codes of tap t's input pixel (I8 when
+// x_signed, else U8), or at a row of zero-point codes for a padded tap.  The caller folds
+// the zero point into init (init = bias - zp * sum_t w[t][c]), so padded taps add
+// w * zp - w * zp = 0; modular int32 sums then equal the exact sum whenever it fits int32
+// (ConvParams::fast_acc).  Every pointer must be readable for DwNhwcCols(C) bytes, and
+// columns [C, DwNhwcCols(C)) of acc are written too (init 0 and weights 0 there: 0).
+// Weights: taps [ntaps][DwNhwcCols(C)] int32 (portable), pairs in the vpmaddwd form below
+// (AVX2).
+inline int64_t DwNhwcCols(int64_t C) { return (C + 15) / 16 * 16; }
+// pairs[(cb * ((ntaps + 1) / 2) + j) * 16 + k]: channel cb*16 + kDwNhwcLane[k]'s taps 2j
+// (low int16) and 2j + 1 (high; 0 past ntaps), in the lane order of vpunpck{l,h}wd on 16
+// int16 channels (lows: channels 0-3 and 8-11, highs: 4-7 and 12-15).  The order swaps
+// 4-7 with 8-11, so it is its own inverse: channel c sits at slot kDwNhwcLane[c % 16].
+constexpr int kDwNhwcLane[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+
 constexpr int kPanelCols = 16;  // NR of every int micro-kernel
 constexpr int kMaxRows = 6;     // MR of every int micro-kernel
 

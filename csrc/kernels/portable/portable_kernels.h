@@ -24,6 +24,9 @@ void Requant(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const 
 // Depthwise conv of one plane (DwConvKernel in dispatch.h): any stride and dilation.
 void DwConv(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps, const int32_t* pairs,
             int32_t init, int32_t* acc, int64_t lda);
+// Depthwise conv in NHWC (DwNhwcKernel in dispatch.h): tap-major loops over the channels.
+void DwConvNhwc(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed, const int32_t* taps,
+                const int32_t* pairs, const int32_t* init, int32_t* acc, int64_t ldc);
 
 }  // namespace portable
 }  // namespace qdsl

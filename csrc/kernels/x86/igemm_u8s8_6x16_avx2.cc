@@ -60,12 +60,14 @@ __attribute__((always_inline)) inline void RowMem(const uint8_t* row, __m256i b0
 
 template <int MR>
 void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, int32_t* c, int64_t ldc,
-            bool accumulate) {
+            const int32_t* init) {
+  // the start values: one row shared by every position (the conv's bias - z * rowsum, so
+  // the caller need not copy it into each row of c first), or c's own values
   __m256i acc[MR][2];
   for (int r = 0; r < MR; ++r) {
-    acc[r][0] = accumulate ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * ldc)) : _mm256_setzero_si256();
-    acc[r][1] =
-        accumulate ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * ldc + 8)) : _mm256_setzero_si256();
+    const int32_t* from = init != nullptr ? init : c + r * ldc;
+    acc[r][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+    acc[r][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + 8));
   }
   if (MR == 6) {  // named variables (an array operand would be stored back every step)
     __m256i c00 = acc[0][0], c01 = acc[0][1], c10 = acc[1][0], c11 = acc[1][1], c20 = acc[2][0], c21 = acc[2][1];
@@ -123,14 +125,14 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
 }  // namespace
 
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
-                   int32_t* c, int64_t ldc, bool accumulate) {
+                   int32_t* c, int64_t ldc, const int32_t* init) {
   switch (rows) {
-    case 1: return Kernel<1>(ind, taps, cquads, panel, c, ldc, accumulate);
-    case 2: return Kernel<2>(ind, taps, cquads, panel, c, ldc, accumulate);
-    case 3: return Kernel<3>(ind, taps, cquads, panel, c, ldc, accumulate);
-    case 4: return Kernel<4>(ind, taps, cquads, panel, c, ldc, accumulate);
-    case 5: return Kernel<5>(ind, taps, cquads, panel, c, ldc, accumulate);
-    default: return Kernel<6>(ind, taps, cquads, panel, c, ldc, accumulate);
+    case 1: return Kernel<1>(ind, taps, cquads, panel, c, ldc, init);
+    case 2: return Kernel<2>(ind, taps, cquads, panel, c, ldc, init);
+    case 3: return Kernel<3>(ind, taps, cquads, panel, c, ldc, init);
+    case 4: return Kernel<4>(ind, taps, cquads, panel, c, ldc, init);
+    case 5: return Kernel<5>(ind, taps, cquads, panel, c, ldc, init);
+    default: return Kernel<6>(ind, taps, cquads, panel, c, ldc, init);
   }
 }
 

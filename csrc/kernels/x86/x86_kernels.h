@@ -31,7 +31,7 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
                         int64_t ldc, bool accumulate);
 // Implicit-GEMM conv kernel (dispatch.h IgemmKernel's contract), the S == 1 sequence above.
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
-                   int32_t* c, int64_t ldc, bool accumulate);
+                   int32_t* c, int64_t ldc, const int32_t* init);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
 void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                       int64_t c0, int32_t* out, int64_t ldo);
@@ -117,6 +117,9 @@ void QuantizeF32Avx2(const float* x, int64_t n, float inv, int32_t zp, int32_t q
 // dw 1, blocks of 16 outputs per row.
 void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32_t* taps, const int32_t* pairs,
                 int32_t init, int32_t* acc, int64_t lda);
+// Depthwise conv in NHWC (DwNhwcKernel in dispatch.h; dwconv_nhwc_avx2.cc): 16 channels per step.
+void DwConvNhwcAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                    const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc, int64_t ldc);
 // Padded int16 plane interior of a depthwise conv (DwFillKernel in dispatch.h).
 void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
                      int64_t ldp, int32_t zp, int16_t* xp);

@@ -6,6 +6,7 @@
 //   conv_amx.cc       AmxConvImplicit: the AMX implicit-GEMM conv (with a fused residual ADD)
 //   conv_igemm.cc     IgemmConv: the AVX2 implicit-GEMM conv on NHWC rows (with a fused residual ADD)
 //   conv_dw.cc        DepthwiseConv: depthwise convs (groups == C) on zero-padded int16 planes
+//   conv_dw_nhwc.cc   DepthwiseConvNhwc: depthwise convs with O == C, channels-last
 //   conv_im2col.cc    im2col forms and padded (phase-split) images
 //   conv_transpose.cc byte / int32 transposes and NCHW -> padded NHWC rows
 #ifndef QDSL_RUNTIME_OPS_CONV_H_
@@ -78,6 +79,16 @@ struct ConvParams : OpParams {
   // and 2j + 1 (high half, 0 past kw) as int16, the vpmaddwd operand.
   bool depthwise = false;
   std::vector<int32_t> dw_taps, dw_pairs;
+  // NHWC depthwise (conv_dw_nhwc.cc, the DwNhwcKernel operands of qdsl/gemm.h), when O == C
+  // and the fast stage applies (fast_stage: no overflow possible, I8/U8 output): dwn_taps
+  // [kh * kw][DwNhwcCols(C)], dwn_pairs, and dwn_init [DwNhwcCols(C)] = bias - in_zp * (sum of
+  // the channel's taps) mod 2^32 (the sums wrap; the total fits int32).  dwn_zrow: in_zp's
+  // code repeated, what padded taps point at.  PrepareGraph clears dw_nhwc on twin convs
+  // (prepare.cc KeepNhwcDepthwise); PlanNhwc and the executor read it.
+  bool dw_nhwc = false;
+  std::vector<int32_t> dwn_taps, dwn_init;
+  AlignedVector<int32_t> dwn_pairs;
+  std::vector<uint8_t> dwn_zrow;
   int64_t kp = 0;
   int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
   bool int32_exact = true;                  // every GEMM sum provably fits int32
@@ -218,6 +229,7 @@ inline bool RunsNhwc(const ConvParams& p, uint32_t path) {
 }
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
+Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t path);
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 
 }  // namespace conv

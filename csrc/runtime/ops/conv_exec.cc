@@ -22,7 +22,21 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
     if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
   }
   if (RunsNhwc(p, path)) return IgemmConv(g, op, batch, path, SelectIgemmKernel(path));  // (AMX: above)
-  if (p.depthwise && path != kPathRef) return DepthwiseConv(g, op, batch, path, overflow);
+  if (p.depthwise && path != kPathRef) {
+    // channels-last when PlanNhwc allows it (dw_nhwc) and a neighbour keeps NHWC tensors, or
+    // on small output planes (at most 8 x 8: the plane kernel's rows of 16-output blocks are
+    // mostly empty there; channels-last with the transposes in and out measured faster on
+    // lone convs, and no slower inside MobileNetV2);
+    // between NCHW tensors on larger planes the transposes cost more than the plane kernel
+    // saves.  (Graph::nhwc alone is not enough: a one-channel depthwise conv is also a
+    // groups-1 conv, whose tensors the AMX plan may mark for AMX runs only.)
+    const std::vector<int64_t>& od = g->tensors[op.outputs[0]].dims;
+    int64_t plane = 1;
+    for (size_t i = 2; i < od.size(); ++i) plane *= od[i];
+    if (p.dw_nhwc && (g->nhwc[op.inputs[0]] || g->nhwc[op.outputs[0]] || plane <= 64))
+      return DepthwiseConvNhwc(g, op, batch, path);
+    return DepthwiseConv(g, op, batch, path, overflow);
+  }
   if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
   const Geometry e = Geo(g, op, batch);
   const int out_dtype = g->tensors[op.outputs[0]].dtype;

@@ -108,10 +108,28 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
              p.fused_slot == 0 ? ob : vb, p.fused_slot == 0 ? add_other_dtype : kI32, n, add_y + at, add_signed, path);
   };
 
+  // this op's output, then each twin conv's (ConvParams::twins: the same inputs, weights and
+  // bias, another output stage) from the same accumulators; the executor skips the twins.
+  // A twin that takes a residual ADD runs itself (the ADD's other input may come later).
+  struct Out {
+    const StageData* sd;
+    int dtype;
+    bool nhwc;
+    uint8_t* y;
+  };
+  std::vector<Out> outs{{&p.out, out_dtype, out_nhwc, y}};
+  for (int32_t j : p.twins) {
+    const GraphOp& tw = g->ops[j];
+    const ConvParams& tp = ParamsOf<ConvParams>(tw);
+    if (!tp.igemm || tp.fused_add >= 0) continue;
+    outs.push_back({&tp.out, g->tensors[tw.outputs[0]].dtype, g->nhwc[tw.outputs[0]] != 0,
+                    g->buffers[tw.outputs[0]].data()});
+    g->fused_done[j] = 1;
+  }
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
   const int64_t bsz = BlockPositions(P), blocks = (P + bsz - 1) / bsz;
-  const int64_t work = e.n * P * O * (taps * cp + 64);
+  const int64_t work = e.n * P * O * (taps * cp + 64 * static_cast<int64_t>(outs.size()));
   const int threads = ThreadsFor(work);
   // Tasks: (image, M block) x N parts.  N is split only when the M blocks alone do not give
   // each thread several tasks (7 x 7 images at batch 1); each N part re-reads its block's rows.
@@ -145,48 +163,51 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     const int64_t ld = (n1 - n0) * 16, c0 = n0 * 16, cols = std::min(O, n1 * 16) - c0;
     thread_local AlignedVector<int32_t> acc;
     if (acc.size() < static_cast<size_t>(m * ld)) acc.resize(static_cast<size_t>(m * ld));
-    for (int64_t i = 0; i < m; ++i)
-      std::memcpy(acc.data() + i * ld, p.ig_cinit.data() + c0, static_cast<size_t>(ld) * 4);
-    // weight panel outer: it stays in L1/L2 while the block's strips run over it
+    // weight panel outer: it stays in L1/L2 while the block's strips run over it; each call
+    // covers all of K, so its sums start at the panel's start values (no copy into acc)
     for (int64_t np = n0; np < n1; ++np) {
       const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+      const int32_t* init = p.ig_cinit.data() + np * 16;
       for (int64_t s = 0; s < m; s += 6)
         kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
-               acc.data() + s * ld + (np - n0) * 16, ld, true);
+               acc.data() + s * ld + (np - n0) * 16, ld, init);
     }
     const int64_t first = b * P + p0;  // NHWC: the block's first position
-    if (out_dtype != kI32) {
-      const bool out_signed = out_dtype == kI8;
-      if (out_nhwc) {
-        requant(acc.data(), m, cols, ld, p.out.stage, c0, y + first * O + c0, O, out_signed);
-      } else {
-        thread_local std::vector<uint8_t> tile;
-        tile.resize(static_cast<size_t>(m * cols));
-        requant(acc.data(), m, cols, ld, p.out.stage, c0, tile.data(), cols, out_signed);
-        TransposeBytes(tile.data(), cols, m, cols, y + (b * O + c0) * P + p0, P);
+    for (const Out& o : outs) {
+      if (o.dtype != kI32) {
+        const bool out_signed = o.dtype == kI8;
+        if (o.nhwc) {
+          requant(acc.data(), m, cols, ld, o.sd->stage, c0, o.y + first * O + c0, O, out_signed);
+        } else {
+          thread_local std::vector<uint8_t> tile;
+          tile.resize(static_cast<size_t>(m * cols));
+          requant(acc.data(), m, cols, ld, o.sd->stage, c0, tile.data(), cols, out_signed);
+          TransposeBytes(tile.data(), cols, m, cols, o.y + (b * O + c0) * P + p0, P);
+        }
+        continue;
       }
-      return;
-    }
-    int32_t* y32 = reinterpret_cast<int32_t*>(y);
-    if (add == nullptr && out_nhwc) {
-      stage_rows(acc.data(), m, cols, ld, p.out.stage, c0, y32 + first * O + c0, O);
-      return;
-    }
-    thread_local AlignedVector<int32_t> tile32, planes;
-    tile32.resize(static_cast<size_t>(m * cols));
-    stage_rows(acc.data(), m, cols, ld, p.out.stage, c0, tile32.data(), cols);
-    if (add == nullptr) {
-      TransposeI32(tile32.data(), cols, m, cols, y32 + (b * O + c0) * P + p0, P);
-    } else if (out_nhwc) {  // the conv's I32 values go straight into the ADD (never stored)
-      if (cols == O) {
-        add_run(tile32.data(), first * O, m * O);
-      } else {
-        for (int64_t i = 0; i < m; ++i) add_run(tile32.data() + i * cols, (first + i) * O + c0, cols);
+      const bool fused = o.sd == &p.out && add != nullptr;  // (only this op's own output)
+      int32_t* y32 = reinterpret_cast<int32_t*>(o.y);
+      if (!fused && o.nhwc) {
+        stage_rows(acc.data(), m, cols, ld, o.sd->stage, c0, y32 + first * O + c0, O);
+        continue;
       }
-    } else {
-      planes.resize(static_cast<size_t>(m * cols));
-      TransposeI32(tile32.data(), cols, m, cols, planes.data(), m);
-      for (int64_t c = 0; c < cols; ++c) add_run(planes.data() + c * m, (b * O + c0 + c) * P + p0, m);
+      thread_local AlignedVector<int32_t> tile32, planes;
+      tile32.resize(static_cast<size_t>(m * cols));
+      stage_rows(acc.data(), m, cols, ld, o.sd->stage, c0, tile32.data(), cols);
+      if (!fused) {
+        TransposeI32(tile32.data(), cols, m, cols, y32 + (b * O + c0) * P + p0, P);
+      } else if (o.nhwc) {  // the conv's I32 values go straight into the ADD (never stored)
+        if (cols == O) {
+          add_run(tile32.data(), first * O, m * O);
+        } else {
+          for (int64_t i = 0; i < m; ++i) add_run(tile32.data() + i * cols, (first + i) * O + c0, cols);
+        }
+      } else {
+        planes.resize(static_cast<size_t>(m * cols));
+        TransposeI32(tile32.data(), cols, m, cols, planes.data(), m);
+        for (int64_t c = 0; c < cols; ++c) add_run(planes.data() + c * m, (b * O + c0 + c) * P + p0, m);
+      }
     }
   }, /*work=*/work);
   return Status::Ok();

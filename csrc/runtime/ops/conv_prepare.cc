@@ -79,27 +79,41 @@ void PrepareDepthwise(ConvParams* pp) {
         p.dw_pairs[(oc * p.kh + ky) * npairs + kx / 2] |= static_cast<int32_t>(v << (16 * (kx % 2)));
       }
   p.depthwise = true;
+  if (p.cout != p.cin || !p.fast_stage || p.bin_out) return;
+  const int64_t C = p.cin, cols = DwNhwcCols(C), np = (taps + 1) / 2;
+  p.dwn_taps.assign(static_cast<size_t>(taps * cols), 0);
+  p.dwn_pairs.assign(static_cast<size_t>(cols * np), 0);
+  p.dwn_init.assign(static_cast<size_t>(cols), 0);
+  for (int64_t c = 0; c < C; ++c) {
+    int64_t sum = 0;
+    for (int64_t t = 0; t < taps; ++t) {
+      const int32_t v = p.dw_taps[c * taps + t];
+      sum += v;
+      p.dwn_taps[t * cols + c] = v;
+      const uint32_t half = static_cast<uint16_t>(static_cast<int16_t>(v));  // |v| <= 511
+      int32_t& pair = p.dwn_pairs[((c / 16) * np + t / 2) * 16 + kDwNhwcLane[c % 16]];
+      pair = static_cast<int32_t>(static_cast<uint32_t>(pair) | (half << (16 * (t % 2))));
+    }
+    const int64_t init = (p.bias.empty() ? 0 : p.bias[c]) - int64_t{p.in_zp} * sum;
+    p.dwn_init[c] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(init)));
+  }
+  p.dwn_zrow.assign(static_cast<size_t>(cols), static_cast<uint8_t>(p.in_zp));
+  p.dw_nhwc = true;
 }
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
 // vpmaddubsw kernel is exact on them for the input's codes and the shape is one where it
-// beats the gathered-panel conv (measured on ResNet-18 and MobileNetV2 convs, AVX2):
-//   K = taps x C >= 128 and O >= 64, or a strided 1x1 conv with C >= 64 and O >= 128
-//   (ResNet's downsample convs); not 1x1 convs that widen more than 4x (MobileNetV2's
-//   expansions: their outputs go to NCHW depthwise convs through a transpose, and those
-//   depthwise convs then ran slower by more than the expansion gained).
-// Below that (MobileNetV2's 16..96-channel expansions, its 24/32-channel projections, an
-// RGB stem) the kernel's per-call accumulator loads and stores, the 16-channel panel tails
-// and the NHWC copies to and from the NCHW depthwise convs cost more than the gather saves.
+// beats the gathered-panel conv (measured per op inside MobileNetV2 and ResNet-18, AVX2, with
+// the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 24 and O >= 24.  Below
+// that (MobileNetV2's 16-channel layers at 112 x 112: its 16 -> 96 expansion and 32 -> 16
+// projection) the NCHW gathered conv and the plane depthwise kernel next to it are faster.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
   // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
   // row pointer loads)
   if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.w8.empty() || p.cin < 8 || out.dtype == kBin) return;
   const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
-  const bool strided = p.sh > 1 || p.sw > 1;
-  const bool pays = ((taps * cp >= 128 && O >= 64) || (taps == 1 && strided && p.cin >= 64 && O >= 128)) &&
-                    !(taps == 1 && O > 4 * p.cin);
+  const bool pays = taps * cp >= 24 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
   const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
