@@ -9,11 +9,11 @@
 // W < 2^62 (checked at prepare from N and eps); R < 2^31 and |D_i|·2^G <= R + 1, so the
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
 //
-// Narrow form, reference path: those lines as written.  Narrow form, optimized paths, the
-// same values: typed loops for the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R) by the exact vector division
-// (FloorDivScaledKernel; portable: FloorDivByReciprocal; numerator below 2^51, exact as a
-// double), no int64 division per element, acc_i from int32 copies of gamma
-// and beta, and the vectorized output stage (RequantKernel) over the row of acc.
+// Reference path: the formula as written (k = 0 in the narrow form).  Narrow form, optimized
+// paths, the same values: typed loops for the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R)
+// by the exact vector division (FloorDivScaledKernel; portable: FloorDivByReciprocal;
+// numerator below 2^51, exact as a double), no int64 division per element, acc_i from int32
+// copies of gamma and beta, and the vectorized output stage (RequantKernel) over the row of acc.
 // The wide form (two inputs, an I32 input, a non-identity rescale or an I32 output) runs its
 // row as written on every path.
 #include <algorithm>
@@ -143,34 +143,8 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
 namespace {
 
 struct LayernormScratch {
-  std::vector<int64_t> d;    // the reference row's D_i
   std::vector<int32_t> acc;  // the optimized row's D_i, |D_i| and the stage's input, n each
 };
-
-// The reference row: the header's formula line by line (LoadValue reads any input dtype).
-void LayernormRowRef(const LayernormParams& p, const uint8_t* x, int dt, int64_t n, std::vector<int64_t>* scratch,
-                     uint8_t* y) {
-  scratch->resize(static_cast<size_t>(n));
-  int64_t* d = scratch->data();
-  int64_t sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += LoadValue(x, dt, i);
-  int64_t w = p.eps;
-  for (int64_t i = 0; i < n; ++i) {
-    d[i] = n * LoadValue(x, dt, i) - sum;
-    w += d[i] * d[i];
-  }
-  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
-  const int64_t root = ISqrt(w << (2 * gs));
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t z = 0;
-    if (root != 0) {
-      const int64_t num = (d[i] < 0 ? -d[i] : d[i]) << (gs + 16);
-      z = (2 * num + root) / (2 * root);
-      if (d[i] < 0) z = -z;
-    }
-    y[i] = static_cast<uint8_t>(ApplyStage(z * p.gamma[i] + p.beta[i], p.out.stage, 0));
-  }
-}
 
 // One row into acc (the stage's int32 input), from the same integers as the reference.
 // D_i fits int32 (|D_i| <= n·255 < 2^24) and D_i² int64; restrict pointers and int32 arrays
@@ -210,7 +184,9 @@ void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n
   for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
 }
 
-// The wide form's rows, on every path: the header's formula as written.
+// The header's formula as written, for every form (in the narrow form k = 0 and the rescale is
+// the identity, so it is the narrow formula line by line): the wide form's rows on every path
+// and the reference path's rows.
 void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
   const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
@@ -280,13 +256,8 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
   const int dt = c.DType(op.inputs[0]);
   const bool out_signed = c.DType(op.outputs[0]) == kI8;
   const OutputStage& st = p.out.stage;
-  if (!p.narrow) {
+  if (!p.narrow || c.path == kPathRef) {
     RunLayernormWide(c, op, p);
-    return Status::Ok();
-  }
-  if (c.path == kPathRef) {
-    ForEachLastAxisRow<LayernormScratch>(c, op, 16, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
-                                                        int64_t n) { LayernormRowRef(p, x, dt, n, &sc.d, y); });
     return Status::Ok();
   }
   const RequantKernel requant = SelectRequantKernel(c.path);
@@ -297,11 +268,8 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
     int32_t* acc = sc.acc.data() + 2 * n;
     if (dt == kU8) {
       LayernormRowFast(p, x, n, div, sc.acc.data(), sc.acc.data() + n, acc);
-    } else if (dt == kI8) {
+    } else {  // the narrow form reads I8 or U8
       LayernormRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, sc.acc.data(), sc.acc.data() + n, acc);
-    } else {  // other input dtypes: the reference row
-      LayernormRowRef(p, x, dt, n, &sc.d, y);
-      return;
     }
     requant(acc, 1, n, n, st, 0, y, n, out_signed);
   });
