@@ -169,7 +169,7 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
   const OutputStage& st = p.out.stage;
   // the row's mask offsets: its index along each axis but the last, times the strides; then
   // keep[i] = 1 where every mask attends position i
-  auto kept = [&](int64_t r, int64_t* off, uint8_t* keep) {
+  auto offsets = [&](int64_t r, int64_t* off) {
     std::fill(off, off + n_masks, 0);
     int64_t rest = r;
     for (int a = rank - 2; a >= 0; --a) {
@@ -177,6 +177,8 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
       rest /= xs[a];
       for (size_t j = 0; j < n_masks; ++j) off[j] += idx * strides[j][a];
     }
+  };
+  auto flags = [&](const int64_t* off, uint8_t* keep) {
     std::fill(keep, keep + n, 1);
     for (size_t j = 0; j < n_masks; ++j) {
       const int64_t sl = strides[j][rank - 1];
@@ -191,7 +193,8 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
       std::vector<uint8_t> keep(static_cast<size_t>(n));
       std::vector<int64_t> off(n_masks);
       for (int64_t r = r0; r < r1; ++r) {
-        kept(r, off.data(), keep.data());
+        offsets(r, off.data());
+        flags(off.data(), keep.data());
         const int64_t o = r * n;
         int32_t mx = std::numeric_limits<int32_t>::min();
         bool any = false;
@@ -217,13 +220,18 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
   ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 4, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<int32_t> q;        // Q, then E
     thread_local std::vector<uint8_t> keep;     // the row's kept flags
-    thread_local std::vector<int64_t> off;
+    thread_local std::vector<int64_t> off, prev;
     q.resize(static_cast<size_t>(2 * n));
     keep.resize(static_cast<size_t>(n));
     off.resize(n_masks);
+    prev.resize(n_masks);
     int32_t* e = q.data() + n;
     for (int64_t r = r0; r < r1; ++r) {
-      kept(r, off.data(), keep.data());
+      offsets(r, off.data());
+      // rows at the same mask offsets (a key mask over heads and queries) share their flags
+      if (r == r0 || off != prev) flags(off.data(), keep.data());
+      prev.swap(off);
+      off.resize(n_masks);
       const uint8_t* xr = x + r * n;
       if (dt == kU8) {
         SoftmaxRowFast(p.table32, xr, keep.data(), n, div, e, q.data());
