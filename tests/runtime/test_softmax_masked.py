@@ -96,6 +96,39 @@ def test_softmax_masked_matches_reference(seed, d, out, kinds, mdt):
     _run_both(_graph(d, x_shape, masks, attrs, out), xs)
 
 
+@needs_cpp
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("s", [5, 37, 128, 200])
+@pytest.mark.parametrize("d,out", [(DType.I8, DType.I8), (DType.U8, DType.U8), (DType.I8, DType.U8)])
+def test_many_rows_match_reference(threads, s, d, out):
+    """The optimized rows (portable, avx2, ...): 54 rows (several ranges of 16 across the
+    threads), row lengths with vector tails, a key mask with a fully masked batch and an
+    attention mask with single-kept, fully masked and all-kept rows, at 1 and 2 threads."""
+    rng = np.random.default_rng(s * 7 + threads)
+    b, h, length = 2, 3, 9
+    key = (rng.random((b, s)) < 0.8).astype(np.int32)
+    key[0, 0] = 1
+    key[1] = 0  # batch 1: every row fully masked
+    attn = (rng.random((length, s)) < 0.5).astype(np.int32)  # attend 0: nonzero masks
+    attn[0] = 1
+    attn[0, 0] = 0  # row 0: only position 0 kept (key[0, 0] = 1)
+    attn[1] = 1  # row 1: fully masked
+    attn[2] = 0  # row 2: the key mask alone
+    lo, hi = out.range
+    attrs = {"table": list(softmax_table(float(rng.choice([0.01, 0.1])))),
+             "mask_dims": [0, -1, -1, 1, -1, -1, 0, 1], "mask_attend": [1, 0], **_stage(rng, lo=lo, hi=hi)}
+    g = _graph(d, (-1, h, length, s), [("key", DType.I32, (-1, s), None), ("attn", DType.I32, (length, s), attn)],
+               attrs, out)
+    rt.set_num_threads(threads)
+    try:
+        want = _run_both(g, [_rand(rng, d, (b, h, length, s)), key])
+    finally:
+        rt.set_num_threads(0)
+    zp = min(max(attrs["out_zp"], lo), hi)
+    assert (want[1] == zp).all() and (want[0, :, 1] == zp).all()
+    assert (want[0, :, 0, 1:] == zp).all()
+
+
 def test_reference_is_softmax_of_the_kept_codes():
     rng = np.random.default_rng(0)
     x = rng.integers(-128, 128, (2, 3, 4, 9))

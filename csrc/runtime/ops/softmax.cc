@@ -12,6 +12,7 @@
 
 #include "dispatch.h"
 #include "runtime/ops/last_axis.h"
+#include "runtime/ops/softmax_row.h"
 
 namespace qdsl {
 namespace {
@@ -51,23 +52,6 @@ struct SoftmaxScratch {
   std::vector<int32_t> q;
 };
 
-// One row's quotients Q into q (e: scratch for the E_i), the reference's integers.
-template <typename T>
-void SoftmaxRowFast(const SoftmaxParams& p, const T* x, int64_t n, FloorDivScaledKernel div, int32_t* e, int32_t* q) {
-  T mx = x[0];
-  for (int64_t i = 1; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
-  const int32_t* table = p.table32 + 255 - static_cast<int32_t>(mx);  // table[x - max + 255]
-  int64_t s = 0;
-  for (int64_t i = 0; i < n; ++i) s += e[i] = table[static_cast<int32_t>(x[i])];
-  if (div != nullptr) {  // E_i · 2^30 <= 2^54 with 25 significant bits; S < 2^52; Q_i <= 2^30
-    div(e, n, 1073741824.0, 0.0, static_cast<double>(s), q);
-    return;
-  }
-  const double inv = 1.0 / static_cast<double>(s);
-  for (int64_t i = 0; i < n; ++i)
-    q[i] = static_cast<int32_t>(FloorDivByReciprocal(static_cast<int64_t>(e[i]) << 30, s, inv));
-}
-
 }  // namespace
 
 Status RunSoftmax(RunCtx& c, const GraphOp& op) {
@@ -94,9 +78,10 @@ Status RunSoftmax(RunCtx& c, const GraphOp& op) {
     sc.q.resize(static_cast<size_t>(2 * n));
     int32_t* e = sc.q.data() + n;
     if (dt == kU8) {
-      SoftmaxRowFast(p, x, n, div, e, sc.q.data());
+      SoftmaxRowFast(p.table32, x, static_cast<const uint8_t*>(nullptr), n, div, e, sc.q.data());
     } else {
-      SoftmaxRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, e, sc.q.data());
+      SoftmaxRowFast(p.table32, reinterpret_cast<const int8_t*>(x), static_cast<const uint8_t*>(nullptr), n, div, e,
+                     sc.q.data());
     }
     requant(sc.q.data(), 1, n, n, st, 0, y, n, out_signed);
   });

@@ -13,7 +13,9 @@
 #include <cstring>
 #include <limits>
 
+#include "dispatch.h"
 #include "runtime/ops/op.h"
+#include "runtime/ops/softmax_row.h"
 #include "threads/thread_pool.h"
 
 namespace qdsl {
@@ -29,6 +31,7 @@ struct MaskInfo {
 
 struct SoftmaxMaskedParams : OpParams {
   int64_t table[256] = {};
+  int32_t table32[256] = {};  // the same entries (<= 2^24) for the optimized rows
   StageData out;
   std::vector<MaskInfo> masks;
 };
@@ -83,6 +86,7 @@ Status PrepareSoftmaxMasked(Graph* g, GraphOp& op, int index, std::vector<int64_
   for (int i = 0; i < 256; ++i) {
     OP_CHECK(t[i] >= 0 && t[i] <= (int64_t{1} << 24), "table entry %d = %lld outside [0, 2^24]", i, (long long)t[i]);
     p->table[i] = t[i];
+    p->table32[i] = static_cast<int32_t>(t[i]);
   }
   OP_CHECK(t[255] >= 1, "table[255] (exp(0)) must be >= 1");
   const int n_masks = static_cast<int>(op.inputs.size()) - 1;
@@ -163,39 +167,78 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
   const int dt = c.DType(op.inputs[0]);
   uint8_t* y = c.Buf(op.outputs[0]);
   const OutputStage& st = p.out.stage;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
-    std::vector<int64_t> e(static_cast<size_t>(n));
-    std::vector<char> keep(static_cast<size_t>(n));
-    std::vector<int64_t> off(n_masks);
-    for (int64_t r = r0; r < r1; ++r) {
-      // the row's mask offsets: its index along each axis but the last, times the strides
-      std::fill(off.begin(), off.end(), 0);
-      int64_t rest = r;
-      for (int a = rank - 2; a >= 0; --a) {
-        const int64_t idx = rest % xs[a];
-        rest /= xs[a];
-        for (size_t j = 0; j < n_masks; ++j) off[j] += idx * strides[j][a];
-      }
-      std::fill(keep.begin(), keep.end(), 1);
-      for (size_t j = 0; j < n_masks; ++j) {
-        const int64_t sl = strides[j][rank - 1];
-        const bool attend_nonzero = p.masks[j].attend_nonzero;
+  // the row's mask offsets: its index along each axis but the last, times the strides; then
+  // keep[i] = 1 where every mask attends position i
+  auto offsets = [&](int64_t r, int64_t* off) {
+    std::fill(off, off + n_masks, 0);
+    int64_t rest = r;
+    for (int a = rank - 2; a >= 0; --a) {
+      const int64_t idx = rest % xs[a];
+      rest /= xs[a];
+      for (size_t j = 0; j < n_masks; ++j) off[j] += idx * strides[j][a];
+    }
+  };
+  auto flags = [&](const int64_t* off, uint8_t* keep) {
+    std::fill(keep, keep + n, 1);
+    for (size_t j = 0; j < n_masks; ++j) {
+      const int64_t sl = strides[j][rank - 1];
+      const bool attend_nonzero = p.masks[j].attend_nonzero;
+      for (int64_t i = 0; i < n; ++i)
+        if (NonZero(bufs[j], dtypes[j], off[j] + i * sl) != attend_nonzero) keep[i] = 0;
+    }
+  };
+  if (c.path == kPathRef) {
+    ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
+      std::vector<int64_t> e(static_cast<size_t>(n));
+      std::vector<uint8_t> keep(static_cast<size_t>(n));
+      std::vector<int64_t> off(n_masks);
+      for (int64_t r = r0; r < r1; ++r) {
+        offsets(r, off.data());
+        flags(off.data(), keep.data());
+        const int64_t o = r * n;
+        int32_t mx = std::numeric_limits<int32_t>::min();
+        bool any = false;
         for (int64_t i = 0; i < n; ++i)
-          if (NonZero(bufs[j], dtypes[j], off[j] + i * sl) != attend_nonzero) keep[i] = 0;
+          if (keep[i]) {
+            mx = std::max(mx, LoadValue(x, dt, o + i));
+            any = true;
+          }
+        int64_t s = 0;
+        for (int64_t i = 0; i < n; ++i) s += e[i] = keep[i] ? p.table[LoadValue(x, dt, o + i) - mx + 255] : 0;
+        // a fully masked row: every E_i = 0, so every Q_i = 0 (probability 0, code clamp(out_zp))
+        for (int64_t i = 0; i < n; ++i)
+          y[o + i] = static_cast<uint8_t>(ApplyStage(any ? (e[i] << 30) / s : 0, st, 0));
       }
-      const int64_t o = r * n;
-      int32_t mx = std::numeric_limits<int32_t>::min();
-      bool any = false;
-      for (int64_t i = 0; i < n; ++i)
-        if (keep[i]) {
-          mx = std::max(mx, LoadValue(x, dt, o + i));
-          any = true;
-        }
-      int64_t s = 0;
-      for (int64_t i = 0; i < n; ++i) s += e[i] = keep[i] ? p.table[LoadValue(x, dt, o + i) - mx + 255] : 0;
-      // a fully masked row: every E_i = 0, so every Q_i = 0 (probability 0, code clamp(out_zp))
-      for (int64_t i = 0; i < n; ++i)
-        y[o + i] = static_cast<uint8_t>(ApplyStage(any ? (e[i] << 30) / s : 0, st, 0));
+    });
+    return Status::Ok();
+  }
+  // Optimized paths: SOFTMAX's row (softmax_row.h) over the kept flags, the same integers,
+  // then the vectorized output stage over Q (Q = 0 gives the reference's clamp(out_zp)).
+  const RequantKernel requant = SelectRequantKernel(c.path);
+  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
+  const bool out_signed = c.DType(op.outputs[0]) == kI8;
+  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 4, [&](int64_t r0, int64_t r1) {
+    thread_local std::vector<int32_t> q;        // Q, then E
+    thread_local std::vector<uint8_t> keep;     // the row's kept flags
+    thread_local std::vector<int64_t> off, prev;
+    q.resize(static_cast<size_t>(2 * n));
+    keep.resize(static_cast<size_t>(n));
+    off.resize(n_masks);
+    prev.resize(n_masks);
+    int32_t* e = q.data() + n;
+    for (int64_t r = r0; r < r1; ++r) {
+      offsets(r, off.data());
+      // rows at the same mask offsets (a key mask over heads and queries) share their flags
+      if (r == r0 || off != prev) flags(off.data(), keep.data());
+      prev.swap(off);
+      off.resize(n_masks);
+      const uint8_t* xr = x + r * n;
+      if (dt == kU8) {
+        SoftmaxRowFast(p.table32, xr, keep.data(), n, div, e, q.data());
+      } else {
+        SoftmaxRowFast(p.table32, reinterpret_cast<const int8_t*>(xr), keep.data(), n, div, e, q.data());
+      }
+      requant(q.data(), 1, n, n, st, 0, y + r * n, n, out_signed);
     }
   });
   return Status::Ok();
