@@ -250,32 +250,49 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   });
 }
 
-// Input j's rescaled term per element into t (int64), typed loads of its dtype.
+// Input j's rescaled term per element into t: x - zp loaded typed into a32, then the paths'
+// vectorized one-channel int32 stage (StageI32Kernel, == ApplyStage: csrc/tests/test_main.cc)
+// with zero point 0 and the int32 range as clamps, which is RescaleOne(x - zp) since x - zp
+// fits int32 (8-bit inputs; I32 inputs at zero point 0).  An I32 input at another zero point
+// (x - zp may pass int32: RescaleOne saturates it first) takes the scalar RescaleOne.
 template <typename T>
-void RescaleRowInto(const T* __restrict x, int64_t n, const StageData& in, int64_t* __restrict t) {
+void RescaleRowInto(const T* __restrict x, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* __restrict a32,
+                    int32_t* __restrict t) {
   const Rescale& q = in.stage.rescale;
-  const int64_t zp = in.stage.zero_point;
+  const int32_t zp = in.stage.zero_point;
+  for (int64_t i = 0; i < n; ++i) a32[i] = static_cast<int32_t>(x[i]) - zp;
   if (q.kind == RescaleKind::kPot && q.shift[0] == 0 && q.multiplier[0] == 1) {  // the identity
-    for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int64_t>(x[i]) - zp;
+    std::memcpy(t, a32, static_cast<size_t>(n) * 4);
     return;
   }
-  for (int64_t i = 0; i < n; ++i)
-    t[i] = RescaleOne(static_cast<int64_t>(x[i]) - zp, q.kind, q.multiplier[0], q.shift[0], q.rounding);
+  OutputStage one;
+  one.rescale = q;
+  one.zero_point = 0;
+  one.qmin = INT32_MIN;
+  one.qmax = INT32_MAX;
+  stage(a32, n, one, t);
 }
 
-void RescaleRow(const uint8_t* x, int dt, int64_t n, const StageData& in, int64_t* t) {
-  if (dt == kI32) {
-    RescaleRowInto(reinterpret_cast<const int32_t*>(x), n, in, t);
+void RescaleRow(const uint8_t* x, int dt, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* a32,
+                int32_t* t) {
+  if (dt == kI32 && in.stage.zero_point != 0) {
+    const Rescale& q = in.stage.rescale;
+    const int32_t* x32 = reinterpret_cast<const int32_t*>(x);
+    for (int64_t i = 0; i < n; ++i)
+      t[i] = static_cast<int32_t>(RescaleOne(static_cast<int64_t>(x32[i]) - in.stage.zero_point, q.kind,
+                                             q.multiplier[0], q.shift[0], q.rounding));
+  } else if (dt == kI32) {
+    RescaleRowInto(reinterpret_cast<const int32_t*>(x), n, in, stage, a32, t);
   } else if (dt == kI8) {
-    RescaleRowInto(reinterpret_cast<const int8_t*>(x), n, in, t);
+    RescaleRowInto(reinterpret_cast<const int8_t*>(x), n, in, stage, a32, t);
   } else {
-    RescaleRowInto(x, n, in, t);
+    RescaleRowInto(x, n, in, stage, a32, t);
   }
 }
 
 struct WideScratch {
-  std::vector<int64_t> v, t;
-  std::vector<int32_t> mag, acc;
+  std::vector<int64_t> v, d;
+  std::vector<int32_t> a32, t0, t1, mag, acc;
 };
 
 // The wide form's row on the optimized paths, the same integers as RunLayernormWide: typed
@@ -350,22 +367,24 @@ void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p
   const int64_t xb = ElementBytes(dt) * n, x1b = ElementBytes(dt1) * n;
   ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 8 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
     thread_local WideScratch sc;
-    sc.v.resize(static_cast<size_t>(n));
-    sc.t.resize(static_cast<size_t>(n));
-    sc.mag.resize(static_cast<size_t>(n));
-    sc.acc.resize(static_cast<size_t>(n));
-    int64_t* v = sc.v.data();
-    int64_t* t = sc.t.data();
+    for (auto* b : {&sc.v, &sc.d}) b->resize(static_cast<size_t>(n));
+    for (auto* b : {&sc.a32, &sc.t0, &sc.t1, &sc.mag, &sc.acc}) b->resize(static_cast<size_t>(n));
+    int64_t* __restrict v = sc.v.data();
+    int32_t* __restrict t0 = sc.t0.data();
+    int32_t* __restrict t1 = sc.t1.data();
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * n;
-      RescaleRow(x + r * xb, dt, n, p.in[0], v);
-      if (x1 != nullptr) {
-        RescaleRow(x1 + r * x1b, dt1, n, p.in[1], t);
-        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(v[i] + t[i]);
+      RescaleRow(x + r * xb, dt, n, p.in[0], stage_i32, sc.a32.data(), t0);
+      if (x1 != nullptr) {  // RescaleOne's results are int32: the pair sum is exact in int64
+        RescaleRow(x1 + r * x1b, dt1, n, p.in[1], stage_i32, sc.a32.data(), t1);
+        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(static_cast<int64_t>(t0[i]) + t1[i]);
       } else if (n1 > 0) {
-        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(v[i] + p.const1[static_cast<size_t>((o + i) % n1)]);
+        const int64_t* c1 = p.const1.data() + (o % n1);  // n1 is a multiple of n: the row is contiguous
+        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(t0[i] + c1[i]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) v[i] = t0[i];
       }
-      LayernormRowWideFast(p, n, v, div, t, sc.mag.data(), sc.acc.data());
+      LayernormRowWideFast(p, n, v, div, sc.d.data(), sc.mag.data(), sc.acc.data());
       if (y32) {
         stage_i32(sc.acc.data(), n, st, reinterpret_cast<int32_t*>(y + 4 * o));
       } else {
