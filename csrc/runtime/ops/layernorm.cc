@@ -15,8 +15,9 @@
 // numerator below 2^51, exact as a double), no int64 division per element, acc_i from int32
 // copies of gamma and beta, and the vectorized output stage (RequantKernel) over the row of acc.
 // The wide form (two inputs, an I32 input, a non-identity rescale or an I32 output), optimized
-// paths: typed loads of each input, the row shift k, then the same division and stage as the
-// narrow rows (I32 output: StageI32Kernel); see LayernormRowWideFast for the bounds.
+// paths: typed loads of each input, the row shift k, each input's rescale by the vector StageI32Kernel,
+// then the same division and stage as the narrow rows (I32 output: StageI32Kernel); see
+// LayernormRowWideFast for the bounds.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -186,8 +187,7 @@ void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n
 }
 
 // The header's formula as written, for every form (in the narrow form k = 0 and the rescale is
-// the identity, so it is the narrow formula line by line): the wide form's rows on every path
-// and the reference path's rows.
+// the identity, so it is the narrow formula line by line): the reference path's rows.
 void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
   const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
