@@ -297,6 +297,57 @@ def test_wide_layernorm_matches_reference(seed, d0, d1, const1, out, n):
     _check(graph, *[feeds[k] for k in graph_inputs])
 
 
+@needs_cpp
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [5, 37, 384])
+def test_wide_layernorm_many_rows_match_reference(threads, n):
+    """The wide form's optimized rows (typed loads, row shift, exact division, vector stage)
+    over 210 rows split across threads: I32 inputs (LINEAR results, or a (1, ...) constant up
+    to ±2^30: k = 0 and k > 0), a second activation, a rescaled 8-bit pair, a constant row;
+    I8, U8 and I32 outputs."""
+    rng = np.random.default_rng(10 * n + threads)
+    rows, batch, k_in = 70, 3, 16
+    shape = (-1, rows, n)
+    i32 = OutputStage(Rescale(1, (1,), (0,), 0), 0, -(2**31), 2**31 - 1).attrs()
+    forms = [(DType.I32, DType.I32, False), (DType.I32, DType.I32, True), (DType.I32, None, False),
+             (DType.U8, DType.I8, False), (DType.I8, DType.U8, True), (DType.I32, DType.U8, False)]
+    for (d0, d1, const1), out in itertools.product(forms, [DType.I8, DType.U8, DType.I32]):
+        dtypes = [d0] + ([d1] if d1 is not None else [])
+        tensors = [Tensor("f", DType.F32, (-1, rows, k_in)), Tensor("qf", DType.U8, (-1, rows, k_in))]
+        ops = [Op(OpType.QUANTIZE, "q", ["f"], ["qf"], {"scale": 0.05, "zero_point": 128, "qmin": 0, "qmax": 255,
+                                                        "rounding": 1})]
+        feeds = {"f": rng.standard_normal((batch, rows, k_in)).astype(np.float32) * 3}
+
+        def operand(name, d, const):
+            if const:
+                data = rng.integers(-(2**30), 2**30, (1, rows, n)) if d is DType.I32 else _rand(rng, d, (1, rows, n))
+                tensors.append(Tensor(name, d, (1, rows, n), data))
+            elif d is DType.I32:
+                w = _rand(rng, DType.I8, (n, k_in))
+                tensors.extend([Tensor(f"{name}.w", DType.I8, w.shape, w), Tensor(name, DType.I32, shape)])
+                ops.append(Op(OpType.LINEAR, name, ["qf", f"{name}.w"], [name],
+                              {"in_zp": 128, "w_zp": [0], "acc_bits": 32, "overflow": 0, **i32}))
+            else:
+                tensors.append(Tensor(name, d, shape))
+                feeds[name] = _rand(rng, d, (batch, rows, n))
+                feeds[name][0, 0] = feeds[name][0, 0, 0]  # a constant row
+            return name
+
+        names = [operand("x0", d0, False)] + ([operand("x1", d1, const1)] if d1 is not None else [])
+        attrs = {**_ln_attrs(rng, n, out, eps=int(rng.choice([0, 7, 10**12]))), **_in_rescales(rng, dtypes)}
+        if d0 is DType.I32 and d1 is None:  # an I32 input off zero point 0: x - zp may pass int32 (the scalar rescale)
+            attrs["in_zp"] = [int(rng.choice([-(2**31), 12345]))]
+        tensors.append(Tensor("y", out, shape))
+        ops.append(Op(OpType.LAYERNORM, "ln", names, ["y"], attrs))
+        inputs = [t.name for t in tensors if t.name in feeds]
+        graph = IntegerGraph(tensors, inputs, ["y"], ops).validate()
+        rt.set_num_threads(threads)
+        try:
+            _check(graph, *[feeds[k] for k in inputs])
+        finally:
+            rt.set_num_threads(0)
+
+
 def test_wide_layernorm_reference_is_the_formula():
     # two inputs brought to one grid, the row shift k, eps shifted by 2k: Python integers
     rng = np.random.default_rng(5)

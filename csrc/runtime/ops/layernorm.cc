@@ -14,8 +14,10 @@
 // by the exact vector division (FloorDivScaledKernel; portable: FloorDivByReciprocal;
 // numerator below 2^51, exact as a double), no int64 division per element, acc_i from int32
 // copies of gamma and beta, and the vectorized output stage (RequantKernel) over the row of acc.
-// The wide form (two inputs, an I32 input, a non-identity rescale or an I32 output) runs its
-// row as written on every path.
+// The wide form (two inputs, an I32 input, a non-identity rescale or an I32 output), optimized
+// paths: typed loads of each input, the row shift k, each input's rescale by the vector StageI32Kernel,
+// then the same division and stage as the narrow rows (I32 output: StageI32Kernel); see
+// LayernormRowWideFast for the bounds.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -185,8 +187,7 @@ void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n
 }
 
 // The header's formula as written, for every form (in the narrow form k = 0 and the rescale is
-// the identity, so it is the narrow formula line by line): the wide form's rows on every path
-// and the reference path's rows.
+// the identity, so it is the narrow formula line by line): the reference path's rows.
 void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
   const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
@@ -249,6 +250,150 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   });
 }
 
+// Input j's rescaled term per element into t: x - zp loaded typed into a32, then the paths'
+// vectorized one-channel int32 stage (StageI32Kernel, == ApplyStage: csrc/tests/test_main.cc)
+// with zero point 0 and the int32 range as clamps, which is RescaleOne(x - zp) since x - zp
+// fits int32 (8-bit inputs; I32 inputs at zero point 0).  An I32 input at another zero point
+// (x - zp may pass int32: RescaleOne saturates it first) takes the scalar RescaleOne.
+template <typename T>
+void RescaleRowInto(const T* __restrict x, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* __restrict a32,
+                    int32_t* __restrict t) {
+  const Rescale& q = in.stage.rescale;
+  const int32_t zp = in.stage.zero_point;
+  for (int64_t i = 0; i < n; ++i) a32[i] = static_cast<int32_t>(x[i]) - zp;
+  if (q.kind == RescaleKind::kPot && q.shift[0] == 0 && q.multiplier[0] == 1) {  // the identity
+    std::memcpy(t, a32, static_cast<size_t>(n) * 4);
+    return;
+  }
+  OutputStage one;
+  one.rescale = q;
+  one.zero_point = 0;
+  one.qmin = INT32_MIN;
+  one.qmax = INT32_MAX;
+  stage(a32, n, one, t);
+}
+
+void RescaleRow(const uint8_t* x, int dt, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* a32,
+                int32_t* t) {
+  if (dt == kI32 && in.stage.zero_point != 0) {
+    const Rescale& q = in.stage.rescale;
+    const int32_t* x32 = reinterpret_cast<const int32_t*>(x);
+    for (int64_t i = 0; i < n; ++i)
+      t[i] = static_cast<int32_t>(RescaleOne(static_cast<int64_t>(x32[i]) - in.stage.zero_point, q.kind,
+                                             q.multiplier[0], q.shift[0], q.rounding));
+  } else if (dt == kI32) {
+    RescaleRowInto(reinterpret_cast<const int32_t*>(x), n, in, stage, a32, t);
+  } else if (dt == kI8) {
+    RescaleRowInto(reinterpret_cast<const int8_t*>(x), n, in, stage, a32, t);
+  } else {
+    RescaleRowInto(x, n, in, stage, a32, t);
+  }
+}
+
+struct WideScratch {
+  std::vector<int64_t> v, d;
+  std::vector<int32_t> a32, t0, t1, mag, acc;
+};
+
+// The wide form's row on the optimized paths, the same integers as RunLayernormWide: typed
+// loads, the row shift, then the narrow rows' exact division.  After the shift |D_i| <= 2^24
+// (bitlen(max|D| >> k) <= 24, half-away rounding may reach 2^24), so |D_i| fits int32 and, as
+// in the narrow form, W >= D_i² gives |D_i|·2^G <= R: the numerator |D_i|·2^(G+17) + R is
+// below 2^51 (exact as a double), den = 2R < 2^32 and the quotient is at most 2^16 + 1, the
+// preconditions of FloorDivScaledKernel / FloorDivByReciprocal (dispatch.h, last_axis.h).
+// acc = Z·gamma + beta: |Z·gamma| < 2^30 and |beta| <= 2^30, so int32 holds it.
+void LayernormRowWideFast(const LayernormParams& p, int64_t n, const int64_t* __restrict v, FloorDivScaledKernel div,
+                          int64_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
+  int64_t sum = 0, most = 0;
+  for (int64_t i = 0; i < n; ++i) sum += v[i];
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = n * v[i] - sum;
+    most = std::max(most, d[i] < 0 ? -d[i] : d[i]);
+  }
+  const int k = std::max(0, BitLength(static_cast<uint64_t>(most)) - 24);
+  int64_t w = HalfAwayShift(p.eps, 2 * k);
+  if (k == 0) {
+    for (int64_t i = 0; i < n; ++i) w += d[i] * d[i];
+  } else {
+    const int64_t half = int64_t{1} << (k - 1);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t a = ((d[i] < 0 ? -d[i] : d[i]) + half) >> k;
+      d[i] = d[i] < 0 ? -a : a;
+      w += a * a;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) mag[i] = static_cast<int32_t>(d[i] < 0 ? -d[i] : d[i]);
+  const int32_t* __restrict gamma = p.gamma32.data();
+  const int32_t* __restrict beta = p.beta32.data();
+  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
+  const int64_t root = ISqrt(w << (2 * gs));
+  if (root == 0) {
+    for (int64_t i = 0; i < n; ++i) acc[i] = beta[i];
+    return;
+  }
+  const int64_t den = 2 * root;
+  if (div != nullptr) {
+    div(mag, n, static_cast<double>(int64_t{1} << (gs + 17)), static_cast<double>(root), static_cast<double>(den),
+        acc);
+  } else {
+    const double inv = 1.0 / static_cast<double>(den);
+    for (int64_t i = 0; i < n; ++i)
+      acc[i] = static_cast<int32_t>(FloorDivByReciprocal((static_cast<int64_t>(mag[i]) << (gs + 17)) + root, den, inv));
+  }
+  for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
+}
+
+// The wide form on the optimized paths: per row, each input's rescaled term by RescaleRow, the
+// sum saturated to int32 as the reference does (only with a second term), LayernormRowWideFast,
+// then the vectorized stage (RequantKernel for I8/U8, StageI32Kernel for the I32 output).
+void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
+  const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
+  const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
+  const size_t n_in = op.inputs.size();
+  const uint8_t* x = c.Buf(op.inputs[0]);
+  const int dt = c.DType(op.inputs[0]);
+  const bool act1 = n_in > 1 && p.const1.empty();
+  const uint8_t* x1 = act1 ? c.Buf(op.inputs[1]) : nullptr;
+  const int dt1 = act1 ? c.DType(op.inputs[1]) : 0;
+  const int64_t n1 = static_cast<int64_t>(p.const1.size());
+  uint8_t* y = c.Buf(op.outputs[0]);
+  const int ydt = c.DType(op.outputs[0]);
+  const bool y32 = ydt == kI32;
+  const bool out_signed = ydt == kI8;
+  const OutputStage& st = p.out.stage;
+  const RequantKernel requant = SelectRequantKernel(c.path);
+  const StageI32Kernel stage_i32 = SelectStageI32Kernel(c.path);
+  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
+  const int64_t xb = ElementBytes(dt) * n, x1b = ElementBytes(dt1) * n;
+  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 8 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
+    thread_local WideScratch sc;
+    for (auto* b : {&sc.v, &sc.d}) b->resize(static_cast<size_t>(n));
+    for (auto* b : {&sc.a32, &sc.t0, &sc.t1, &sc.mag, &sc.acc}) b->resize(static_cast<size_t>(n));
+    int64_t* __restrict v = sc.v.data();
+    int32_t* __restrict t0 = sc.t0.data();
+    int32_t* __restrict t1 = sc.t1.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t o = r * n;
+      RescaleRow(x + r * xb, dt, n, p.in[0], stage_i32, sc.a32.data(), t0);
+      if (x1 != nullptr) {  // RescaleOne's results are int32: the pair sum is exact in int64
+        RescaleRow(x1 + r * x1b, dt1, n, p.in[1], stage_i32, sc.a32.data(), t1);
+        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(static_cast<int64_t>(t0[i]) + t1[i]);
+      } else if (n1 > 0) {
+        const int64_t* c1 = p.const1.data() + (o % n1);  // n1 is a multiple of n: the row is contiguous
+        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(t0[i] + c1[i]);
+      } else {
+        for (int64_t i = 0; i < n; ++i) v[i] = t0[i];
+      }
+      LayernormRowWideFast(p, n, v, div, sc.d.data(), sc.mag.data(), sc.acc.data());
+      if (y32) {
+        stage_i32(sc.acc.data(), n, st, reinterpret_cast<int32_t*>(y + 4 * o));
+      } else {
+        requant(sc.acc.data(), 1, n, n, st, 0, y + o, n, out_signed);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 Status RunLayernorm(RunCtx& c, const GraphOp& op) {
@@ -256,8 +401,12 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
   const int dt = c.DType(op.inputs[0]);
   const bool out_signed = c.DType(op.outputs[0]) == kI8;
   const OutputStage& st = p.out.stage;
-  if (!p.narrow || c.path == kPathRef) {
+  if (c.path == kPathRef) {
     RunLayernormWide(c, op, p);
+    return Status::Ok();
+  }
+  if (!p.narrow) {
+    RunLayernormWideFast(c, op, p);
     return Status::Ok();
   }
   const RequantKernel requant = SelectRequantKernel(c.path);
