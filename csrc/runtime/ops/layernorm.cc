@@ -148,32 +148,21 @@ struct LayernormScratch {
   std::vector<int32_t> acc;  // the optimized row's D_i, |D_i| and the stage's input, n each
 };
 
-// One row into acc (the stage's int32 input), from the same integers as the reference.
-// D_i fits int32 (|D_i| <= n·255 < 2^24) and D_i² int64; restrict pointers and int32 arrays
-// let the compiler vectorize every loop but the division (FloorDivScaledKernel's).
-template <typename T>
-void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n, FloorDivScaledKernel div,
-                      int32_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
+// The optimized rows' common end, from W (eps included), D_i and |D_i|: G, R, then
+// acc_i = Z_i·gamma_i + beta_i with Z = round_half_away(|D| · 2^(G+16) / R)
+// = floor((|D| · 2^(G+17) + R) / 2R); the numerator is below 2^51 (exact as a double), the
+// quotient at most 2^16 + 1.  D is int32 (narrow rows) or int64 (wide rows); only its sign is read.
+template <typename D>
+void NormalizeRowFast(const LayernormParams& p, int64_t w, const D* __restrict d, const int32_t* __restrict mag,
+                      int64_t n, FloorDivScaledKernel div, int32_t* __restrict acc) {
   const int32_t* __restrict gamma = p.gamma32.data();
   const int32_t* __restrict beta = p.beta32.data();
-  int32_t sum = 0;  // |sum| <= 40000 · 255
-  for (int64_t i = 0; i < n; ++i) sum += x[i];
-  const int32_t n32 = static_cast<int32_t>(n);
-  int64_t w = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    d[i] = n32 * static_cast<int32_t>(x[i]) - sum;
-    mag[i] = d[i] < 0 ? -d[i] : d[i];
-    w += static_cast<int64_t>(d[i]) * d[i];
-  }
-  w += p.eps;
   const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
   const int64_t root = ISqrt(w << (2 * gs));
   if (root == 0) {
     for (int64_t i = 0; i < n; ++i) acc[i] = beta[i];
     return;
   }
-  // Z = round_half_away(|D| · 2^(gs+16) / R) = floor((|D| · 2^(gs+17) + R) / 2R); the
-  // numerator is below 2^51 (exact as a double), the quotient at most 2^16 + 1
   const int64_t den = 2 * root;
   if (div != nullptr) {
     div(mag, n, static_cast<double>(int64_t{1} << (gs + 17)), static_cast<double>(root), static_cast<double>(den),
@@ -184,6 +173,25 @@ void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n
       acc[i] = static_cast<int32_t>(FloorDivByReciprocal((static_cast<int64_t>(mag[i]) << (gs + 17)) + root, den, inv));
   }
   for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
+}
+
+// One row into acc (the stage's int32 input), from the same integers as the reference.
+// D_i fits int32 (|D_i| <= n·255 < 2^24) and D_i² int64; restrict pointers and int32 arrays
+// let the compiler vectorize every loop but the division (FloorDivScaledKernel's).
+template <typename T>
+void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n, FloorDivScaledKernel div,
+                      int32_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
+  int32_t sum = 0;  // |sum| <= 40000 · 255
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const int32_t n32 = static_cast<int32_t>(n);
+  int64_t w = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    d[i] = n32 * static_cast<int32_t>(x[i]) - sum;
+    mag[i] = d[i] < 0 ? -d[i] : d[i];
+    w += static_cast<int64_t>(d[i]) * d[i];
+  }
+  w += p.eps;
+  NormalizeRowFast(p, w, d, mag, n, div, acc);
 }
 
 // The header's formula as written, for every form (in the narrow form k = 0 and the rescale is
@@ -323,24 +331,7 @@ void LayernormRowWideFast(const LayernormParams& p, int64_t n, const int64_t* __
     }
   }
   for (int64_t i = 0; i < n; ++i) mag[i] = static_cast<int32_t>(d[i] < 0 ? -d[i] : d[i]);
-  const int32_t* __restrict gamma = p.gamma32.data();
-  const int32_t* __restrict beta = p.beta32.data();
-  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
-  const int64_t root = ISqrt(w << (2 * gs));
-  if (root == 0) {
-    for (int64_t i = 0; i < n; ++i) acc[i] = beta[i];
-    return;
-  }
-  const int64_t den = 2 * root;
-  if (div != nullptr) {
-    div(mag, n, static_cast<double>(int64_t{1} << (gs + 17)), static_cast<double>(root), static_cast<double>(den),
-        acc);
-  } else {
-    const double inv = 1.0 / static_cast<double>(den);
-    for (int64_t i = 0; i < n; ++i)
-      acc[i] = static_cast<int32_t>(FloorDivByReciprocal((static_cast<int64_t>(mag[i]) << (gs + 17)) + root, den, inv));
-  }
-  for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
+  NormalizeRowFast(p, w, d, mag, n, div, acc);
 }
 
 // The wide form on the optimized paths: per row, each input's rescaled term by RescaleRow, the
