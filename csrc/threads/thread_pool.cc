@@ -84,6 +84,14 @@ inline int Next(uint64_t t) { return static_cast<int>(t & kTaskMask); }
 inline int Count(uint64_t t) { return static_cast<int>((t >> kTaskBits) & kTaskMask); }
 inline bool HasTask(uint64_t t) { return Next(t) < Count(t); }
 
+// PoolStats counters, each on its own cache line (workers bump theirs per claim)
+struct alignas(64) Counter {
+  std::atomic<int64_t> v{0};
+  void Add(int64_t d) { v.fetch_add(d, std::memory_order_relaxed); }
+};
+std::atomic<bool> stats_on{false};
+Counter stat_parallel, stat_serial, stat_tasks, stat_caller, stat_tail_ns;
+
 class Pool {
  public:
   static constexpr int kMaxTasks = static_cast<int>(kTaskMask);
@@ -118,21 +126,32 @@ class Pool {
       { std::lock_guard<std::mutex> lock(mu_); }  // a worker between its check and its wait
       cv_.notify_all();
     }
-    Drain();
+    const bool stats = stats_on.load(std::memory_order_relaxed);
+    const int64_t mine = Drain();
+    if (stats) {
+      stat_parallel.Add(1);
+      stat_tasks.Add(n);
+      stat_caller.Add(mine);
+    }
+    const auto drained = stats ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     if (!SpinUntil([&] { return done_.load(std::memory_order_acquire) == n; })) {
       std::unique_lock<std::mutex> lock(mu_);
       done_cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire) == n; });
     }
+    if (stats)
+      stat_tail_ns.Add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - drained).count());
     return true;
   }
 
  private:
-  // Claims and runs tasks until the current job has none left.
-  void Drain() {
+  // Claims and runs tasks until the current job has none left; returns how many it ran.
+  int64_t Drain() {
+    int64_t ran = 0;
     uint64_t t = ticket_.load(std::memory_order_acquire);
     while (HasTask(t)) {
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       (*fn_.load(std::memory_order_acquire))(Next(t));
+      ++ran;
       const int n = Count(t);
       if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
         { std::lock_guard<std::mutex> lock(mu_); }  // the caller may be between its check and its wait
@@ -140,6 +159,7 @@ class Pool {
       }
       t = ticket_.load(std::memory_order_acquire);
     }
+    return ran;
   }
 
   void Work() {
@@ -205,6 +225,7 @@ int ThreadsFor(int64_t work) { return work < kMinParallelWork ? 1 : NumThreads()
 void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
   const int threads = n > 1 && !in_parallel && work >= kMinParallelWork ? NumThreads() : 1;
   if (threads <= 1) {
+    if (stats_on.load(std::memory_order_relaxed)) stat_serial.Add(1);
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
@@ -223,9 +244,23 @@ void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
     for (int i = c * per, e = std::min(n, i + per); i < e; ++i) fn(i);
     in_parallel = outer;
   });
-  if (!ran)
+  if (!ran) {
+    if (stats_on.load(std::memory_order_relaxed)) stat_serial.Add(1);
     for (int i = 0; i < n; ++i) fn(i);
+  }
   in_parallel = false;
+}
+
+void EnablePoolStats(bool on) { stats_on.store(on); }
+
+PoolStats GetPoolStats() {
+  PoolStats s;
+  s.parallel_jobs = stat_parallel.v.load();
+  s.serial_jobs = stat_serial.v.load();
+  s.tasks = stat_tasks.v.load();
+  s.caller_claims = stat_caller.v.load();
+  s.tail_wait_ns = stat_tail_ns.v.load();
+  return s;
 }
 
 }  // namespace qdsl

@@ -15,6 +15,7 @@
 #ifndef QDSL_THREADS_THREAD_POOL_H_
 #define QDSL_THREADS_THREAD_POOL_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -30,6 +31,37 @@ int ThreadsFor(int64_t work);
 
 void ParallelFor(int n, const std::function<void(int)>& fn,
                  int64_t work = std::numeric_limits<int64_t>::max());
+
+// Claims per thread that ops aim for when they cut their work (issue 18).  With one or two
+// claims per thread, a thread that another process preempts or slows holds its share of
+// the op for the others to wait on; with ~8 the others take most of it.  A claim costs a
+// compare-exchange and whatever the task re-reads (a weight strip, a row block's pack),
+// small beside pieces of >= kMinParallelWork / 8.
+constexpr int kClaimsPerThread = 8;
+
+// The range length for ParallelRanges over n elements: `chunk` (the op's cache-sized piece)
+// at one thread, else short enough for kClaimsPerThread ranges per thread, but >= min_chunk
+// (what a range must hold to cost more than its claim).
+inline int64_t FineChunk(int64_t n, int64_t chunk, int64_t min_chunk, int64_t work) {
+  const int64_t threads = ThreadsFor(work);
+  if (threads <= 1) return chunk;
+  const int64_t want = kClaimsPerThread * threads;
+  return std::max<int64_t>(std::max<int64_t>(1, min_chunk), std::min(chunk, (n + want - 1) / want));
+}
+
+// Counters for QDSL_PROFILE (the executor prints their change per op): how ops were cut,
+// which thread claimed the tasks, and how long callers waited for tasks that another
+// thread had claimed and not finished (on a machine where another process takes a core,
+// the time a preempted thread holds up the op).  Counted only while enabled.
+struct PoolStats {
+  int64_t parallel_jobs = 0;  // ParallelFor calls that went to the pool
+  int64_t serial_jobs = 0;    // calls run in the caller (below kMinParallelWork, n == 1, nested)
+  int64_t tasks = 0;          // claims offered by the pool's jobs
+  int64_t caller_claims = 0;  // of them, run by the thread that posted the job
+  int64_t tail_wait_ns = 0;   // caller time between running out of tasks and the job's end
+};
+void EnablePoolStats(bool on);
+PoolStats GetPoolStats();
 
 // ParallelFor over [0, n) cut into ranges of `chunk` elements: fn(i0, i1) per range (the
 // elementwise ops stream their tensors once, in cache-sized pieces).
