@@ -15,7 +15,8 @@
 // (and its caller cannot return and post the next job) while a claimed task is unrun.
 //
 // Waiting (workers for a job, the caller for the last running tasks) spins for a short
-// bounded time, then sleeps on a condition variable.
+// bounded time, then sleeps on a condition variable.  When jobs stop paying (workers
+// preempted by other processes), SoloPolicy (thread_pool.h) runs them in the caller.
 #include "threads/thread_pool.h"
 
 #include <sched.h>
@@ -113,10 +114,13 @@ class Pool {
   int workers() const { return static_cast<int>(threads_.size()); }
 
   // Runs fn(0..n-1), 1 <= n <= kMaxTasks; false (nothing run) when another thread's job
-  // holds the pool: the caller then runs its tasks itself rather than queue behind it.
+  // holds the pool, or SoloPolicy says jobs do not pay: the caller then runs its tasks
+  // itself rather than queue behind it.
   bool Run(int n, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> run_lock(run_mu_, std::try_to_lock);
     if (!run_lock.owns_lock()) return false;
+    if (adapt_ && policy_.Solo()) return false;
+    const auto posted = std::chrono::steady_clock::now();
     fn_.store(&fn, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     seq_ = (seq_ + 1) & 0xffffff;
@@ -133,13 +137,17 @@ class Pool {
       stat_tasks.Add(n);
       stat_caller.Add(mine);
     }
-    const auto drained = stats ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+    const auto drained = std::chrono::steady_clock::now();
     if (!SpinUntil([&] { return done_.load(std::memory_order_acquire) == n; })) {
       std::unique_lock<std::mutex> lock(mu_);
       done_cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire) == n; });
     }
-    if (stats)
-      stat_tail_ns.Add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - drained).count());
+    const auto end = std::chrono::steady_clock::now();
+    auto ns = [](std::chrono::steady_clock::duration d) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+    };
+    if (stats) stat_tail_ns.Add(ns(end - drained));
+    policy_.Record(n, mine, ns(drained - posted), ns(end - posted));
     return true;
   }
 
@@ -187,6 +195,11 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   uint32_t seq_ = 0;  // under run_mu_
+  SoloPolicy policy_;  // under run_mu_
+  const bool adapt_ = [] {
+    const char* v = std::getenv("QDSL_POOL_ADAPT");
+    return v == nullptr || !(v[0] == '0' && v[1] == '\0');
+  }();
 };
 
 Pool& GetPool() {

@@ -49,13 +49,57 @@ inline int64_t FineChunk(int64_t n, int64_t chunk, int64_t min_chunk, int64_t wo
   return std::max<int64_t>(std::max<int64_t>(1, min_chunk), std::min(chunk, (n + want - 1) / want));
 }
 
+// When the pool stops paying (issue 18: "degrade toward, not below, the 1-thread speed").
+// On an oversubscribed machine a worker that another process preempts in the middle of a
+// task holds the op's end until it is scheduled again, milliseconds later; with several
+// processes per core that made 2 threads slower than one.  The caller measures each job:
+// its wall time, and what the job would have cost it alone (n tasks at the caller's own
+// time per task).  Over a window of jobs, if the jobs took longer than that estimate, the
+// next jobs run in the caller alone, for a stretch that doubles while probes keep losing
+// (kSoloJobs .. kMaxSoloJobs jobs: ResNet-18 issues ~22 per run) and resets once a window
+// wins.  Results never depend on it (every op gives the same bytes at any thread count).
+// QDSL_POOL_ADAPT=0 turns it off.
+class SoloPolicy {
+ public:
+  static constexpr int kWindow = 24;
+  static constexpr int kSoloJobs = 32;
+  static constexpr int kMaxSoloJobs = 2048;
+
+  // A parallel job: n tasks, `mine` of them run by the caller in caller_ns, the job's wall
+  // time wall_ns (from posting to its end).
+  void Record(int n, int64_t mine, int64_t caller_ns, int64_t wall_ns) {
+    if (mine <= 0 || caller_ns <= 0) return;  // the caller ran nothing: no estimate
+    wall_ns_ += wall_ns;
+    alone_ns_ += caller_ns * n / mine;
+    if (++jobs_ < kWindow) return;
+    if (wall_ns_ > alone_ns_) {
+      solo_left_ = backoff_;
+      backoff_ = backoff_ * 2 > kMaxSoloJobs ? kMaxSoloJobs : backoff_ * 2;
+    } else {
+      backoff_ = kSoloJobs;
+    }
+    jobs_ = 0;
+    wall_ns_ = alone_ns_ = 0;
+  }
+  // True (and counted) when the next job should run in the caller alone.
+  bool Solo() {
+    if (solo_left_ <= 0) return false;
+    --solo_left_;
+    return true;
+  }
+
+ private:
+  int jobs_ = 0, solo_left_ = 0, backoff_ = kSoloJobs;
+  int64_t wall_ns_ = 0, alone_ns_ = 0;
+};
+
 // Counters for QDSL_PROFILE (the executor prints their change per op): how ops were cut,
 // which thread claimed the tasks, and how long callers waited for tasks that another
 // thread had claimed and not finished (on a machine where another process takes a core,
 // the time a preempted thread holds up the op).  Counted only while enabled.
 struct PoolStats {
   int64_t parallel_jobs = 0;  // ParallelFor calls that went to the pool
-  int64_t serial_jobs = 0;    // calls run in the caller (below kMinParallelWork, n == 1, nested)
+  int64_t serial_jobs = 0;    // calls run in the caller (below kMinParallelWork, n == 1, nested, SoloPolicy)
   int64_t tasks = 0;          // claims offered by the pool's jobs
   int64_t caller_claims = 0;  // of them, run by the thread that posted the job
   int64_t tail_wait_ns = 0;   // caller time between running out of tasks and the job's end

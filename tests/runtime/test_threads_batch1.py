@@ -113,7 +113,7 @@ def test_batch1_ops_are_cut_into_claims_for_every_thread():
         "for g, xs, _ in _cases().values():\n"
         "    rt.CompiledGraph(g).run(*xs, path='avx2')\n"
     )
-    env = {**os.environ, "QDSL_PROFILE": "1"}
+    env = {**os.environ, "QDSL_PROFILE": "1", "QDSL_POOL_ADAPT": "0"}  # no solo jobs on a loaded test machine
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
