@@ -10,6 +10,12 @@ stderr captured in a temporary file; the table gives per op the median over all 
 the wall time and of the process CPU time (std::clock: both threads, spinning included)
 at each count, and the speedup.  Per-op figures add up to more than a plain run (the
 profile's clock reads and prints); compare the columns, not the totals with threads.py.
+At 2 threads it also gives, per op and run, the pool's tasks (claims offered: a count near
+the thread count leaves a thread slowed by another process holding the op's tail), the
+share of them the calling thread ran, and the mean time per run it waited for tasks the
+other thread held ("tail"; threads/thread_pool.h PoolStats).  On a loaded machine the
+pool's SoloPolicy may run some jobs serially (jobs "par/ser" below 1/0): QDSL_POOL_ADAPT=0
+shows how the ops are cut.
 """
 
 from __future__ import annotations
