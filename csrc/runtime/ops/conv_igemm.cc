@@ -132,10 +132,12 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const int64_t work = e.n * P * O * (taps * cp + 64 * static_cast<int64_t>(outs.size()));
   const int threads = ThreadsFor(work);
   // Tasks: (image, M block) x N parts.  N is split only when the M blocks alone do not give
-  // each thread several tasks (7 x 7 images at batch 1); each N part re-reads its block's rows.
+  // each thread kClaimsPerThread tasks (14 x 14 and 7 x 7 images at batch 1); each N part
+  // re-reads its block's rows.
   int64_t nparts = 1;
-  if (threads > 1 && e.n * blocks < 4 * threads)
-    nparts = std::min<int64_t>(p.ig_panels, (4 * threads + e.n * blocks - 1) / (e.n * blocks));
+  const int64_t want = int64_t{kClaimsPerThread} * threads;
+  if (threads > 1 && e.n * blocks < want)
+    nparts = std::min<int64_t>(p.ig_panels, (want + e.n * blocks - 1) / (e.n * blocks));
   const int64_t tasks = e.n * blocks * nparts;
   ParallelFor(static_cast<int>(tasks), [&](int t) {
     const int64_t part = t % nparts, bb = t / nparts, b = bb / blocks, blk = bb % blocks;

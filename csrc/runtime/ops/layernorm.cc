@@ -209,7 +209,8 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   uint8_t* y = c.Buf(op.outputs[0]);
   const bool y32 = c.DType(op.outputs[0]) == kI32;  // the wide output
   const OutputStage& st = p.out.stage;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
+  const int64_t work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
+  ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> d(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * n;
@@ -356,7 +357,8 @@ void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(c.path);
   const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
   const int64_t xb = ElementBytes(dt) * n, x1b = ElementBytes(dt1) * n;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 8 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
+  const int64_t work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
+  ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     thread_local WideScratch sc;
     for (auto* b : {&sc.v, &sc.d}) b->resize(static_cast<size_t>(n));
     for (auto* b : {&sc.a32, &sc.t0, &sc.t1, &sc.mag, &sc.acc}) b->resize(static_cast<size_t>(n));
@@ -402,7 +404,7 @@ Status RunLayernorm(RunCtx& c, const GraphOp& op) {
   }
   const RequantKernel requant = SelectRequantKernel(c.path);
   const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
-  ForEachLastAxisRow<LayernormScratch>(c, op, 6, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
+  ForEachLastAxisRow<LayernormScratch>(c, op, kLayernormCost, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
                                                      int64_t n) {
     sc.acc.resize(static_cast<size_t>(3 * n));
     int32_t* acc = sc.acc.data() + 2 * n;

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "dispatch.h"
+#include "runtime/ops/last_axis.h"
 #include "runtime/ops/op.h"
 #include "runtime/ops/softmax_row.h"
 #include "threads/thread_pool.h"
@@ -188,7 +189,8 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
     }
   };
   if (c.path == kPathRef) {
-    ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
+    const int64_t work = rows * n * 4 * kSoftmaxCost;  // the scalar reference rows
+    ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
       std::vector<int64_t> e(static_cast<size_t>(n));
       std::vector<uint8_t> keep(static_cast<size_t>(n));
       std::vector<int64_t> off(n_masks);
@@ -217,7 +219,8 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
   const RequantKernel requant = SelectRequantKernel(c.path);
   const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
   const bool out_signed = c.DType(op.outputs[0]) == kI8;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 4, [&](int64_t r0, int64_t r1) {
+  const int64_t work = rows * n * kSoftmaxCost;
+  ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<int32_t> q;        // Q, then E
     thread_local std::vector<uint8_t> keep;     // the row's kept flags
     thread_local std::vector<int64_t> off, prev;
