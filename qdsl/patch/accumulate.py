@@ -193,9 +193,12 @@ class AccumulatorSim:
                 if s_acc.numel() == 1:
                     s_acc = s_acc.expand(b_int.shape)
             z = iq.zero_point if iq.frozen and not iq.dynamic else None
-            if not self._safe(w_int, b_int, z, w_hat, b_hat, s_x64):
-                return self._simulate(module, args[0], output, w_int, b_int, s_x64, s_acc)
-        return None
+            if self._safe(w_int, b_int, z, w_hat, b_hat, s_x64):
+                return None
+            y, keep = self._simulate(module, args[0], output, w_int, b_int, s_x64, s_acc)
+        if not output.requires_grad:
+            return y
+        return _Overflowed.apply(output, y, keep)
 
     def _safe(self, w_int, b_int, z, w_hat, b_hat, s_x64) -> bool:
         """The fast path's test: no input in range can overflow (module doc)."""
@@ -243,6 +246,4 @@ class AccumulatorSim:
         else:
             a, keep = wrap_sum(s, bits), None
         y = (a.double() * _channel_view(s_acc, a.dim(), axis)).to(output.dtype)
-        if not output.requires_grad:
-            return y
-        return _Overflowed.apply(output, y, keep)
+        return y, keep
