@@ -58,7 +58,7 @@ from torch import nn
 from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Accumulator, Overflow
 
-__all__ = ["AccumulatorSim", "wrap_sum", "saturate_sum", "needs_simulation"]
+__all__ = ["AccumulatorSim", "wrap_sum", "saturate_sum", "needs_simulation", "reachable", "fits"]
 
 _EXACT_F64 = 1 << 53
 
@@ -82,6 +82,26 @@ def saturate_sum(s: torch.Tensor, bits: int) -> torch.Tensor:
 def needs_simulation(acc: Accumulator) -> bool:
     """A 64-bit accumulator holds every exact sum (the graph's are int64): nothing to do."""
     return acc.bits < 64
+
+
+def reachable(w_int: torch.Tensor, b_int: torch.Tensor | None,
+              x_ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel, the exact smallest and largest sum ``Σ w·x + b`` over every input
+    code vector in the box (one ``(x_lo, x_hi)`` per candidate zero point): the sum is
+    linear in ``x``, so its extremes are at vertices, taken element-wise (module doc)."""
+    w = w_int.reshape(w_int.shape[0], -1).to(torch.int64)
+    pos = w.clamp(min=0).sum(1)
+    neg = w.clamp(max=0).sum(1)
+    b = b_int.to(torch.int64) if b_int is not None else torch.zeros_like(pos)
+    his = [pos * xh + neg * xl + b for xl, xh in x_ranges]
+    los = [pos * xl + neg * xh + b for xl, xh in x_ranges]
+    return torch.stack(los).min(0).values, torch.stack(his).max(0).values
+
+
+def fits(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per channel: ``[lo, hi]`` inside the ``bits``-bit two's complement range."""
+    half = 1 << (bits - 1)
+    return (lo >= -half) & (hi <= half - 1)
 
 
 class _Overflowed(torch.autograd.Function):
@@ -206,17 +226,8 @@ class AccumulatorSim:
                float(s_x64), None if z is None else int(z.reshape(-1)[0]))
         if self._safe_key is not None and self._safe_key[0] == key:
             return self._safe_key[1]
-        w = w_int.reshape(w_int.shape[0], -1).to(torch.int64)
-        pos = w.clamp(min=0).sum(1)
-        neg = w.clamp(max=0).sum(1)
-        b = b_int if b_int is not None else torch.zeros_like(pos)
-        half = 1 << (self.acc.bits - 1)
-        safe = True
-        for xl, xh in self._input_ranges(z):
-            hi = pos * xh + neg * xl + b
-            lo = pos * xl + neg * xh + b
-            if int(hi.max()) > half - 1 or int(lo.min()) < -half:
-                safe = False
+        lo, hi = reachable(w_int, b_int, self._input_ranges(z))
+        safe = bool(fits(lo, hi, self.acc.bits).all())
         self._safe_key = (key, safe)
         return safe
 

@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from qdsl.patch.accumulate import AccumulatorSim, needs_simulation
+from qdsl.patch.constrain import check_constrained, constrain_weights
 from qdsl.patch.softmax_roles import SoftmaxRoles
 from qdsl.quantizers.functional import HALF_DTYPES
 from qdsl.resolve.plan import LayerPlan
@@ -89,6 +90,8 @@ class LayerPatch:
 
     _unit = False  # (class defaults: a patch pickled before these existed)
     sq = pq = None
+    constraint_cost = None
+    """What ``accumulator(constrain=true)`` changed at freeze (qdsl.patch.constrain)."""
     acc_sim: AccumulatorSim | None = None
     """The spec's narrow accumulator simulated on the layer's output (qdsl.patch.accumulate)."""
     _shadowed: tuple[str, ...] = ()
@@ -330,6 +333,8 @@ class LayerPatch:
             w, b = self.float_params()
             if self.wq is not None and not self.wq.frozen and w is not None:
                 self.wq.freeze(w)
+                if self.plan.accumulator.constrain:  # before the bias: its derived scale follows
+                    self.constraint_cost = constrain_weights(self, w, b)
             if self.bq is not None and not self.bq.frozen and b is not None:
                 if self.bq.derived:
                     if self.iq is not None and self.iq.dynamic:
@@ -337,6 +342,9 @@ class LayerPatch:
                     self.bq.set_derived_scale(self.iq.scale * self._per_output(self.wq.scale))
                 self.bq.freeze(b)
         self._cache_key = None
+        if self.constraint_cost is not None:
+            self.refresh_now()
+            check_constrained(self)
 
     def _per_output(self, s_w: torch.Tensor) -> torch.Tensor:
         """The weight scale per output channel: a transposed conv's per-channel scales
