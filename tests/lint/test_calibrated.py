@@ -120,3 +120,20 @@ def test_spec_accumulator_narrower_than_the_target_is_an_overflow_finding():
     # with the target's own 16 bits instead, the finding is the target's (at the weight bits)
     same = lint(spec, parse_profile('version = 1\n[accumulator]\nbits = 16\noverflow = "wrap"\n'), model)
     assert [d.code for d in same] == ["E314"] and "has 16 (wrap)" in same[0].message
+
+
+def test_constrained_accumulator_lints_clean_once_calibrated():
+    # the same layer and data as above, with constrain=true: the exact bound holds at freeze
+    from qdsl.lint import parse_profile
+
+    prof = parse_profile('version = 1\n[accumulator]\nbits = 24\noverflow = "wrap"\n')
+    spec = parse_text(ACC_SPEC.replace("overflow=wrap)", "overflow=wrap, constrain=true)"), "acc.qspec")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 8))
+    with torch.no_grad():
+        model[0].weight.abs_()
+    qdsl.apply(model, spec)
+    qdsl.calibrate(model, [torch.rand(16, 64) * 4], progress=False)
+    qdsl.freeze(model)
+    assert [d.code for d in lint(spec, prof, model)] == []
+    assert [d.code for d in lint(spec, prof, model, calibrated=False)] == ["W313"]  # bit widths alone
