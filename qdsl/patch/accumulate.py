@@ -41,7 +41,7 @@ float path times the derivative of the overflow function at ``S``:
 * saturate: the clamp's derivative, 1 inside the range and 0 where ``S`` saturated (as
   the quantizers' own clamp), so a saturated output passes no gradient.
 
-Not simulated (a warning names the layer): a layer without an input or weight quantizer
+Not simulated (a warning names the layer when its accumulator is narrower than 32 bits): a layer without an input or weight quantizer
 (its input scale is not local), group-wise weight scales (no single ``s_acc`` per output
 channel), transposed convs.  While calibrating the input scale still moves, so the layer
 passes its float output through.
@@ -165,7 +165,9 @@ class AccumulatorSim:
         return None
 
     def _warn(self, why: str) -> None:
-        if not self._warned:
+        # the default 32-bit accumulator is not worth a warning on every model that has such
+        # a layer: only a narrower one the user asked for
+        if not self._warned and self.acc.bits < 32:
             self._warned = True
             warnings.warn(f"'{self.patch.fqn}': its {self.acc.bits}-bit accumulator is not simulated in the "
                           f"fake-quant model ({why}); the integer graph may differ where it overflows",

@@ -162,3 +162,12 @@ def test_wide_accumulators_take_the_fast_path_and_match(bits):
     np.testing.assert_allclose(fq, res.outputs[0], rtol=0, atol=0.5 * graph.ops[-1].attrs["scale"] * (1 + 1e-5))
     if rt.available():
         np.testing.assert_array_equal(rt.CompiledGraph(graph).run(x.numpy()), res.outputs[0])
+
+
+def test_layer_it_cannot_simulate_is_named_in_a_warning():
+    # no input quantizer on the layer: its input scale is not local, so no simulation
+    spec = SPEC.format(bits=16, overflow="wrap", wbits=8, sign="unsigned").replace("  input = a8\n", "")
+    model = One(nn.Linear(8, 2))
+    qdsl.apply(model, qdsl.parse_spec(spec))
+    with pytest.warns(UserWarning, match="'layer': its 16-bit accumulator is not simulated"):
+        model(torch.randn(3, 8))
