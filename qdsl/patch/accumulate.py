@@ -41,6 +41,12 @@ float path times the derivative of the overflow function at ``S``:
 * saturate: the clamp's derivative, 1 inside the range and 0 where ``S`` saturated (as
   the quantizers' own clamp), so a saturated output passes no gradient.
 
+With ``constrain=true`` the layer is not simulated before its weights freeze: the
+projection at freeze (qdsl.patch.constrain) guarantees that the deployed weights cannot
+overflow, so QAT trains on the exact sums rather than on overflows the hardware will
+never see (measured: training through the 16-bit wrap, then projecting, left the digits
+ResNet at 41%).  After freeze the bound holds and the fast path applies.
+
 Not simulated (a warning names the layer when its accumulator is narrower than 32 bits): a layer without an input or weight quantizer
 (its input scale is not local), group-wise weight scales (no single ``s_acc`` per output
 channel), transposed convs.  While calibrating the input scale still moves, so the layer
@@ -194,6 +200,8 @@ class AccumulatorSim:
         iq, wq = p.iq, p.wq
         if getattr(iq, "observing", False) or not iq.enabled or not wq.enabled:
             return None
+        if self.acc.constrain and not wq.frozen:
+            return None  # the projection at freeze removes every overflow: train on the exact sums
         s_x = iq.current_scale()
         w_hat = module.weight
         s_w = wq.current_scale()

@@ -109,3 +109,23 @@ def test_constraint_keeps_loose_layers_unchanged():
     model, _ = _frozen(16, 3, 32, True)
     (cost,) = constraint_report(model)
     assert cost.constrained == 0 and cost.l1_kept == 1.0 and cost.max_scale_factor == 1.0
+
+
+def test_qat_trains_on_exact_sums_then_freeze_projects():
+    # before freeze a constrained layer is not simulated (the projection removes every
+    # overflow the training forward would see); a plain wrapping one is
+    torch.manual_seed(0)
+    outs = {}
+    for constrain in (True, False):
+        model = nn.Sequential(nn.Linear(64, 4))
+        with torch.no_grad():
+            model[0].weight.abs_()
+        x = torch.rand(8, 64) * 4
+        spec = SPEC.format(bits=12, constrain=", constrain=true" if constrain else "", sign="unsigned",
+                           sym="asymmetric", gran="per_channel", scale="float", wbits=8)
+        qdsl.apply(model, qdsl.parse_spec(spec))
+        qdsl.calibrate(model, [x])
+        model(x).sum().backward()
+        outs[constrain] = get_handle(model).layers["0"].acc_sim.simulated
+        assert model[0].weight_float.grad.abs().sum() > 0
+    assert outs == {True: False, False: True}
