@@ -150,10 +150,11 @@ class AccumulatorSim:
         self.simulated = False
         self._warned = False
         self._safe_key: tuple | None = None
+        self._safe_refs: tuple | None = None
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_safe_key"] = None  # ids of this model's tensors
+        state["_safe_key"] = state["_safe_refs"] = None  # ids of this model's tensors
         return state
 
     # ------------------------------------------------------------ what to use
@@ -210,36 +211,44 @@ class AccumulatorSim:
         if s_x.numel() != 1:
             self._warn("a per-channel input scale")
             return None
+        b_hat = module.bias
+        z = iq.zero_point if iq.frozen and not iq.dynamic else None
+        # a frozen layer reuses its module.weight/bias tensors: decide (and derive) once
+        key = (id(w_hat), w_hat._version, id(b_hat), b_hat._version if b_hat is not None else None,
+               float(s_x.reshape(-1)[0]), id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
+        if self._safe_key is not None and self._safe_key[0] == key:
+            safe, ops = self._safe_key[1:]
+        else:
+            with torch.no_grad():
+                ops = self._operands(wq, s_w, s_x, w_hat, b_hat)
+                lo, hi = reachable(ops[0], ops[1], self._input_ranges(z))
+                safe = bool(fits(lo, hi, self.acc.bits).all())
+            # the key names tensors by id: holding them keeps an id from being reused by a
+            # new tensor (a QAT step's fresh weight) while the entry lives
+            self._safe_key = (key, safe, None if safe else ops)
+            self._safe_refs = (w_hat, b_hat, s_w)
+        if safe:
+            return None
         with torch.no_grad():
-            step = float(wq.format.grid_step(int(wq.recipe.bits)))
-            s_w64 = s_w.detach().double().reshape(-1) * step
-            s_x64 = s_x.detach().double().reshape(())
-            w_int = torch.round(w_hat.detach().double() / _channel_view(s_w64, w_hat.dim(), 0))
-            b_hat = module.bias
-            s_acc = s_x64 * s_w64  # [] or [C]
-            b_int = None
-            if b_hat is not None:
-                b_int = torch.round(b_hat.detach().double() / s_acc).to(torch.int64)
-                if s_acc.numel() == 1:
-                    s_acc = s_acc.expand(b_int.shape)
-            z = iq.zero_point if iq.frozen and not iq.dynamic else None
-            if self._safe(w_int, b_int, z, w_hat, b_hat, s_x64):
-                return None
-            y, keep = self._simulate(module, args[0], output, w_int, b_int, s_x64, s_acc)
+            y, keep = self._simulate(module, args[0], output, *ops)
         if not output.requires_grad:
             return y
         return _Overflowed.apply(output, y, keep)
 
-    def _safe(self, w_int, b_int, z, w_hat, b_hat, s_x64) -> bool:
-        """The fast path's test: no input in range can overflow (module doc)."""
-        key = (id(w_hat), w_hat._version, id(b_hat), b_hat._version if b_hat is not None else None,
-               float(s_x64), None if z is None else int(z.reshape(-1)[0]))
-        if self._safe_key is not None and self._safe_key[0] == key:
-            return self._safe_key[1]
-        lo, hi = reachable(w_int, b_int, self._input_ranges(z))
-        safe = bool(fits(lo, hi, self.acc.bits).all())
-        self._safe_key = (key, safe)
-        return safe
+    @staticmethod
+    def _operands(wq, s_w, s_x, w_hat, b_hat):
+        """``(w_int, b_int, s_x, s_acc)`` in binary64/int64 (module doc)."""
+        step = float(wq.format.grid_step(int(wq.recipe.bits)))
+        s_w64 = s_w.detach().double().reshape(-1) * step
+        s_x64 = s_x.detach().double().reshape(())
+        w_int = torch.round(w_hat.detach().double() / _channel_view(s_w64, w_hat.dim(), 0))
+        s_acc = s_x64 * s_w64  # [] or [C]
+        b_int = None
+        if b_hat is not None:
+            b_int = torch.round(b_hat.detach().double() / s_acc).to(torch.int64)
+            if s_acc.numel() == 1:
+                s_acc = s_acc.expand(b_int.shape)
+        return w_int, b_int, s_x64, s_acc
 
     def _simulate(self, module, x_hat, output, w_int, b_int, s_x64, s_acc):
         x_int = torch.round(x_hat.detach().double() / s_x64)
