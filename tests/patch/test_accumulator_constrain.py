@@ -129,3 +129,11 @@ def test_qat_trains_on_exact_sums_then_freeze_projects():
         outs[constrain] = get_handle(model).layers["0"].acc_sim.simulated
         assert model[0].weight_float.grad.abs().sum() > 0
     assert outs == {True: False, False: True}
+
+
+def test_explain_shows_the_constraint():
+    from qdsl.resolve.explain import format_value
+    from qdsl.spec.model import Accumulator, Overflow
+
+    assert format_value(Accumulator(16, Overflow.WRAP, True)) == "int16 (wrap, constrained)"
+    assert format_value(Accumulator(16, Overflow.SATURATE)) == "int16 (saturate)"
