@@ -279,6 +279,9 @@ class Accumulator:
 
     bits: int = 32
     overflow: Overflow = Overflow.WRAP
+    constrain: bool = False
+    """Constrain each output channel's integer weights (at freeze) so that no input in the
+    quantized input range can overflow ``bits`` (an A2Q-style L1 bound; qdsl.patch.constrain)."""
     span: Span = attrs.field(default=UNKNOWN_SPAN, eq=False, repr=False)
 
 
