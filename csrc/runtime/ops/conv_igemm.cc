@@ -9,6 +9,9 @@
 // codes).  The accumulators start at bias - z_u * rowsum (ConvParams::ig_cinit), so the
 // epilogue is the output stage alone, per [positions][channels] tile while it is in L1/L2,
 // written as NHWC rows, or transposed into NCHW planes when the output tensor is NCHW.
+// Two kernel kinds run under this one driver (`kernel`), which differ only in their panels'
+// size: the vpmaddubsw kind (7-bit codes or small weights) and the int16 kind for full-range
+// 8-bit codes (ConvParams::ig_int16, igemm_i16_6x16_avx2.cc: the same rows widened in its loads).
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -55,7 +58,8 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const int64_t P = e.OH * e.OW, HW = e.H * e.W, C = e.C, O = e.O, cp = p.ig_cp, taps = p.ig_taps;
-  const int64_t cquads = cp / 4, panel_bytes = taps * cquads * 64;
+  // a panel's k-quad: 16 channels x 4 s8 weights, or x 4 int16 for the int16 kernel kind
+  const int64_t cquads = cp / 4, panel_bytes = taps * cquads * (p.ig_int16 ? 128 : 64);
   const uint8_t zu = static_cast<uint8_t>(p.in_zp + (xt.dtype == kI8 ? 128 : 0));
   const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
   // the rows the kernel reads: the input itself, or an NHWC u8 copy with rows of cp bytes
