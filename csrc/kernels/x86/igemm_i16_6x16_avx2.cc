@@ -1,21 +1,20 @@
 // AVX2 implicit-GEMM micro-kernel of the NHWC conv (conv_igemm.cc) for full-range 8-bit
-// activations: u8 codes read in place through the same row-pointer table as the vpmaddubsw
-// kernel (igemm_u8s8_6x16_avx2.cc), widened to int16 in the load, times int16 weight panels
-// of 16 output channels with vpmaddwd, into int32.  Exact for any u8 code and |W| <= 511:
-// a vpmaddwd pair sum is at most 2 * 255 * 511 < 2^31 (vpmaddubsw's int16 pair sum is not:
-// 2 * 255 * 127 > 32767), and the int32 sums wrap exactly as the caller's start values
-// expect (ConvParams::ig_cinit).
+// activations: int16 activation rows (the u8 codes widened once per conv by the driver) read
+// in place through the same row-pointer table as the vpmaddubsw kernel
+// (igemm_u8s8_6x16_avx2.cc), times int16 weight panels of 16 output channels with vpmaddwd,
+// into int32.  Exact for any u8 code and |W| <= 511: a vpmaddwd pair sum is at most
+// 2 * 255 * 511 < 2^31 (vpmaddubsw's int16 pair sum is not: 2 * 255 * 127 > 32767), and the
+// int32 sums wrap exactly as the caller's start values expect (ConvParams::ig_cinit).
 //
 //   c[r][n] (+)= sum_t sum_j sum_b rows[r * taps + t][4j + b] * w[t][4j + b][n]
 //
-// One k-quad (4 input channels x0..x3) of one position, with one load and two shuffles:
-//   vpbroadcastd + vpmovzxbw  A = the dwords (x0,x1) (x2,x3) (x0,x1) (x2,x3) ... as int16 pairs
-//   vpshufd 0xB1              B = the dwords (x2,x3) (x0,x1) ...
-// so dword lane l of A holds pair l % 2 and of B the other one.  The panel quad is 4 vectors
-// [WA lo, WA hi, WB lo, WB hi] (channels 0-7, 8-15) whose lane l holds channel l's weights of
-// the pair A (resp. B) holds there, so each channel lane gets all four products from
-// vpmaddwd(A, WA) + vpmaddwd(B, WB): 4 multiplies for 4 channels x 16 outputs, the same
-// multiply count as the vpmaddubsw + vpmaddwd(ones) pairs of the 7-bit kernel.
+// Per channel pair of a position: vpbroadcastd of its two int16 codes, vpmaddwd against the
+// panel's two 8-channel vectors, vpaddd: the instruction sequence of gemm_i16_6x16_avx2.cc.
+// Why the rows are widened by the driver and not in this kernel's loads (vpbroadcastd +
+// vpmovzxbw + vpshufd on u8 rows, tried first): the two shuffles per position and k-quad are
+// repeated for every 16-channel panel and made the kernel 10-20% slower than the gathered-panel
+// conv on ResNet-18's 3x3 convs (benchmarks/igemm_convs.py --bits 8), while the widening pass
+// reads each input byte once per conv.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
@@ -27,25 +26,19 @@ namespace qdsl {
 namespace x86 {
 namespace {
 
-// One position row of one k-quad: the weights stay memory operands (the 12 accumulators and
-// the 3 temporaries take 15 registers), and the asm keeps the compiler from spilling the
-// accumulators or hoisting the widened activations.
-__attribute__((always_inline)) inline void Row(const uint8_t* row, const __m256i* w, __m256i* c0, __m256i* c1) {
-  const int32_t& bytes = *reinterpret_cast<const int32_t*>(row);
-  asm("vpbroadcastd %[a], %%xmm14\n\t"
-      "vpmovzxbw %%xmm14, %%ymm14\n\t"
-      "vpshufd $0xB1, %%ymm14, %%ymm15\n\t"
-      "vpmaddwd %[wa0], %%ymm14, %%ymm13\n\t"
-      "vpaddd %%ymm13, %[c0], %[c0]\n\t"
-      "vpmaddwd %[wa1], %%ymm14, %%ymm13\n\t"
-      "vpaddd %%ymm13, %[c1], %[c1]\n\t"
-      "vpmaddwd %[wb0], %%ymm15, %%ymm13\n\t"
-      "vpaddd %%ymm13, %[c0], %[c0]\n\t"
-      "vpmaddwd %[wb1], %%ymm15, %%ymm13\n\t"
-      "vpaddd %%ymm13, %[c1], %[c1]\n\t"
+// One position row of one channel pair (an asm block, as in igemm_u8s8_6x16_avx2.cc: the
+// compiler can neither hoist the broadcast nor spill the accumulators in between).
+__attribute__((always_inline)) inline void Row(const uint8_t* row, __m256i b0, __m256i b1, __m256i* c0,
+                                               __m256i* c1) {
+  const int32_t& pair = *reinterpret_cast<const int32_t*>(row);
+  asm("vpbroadcastd %[a], %%ymm14\n\t"
+      "vpmaddwd %[b0], %%ymm14, %%ymm15\n\t"
+      "vpaddd %%ymm15, %[c0], %[c0]\n\t"
+      "vpmaddwd %[b1], %%ymm14, %%ymm15\n\t"
+      "vpaddd %%ymm15, %[c1], %[c1]\n\t"
       : [c0] "+x"(*c0), [c1] "+x"(*c1)
-      : [a] "m"(bytes), [wa0] "m"(w[0]), [wa1] "m"(w[1]), [wb0] "m"(w[2]), [wb1] "m"(w[3])
-      : "xmm13", "xmm14", "xmm15");
+      : [a] "m"(pair), [b0] "x"(b0), [b1] "x"(b1)
+      : "xmm14", "xmm15");
 }
 
 template <int MR>
@@ -62,18 +55,20 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
           c21 = load(2, 1);
   __m256i c30 = load(3, 0), c31 = load(3, 1), c40 = load(4, 0), c41 = load(4, 1), c50 = load(5, 0),
           c51 = load(5, 1);
+  const int64_t pairs = cquads * 2;
   for (int64_t t = 0; t < taps; ++t) {
     const uint8_t* p[6];
     for (int r = 0; r < 6; ++r) p[r] = rows[(r < MR ? r : 0) * taps + t];
-    const __m256i* pt = reinterpret_cast<const __m256i*>(panel) + t * cquads * 4;
-    for (int64_t j = 0; j < cquads; ++j) {
-      const __m256i* w = pt + j * 4;
-      Row(p[0] + 4 * j, w, &c00, &c01);
-      if (MR > 1) Row(p[1] + 4 * j, w, &c10, &c11);
-      if (MR > 2) Row(p[2] + 4 * j, w, &c20, &c21);
-      if (MR > 3) Row(p[3] + 4 * j, w, &c30, &c31);
-      if (MR > 4) Row(p[4] + 4 * j, w, &c40, &c41);
-      if (MR > 5) Row(p[5] + 4 * j, w, &c50, &c51);
+    const uint8_t* pt = panel + t * pairs * 64;
+    for (int64_t j = 0; j < pairs; ++j) {  // pair j: bytes 4j.. of the int16 rows, panel bytes 64j..
+      const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pt + j * 64));
+      const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pt + j * 64 + 32));
+      Row(p[0] + 4 * j, b0, b1, &c00, &c01);
+      if (MR > 1) Row(p[1] + 4 * j, b0, b1, &c10, &c11);
+      if (MR > 2) Row(p[2] + 4 * j, b0, b1, &c20, &c21);
+      if (MR > 3) Row(p[3] + 4 * j, b0, b1, &c30, &c31);
+      if (MR > 4) Row(p[4] + 4 * j, b0, b1, &c40, &c41);
+      if (MR > 5) Row(p[5] + 4 * j, b0, b1, &c50, &c51);
     }
   }
   const __m256i out[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};

@@ -137,16 +137,12 @@ void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) 
       for (int64_t k = 0; k < taps * cp; ++k)  // panel oc / 16, quad k / 4, column oc % 16, byte k % 4
         p.ig_w[((oc / 16) * kq + k / 4) * 64 + (oc % 16) * 4 + k % 4] = static_cast<uint8_t>(rows8[oc * taps * cp + k]);
   } else {
-    // int16 panels: quad k / 4 of panel oc / 16 is 4 vectors [WA lo, WA hi, WB lo, WB hi] of
-    // 8 channels x 2 int16; channel lane l = oc % 8 of WA holds the pair (k % 4) / 2 == l % 2
-    // (what the kernel's widened activation A holds in that lane), WB the other pair
+    // int16 panels: panel oc / 16, quad k / 4, pair (k % 4) / 2, column oc % 16, half k % 2
     p.ig_w.assign(static_cast<size_t>(panels * kq * 128), 0);
     int16_t* w16 = reinterpret_cast<int16_t*>(p.ig_w.data());
     for (int64_t oc = 0; oc < O; ++oc)
-      for (int64_t k = 0; k < taps * cp; ++k) {
-        const int64_t l = oc % 8, pair = (k % 4) / 2, vec = (pair == l % 2 ? 0 : 2) + (oc % 16) / 8;
-        w16[((oc / 16) * kq + k / 4) * 64 + (vec * 8 + l) * 2 + k % 2] = rows[oc * taps * cp + k];
-      }
+      for (int64_t k = 0; k < taps * cp; ++k)
+        w16[((oc / 16) * kq + k / 4) * 64 + ((k % 4) / 2) * 32 + (oc % 16) * 2 + k % 2] = rows[oc * taps * cp + k];
   }
   const uint32_t zu = static_cast<uint32_t>(p.in_zp + (x.dtype == kI8 ? 128 : 0));
   p.ig_cinit.assign(static_cast<size_t>(panels * 16), 0);
