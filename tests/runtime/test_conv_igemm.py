@@ -72,31 +72,39 @@ def threads(request):
 _FIXTURE_OK = [HealthCheck.function_scoped_fixture]
 
 
+def _one_conv(rng, k, stride, xdtype, out, bias, wmag, in_zp, w_zp=0):
+    """A random conv of kernel k (odd C and O, padding, dilation) in a graph of its own, checked
+    against the reference on every path; returns (layouts, kinds) as _layouts gives them."""
+    cin = int(rng.choice([8, 13, 16, 30, 64]))
+    cout = int(rng.choice([1, 7, 16, 17, 40, 64]))
+    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 20))
+    pad = int(rng.integers(0, k // 2 + 2))
+    dil = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) and w + 2 * pad > 2 * (k - 1) else 1
+    wt = _weights(rng, cout, cin, k, wmag)
+    attrs = _attrs(rng, cout, out, k, stride, pad, dil, in_zp)
+    attrs["w_zp"] = [w_zp]
+    oh, ow = ((n + 2 * pad - dil * (k - 1) - 1) // stride + 1 for n in (h, w))
+    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt)]
+    ins = ["x", "w"]
+    if bias:
+        tensors.append(Tensor("b", DType.I32, (cout,), rng.integers(-50000, 50000, cout)))
+        ins.append("b")
+    tensors.append(Tensor("y", out, (-1, cout, oh, ow)))
+    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ins, ["y"], attrs)]).validate()
+    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
+    x.reshape(-1)[:2] = xdtype.range  # both ends of the codes
+    kinds = {}
+    return _layouts(_check(graph, x), x, kinds), kinds
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3, 3, 7]), stride=st.sampled_from([1, 2]),
        xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8, DType.I32]),
        bias=st.booleans())
 def test_igemm_conv_matches_reference(threads, seed, k, stride, xdtype, out, bias):
     rng = np.random.default_rng(seed)
-    cin = int(rng.choice([8, 13, 16, 30, 64]))
-    cout = int(rng.choice([1, 7, 16, 17, 40, 64]))
-    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 20))
-    pad = int(rng.integers(0, k // 2 + 2))
-    dil = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) and w + 2 * pad > 2 * (k - 1) else 1
-    wt = _weights(rng, cout, cin, k, 64)
     in_zp = int(rng.integers(*xdtype.range))
-    attrs = _attrs(rng, cout, out, k, stride, pad, dil, in_zp)
-    oh, ow = ((n + 2 * pad - dil * (k - 1) - 1) // stride + 1 for n in (h, w))
-    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt)]
-    ins = ["x", "w"]
-    if bias:
-        tensors.append(Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout)))
-        ins.append("b")
-    tensors.append(Tensor("y", out, (-1, cout, oh, ow)))
-    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ins, ["y"], attrs)]).validate()
-    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
-    kinds = {}
-    layouts = _layouts(_check(graph, x), x, kinds)
+    layouts, kinds = _one_conv(rng, k, stride, xdtype, out, bias, 64, in_zp)
     assert layouts is None or layouts["conv"] == (True, False)  # the graph output stays NCHW
     assert layouts is None or not kinds["conv"]  # weights within +-64: the vpmaddubsw kind
 
@@ -110,28 +118,9 @@ def test_igemm_int16_conv_matches_reference(threads, seed, k, stride, xdtype, ou
     W - w_zp leaves int8: up to 227 or -227) run the int16 kernel kind; input zero points at
     the dtype's ends (0 and 255 for U8, -128 and 127 for I8), padding taps read them too."""
     rng = np.random.default_rng(seed)
-    cin = int(rng.choice([8, 13, 16, 30, 64]))
-    cout = int(rng.choice([1, 7, 16, 17, 40, 64]))
-    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 20))
-    pad = int(rng.integers(0, k // 2 + 2))
-    dil = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) and w + 2 * pad > 2 * (k - 1) else 1
-    wt = _weights(rng, cout, cin, k, 127)
     lo, hi = xdtype.range
     in_zp = {"lo": lo, "hi": hi, "mid": int(rng.integers(lo, hi + 1)), "zero": 0}[zp_at]
-    attrs = _attrs(rng, cout, out, k, stride, pad, dil, in_zp)
-    attrs["w_zp"] = [w_zp]
-    oh, ow = ((n + 2 * pad - dil * (k - 1) - 1) // stride + 1 for n in (h, w))
-    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt)]
-    ins = ["x", "w"]
-    if bias:
-        tensors.append(Tensor("b", DType.I32, (cout,), rng.integers(-50000, 50000, cout)))
-        ins.append("b")
-    tensors.append(Tensor("y", out, (-1, cout, oh, ow)))
-    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ins, ["y"], attrs)]).validate()
-    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
-    x.reshape(-1)[:2] = (lo, hi)  # both ends of the codes
-    kinds = {}
-    layouts = _layouts(_check(graph, x), x, kinds)
+    layouts, kinds = _one_conv(rng, k, stride, xdtype, out, bias, 127, in_zp, w_zp)
     assert layouts is None or (layouts["conv"] == (True, False) and kinds["conv"])
 
 

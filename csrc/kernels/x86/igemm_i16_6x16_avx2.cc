@@ -20,6 +20,7 @@
 
 #include <cstdint>
 
+#include "kernels/x86/igemm_6x16_avx2.h"
 #include "kernels/x86/x86_kernels.h"
 
 namespace qdsl {
@@ -72,24 +73,15 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
     }
   }
   const __m256i out[6][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), out[r][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + 8), out[r][1]);
-  }
+  StoreIgemmRows<MR>(out, c, ldc);
 }
 
 }  // namespace
 
 void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                     int32_t* c, int64_t ldc, const int32_t* init) {
-  switch (rows) {
-    case 1: return Kernel<1>(ind, taps, cquads, panel, c, ldc, init);
-    case 2: return Kernel<2>(ind, taps, cquads, panel, c, ldc, init);
-    case 3: return Kernel<3>(ind, taps, cquads, panel, c, ldc, init);
-    case 4: return Kernel<4>(ind, taps, cquads, panel, c, ldc, init);
-    case 5: return Kernel<5>(ind, taps, cquads, panel, c, ldc, init);
-    default: return Kernel<6>(ind, taps, cquads, panel, c, ldc, init);
-  }
+  static constexpr IgemmRowsFn kRows[6] = {Kernel<1>, Kernel<2>, Kernel<3>, Kernel<4>, Kernel<5>, Kernel<6>};
+  kRows[(rows < 6 ? rows : 6) - 1](ind, taps, cquads, panel, c, ldc, init);
 }
 
 }  // namespace x86
