@@ -131,11 +131,12 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
-IgemmKernel SelectIgemmKernel(uint32_t path) {
+IgemmKernel SelectIgemmKernel(uint32_t path, bool int16) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return x86::IgemmU8S8Avx2;
+  if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : x86::IgemmU8S8Avx2;
 #endif
   (void)path;
+  (void)int16;
   return nullptr;
 }
 

@@ -107,10 +107,13 @@ VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps
 // times the s8 panel quad (t * cquads + j) (16 channels x 4 bytes), for rows <= 6 positions;
 // start is init[0..16) for every row, or c[r]'s own values when init is nullptr.
 // Exact when the weights allow one int16 pair sum (MaddubsStepsFor >= 1).
+// The int16 kind (x86::IgemmU8I16Avx2, igemm_i16_6x16_avx2.cc) has the same contract on int16
+// panels (128 bytes per quad: ConvParams::ig_int16) and is exact for any u8 codes and
+// |W| <= 511 (full-range 8-bit activations).
 using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                              int32_t* c, int64_t ldc, const int32_t* init);
-// nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs).
-IgemmKernel SelectIgemmKernel(uint32_t path);
+// nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs); `int16`: the int16 kind.
+IgemmKernel SelectIgemmKernel(uint32_t path, bool int16);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
 // unless `path` is kPathAmx.
 using AmxKernel = void (*)(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b,

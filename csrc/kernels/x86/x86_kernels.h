@@ -32,6 +32,9 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
 // Implicit-GEMM conv kernel (dispatch.h IgemmKernel's contract), the S == 1 sequence above.
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                    int32_t* c, int64_t ldc, const int32_t* init);
+// Its int16 kind on int16 panels (igemm_i16_6x16_avx2.cc): exact on full-range u8 codes.
+void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                    int32_t* c, int64_t ldc, const int32_t* init);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
 void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                       int64_t c0, int32_t* out, int64_t ldo);

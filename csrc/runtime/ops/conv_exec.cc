@@ -21,7 +21,7 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
   if (p.spatial > 0 && p.amx_conv && p.fast_acc) {
     if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
   }
-  if (RunsNhwc(p, path)) return IgemmConv(g, op, batch, path, SelectIgemmKernel(path));  // (AMX: above)
+  if (RunsNhwc(p, path)) return IgemmConv(g, op, batch, path, SelectIgemmKernel(path, p.ig_int16));  // (AMX: above)
   if (p.depthwise && path != kPathRef) {
     // channels-last when PlanNhwc allows it (dw_nhwc) and a neighbour keeps NHWC tensors, or
     // on small output planes (at most 8 x 8: the plane kernel's rows of 16-output blocks are
