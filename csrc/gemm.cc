@@ -29,7 +29,12 @@ Status ValidateOutput(const GemmOutput& out, int64_t m, int64_t n) {
     return Status::Ok();
   }
   const OutputStage& s = *out.stage;
-  QDSL_CHECK_ARG(out.dtype == DType::kInt8 || out.dtype == DType::kUInt8, "requantized output must be int8/uint8");
+  QDSL_CHECK_ARG(out.dtype == DType::kInt8 || out.dtype == DType::kUInt8 || out.dtype == DType::kInt32,
+                 "an output stage must write int8/uint8/int32");
+  if (out.dtype == DType::kInt32) {  // a rescaled int32 output (e.g. a wide residual)
+    QDSL_CHECK_ARG(s.qmin <= s.qmax, "clamp [%d, %d] is empty", s.qmin, s.qmax);
+    return ValidateRescale(s.rescale, n);
+  }
   const int32_t lo = out.dtype == DType::kInt8 ? -128 : 0, hi = out.dtype == DType::kInt8 ? 127 : 255;
   QDSL_CHECK_ARG(s.qmin >= lo && s.qmax <= hi && s.qmin <= s.qmax, "clamp [%d, %d] outside the output dtype range",
                  s.qmin, s.qmax);
@@ -74,7 +79,10 @@ void Finish(int32_t* acc, int64_t ldacc, int64_t m0, int64_t rows, int64_t n0, i
         acc[r * ldacc + c] =
             static_cast<int32_t>(static_cast<uint32_t>(acc[r * ldacc + c]) + static_cast<uint32_t>(bias[n0 + c]));
   }
-  if (out.stage) {
+  if (out.stage && out.dtype == DType::kInt32) {
+    int32_t* dst = static_cast<int32_t*>(out.data) + m0 * out.ld + n0;
+    SelectStageI32RowsKernel(path)(acc, rows, cols, ldacc, *out.stage, n0, dst, out.ld);
+  } else if (out.stage) {
     uint8_t* dst = static_cast<uint8_t*>(out.data) + m0 * out.ld + n0;
     SelectRequantKernel(path)(acc, rows, cols, ldacc, *out.stage, n0, dst, out.ld, out.dtype == DType::kInt8);
   } else {
