@@ -362,6 +362,11 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
       }
       for (int64_t k = w.k; k < w.kp; ++k) row[k] = 0;
     }
+    // Plain int32 output of whole panels: the kernels accumulate straight into it (no
+    // block buffer and no copy pass; a partial last panel would write past the row).
+    const bool direct = out.stage == nullptr && bias == nullptr && n1 - n0 == ldacc;
+    int32_t* c_base = direct ? static_cast<int32_t*>(out.data) + m0 * out.ld + n0 : acc.data();
+    const int64_t ldc = direct ? out.ld : ldacc;
     for (int64_t j0 = 0; j0 < kpairs; j0 += kKcPairs) {
       const int64_t len = std::min(kKcPairs, kpairs - j0);
       for (int64_t p = p0; p < p1; ++p) {
@@ -369,11 +374,11 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
         for (int64_t r = 0, rows = 0; r < rows_total; r += rows) {
           rows = BalancedRows(rows_total, r);
           kernel(static_cast<int>(rows), a16.data() + r * w.kp + 2 * j0, w.kp, panel, len,
-                 acc.data() + r * ldacc + (p - p0) * kPanelCols, ldacc, j0 > 0);
+                 c_base + r * ldc + (p - p0) * kPanelCols, ldc, j0 > 0);
         }
       }
     }
-    Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
+    if (!direct) Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
   }, /*work=*/m * n * w.k);
   return Status::Ok();
 }
