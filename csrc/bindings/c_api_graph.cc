@@ -52,6 +52,7 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : 1) : 0) : -1;  // 2: the int16 kernel kind
     // the output's layout in the last run (Graph::nhwc; NCHW before any run)
     info[7] = op.outputs[0] < g->nhwc.size() ? g->nhwc[op.outputs[0]] : 0;
+    info[8] = op.opcode == qdsl::kLinear && cp != nullptr ? (qdsl::conv::LinearFusedGemm(g, op) ? 1 : 0) : -1;
     nm = op.name;
   } else {
     const qdsl::GraphTensor& t = g->tensors[which == 0 ? g->inputs[index] : g->outputs[index]];

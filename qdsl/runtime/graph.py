@@ -81,7 +81,10 @@ class CompiledGraph:
         ``no_overflow`` (int conv/linear only: no accumulator can overflow, so the fast output
         stage runs), ``implicit_gemm`` (int conv/linear only: AVX2 runs the implicit-GEMM NHWC
         conv; with ``implicit_gemm_int16`` telling its kernel kind: True for the int16 one that
-        is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one) and ``nhwc_output`` (the op's output was stored NHWC in the last run)."""
+        is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one),
+        ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM with the bias
+        and the output stage fused, I8/U8/I32 outputs) and ``nhwc_output`` (the op's output
+        was stored NHWC in the last run)."""
         info = (ctypes.c_int64 * 10)()
         name = ctypes.create_string_buffer(4100)
         out = []
@@ -98,6 +101,8 @@ class CompiledGraph:
                 entry["implicit_gemm"] = bool(info[6])
                 if info[6] > 0:
                     entry["implicit_gemm_int16"] = info[6] == 2
+            if info[8] >= 0:
+                entry["fused_gemm"] = bool(info[8])
             entry["nhwc_output"] = bool(info[7])
             out.append(entry)
         return out

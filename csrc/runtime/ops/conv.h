@@ -134,6 +134,10 @@ struct Geometry {
 // The run's geometry of op (batch `batch`).
 Geometry Geo(const Graph* g, const GraphOp& op, int64_t batch);
 
+// Whether RunConv runs this op (off the reference path) as one GEMM with the bias and the
+// output stage fused (conv_exec.cc); the graph plan reports it.
+bool LinearFusedGemm(const Graph* g, const GraphOp& op);
+
 // Input position of tap (ky, kx) for output (oy, ox); false when it lies in the padding.
 inline bool Tap(const ConvParams& p, const Geometry& e, int64_t oy, int64_t ox, int64_t ky, int64_t kx, int64_t* iy,
                 int64_t* ix) {
