@@ -203,7 +203,9 @@ def _infer(gates: int, lstm_: bool):
             c.act(s, "initial state")
             want = (out.dtype,) if k == 0 else (DType.I8, DType.U8, DType.I32)
             c.dt(s, want, "initial state")
-            c.need(tuple(s.shape) == (x.shape[0], hid), f"initial state {s.name!r} must be [N, {hid}], has {s.shape}")
+            # a state sliced from a module's (layers·directions, N, H) input has a static N (SELECT)
+            c.need(len(s.shape) == 2 and s.shape[1] == hid and (s.shape[0] == x.shape[0] or -1 in (s.shape[0], x.shape[0])),
+                   f"initial state {s.name!r} must be [N, {hid}], has {s.shape}")
         shape = tuple(x.shape[:-1]) + (hid,)
         return INT8_DTYPES, shape
     return infer
