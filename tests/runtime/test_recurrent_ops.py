@@ -78,7 +78,8 @@ def test_cpp_matches_reference(seed, is_lstm, rank, xdt, hdt, cdt, states, rever
     states = min(states, 2 if is_lstm else 1)
     if is_lstm and states > 1 and cdt is DType.I32:
         cdt = DType.I8  # an I32 initial cell is no graph input (the graph's activations are 8-bit)
-    f, hid, steps = int(rng.choice([1, 3, 8, 17])), int(rng.choice([1, 4, 9])), int(rng.integers(1, 6))
+    # sizes across the optimized paths' 16-column panels and 4-deep K blocks (their GEMMs)
+    f, hid, steps = int(rng.choice([1, 3, 8, 17, 33])), int(rng.choice([1, 4, 9, 17])), int(rng.integers(1, 6))
     g = _graph(rng, is_lstm, rank, f, hid, steps, xdt, hdt, cdt, states, reverse)
     n = int(rng.integers(1, 6))
     xs = [rng.integers(*xdt.range, size=(n,) + g.tensor("x").shape[1:], endpoint=True).astype(xdt.numpy)]
@@ -137,7 +138,7 @@ def test_malformed_graphs_are_refused_with_the_op_named():
 
 # ---------------------------------------------------------------- LSTM_DYNAMIC
 def _dyn_graph(rng, f: int, f2: int, hid: int, steps: int, reverse: bool, bias: bool, signed_in: bool,
-               symmetric_h: bool) -> IntegerGraph:
+               symmetric_h: bool, states: int = 0) -> IntegerGraph:
     rows = 4 * hid
     q = lambda p, signed, sym: {f"{p}_qmin": -128 if signed else 0, f"{p}_qmax": 127 if signed else 255,  # noqa: E731
                                 f"{p}_symmetric": int(sym), f"{p}_rounding": 1}
@@ -154,6 +155,9 @@ def _dyn_graph(rng, f: int, f2: int, hid: int, steps: int, reverse: bool, bias: 
     if f2:
         tensors.append(Tensor("x2", DType.F32, (-1, steps, f2)))
         inputs.append("x2")
+    for name in ("h0", "c0")[:states]:  # F32 initial states after the input parts
+        tensors.append(Tensor(name, DType.F32, (-1, hid)))
+        inputs.append(name)
     op = Op(OpType.LSTM_DYNAMIC, "rnn", ["x", "w_ih", "w_hh"] + inputs[1:], ["y", "h_n", "c_n"], a)
     return IntegerGraph(tensors, inputs, ["y", "h_n", "c_n"], [op]).validate()
 
@@ -161,16 +165,17 @@ def _dyn_graph(rng, f: int, f2: int, hid: int, steps: int, reverse: bool, bias: 
 @needs_cpp
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), two_parts=st.booleans(), reverse=st.booleans(), bias=st.booleans(),
-       signed_in=st.booleans(), symmetric_h=st.booleans())
-def test_dynamic_cpp_matches_reference(seed, two_parts, reverse, bias, signed_in, symmetric_h):
+       signed_in=st.booleans(), symmetric_h=st.booleans(), states=st.integers(0, 2))
+def test_dynamic_cpp_matches_reference(seed, two_parts, reverse, bias, signed_in, symmetric_h, states):
     rng = np.random.default_rng(seed)
-    f, hid, steps = int(rng.choice([1, 3, 8])), int(rng.choice([1, 4, 9])), int(rng.integers(1, 6))
+    f, hid, steps = int(rng.choice([1, 3, 8, 33])), int(rng.choice([1, 4, 9, 17])), int(rng.integers(1, 6))
     f2 = int(rng.choice([2, 5])) if two_parts else 0
-    g = _dyn_graph(rng, f, f2, hid, steps, reverse, bias, signed_in, symmetric_h)
+    g = _dyn_graph(rng, f, f2, hid, steps, reverse, bias, signed_in, symmetric_h, states)
     n = int(rng.integers(1, 5))
     xs = [(rng.standard_normal((n, steps, f)) * rng.choice([0.1, 1, 10])).astype(np.float32)]
     if f2:
         xs.append(rng.standard_normal((n, steps, f2)).astype(np.float32))
+    xs += [rng.standard_normal((n, hid)).astype(np.float32) for _ in range(states)]
     _check(g, *xs)
 
 
@@ -178,3 +183,23 @@ def test_exp_f32_is_close_to_exp():
     x = np.linspace(-87, 87, 200001, dtype=np.float32)
     rel = np.abs(exp_f32(x).astype(np.float64) / np.exp(x.astype(np.float64)) - 1)
     assert rel.max() < 5e-7
+
+
+def test_select_takes_one_index_along_an_axis():
+    """SELECT (38): a copy of x.take(index, axis) in every dtype; C++ == reference.  Along a
+    static axis 0 (a state input's slot) the result's first dim is the run's batch."""
+    rng = np.random.default_rng(0)
+    for dt, axis, shape in ((DType.F32, 0, (3, 3, 5)), (DType.I8, 1, (-1, 6, 5)), (DType.U8, 2, (-1, 2, 7))):
+        idx = shape[axis] - 1
+        out_shape = shape[:axis] + shape[axis + 1:]
+        g = IntegerGraph([Tensor("x", dt, shape), Tensor("y", dt, out_shape)], ["x"], ["y"],
+                         [Op(OpType.SELECT, "sel", ["x"], ["y"], dict(axis=axis, index=idx))]).validate()
+        real = tuple(3 if d == -1 else d for d in shape)
+        x = (rng.standard_normal(real).astype(np.float32) if dt is DType.F32
+             else rng.integers(*dt.range, size=real, endpoint=True).astype(dt.numpy))
+        np.testing.assert_array_equal(execute(g, x).outputs[0], np.take(x, idx, axis=axis))
+        if rt.available():
+            _check(g, x)
+    with pytest.raises(GraphFormatError, match="static size"):
+        IntegerGraph([Tensor("x", DType.I8, (-1, 4)), Tensor("y", DType.I8, (4,))], ["x"], ["y"],
+                     [Op(OpType.SELECT, "sel", ["x"], ["y"], dict(axis=0, index=0))]).validate()
