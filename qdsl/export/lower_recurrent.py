@@ -1,5 +1,5 @@
-"""Lowering of a patched ``nn.LSTM``/``GRU``/``LSTMCell``/``GRUCell``
-(:class:`qdsl.patch.recurrent.RecurrentPatch`): one LSTM/GRU op per layer and direction
+"""Lowering of a patched ``nn.LSTM``/``GRU``/``RNN`` and their cells
+(:class:`qdsl.patch.recurrent.RecurrentPatch`): one LSTM/GRU/RNN op per layer and direction
 (qdsl/graph/ops/recurrent.py), in the order of the fake-quant forward
 (qdsl/patch/recurrent_math.py)::
 
@@ -40,8 +40,7 @@ parts (the graph has no float concat).
 Refused with the module named: ``batch_first=False`` on a value that is not a transposed
 batch-first one (a (T, N, F) graph input: the graph's first axis is the batch), a state that
 is neither a graph input nor zero, a cell state wider than 8 bits given as ``c0`` (QUANTIZE
-writes 8-bit codes), an unbatched call, ``nn.RNN``/``RNNCell`` (no op), a dynamic GRU or
-cell, ``out[:, -1]`` of a dynamic bidirectional module, and quantizers the ops cannot
+writes 8-bit codes), an unbatched call, a dynamic GRU, RNN or cell, ``out[:, -1]`` of a dynamic bidirectional module, and quantizers the ops cannot
 reproduce (static: wider than 8 bits for the hidden state or 16 for the cell, not
 half-even rounding, asymmetric weights; dynamic: per-row scales, a quantized bias, cell
 or output).
@@ -175,7 +174,11 @@ def _direction(lw, patch, i: int, x: QVal, t_h: Target, t_c: Target | None, stat
     try:
         ih = _factors(acc_ih.double() * 2.0**20)
         hh = _factors(acc_hh.double() * 2.0**20)
-        h_m, h_s = factor(2.0**-24 / t_h.scale if t_c is not None else 1.0 / t_h.scale)
+        relu = patch.kind == "RNN" and getattr(patch.module, "nonlinearity", "tanh") == "relu"
+        # the hidden factor: LSTM and RNN-tanh from a Q24 gate value, RNN-relu from the Q20
+        # pre-activation, GRU from its U in units of 2^-24 of a code
+        h_real = 1.0 / t_h.scale if patch.kind == "GRU" else (2.0**-20 if relu else 2.0**-24) / t_h.scale
+        h_m, h_s = factor(h_real)
         extra: dict = {}
         if t_c is not None:
             c_m, c_s = factor(1.0 / t_c.scale)
@@ -201,7 +204,9 @@ def _direction(lw, patch, i: int, x: QVal, t_h: Target, t_c: Target | None, stat
     outs = [y, h_n]
     if t_c is not None:
         outs.append(b.tensor(f"{where}:c_n", t_c.dtype, n_shape))
-    op = OpType.LSTM if t_c is not None else OpType.GRU
+    op = {"LSTM": OpType.LSTM, "GRU": OpType.GRU, "RNN": OpType.RNN}[patch.kind]
+    if op is OpType.RNN:
+        a["relu"] = int(relu)
     b.ops.append(Op(op, where, [x.name] + consts + [s.name for s in state], outs, a))
     qy = b.q(y, t_h.scale, t_h.zp, t_h.qmin, t_h.qmax, t_h.dtype, shape)
     qh = b.q(h_n, t_h.scale, t_h.zp, t_h.qmin, t_h.qmax, t_h.dtype, n_shape)
@@ -270,8 +275,6 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
     x = args[0] if args else kwargs.get("input")
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
     lstm = patch.kind == "LSTM"
-    if patch.kind not in ("LSTM", "GRU"):
-        _fail(fqn, f"nn.{type(m).__name__} has no integer lowering (the graph has LSTM and GRU ops only)")
     seq_first = not patch.cell and not m.batch_first
     if seq_first:
         if not isinstance(x, SeqFirst):

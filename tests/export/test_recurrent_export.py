@@ -182,7 +182,7 @@ def test_classifier_exports_runs_in_cpp_bit_identical_and_agrees(case):
     assert eq >= min_eq and within1 >= min_within1 and worst <= max_diff
 
 
-@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
 def test_cell_step_with_state_inputs_runs_in_cpp_bit_identical(kind):
     torch.manual_seed(2)
     model = CellStep(kind).eval()
@@ -196,7 +196,7 @@ def test_cell_step_with_state_inputs_runs_in_cpp_bit_identical(kind):
     with torch.no_grad():
         fq = model(x, h, c)
     graph = qdsl.export(model, (x[:2], h[:2], c[:2]))
-    assert [op.type for op in graph.ops].count(OpType.LSTM if kind == "LSTMCell" else OpType.GRU) == 1
+    assert [op.type for op in graph.ops].count(getattr(OpType, kind[:-4].upper())) == 1
     xs = [x.numpy(), h.numpy(), c.numpy()]
     outs = execute(graph, xs).outputs
     _cpp_equal(graph, *xs)
@@ -233,7 +233,6 @@ class _WithState(_Wrap):
 
 @pytest.mark.parametrize("build,match", [
     (lambda: _Wrap(nn.LSTM(8, 16)), "batch_first=False"),
-    (lambda: _Wrap(nn.RNN(8, 16, batch_first=True)), "RNN has no integer lowering"),
     (lambda: _WithState(nn.LSTM(8, 16, batch_first=True)), "cell grid wider than 8 bits"),
 ])
 def test_unsupported_recurrent_exports_name_the_module(build, match):
@@ -312,13 +311,14 @@ def test_dynamic_lstm_exports_runs_in_cpp_bit_identical_and_agrees(case):
     assert np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.995
 
 
-def test_dynamic_gru_is_refused_with_the_module_named():
-    model = _Wrap(nn.GRU(8, 16, batch_first=True)).eval()
+@pytest.mark.parametrize("kind", ["GRU", "RNN"])
+def test_dynamic_gru_is_refused_with_the_module_named(kind):
+    model = _Wrap(getattr(nn, kind)(8, 16, batch_first=True)).eval()
     qdsl.apply(model, "specs/int8-dynamic.qspec")
     x = torch.randn(4, 6, 8)
     qdsl.calibrate(model, [x])
     qdsl.freeze(model)
-    with pytest.raises(ExportError, match="'rnn'.*dynamically quantized nn.GRU"):
+    with pytest.raises(ExportError, match=f"'rnn'.*dynamically quantized nn.{kind}"):
         qdsl.export(model, x[:2])
 
 
@@ -552,3 +552,25 @@ def test_batch_first_false_on_a_graph_input_names_the_module():
     with pytest.raises(ExportError, match="'rnn'.*batch_first=False") as e:
         qdsl.export(model, x[:, :2])
     assert "transpose(0, 1)" in str(e.value)
+
+
+# ---------------------------------------------------------------- nn.RNN (tanh, relu)
+class RnnClassifier(Classifier):
+    def __init__(self, nonlinearity: str = "tanh", layers: int = 2, bidirectional: bool = True):
+        super().__init__("GRU", layers, bidirectional)
+        self.rnn = nn.RNN(8, 16, layers, nonlinearity=nonlinearity, bidirectional=bidirectional, batch_first=True)
+
+
+@pytest.mark.parametrize("nonlinearity,layers,bi", [("tanh", 2, True), ("relu", 2, True), ("relu", 1, False)])
+def test_rnn_exports_runs_in_cpp_bit_identical_and_agrees(nonlinearity, layers, bi):
+    torch.manual_seed(8)
+    model = RnnClassifier(nonlinearity, layers, bi)
+    graph, x, want, fq, seq = _pipeline(model)
+    assert [op.type for op in graph.ops].count(OpType.RNN) == layers * (2 if bi else 1)
+    ref = execute(graph, x.numpy()).outputs[0]
+    _cpp_equal(graph, x.numpy())
+    eq, within1, worst = _agreement(graph, model, x, seq)
+    print(f"RNN {nonlinearity} {layers}l bi={bi}: cos(graph, float) {_cos(ref, want):.5f}, cos(graph, fake-quant) "
+          f"{_cos(ref, fq):.6f}, hidden codes equal {eq:.4f}, within 1 {within1:.4f}, max {worst}")
+    assert _cos(ref, want) >= 0.99 and _cos(ref, fq) >= 0.999
+    assert eq >= _CNN_LEVEL[0] and within1 >= _CNN_LEVEL[1] and worst <= _CNN_LEVEL[2]

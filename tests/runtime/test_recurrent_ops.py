@@ -1,4 +1,4 @@
-"""LSTM, GRU and LSTM_DYNAMIC graph ops (docs/qgraph.md §4.4): the C++ runtime equals the
+"""LSTM, GRU, RNN, LSTM_DYNAMIC and SELECT graph ops (docs/qgraph.md §4.4): the C++ runtime equals the
 reference executor bit for bit on random weights, factors, zero points, states (rank 2 and 3,
 both directions, an I32 cell; dynamic: one or two input parts, biases, signed/unsigned
 grids), the reference's fixed-point gates follow the float formulas closely, and its
@@ -24,8 +24,8 @@ needs_cpp = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not buil
 
 
 def _graph(rng, is_lstm: bool, rank: int, f: int, hid: int, steps: int, xdt: DType, hdt: DType, cdt: DType,
-           states: int, reverse: bool, validate: bool = True) -> IntegerGraph:
-    gates = 4 if is_lstm else 3
+           states: int, reverse: bool, validate: bool = True, rnn_relu: int | None = None) -> IntegerGraph:
+    gates = 4 if is_lstm else (1 if rnn_relu is not None else 3)
     rows = gates * hid
     xshape = (-1, steps, f) if rank == 3 else (-1, f)
     yshape = xshape[:-1] + (hid,)
@@ -56,13 +56,17 @@ def _graph(rng, is_lstm: bool, rank: int, f: int, hid: int, steps: int, xdt: DTy
         a.update(c_zp=0 if cdt is DType.I32 else int(rng.integers(clo // 2, chi // 2 + 1)), c_qmin=clo, c_qmax=chi)
         tensors.append(Tensor("c_n", cdt, (-1, hid)))
         outs.append("c_n")
+    elif rnn_relu is not None:
+        a["h_mult"], a["h_shift"] = factor((2.0**-20 if rnn_relu else 2.0**-24) / s_h)
+        a["relu"] = rnn_relu
     else:
         a["h_mult"], a["h_shift"] = factor(1 / s_h)
     if states:
         tensors.append(Tensor("h0", hdt, (-1, hid)))
     if states > 1:
         tensors.append(Tensor("c0", cdt, (-1, hid)))
-    ops = [Op(OpType.LSTM if is_lstm else OpType.GRU, "rnn", ["x", "w_ih", "w_hh", "b_ih", "b_hh"] + inputs[1:],
+    kind = OpType.LSTM if is_lstm else (OpType.RNN if rnn_relu is not None else OpType.GRU)
+    ops = [Op(kind, "rnn", ["x", "w_ih", "w_hh", "b_ih", "b_hh"] + inputs[1:],
               outs, a)]
     g = IntegerGraph(tensors, inputs, outs, ops)
     return g.validate() if validate else g
@@ -87,6 +91,23 @@ def test_cpp_matches_reference(seed, is_lstm, rank, xdt, hdt, cdt, states, rever
         xs.append(rng.integers(*hdt.range, size=(n, hid), endpoint=True).astype(hdt.numpy))
     if states > 1:
         xs.append(rng.integers(*cdt.range, size=(n, hid), endpoint=True).astype(cdt.numpy))
+    _check(g, *xs)
+
+
+@needs_cpp
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), relu=st.integers(0, 1), rank=st.sampled_from([2, 3]),
+       xdt=st.sampled_from([DType.I8, DType.U8]), hdt=st.sampled_from([DType.I8, DType.U8]), states=st.integers(0, 1),
+       reverse=st.booleans())
+def test_rnn_cpp_matches_reference(seed, relu, rank, xdt, hdt, states, reverse):
+    """RNN (39), tanh and relu: C++ == reference on every path."""
+    rng = np.random.default_rng(seed)
+    f, hid, steps = int(rng.choice([1, 3, 17, 33])), int(rng.choice([1, 4, 17, 40])), int(rng.integers(1, 6))
+    g = _graph(rng, False, rank, f, hid, steps, xdt, hdt, DType.I8, states, reverse, rnn_relu=relu)
+    n = int(rng.integers(1, 6))
+    xs = [rng.integers(*xdt.range, size=(n,) + g.tensor("x").shape[1:], endpoint=True).astype(xdt.numpy)]
+    if states:
+        xs.append(rng.integers(*hdt.range, size=(n, hid), endpoint=True).astype(hdt.numpy))
     _check(g, *xs)
 
 

@@ -43,8 +43,9 @@ enum OpCode : int {
   kGru = 36,
   kLstmDynamic = 37,
   kSelect = 38,
+  kRnn = 39,
 };
-constexpr int kMaxOpcode = 38;
+constexpr int kMaxOpcode = 39;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -101,6 +102,7 @@ inline constexpr AttrSchema kLstmAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAtt
 inline constexpr AttrSchema kGruAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}};
 inline constexpr AttrSchema kLstmDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih_scale", kAttrInts}, {"w_hh_scale", kAttrInts}, {"b_ih", kAttrInts}, {"b_hh", kAttrInts}, {"in_qmin", kAttrInt}, {"in_qmax", kAttrInt}, {"in_symmetric", kAttrInt}, {"in_rounding", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"h_symmetric", kAttrInt}, {"h_rounding", kAttrInt}};
 inline constexpr AttrSchema kSelectAttrs[] = {{"axis", kAttrInt}, {"index", kAttrInt}};
+inline constexpr AttrSchema kRnnAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"relu", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -143,6 +145,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"GRU", 5, 6, false, kGruAttrs, 12, 2},
     {"LSTM_DYNAMIC", 3, 6, false, kLstmDynamicAttrs, 13, 3},
     {"SELECT", 1, 1, false, kSelectAttrs, 2, 1},
+    {"RNN", 5, 6, false, kRnnAttrs, 13, 2},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -185,6 +188,7 @@ extern const OpDef kLstmDef;
 extern const OpDef kGruDef;
 extern const OpDef kLstmDynamicDef;
 extern const OpDef kSelectDef;
+extern const OpDef kRnnDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -225,6 +229,7 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kGruDef,
     &kLstmDynamicDef,
     &kSelectDef,
+    &kRnnDef,
 };
 
 }  // namespace qdsl

@@ -1,4 +1,4 @@
-// LSTM (35) and GRU (36): one recurrent layer and direction, looping over time inside the
+// LSTM (35), GRU (36) and RNN (39): one recurrent layer and direction, looping over time inside the
 // op (docs/qgraph.md §4.4).  The reference is qdsl/graph/ops/recurrent.py; this file equals
 // it bit for bit.  Integer only, int64 throughout; one rounding primitive,
 //
@@ -33,8 +33,11 @@ struct Factor {
   int s = 1;
 };
 
+constexpr int64_t kReluLimit = int64_t{1} << 31;  // RNN relu: Q20 pre-activation clamp before h_m
+
 struct RecurrentParams : OpParams {
   bool lstm = true, reverse = false;
+  bool rnn = false, relu = false;  // RNN (39): one gate block, tanh or relu
   int64_t f = 0, h = 0, rows = 0;
   int64_t x_zp = 0, h_zp = 0, h_qmin = 0, h_qmax = 0, c_zp = 0, c_qmin = 0, c_qmax = 0;
   std::vector<int32_t> w_ih, w_hh;  // [rows][f], [rows][h]
@@ -112,8 +115,10 @@ Status ReadTable(const GraphOp& op, int index, const char* name, std::vector<int
   return Status::Ok();
 }
 
-Status PrepareRecurrent(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape, bool lstm) {
-  const int gates = lstm ? 4 : 3;
+int64_t ReluAttr(const GraphOp& op) { return op.attrs.at("relu").i; }
+
+Status PrepareRecurrent(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape, bool lstm, bool rnn = false) {
+  const int gates = lstm ? 4 : (rnn ? 1 : 3);
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& w_ih = g->tensors[op.inputs[1]];
   const GraphTensor& w_hh = g->tensors[op.inputs[2]];
@@ -128,6 +133,11 @@ Status PrepareRecurrent(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
            "weights must be constant I8 matrices");
   auto p = std::make_shared<RecurrentParams>();
   p->lstm = lstm;
+  p->rnn = rnn;
+  if (rnn) {
+    OP_CHECK(ReluAttr(op) == 0 || ReluAttr(op) == 1, "relu must be 0 or 1");
+    p->relu = ReluAttr(op) == 1;
+  }
   p->h = w_hh.dims[1];
   p->rows = w_hh.dims[0];
   p->f = x.dims.back();
@@ -201,7 +211,12 @@ Status PrepareRecurrent(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
 inline void Gates(const RecurrentParams& p, const int64_t* pih, const int64_t* phh, int64_t* h, int64_t* c,
                   int64_t* hnew) {
   const int64_t H = p.h;
-  if (p.lstm) {
+  if (p.rnn) {
+    for (int64_t j = 0; j < H; ++j) {
+      const int64_t v = p.relu ? ClampI64(pih[j] + phh[j], 0, kReluLimit) : Tanh(p.sig, pih[j] + phh[j]);
+      hnew[j] = ClampI64(Rnd(v * p.hf.m, p.hf.s) + p.h_zp, p.h_qmin, p.h_qmax);
+    }
+  } else if (p.lstm) {
     for (int64_t j = 0; j < H; ++j) {
       const int64_t si = Sig(p.sig, pih[j] + phh[j]);
       const int64_t sf = Sig(p.sig, pih[H + j] + phh[H + j]);
@@ -372,11 +387,15 @@ Status PrepareLstm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape
 Status PrepareGru(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
   return PrepareRecurrent(g, op, index, shape, false);
 }
+Status PrepareRnn(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
+  return PrepareRecurrent(g, op, index, shape, false, true);
+}
 
 }  // namespace
 
 // The op table's entries (op_schema.h names them by opcode); the outputs' range is the dtype's.
 const OpDef kLstmDef = {PrepareLstm, RunRecurrent, ValueRange::kStage};
 const OpDef kGruDef = {PrepareGru, RunRecurrent, ValueRange::kStage};
+const OpDef kRnnDef = {PrepareRnn, RunRecurrent, ValueRange::kStage};
 
 }  // namespace qdsl
