@@ -31,16 +31,16 @@ constant all-zero state is no state.  ``batch_first=False``: the module reads a
 runs on the batch-first value, and its output sequence is a SeqFirst again (``out[-1]``
 is the last step, ``out.transpose(0, 1)`` the batch-first sequence).
 
-An ``nn.LSTM`` whose input quantizers are ``dynamic`` (specs/int8-dynamic.qspec) becomes
-one LSTM_DYNAMIC per layer and direction instead (qdsl/graph/ops/recurrent_dynamic.py): F32
-in and out, the input and each step's hidden state quantized when the graph runs, float
+An ``nn.LSTM`` (``nn.GRU``) whose input quantizers are ``dynamic`` (specs/int8-dynamic.qspec)
+becomes one LSTM_DYNAMIC (GRU_DYNAMIC) per layer and direction instead
+(qdsl/graph/ops/recurrent_dynamic.py): F32 in and out, the input and each step's hidden state quantized when the graph runs, float
 gates and cell; a bidirectional layer's two F32 outputs are the next layer's two input
 parts (the graph has no float concat).
 
 Refused with the module named: ``batch_first=False`` on a value that is not a transposed
 batch-first one (a (T, N, F) graph input: the graph's first axis is the batch), a state that
 is neither a graph input nor zero, a cell state wider than 8 bits given as ``c0`` (QUANTIZE
-writes 8-bit codes), an unbatched call, a dynamic GRU, RNN or cell, ``out[:, -1]`` of a dynamic bidirectional module, and quantizers the ops cannot
+writes 8-bit codes), an unbatched call, a dynamic RNN or cell, ``out[:, -1]`` of a dynamic bidirectional module, and quantizers the ops cannot
 reproduce (static: wider than 8 bits for the hidden state or 16 for the cell, not
 half-even rounding, asymmetric weights; dynamic: per-row scales, a quantized bias, cell
 or output).
@@ -373,11 +373,12 @@ def _dyn_q(proxy, where: str, shape, prefix: str) -> dict:
 
 
 def _lower_dynamic(lw, patch, m: nn.Module, fqn: str, x: Any, states: tuple, seq_first: bool) -> Any:
-    """LSTM_DYNAMIC per layer and direction (F32 in and out; qdsl/graph/ops/recurrent_dynamic.py)."""
+    """LSTM_DYNAMIC / GRU_DYNAMIC per layer and direction (F32 in and out; qdsl/graph/ops/recurrent_dynamic.py)."""
     kind = type(m).__name__
-    if patch.kind != "LSTM" or patch.cell:
-        _fail(fqn, f"a dynamically quantized nn.{kind} has no integer lowering (the graph has LSTM_DYNAMIC for "
-                   "nn.LSTM only)", "quantize it statically (calibrate; no `dynamic`), or use nn.LSTM")
+    if patch.kind not in ("LSTM", "GRU") or patch.cell:
+        _fail(fqn, f"a dynamically quantized nn.{kind} has no integer lowering (the graph has LSTM_DYNAMIC and "
+                   "GRU_DYNAMIC for nn.LSTM and nn.GRU only)", "quantize it statically (calibrate; no `dynamic`)")
+    lstm = patch.kind == "LSTM"
     if patch.out is not None or any(q is not None for q in patch.cells):
         _fail(fqn, "a dynamically quantized LSTM keeps its cell state and output float (as torch.ao's)",
               "remove the `cell`/`output` quantizers of this layer")
@@ -407,22 +408,24 @@ def _lower_dynamic(lw, patch, m: nn.Module, fqn: str, x: Any, states: tuple, seq
                 consts.append(b.tensor(f"{where}.weight_{side}", DType.I8, codes.shape, codes))
                 b.info[consts[-1]] = (scale.double().numpy(), np.zeros(len(scale), dtype=np.int64))
             y_shape = shape[:-1] + (hid,)
-            names = [b.tensor(f"{where}:y", DType.F32, y_shape), b.tensor(f"{where}:h_n", DType.F32, (-1, hid)),
-                     b.tensor(f"{where}:c_n", DType.F32, (-1, hid))]
+            names = [b.tensor(f"{where}:y", DType.F32, y_shape), b.tensor(f"{where}:h_n", DType.F32, (-1, hid))]
+            if lstm:
+                names.append(b.tensor(f"{where}:c_n", DType.F32, (-1, hid)))
             init = [_state_slice(lw, v, i, where) for v in states]
             init = [v.name for v in init if v is not None]
-            b.ops.append(Op(OpType.LSTM_DYNAMIC, where, [parts[0].name] + consts + [p.name for p in parts[1:]] + init,
+            b.ops.append(Op(OpType.LSTM_DYNAMIC if lstm else OpType.GRU_DYNAMIC, where, [parts[0].name] + consts + [p.name for p in parts[1:]] + init,
                             names, a))
             outs.append(FloatVal(where, y_shape, names[0]))
             h_n.append(FloatVal(where, (-1, hid), names[1]))
-            c_n.append(FloatVal(where, (-1, hid), names[2]))
+            if lstm:
+                c_n.append(FloatVal(where, (-1, hid), names[2]))
         parts = outs
     # a bidirectional sequence is two F32 tensors: the graph has no float concat to join them
     out = parts[0] if dirs == 1 else FloatVal(fqn, parts[0].shape[:-1] + (dirs * hid,))
     if seq_first:
         out = SeqFirst(out)
     _register_last(lw, out, h_n[-1] if dirs == 1 else None, fqn, kind, seq_first)
-    return out, (tuple(h_n), tuple(c_n))
+    return (out, (tuple(h_n), tuple(c_n))) if lstm else (out, tuple(h_n))
 
 
 def is_recurrent_sequence(lw, value: Any) -> bool:

@@ -66,7 +66,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "softmax": ("SOFTMAX", "SOFTMAX_MASKED"),
     "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)
     "embedding": ("EMBEDDING",),  # a lookup of I32 token ids in the quantized table (lower_embedding.py)
-    "recurrent": ("LSTM", "GRU", "RNN", "LSTM_DYNAMIC", "SELECT", "CONCAT", "REQUANTIZE", "QUANTIZE", "DEQUANTIZE"),  # one op per
+    "recurrent": ("LSTM", "GRU", "RNN", "LSTM_DYNAMIC", "GRU_DYNAMIC", "SELECT", "CONCAT", "REQUANTIZE", "QUANTIZE", "DEQUANTIZE"),  # one op per
     # layer and direction (lower_recurrent.py); LSTM_DYNAMIC: an nn.LSTM with dynamic input and hidden quantizers
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)

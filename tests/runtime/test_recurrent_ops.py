@@ -159,8 +159,8 @@ def test_malformed_graphs_are_refused_with_the_op_named():
 
 # ---------------------------------------------------------------- LSTM_DYNAMIC
 def _dyn_graph(rng, f: int, f2: int, hid: int, steps: int, reverse: bool, bias: bool, signed_in: bool,
-               symmetric_h: bool, states: int = 0) -> IntegerGraph:
-    rows = 4 * hid
+               symmetric_h: bool, states: int = 0, gru: bool = False) -> IntegerGraph:
+    rows = (3 if gru else 4) * hid
     q = lambda p, signed, sym: {f"{p}_qmin": -128 if signed else 0, f"{p}_qmax": 127 if signed else 255,  # noqa: E731
                                 f"{p}_symmetric": int(sym), f"{p}_rounding": 1}
     a = dict(reverse=int(reverse), **q("in", signed_in, signed_in), **q("h", symmetric_h, symmetric_h),
@@ -179,19 +179,24 @@ def _dyn_graph(rng, f: int, f2: int, hid: int, steps: int, reverse: bool, bias: 
     for name in ("h0", "c0")[:states]:  # F32 initial states after the input parts
         tensors.append(Tensor(name, DType.F32, (-1, hid)))
         inputs.append(name)
-    op = Op(OpType.LSTM_DYNAMIC, "rnn", ["x", "w_ih", "w_hh"] + inputs[1:], ["y", "h_n", "c_n"], a)
-    return IntegerGraph(tensors, inputs, ["y", "h_n", "c_n"], [op]).validate()
+    outs = ["y", "h_n"] if gru else ["y", "h_n", "c_n"]
+    if gru:
+        tensors = [t for t in tensors if t.name != "c_n"]
+    op = Op(OpType.GRU_DYNAMIC if gru else OpType.LSTM_DYNAMIC, "rnn", ["x", "w_ih", "w_hh"] + inputs[1:], outs, a)
+    return IntegerGraph(tensors, inputs, outs, [op]).validate()
 
 
 @needs_cpp
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31), two_parts=st.booleans(), reverse=st.booleans(), bias=st.booleans(),
-       signed_in=st.booleans(), symmetric_h=st.booleans(), states=st.integers(0, 2))
-def test_dynamic_cpp_matches_reference(seed, two_parts, reverse, bias, signed_in, symmetric_h, states):
+       signed_in=st.booleans(), symmetric_h=st.booleans(), states=st.integers(0, 2), gru=st.booleans())
+def test_dynamic_cpp_matches_reference(seed, two_parts, reverse, bias, signed_in, symmetric_h, states, gru):
+    """LSTM_DYNAMIC and GRU_DYNAMIC (40): C++ == reference on every path."""
     rng = np.random.default_rng(seed)
+    states = min(states, 1 if gru else 2)
     f, hid, steps = int(rng.choice([1, 3, 8, 33])), int(rng.choice([1, 4, 9, 17])), int(rng.integers(1, 6))
     f2 = int(rng.choice([2, 5])) if two_parts else 0
-    g = _dyn_graph(rng, f, f2, hid, steps, reverse, bias, signed_in, symmetric_h, states)
+    g = _dyn_graph(rng, f, f2, hid, steps, reverse, bias, signed_in, symmetric_h, states, gru)
     n = int(rng.integers(1, 5))
     xs = [(rng.standard_normal((n, steps, f)) * rng.choice([0.1, 1, 10])).astype(np.float32)]
     if f2:

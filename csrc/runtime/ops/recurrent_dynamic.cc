@@ -1,4 +1,4 @@
-// LSTM_DYNAMIC (37): one LSTM layer and direction with dynamic int8 input and hidden state
+// LSTM_DYNAMIC (37) and GRU_DYNAMIC (40): one LSTM/GRU layer and direction with dynamic int8 input and hidden state
 // and float gates (docs/qgraph.md §4.4); the reference is qdsl/graph/ops/recurrent_dynamic.py
 // and this file equals it bit for bit.
 //
@@ -42,7 +42,7 @@ struct LstmDynamicParams : OpParams {
   DynQ in, hq;
   std::vector<int32_t> w_ih, w_hh;
   std::vector<float> ws_ih, ws_hh, b_ih, b_hh;
-  bool has_x2 = false;
+  bool has_x2 = false, gru = false;  // GRU_DYNAMIC (40): gates r, z, n, no cell
   int n_states = 0;
   PackedWeights packed_ih, packed_hh;  // the optimized paths' GEMM operands
 };
@@ -153,7 +153,8 @@ Status ReadFloats(const GraphOp& op, int index, const char* name, int64_t n, boo
   return Status::Ok();
 }
 
-Status PrepareLstmDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
+Status PrepareRecurrentDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape, bool gru) {
+  const int gates = gru ? 3 : 4;
   const GraphTensor& x = g->tensors[op.inputs[0]];
   const GraphTensor& w_ih = g->tensors[op.inputs[1]];
   const GraphTensor& w_hh = g->tensors[op.inputs[2]];
@@ -173,10 +174,12 @@ Status PrepareLstmDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_t>
                w_hh.dims.size() == 2,
            "weights must be constant I8 matrices");
   auto p = std::make_shared<LstmDynamicParams>();
+  p->gru = gru;
   p->h = w_hh.dims[1];
   p->rows = w_hh.dims[0];
   p->f = feats;
-  OP_CHECK(p->rows == 4 * p->h && w_ih.dims[0] == p->rows && w_ih.dims[1] == feats, "weights must be [4H, F], [4H, H]");
+  OP_CHECK(p->rows == gates * p->h && w_ih.dims[0] == p->rows && w_ih.dims[1] == feats,
+           "weights must be [%dH, F], [%dH, H]", gates, gates);
   OP_CHECK(feats <= 65536 && p->h <= 65536, "F and H must be <= 65536");
   OP_CHECK(op.attrs.at("reverse").i == 0 || op.attrs.at("reverse").i == 1, "reverse must be 0 or 1");
   p->reverse = op.attrs.at("reverse").i == 1;
@@ -187,14 +190,14 @@ Status PrepareLstmDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_t>
   QDSL_RETURN_IF_ERROR(ReadFloats(op, index, "b_ih", p->rows, false, true, &p->b_ih));
   QDSL_RETURN_IF_ERROR(ReadFloats(op, index, "b_hh", p->rows, false, true, &p->b_hh));
   const std::vector<int64_t> state = {x.dims[0], p->h};
-  for (int k = 0; k < 3; ++k) {
+  for (int k = 0; k < (gru ? 2 : 3); ++k) {
     const GraphTensor& o = g->tensors[op.outputs[k]];
     OP_CHECK(o.dtype == kF32, "outputs must be F32");
     if (k > 0) OP_CHECK(o.dims == state, "h_n and c_n must be [N, H]");
   }
   p->has_x2 = next == 4;
   p->n_states = static_cast<int>(op.inputs.size() - next);
-  OP_CHECK(p->n_states <= 2, "at most two initial states (h0, c0)");
+  OP_CHECK(p->n_states <= (gru ? 1 : 2), "too many initial states (LSTM: h0, c0; GRU: h0)");
   for (size_t k = next; k < op.inputs.size(); ++k) {
     const GraphTensor& s = g->tensors[op.inputs[k]];
     // N static when sliced from a module's (layers·directions, N, H) state input (SELECT)
@@ -299,6 +302,10 @@ Status RunLstmDynamic(RunCtx& c, const GraphOp& op) {
   float sh, zh;
   QuantizeDyn(h.data(), n * H, p.hq, qh.data(), &sh, &zh);
   float* y = reinterpret_cast<float*>(c.Buf(op.outputs[0]));
+  if (p.gru) {  // h: the dequantized codes of Q(h0) (the reference's start)
+    const int64_t z = static_cast<int64_t>(zh);
+    for (int64_t i = 0; i < n * H; ++i) h[i] = static_cast<float>(qh[i] - z) * sh;
+  }
   for (int64_t k = 0; k < steps; ++k) {
     const int64_t t = p.reverse ? steps - 1 - k : k;
     if (fast)
@@ -311,6 +318,15 @@ Status RunLstmDynamic(RunCtx& c, const GraphOp& op) {
         LinearRow(qh.data() + s * H, H, sh, zh, p.w_hh, p.ws_hh, p.b_hh, R, pre.data());
       }
       const float* a = aih.data() + (s * steps + t) * R;
+      if (p.gru) {  // r, z, n: n = tanh(a_n + σ(r)·hh_n), h' = (1 - σ(z))·n + σ(z)·h
+        for (int64_t j = 0; j < H; ++j) {
+          const float r = Sigmoid(a[j] + pre[j]);
+          const float z = Sigmoid(a[H + j] + pre[H + j]);
+          const float nn = TanhF(a[2 * H + j] + r * pre[2 * H + j]);
+          hf[s * H + j] = (1.0f - z) * nn + z * h[s * H + j];
+        }
+        continue;
+      }
       for (int64_t r = 0; r < R; ++r) pre[r] = a[r] + pre[r];
       for (int64_t j = 0; j < H; ++j) {
         float& cj = cs[s * H + j];
@@ -327,12 +343,20 @@ Status RunLstmDynamic(RunCtx& c, const GraphOp& op) {
       }
   }
   std::memcpy(c.Buf(op.outputs[1]), h.data(), h.size() * 4);
-  std::memcpy(c.Buf(op.outputs[2]), cs.data(), cs.size() * 4);
+  if (!p.gru) std::memcpy(c.Buf(op.outputs[2]), cs.data(), cs.size() * 4);
   return Status::Ok();
+}
+
+Status PrepareLstmDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
+  return PrepareRecurrentDynamic(g, op, index, shape, false);
+}
+Status PrepareGruDynamic(Graph* g, GraphOp& op, int index, std::vector<int64_t>* shape) {
+  return PrepareRecurrentDynamic(g, op, index, shape, true);
 }
 
 }  // namespace
 
 const OpDef kLstmDynamicDef = {PrepareLstmDynamic, RunLstmDynamic, ValueRange::kStage};  // F32 outputs
+const OpDef kGruDynamicDef = {PrepareGruDynamic, RunLstmDynamic, ValueRange::kStage};
 
 }  // namespace qdsl
