@@ -93,6 +93,8 @@ def _granularity_dsl(g: Granularity) -> str:
         return "per_channel" if g.axis is None else f"granularity=channel({g.axis})"
     if g.kind is GranularityKind.GATE:
         return "granularity=gate"
+    if g.kind is GranularityKind.TOKEN:
+        return "per_token"
     return f"granularity=group({g.group_size})"
 
 

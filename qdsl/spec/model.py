@@ -148,6 +148,10 @@ class GranularityKind(str, enum.Enum):
     """One per ``group_size`` consecutive elements along the reduction axis of each output channel."""
     GATE = "gate"
     """Recurrent weights only: one per gate block of rows (LSTM 4: i, f, g, o; GRU 3: r, z, n; RNN 1)."""
+    TOKEN = "token"
+    """Dynamic activations only: one per row of the last axis (per token of a (batch, tokens,
+    features) input, per sample of a (batch, features) one), what QUANTIZE_DYNAMIC's
+    ``per_row`` computes."""
 
 
 class TargetKind(str, enum.Enum):
