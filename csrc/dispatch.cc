@@ -302,6 +302,14 @@ FloorDivScaledKernel SelectFloorDivScaledKernel(uint32_t path) {
   return nullptr;
 }
 
+LayernormKernels SelectLayernormKernels(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return {x86::LayernormSumAvx2, x86::LayernormCenterAvx2, x86::LayernormNormalizeAvx2};
+#endif
+  (void)path;
+  return {portable::LayernormSum, portable::LayernormCenter, portable::LayernormNormalize};
+}
+
 LutKernel SelectLutKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2) return x86::LutU8Avx2;

@@ -81,6 +81,13 @@ bool RequantAvx2Supports(const OutputStage& stage);
 // q[i] = floor((v[i] * scale + add) / b) (csrc/kernels/x86/floordiv_f64_avx2.cc; contract:
 // FloorDivScaledKernel in csrc/dispatch.h).
 void FloorDivScaledAvx2(const int32_t* v, int64_t n, double scale, double add, double b, int32_t* q);
+// LAYERNORM's row passes (LayernormKernels in csrc/dispatch.h): csrc/kernels/x86/layernorm_i32_avx2.cc,
+// and the normalize pass beside FloorDivScaledAvx2.
+void LayernormSumAvx2(const int32_t* t0, const int32_t* t1, int64_t n, int32_t* v, int64_t* sum, int32_t* lo,
+                      int32_t* hi);
+int64_t LayernormCenterAvx2(const int32_t* v, int64_t n, int64_t sum, int k, int32_t* d);
+void LayernormNormalizeAvx2(const int32_t* d, int64_t n, int s, int64_t r, const int32_t* gamma, const int32_t* beta,
+                            int32_t* acc);
 // y[i] = table[x[i]] over a 256-byte table (csrc/kernels/x86/lut_u8_avx2.cc).
 void LutU8Avx2(const uint8_t* table, const uint8_t* x, int64_t n, uint8_t* y);
 // One-channel stage to int32 (I32 outputs): out[i] = clamp(rescale(acc[i]) + zp, qmin, qmax).
