@@ -47,9 +47,11 @@ overflow, so QAT trains on the exact sums rather than on overflows the hardware 
 never see (measured: training through the 16-bit wrap, then projecting, left the digits
 ResNet at 41%).  After freeze the bound holds and the fast path applies.
 
-Not simulated (a warning names the layer when its accumulator is narrower than 32 bits): a layer without an input or weight quantizer
-(its input scale is not local), group-wise weight scales (no single ``s_acc`` per output
-channel), transposed convs.  While calibrating the input scale still moves, so the layer
+Not simulated (a warning names the layer when its accumulator is narrower than 32 bits): a
+layer without an input or weight quantizer (its input scale is not local), group-wise
+weight scales (no single ``s_acc`` per output channel), transposed convs, and sums whose
+range leaves exact binary64 (``|w|·|x|·fan-in >= 2^53``, e.g. power-of-two weights with
+wide exponents): those pass their float output through, as before the simulation existed.  While calibrating the input scale still moves, so the layer
 passes its float output through.
 """
 
@@ -61,7 +63,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Accumulator, Overflow
 
 __all__ = ["AccumulatorSim", "wrap_sum", "saturate_sum", "needs_simulation", "reachable", "fits"]
@@ -230,7 +231,11 @@ class AccumulatorSim:
         if safe:
             return None
         with torch.no_grad():
-            y, keep = self._simulate(module, args[0], output, *ops)
+            sim = self._simulate(module, args[0], output, *ops)
+        if sim is None:
+            self._warn("sums beyond an exact binary64 range (|w|·|x|·fan-in >= 2^53)")
+            return None
+        y, keep = sim
         if not output.requires_grad:
             return y
         return _Overflowed.apply(output, y, keep)
@@ -255,8 +260,7 @@ class AccumulatorSim:
         wmax = float(w_int.abs().max()) if w_int.numel() else 0.0
         fan_in = w_int[0].numel()
         if wmax * float(x_int.abs().max()) * fan_in >= _EXACT_F64:
-            raise QdslError(f"'{self.patch.fqn}': the accumulator range exceeds an exact binary64 sum "
-                            "(|w|·|x|·fan-in >= 2^53): its accumulator cannot be simulated")
+            return None  # not exact in binary64 (e.g. wide power-of-two weights): not simulated
         if isinstance(module, nn.Linear):
             s = F.linear(x_int, w_int)
             axis = s.dim() - 1

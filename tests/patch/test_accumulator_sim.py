@@ -19,6 +19,7 @@ import qdsl
 import qdsl.runtime as rt
 from qdsl.graph.reference import execute
 from qdsl.patch import get_handle
+from qdsl.parse import parse_text
 from qdsl.patch.accumulate import saturate_sum, wrap_sum
 
 SPEC = """version 1
@@ -172,3 +173,24 @@ def test_layer_it_cannot_simulate_is_named_in_a_warning():
     qdsl.apply(model, qdsl.parse_spec(spec))
     with pytest.warns(UserWarning, match="'layer': its 16-bit accumulator is not simulated"):
         model(torch.randn(3, 8))
+
+
+def test_sums_beyond_exact_binary64_pass_the_float_output_through():
+    """Power-of-two weights with wide exponents and dynamic signed inputs (hypothesis found it
+    in test_check_apply_parity): the reachable sums leave exact binary64, so the default
+    accumulator is not simulated and the forward runs (it raised a QdslError before)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+    spec = ("version 1\ndefaults {\n"
+            "  weight = (kind=pot, signed, narrow, symmetric, scale=float, granularity=tensor, "
+            "observer=minmax, rounding=half_even)\n"
+            "  input = (kind=int, signed, narrow, symmetric, dynamic)\n}\n")
+    qdsl.apply(model, parse_text(spec))
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        qdsl.calibrate(model, [x], progress=False)
+    qdsl.freeze(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default 32-bit accumulator does not warn
+        y = model(x)
+    assert y.shape == (2, 5) and torch.isfinite(y).all()
