@@ -139,6 +139,14 @@ IgemmKernel SelectIgemmKernel(uint32_t path) {
   return nullptr;
 }
 
+IgemmStageKernel SelectIgemmStageKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2) return x86::IgemmU8S8StageAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path) {
   if (VnniMicroKernel k = SelectVnniMicroKernel(broadcast_unsigned, path)) return k;
 #ifdef QDSL_HAVE_X86

@@ -80,7 +80,9 @@ class CompiledGraph:
         exact ``vpmaddubsw`` kernel, adding S pair sums in int16; 0 the int16 kernel) and
         ``no_overflow`` (int conv/linear only: no accumulator can overflow, so the fast output
         stage runs), ``implicit_gemm`` (int conv/linear only: AVX2 runs the implicit-GEMM NHWC
-        conv) and ``nhwc_output`` (the op's output was stored NHWC in the last run)."""
+        conv), ``register_stage`` (int conv/linear only: its output stage is prepared for the
+        AVX2 kernel's epilogue, applied to the sums in registers when the output is one I8/U8
+        tensor stored NHWC) and ``nhwc_output`` (the op's output was stored NHWC in the last run)."""
         info = (ctypes.c_int64 * 10)()
         name = ctypes.create_string_buffer(4100)
         out = []
@@ -95,6 +97,8 @@ class CompiledGraph:
                 entry["maddubs_steps"] = int(info[4])
             if info[6] >= 0:
                 entry["implicit_gemm"] = bool(info[6])
+            if info[8] >= 0:
+                entry["register_stage"] = bool(info[8])
             entry["nhwc_output"] = bool(info[7])
             out.append(entry)
         return out

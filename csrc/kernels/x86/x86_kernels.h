@@ -8,6 +8,7 @@
 #include "qdsl/requant.h"
 
 namespace qdsl {
+struct StageF32;  // requant/stage_f32.h
 namespace x86 {
 
 void GemmI16Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
@@ -32,6 +33,10 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
 // Implicit-GEMM conv kernel (dispatch.h IgemmKernel's contract), the S == 1 sequence above.
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                    int32_t* c, int64_t ldc, const int32_t* init);
+// The same sums with the prepared stage applied from registers (dispatch.h IgemmStageKernel).
+void IgemmU8S8StageAvx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                        const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+                        bool out_signed);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
 void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                       int64_t c0, int32_t* out, int64_t ldo);

@@ -18,6 +18,7 @@
 
 #include "dispatch.h"
 #include "qdsl/aligned.h"
+#include "requant/stage_f32.h"
 #include "runtime/ops/op.h"
 
 namespace qdsl {
@@ -73,6 +74,10 @@ struct ConvParams : OpParams {
   int64_t ig_cp = 0, ig_taps = 0, ig_panels = 0;
   AlignedVector<uint8_t> ig_w;
   std::vector<int32_t> ig_cinit;
+  // ig_stage: the output stage prepared for the kernel's epilogue (IgemmStageKernel: staged
+  // from registers, no int32 tile) when it is FIXED_SINGLE with shifts in [0, 31] and the
+  // output I8/U8; channels padded to ig_panels * 16.
+  StageF32 ig_stage;
   // Depthwise (groups == C, so each output channel reads one input plane; a depth
   // multiplier m = O / C >= 1) with int32-exact sums: DepthwiseConv runs it (conv_dw.cc).
   // dw_taps: [O][kh * kw] (W - w_zp); dw_pairs: [O][kh][(kw + 1) / 2] taps 2j (low half)
@@ -220,6 +225,9 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
 // False when QDSL_IGEMM=0 (read once): the gathered-panel conv runs instead (timing the two
 // in one build; conv_igemm.cc).
 bool IgemmEnabled();
+// False when QDSL_IGEMM_STAGE=0 (read once): IgemmConv stores int32 tiles and stages them
+// afterwards instead of staging from the kernel's registers (timing the two in one build).
+bool IgemmStageEnabled();
 // Whether the conv's chosen implementation on `path` reads and writes Graph::nhwc layouts
 // (the AMX and AVX2 implicit-GEMM convs); RunConv picks by the same rules.
 inline bool RunsNhwc(const ConvParams& p, uint32_t path) {
