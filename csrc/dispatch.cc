@@ -396,6 +396,14 @@ DwNhwcKernel SelectDwNhwcKernel(uint32_t path) {
   return portable::DwConvNhwc;
 }
 
+DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::DwConvNhwcStageAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 DwFillKernel SelectDwFillKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2) return x86::DwFillPlaneAvx2;

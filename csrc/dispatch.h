@@ -151,6 +151,12 @@ using DwNhwcKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t nta
                               const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc,
                               int64_t ldc);
 DwNhwcKernel SelectDwNhwcKernel(uint32_t path);
+// The same sums, then the prepared FIXED_SINGLE stage st (requant/stage_f32.h) applied in
+// registers: position i's C codes go to out + i * ldo.  nullptr below AVX2.
+using DwNhwcStageKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                                   const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out,
+                                   int64_t ldo, bool out_signed);
+DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path);
 // The interior of a depthwise conv's zero-padded int16 plane: rows [ph, min(rows, ph + H))
 // hold input row r - ph minus zp at columns [pw, pw + W) (I8 codes when x_signed, else U8);
 // may also zero up to 16 columns past pw + W (ldp >= pw + W + 16).  nullptr: no vector kernel.

@@ -125,6 +125,10 @@ void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const i
 // Depthwise conv in NHWC (DwNhwcKernel in dispatch.h; dwconv_nhwc_avx2.cc): 16 channels per step.
 void DwConvNhwcAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
                     const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc, int64_t ldc);
+// The same sums with the prepared stage applied from registers (DwNhwcStageKernel).
+void DwConvNhwcStageAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                         const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo,
+                         bool out_signed);
 // Padded int16 plane interior of a depthwise conv (DwFillKernel in dispatch.h).
 void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
                      int64_t ldp, int32_t zp, int16_t* xp);

@@ -91,6 +91,9 @@ struct ConvParams : OpParams {
   // code repeated, what padded taps point at.  PrepareGraph clears dw_nhwc on twin convs
   // (prepare.cc KeepNhwcDepthwise); PlanNhwc and the executor read it.
   bool dw_nhwc = false;
+  // dwn_stage: the output stage prepared for the kernel's registers (DwNhwcStageKernel), when
+  // it is FIXED_SINGLE with right shifts in [0, 31]; channels padded to DwNhwcCols(C).
+  StageF32 dwn_stage;
   std::vector<int32_t> dwn_taps, dwn_init;
   AlignedVector<int32_t> dwn_pairs;
   std::vector<uint8_t> dwn_zrow;
@@ -225,9 +228,10 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
 // False when QDSL_IGEMM=0 (read once): the gathered-panel conv runs instead (timing the two
 // in one build; conv_igemm.cc).
 bool IgemmEnabled();
-// False when QDSL_IGEMM_STAGE=0 (read once): IgemmConv stores int32 tiles and stages them
-// afterwards instead of staging from the kernel's registers (timing the two in one build).
-bool IgemmStageEnabled();
+// False when QDSL_REGISTER_STAGE=0 (read once): IgemmConv and DepthwiseConvNhwc store int32
+// sums and stage them afterwards instead of staging from the kernels' registers (timing the
+// two in one build).
+bool RegisterStageEnabled();
 // Whether the conv's chosen implementation on `path` reads and writes Graph::nhwc layouts
 // (the AMX and AVX2 implicit-GEMM convs); RunConv picks by the same rules.
 inline bool RunsNhwc(const ConvParams& p, uint32_t path) {

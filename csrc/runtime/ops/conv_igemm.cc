@@ -38,9 +38,9 @@ int64_t BlockPositions(int64_t P) {
 
 }  // namespace
 
-bool IgemmStageEnabled() {
+bool RegisterStageEnabled() {
   static const bool on = [] {
-    const char* v = std::getenv("QDSL_IGEMM_STAGE");
+    const char* v = std::getenv("QDSL_REGISTER_STAGE");
     return v == nullptr || !(v[0] == '0' && v[1] == '\0');
   }();
   return on;
@@ -136,7 +136,7 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   }
   // the stage from registers (IgemmStageKernel): one output, stored NHWC as codes, with a
   // stage prepared for it (ConvParams::ig_stage); else int32 tiles and the stage after them
-  const IgemmStageKernel stage_kernel = IgemmStageEnabled() ? SelectIgemmStageKernel(path) : nullptr;
+  const IgemmStageKernel stage_kernel = RegisterStageEnabled() ? SelectIgemmStageKernel(path) : nullptr;
   const bool from_regs = stage_kernel != nullptr && p.ig_stage.ok && outs.size() == 1 && out_nhwc &&
                          (out_dtype == kU8 || out_dtype == kI8);
   const RequantKernel requant = SelectRequantKernel(path);

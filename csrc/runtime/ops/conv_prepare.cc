@@ -98,23 +98,26 @@ void PrepareDepthwise(ConvParams* pp) {
     p.dwn_init[c] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(init)));
   }
   p.dwn_zrow.assign(static_cast<size_t>(cols), static_cast<uint8_t>(p.in_zp));
+  PrepareStageF32(p.out.stage, C, cols, &p.dwn_stage);
   p.dw_nhwc = true;
 }
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
 // vpmaddubsw kernel is exact on them for the input's codes and the shape is one where it
 // beats the gathered-panel conv (measured per op inside MobileNetV2 and ResNet-18, AVX2, with
-// the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 16 and O >= 16.  With the
-// output stage applied from the kernel's registers (ig_stage) this includes MobileNetV2's
-// 16-channel layers at 112 x 112 (its 16 -> 96 expansion: 1.19 -> 0.84 ms, and 32 -> 16
-// projection, with the stride-2 depthwise conv after the expansion then NHWC too).
+// the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 16 and O >= 24.  With the
+// output stage applied from the kernel's registers (ig_stage) that includes MobileNetV2's
+// 16 -> 96 expansion at 112 x 112 (~1.1 -> ~0.85 ms, and the stride-2 depthwise conv after
+// it then runs NHWC: ~0.5 -> ~0.3 ms).  Its 32 -> 16 projection (O = 16) stays on the NCHW
+// gathered conv: as an implicit-GEMM conv it would make the 32-channel 112 x 112 depthwise
+// conv before it write NHWC, where the plane kernel is ~2x faster.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
   // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
-  // row pointer loads)
+  // row pointer loads; measured slower on MobileNetV2's stem, NHWC output and all)
   if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.w8.empty() || p.cin < 8 || out.dtype == kBin) return;
   const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
-  const bool pays = taps * cp >= 16 && O >= 16;
+  const bool pays = taps * cp >= 16 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
   const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
