@@ -1,6 +1,7 @@
 """Single-conv GMAC/s of the AVX2 implicit-GEMM NHWC conv (csrc/runtime/ops/conv_igemm.cc)
-against the gathered-panel conv it replaces, on ResNet-18 / MobileNetV2 shapes with 7-bit
-activations (a CLAMP to 0..127 in front, so int8 weights run the vpmaddubsw kernels), batch 1.
+against the gathered-panel conv it replaces, on ResNet-18 / MobileNetV2 shapes, batch 1, with
+7-bit activations (a CLAMP to 0..127 in front, so int8 weights run the vpmaddubsw kernels) or,
+with --bits 8, full-range 8-bit ones (the exact int16 kernels on both sides).
 
 The two convs are the same build: QDSL_IGEMM=0 (read once per process) turns the implicit-GEMM
 path off, so each variant runs in its own child process; the children are taken in turn round
@@ -10,7 +11,7 @@ machine than wall time).  The graph's input and output are NCHW, so the implicit
 includes its NCHW -> NHWC copy and its NCHW output transpose (inside a graph, neighbouring
 NHWC ops avoid both).  Ratios: implicit / gathered time (< 1: implicit faster).
 
-    python benchmarks/igemm_convs.py [--rounds 5] [--reps 20]
+    python benchmarks/igemm_convs.py [--rounds 5] [--reps 20] [--bits 7|8]
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ for name, c, o, k, s, hw in {shapes!r}:
     attrs = {{"stride": [s, s], "padding": [k // 2] * 2, "dilation": [1, 1], "groups": 1, "in_zp": 0, "w_zp": [0],
              "acc_bits": 32, "overflow": 0}}
     rescale = make_rescale(rng.uniform(5e-4, 2e-3, o), allow_pot=False, single=True)
-    attrs.update(OutputStage(rescale, 0, 0, 127).attrs())
+    attrs.update(OutputStage(rescale, 0, 0, {top}).attrs())
     ts = [Tensor("x", DType.U8, (-1, c, hw, hw)), Tensor("xc", DType.U8, (-1, c, hw, hw)),
           Tensor("w", DType.I8, w.shape, w), Tensor("y", DType.U8, (-1, o, ohw, ohw))]
-    g = IntegerGraph(ts, ["x"], ["y"], [Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {{"out_min": 0, "out_max": 127}}),
+    g = IntegerGraph(ts, ["x"], ["y"], [Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {{"out_min": 0, "out_max": {top}}}),
                                           Op(OpType.CONV2D, "conv", ["xc", "w"], ["y"], attrs)]).validate()
     cg = rt.CompiledGraph(g)
-    x = rng.integers(0, 128, (1, c, hw, hw)).astype(np.uint8)
+    x = rng.integers(0, {top} + 1, (1, c, hw, hw)).astype(np.uint8)
     for _ in range(3):
         cg.run(x)
     best = []
@@ -69,9 +70,9 @@ print(json.dumps(out))
 """
 
 
-def _child(igemm: bool, reps: int) -> dict[str, float]:
+def _child(igemm: bool, reps: int, bits: int) -> dict[str, float]:
     env = dict(os.environ, QDSL_IGEMM="1" if igemm else "0", OPENBLAS_NUM_THREADS="1")
-    code = _CHILD.format(root=str(ROOT), shapes=SHAPES, reps=reps)
+    code = _CHILD.format(root=str(ROOT), shapes=SHAPES, reps=reps, top=2**bits - 1)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -80,14 +81,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--bits", type=int, choices=[7, 8], default=7, help="activation bits (8: exact int16 kernels)")
     args = ap.parse_args(argv)
     print(f"load average: {os.getloadavg()[0]:.2f} {os.getloadavg()[1]:.2f} {os.getloadavg()[2]:.2f}")
     times: dict[str, dict[str, list[float]]] = {"implicit": {}, "gathered": {}}
     for _ in range(args.rounds):
         for variant, on in (("implicit", True), ("gathered", False)):
-            for name, t in _child(on, args.reps).items():
+            for name, t in _child(on, args.reps, args.bits).items():
                 times[variant].setdefault(name, []).append(t)
-    print(f"{'conv (batch 1, 7-bit acts)':<24} {'MMAC':>6}  {'gathered GMAC/s':>16}  {'implicit GMAC/s':>16}  ratio")
+    print(f"{f'conv (batch 1, {args.bits}-bit acts)':<24} {'MMAC':>6}  {'gathered GMAC/s':>16}  {'implicit GMAC/s':>16}  ratio")
     for name, c, o, k, s, hw in SHAPES:
         ohw = (hw + 2 * (k // 2) - k) // s + 1
         macs = c * o * k * k * ohw * ohw

@@ -15,6 +15,7 @@ Figures are GOP/s (2*M*K*N / time) from medians over ``--rounds`` interleaved ro
 (benchmarks/_timing.py); ratios are peer time / qdsl time (>= 1: qdsl faster), taken round by
 round, as median (range).  No assertions: the targets are in the issues and the README.
 Run: python benchmarks/kernels.py [--quick] [--threads 1,2] [--rounds 5] [--reps 7]
+     [--shapes default|minilm|MxKxN,...]
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ from _timing import add_timing_args, interleaved, load_average, span, timing_arg
 
 SHAPES = [(64, 576, 64), (256, 1152, 128), (128, 768, 768), (128, 3072, 768), (1, 768, 768), (1024, 1024, 1024)]
 QUICK_SHAPES = [(64, 576, 64), (128, 768, 768), (1, 768, 768)]
+# all-MiniLM-L6-v2's linears at sequence 128: M = 128 tokens (batch 1) or 1024 (batch 8),
+# K -> N = 384 -> 384 (q, k, v, attention output), 384 -> 1536 and 1536 -> 384 (the MLP)
+MINILM_SHAPES = [(m, k, n) for m in (128, 1024) for k, n in ((384, 384), (384, 1536), (1536, 384))]
 # torch's activation scale, a power of two: float inputs are exactly (code - zero point) * S_IN,
 # and fp32 outputs / S_IN are the accumulators exactly (below 2^24)
 S_IN = 1.0 / 16
@@ -201,8 +205,16 @@ def exactness(rng, torch) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(ap, rounds=5, reps=7)
+    ap.add_argument("--shapes", default="default",
+                    help="default (QUICK_SHAPES with --quick), minilm (MiniLM's linears at sequence 128) or "
+                         "a comma list of MxKxN")
     args = timing_args(ap.parse_args(argv))
-    args.shapes = QUICK_SHAPES if args.quick else SHAPES
+    if args.shapes == "minilm":
+        args.shapes = MINILM_SHAPES
+    elif args.shapes == "default":
+        args.shapes = QUICK_SHAPES if args.quick else SHAPES
+    else:
+        args.shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     import torch
 
     import qdsl.runtime as rt

@@ -131,11 +131,12 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
-IgemmKernel SelectIgemmKernel(uint32_t path) {
+IgemmKernel SelectIgemmKernel(uint32_t path, bool int16) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return x86::IgemmU8S8Avx2;
+  if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : x86::IgemmU8S8Avx2;
 #endif
   (void)path;
+  (void)int16;
   return nullptr;
 }
 
@@ -307,6 +308,14 @@ FloorDivScaledKernel SelectFloorDivScaledKernel(uint32_t path) {
 #endif
   (void)path;
   return nullptr;
+}
+
+LayernormKernels SelectLayernormKernels(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return {x86::LayernormSumAvx2, x86::LayernormCenterAvx2, x86::LayernormNormalizeAvx2};
+#endif
+  (void)path;
+  return {portable::LayernormSum, portable::LayernormCenter, portable::LayernormNormalize};
 }
 
 LutKernel SelectLutKernel(uint32_t path) {

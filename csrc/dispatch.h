@@ -72,6 +72,20 @@ QuantizeF32Kernel SelectQuantizeF32Kernel(uint32_t path);  // nullptr: the scala
 // b is an integer in [1, 2^52) and every quotient is in [0, 2^31).
 using FloorDivScaledKernel = void (*)(const int32_t* v, int64_t n, double scale, double add, double b, int32_t* q);
 FloorDivScaledKernel SelectFloorDivScaledKernel(uint32_t path);  // nullptr: the scalar loop
+// LAYERNORM's optimized row passes (csrc/runtime/ops/layernorm.cc derives the bounds), n >= 1:
+//   sum:       v[i] = sat32(t0[i] + t1[i]); *sum = Σ v[i], *lo = min v[i], *hi = max v[i]; with
+//              t1 nullptr the statistics of t0 itself (v unused);
+//   center:    d[i] = round_half_away((n·v[i] - sum) / 2^k), returns Σ d[i]²; needs |d[i]| <= 2^24,
+//              |n·v[i] - sum| < 2^52 and n <= 40000;
+//   normalize: acc[i] = sign(d[i]) · floor((|d[i]|·2^s + r) / 2r) · gamma[i] + beta[i] for
+//              1 <= r < 2^31, each quotient <= 2^16 + 1, |d[i]|·2^s + r < 2^51, and acc in int32.
+struct LayernormKernels {
+  void (*sum)(const int32_t* t0, const int32_t* t1, int64_t n, int32_t* v, int64_t* sum, int32_t* lo, int32_t* hi);
+  int64_t (*center)(const int32_t* v, int64_t n, int64_t sum, int k, int32_t* d);
+  void (*normalize)(const int32_t* d, int64_t n, int s, int64_t r, const int32_t* gamma, const int32_t* beta,
+                    int32_t* acc);
+};
+LayernormKernels SelectLayernormKernels(uint32_t path);  // portable loops below AVX2
 // y[i] = table[x[i]] for i < n over a 256-byte table (LUT, LUT_CHANNEL).
 using LutKernel = void (*)(const uint8_t* table, const uint8_t* x, int64_t n, uint8_t* y);
 LutKernel SelectLutKernel(uint32_t path);  // nullptr: the scalar loop
@@ -109,13 +123,16 @@ VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps
 // times the s8 panel quad (t * cquads + j) (16 channels x 4 bytes), for rows <= 6 positions;
 // start is init[0..16) for every row, or c[r]'s own values when init is nullptr.
 // Exact when the weights allow one int16 pair sum (MaddubsStepsFor >= 1).
+// The int16 kind (x86::IgemmU8I16Avx2, igemm_i16_6x16_avx2.cc) has the same contract on int16
+// panels (128 bytes per quad: ConvParams::ig_int16) and is exact for any u8 codes and
+// |W| <= 511 (full-range 8-bit activations).
 using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                              int32_t* c, int64_t ldc, const int32_t* init);
-// nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs).
-IgemmKernel SelectIgemmKernel(uint32_t path);
+// nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs); `int16`: the int16 kind.
+IgemmKernel SelectIgemmKernel(uint32_t path, bool int16);
 // The same sums from init, then the prepared FIXED_SINGLE stage st (requant/stage_f32.h) of
 // channels c0.. applied in registers: row r's first `cols` (<= 16) codes go to out + r * ldo.
-// Bit-identical to the reference stage of those sums.
+// Bit-identical to the reference stage of those sums.  The vpmaddubsw kind only.
 using IgemmStageKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
                                   const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0, int cols,
                                   uint8_t* out, int64_t ldo, bool out_signed);

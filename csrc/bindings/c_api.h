@@ -67,7 +67,9 @@ QDSL_API void qdsl_graph_free(void* handle);
  * Ops (rank 0) also get what the validator proved and chose: info[2], info[3] the first
  * input's value range, info[4] the AVX2 vpmaddubsw steps of an int conv/linear (-1: not
  * one; 0: the int16 kernel), info[5] 1 when no accumulator can overflow (fast_acc), 0 when
- * one can, -1 for other ops (binary ones included). */
+ * one can, -1 for other ops (binary ones included); info[8] for a LINEAR 1 when it runs as
+ * one GEMM with the bias and output stage fused (off the reference path), else 0; -1 for
+ * other ops. */
 QDSL_API int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, char* name, int64_t namelen);
 QDSL_API int qdsl_graph_run(void* handle, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path,
                             char* err, int64_t errlen);

@@ -11,6 +11,7 @@
 
 #include "dispatch.h"
 #include "runtime/ops/op.h"
+#include "threads/thread_pool.h"
 
 namespace qdsl {
 
@@ -42,23 +43,32 @@ Status RunGraph(Graph* g, int64_t batch, const void* const* inputs, void* const*
   if (g->nhwc_path != chosen) PlanNhwc(g, chosen);  // which convs run NHWC depends on the path
   std::fill(g->overflow.begin(), g->overflow.end(), 0);
   g->fused_done.assign(g->ops.size(), 0);
-  // QDSL_PROFILE=1 prints each op's wall time to stderr (for finding slow ops).
-  // The CPU time of the calling thread is printed too: on a loaded machine it is the
-  // steadier figure (worker threads are not included).
+  // QDSL_PROFILE=1 prints each op's wall time to stderr (for finding slow ops), with the
+  // process CPU time (every thread, spinning included) and how the op used the pool:
+  // parallel jobs / serial ones, tasks, the share the calling thread ran, and the time it
+  // waited for tasks other threads held (threads/thread_pool.h PoolStats).
   static const bool profile = [] {  // set and not "0" / empty
     const char* v = std::getenv("QDSL_PROFILE");
-    return v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+    const bool on = v != nullptr && v[0] != '\0' && !(v[0] == '0' && v[1] == '\0');
+    if (on) EnablePoolStats(true);
+    return on;
   }();
   auto t0 = std::chrono::steady_clock::now();
   std::clock_t c0 = std::clock();
+  PoolStats s0 = profile ? GetPoolStats() : PoolStats{};
   for (size_t oi = 0; oi <= g->ops.size(); ++oi) {
     if (profile && oi > 0) {
       const auto t1 = std::chrono::steady_clock::now();
       const std::clock_t c1 = std::clock();
-      std::fprintf(stderr, "qdsl op %3zu %-24s wall %9.3f ms  cpu %9.3f ms\n", oi - 1, g->ops[oi - 1].name.c_str(),
-                   std::chrono::duration<double, std::milli>(t1 - t0).count(), 1e3 * double(c1 - c0) / CLOCKS_PER_SEC);
+      const PoolStats s1 = GetPoolStats();
+      std::fprintf(stderr, "qdsl op %3zu %-24s wall %9.3f ms  cpu %9.3f ms  jobs %lld/%lld tasks %lld caller %lld tail %.3f ms\n",
+                   oi - 1, g->ops[oi - 1].name.c_str(), std::chrono::duration<double, std::milli>(t1 - t0).count(),
+                   1e3 * double(c1 - c0) / CLOCKS_PER_SEC, (long long)(s1.parallel_jobs - s0.parallel_jobs),
+                   (long long)(s1.serial_jobs - s0.serial_jobs), (long long)(s1.tasks - s0.tasks),
+                   (long long)(s1.caller_claims - s0.caller_claims), 1e-6 * double(s1.tail_wait_ns - s0.tail_wait_ns));
       t0 = std::chrono::steady_clock::now();  // after the print: its cost is no op's
       c0 = std::clock();
+      s0 = GetPoolStats();
     }
     if (oi == g->ops.size()) break;
     // ops already computed by the conv they were fused into, or a twin conv's run

@@ -15,7 +15,8 @@
 // (and its caller cannot return and post the next job) while a claimed task is unrun.
 //
 // Waiting (workers for a job, the caller for the last running tasks) spins for a short
-// bounded time, then sleeps on a condition variable.
+// bounded time, then sleeps on a condition variable.  When jobs stop paying (workers
+// preempted by other processes), SoloPolicy (thread_pool.h) runs them in the caller.
 #include "threads/thread_pool.h"
 
 #include <sched.h>
@@ -84,6 +85,14 @@ inline int Next(uint64_t t) { return static_cast<int>(t & kTaskMask); }
 inline int Count(uint64_t t) { return static_cast<int>((t >> kTaskBits) & kTaskMask); }
 inline bool HasTask(uint64_t t) { return Next(t) < Count(t); }
 
+// PoolStats counters, each on its own cache line (workers bump theirs per claim)
+struct alignas(64) Counter {
+  std::atomic<int64_t> v{0};
+  void Add(int64_t d) { v.fetch_add(d, std::memory_order_relaxed); }
+};
+std::atomic<bool> stats_on{false};
+Counter stat_parallel, stat_serial, stat_tasks, stat_caller, stat_tail_ns;
+
 class Pool {
  public:
   static constexpr int kMaxTasks = static_cast<int>(kTaskMask);
@@ -105,10 +114,13 @@ class Pool {
   int workers() const { return static_cast<int>(threads_.size()); }
 
   // Runs fn(0..n-1), 1 <= n <= kMaxTasks; false (nothing run) when another thread's job
-  // holds the pool: the caller then runs its tasks itself rather than queue behind it.
+  // holds the pool, or SoloPolicy says jobs do not pay: the caller then runs its tasks
+  // itself rather than queue behind it.
   bool Run(int n, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> run_lock(run_mu_, std::try_to_lock);
     if (!run_lock.owns_lock()) return false;
+    if (adapt_ && policy_.Solo()) return false;
+    const auto posted = std::chrono::steady_clock::now();
     fn_.store(&fn, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
     seq_ = (seq_ + 1) & 0xffffff;
@@ -118,21 +130,36 @@ class Pool {
       { std::lock_guard<std::mutex> lock(mu_); }  // a worker between its check and its wait
       cv_.notify_all();
     }
-    Drain();
+    const bool stats = stats_on.load(std::memory_order_relaxed);
+    const int64_t mine = Drain();
+    if (stats) {
+      stat_parallel.Add(1);
+      stat_tasks.Add(n);
+      stat_caller.Add(mine);
+    }
+    const auto drained = std::chrono::steady_clock::now();
     if (!SpinUntil([&] { return done_.load(std::memory_order_acquire) == n; })) {
       std::unique_lock<std::mutex> lock(mu_);
       done_cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire) == n; });
     }
+    const auto end = std::chrono::steady_clock::now();
+    auto ns = [](std::chrono::steady_clock::duration d) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+    };
+    if (stats) stat_tail_ns.Add(ns(end - drained));
+    policy_.Record(n, mine, ns(drained - posted), ns(end - posted));
     return true;
   }
 
  private:
-  // Claims and runs tasks until the current job has none left.
-  void Drain() {
+  // Claims and runs tasks until the current job has none left; returns how many it ran.
+  int64_t Drain() {
+    int64_t ran = 0;
     uint64_t t = ticket_.load(std::memory_order_acquire);
     while (HasTask(t)) {
       if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
       (*fn_.load(std::memory_order_acquire))(Next(t));
+      ++ran;
       const int n = Count(t);
       if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
         { std::lock_guard<std::mutex> lock(mu_); }  // the caller may be between its check and its wait
@@ -140,6 +167,7 @@ class Pool {
       }
       t = ticket_.load(std::memory_order_acquire);
     }
+    return ran;
   }
 
   void Work() {
@@ -167,6 +195,11 @@ class Pool {
   std::atomic<int> sleepers_{0};
   std::atomic<bool> stop_{false};
   uint32_t seq_ = 0;  // under run_mu_
+  SoloPolicy policy_;  // under run_mu_
+  const bool adapt_ = [] {
+    const char* v = std::getenv("QDSL_POOL_ADAPT");
+    return v == nullptr || !(v[0] == '0' && v[1] == '\0');
+  }();
 };
 
 Pool& GetPool() {
@@ -205,6 +238,7 @@ int ThreadsFor(int64_t work) { return work < kMinParallelWork ? 1 : NumThreads()
 void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
   const int threads = n > 1 && !in_parallel && work >= kMinParallelWork ? NumThreads() : 1;
   if (threads <= 1) {
+    if (stats_on.load(std::memory_order_relaxed)) stat_serial.Add(1);
     for (int i = 0; i < n; ++i) fn(i);
     return;
   }
@@ -223,9 +257,23 @@ void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
     for (int i = c * per, e = std::min(n, i + per); i < e; ++i) fn(i);
     in_parallel = outer;
   });
-  if (!ran)
+  if (!ran) {
+    if (stats_on.load(std::memory_order_relaxed)) stat_serial.Add(1);
     for (int i = 0; i < n; ++i) fn(i);
+  }
   in_parallel = false;
+}
+
+void EnablePoolStats(bool on) { stats_on.store(on); }
+
+PoolStats GetPoolStats() {
+  PoolStats s;
+  s.parallel_jobs = stat_parallel.v.load();
+  s.serial_jobs = stat_serial.v.load();
+  s.tasks = stat_tasks.v.load();
+  s.caller_claims = stat_caller.v.load();
+  s.tail_wait_ns = stat_tail_ns.v.load();
+  return s;
 }
 
 }  // namespace qdsl

@@ -59,6 +59,7 @@ from qdsl.patch.constructs import functions, methods, module_construct
 from qdsl.export.lower_attn import SeqFirst, View
 from qdsl.export.lower_mha import lower_attention
 from qdsl.export.lower_mask import NOT_A_MASK, MaskedQ, MaskedScores, add_mask, mask_step, masked_softmax
+from qdsl.export.lower_recurrent import is_recurrent_sequence
 from qdsl.patch.softmax_roles import SOFTMAX_FUNCTIONS
 from qdsl.patch.attention import is_attention
 from qdsl.patch.implied import analyse_operands
@@ -262,7 +263,9 @@ class _Lowerer:
         construct = module_construct(m)
         rule = MODULE_RULES.get(construct.lowering) if construct is not None and construct.lowering else None
         if rule is not None:
-            args, _, swapped = self.batch_first(node, construct.lowering, args, {}, isinstance(m, nn.Linear))
+            swapped = False
+            if not is_recurrent(m):  # a batch_first=False recurrent layer reads a SeqFirst itself
+                args, _, swapped = self.batch_first(node, construct.lowering, args, {}, isinstance(m, nn.Linear))
             x = args[0] if args else None
             try:
                 # a recurrent layer returns a tuple: no one shape (its rule reads the call itself)
@@ -301,7 +304,9 @@ class _Lowerer:
         construct = _FUNCTION_RULES.get(fn)
         rule = FUNCTION_RULES.get(construct.lowering) if construct is not None else None
         if rule is not None:
-            if construct.lowering != "transpose":
+            # out[-1] of a batch_first=False recurrent layer's sequence: its rule reads the SeqFirst
+            seq_step = construct.lowering == "item" and args and is_recurrent_sequence(self, args[0])
+            if construct.lowering != "transpose" and not seq_step:
                 args, kwargs, swapped = self.batch_first(node, construct.lowering, args, kwargs,
                                                          fn is torch.nn.functional.linear)
             else:

@@ -80,9 +80,12 @@ def _dyn_attrs(proxy, where: str, shape: tuple[int, ...]) -> dict:
         raise ExportError(where, f"rounding '{rec.rounding}' has no integer lowering", f"use one of {', '.join(ROUNDINGS)}")
     if proxy.offset.numel() or proxy.codes.numel():
         raise ExportError(where, "a dynamic quantizer with PTQ offsets or fixed codes has no integer lowering")
-    if proxy.group_size is not None or proxy.axis not in (None, 0) or (proxy.axis == 0 and len(shape) != 2):
+    token = getattr(proxy, "token", False)  # per row of the last axis, any rank: QUANTIZE_DYNAMIC's per_row
+    if proxy.group_size is not None or proxy.axis not in (None, 0) or (proxy.axis == 0 and len(shape) != 2
+                                                                        and not token):
         raise ExportError(where, "dynamic scales lower per tensor or per row only",
-                          "use `granularity = tensor`, or `channel(0)` on a (batch, features) input (per row)")
+                          "use `granularity = tensor`, `per_token` (one scale per row of the last axis), or "
+                          "`channel(0)` on a (batch, features) input (per row)")
     return dict(qmin=int(proxy.qmin), qmax=int(proxy.qmax), symmetric=int(bool(rec.symmetric)),
                 per_row=int(proxy.axis == 0), rounding=int(rounding))
 

@@ -1,5 +1,5 @@
-"""Lowering of a patched ``nn.LSTM``/``GRU``/``LSTMCell``/``GRUCell``
-(:class:`qdsl.patch.recurrent.RecurrentPatch`): one LSTM/GRU op per layer and direction
+"""Lowering of a patched ``nn.LSTM``/``GRU``/``RNN`` and their cells
+(:class:`qdsl.patch.recurrent.RecurrentPatch`): one LSTM/GRU/RNN op per layer and direction
 (qdsl/graph/ops/recurrent.py), in the order of the fake-quant forward
 (qdsl/patch/recurrent_math.py)::
 
@@ -17,21 +17,32 @@ when set, requantizes the output sequence (cells: ``h'``).
 
 What the model reads of the result: the output sequence, ``h_n``/``c_n`` indexed by layer
 and direction (``h_n[-1]``, ``torch.cat([h_n[-2], h_n[-1]], 1)``: a tuple of per-slice
-values here) and ``out[:, -1]`` of a unidirectional module (that step is ``h_n`` of the
-last layer: no slicing op needed).
+values here) and ``out[:, -1]`` (that step is ``h_n`` of the last layer for a
+unidirectional module; a bidirectional one's joins the forward ``h_n`` with the reverse
+output at the last position, a SELECT).
 
-An ``nn.LSTM`` whose input quantizers are ``dynamic`` (specs/int8-dynamic.qspec) becomes
-one LSTM_DYNAMIC per layer and direction instead (qdsl/graph/ops/recurrent_dynamic.py): F32
-in and out, the input and each step's hidden state quantized when the graph runs, float
+An initial state ``lstm(x, (h0, c0))`` / ``gru(x, h0)``: each of ``h0``/``c0`` is a graph
+input ``(layers·directions, N, H)`` declared with that static first dim (the slot, not the
+batch: the graph then runs at the exported batch size N); a SELECT per layer and direction
+reads its ``[N, H]`` slice, quantized on that slot's hidden/cell grid as the fake-quant
+model's ``q_hidden(h0[k])`` (dynamic: the F32 slice, quantized per step by the op).  A
+constant all-zero state is no state.  ``batch_first=False``: the module reads a
+:class:`~qdsl.export.lower_attn.SeqFirst` (``x.transpose(0, 1)`` of a batch-first value),
+runs on the batch-first value, and its output sequence is a SeqFirst again (``out[-1]``
+is the last step, ``out.transpose(0, 1)`` the batch-first sequence).
+
+An ``nn.LSTM`` (``nn.GRU``) whose input quantizers are ``dynamic`` (specs/int8-dynamic.qspec)
+becomes one LSTM_DYNAMIC (GRU_DYNAMIC) per layer and direction instead
+(qdsl/graph/ops/recurrent_dynamic.py): F32 in and out, the input and each step's hidden state quantized when the graph runs, float
 gates and cell; a bidirectional layer's two F32 outputs are the next layer's two input
 parts (the graph has no float concat).
 
-Refused with the module named: ``batch_first=False`` (the graph's first axis is the
-batch), an initial state passed to a (multi-step) module (its ``(layers·dirs, N, H)``
-layout has the batch second), an unbatched call, ``nn.RNN``/``RNNCell`` (no catalog row:
-no op), a dynamic GRU or cell, ``out[:, -1]`` of a bidirectional module, and quantizers the
-ops cannot reproduce (static: wider than 8 bits for the hidden state or 16 for the cell,
-not half-even rounding, asymmetric weights; dynamic: per-row scales, a quantized bias, cell
+Refused with the module named: ``batch_first=False`` on a value that is not a transposed
+batch-first one (a (T, N, F) graph input: the graph's first axis is the batch), a state that
+is neither a graph input nor zero, a cell state wider than 8 bits given as ``c0`` (QUANTIZE
+writes 8-bit codes), an unbatched call, a dynamic RNN or cell, ``out[:, -1]`` of a dynamic bidirectional module, and quantizers the ops cannot
+reproduce (static: wider than 8 bits for the hidden state or 16 for the cell, not
+half-even rounding, asymmetric weights; dynamic: per-row scales, a quantized bias, cell
 or output).
 """
 
@@ -43,15 +54,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from qdsl.export.lower_attn import SeqFirst
 from qdsl.export.lower_dynamic import as_float, dynamic_attrs
 from qdsl.export.lower_layers import act_target, concat_value
-from qdsl.export.values import ROUNDINGS, ExportError, FloatVal, Pending, QVal, Target
+from qdsl.export.values import ROUNDINGS, ConstVal, ExportError, FloatVal, Pending, QVal, Target
 from qdsl.graph.ir import DType, Op, OpType, Rounding
 from qdsl.graph.ops.dynamic import f32_bits
 from qdsl.graph.ops.recurrent import BIAS_LIMIT, factor, sigmoid_table
 from qdsl.patch.recurrent import RecurrentPatch
 
-__all__ = ["lower_recurrent", "last_step"]
+__all__ = ["lower_recurrent", "last_step", "is_recurrent_sequence"]
 
 _LAST = "_qdsl_recurrent_last"  # lw attribute: {id(output sequence value): (value, its last step, fqn, class)}
 
@@ -162,7 +174,11 @@ def _direction(lw, patch, i: int, x: QVal, t_h: Target, t_c: Target | None, stat
     try:
         ih = _factors(acc_ih.double() * 2.0**20)
         hh = _factors(acc_hh.double() * 2.0**20)
-        h_m, h_s = factor(2.0**-24 / t_h.scale if t_c is not None else 1.0 / t_h.scale)
+        relu = patch.kind == "RNN" and getattr(patch.module, "nonlinearity", "tanh") == "relu"
+        # the hidden factor: LSTM and RNN-tanh from a Q24 gate value, RNN-relu from the Q20
+        # pre-activation, GRU from its U in units of 2^-24 of a code
+        h_real = 1.0 / t_h.scale if patch.kind == "GRU" else (2.0**-20 if relu else 2.0**-24) / t_h.scale
+        h_m, h_s = factor(h_real)
         extra: dict = {}
         if t_c is not None:
             c_m, c_s = factor(1.0 / t_c.scale)
@@ -188,7 +204,9 @@ def _direction(lw, patch, i: int, x: QVal, t_h: Target, t_c: Target | None, stat
     outs = [y, h_n]
     if t_c is not None:
         outs.append(b.tensor(f"{where}:c_n", t_c.dtype, n_shape))
-    op = OpType.LSTM if t_c is not None else OpType.GRU
+    op = {"LSTM": OpType.LSTM, "GRU": OpType.GRU, "RNN": OpType.RNN}[patch.kind]
+    if op is OpType.RNN:
+        a["relu"] = int(relu)
     b.ops.append(Op(op, where, [x.name] + consts + [s.name for s in state], outs, a))
     qy = b.q(y, t_h.scale, t_h.zp, t_h.qmin, t_h.qmax, t_h.dtype, shape)
     qh = b.q(h_n, t_h.scale, t_h.zp, t_h.qmin, t_h.qmax, t_h.dtype, n_shape)
@@ -209,6 +227,43 @@ def _initial_state(lw, patch, hx: Any, lstm: bool, t_h: Target, t_c: Target | No
     return state
 
 
+def _state_input(lw, patch, value: Any, what: str) -> FloatVal | None:
+    """A module's ``(layers·directions, N, H)`` initial ``what`` (h0/c0): the graph input,
+    redeclared with its static first dim (layer and direction, not the batch); None for a
+    constant that is exactly zero (the op's start without a state)."""
+    slots = patch.layers * patch.dirs
+    if isinstance(value, ConstVal) and not bool(torch.as_tensor(value.value).any()):
+        return None
+    if not (isinstance(value, FloatVal) and value.name is not None and value.reshape is None
+            and value.name in lw.input_names and len(value.shape) == 3):
+        origin = getattr(value, "origin", type(value).__name__)
+        _fail(patch.fqn, f"the initial {what} of nn.{type(patch.module).__name__} comes from '{origin}'; the integer "
+                         "graph takes it as a graph input (or a constant zero state)",
+              f"pass {what} as an argument of the model's forward")
+    lw.b.redeclare(value.name, (slots,) + tuple(value.shape[1:]))
+    return FloatVal(value.origin, (slots,) + tuple(value.shape[1:]), value.name)
+
+
+def _state_slice(lw, value: FloatVal | None, i: int, where: str) -> FloatVal | None:
+    """``value[i]``, an F32 ``[N, H]`` (SELECT along the slot axis)."""
+    if value is None:
+        return None
+    shape = tuple(value.shape[1:])
+    name = lw.b.op(OpType.SELECT, where, [value.name], DType.F32, shape, dict(axis=0, index=i))
+    return FloatVal(value.origin, shape, name)
+
+
+def _module_states(lw, patch, hx: Any, lstm: bool) -> tuple[FloatVal | None, FloatVal | None]:
+    if hx is None:
+        return None, None
+    h, c = (hx if lstm else (hx, None))
+    h0, c0 = _state_input(lw, patch, h, "h0"), (None if c is None else _state_input(lw, patch, c, "c0"))
+    if lstm and (h0 is None) != (c0 is None):
+        _fail(patch.fqn, f"nn.{type(patch.module).__name__} gets one of h0/c0 as a graph input and the other as a "
+                         "constant zero; the integer op takes both or neither", "pass both as forward arguments")
+    return h0, c0
+
+
 def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
     """The value(s) the recurrent module call ``node`` returns (see the module doc)."""
     patch = lw.handle.layers.get(fqn)
@@ -220,21 +275,20 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
     x = args[0] if args else kwargs.get("input")
     hx = args[1] if len(args) > 1 else kwargs.get("hx")
     lstm = patch.kind == "LSTM"
-    if patch.kind not in ("LSTM", "GRU"):
-        _fail(fqn, f"nn.{type(m).__name__} has no integer lowering (the graph has LSTM and GRU ops only)")
+    seq_first = not patch.cell and not m.batch_first
+    if seq_first:
+        if not isinstance(x, SeqFirst):
+            _fail(fqn, f"nn.{type(m).__name__} with batch_first=False reads a (T, N, F) value, but the graph's first "
+                       "axis is the batch and no op moves it",
+                  "feed it x.transpose(0, 1) of a batch-first (N, T, F) input, or build it with batch_first=True")
+        x = x.value  # the op runs on the batch-first value; its output sequence is swapped back
     rank = 2 if patch.cell else 3
     if len(getattr(x, "shape", ())) != rank:
         _fail(fqn, f"an unbatched call of nn.{type(m).__name__} has no integer lowering",
               "give it a batched input (the graph's first axis is the batch)")
-    if not patch.cell and not m.batch_first:
-        _fail(fqn, f"nn.{type(m).__name__} with batch_first=False has no integer lowering (the graph's first "
-                   "axis is the batch)", "build it with batch_first=True")
-    if not patch.cell and hx is not None:
-        _fail(fqn, f"an initial state passed to nn.{type(m).__name__} has no integer lowering yet (its "
-                   "(layers·directions, N, H) layout has the batch second)",
-              "start from zeros (pass no state), or step an LSTMCell/GRUCell, whose state is a graph input")
+    states = (None, None) if patch.cell else _module_states(lw, patch, hx, lstm)
     if patch.inputs[0] is not None and patch.inputs[0].dynamic:
-        return _lower_dynamic(lw, patch, m, fqn, x)
+        return _lower_dynamic(lw, patch, m, fqn, x, states, seq_first)
     dirs = patch.dirs
     hidden = [_act(patch.hidden[i], f"{fqn}:hidden{patch.suffixes[i]}") for i in range(len(patch.suffixes))]
     cells = [_cell_target(patch.cells[i], f"{fqn}:cell{patch.suffixes[i]}") if lstm else None
@@ -250,7 +304,12 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
         for d in range(dirs):
             i = layer * dirs + d
             where = fqn + ("" if patch.cell else f".l{layer}{'_reverse' if d else ''}")
-            state = _initial_state(lw, patch, hx, lstm, hidden[i], cells[i]) if patch.cell else []
+            if patch.cell:
+                state = _initial_state(lw, patch, hx, lstm, hidden[i], cells[i])
+            else:
+                h0, c0 = (_state_slice(lw, v, i, where) for v in states)
+                state = _initial_state(lw, patch, None if h0 is None else ((h0, c0) if lstm else h0), lstm,
+                                       hidden[i], cells[i])
             y, h, c = _direction(lw, patch, i, xq, hidden[i], cells[i], state, bool(d), where)
             ys.append(y)
             h_n.append(h)
@@ -265,21 +324,40 @@ def lower_recurrent(lw, node, m: nn.Module, fqn: str) -> Any:
         h = h_n[0] if patch.out is None else _to(lw, h_n[0], _act(patch.out, f"{fqn}:output"))
         return (h, c_n[0]) if lstm else h
     out = value
-    last = h_n[-1] if dirs == 1 else None  # out[:, -1] of a unidirectional module is the last h_n
+    # out[:, -1]: a unidirectional module's is the last h_n; a bidirectional one's is the
+    # forward h_n and the reverse direction's output at the last position (SELECT), joined
+    # on the sequence's grid (the CONCAT the sequence itself is)
+    last: Any = h_n[-1]
+    if dirs == 2:
+        last = lambda: _bidir_last(lw, fqn, h_n[-2], ys[1])  # noqa: E731
     if patch.out is not None:
         t = _act(patch.out, f"{fqn}:output")
         out = _to(lw, value, t)
-        last = None if last is None else (lambda h=last, t=t: _to(lw, h, t))
-    _register_last(lw, out, last, fqn, type(m).__name__)
+        last = (lambda step=last, t=t: _to(lw, step() if callable(step) else step, t))
+    if seq_first:
+        out = SeqFirst(out)
+    _register_last(lw, out, last, fqn, type(m).__name__, seq_first)
     hn = tuple(h_n)
     return (out, (hn, tuple(c_n))) if lstm else (out, hn)
 
 
-def _register_last(lw, out: Any, last: Any, fqn: str, kind: str) -> None:
+def _bidir_last(lw, fqn: str, h_fwd: QVal, y_rev: QVal) -> Any:
+    """``out[:, -1]`` of a bidirectional layer: ``cat(h_n forward, y_reverse[:, T - 1])``,
+    joined as the output sequence's own halves are (concat_value)."""
+    steps = y_rev.shape[1]
+    if steps < 1:
+        _fail(fqn, "out[:, -1] of a bidirectional layer needs a static sequence length")
+    shape = (y_rev.shape[0], y_rev.shape[2])
+    name = lw.b.op(OpType.SELECT, f"{fqn}.last", [y_rev.name], y_rev.dtype, shape, dict(axis=1, index=steps - 1))
+    rev = lw.b.q(name, y_rev.scale, y_rev.zp, y_rev.qmin, y_rev.qmax, y_rev.dtype, shape)
+    return concat_value(lw.b, f"{fqn}.last", [h_fwd, rev], -1, (shape[0], h_fwd.shape[-1] + shape[1]))
+
+
+def _register_last(lw, out: Any, last: Any, fqn: str, kind: str, seq_first: bool = False) -> None:
     if getattr(lw, _LAST, None) is None:
         setattr(lw, _LAST, {})
     # by identity (a bidirectional sequence without an output quantizer is a pending CONCAT)
-    getattr(lw, _LAST)[id(out)] = (out, last, fqn, kind)
+    getattr(lw, _LAST)[id(out)] = (out, last, fqn, kind, seq_first)
 
 
 def _dyn_q(proxy, where: str, shape, prefix: str) -> dict:
@@ -294,12 +372,13 @@ def _dyn_q(proxy, where: str, shape, prefix: str) -> dict:
     return {f"{prefix}_{k}": v for k, v in a.items() if k != "per_row"}
 
 
-def _lower_dynamic(lw, patch, m: nn.Module, fqn: str, x: Any) -> Any:
-    """LSTM_DYNAMIC per layer and direction (F32 in and out; qdsl/graph/ops/recurrent_dynamic.py)."""
+def _lower_dynamic(lw, patch, m: nn.Module, fqn: str, x: Any, states: tuple, seq_first: bool) -> Any:
+    """LSTM_DYNAMIC / GRU_DYNAMIC per layer and direction (F32 in and out; qdsl/graph/ops/recurrent_dynamic.py)."""
     kind = type(m).__name__
-    if patch.kind != "LSTM" or patch.cell:
-        _fail(fqn, f"a dynamically quantized nn.{kind} has no integer lowering (the graph has LSTM_DYNAMIC for "
-                   "nn.LSTM only)", "quantize it statically (calibrate; no `dynamic`), or use nn.LSTM")
+    if patch.kind not in ("LSTM", "GRU") or patch.cell:
+        _fail(fqn, f"a dynamically quantized nn.{kind} has no integer lowering (the graph has LSTM_DYNAMIC and "
+                   "GRU_DYNAMIC for nn.LSTM and nn.GRU only)", "quantize it statically (calibrate; no `dynamic`)")
+    lstm = patch.kind == "LSTM"
     if patch.out is not None or any(q is not None for q in patch.cells):
         _fail(fqn, "a dynamically quantized LSTM keeps its cell state and output float (as torch.ao's)",
               "remove the `cell`/`output` quantizers of this layer")
@@ -329,17 +408,30 @@ def _lower_dynamic(lw, patch, m: nn.Module, fqn: str, x: Any) -> Any:
                 consts.append(b.tensor(f"{where}.weight_{side}", DType.I8, codes.shape, codes))
                 b.info[consts[-1]] = (scale.double().numpy(), np.zeros(len(scale), dtype=np.int64))
             y_shape = shape[:-1] + (hid,)
-            names = [b.tensor(f"{where}:y", DType.F32, y_shape), b.tensor(f"{where}:h_n", DType.F32, (-1, hid)),
-                     b.tensor(f"{where}:c_n", DType.F32, (-1, hid))]
-            b.ops.append(Op(OpType.LSTM_DYNAMIC, where, [parts[0].name] + consts + [p.name for p in parts[1:]], names, a))
+            names = [b.tensor(f"{where}:y", DType.F32, y_shape), b.tensor(f"{where}:h_n", DType.F32, (-1, hid))]
+            if lstm:
+                names.append(b.tensor(f"{where}:c_n", DType.F32, (-1, hid)))
+            init = [_state_slice(lw, v, i, where) for v in states]
+            init = [v.name for v in init if v is not None]
+            b.ops.append(Op(OpType.LSTM_DYNAMIC if lstm else OpType.GRU_DYNAMIC, where, [parts[0].name] + consts + [p.name for p in parts[1:]] + init,
+                            names, a))
             outs.append(FloatVal(where, y_shape, names[0]))
             h_n.append(FloatVal(where, (-1, hid), names[1]))
-            c_n.append(FloatVal(where, (-1, hid), names[2]))
+            if lstm:
+                c_n.append(FloatVal(where, (-1, hid), names[2]))
         parts = outs
     # a bidirectional sequence is two F32 tensors: the graph has no float concat to join them
     out = parts[0] if dirs == 1 else FloatVal(fqn, parts[0].shape[:-1] + (dirs * hid,))
-    _register_last(lw, out, h_n[-1] if dirs == 1 else None, fqn, kind)
-    return out, (tuple(h_n), tuple(c_n))
+    if seq_first:
+        out = SeqFirst(out)
+    _register_last(lw, out, h_n[-1] if dirs == 1 else None, fqn, kind, seq_first)
+    return (out, (tuple(h_n), tuple(c_n))) if lstm else (out, tuple(h_n))
+
+
+def is_recurrent_sequence(lw, value: Any) -> bool:
+    """``value`` is a recurrent module's output sequence (what :func:`last_step` reads)."""
+    entry = (getattr(lw, _LAST, None) or {}).get(id(value))
+    return entry is not None and entry[0] is value
 
 
 def last_step(lw, value: Any, index: Any) -> QVal | None:
@@ -350,13 +442,15 @@ def last_step(lw, value: Any, index: Any) -> QVal | None:
     entry = (getattr(lw, _LAST, None) or {}).get(id(value))
     if entry is None or entry[0] is not value:
         return None
-    if not isinstance(index, tuple) or len(index) not in (2, 3) or index[1] != -1 or index[0] != slice(None):
+    _, last, fqn, kind, seq_first = entry
+    full = slice(None)
+    index = index if isinstance(index, tuple) else (index,)
+    if seq_first:  # out[-1], out[-1, :], out[-1, :, :] of a (T, N, H) sequence
+        if not (1 <= len(index) <= 3 and index[0] == -1 and all(i == full for i in index[1:])):
+            return None
+    elif len(index) not in (2, 3) or index[1] != -1 or index[0] != full or (len(index) == 3 and index[2] != full):
         return None
-    if len(index) == 3 and index[2] != slice(None):
-        return None
-    _, last, fqn, kind = entry
     if last is None:
-        _fail(fqn, f"out[:, -1] of a bidirectional nn.{kind} has no integer lowering (its reverse half is the "
-                   "reverse direction's first step, which the graph's op does not return)",
-              "read the final states instead: torch.cat([h_n[-2], h_n[-1]], 1)")
+        _fail(fqn, f"the last step of a dynamically quantized bidirectional nn.{kind} has no integer lowering (the "
+                   "graph has no float concat)", "read the final states instead: torch.cat([h_n[-2], h_n[-1]], 1)")
     return last() if callable(last) else last

@@ -15,7 +15,10 @@ becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
 
 Attention: MATMUL is MatMulInteger on the operands' codes and QuantizeLinear at
 ``1 / factor``; SOFTMAX(_MASKED) is float Softmax between the QDQ pairs, masks added as
-0/-inf (:func:`_matmul`, :func:`_softmax`).  LAYERNORM has no ONNX form yet.
+0/-inf (:func:`_matmul`, :func:`_softmax`); LAYERNORM is float LayerNormalization (opset 17,
+the model's opset when the graph has one) of the real residual sum (:func:`_layernorm`); LUT
+(GELU, SiLU, ...) is a Gather of the table's real values by the input codes, exact
+(:func:`_lut`).  LUT_CHANNEL has no ONNX form.
 
 Binary (XNOR) layers have no QDQ form and raise :class:`ExportError`. onnxruntime runs the
 result in float, like the fake-quant model, at its basic optimization level;
@@ -35,9 +38,11 @@ import numpy as np
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, RescaleKind, Rounding
 from qdsl.export.values import ExportError
 
-__all__ = ["export_onnx", "graph_to_onnx", "OPSET"]
+__all__ = ["export_onnx", "graph_to_onnx", "OPSET", "LN_OPSET"]
 
 OPSET = 13
+LN_OPSET = 17
+"""The opset of a graph with LAYERNORM (ONNX LayerNormalization); QDQ's ops are unchanged from 13 to 17."""
 
 
 def _onnx():
@@ -134,10 +139,12 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         raise ExportError(out, "BIN activations have no ONNX QDQ form", "use an 8-bit config")
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
         raise ExportError(op.name, "binary (XNOR) layers have no ONNX QDQ form", "export 8-bit configs to ONNX")
-    if t in (OpType.LUT, OpType.LUT_CHANNEL):
-        raise ExportError(op.name, f"a lookup-table activation ({t.name}: Hardswish, SiLU, GELU, PReLU, ...) has no "
+    if t is OpType.LUT:
+        return _lut(w, op, xs[0])
+    if t is OpType.LUT_CHANNEL:
+        raise ExportError(op.name, "a per-channel lookup table (LUT_CHANNEL: PReLU with one slope per channel) has no "
                                    "ONNX QDQ form in qdsl",
-                          "export models without these activations to ONNX, or run the .qgraph")
+                          "export models without it to ONNX, or run the .qgraph")
     if t is OpType.QUANTIZE:
         return w.qdq(xs[0], out, a["qmin"], a["qmax"])
     if t is OpType.DEQUANTIZE:
@@ -193,6 +200,8 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return _matmul(w, op, xs)
     if t in (OpType.SOFTMAX, OpType.SOFTMAX_MASKED):
         return _softmax(w, op, xs)
+    if t is OpType.LAYERNORM:
+        return _layernorm(w, op, xs)
     if t is OpType.QUANTIZE_DYNAMIC:
         return _quantize_dynamic(w, op, xs[0])
     if t is OpType.LINEAR_DYNAMIC:
@@ -236,10 +245,61 @@ def _linear_dynamic(w: _Writer, op: Op, codes: str) -> str:
     return w.node("Relu", [y], out) if a["relu"] else y
 
 
+def _factor(kind: int, m: int, sh: int) -> float:
+    """The real factor of one rescale: ``2^-shift`` (POT) or ``m · 2^(-31-shift)``."""
+    return 2.0**-sh if kind == int(RescaleKind.POT) else m * 2.0 ** (-31 - sh)
+
+
 def _real_factor(a: dict) -> float:
-    """The real factor of an op's (per-tensor) rescale: ``2^-shift`` or ``m · 2^(-31-shift)``."""
-    m, sh = a["rq_multiplier"][0], a["rq_shift"][0]
-    return 2.0**-sh if a["rq_kind"] == int(RescaleKind.POT) else m * 2.0 ** (-31 - sh)
+    """The real factor of an op's (per-tensor) output rescale."""
+    return _factor(a["rq_kind"], a["rq_multiplier"][0], a["rq_shift"][0])
+
+
+def _lut(w: _Writer, op: Op, x: str) -> str:
+    """LUT as Gather: the input's codes (re-quantized from its dequantized value, exact) shifted
+    to ``0..255`` index the table's real values ``(table - out_zp) · s_out``, so the result is
+    the graph's codes exactly (no float function of ONNX has to match the table)."""
+    a, out = op.attrs, op.outputs[0]
+    xt = w.graph.tensor(op.inputs[0])
+    s_in, zp_in = w.grid(op.inputs[0])
+    s_out, zp_out = w.grid(out)
+    q = w.node("QuantizeLinear", [x, w.const(out + "_s_in", np.float32(s_in)),
+                                  w.const(out + "_zp_in", np.array(zp_in, dtype=xt.dtype.numpy))], out + "_codes")
+    idx = w.node("Add", [w.node("Cast", [q], out + "_i32", to=w.TP.INT32),
+                         w.const(out + "_off", np.int32(-xt.dtype.range[0]))], out + "_idx")
+    table = ((np.asarray(a["table"], dtype=np.float64) - zp_out) * s_out).astype(np.float32)
+    return w.node("Gather", [w.const(out + "_table", table), idx], out, axis=0)
+
+
+def _layernorm(w: _Writer, op: Op, xs: list[str]) -> str:
+    """LAYERNORM as float LayerNormalization (opset 17) of the real residual sum, between the
+    inputs' DequantizeLinear and the output's QuantizeLinear (the fake-quant model's form; the
+    graph's integer square root and quotient differ by rounding: a code can differ by 1 LSB,
+    tests/export/test_onnx_layernorm.py measures how often).  The sum's terms are the inputs'
+    real values (a constant input, the position embeddings, dequantized at its grid); the
+    affine weight and bias are the graph's own ``gamma``/``beta`` at the accumulator unit ``u``
+    (``u`` = the output rescale's factor times the output scale: an I32 wide output is the
+    accumulator itself at ``u`` and stays float, as every wide intermediate does); ``ε`` is
+    the graph's ``eps`` brought back from the sum's grid ``s_t`` (``eps = N³·ε / s_t²``)."""
+    a, out = op.attrs, op.outputs[0]
+    n = w.graph.tensor(op.inputs[0]).shape[-1]
+    terms = []
+    for i, (name, x) in enumerate(zip(op.inputs, xs)):
+        t = w.graph.tensor(name)
+        if t.is_constant:
+            scale, zp = w.grid(name)
+            x = w.const(name, ((t.data.astype(np.float64) - zp) * scale).astype(np.float32))
+        terms.append(x)
+    s_t = w.grid(op.inputs[0])[0] / _factor(a["in_kind"][0], a["in_multiplier"][0], a["in_shift"][0])
+    total = terms[0] if len(terms) == 1 else w.node("Add", terms, out + "_sum")
+    u = _real_factor(a) * w.grid(out)[0]
+    gamma = np.asarray(a["gamma"], dtype=np.float64) * u * 2.0**16 / np.sqrt(n)
+    beta = np.asarray(a["beta"], dtype=np.float64) * u
+    eps = float(a["eps"]) * s_t * s_t / float(n) ** 3
+    y = w.node("LayerNormalization", [total, w.const(out + "_gamma", gamma.astype(np.float32)),
+                                      w.const(out + "_beta", beta.astype(np.float32))],
+               out + "_ln", axis=-1, epsilon=eps)
+    return w.qdq(y, out, *_stage(a))
 
 
 def _matmul(w: _Writer, op: Op, xs: list[str]) -> str:
@@ -360,7 +420,9 @@ def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:
         w.nodes.append(h.make_node("Identity", [env[name]], [final], name=final))
         outputs.append(vi(name, final))
     g = h.make_graph(w.nodes, graph.name, [vi(n, n) for n in graph.inputs], outputs, w.inits)
-    model = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="qdsl")
+    # LayerNormalization needs opset 17; graphs without it keep the QDQ baseline opset 13
+    opset = LN_OPSET if any(op.type is OpType.LAYERNORM for op in graph.ops) else OPSET
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], producer_name="qdsl")
     model.ir_version = min(model.ir_version, 9)  # readable by onnxruntime releases of the last years
     w.onnx.checker.check_model(model)
     return model

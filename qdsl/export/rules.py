@@ -440,8 +440,8 @@ def _holds_value(a: Any) -> bool:
 def _item_fn(lw, node, fn, args, kwargs, where):
     if _holds_value(args[0]):  # a module's tuple result (attention; a recurrent layer's nested (h_n, c_n))
         return args[0][args[1]]
-    if _is_value(args[0]):  # indexing an activation is not shape arithmetic
-        step = last_step(lw, args[0], args[1])  # out[:, -1] of a recurrent layer: its last h_n
+    if _is_value(args[0]) or isinstance(args[0], SeqFirst):  # indexing an activation is not shape arithmetic
+        step = last_step(lw, args[0], args[1])  # out[:, -1] (out[-1] seq-first) of a recurrent layer
         if step is not None:
             return step
         raise NoLowering

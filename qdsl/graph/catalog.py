@@ -66,7 +66,7 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
     "softmax": ("SOFTMAX", "SOFTMAX_MASKED"),
     "layer_norm": ("LAYERNORM",),  # last axis of an 8-bit input, integer only (lower_attn.py)
     "embedding": ("EMBEDDING",),  # a lookup of I32 token ids in the quantized table (lower_embedding.py)
-    "recurrent": ("LSTM", "GRU", "LSTM_DYNAMIC", "CONCAT", "REQUANTIZE", "QUANTIZE", "DEQUANTIZE"),  # one op per
+    "recurrent": ("LSTM", "GRU", "RNN", "LSTM_DYNAMIC", "GRU_DYNAMIC", "SELECT", "CONCAT", "REQUANTIZE", "QUANTIZE", "DEQUANTIZE"),  # one op per
     # layer and direction (lower_recurrent.py); LSTM_DYNAMIC: an nn.LSTM with dynamic input and hidden quantizers
     "shape": (),  # x.size(0), getattr: shape arithmetic, not a tensor
     "item": (),  # operator.getitem on something that is not an activation (a size tuple)
@@ -91,7 +91,7 @@ inputs; lint reports a binary layer whose op is missing here (W321)."""
 OPS = WEIGHTED_OPS + (
     "add", "mul", "concat", "relu", "relu6", "clamp", "leaky_relu", "sigmoid", "tanh", "softmax", "hardswish",
     "hardsigmoid", "gelu", "silu", "max_pool1d", "max_pool2d", "avg_pool1d", "avg_pool2d", "global_avg_pool", "mean",
-    "reshape", "batch_norm", "prelu", "upsample", "matmul", "layer_norm", "embedding", "lstm", "gru",
+    "reshape", "batch_norm", "prelu", "upsample", "matmul", "layer_norm", "embedding", "lstm", "gru", "rnn",
 )
 """Every op name a profile may list (in ``ops``, ``op.<name>``, ``fusions``, ``fixed_output``)."""
 
@@ -174,6 +174,8 @@ CONSTRUCTS: tuple[Construct, ...] = tuple(
         ("GRU", "gru", "recurrent"),
         ("LSTMCell", "lstm", "recurrent"),
         ("GRUCell", "gru", "recurrent"),
+        ("RNN", "rnn", "recurrent"),
+        ("RNNCell", "rnn", "recurrent"),
         ("Upsample", "upsample", "resize"),
         ("UpsamplingNearest2d", "upsample", "resize"),
         ("UpsamplingBilinear2d", "upsample", "resize"),

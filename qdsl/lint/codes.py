@@ -21,7 +21,7 @@ CODES: dict[str, str] = {
     "E310": "op type not supported by the target",
     "E311": "op supported only fused after another op",
     "E312": "float left on an integer-only target (skipped layer, float tensor, float op)",
-    "W313": "worst-case accumulator width exceeds the target's accumulator",
+    "W313": "worst-case accumulator width exceeds the target's (or the spec's narrower) accumulator",
     "E314": "accumulator overflow reachable with the actual integer weights",
     "E315": "spec's accumulator is wider than, or overflows differently from, the target's",
     "E316": "bias rule violated (own scale where input*weight is required or vice versa, float bias, "

@@ -51,10 +51,10 @@ def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Pla
                 and (_binary(layer, Role.WEIGHT) or _binary(layer, Role.INPUT))):
             where.setdefault(f"binary {op}", []).append(layer.fqn)
         # a dynamic (run-time scale) quantizer lowers only as a Linear's input (LINEAR_DYNAMIC)
-        # and as an nn.LSTM's input and hidden state (LSTM_DYNAMIC)
+        # and as an nn.LSTM's / nn.GRU's input and hidden state (LSTM_DYNAMIC, GRU_DYNAMIC)
         for role, r in layer.roles.items():
-            lstm = layer.type_name == "LSTM" and role in (Role.INPUT, Role.HIDDEN) and "LSTM_DYNAMIC" in LOWERINGS[
-                "recurrent"]
+            lstm = role in (Role.INPUT, Role.HIDDEN) and f"{layer.type_name.upper()}_DYNAMIC" in LOWERINGS[
+                "recurrent"] and layer.type_name in ("LSTM", "GRU")
             if r is not None and r.dynamic and not lstm and (
                     role is not Role.INPUT or "LINEAR_DYNAMIC" not in LOWERINGS["layer"] or op != "linear"):
                 where.setdefault(f"dynamic {role.value} of {op or layer.type_name}", []).append(layer.fqn)

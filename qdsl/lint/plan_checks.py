@@ -10,8 +10,10 @@ Per layer (op type from the module class, position from :mod:`qdsl.lint.graph`):
   weight/input/bias next to quantized ones (E312 on integer-only targets, else E301 -
   E316 for the bias - when the role's ``kinds`` lack ``float``);
 * the accumulator (``accumulator.py``): the exact worst case from bit widths and fan-in
-  (W313), and with calibrated integer weights the exact reachable extremes (E314); the
-  spec's own accumulator against the target's (E315);
+  (W313), and with calibrated integer weights the exact reachable extremes (E314), each
+  against the target's accumulator and against the spec's own ``accumulator(bits=P)`` when
+  that is narrower (the graph exports the spec's width; those findings are located at the
+  spec's accumulator setting); the spec's own accumulator against the target's (E315);
 * bias rule (E316: its own scale where the target derives ``input*weight`` or the
   reverse, a float bias, a derived scale without quantized operands; the bias's storage
   width is checked against the profile's ``bias.bits``, and its actual values enter the
@@ -239,7 +241,17 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
                 layer=layer.fqn)
     if w is not None and x is not None and hw.pair_bits is not None:
         _check_pairs(layer, w, x, hw.pair_bits, profile, col, where_spec)
-    if w is None or x is None or hw.bits is None or entry is None or "weight" not in entry.param_shapes:
+    # the narrowest accumulator the layer's sums meet: the target's, and the spec's own when
+    # it is narrower (the graph exports the spec's width: a 16-bit wrapping spec on a 24-bit
+    # target overflows at 16 bits, which is an overflow finding, not only a mismatch)
+    limits = []
+    if hw.bits is not None:
+        limits.append((hw.bits, hw.overflow.value if hw.overflow else "wrap", profile.name, None))
+    if p_acc is not None and p_acc.set_by.span.known and layer.accumulator.bits < 64 and (
+            hw.bits is None or layer.accumulator.bits < hw.bits):
+        acc = layer.accumulator
+        limits.append((acc.bits, acc.overflow.value, "the spec's accumulator", p_acc.set_by.span))
+    if w is None or x is None or not limits or entry is None or "weight" not in entry.param_shapes:
         return
     wr = operand_range(w.kind, w.bits, w.signed, w.narrow_range, w.symmetric, w.format)
     xr = operand_range(x.kind, x.bits, x.signed, x.narrow_range, x.symmetric, x.format)
@@ -250,24 +262,29 @@ def _check_accumulator(layer: LayerPlan, entry, op: str, profile: HardwareProfil
     if layer.type_name in OUT_CHANNEL_AXIS:  # in × out/groups × k..: at most in/groups · Π k taps reach an output
         fan_in = int(shape[0] // int(entry.attributes.get("groups", 1)) * math.prod(shape[2:]))
     worst = bits_for(*worst_case_range(wr, xr, fan_in))
-    span, _ = _written(layer, Role.WEIGHT, "bits", where_spec)
+    w_span, _ = _written(layer, Role.WEIGHT, "bits", where_spec)
     desc = f"weight {_range_text(w)} × input {_range_text(x)}, fan-in {fan_in}"
-    overflow = hw.overflow.value if hw.overflow else "wrap"
+    tight = None
     if li is not None:
         lo, hi = tight_layer_range(w, x, layer.roles.get(Role.BIAS), li)
         tight = bits_for(lo, hi)
-        if tight > hw.bits:
-            col.add(("E314", layer.fqn), Diagnostic.error(
-                "E314", f"layer {layer.fqn}: with its integer weights the accumulator reaches [{lo}, {hi}], "
-                f"{tight} bits; {profile.name} has {hw.bits} ({overflow})", span,
-                _acc_fix(w, x, fan_in, hw.bits, profile, op, span),
-                notes=(desc + f"; worst case {worst} bits",)), layer=layer.fqn)
-        return
-    if worst > hw.bits:
-        col.add(("W313", span.location(), worst, fan_in, desc), Diagnostic.warning(
-            "W313", f"worst-case accumulator needs {worst} bits ({desc}); {profile.name} has {hw.bits} ({overflow})",
-            span, _acc_fix(w, x, fan_in, hw.bits, profile, op, span),
-            notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
+    for bits, overflow, who, acc_span in limits:
+        span = acc_span if acc_span is not None else w_span
+        has = f"{who} has {bits} ({overflow})"
+        if tight is not None:
+            if tight > bits:
+                key = ("E314", layer.fqn) if acc_span is None else ("E314", layer.fqn, span.location())
+                col.add(key, Diagnostic.error(
+                    "E314", f"layer {layer.fqn}: with its integer weights the accumulator reaches [{lo}, {hi}], "
+                    f"{tight} bits; {has}", span,
+                    _acc_fix(w, x, fan_in, bits, profile, op, w_span),
+                    notes=(desc + f"; worst case {worst} bits",)), layer=layer.fqn)
+            continue
+        if worst > bits:
+            col.add(("W313", span.location(), worst, fan_in, desc), Diagnostic.warning(
+                "W313", f"worst-case accumulator needs {worst} bits ({desc}); {has}",
+                span, _acc_fix(w, x, fan_in, bits, profile, op, w_span),
+                notes=("lint a calibrated model for the exact bound from the actual weights",)), layer=layer.fqn)
 
 
 def _check_recurrent_accumulators(layer: LayerPlan, entry, op: str, profile: HardwareProfile,

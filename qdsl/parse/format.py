@@ -93,6 +93,8 @@ def _granularity_dsl(g: Granularity) -> str:
         return "per_channel" if g.axis is None else f"granularity=channel({g.axis})"
     if g.kind is GranularityKind.GATE:
         return "granularity=gate"
+    if g.kind is GranularityKind.TOKEN:
+        return "per_token"
     return f"granularity=group({g.group_size})"
 
 
@@ -160,7 +162,8 @@ def _body_dsl(body: RuleBody, indent: str) -> list[str]:
         out.append(f"{indent}skip" if body.skip else f"{indent}skip = false")
     if body.accumulator is not None:
         a: Accumulator = body.accumulator
-        out.append(f"{indent}accumulator(bits={a.bits}, overflow={a.overflow.value})")
+        out.append(f"{indent}accumulator(bits={a.bits}, overflow={a.overflow.value}"
+                   f"{', constrain=true' if a.constrain else ''})")
     return out
 
 
@@ -252,7 +255,8 @@ def _body_toml(body: RuleBody) -> list[str]:
         out.append(f"skip = {_value_toml(body.skip)}")
     if body.accumulator is not None:
         a = body.accumulator
-        out.append(f'accumulator = {{ bits = {a.bits}, overflow = "{a.overflow.value}" }}')
+        out.append(f'accumulator = {{ bits = {a.bits}, overflow = "{a.overflow.value}"'
+                   f'{", constrain = true" if a.constrain else ""} }}')
     return out
 
 

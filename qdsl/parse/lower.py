@@ -7,7 +7,7 @@ Desugaring rules (normative summary; ``docs/spec-language.md`` has the full tabl
 * ``HEAD(args)``: HEAD a kind -> ``{kind = HEAD, args}``, else ``{extends = HEAD, args}``;
   ``(args)`` alone sets only the given fields.
 * Flags: ``signed``/``unsigned``, ``narrow``, ``symmetric``/``asymmetric``, ``dynamic``,
-  ``per_tensor``/``per_channel``; every other argument is ``field=value``.
+  ``per_tensor``/``per_channel``/``per_token``; every other argument is ``field=value``.
 * ``granularity=channel(1)`` -> ``{kind = "channel", axis = 1}``, ``group(64)`` ->
   ``{kind = "group", size = 64}``; ``observer=histogram(percentile=99.9)`` ->
   ``{name = "histogram", percentile = 99.9}``; ``input*weight`` -> the string.
@@ -44,6 +44,7 @@ FLAGS: dict[str, tuple[str, Any]] = {
     "dynamic": ("dynamic", True),
     "per_tensor": ("granularity", "tensor"),
     "per_channel": ("granularity", "channel"),
+    "per_token": ("granularity", "token"),
 }
 _KINDS = tuple(k.value for k in Kind)
 _ROLES = tuple(r.value for r in Role)

@@ -312,13 +312,14 @@ class SchemaLowerer:
             self.err("E102", f"accumulator must be a table, got {self._shown(node)}", node.span,
                      'e.g. { bits = 24, overflow = "saturate" }')
             return None
-        entries = self._table(node, ("bits", "overflow"), "in accumulator")
+        entries = self._table(node, ("bits", "overflow", "constrain"), "in accumulator")
         bits = self.integer(entries["bits"], "accumulator bits", 2, 64) if "bits" in entries else 32
         overflow = (self.choice(entries["overflow"], tuple(o.value for o in Overflow), "overflow")
                     if "overflow" in entries else Overflow.WRAP.value)
-        if bits is None or overflow is None:
+        constrain = self.boolean(entries["constrain"], "accumulator constrain") if "constrain" in entries else False
+        if bits is None or overflow is None or constrain is None:
             return None
-        return Accumulator(bits, Overflow(overflow), span=node.span)
+        return Accumulator(bits, Overflow(overflow), constrain, span=node.span)
 
     def target(self, node: Node) -> Target | None:
         if not self._want(node, lambda v: isinstance(v, str), "a string", "target"):

@@ -8,7 +8,9 @@ What a :class:`LayerPatch` does to ``module`` (and undoes in :meth:`LayerPatch.u
   bias reads the scale the input proxy *just* used (static: its scale; dynamic: this
   batch's) and the scale the weight proxy used, and quantizes the bias with
   ``scale = float32(input_scale × weight_scale)``, zero point 0, int32 range.
-* forward **hook**: quantize the output (output proxy).
+* forward **hooks**: the spec's accumulator (wrap/saturate at ``accumulator(bits=P)``, on
+  the same integer sums as the graph; :mod:`qdsl.patch.accumulate`), then quantize the
+  output (output proxy).
 * load-state-dict **pre-hook**: a float checkpoint's ``conv.weight`` loads into the
   master ``conv.weight_float`` (load with ``strict=False``: it has no qdsl state).
 * BatchNorm folding: the float weight the weight proxy sees is ``W·γ/σ`` (per output
@@ -40,6 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from qdsl.patch.accumulate import AccumulatorSim, needs_simulation
+from qdsl.patch.constrain import check_constrained, constrain_weights
 from qdsl.patch.softmax_roles import SoftmaxRoles
 from qdsl.quantizers.functional import HALF_DTYPES
 from qdsl.resolve.plan import LayerPlan
@@ -86,6 +90,10 @@ class LayerPatch:
 
     _unit = False  # (class defaults: a patch pickled before these existed)
     sq = pq = None
+    constraint_cost = None
+    """What ``accumulator(constrain=true)`` changed at freeze (qdsl.patch.constrain)."""
+    acc_sim: AccumulatorSim | None = None
+    """The spec's narrow accumulator simulated on the layer's output (qdsl.patch.accumulate)."""
     _shadowed: tuple[str, ...] = ()
     """Parameters a binary64 view shadows during this forward (see ``_pre``)."""
 
@@ -136,6 +144,10 @@ class LayerPatch:
             self._hooks.append(m.register_forward_pre_hook(self._pre))
         if self._unit:  # before the output quantizer: it reads the layer's own dtype
             self._hooks.append(m.register_forward_hook(self._post_exact))
+        if "weight" in self._moved and needs_simulation(self.plan.accumulator):
+            # after the layer's sum, before its output quantizer (the graph's order)
+            self.acc_sim = AccumulatorSim(self)
+            self._hooks.append(m.register_forward_hook(self.acc_sim))
         if self.oq is not None:
             self._hooks.append(m.register_forward_hook(self._post))
         if self.sq is not None or self.pq is not None:
@@ -321,6 +333,8 @@ class LayerPatch:
             w, b = self.float_params()
             if self.wq is not None and not self.wq.frozen and w is not None:
                 self.wq.freeze(w)
+                if self.plan.accumulator.constrain:  # before the bias: its derived scale follows
+                    self.constraint_cost = constrain_weights(self, w, b)
             if self.bq is not None and not self.bq.frozen and b is not None:
                 if self.bq.derived:
                     if self.iq is not None and self.iq.dynamic:
@@ -328,6 +342,9 @@ class LayerPatch:
                     self.bq.set_derived_scale(self.iq.scale * self._per_output(self.wq.scale))
                 self.bq.freeze(b)
         self._cache_key = None
+        if self.constraint_cost is not None:
+            self.refresh_now()
+            check_constrained(self)
 
     def _per_output(self, s_w: torch.Tensor) -> torch.Tensor:
         """The weight scale per output channel: a transposed conv's per-channel scales

@@ -185,4 +185,6 @@ def channel_axis(recipe: QuantizerRecipe, role: Role) -> tuple[int | None, int |
         return (0 if role.is_param else 1), None
     if g.kind is GranularityKind.GROUP:
         return None, g.group_size
+    if g.kind is GranularityKind.TOKEN:  # per row of the last axis: axis 0 of the (rows, last) view
+        return 0, None
     return None, None

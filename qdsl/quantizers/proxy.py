@@ -75,7 +75,7 @@ from qdsl.quantizers.parts import (
 )
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.diagnostics import Diagnostic, QdslError, SpecError
-from qdsl.spec.model import DERIVED_BIAS_SCALE, Role
+from qdsl.spec.model import DERIVED_BIAS_SCALE, GranularityKind, Role
 from qdsl.spec.registry import Registries
 
 __all__ = ["TensorQuantizer", "code_range"]
@@ -134,6 +134,9 @@ class TensorQuantizer(LazyBuffers):
         self.format = recipe.format
         self._ops = build_format_ops(regs, recipe)
         self.axis, self.group_size = channel_axis(recipe, self.role)
+        # token granularity: channel(0) of the tensor seen as (rows, last axis) (channel_axis);
+        # forward reshapes to that view and back
+        self.token = recipe.granularity.kind is GranularityKind.TOKEN
         self.qmin, self.qmax = code_range(recipe)
         self.derived = recipe.scale == DERIVED_BIAS_SCALE
         if self.derived:
@@ -341,6 +344,8 @@ class TensorQuantizer(LazyBuffers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
+        if self.token and x.dim() != 2:
+            return self.forward(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)).reshape(x.shape)
         if self.axis is not None and not -x.dim() <= self.axis < x.dim():
             self._bad_axis(x)
         if self.check_finite and not self.role.is_param:

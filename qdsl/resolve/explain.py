@@ -38,7 +38,7 @@ def format_value(value: Any) -> str:
     if isinstance(value, enum.Enum):
         return str(value.value)
     if isinstance(value, Accumulator):
-        return f"int{value.bits} ({value.overflow.value})"
+        return f"int{value.bits} ({value.overflow.value}{', constrained' if value.constrain else ''})"
     if isinstance(value, (Granularity, ObserverSpec)):
         return str(value)
     if value is None:
@@ -56,7 +56,7 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, ObserverSpec):
         return {"name": value.name, "params": dict(value.params)}
     if isinstance(value, Accumulator):
-        return {"bits": value.bits, "overflow": value.overflow.value}
+        return {"bits": value.bits, "overflow": value.overflow.value, "constrain": value.constrain}
     return str(value)
 
 

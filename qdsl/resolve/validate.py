@@ -195,6 +195,14 @@ def validate_fields(
             f"not the {role.value}", _spot(spans, "granularity"),
             "set it in a rule for the recurrent layers (rule type:LSTM { weight = w8(granularity=gate) })",
         ))
+    # (checked once the role's fields are resolved: a preset may get `dynamic` from `extends`)
+    if isinstance(gran, Granularity) and gran.kind is GranularityKind.TOKEN and role is not None and (
+            fields.get("dynamic") is not True or role.is_param):
+        d.append(Diagnostic.error(
+            "E212", "token granularity is for dynamic activations only (one run-time scale per row of the last "
+            "axis)", _spot(spans, "granularity"),
+            "add `dynamic` to this quantizer, or use per_tensor / per_channel",
+        ))
     if isinstance(gran, Granularity) and gran.kind is GranularityKind.GROUP:
         if role is not None and not role.is_weight:
             d.append(Diagnostic.error(

@@ -148,6 +148,10 @@ class GranularityKind(str, enum.Enum):
     """One per ``group_size`` consecutive elements along the reduction axis of each output channel."""
     GATE = "gate"
     """Recurrent weights only: one per gate block of rows (LSTM 4: i, f, g, o; GRU 3: r, z, n; RNN 1)."""
+    TOKEN = "token"
+    """Dynamic activations only: one per row of the last axis (per token of a (batch, tokens,
+    features) input, per sample of a (batch, features) one), what QUANTIZE_DYNAMIC's
+    ``per_row`` computes."""
 
 
 class TargetKind(str, enum.Enum):
@@ -279,6 +283,9 @@ class Accumulator:
 
     bits: int = 32
     overflow: Overflow = Overflow.WRAP
+    constrain: bool = False
+    """Constrain each output channel's integer weights (at freeze) so that no input in the
+    quantized input range can overflow ``bits`` (an A2Q-style L1 bound; qdsl.patch.constrain)."""
     span: Span = attrs.field(default=UNKNOWN_SPAN, eq=False, repr=False)
 
 

@@ -59,3 +59,17 @@ def test_ptq_mixed_precision(capsys):
     assert loss(table[mixed]) < loss(table["uniform W3A3"])
     assert acc(table[mixed]) >= acc(table["uniform W3A3"]) - 0.5
     assert "rule " in out  # the emitted spec is printed
+
+
+def test_narrow_accumulators_quick(capsys):
+    # issue 20's bar at 16 bits: fake-quant vs graph top-1 agreement >= 99% for wrap and
+    # saturate; constrain=true: 0 overflows and PTQ accuracy within 2 points of float
+    out = _run("narrow_accumulators", ["--quick"], capsys)
+    float_acc = float(re.search(r"float accuracy ([\d.]+)%", out).group(1))
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[3:-1]]
+            for line in out.splitlines() if line.startswith("| 16 |")}
+    assert set(rows) == {"wrap", "saturate", "constrain"}
+    for mode in rows:
+        assert _pct(rows[mode][2]) >= 99.0
+    assert rows["constrain"][3] == "0"
+    assert _pct(rows["constrain"][1]) >= float_acc - 2.0

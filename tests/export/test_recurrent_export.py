@@ -182,7 +182,7 @@ def test_classifier_exports_runs_in_cpp_bit_identical_and_agrees(case):
     assert eq >= min_eq and within1 >= min_within1 and worst <= max_diff
 
 
-@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell"])
+@pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "RNNCell"])
 def test_cell_step_with_state_inputs_runs_in_cpp_bit_identical(kind):
     torch.manual_seed(2)
     model = CellStep(kind).eval()
@@ -196,7 +196,7 @@ def test_cell_step_with_state_inputs_runs_in_cpp_bit_identical(kind):
     with torch.no_grad():
         fq = model(x, h, c)
     graph = qdsl.export(model, (x[:2], h[:2], c[:2]))
-    assert [op.type for op in graph.ops].count(OpType.LSTM if kind == "LSTMCell" else OpType.GRU) == 1
+    assert [op.type for op in graph.ops].count(getattr(OpType, kind[:-4].upper())) == 1
     xs = [x.numpy(), h.numpy(), c.numpy()]
     outs = execute(graph, xs).outputs
     _cpp_equal(graph, *xs)
@@ -233,8 +233,7 @@ class _WithState(_Wrap):
 
 @pytest.mark.parametrize("build,match", [
     (lambda: _Wrap(nn.LSTM(8, 16)), "batch_first=False"),
-    (lambda: _Wrap(nn.RNN(8, 16, batch_first=True)), "RNN has no integer lowering"),
-    (lambda: _WithState(nn.LSTM(8, 16, batch_first=True)), "initial state"),
+    (lambda: _WithState(nn.LSTM(8, 16, batch_first=True)), "cell grid wider than 8 bits"),
 ])
 def test_unsupported_recurrent_exports_name_the_module(build, match):
     model = build().eval()
@@ -312,13 +311,14 @@ def test_dynamic_lstm_exports_runs_in_cpp_bit_identical_and_agrees(case):
     assert np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.995
 
 
-def test_dynamic_gru_is_refused_with_the_module_named():
-    model = _Wrap(nn.GRU(8, 16, batch_first=True)).eval()
+@pytest.mark.parametrize("kind", ["RNN"])
+def test_dynamic_rnn_is_refused_with_the_module_named(kind):
+    model = _Wrap(getattr(nn, kind)(8, 16, batch_first=True)).eval()
     qdsl.apply(model, "specs/int8-dynamic.qspec")
     x = torch.randn(4, 6, 8)
     qdsl.calibrate(model, [x])
     qdsl.freeze(model)
-    with pytest.raises(ExportError, match="'rnn'.*dynamically quantized nn.GRU"):
+    with pytest.raises(ExportError, match=f"'rnn'.*dynamically quantized nn.{kind}"):
         qdsl.export(model, x[:2])
 
 
@@ -365,3 +365,254 @@ def test_a_returned_output_and_state_tuple_are_graph_outputs():
         np.testing.assert_array_equal(got[1 + k], h[k].numpy())
         s_c = float(get_handle(model).layers["rnn"].cells[k].scale)
         assert np.abs(got[3 + k] - c[k].numpy()).max() <= 1.01 * s_c
+
+
+# ---------------------------------------------------------------- initial states (h0, c0)
+class Stateful(nn.Module):
+    """The streaming pattern (Silero VAD): the state comes in with each chunk and goes out."""
+
+    def __init__(self, kind: str = "LSTM", layers: int = 2, bidirectional: bool = False):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(8, 16, layers, bidirectional=bidirectional, batch_first=True)
+        self.lstm = kind == "LSTM"
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, h, c=None):
+        if self.lstm:
+            out, (h, c) = self.rnn(x, (h, c))
+            return self.fc(h[-1]), h, c
+        out, h = self.rnn(x, h)
+        return self.fc(h[-1]), h
+
+
+def _state_args(model, n: int, scale: float = 0.5):
+    slots = model.rnn.num_layers * (2 if model.rnn.bidirectional else 1)
+    h = torch.randn(slots, n, 16) * scale
+    return (h, torch.randn(slots, n, 16) * scale) if model.lstm else (h,)
+
+
+def _chunks_agree(graph, model, x, state) -> tuple[float, int]:
+    """Two chunks, the second starting from the first's final state (graph and fake-quant
+    each from their own): the final hidden codes of every layer and direction, equal
+    fraction and max difference."""
+    handle = get_handle(model)
+    patch = handle.layers["rnn"]
+    slots = len(patch.suffixes)
+    res = execute(graph, [x[:, :6].numpy()] + [s.numpy() for s in state]).outputs
+    _cpp_equal(graph, x[:, :6].numpy(), *[s.numpy() for s in state])
+    nxt = [np.stack(res[1:1 + slots])] + ([np.stack(res[1 + slots:])] if model.lstm else [])
+    got = execute(graph, [x[:, 6:].numpy()] + nxt).outputs
+    _cpp_equal(graph, x[:, 6:].numpy(), *nxt)
+    with torch.no_grad():
+        fq1 = model(x[:, :6], *state)
+        fq2 = model(x[:, 6:], *fq1[1:])
+    diffs = [np.abs(np.rint(np.asarray(got[1 + k], np.float64) / float(patch.hidden[k].scale))
+                    - np.rint(fq2[1][k].double().numpy() / float(patch.hidden[k].scale))).reshape(-1)
+             for k in range(slots)]
+    d = np.concatenate(diffs)
+    return float(np.mean(d == 0)), int(d.max())
+
+
+@pytest.mark.parametrize("kind,layers,bi", [("LSTM", 2, False), ("LSTM", 1, True), ("GRU", 2, True)])
+def test_initial_state_graph_inputs_run_bit_identical_and_agree_over_chunks(kind, layers, bi):
+    torch.manual_seed(4)
+    model = Stateful(kind, layers, bi).eval()
+    x = torch.randn(16, 12, 8)
+    state = _state_args(model, 16)
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "8"), "t.qspec"))
+    qdsl.calibrate(model, [(x[:, :6],) + state, (x[:, 6:],) + state])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, (x[:, :6],) + state)
+    types = [op.type for op in graph.ops]
+    slots = layers * (2 if bi else 1)
+    assert types.count(OpType.SELECT) == slots * len(state)
+    assert graph.tensor("h").shape == (slots, 16, 16)  # the state's first dim is the slot, static
+    eq, worst = _chunks_agree(graph, model, x, state)
+    print(f"{kind} {layers}l bi={bi} with state: final hidden codes equal {eq:.4f}, max {worst}")
+    assert eq >= 0.997 and worst <= 1
+
+
+class _DynStateful(Stateful):
+    def forward(self, x, h, c):
+        out, (h, c) = self.rnn(x, (h, c))
+        return self.fc(h[-1])
+
+
+def test_dynamic_lstm_with_initial_state_runs_bit_identical_and_agrees():
+    torch.manual_seed(5)
+    model = _DynStateful("LSTM", 2, True).eval()
+    x = torch.randn(16, 12, 8)
+    state = _state_args(model, 16)
+    qdsl.apply(model, "specs/int8-dynamic.qspec")
+    qdsl.calibrate(model, [(x,) + state])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, (x,) + state)
+    assert [op.type for op in graph.ops].count(OpType.LSTM_DYNAMIC) == 4
+    xs = [x.numpy()] + [s.numpy() for s in state]
+    res = execute(graph, xs, keep_values=True)
+    _cpp_equal(graph, *xs)
+    with torch.no_grad():
+        fq = model(x, *state)
+        _, (h_fq, _) = model.rnn(x, state)
+    h_graph = np.stack([res.values[f"rnn.l{k // 2}{'_reverse' if k % 2 else ''}:h_n"] for k in range(4)])
+    step = np.abs(h_fq.numpy()).max() / 127
+    lsb = np.abs(h_graph - h_fq.numpy()) / step
+    print(f"dynamic LSTM with state: h_n equal {np.mean(h_graph == h_fq.numpy()):.4f}, max {lsb.max():.2f} steps")
+    assert np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.995
+    assert _cos(res.outputs[0], fq.numpy()) >= 0.999
+
+
+class _ConstState(_Wrap):
+    def __init__(self, rnn):
+        super().__init__(rnn)
+        self.register_buffer("h0", torch.full((1, 2, 16), 0.25))
+
+    def forward(self, x):
+        return self.rnn(x, self.h0)[0]
+
+
+def test_initial_state_refusals_name_the_module():
+    x = torch.randn(4, 6, 8)
+    model = _prepared(_ConstState(nn.GRU(8, 16, batch_first=True)).eval(), x[:2])
+    with pytest.raises(ExportError, match="'rnn'.*'h0'"):  # a non-zero constant state
+        qdsl.export(model, x[:2])
+    model = Stateful("LSTM", 1).eval()
+    state = _state_args(model, 4)
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "16"), "t.qspec"))  # a 16-bit cell: c0 has no QUANTIZE
+    qdsl.calibrate(model, [(x,) + state])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="'rnn'.*cell grid wider than 8 bits"):
+        qdsl.export(model, (x,) + state)
+
+
+# ---------------------------------------------------------------- batch_first=False, bidirectional last step
+class SeqFirstModel(nn.Module):
+    """A batch-first input fed to a batch_first=False layer through x.transpose(0, 1)."""
+
+    def __init__(self, kind: str = "LSTM", bidirectional: bool = True, read: str = "last"):
+        super().__init__()
+        self.rnn = getattr(nn, kind)(8, 16, 2, bidirectional=bidirectional)
+        self.read = read
+        self.fc = nn.Linear(32 if bidirectional else 16, 4)
+
+    def forward(self, x):
+        out, _ = self.rnn(x.transpose(0, 1))
+        if self.read == "last":
+            return self.fc(out[-1])
+        return self.fc(out.transpose(0, 1))  # per step
+
+
+@pytest.mark.parametrize("kind,bi,read", [("LSTM", True, "last"), ("GRU", False, "seq"), ("LSTM", False, "last")])
+def test_batch_first_false_runs_on_the_batch_first_value(kind, bi, read):
+    torch.manual_seed(6)
+    model = SeqFirstModel(kind, bi, read).eval()
+    x = torch.randn(16, 12, 8)
+    with torch.no_grad():
+        want = model(x).numpy()
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "16"), "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(x).numpy()
+    graph = qdsl.export(model, x[:2])
+    got = execute(graph, x.numpy()).outputs[0]
+    _cpp_equal(graph, x.numpy())
+    print(f"batch_first=False {kind} bi={bi} {read}: cos(graph, float) {_cos(got, want):.5f}, "
+          f"cos(graph, fake-quant) {_cos(got, fq):.6f}")
+    assert got.shape == fq.shape
+    assert _cos(got, want) >= 0.99 and _cos(got, fq) >= 0.999
+
+
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_bidirectional_last_step_is_forward_h_n_and_reverse_first_output(kind):
+    """out[:, -1] of a bidirectional layer: SELECT of the reverse output at T - 1, joined with
+    the forward h_n; equal to the fake-quant model's last step on the fc's input grid."""
+    torch.manual_seed(7)
+    model = Classifier(kind=kind, layers=2, bidirectional=True, read="last").eval()
+    x = torch.randn(16, 12, 8)
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "16"), "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with torch.no_grad():
+        fq = model(x).numpy()
+    graph = qdsl.export(model, x[:2])
+    assert OpType.SELECT in [op.type for op in graph.ops]
+    got = execute(graph, x.numpy()).outputs[0]
+    _cpp_equal(graph, x.numpy())
+    print(f"bidirectional {kind} out[:, -1]: cos(graph, fake-quant) {_cos(got, fq):.6f}")
+    assert _cos(got, fq) >= 0.999
+
+
+def test_batch_first_false_on_a_graph_input_names_the_module():
+    model = _Wrap(nn.GRU(8, 16)).eval()
+    x = torch.randn(6, 4, 8)
+    qdsl.apply(model, parse_text(SPEC.replace("CELL", "16"), "t.qspec"))
+    qdsl.calibrate(model, [x])
+    qdsl.freeze(model)
+    with pytest.raises(ExportError, match="'rnn'.*batch_first=False") as e:
+        qdsl.export(model, x[:, :2])
+    assert "transpose(0, 1)" in str(e.value)
+
+
+# ---------------------------------------------------------------- nn.RNN (tanh, relu)
+class RnnClassifier(Classifier):
+    def __init__(self, nonlinearity: str = "tanh", layers: int = 2, bidirectional: bool = True):
+        super().__init__("GRU", layers, bidirectional)
+        self.rnn = nn.RNN(8, 16, layers, nonlinearity=nonlinearity, bidirectional=bidirectional, batch_first=True)
+
+
+@pytest.mark.parametrize("nonlinearity,layers,bi", [("tanh", 2, True), ("relu", 2, True), ("relu", 1, False)])
+def test_rnn_exports_runs_in_cpp_bit_identical_and_agrees(nonlinearity, layers, bi):
+    torch.manual_seed(8)
+    model = RnnClassifier(nonlinearity, layers, bi)
+    graph, x, want, fq, seq = _pipeline(model)
+    assert [op.type for op in graph.ops].count(OpType.RNN) == layers * (2 if bi else 1)
+    ref = execute(graph, x.numpy()).outputs[0]
+    _cpp_equal(graph, x.numpy())
+    eq, within1, worst = _agreement(graph, model, x, seq)
+    print(f"RNN {nonlinearity} {layers}l bi={bi}: cos(graph, float) {_cos(ref, want):.5f}, cos(graph, fake-quant) "
+          f"{_cos(ref, fq):.6f}, hidden codes equal {eq:.4f}, within 1 {within1:.4f}, max {worst}")
+    assert _cos(ref, want) >= 0.99 and _cos(ref, fq) >= 0.999
+    assert eq >= _CNN_LEVEL[0] and within1 >= _CNN_LEVEL[1] and worst <= _CNN_LEVEL[2]
+
+
+# ---------------------------------------------------------------- dynamic GRU (GRU_DYNAMIC)
+class DynGru(nn.Module):
+    def __init__(self, layers: int = 2, bidirectional: bool = True):
+        super().__init__()
+        self.rnn = nn.GRU(8, 16, layers, bidirectional=bidirectional, batch_first=True)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, x, h):
+        out, h = self.rnn(x, h)
+        return self.fc(h[-1])
+
+
+@pytest.mark.parametrize("layers,bi", [(2, True), (1, False)])
+def test_dynamic_gru_exports_runs_in_cpp_bit_identical_and_agrees(layers, bi):
+    """A dynamically quantized nn.GRU (specs/int8-dynamic.qspec) with an initial state: one
+    GRU_DYNAMIC per layer and direction; C++ == reference; h_n within a step of the fake-quant
+    model's.  Before: refused ('a dynamically quantized nn.GRU')."""
+    torch.manual_seed(9)
+    model = DynGru(layers, bi).eval()
+    x = torch.randn(16, 12, 8)
+    slots = layers * (2 if bi else 1)
+    h0 = torch.randn(slots, 16, 16) * 0.5
+    qdsl.apply(model, "specs/int8-dynamic.qspec")
+    qdsl.calibrate(model, [(x, h0)])
+    qdsl.freeze(model)
+    graph = qdsl.export(model, (x, h0))
+    assert [op.type for op in graph.ops].count(OpType.GRU_DYNAMIC) == slots
+    res = execute(graph, [x.numpy(), h0.numpy()], keep_values=True)
+    _cpp_equal(graph, x.numpy(), h0.numpy())
+    with torch.no_grad():
+        fq = model(x, h0)
+        _, h_fq = model.rnn(x, h0)
+    dirs = 2 if bi else 1
+    got = np.stack([res.values[f"rnn.l{k // dirs}{'_reverse' if k % dirs else ''}:h_n"] for k in range(slots)])
+    step = np.abs(h_fq.numpy()).max() / 127
+    lsb = np.abs(got - h_fq.numpy()) / step
+    print(f"dynamic GRU {layers}l bi={bi}: h_n within 0.5 step {np.mean(lsb < 0.5):.4f}, max {lsb.max():.2f} steps, "
+          f"cos(graph, fake-quant) {_cos(res.outputs[0], fq.numpy()):.6f}")
+    assert np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.995
+    assert _cos(res.outputs[0], fq.numpy()) >= 0.999

@@ -78,3 +78,62 @@ def test_pot_codes_become_magnitudes():
     assert set(np.abs(raw).ravel()) <= {0, 1, 2, 3}
     expected = [[0 if c == 0 else int(np.sign(c)) * 2 ** (abs(int(c)) - 1) for c in row] for row in raw]
     assert mags.tolist() == expected
+
+
+ACC_SPEC = """version 1
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+defaults {
+  weight = w8
+  input = a8
+  bias = int(bits=32, signed, symmetric, scale=input*weight)
+  accumulator(bits=16, overflow=wrap)
+}
+"""
+
+
+def test_spec_accumulator_narrower_than_the_target_is_an_overflow_finding():
+    # a 16-bit wrapping spec on a 24-bit wrapping target: fan-in 64 of 8x8-bit codes needs
+    # 22 bits, so the spec's own accumulator overflows (before: no finding at all, the
+    # target's 24 bits being wide enough)
+    from qdsl.lint import parse_profile
+
+    prof = parse_profile('version = 1\n[accumulator]\nbits = 24\noverflow = "wrap"\n')
+    spec = parse_text(ACC_SPEC, "acc.qspec")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 8))
+    worst = lint(spec, prof, model, calibrated=False)
+    assert [d.code for d in worst] == ["W313"]
+    d = worst[0]
+    assert "the spec's accumulator has 16 (wrap)" in d.message
+    # located at the spec's accumulator setting (line 8, its arguments), as E315 is
+    assert d.span.location() == "acc.qspec:8:14"
+    with torch.no_grad():
+        model[0].weight.abs_()  # every weight positive: the calibrated sums reach far past 16 bits
+    qdsl.apply(model, spec)
+    qdsl.calibrate(model, [torch.rand(16, 64) * 4], progress=False)
+    qdsl.freeze(model)
+    tight = lint(spec, prof, model)
+    assert [d.code for d in tight] == ["E314"]
+    assert "the spec's accumulator has 16 (wrap)" in tight[0].message
+    assert tight[0].span.location() == "acc.qspec:8:14"
+    # with the target's own 16 bits instead, the finding is the target's (at the weight bits)
+    same = lint(spec, parse_profile('version = 1\n[accumulator]\nbits = 16\noverflow = "wrap"\n'), model)
+    assert [d.code for d in same] == ["E314"] and "has 16 (wrap)" in same[0].message
+
+
+def test_constrained_accumulator_lints_clean_once_calibrated():
+    # the same layer and data as above, with constrain=true: the exact bound holds at freeze
+    from qdsl.lint import parse_profile
+
+    prof = parse_profile('version = 1\n[accumulator]\nbits = 24\noverflow = "wrap"\n')
+    spec = parse_text(ACC_SPEC.replace("overflow=wrap)", "overflow=wrap, constrain=true)"), "acc.qspec")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 8))
+    with torch.no_grad():
+        model[0].weight.abs_()
+    qdsl.apply(model, spec)
+    qdsl.calibrate(model, [torch.rand(16, 64) * 4], progress=False)
+    qdsl.freeze(model)
+    assert [d.code for d in lint(spec, prof, model)] == []
+    assert [d.code for d in lint(spec, prof, model, calibrated=False)] == ["W313"]  # bit widths alone

@@ -1,9 +1,11 @@
 """The AVX2 implicit-GEMM conv (csrc/runtime/ops/conv_igemm.cc: NHWC rows read in place through
 row pointers, output stage and fused residual ADD in the epilogue) equals the Python reference
 executor bit for bit, on every kernel path this CPU has.  It runs for groups-1 convs with at
-least 8 input channels whose int8 weights keep every vpmaddubsw pair sum within int16 for the
-input's codes (weights within +-64 for full-range U8/I8 inputs, any int8 weights behind a
-7-bit clamp), on the shapes where it pays, and here (QDSL_IGEMM_ALL) on all of them.  Shapes
+least 8 input channels, on the shapes where it pays, and here (QDSL_IGEMM_ALL) on all of them,
+with one of two kernel kinds: the vpmaddubsw one when the int8 weights keep every pair sum
+within int16 for the input's codes (weights within +-64 for full-range U8/I8 inputs, any int8
+weights behind a 7-bit clamp), else the int16 one (exact 8-bit: full-range codes, any weights
+with |W - w_zp| <= 511).  Shapes
 cover 1x1/3x3/7x7 kernels, strides 1/2, padding, dilation, channel counts off the 4/16
 multiples (C padded to 4, N tails of a 16-channel panel), M tails of the 6-row strips,
 I8/U8/I32 outputs with clamps, batch > 1, and 1 and 2 threads (2 threads split the output
@@ -26,13 +28,17 @@ from qdsl.graph.requant import make_rescale  # noqa: E402
 from tests.runtime.test_graph import PATHS, _check, _rand, _stage  # noqa: E402
 
 
-def _layouts(cg, x):
+def _layouts(cg, x, kinds=None):
     """Per op name: (runs the implicit-GEMM conv, output stored NHWC) after an AVX2 run (the
-    NHWC plan is per kernel path); None where this CPU has no AVX2."""
+    NHWC plan is per kernel path); None where this CPU has no AVX2.  `kinds`: a dict that gets
+    each implicit-GEMM conv's kernel kind (True: the int16 one)."""
     if "avx2" not in PATHS:
         return None
     cg.run(x, path="avx2")
-    return {p["name"]: (p.get("implicit_gemm"), p["nhwc_output"]) for p in cg.plan()}
+    plan = cg.plan()
+    if kinds is not None:
+        kinds.update({p["name"]: p["implicit_gemm_int16"] for p in plan if p.get("implicit_gemm")})
+    return {p["name"]: (p.get("implicit_gemm"), p["nhwc_output"]) for p in plan}
 
 
 def _register_stage(cg):
@@ -72,43 +78,72 @@ def threads(request):
 _FIXTURE_OK = [HealthCheck.function_scoped_fixture]
 
 
+def _one_conv(rng, k, stride, xdtype, out, bias, wmag, in_zp, w_zp=0):
+    """A random conv of kernel k (odd C and O, padding, dilation) in a graph of its own, checked
+    against the reference on every path; returns (layouts, kinds) as _layouts gives them."""
+    cin = int(rng.choice([8, 13, 16, 30, 64]))
+    cout = int(rng.choice([1, 7, 16, 17, 40, 64]))
+    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 20))
+    pad = int(rng.integers(0, k // 2 + 2))
+    dil = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) and w + 2 * pad > 2 * (k - 1) else 1
+    wt = _weights(rng, cout, cin, k, wmag)
+    if wmag > 64:  # one pair (channels 0 and 1 of tap 0) that vpmaddubsw cannot sum in int16
+        wt[:, :2, 0, 0] = 127 if w_zp <= 0 else -128
+    attrs = _attrs(rng, cout, out, k, stride, pad, dil, in_zp)
+    attrs["w_zp"] = [w_zp]
+    oh, ow = ((n + 2 * pad - dil * (k - 1) - 1) // stride + 1 for n in (h, w))
+    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt)]
+    ins = ["x", "w"]
+    if bias:
+        tensors.append(Tensor("b", DType.I32, (cout,), rng.integers(-50000, 50000, cout)))
+        ins.append("b")
+    tensors.append(Tensor("y", out, (-1, cout, oh, ow)))
+    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ins, ["y"], attrs)]).validate()
+    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
+    x.reshape(-1)[:2] = xdtype.range  # both ends of the codes
+    kinds = {}
+    return _layouts(_check(graph, x), x, kinds), kinds
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3, 3, 7]), stride=st.sampled_from([1, 2]),
        xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8, DType.I32]),
        bias=st.booleans())
 def test_igemm_conv_matches_reference(threads, seed, k, stride, xdtype, out, bias):
     rng = np.random.default_rng(seed)
-    cin = int(rng.choice([8, 13, 16, 30, 64]))
-    cout = int(rng.choice([1, 7, 16, 17, 40, 64]))
-    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 20))
-    pad = int(rng.integers(0, k // 2 + 2))
-    dil = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) and w + 2 * pad > 2 * (k - 1) else 1
-    wt = _weights(rng, cout, cin, k, 64)
     in_zp = int(rng.integers(*xdtype.range))
-    attrs = _attrs(rng, cout, out, k, stride, pad, dil, in_zp)
-    oh, ow = ((n + 2 * pad - dil * (k - 1) - 1) // stride + 1 for n in (h, w))
-    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt)]
-    ins = ["x", "w"]
-    if bias:
-        tensors.append(Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout)))
-        ins.append("b")
-    tensors.append(Tensor("y", out, (-1, cout, oh, ow)))
-    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ins, ["y"], attrs)]).validate()
-    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
-    layouts = _layouts(_check(graph, x), x)
+    layouts, kinds = _one_conv(rng, k, stride, xdtype, out, bias, 64, in_zp)
     assert layouts is None or layouts["conv"] == (True, False)  # the graph output stays NCHW
+    assert layouts is None or not kinds["conv"]  # weights within +-64: the vpmaddubsw kind
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3, 3, 7]), stride=st.sampled_from([1, 2]),
+       xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8, DType.I32]),
+       bias=st.booleans(), zp_at=st.sampled_from(["lo", "hi", "mid", "zero"]), w_zp=st.sampled_from([0, 0, -90, 100]))
+def test_igemm_int16_conv_matches_reference(threads, seed, k, stride, xdtype, out, bias, zp_at, w_zp):
+    """Exact 8-bit: full-range U8/I8 codes and full-range int8 weights (with a weight zero point,
+    W - w_zp leaves int8: up to 227 or -227) run the int16 kernel kind; input zero points at
+    the dtype's ends (0 and 255 for U8, -128 and 127 for I8), padding taps read them too."""
+    rng = np.random.default_rng(seed)
+    lo, hi = xdtype.range
+    in_zp = {"lo": lo, "hi": hi, "mid": int(rng.integers(lo, hi + 1)), "zero": 0}[zp_at]
+    layouts, kinds = _one_conv(rng, k, stride, xdtype, out, bias, 127, in_zp, w_zp)
+    assert layouts is None or (layouts["conv"] == (True, False) and kinds["conv"])
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(seed=st.integers(0, 2**31), hw=st.sampled_from([7, 14, 15]), c=st.sampled_from([24, 64]),
-       down=st.booleans(), pot=st.booleans())
-def test_igemm_residual_block_matches_reference(threads, seed, hw, c, down, pot):
+       down=st.booleans(), pot=st.booleans(), bits=st.sampled_from([7, 8]))
+def test_igemm_residual_block_matches_reference(threads, seed, hw, c, down, pot, bits):
     """A ResNet block on 7-bit activations: x -> CLAMP(0, 127) -> conv1 (3x3, U8 clamped to
     0..127) -> conv2 (3x3, I32) + shortcut -> ADD (U8, 0..127) -> conv3 (1x1) -> y.  The
     shortcut is the block input, or a 1x1 stride-2 conv (I32) when `down`, which then takes the
     ADD into its epilogue.  Full-range int8 weights: the 7-bit clamps make them exact on the
     vpmaddubsw kernel.  The tensors between the convs are kept NHWC (PlanNhwc), and the ADD's
-    when its shortcut is a conv; the graph input and output stay NCHW."""
+    when its shortcut is a conv; the graph input and output stay NCHW.  bits == 8: the same
+    block with every clamp at 0..255 (exact 8-bit), on the int16 kernel kind."""
+    top = 2**bits - 1
     rng = np.random.default_rng(seed)
     s = 2 if down else 1
     o = (hw - 1) // s + 1
@@ -122,10 +157,10 @@ def test_igemm_residual_block_matches_reference(threads, seed, hw, c, down, pot)
                Tensor("a", DType.U8, y_shape), Tensor("r", DType.I32, y_shape), Tensor("sum", DType.U8, y_shape),
                Tensor("y", DType.U8, (-1, 17, o, o))]
     a_attrs = _attrs(rng, c, DType.U8, 3, s, 1, in_zp=0)
-    a_attrs["out_max"] = 127
-    a_attrs["out_zp"] = min(a_attrs["out_zp"], 127)
+    a_attrs["out_max"] = top
+    a_attrs["out_zp"] = min(a_attrs["out_zp"], top)
     a_attrs["out_min"] = min(a_attrs["out_min"], a_attrs["out_zp"])
-    clamp = Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {"out_min": 0, "out_max": 127})
+    clamp = Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {"out_min": 0, "out_max": top})
     ops = [clamp, Op(OpType.CONV2D, "conv1", ["xc", "w1"], ["a"], a_attrs),
            Op(OpType.CONV2D, "conv2", ["a", "w2", "b2"], ["r"], _attrs(rng, c, DType.I32, 3, 1, 1, in_zp=0))]
     other = "xc"
@@ -136,12 +171,14 @@ def test_igemm_residual_block_matches_reference(threads, seed, hw, c, down, pot)
     in_rq = {"in_zp": [0, 0 if down else 5], "in_kind": [1, 1] if pot else [2, 2],
              "in_multiplier": [1, 1] if pot else [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)],
              "in_shift": [0, 0] if pot else [-6, -4], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
-    ops.append(Op(OpType.ADD, "add", ["r", other], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 127)}))
+    ops.append(Op(OpType.ADD, "add", ["r", other], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, top)}))
     ops.append(Op(OpType.CONV2D, "conv3", ["sum", "w3"], ["y"], _attrs(rng, 17, DType.U8, 1, 1, 0, in_zp=0)))
     graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
     x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), c, hw, hw))
-    layouts = _layouts(_check(graph, x), x)
+    kinds = {}
+    layouts = _layouts(_check(graph, x), x, kinds)
     if layouts is not None:
+        assert set(kinds.values()) == {bits == 8}
         assert layouts["clamp"] == (None, False)  # read by the convs: they transpose it in
         assert layouts["conv1"] == (True, True)
         # the ADD keeps its tensors in one layout: NCHW when it reads the clamp's output
@@ -195,14 +232,16 @@ def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
 
 @settings(max_examples=10, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(seed=st.integers(0, 2**31), hw=st.sampled_from([5, 9, 14]), c=st.sampled_from([8, 16, 24]),
-       stride=st.sampled_from([1, 2]))
-def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw, c, stride):
+       stride=st.sampled_from([1, 2]), bits=st.sampled_from([7, 8]))
+def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw, c, stride, bits):
     """A MobileNetV2 block on 7-bit activations, NHWC end to end: stem (1x1, the block input)
     -> expansion (1x1, 6x wider) -> depthwise 3x3 (conv_dw_nhwc.cc) -> projection (1x1) and,
     at stride 1, + the block input -> ADD (the projection takes it into its epilogue) -> head
     (1x1) -> y.  As in exported MobileNetV2s, the ADD reads the block input from a twin of the
     stem (the same conv with an I32 stage), which the stem's run computes from the same
-    accumulators.  Every tensor between the stem and the head stays NHWC on the AVX2 path."""
+    accumulators.  Every tensor between the stem and the head stays NHWC on the AVX2 path.
+    bits == 8: every clamp at 0..255 (exact 8-bit), the 1x1 convs on the int16 kernel kind."""
+    top = 2**bits - 1
     rng = np.random.default_rng(seed)
     e = 6 * c
     o = (hw - 1) // stride + 1
@@ -220,11 +259,11 @@ def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw,
 
     def seven_bit(k, n, groups=1, s=1):
         attrs = _attrs(rng, n, DType.U8, k, s, k // 2, in_zp=0)
-        attrs.update(out_zp=0, out_min=0, out_max=127, groups=groups)
+        attrs.update(out_zp=0, out_min=0, out_max=top, groups=groups)
         return attrs
 
     p_attrs = _attrs(rng, c, DType.I32, 1, 1, 0, in_zp=0) if residual else seven_bit(1, c)
-    ops = [Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {"out_min": 0, "out_max": 127}),
+    ops = [Op(OpType.CLAMP, "clamp", ["x"], ["xc"], {"out_min": 0, "out_max": top}),
            Op(OpType.CONV2D, "stem", ["xc", "ws"], ["a"], seven_bit(1, c)),
            Op(OpType.CONV2D, "expand", ["a", "we"], ["ex"], seven_bit(1, e)),
            Op(OpType.CONV2D, "dw", ["ex", "wd", "bd"], ["dw"], seven_bit(3, e, groups=e, s=stride)),
@@ -236,13 +275,15 @@ def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw,
         in_rq = {"in_zp": [0, 0], "in_kind": [2, 2],
                  "in_multiplier": [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)],
                  "in_shift": [-6, -1], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
-        ops.append(Op(OpType.ADD, "add", ["p", "a32"], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 127)}))
+        ops.append(Op(OpType.ADD, "add", ["p", "a32"], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, top)}))
         head_in = "sum"
     ops.append(Op(OpType.CONV2D, "head", [head_in, "wh"], ["y"], seven_bit(1, 17)))
     graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
     x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), c, hw, hw))
-    layouts = _layouts(_check(graph, x), x)
+    kinds = {}
+    layouts = _layouts(_check(graph, x), x, kinds)
     if layouts is not None:
+        assert set(kinds.values()) == {bits == 8}
         assert all(layouts[n] == (True, True) for n in ("stem", "expand", "project"))
         assert layouts["dw"][1] and (not residual or (layouts["add"][1] and layouts["stem_i32"] == (True, True)))
         assert layouts["head"] == (True, False)

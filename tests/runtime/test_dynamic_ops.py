@@ -20,6 +20,7 @@ from qdsl.parse import parse_text
 from qdsl.graph.ir import DType, GraphFormatError, IntegerGraph, Op, OpType, Tensor
 from qdsl.graph.ops.dynamic import f32_bits, quantize_dynamic
 from qdsl.graph.reference import execute
+from qdsl.spec.diagnostics import SpecError
 
 from tests.runtime.test_graph import _check
 
@@ -334,3 +335,69 @@ rule type:Linear {{
         g = qdsl.export(m, x[:1])
         assert OpType.LINEAR_DYNAMIC in {op.type for op in g.ops}
 
+
+
+# ---------------------------------------------------------------- per-token dynamic scales
+_TOKEN_SPEC = """version 1
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer t8 = int(bits=8, SIGN, SYM, per_token, observer=minmax, dynamic)
+rule type:Linear {
+  weight = w8
+  input = t8
+  bias = float
+}
+"""
+
+
+@pytest.mark.parametrize("signed,symmetric", [(False, False), (True, True)])
+def test_per_token_scales_on_rank3_inputs_equal_quantize_dynamic_and_the_graph(signed, symmetric):
+    """`per_token`: one run-time scale per row of the last axis of a (batch, tokens, features)
+    input; the fake quantizer's codes and scales equal QUANTIZE_DYNAMIC's per_row on the same
+    tensor, and an exported Linear stack (rank-3 input) equals the fake-quant model, C++ too.
+    Before: granularity 'token' was unknown (and channel(0) on a rank-3 input, one scale per
+    sample, was refused at export)."""
+    torch.manual_seed(5)
+    m = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 8)).eval()
+    text = _TOKEN_SPEC.replace("SIGN", "signed" if signed else "unsigned").replace(
+        "SYM", "symmetric" if symmetric else "asymmetric")
+    handle = qdsl.apply(m, parse_text(text, "token.qspec"))
+    qdsl.freeze(m)
+    x = torch.randn(3, 7, 24) * torch.logspace(-2, 1, 7)[None, :, None]  # tokens of very different ranges
+    x[1, 2] = 0.0  # a zero token
+    q = handle.quantizer("0", "input")
+    codes = q.int_repr(x.reshape(-1, 24)).numpy().astype(np.int64)
+    scale, zp, _ = q.qparams(x.reshape(-1, 24))
+    got_q, got_qp = quantize_dynamic(x.numpy(), _qd_attrs(signed, symmetric, True))
+    np.testing.assert_array_equal(got_q.reshape(-1, 24), codes)
+    np.testing.assert_array_equal(got_qp.reshape(-1, 2)[:, 0], scale.float().reshape(-1).numpy())
+    np.testing.assert_array_equal(got_qp.reshape(-1, 2)[:, 1], zp.float().reshape(-1).numpy())
+    assert len(set(got_qp.reshape(-1, 2)[:, 0].tolist())) > 3  # one scale per token, not per sample
+    with torch.no_grad():
+        fq = m(x).numpy()
+        fq_flat = m(x.reshape(-1, 24)).numpy()  # the same rows seen as a (rows, features) batch
+    np.testing.assert_array_equal(fq.reshape(-1, 8), fq_flat)
+    g = qdsl.export(m, x[:1])
+    qd = [op for op in g.ops if op.type is OpType.QUANTIZE_DYNAMIC]
+    assert len(qd) == 2 and all(op.attrs["per_row"] == 1 for op in qd)
+    y = execute(g, x.numpy()).outputs[0]
+    np.testing.assert_allclose(y, fq, rtol=1e-4, atol=1e-5 * float(np.abs(fq).max()))
+    if rt.available():
+        np.testing.assert_array_equal(rt.CompiledGraph(g).run(x.numpy()), y)
+
+
+@pytest.mark.parametrize("line,what", [
+    ("quantizer t8 = int(bits=8, unsigned, per_token, observer=minmax)", "input"),  # not dynamic
+    ("quantizer t8 = int(bits=8, signed, per_token, dynamic)", "weight"),  # a weight
+])
+def test_per_token_outside_dynamic_activations_is_a_located_error(line, what):
+    text = f"""version 1
+{line}
+rule type:Linear {{
+  {what} = t8
+}}
+"""
+    m = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(SpecError) as e:
+        qdsl.apply(m, parse_text(text, "token.qspec"))
+    msg = str(e.value)
+    assert "token.qspec:" in msg and ("E212" in msg or "E219" in msg)

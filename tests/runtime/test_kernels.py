@@ -273,3 +273,25 @@ def test_threads_do_not_change_results():
     finally:
         rt.set_num_threads(before)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("m,k,n", [(1, 7, 16), (5, 600, 48), (97, 1030, 32), (200, 64, 50), (3, 300, 64)])
+def test_int32_output_in_place_equals_numpy(threads, m, k, n):
+    """A plain int32 output (no bias, no stage) of whole 16-column panels is accumulated in
+    place by the int16 kernels (csrc/gemm.cc `direct`); N = 50 (a partial panel) and the
+    bias case keep the block buffer.  1 and 2 threads (GEMV-like shapes split the panels,
+    so one task may be in place and another buffered), every path equal to numpy."""
+    rng = np.random.default_rng(m * 1000 + n)
+    a = rng.integers(0, 256, (m, k)).astype(np.uint8)
+    w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    bias = rng.integers(-1000, 1000, n).astype(np.int32)
+    pw = K.pack_weights(w)
+    before = rt.get_num_threads()
+    rt.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            got = {p: K.gemm(a, pw, a_zero_point=77, bias=b, path=p) for p in PATHS}
+            _agree(got, _expected(a, 77, w, np.zeros(n, np.int64), b))
+    finally:
+        rt.set_num_threads(before)

@@ -101,14 +101,17 @@ def test_softmax_masked_matches_reference(seed, d, out, kinds, mdt):
 @pytest.mark.parametrize("s", [5, 37, 128, 200])
 @pytest.mark.parametrize("d,out", [(DType.I8, DType.I8), (DType.U8, DType.U8), (DType.I8, DType.U8)])
 def test_many_rows_match_reference(threads, s, d, out):
-    """The optimized rows (portable, avx2, ...): 54 rows (several ranges of 16 across the
-    threads), row lengths with vector tails, a key mask with a fully masked batch and an
-    attention mask with single-kept, fully masked and all-kept rows, at 1 and 2 threads."""
+    """The optimized rows (portable, avx2, ...): 81 rows (several ranges of 16 across the
+    threads), row lengths with vector tails, a key mask with a fully masked batch and a batch
+    that keeps every key, and an attention mask with single-kept, fully masked and all-kept
+    rows (with batch 2's key mask: rows that keep every position, the unmasked row's loops,
+    between masked ones), at 1 and 2 threads."""
     rng = np.random.default_rng(s * 7 + threads)
-    b, h, length = 2, 3, 9
+    b, h, length = 3, 3, 9
     key = (rng.random((b, s)) < 0.8).astype(np.int32)
     key[0, 0] = 1
     key[1] = 0  # batch 1: every row fully masked
+    key[2] = 1  # batch 2: no padding
     attn = (rng.random((length, s)) < 0.5).astype(np.int32)  # attend 0: nonzero masks
     attn[0] = 1
     attn[0, 0] = 0  # row 0: only position 0 kept (key[0, 0] = 1)

@@ -124,7 +124,8 @@ void SplitNibbles(const uint64_t* src, int64_t words, uint64_t* dst);
 // padding bits are 0 in both operands so they never change the popcount.
 Status BitpackSigns(const int8_t* a, int64_t m, int64_t k, int64_t lda, uint64_t* out, int64_t kwords);
 
-// Result of a GEMM: int32 accumulators (stage == nullptr) or requantized int8/uint8.
+// Result of a GEMM: int32 accumulators (stage == nullptr), requantized int8/uint8, or
+// int32 through the stage (its rescale, zero point and clamp, like ref::StageOne).
 struct GemmOutput {
   void* data = nullptr;
   DType dtype = DType::kInt32;

@@ -28,6 +28,13 @@ void DwConv(const int16_t* plane, int64_t ldp, const DwConvShape& s, const int32
 void DwConvNhwc(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed, const int32_t* taps,
                 const int32_t* pairs, const int32_t* init, int32_t* acc, int64_t ldc);
 
+// LAYERNORM's row passes (LayernormKernels in dispatch.h).
+void LayernormSum(const int32_t* t0, const int32_t* t1, int64_t n, int32_t* v, int64_t* sum, int32_t* lo,
+                  int32_t* hi);
+int64_t LayernormCenter(const int32_t* v, int64_t n, int64_t sum, int k, int32_t* d);
+void LayernormNormalize(const int32_t* d, int64_t n, int s, int64_t r, const int32_t* gamma, const int32_t* beta,
+                        int32_t* acc);
+
 }  // namespace portable
 }  // namespace qdsl
 

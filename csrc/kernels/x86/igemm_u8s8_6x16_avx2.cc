@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "kernels/x86/igemm_6x16_avx2.h"
 #include "kernels/x86/x86_kernels.h"
 #include "requant/stage_f32_avx2.h"
 
@@ -125,10 +126,7 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
             const int32_t* init) {
   __m256i acc[MR][2];
   Accumulate<MR>(rows, taps, cquads, panel, c, ldc, init, acc);
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc), acc[r][0]);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c + r * ldc + 8), acc[r][1]);
-  }
+  StoreIgemmRows<MR>(acc, c, ldc);
 }
 
 // The same sums, then the prepared output stage (stage_f32_avx2.h) applied from the
@@ -181,14 +179,8 @@ void IgemmU8S8StageAvx2(int rows, const uint8_t* const* ind, int64_t taps, int64
 
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                    int32_t* c, int64_t ldc, const int32_t* init) {
-  switch (rows) {
-    case 1: return Kernel<1>(ind, taps, cquads, panel, c, ldc, init);
-    case 2: return Kernel<2>(ind, taps, cquads, panel, c, ldc, init);
-    case 3: return Kernel<3>(ind, taps, cquads, panel, c, ldc, init);
-    case 4: return Kernel<4>(ind, taps, cquads, panel, c, ldc, init);
-    case 5: return Kernel<5>(ind, taps, cquads, panel, c, ldc, init);
-    default: return Kernel<6>(ind, taps, cquads, panel, c, ldc, init);
-  }
+  static constexpr IgemmRowsFn kRows[6] = {Kernel<1>, Kernel<2>, Kernel<3>, Kernel<4>, Kernel<5>, Kernel<6>};
+  kRows[(rows < 6 ? rows : 6) - 1](ind, taps, cquads, panel, c, ldc, init);
 }
 
 }  // namespace x86

@@ -37,6 +37,9 @@ void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cq
 void IgemmU8S8StageAvx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                         const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
                         bool out_signed);
+// Its int16 kind on int16 panels (igemm_i16_6x16_avx2.cc): exact on full-range u8 codes.
+void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                    int32_t* c, int64_t ldc, const int32_t* init);
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
 void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                       int64_t c0, int32_t* out, int64_t ldo);
@@ -83,6 +86,13 @@ bool RequantAvx2Supports(const OutputStage& stage);
 // q[i] = floor((v[i] * scale + add) / b) (csrc/kernels/x86/floordiv_f64_avx2.cc; contract:
 // FloorDivScaledKernel in csrc/dispatch.h).
 void FloorDivScaledAvx2(const int32_t* v, int64_t n, double scale, double add, double b, int32_t* q);
+// LAYERNORM's row passes (LayernormKernels in csrc/dispatch.h): csrc/kernels/x86/layernorm_i32_avx2.cc,
+// and the normalize pass beside FloorDivScaledAvx2.
+void LayernormSumAvx2(const int32_t* t0, const int32_t* t1, int64_t n, int32_t* v, int64_t* sum, int32_t* lo,
+                      int32_t* hi);
+int64_t LayernormCenterAvx2(const int32_t* v, int64_t n, int64_t sum, int k, int32_t* d);
+void LayernormNormalizeAvx2(const int32_t* d, int64_t n, int s, int64_t r, const int32_t* gamma, const int32_t* beta,
+                            int32_t* acc);
 // y[i] = table[x[i]] over a 256-byte table (csrc/kernels/x86/lut_u8_avx2.cc).
 void LutU8Avx2(const uint8_t* table, const uint8_t* x, int64_t n, uint8_t* y);
 // One-channel stage to int32 (I32 outputs): out[i] = clamp(rescale(acc[i]) + zp, qmin, qmax).

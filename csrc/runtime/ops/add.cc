@@ -67,7 +67,7 @@ Status RunAdd(RunCtx& c, const GraphOp& op) {
   int64_t weight = 1;
   for (int k = 0; k < 2; ++k) weight += p.in[k].stage.rescale.kind == RescaleKind::kFixedSingle ? 2 : 0;
   weight += p.out.stage.rescale.kind == RescaleKind::kFixedSingle ? 2 : 0;
-  ParallelRanges(n, /*chunk=*/8192, /*work=*/n * 64 * weight, [&](int64_t i0, int64_t i1) {
+  ParallelRanges(n, FineChunk(n, /*chunk=*/8192, /*min_chunk=*/1024, n * 64 * weight), /*work=*/n * 64 * weight, [&](int64_t i0, int64_t i1) {
     AddRange(p, x + i0 * e0, xd, x1 + i0 * e1, xd1, i1 - i0, y + i0, yd == kI8, c.path);
   });
   return Status::Ok();

@@ -65,12 +65,15 @@ struct ConvParams : OpParams {
   int64_t amx_kblocks = 0, amx_panels = 0, amx_hp = 0, amx_wp = 0;
   std::vector<int64_t> amx_koff;
   AlignedVector<uint8_t> amx_w;
-  // AVX2 implicit-GEMM conv (IgemmConv, conv_igemm.cc; groups 1, U8/I8 input, int8 weights whose
-  // pairs allow the vpmaddubsw kernel: MaddubsStepsFor >= 1, no overflow possible).  M = output
-  // positions, N = output channels, K = taps x ig_cp (C rounded up to 4, zero weights past C).
-  // ig_w: per panel of 16 output channels, [tap][k-quad][16 channels][4 bytes] s8 weights;
-  // ig_cinit[n] = bias[n] - zu * rowsum[n] (0 past O), the accumulators' start value.
-  bool igemm = false;
+  // AVX2 implicit-GEMM conv (IgemmConv, conv_igemm.cc; groups 1, U8/I8 input, no overflow
+  // possible).  M = output positions, N = output channels, K = taps x ig_cp (C rounded up to 4,
+  // zero weights past C).  Two kernel kinds on the same row pointers: int8 weights whose pairs
+  // allow the vpmaddubsw kernel (MaddubsStepsFor >= 1, e.g. behind a 7-bit clamp), with ig_w
+  // per panel of 16 output channels [tap][k-quad][16 channels][4 bytes] s8 weights; else
+  // (ig_int16: full-range 8-bit activations, |W - w_zp| <= 511) the int16 kernel, with ig_w per
+  // panel [tap][k-quad][4 vectors of 8 channels x 2 int16] (igemm_i16_6x16_avx2.cc's order).
+  // ig_cinit[n] = bias[n] - zu * sum_k (W - w_zp)[n][k] (0 past O), the accumulators' start value.
+  bool igemm = false, ig_int16 = false;
   int64_t ig_cp = 0, ig_taps = 0, ig_panels = 0;
   AlignedVector<uint8_t> ig_w;
   std::vector<int32_t> ig_cinit;
@@ -138,6 +141,10 @@ struct Geometry {
 
 // The run's geometry of op (batch `batch`).
 Geometry Geo(const Graph* g, const GraphOp& op, int64_t batch);
+
+// Whether RunConv runs this op (off the reference path) as one GEMM with the bias and the
+// output stage fused (conv_exec.cc); the graph plan reports it.
+bool LinearFusedGemm(const Graph* g, const GraphOp& op);
 
 // Input position of tap (ky, kx) for output (oy, ox); false when it lies in the padding.
 inline bool Tap(const ConvParams& p, const Geometry& e, int64_t oy, int64_t ox, int64_t ky, int64_t kx, int64_t* iy,
@@ -237,7 +244,7 @@ bool RegisterStageEnabled();
 inline bool RunsNhwc(const ConvParams& p, uint32_t path) {
   if (p.spatial == 0) return false;
   if (p.amx_conv && p.fast_acc && SelectAmxGatherKernel(path) != nullptr) return true;
-  return p.igemm && SelectIgemmKernel(path) != nullptr && IgemmEnabled();
+  return p.igemm && SelectIgemmKernel(path, p.ig_int16) != nullptr && IgemmEnabled();
 }
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);

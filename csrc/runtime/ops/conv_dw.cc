@@ -58,8 +58,8 @@ Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, 
   const int64_t planes = e.n * e.C;
   // work: the MACs, ~64 per output for the stage, and the plane copies
   const int64_t work = e.n * e.O * P * (taps + 64) + planes * rows * ldp;
-  // a few tasks per thread, so uneven finishing balances
-  const int64_t chunk = std::max<int64_t>(1, planes / (4 * ThreadsFor(work)));
+  // several tasks per thread, so uneven finishing balances
+  const int64_t chunk = FineChunk(planes, planes, 1, work);
   std::vector<int64_t> counts(static_cast<size_t>((planes + chunk - 1) / chunk), 0);
   // this op's output and its twins' (ConvParams::twins: same sums, own stage; fast_acc only)
   struct Out {

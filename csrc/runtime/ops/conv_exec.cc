@@ -16,12 +16,24 @@
 namespace qdsl {
 namespace conv {
 
+// LINEAR with no overflow possible: bias and output stage inside the GEMM, vectorized on
+// the task's block while it is in cache (the per-element path of RunConv cost 3x the GEMM
+// on wide layers).  I32 outputs (a transformer's wide residual branch) take the int32
+// stage: with no overflow possible it equals Emit's (the wide rescale of an int32 sum is
+// the int32 one).
+bool LinearFusedGemm(const Graph* g, const GraphOp& op) {
+  const ConvParams& p = ParamsOf<ConvParams>(op);
+  const int out_dtype = g->tensors[op.outputs[0]].dtype;
+  return op.opcode == kLinear && p.spatial == 0 && p.groups == 1 && p.fast_acc && !p.bin_out &&
+         g->tensors[op.inputs[0]].dtype != kBin && (out_dtype == kI8 || out_dtype == kU8 || out_dtype == kI32);
+}
+
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow) {
   const ConvParams& p = ParamsOf<ConvParams>(op);
   if (p.spatial > 0 && p.amx_conv && p.fast_acc) {
     if (const AmxGatherKernel amx = SelectAmxGatherKernel(path)) return AmxConvImplicit(g, op, batch, path, amx);
   }
-  if (RunsNhwc(p, path)) return IgemmConv(g, op, batch, path, SelectIgemmKernel(path));  // (AMX: above)
+  if (RunsNhwc(p, path)) return IgemmConv(g, op, batch, path, SelectIgemmKernel(path, p.ig_int16));  // (AMX: above)
   if (p.depthwise && path != kPathRef) {
     // channels-last when PlanNhwc allows it (dw_nhwc) and a neighbour keeps NHWC tensors, or
     // on small output planes (at most 8 x 8: the plane kernel's rows of 16-output blocks are
@@ -40,16 +52,12 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
   if (p.spatial > 0 && !p.w16.empty() && path != kPathRef) return IntConvFast(g, op, batch, path, overflow);
   const Geometry e = Geo(g, op, batch);
   const int out_dtype = g->tensors[op.outputs[0]].dtype;
-  if (p.spatial == 0 && p.groups == 1 && p.fast_stage && p.int32_exact && path != kPathRef && !p.bin_out &&
-      g->tensors[op.inputs[0]].dtype != kBin && (out_dtype == kI8 || out_dtype == kU8)) {
-    // LINEAR with no overflow possible: bias and output stage inside the GEMM, vectorized on
-    // the task's block while it is in cache (the per-element path below cost 3x the GEMM on
-    // wide layers)
+  if (path != kPathRef && LinearFusedGemm(g, op)) {
     const ActView av = conv::Int8Rows(g->buffers[op.inputs[0]].data(), g->tensors[op.inputs[0]].dtype, e.n, e.kdim,
                                       p.in_zp, p.in_max_code);
     GemmOutput o;
     o.data = g->buffers[op.outputs[0]].data();
-    o.dtype = out_dtype == kI8 ? DType::kInt8 : DType::kUInt8;
+    o.dtype = out_dtype == kI8 ? DType::kInt8 : (out_dtype == kU8 ? DType::kUInt8 : DType::kInt32);
     o.ld = e.og;
     o.stage = &p.out.stage;
     return Gemm(av, p.packed[0], p.bias.empty() ? nullptr : p.bias.data(), o, path);

@@ -81,15 +81,16 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
   // panels than pieces wanted (7 x 7 images), also of weight-row strips (each such piece
   // gathers its panels again).  Several pieces per thread, claimed dynamically, so a
   // thread slowed by another process on its core does not hold up the op: the others take
-  // its share.  Pieces of at least kMinParallelWork / 4 (the gathers, stages and claims
-  // per piece stay small beside them).  The AMX form keeps whole units (its tiles are 16
+  // its share (kClaimsPerThread pieces per thread).  Pieces of at least kMinParallelWork / 8
+  // (the gathers, stages and claims per piece stay small beside them).  The AMX form keeps whole units (its tiles are 16
   // rows x 16 columns and it already fills the cores at batch >= 2 threads).
   const int64_t cols1 = per_task * P, npanels1 = (cols1 + 15) / 16;
   const int64_t nstrips = (e.og + kMaxRows - 1) / kMaxRows;
   int64_t ctiles = 1, rblocks = 1;
-  if (!amx && threads > 1 && per_task == 1 && units < 4 * threads) {
-    const int64_t pieces = std::min<int64_t>((4 * threads + units - 1) / units,
-                                             std::max<int64_t>(1, work / units / (kMinParallelWork / 4)));
+  const int64_t want_pieces = int64_t{kClaimsPerThread} * threads;
+  if (!amx && threads > 1 && per_task == 1 && units < want_pieces) {
+    const int64_t pieces = std::min<int64_t>((want_pieces + units - 1) / units,
+                                             std::max<int64_t>(1, work / units / (kMinParallelWork / 8)));
     ctiles = std::min(npanels1, pieces);
     rblocks = std::min(nstrips, (pieces + ctiles - 1) / ctiles);
   }

@@ -9,6 +9,10 @@
 // codes).  The accumulators start at bias - z_u * rowsum (ConvParams::ig_cinit), so the
 // epilogue is the output stage alone, per [positions][channels] tile while it is in L1/L2,
 // written as NHWC rows, or transposed into NCHW planes when the output tensor is NCHW.
+// Two kernel kinds run under this one driver (`kernel`), which differ only in their panels'
+// and rows' element size: the vpmaddubsw kind on u8 rows (7-bit codes or small weights) and
+// the int16 kind for full-range 8-bit codes (ConvParams::ig_int16, igemm_i16_6x16_avx2.cc) on
+// the same rows widened to int16 once per conv.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -63,7 +67,8 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const uint8_t* x = g->buffers[op.inputs[0]].data();
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const int64_t P = e.OH * e.OW, HW = e.H * e.W, C = e.C, O = e.O, cp = p.ig_cp, taps = p.ig_taps;
-  const int64_t cquads = cp / 4, panel_bytes = taps * cquads * 64;
+  // a panel's k-quad: 16 channels x 4 s8 weights, or x 4 int16 for the int16 kernel kind
+  const int64_t cquads = cp / 4, panel_bytes = taps * cquads * (p.ig_int16 ? 128 : 64);
   const uint8_t zu = static_cast<uint8_t>(p.in_zp + (xt.dtype == kI8 ? 128 : 0));
   const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
   // the rows the kernel reads: the input itself, or an NHWC u8 copy with rows of cp bytes
@@ -86,7 +91,22 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     }, /*work=*/e.n * HW * cp * 8);
     rows = copied;
   }
-  std::vector<uint8_t> zero_row(static_cast<size_t>(cp), zu);  // taps in the padding
+  // the int16 kind reads int16 rows: the u8 rows widened once per conv here (widening in the
+  // kernel's loads repeats it for every 16-channel panel; igemm_i16_6x16_avx2.cc)
+  const int64_t esize = p.ig_int16 ? 2 : 1, row_bytes = cp * esize;
+  std::vector<uint8_t> zero_row(static_cast<size_t>(row_bytes), zu);  // taps in the padding
+  if (p.ig_int16) {
+    thread_local AlignedVector<int16_t> wide;
+    wide.resize(static_cast<size_t>(e.n * HW * cp));
+    int16_t* const widened = wide.data();
+    const uint8_t* const narrow = rows;
+    ParallelFor(static_cast<int>(e.n), [&](int b) {
+      for (int64_t i = b * HW * cp; i < (b + 1) * HW * cp; ++i) widened[i] = narrow[i];
+    }, /*work=*/e.n * HW * cp * 4);
+    rows = reinterpret_cast<const uint8_t*>(widened);
+    const int16_t z16 = zu;
+    for (int64_t c = 0; c < cp; ++c) std::memcpy(zero_row.data() + 2 * c, &z16, 2);
+  }
   const uint8_t* zrow = zero_row.data();
 
   // fused residual ADD (ConvParams::fused_add; I32 output): computed here, skipped by the
@@ -137,7 +157,7 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   // the stage from registers (IgemmStageKernel): one output, stored NHWC as codes, with a
   // stage prepared for it (ConvParams::ig_stage); else int32 tiles and the stage after them
   const IgemmStageKernel stage_kernel = RegisterStageEnabled() ? SelectIgemmStageKernel(path) : nullptr;
-  const bool from_regs = stage_kernel != nullptr && p.ig_stage.ok && outs.size() == 1 && out_nhwc &&
+  const bool from_regs = stage_kernel != nullptr && !p.ig_int16 && p.ig_stage.ok && outs.size() == 1 && out_nhwc &&
                          (out_dtype == kU8 || out_dtype == kI8);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
@@ -145,10 +165,12 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const int64_t work = e.n * P * O * (taps * cp + 64 * static_cast<int64_t>(outs.size()));
   const int threads = ThreadsFor(work);
   // Tasks: (image, M block) x N parts.  N is split only when the M blocks alone do not give
-  // each thread several tasks (7 x 7 images at batch 1); each N part re-reads its block's rows.
+  // each thread kClaimsPerThread tasks (14 x 14 and 7 x 7 images at batch 1); each N part
+  // re-reads its block's rows.
   int64_t nparts = 1;
-  if (threads > 1 && e.n * blocks < 4 * threads)
-    nparts = std::min<int64_t>(p.ig_panels, (4 * threads + e.n * blocks - 1) / (e.n * blocks));
+  const int64_t want = int64_t{kClaimsPerThread} * threads;
+  if (threads > 1 && e.n * blocks < want)
+    nparts = std::min<int64_t>(p.ig_panels, (want + e.n * blocks - 1) / (e.n * blocks));
   const int64_t tasks = e.n * blocks * nparts;
   ParallelFor(static_cast<int>(tasks), [&](int t) {
     const int64_t part = t % nparts, bb = t / nparts, b = bb / blocks, blk = bb % blocks;
@@ -161,7 +183,7 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     // against the tap's C / 4 k-quads x N / 16 panels of kernel steps
     thread_local std::vector<const uint8_t*> ind;
     ind.resize(static_cast<size_t>(m * taps));
-    const uint8_t* img = rows + b * HW * cp;
+    const uint8_t* img = rows + b * HW * row_bytes;
     for (int64_t i = 0; i < m; ++i) {
       const int64_t oy = (p0 + i) / e.OW, ox = (p0 + i) % e.OW;
       const uint8_t** r = ind.data() + i * taps;
@@ -169,7 +191,7 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
         const int64_t iy = oy * p.sh - p.ph + ky * p.dh;
         for (int64_t kx = 0; kx < p.kw; ++kx) {
           const int64_t ix = ox * p.sw - p.pw + kx * p.dw;
-          r[ky * p.kw + kx] = (iy >= 0 && iy < e.H && ix >= 0 && ix < e.W) ? img + (iy * e.W + ix) * cp : zrow;
+          r[ky * p.kw + kx] = (iy >= 0 && iy < e.H && ix >= 0 && ix < e.W) ? img + (iy * e.W + ix) * row_bytes : zrow;
         }
       }
     }

@@ -103,47 +103,68 @@ void PrepareDepthwise(ConvParams* pp) {
 }
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
-// vpmaddubsw kernel is exact on them for the input's codes and the shape is one where it
+// shape is one where it
 // beats the gathered-panel conv (measured per op inside MobileNetV2 and ResNet-18, AVX2, with
 // the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 16 and O >= 24.  With the
 // output stage applied from the kernel's registers (ig_stage) that includes MobileNetV2's
 // 16 -> 96 expansion at 112 x 112 (~1.1 -> ~0.85 ms, and the stride-2 depthwise conv after
 // it then runs NHWC: ~0.5 -> ~0.3 ms).  Its 32 -> 16 projection (O = 16) stays on the NCHW
 // gathered conv: as an implicit-GEMM conv it would make the 32-channel 112 x 112 depthwise
-// conv before it write NHWC, where the plane kernel is ~2x faster.
+// conv before it write NHWC, where the plane kernel is ~2x faster.  The kernel kind: vpmaddubsw
+// when it is exact on the weights for the input's codes (int8 weights, MaddubsStepsFor >= 1),
+// else the int16 kind (|W - w_zp| <= 511: int32_exact), e.g. full-range 8-bit activations
+// with any int8 weights.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
   // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
   // row pointer loads; measured slower on MobileNetV2's stem, NHWC output and all)
-  if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.w8.empty() || p.cin < 8 || out.dtype == kBin) return;
+  if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.cin < 8 || out.dtype == kBin) return;
   const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
   const bool pays = taps * cp >= 16 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
   const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
-  // the weights in K order [tap][channel] (zero past C): its pairs are the kernel's
-  std::vector<int8_t> rows(static_cast<size_t>(O * taps * cp), 0);
+  // the weights in K order [tap][channel] (zero past C): its pairs are the kernels' pairs
+  std::vector<int16_t> rows(static_cast<size_t>(O * taps * cp), 0);
+  std::vector<int8_t> rows8(static_cast<size_t>(O * taps * cp), 0);
+  bool int8 = !p.w8.empty();
   for (int64_t oc = 0; oc < O; ++oc)
     for (int64_t c = 0; c < p.cin; ++c)
-      for (int64_t t = 0; t < taps; ++t)
-        rows[(oc * taps + t) * cp + c] = static_cast<int8_t>(p.w_int[0][oc * kdim + c * taps + t]);
-  if (MaddubsStepsFor(MaddubsPairBound(rows.data(), O, taps * cp, taps * cp), p.in_max_code) < 1) return;
-  p.ig_w.assign(static_cast<size_t>(panels * kq * 64), 0);
-  for (int64_t oc = 0; oc < O; ++oc)
-    for (int64_t k = 0; k < taps * cp; ++k)  // panel oc / 16, quad k / 4, column oc % 16, byte k % 4
-      p.ig_w[((oc / 16) * kq + k / 4) * 64 + (oc % 16) * 4 + k % 4] = static_cast<uint8_t>(rows[oc * taps * cp + k]);
+      for (int64_t t = 0; t < taps; ++t) {
+        const int32_t v = p.w_int[0][oc * kdim + c * taps + t];  // |v| <= 511 (int32_exact)
+        rows[(oc * taps + t) * cp + c] = static_cast<int16_t>(v);
+        rows8[(oc * taps + t) * cp + c] = static_cast<int8_t>(v);
+      }
+  int8 = int8 && MaddubsStepsFor(MaddubsPairBound(rows8.data(), O, taps * cp, taps * cp), p.in_max_code) >= 1;
+  if (int8) {
+    p.ig_w.assign(static_cast<size_t>(panels * kq * 64), 0);
+    for (int64_t oc = 0; oc < O; ++oc)
+      for (int64_t k = 0; k < taps * cp; ++k)  // panel oc / 16, quad k / 4, column oc % 16, byte k % 4
+        p.ig_w[((oc / 16) * kq + k / 4) * 64 + (oc % 16) * 4 + k % 4] = static_cast<uint8_t>(rows8[oc * taps * cp + k]);
+  } else {
+    // int16 panels: panel oc / 16, quad k / 4, pair (k % 4) / 2, column oc % 16, half k % 2
+    p.ig_w.assign(static_cast<size_t>(panels * kq * 128), 0);
+    int16_t* w16 = reinterpret_cast<int16_t*>(p.ig_w.data());
+    for (int64_t oc = 0; oc < O; ++oc)
+      for (int64_t k = 0; k < taps * cp; ++k)
+        w16[((oc / 16) * kq + k / 4) * 64 + ((k % 4) / 2) * 32 + (oc % 16) * 2 + k % 2] = rows[oc * taps * cp + k];
+  }
   const uint32_t zu = static_cast<uint32_t>(p.in_zp + (x.dtype == kI8 ? 128 : 0));
   p.ig_cinit.assign(static_cast<size_t>(panels * 16), 0);
-  for (int64_t oc = 0; oc < O; ++oc)  // mod 2^32 like the sums (no overflow: fast_acc)
-    p.ig_cinit[oc] = static_cast<int32_t>((p.bias.empty() ? 0u : static_cast<uint32_t>(p.bias[oc])) -
-                                          zu * static_cast<uint32_t>(p.rowsum[oc]));
+  for (int64_t oc = 0; oc < O; ++oc) {  // mod 2^32 like the sums (no overflow: fast_acc)
+    uint32_t rowsum = 0;
+    for (int64_t k = 0; k < kdim; ++k) rowsum += static_cast<uint32_t>(p.w_int[0][oc * kdim + k]);
+    p.ig_cinit[oc] = static_cast<int32_t>((p.bias.empty() ? 0u : static_cast<uint32_t>(p.bias[oc])) - zu * rowsum);
+  }
   p.ig_cp = cp;
   p.ig_taps = taps;
   p.ig_panels = panels;
+  p.ig_int16 = !int8;
   // the register stage where the stage is a sizable share of the work (K <= 512: about 1/K of
   // the MACs per output); on ResNet-18's K >= 576 convs it measured 1-3 % slower than the
   // stage over int32 tiles (within noise, but never faster)
-  if ((out.dtype == kU8 || out.dtype == kI8) && taps * cp <= 512)
+  // (the vpmaddubsw kind only: the stage kernel accumulates as IgemmU8S8Avx2 does)
+  if (!p.ig_int16 && (out.dtype == kU8 || out.dtype == kI8) && taps * cp <= 512)
     PrepareStageF32(p.out.stage, O, panels * 16, &p.ig_stage);
   p.igemm = true;
 }
@@ -291,8 +312,8 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         p.w8.push_back(std::move(rows));
       }
       if (p.groups == 1) PrepareAmxConv(x, &p);
-      PrepareIgemm(x, out, &p);
     }
+    PrepareIgemm(x, out, &p);
   } else if (p.int32_exact) {
     for (int64_t gi = 0; gi < p.groups; ++gi) {
       std::vector<int16_t> v16(p.w_int[gi].begin(), p.w_int[gi].end());

@@ -9,15 +9,14 @@
 // W < 2^62 (checked at prepare from N and eps); R < 2^31 and |D_i|·2^G <= R + 1, so the
 // quotient's numerator stays below 2^49 and |Z_i| <= 2^16 + 1: acc fits int32.
 //
-// Reference path: the formula as written (k = 0 in the narrow form).  Narrow form, optimized
-// paths, the same values: typed loops for the sums, Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R)
-// by the exact vector division (FloorDivScaledKernel; portable: FloorDivByReciprocal;
-// numerator below 2^51, exact as a double), no int64 division per element, acc_i from int32
-// copies of gamma and beta, and the vectorized output stage (RequantKernel) over the row of acc.
-// The wide form (two inputs, an I32 input, a non-identity rescale or an I32 output), optimized
-// paths: typed loads of each input, the row shift k, each input's rescale by the vector StageI32Kernel,
-// then the same division and stage as the narrow rows (I32 output: StageI32Kernel); see
-// LayernormRowWideFast for the bounds.
+// Reference path: the formula as written (k = 0 in the narrow form).  Optimized paths, every
+// form, the same values (LayernormRowOpt): each input's rescaled int32 terms (typed loads, the
+// vector StageI32Kernel; an I32 input at zero point 0 with the identity rescale is read in
+// place), then the path's LayernormKernels (dispatch.h): the saturated pair sum with Σ, min and
+// max in one pass (max |D| from min and max, so k needs no pass of its own), D_i and Σ D_i²
+// in int32 lanes, and Z_i = floor((2·|D_i|·2^(G+16) + R) / 2R) by the exact vector division
+// with acc_i = Z_i·gamma_i + beta_i from int32 copies of gamma and beta.  Then the vectorized
+// output stage (RequantKernel; I32: StageI32Kernel, or none for the identity stage).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -35,8 +34,9 @@ struct LayernormParams : OpParams {
   int64_t eps = 0;
   StageData out;
   std::vector<StageData> in;    // per input: zero point and rescale
-  std::vector<int64_t> const1;  // a constant input 1, rescaled at prepare (repeats per batch row)
-  bool narrow = true;           // one I8/U8 input, identity rescale, I8/U8 output: the narrow rows
+  std::vector<int64_t> const1;    // a constant input 1, rescaled at prepare (repeats per batch row)
+  std::vector<int32_t> const1_32;  // the same values (RescaleOne's results are int32) for the optimized rows
+  bool out_identity = false;       // an I32 output whose stage is the identity: rows written in place
 };
 
 int BitLength(uint64_t v) {
@@ -133,66 +133,19 @@ Status PrepareLayernorm(Graph* g, GraphOp& op, int index, std::vector<int64_t>* 
              "row length %lld (at most 8192) with eps %lld (below 2^61) overflows a wide LAYERNORM's variance sum",
              (long long)n, (long long)p->eps);
   }
-  p->narrow = narrow && IsInt8(out.dtype);  // the wide (I32) output is written by the wide rows
   p->gamma32.assign(p->gamma.begin(), p->gamma.end());
   p->beta32.assign(p->beta.begin(), p->beta.end());
+  p->const1_32.assign(p->const1.begin(), p->const1.end());
   QDSL_RETURN_IF_ERROR(ReadStage(op, index, 1, out.dtype, &p->out));
   OP_CHECK(p->out.multiplier.size() == 1, "LAYERNORM rescales are per tensor");
+  const OutputStage& so = p->out.stage;
+  p->out_identity = out.dtype == kI32 && so.rescale.kind == RescaleKind::kPot && so.rescale.shift[0] == 0 &&
+                    so.zero_point == 0 && so.qmin == INT32_MIN && so.qmax == INT32_MAX;
   op.prepared = std::move(p);
   return Status::Ok();
 }
 
 namespace {
-
-struct LayernormScratch {
-  std::vector<int32_t> acc;  // the optimized row's D_i, |D_i| and the stage's input, n each
-};
-
-// The optimized rows' common end, from W (eps included), D_i and |D_i|: G, R, then
-// acc_i = Z_i·gamma_i + beta_i with Z = round_half_away(|D| · 2^(G+16) / R)
-// = floor((|D| · 2^(G+17) + R) / 2R); the numerator is below 2^51 (exact as a double), the
-// quotient at most 2^16 + 1.  D is int32 (narrow rows) or int64 (wide rows); only its sign is read.
-template <typename D>
-void NormalizeRowFast(const LayernormParams& p, int64_t w, const D* __restrict d, const int32_t* __restrict mag,
-                      int64_t n, FloorDivScaledKernel div, int32_t* __restrict acc) {
-  const int32_t* __restrict gamma = p.gamma32.data();
-  const int32_t* __restrict beta = p.beta32.data();
-  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
-  const int64_t root = ISqrt(w << (2 * gs));
-  if (root == 0) {
-    for (int64_t i = 0; i < n; ++i) acc[i] = beta[i];
-    return;
-  }
-  const int64_t den = 2 * root;
-  if (div != nullptr) {
-    div(mag, n, static_cast<double>(int64_t{1} << (gs + 17)), static_cast<double>(root), static_cast<double>(den),
-        acc);
-  } else {
-    const double inv = 1.0 / static_cast<double>(den);
-    for (int64_t i = 0; i < n; ++i)
-      acc[i] = static_cast<int32_t>(FloorDivByReciprocal((static_cast<int64_t>(mag[i]) << (gs + 17)) + root, den, inv));
-  }
-  for (int64_t i = 0; i < n; ++i) acc[i] = (d[i] < 0 ? -acc[i] : acc[i]) * gamma[i] + beta[i];
-}
-
-// One row into acc (the stage's int32 input), from the same integers as the reference.
-// D_i fits int32 (|D_i| <= n·255 < 2^24) and D_i² int64; restrict pointers and int32 arrays
-// let the compiler vectorize every loop but the division (FloorDivScaledKernel's).
-template <typename T>
-void LayernormRowFast(const LayernormParams& p, const T* __restrict x, int64_t n, FloorDivScaledKernel div,
-                      int32_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
-  int32_t sum = 0;  // |sum| <= 40000 · 255
-  for (int64_t i = 0; i < n; ++i) sum += x[i];
-  const int32_t n32 = static_cast<int32_t>(n);
-  int64_t w = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    d[i] = n32 * static_cast<int32_t>(x[i]) - sum;
-    mag[i] = d[i] < 0 ? -d[i] : d[i];
-    w += static_cast<int64_t>(d[i]) * d[i];
-  }
-  w += p.eps;
-  NormalizeRowFast(p, w, d, mag, n, div, acc);
-}
 
 // The header's formula as written, for every form (in the narrow form k = 0 and the rescale is
 // the identity, so it is the narrow formula line by line): the reference path's rows.
@@ -209,7 +162,8 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   uint8_t* y = c.Buf(op.outputs[0]);
   const bool y32 = c.DType(op.outputs[0]) == kI32;  // the wide output
   const OutputStage& st = p.out.stage;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
+  const int64_t work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
+  ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> d(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * n;
@@ -258,86 +212,86 @@ void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   });
 }
 
-// Input j's rescaled term per element into t: x - zp loaded typed into a32, then the paths'
-// vectorized one-channel int32 stage (StageI32Kernel, == ApplyStage: csrc/tests/test_main.cc)
+// One row on the optimized paths, the same integers as RunLayernormWide, from the row's
+// rescaled int32 terms t0 (+ t1) by the path's LayernormKernels (dispatch.h):
+//   sum:       v = sat32(t0 + t1), Σ v and min/max v (int32 lanes, int64 sum);
+//   k:         max |D_i| = max(n·max v - Σ v, Σ v - n·min v), no pass over D;
+//   center:    D_i = round_half_away((n·v_i - Σ v) / 2^k) and Σ D_i².  After the shift
+//              |D_i| <= 2^24 (bitlen(max|D| >> k) <= 24; half-away rounding may reach 2^24),
+//              and |n·v_i - Σ v| <= n·(max v - min v) < 2^46 (n <= 8192 wide; the narrow form
+//              has k = 0 and |D_i| <= 40000·255 < 2^24);
+//   normalize: Z_i = round_half_away(D_i · 2^(G+16) / R) = sign(D_i)·floor((|D_i|·2^(G+17) + R) / 2R),
+//              acc_i = Z_i·gamma_i + beta_i.  W >= D_i² gives |D_i|·2^G <= R, so the numerator
+//              is below 2^51 and the quotient at most 2^16 + 1: |Z·gamma| < 2^31 - 2^30 and
+//              |beta| <= 2^30, so int32 holds acc.
+// v, d: scratch of n; acc: n outputs (the stage's input, or the I32 result itself).
+void LayernormRowOpt(const LayernormParams& p, const LayernormKernels& ker, const int32_t* t0, const int32_t* t1,
+                     int64_t n, int32_t* v, int32_t* d, int32_t* acc) {
+  int64_t sum;
+  int32_t lo, hi;
+  ker.sum(t0, t1, n, v, &sum, &lo, &hi);
+  const int32_t* x = t1 != nullptr ? v : t0;
+  const int64_t most = std::max(n * hi - sum, sum - n * lo);
+  const int k = std::max(0, BitLength(static_cast<uint64_t>(most)) - 24);
+  const int64_t w = ker.center(x, n, sum, k, d) + HalfAwayShift(p.eps, 2 * k);
+  const int gs = (62 - BitLength(static_cast<uint64_t>(w))) / 2;
+  const int64_t root = ISqrt(w << (2 * gs));
+  if (root == 0) {  // W = 0: every D_i = 0, so Z = 0
+    std::memcpy(acc, p.beta32.data(), static_cast<size_t>(n) * 4);
+    return;
+  }
+  ker.normalize(d, n, gs + 17, root, p.gamma32.data(), p.beta32.data(), acc);
+}
+
+// Input j's rescaled terms for one row: the row itself for an I32 input at zero point 0 with
+// the identity rescale (MiniLM's LINEAR results), else x - zp loaded typed into t, then the
+// path's vectorized one-channel int32 stage (StageI32Kernel, == ApplyStage: csrc/tests/test_main.cc)
 // with zero point 0 and the int32 range as clamps, which is RescaleOne(x - zp) since x - zp
 // fits int32 (8-bit inputs; I32 inputs at zero point 0).  An I32 input at another zero point
 // (x - zp may pass int32: RescaleOne saturates it first) takes the scalar RescaleOne.
 template <typename T>
-void RescaleRowInto(const T* __restrict x, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* __restrict a32,
-                    int32_t* __restrict t) {
+void LoadMinusZp(const T* __restrict x, int64_t n, int32_t zp, int32_t* __restrict t) {
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(x[i]) - zp;
+}
+
+const int32_t* RescaleRow(const uint8_t* x, int dt, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* t) {
   const Rescale& q = in.stage.rescale;
   const int32_t zp = in.stage.zero_point;
-  for (int64_t i = 0; i < n; ++i) a32[i] = static_cast<int32_t>(x[i]) - zp;
-  if (q.kind == RescaleKind::kPot && q.shift[0] == 0 && q.multiplier[0] == 1) {  // the identity
-    std::memcpy(t, a32, static_cast<size_t>(n) * 4);
-    return;
+  const bool identity = q.kind == RescaleKind::kPot && q.shift[0] == 0 && q.multiplier[0] == 1;
+  if (dt == kI32 && zp != 0) {
+    const int32_t* x32 = reinterpret_cast<const int32_t*>(x);
+    for (int64_t i = 0; i < n; ++i)
+      t[i] = static_cast<int32_t>(
+          RescaleOne(static_cast<int64_t>(x32[i]) - zp, q.kind, q.multiplier[0], q.shift[0], q.rounding));
+    return t;
   }
+  if (dt == kI32 && identity) return reinterpret_cast<const int32_t*>(x);
+  if (dt == kI32) {
+    std::memcpy(t, x, static_cast<size_t>(n) * 4);
+  } else if (dt == kI8) {
+    LoadMinusZp(reinterpret_cast<const int8_t*>(x), n, zp, t);
+  } else {
+    LoadMinusZp(x, n, zp, t);
+  }
+  if (identity) return t;
   OutputStage one;
   one.rescale = q;
   one.zero_point = 0;
   one.qmin = INT32_MIN;
   one.qmax = INT32_MAX;
-  stage(a32, n, one, t);
+  stage(t, n, one, t);  // element-wise: in place is fine
+  return t;
 }
 
-void RescaleRow(const uint8_t* x, int dt, int64_t n, const StageData& in, StageI32Kernel stage, int32_t* a32,
-                int32_t* t) {
-  if (dt == kI32 && in.stage.zero_point != 0) {
-    const Rescale& q = in.stage.rescale;
-    const int32_t* x32 = reinterpret_cast<const int32_t*>(x);
-    for (int64_t i = 0; i < n; ++i)
-      t[i] = static_cast<int32_t>(RescaleOne(static_cast<int64_t>(x32[i]) - in.stage.zero_point, q.kind,
-                                             q.multiplier[0], q.shift[0], q.rounding));
-  } else if (dt == kI32) {
-    RescaleRowInto(reinterpret_cast<const int32_t*>(x), n, in, stage, a32, t);
-  } else if (dt == kI8) {
-    RescaleRowInto(reinterpret_cast<const int8_t*>(x), n, in, stage, a32, t);
-  } else {
-    RescaleRowInto(x, n, in, stage, a32, t);
-  }
-}
-
-struct WideScratch {
-  std::vector<int64_t> v, d;
-  std::vector<int32_t> a32, t0, t1, mag, acc;
+struct OptScratch {
+  std::vector<int32_t> t0, t1, v, d, acc;
 };
 
-// The wide form's row on the optimized paths, the same integers as RunLayernormWide: typed
-// loads, the row shift, then the narrow rows' exact division.  After the shift |D_i| <= 2^24
-// (bitlen(max|D| >> k) <= 24, half-away rounding may reach 2^24), so |D_i| fits int32 and, as
-// in the narrow form, W >= D_i² gives |D_i|·2^G <= R: the numerator |D_i|·2^(G+17) + R is
-// below 2^51 (exact as a double), den = 2R < 2^32 and the quotient is at most 2^16 + 1, the
-// preconditions of FloorDivScaledKernel / FloorDivByReciprocal (dispatch.h, last_axis.h).
-// acc = Z·gamma + beta: |Z·gamma| < 2^30 and |beta| <= 2^30, so int32 holds it.
-void LayernormRowWideFast(const LayernormParams& p, int64_t n, const int64_t* __restrict v, FloorDivScaledKernel div,
-                          int64_t* __restrict d, int32_t* __restrict mag, int32_t* __restrict acc) {
-  int64_t sum = 0, most = 0;
-  for (int64_t i = 0; i < n; ++i) sum += v[i];
-  for (int64_t i = 0; i < n; ++i) {
-    d[i] = n * v[i] - sum;
-    most = std::max(most, d[i] < 0 ? -d[i] : d[i]);
-  }
-  const int k = std::max(0, BitLength(static_cast<uint64_t>(most)) - 24);
-  int64_t w = HalfAwayShift(p.eps, 2 * k);
-  if (k == 0) {
-    for (int64_t i = 0; i < n; ++i) w += d[i] * d[i];
-  } else {
-    const int64_t half = int64_t{1} << (k - 1);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t a = ((d[i] < 0 ? -d[i] : d[i]) + half) >> k;
-      d[i] = d[i] < 0 ? -a : a;
-      w += a * a;
-    }
-  }
-  for (int64_t i = 0; i < n; ++i) mag[i] = static_cast<int32_t>(d[i] < 0 ? -d[i] : d[i]);
-  NormalizeRowFast(p, w, d, mag, n, div, acc);
-}
-
-// The wide form on the optimized paths: per row, each input's rescaled term by RescaleRow, the
-// sum saturated to int32 as the reference does (only with a second term), LayernormRowWideFast,
-// then the vectorized stage (RequantKernel for I8/U8, StageI32Kernel for the I32 output).
-void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
+// Every form on the optimized paths: per row, each input's terms (RescaleRow), a (1, ...)
+// constant input 1 as its rescaled int32 row, LayernormRowOpt, then the vectorized stage
+// (RequantKernel for I8/U8; for I32 StageI32Kernel, or nothing when the stage is the identity:
+// the row is computed straight into y).
+void RunLayernormOpt(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
   const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
   const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
   const size_t n_in = op.inputs.size();
@@ -346,7 +300,7 @@ void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p
   const bool act1 = n_in > 1 && p.const1.empty();
   const uint8_t* x1 = act1 ? c.Buf(op.inputs[1]) : nullptr;
   const int dt1 = act1 ? c.DType(op.inputs[1]) : 0;
-  const int64_t n1 = static_cast<int64_t>(p.const1.size());
+  const int64_t n1 = static_cast<int64_t>(p.const1_32.size());
   uint8_t* y = c.Buf(op.outputs[0]);
   const int ydt = c.DType(op.outputs[0]);
   const bool y32 = ydt == kI32;
@@ -354,32 +308,27 @@ void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p
   const OutputStage& st = p.out.stage;
   const RequantKernel requant = SelectRequantKernel(c.path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(c.path);
-  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
+  const LayernormKernels ker = SelectLayernormKernels(c.path);
   const int64_t xb = ElementBytes(dt) * n, x1b = ElementBytes(dt1) * n;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 8 * static_cast<int64_t>(n_in), [&](int64_t r0, int64_t r1) {
-    thread_local WideScratch sc;
-    for (auto* b : {&sc.v, &sc.d}) b->resize(static_cast<size_t>(n));
-    for (auto* b : {&sc.a32, &sc.t0, &sc.t1, &sc.mag, &sc.acc}) b->resize(static_cast<size_t>(n));
-    int64_t* __restrict v = sc.v.data();
-    int32_t* __restrict t0 = sc.t0.data();
-    int32_t* __restrict t1 = sc.t1.data();
+  const int64_t work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
+  ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
+    thread_local OptScratch sc;
+    for (auto* b : {&sc.t0, &sc.t1, &sc.v, &sc.d, &sc.acc}) b->resize(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t o = r * n;
-      RescaleRow(x + r * xb, dt, n, p.in[0], stage_i32, sc.a32.data(), t0);
-      if (x1 != nullptr) {  // RescaleOne's results are int32: the pair sum is exact in int64
-        RescaleRow(x1 + r * x1b, dt1, n, p.in[1], stage_i32, sc.a32.data(), t1);
-        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(static_cast<int64_t>(t0[i]) + t1[i]);
+      const int32_t* t0 = RescaleRow(x + r * xb, dt, n, p.in[0], stage_i32, sc.t0.data());
+      const int32_t* t1 = nullptr;
+      if (x1 != nullptr) {
+        t1 = RescaleRow(x1 + r * x1b, dt1, n, p.in[1], stage_i32, sc.t1.data());
       } else if (n1 > 0) {
-        const int64_t* c1 = p.const1.data() + (o % n1);  // n1 is a multiple of n: the row is contiguous
-        for (int64_t i = 0; i < n; ++i) v[i] = Sat32(t0[i] + c1[i]);
-      } else {
-        for (int64_t i = 0; i < n; ++i) v[i] = t0[i];
+        t1 = p.const1_32.data() + (o % n1);  // n1 is a multiple of n: the row is contiguous
       }
-      LayernormRowWideFast(p, n, v, div, sc.d.data(), sc.mag.data(), sc.acc.data());
-      if (y32) {
-        stage_i32(sc.acc.data(), n, st, reinterpret_cast<int32_t*>(y + 4 * o));
-      } else {
-        requant(sc.acc.data(), 1, n, n, st, 0, y + o, n, out_signed);
+      int32_t* acc = y32 && p.out_identity ? reinterpret_cast<int32_t*>(y + 4 * o) : sc.acc.data();
+      LayernormRowOpt(p, ker, t0, t1, n, sc.v.data(), sc.d.data(), acc);
+      if (y32 && !p.out_identity) {
+        stage_i32(acc, n, st, reinterpret_cast<int32_t*>(y + 4 * o));
+      } else if (!y32) {
+        requant(acc, 1, n, n, st, 0, y + o, n, out_signed);
       }
     }
   });
@@ -389,30 +338,11 @@ void RunLayernormWideFast(RunCtx& c, const GraphOp& op, const LayernormParams& p
 
 Status RunLayernorm(RunCtx& c, const GraphOp& op) {
   const LayernormParams& p = ParamsOf<LayernormParams>(op);
-  const int dt = c.DType(op.inputs[0]);
-  const bool out_signed = c.DType(op.outputs[0]) == kI8;
-  const OutputStage& st = p.out.stage;
   if (c.path == kPathRef) {
     RunLayernormWide(c, op, p);
-    return Status::Ok();
+  } else {
+    RunLayernormOpt(c, op, p);
   }
-  if (!p.narrow) {
-    RunLayernormWideFast(c, op, p);
-    return Status::Ok();
-  }
-  const RequantKernel requant = SelectRequantKernel(c.path);
-  const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
-  ForEachLastAxisRow<LayernormScratch>(c, op, 6, [&](LayernormScratch& sc, const uint8_t* x, uint8_t* y,
-                                                     int64_t n) {
-    sc.acc.resize(static_cast<size_t>(3 * n));
-    int32_t* acc = sc.acc.data() + 2 * n;
-    if (dt == kU8) {
-      LayernormRowFast(p, x, n, div, sc.acc.data(), sc.acc.data() + n, acc);
-    } else {  // the narrow form reads I8 or U8
-      LayernormRowFast(p, reinterpret_cast<const int8_t*>(x), n, div, sc.acc.data(), sc.acc.data() + n, acc);
-    }
-    requant(acc, 1, n, n, st, 0, y, n, out_signed);
-  });
   return Status::Ok();
 }
 

@@ -9,7 +9,8 @@
 // the inner loop is a dot product of two contiguous int32 rows.
 // Optimized paths (RunMatmulFast): per (batch, leading...) matrix, b - zp_b is packed into
 // the int16 16-column panels of the GEMM micro-kernels (PanelFormat::kI16, the layout of
-// csrc/pack/pack_weights.cc) and a - zp_a into int16 rows, both K padded with zeros to a
+// csrc/pack/pack_weights.cc; straight from b when its rows or columns are contiguous, as in
+// attention) and a - zp_a into int16 rows, both K padded with zeros to a
 // multiple of 4; the vpmaddwd kernel multiplies int16 pairs into int32 exactly (|diff| <= 255),
 // so the sums equal the reference's.  The output stage then runs vectorized over each block
 // of rows (RequantKernel), straight into y when the result's columns are contiguous there.
@@ -190,6 +191,64 @@ void GatherI16(const uint8_t* x, int dtype, int64_t off, int64_t s_row, int64_t 
   }
 }
 
+// b - zp_b straight into the int16 panels (layout in RunMatmulFast: k-pair j of panel q holds
+// b(k = 2j + t, n = 16q + c) at slot 2c + t, zeros past K and N) when one of b's axes is
+// contiguous: its rows (fixed k, n at unit stride: attention's v) are interleaved in pairs,
+// or its columns (fixed n, k at unit stride: attention's k^T) give each slot pair two
+// adjacent codes.
+template <typename T>
+void PackPanelsFromRows(const T* b, int64_t sbk, int64_t K, int64_t N, int64_t kpairs, int64_t panels, int32_t zp,
+                        int16_t* out) {
+  for (int64_t q = 0; q < panels; ++q) {
+    const int64_t n0 = 16 * q, nc = std::min<int64_t>(16, N - n0);
+    for (int64_t j = 0; j < kpairs; ++j) {
+      int16_t* __restrict dst = out + (q * kpairs + j) * 32;
+      for (int t = 0; t < 2; ++t) {
+        const int64_t k = 2 * j + t;
+        if (k < K && nc == 16) {
+          const T* __restrict row = b + k * sbk + n0;
+          for (int c = 0; c < 16; ++c) dst[2 * c + t] = static_cast<int16_t>(row[c] - zp);
+        } else {
+          for (int c = 0; c < 16; ++c) dst[2 * c + t] = k < K && c < nc ? static_cast<int16_t>(b[k * sbk + n0 + c] - zp) : 0;
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void PackPanelsFromCols(const T* b, int64_t sbn, int64_t K, int64_t N, int64_t kpairs, int64_t panels, int32_t zp,
+                        int16_t* out) {
+  for (int64_t q = 0; q < panels; ++q)
+    for (int c = 0; c < 16; ++c) {
+      const int64_t n = 16 * q + c;
+      int16_t* dst = out + q * kpairs * 32 + 2 * c;
+      if (n >= N) {
+        for (int64_t j = 0; j < kpairs; ++j) dst[j * 32] = dst[j * 32 + 1] = 0;
+        continue;
+      }
+      const T* col = b + n * sbn;
+      for (int64_t j = 0; j < kpairs; ++j) {
+        const int64_t k = 2 * j;
+        dst[j * 32] = k < K ? static_cast<int16_t>(col[k] - zp) : 0;
+        dst[j * 32 + 1] = k + 1 < K ? static_cast<int16_t>(col[k + 1] - zp) : 0;
+      }
+    }
+}
+
+template <typename T>
+bool PackPanelsDirect(const T* b, int64_t sbk, int64_t sbn, int64_t K, int64_t N, int64_t kpairs, int64_t panels,
+                      int32_t zp, int16_t* out) {
+  if (sbn == 1) {
+    PackPanelsFromRows(b, sbk, K, N, kpairs, panels, zp, out);
+  } else if (sbk == 1) {
+    PackPanelsFromCols(b, sbn, K, N, kpairs, panels, zp, out);
+  } else {
+    return false;
+  }
+  return true;
+}
+
 Status RunMatmulFast(RunCtx& c, const GraphOp& op, const MatmulParams& p, const MatmulView& v) {
   const size_t rank = v.rank;
   const int64_t M = v.M, K = v.K, N = v.N;
@@ -213,25 +272,17 @@ Status RunMatmulFast(RunCtx& c, const GraphOp& op, const MatmulParams& p, const 
     thread_local std::vector<int16_t> bpack, a16, bt;
     thread_local std::vector<int32_t> acc;
     thread_local std::vector<uint8_t> tmp;
-    // b - zp_b as N rows of K (bt), then into panels: k-pair j of panel q holds
-    // slot i < 16: column 16q + i/2, k = 2j + i%2, then slot 16 + i: column 16q + 8 + i/2.
-    bt.assign(static_cast<size_t>(ldacc * kp), 0);
-    if (sbn == 1 && sbk != 1) {  // b's rows (fixed k) are contiguous: read them in order (attention's v)
-      for (int64_t k = 0; k < K; ++k) {
-        const uint8_t* src = xb + ob + k * sbk;
-        int16_t* dst = bt.data() + k;
-        if (db == kU8) {
-          for (int64_t n = 0; n < N; ++n) dst[n * kp] = static_cast<int16_t>(src[n] - p.zp[1]);
-        } else {
-          const int8_t* s8 = reinterpret_cast<const int8_t*>(src);
-          for (int64_t n = 0; n < N; ++n) dst[n * kp] = static_cast<int16_t>(s8[n] - p.zp[1]);
-        }
-      }
-    } else {
-      GatherI16(xb, db, ob, sbn, sbk, N, K, p.zp[1], bt.data(), kp);
-    }
+    // b - zp_b into panels: k-pair j of panel q holds slot i < 16: column 16q + i/2,
+    // k = 2j + i%2, then slot 16 + i: column 16q + 8 + i/2 (slot 2c + t: column 16q + c,
+    // k = 2j + t); straight from b when one of its axes is contiguous, else through N rows
+    // of K (bt)
     bpack.resize(static_cast<size_t>(panels * kpairs * 32));
-    for (int64_t q = 0; q < panels; ++q) {
+    const bool direct = db == kU8 ? PackPanelsDirect(xb + ob, sbk, sbn, K, N, kpairs, panels, p.zp[1], bpack.data())
+                                  : PackPanelsDirect(reinterpret_cast<const int8_t*>(xb + ob), sbk, sbn, K, N, kpairs,
+                                                     panels, p.zp[1], bpack.data());
+    if (!direct) bt.assign(static_cast<size_t>(ldacc * kp), 0);
+    if (!direct) GatherI16(xb, db, ob, sbn, sbk, N, K, p.zp[1], bt.data(), kp);
+    for (int64_t q = 0; !direct && q < panels; ++q) {
       int16_t* panel = bpack.data() + q * kpairs * 32;
       for (int64_t j = 0; j < kpairs; ++j)
         for (int i = 0; i < 16; ++i) {

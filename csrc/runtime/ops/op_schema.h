@@ -42,8 +42,11 @@ enum OpCode : int {
   kLstm = 35,
   kGru = 36,
   kLstmDynamic = 37,
+  kSelect = 38,
+  kRnn = 39,
+  kGruDynamic = 40,
 };
-constexpr int kMaxOpcode = 37;
+constexpr int kMaxOpcode = 40;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -99,6 +102,9 @@ inline constexpr AttrSchema kSoftmaxMaskedAttrs[] = {{"table", kAttrInts}, {"mas
 inline constexpr AttrSchema kLstmAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"c_zp", kAttrInt}, {"c_qmin", kAttrInt}, {"c_qmax", kAttrInt}, {"c_mult", kAttrInt}, {"c_shift", kAttrInt}, {"ct_mult", kAttrInt}, {"ct_shift", kAttrInt}};
 inline constexpr AttrSchema kGruAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}};
 inline constexpr AttrSchema kLstmDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih_scale", kAttrInts}, {"w_hh_scale", kAttrInts}, {"b_ih", kAttrInts}, {"b_hh", kAttrInts}, {"in_qmin", kAttrInt}, {"in_qmax", kAttrInt}, {"in_symmetric", kAttrInt}, {"in_rounding", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"h_symmetric", kAttrInt}, {"h_rounding", kAttrInt}};
+inline constexpr AttrSchema kSelectAttrs[] = {{"axis", kAttrInt}, {"index", kAttrInt}};
+inline constexpr AttrSchema kRnnAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"relu", kAttrInt}};
+inline constexpr AttrSchema kGruDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih_scale", kAttrInts}, {"w_hh_scale", kAttrInts}, {"b_ih", kAttrInts}, {"b_hh", kAttrInts}, {"in_qmin", kAttrInt}, {"in_qmax", kAttrInt}, {"in_symmetric", kAttrInt}, {"in_rounding", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"h_symmetric", kAttrInt}, {"h_rounding", kAttrInt}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -139,7 +145,10 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"SOFTMAX_MASKED", 2, 3, false, kSoftmaxMaskedAttrs, 10, 1},
     {"LSTM", 5, 7, false, kLstmAttrs, 19, 3},
     {"GRU", 5, 6, false, kGruAttrs, 12, 2},
-    {"LSTM_DYNAMIC", 3, 4, false, kLstmDynamicAttrs, 13, 3},
+    {"LSTM_DYNAMIC", 3, 6, false, kLstmDynamicAttrs, 13, 3},
+    {"SELECT", 1, 1, false, kSelectAttrs, 2, 1},
+    {"RNN", 5, 6, false, kRnnAttrs, 13, 2},
+    {"GRU_DYNAMIC", 3, 5, false, kGruDynamicAttrs, 13, 2},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -181,6 +190,9 @@ extern const OpDef kSoftmaxMaskedDef;
 extern const OpDef kLstmDef;
 extern const OpDef kGruDef;
 extern const OpDef kLstmDynamicDef;
+extern const OpDef kSelectDef;
+extern const OpDef kRnnDef;
+extern const OpDef kGruDynamicDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -220,6 +232,9 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kLstmDef,
     &kGruDef,
     &kLstmDynamicDef,
+    &kSelectDef,
+    &kRnnDef,
+    &kGruDynamicDef,
 };
 
 }  // namespace qdsl

@@ -60,7 +60,7 @@ Status RunSoftmax(RunCtx& c, const GraphOp& op) {
   const bool out_signed = c.DType(op.outputs[0]) == kI8;
   const OutputStage& st = p.out.stage;
   if (c.path == kPathRef) {
-    ForEachLastAxisRow<SoftmaxScratch>(c, op, 16, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
+    ForEachLastAxisRow<SoftmaxScratch>(c, op, 4 * kSoftmaxCost, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
       sc.e.resize(static_cast<size_t>(n));
       int64_t* e = sc.e.data();
       int32_t mx = LoadValue(x, dt, 0);
@@ -74,7 +74,7 @@ Status RunSoftmax(RunCtx& c, const GraphOp& op) {
   const RequantKernel requant = SelectRequantKernel(c.path);
   // S <= n · 2^24 must stay below 2^52 for the vector division (n < 2^28: any real row)
   const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
-  ForEachLastAxisRow<SoftmaxScratch>(c, op, 4, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
+  ForEachLastAxisRow<SoftmaxScratch>(c, op, kSoftmaxCost, [&](SoftmaxScratch& sc, const uint8_t* x, uint8_t* y, int64_t n) {
     sc.q.resize(static_cast<size_t>(2 * n));
     int32_t* e = sc.q.data() + n;
     if (dt == kU8) {

@@ -14,6 +14,7 @@
 #include <limits>
 
 #include "dispatch.h"
+#include "runtime/ops/last_axis.h"
 #include "runtime/ops/op.h"
 #include "runtime/ops/softmax_row.h"
 #include "threads/thread_pool.h"
@@ -31,7 +32,9 @@ struct MaskInfo {
 
 struct SoftmaxMaskedParams : OpParams {
   int64_t table[256] = {};
-  int32_t table32[256] = {};  // the same entries (<= 2^24) for the optimized rows
+  // the same entries (<= 2^24) for the optimized rows, then zeros: a masked position above the
+  // kept maximum m indexes table32[x - m + 255] past 255 (its E is then masked to 0)
+  int32_t table32[512] = {};
   StageData out;
   std::vector<MaskInfo> masks;
 };
@@ -187,8 +190,15 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
         if (NonZero(bufs[j], dtypes[j], off[j] + i * sl) != attend_nonzero) keep[i] = 0;
     }
   };
+  // every position kept (no padding in the row): the unmasked row's loops
+  auto all_kept = [&](const uint8_t* keep) {
+    uint8_t all = 1;
+    for (int64_t i = 0; i < n; ++i) all &= keep[i];
+    return all != 0;
+  };
   if (c.path == kPathRef) {
-    ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 16, [&](int64_t r0, int64_t r1) {
+    const int64_t work = rows * n * 4 * kSoftmaxCost;  // the scalar reference rows
+    ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
       std::vector<int64_t> e(static_cast<size_t>(n));
       std::vector<uint8_t> keep(static_cast<size_t>(n));
       std::vector<int64_t> off(n_masks);
@@ -217,7 +227,8 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
   const RequantKernel requant = SelectRequantKernel(c.path);
   const FloorDivScaledKernel div = SelectFloorDivScaledKernel(c.path);
   const bool out_signed = c.DType(op.outputs[0]) == kI8;
-  ParallelRanges(rows, /*chunk=*/16, /*work=*/rows * n * 4, [&](int64_t r0, int64_t r1) {
+  const int64_t work = rows * n * kSoftmaxCost;
+  ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     thread_local std::vector<int32_t> q;        // Q, then E
     thread_local std::vector<uint8_t> keep;     // the row's kept flags
     thread_local std::vector<int64_t> off, prev;
@@ -226,17 +237,21 @@ Status RunSoftmaxMasked(RunCtx& c, const GraphOp& op) {
     off.resize(n_masks);
     prev.resize(n_masks);
     int32_t* e = q.data() + n;
+    const uint8_t* kept = nullptr;  // the row's flags, or nullptr when every position is kept
     for (int64_t r = r0; r < r1; ++r) {
       offsets(r, off.data());
       // rows at the same mask offsets (a key mask over heads and queries) share their flags
-      if (r == r0 || off != prev) flags(off.data(), keep.data());
+      if (r == r0 || off != prev) {
+        flags(off.data(), keep.data());
+        kept = all_kept(keep.data()) ? nullptr : keep.data();
+      }
       prev.swap(off);
       off.resize(n_masks);
       const uint8_t* xr = x + r * n;
       if (dt == kU8) {
-        SoftmaxRowFast(p.table32, xr, keep.data(), n, div, e, q.data());
+        SoftmaxRowFast(p.table32, xr, kept, n, div, e, q.data());
       } else {
-        SoftmaxRowFast(p.table32, reinterpret_cast<const int8_t*>(xr), keep.data(), n, div, e, q.data());
+        SoftmaxRowFast(p.table32, reinterpret_cast<const int8_t*>(xr), kept, n, div, e, q.data());
       }
       requant(q.data(), 1, n, n, st, 0, y + r * n, n, out_signed);
     }

@@ -31,7 +31,8 @@ void SoftmaxRowFast(const int32_t* table32, const T* x, const uint8_t* keep, int
       return;
     }
     const int32_t* table = table32 + 255 - mx;
-    // keep[i] in {0, 1}: a branch-free select (the index is in range for every position)
+    // keep[i] in {0, 1}: a branch-free select; a masked x_i > m indexes past table32[255]
+    // (SOFTMAX_MASKED's table32 has 512 entries, zeros past 255)
     for (int64_t i = 0; i < n; ++i) s += e[i] = table[static_cast<int32_t>(x[i])] & -static_cast<int32_t>(keep[i]);
   }
   if (div != nullptr) {  // E_i · 2^30 <= 2^54 with 25 significant bits; S < 2^52; Q_i <= 2^30

@@ -95,6 +95,7 @@ _REGISTERED = (
     "dynamic",
     "recurrent",
     "recurrent_dynamic",
+    "select",
 )
 _MODULES = tuple(importlib.import_module(f"{__name__}.{name}") for name in _REGISTERED)
 OP_DEFS: tuple[OpDef, ...] = _collect(_MODULES)

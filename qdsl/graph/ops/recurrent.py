@@ -1,4 +1,4 @@
-"""LSTM and GRU: one recurrent layer and direction, looping over time inside the op.
+"""LSTM, GRU and RNN: one recurrent layer and direction, looping over time inside the op.
 
 Inputs ``x`` (I8/U8 codes, ``[N, T, F]``, or ``[N, F]``: one step, a cell), the constant
 int8 weights ``w_ih [G·H, F]`` and ``w_hh [G·H, H]`` (symmetric, torch's gate order: LSTM
@@ -29,6 +29,10 @@ are Q24 (``ONE = 2^24``), pre-activations Q20:
   ``U = rnd(rnd((ONE - z)·n, 24)·h_m, h_s) + z·(h - h_zp)`` (``≈ 1/s_h``),
   ``h' = clamp(rnd(U, 24) + h_zp, h_qmin, h_qmax)``.
 
+* RNN (``relu`` 0: tanh, 1: relu; ``P = Pih + Phh``): tanh: ``h' = clamp(rnd(tanh(P)·h_m, h_s) + h_zp,
+  h_qmin, h_qmax)`` (``≈ 2^-24/s_h``); relu: ``v = clamp(P, 0, 2^31)``,
+  ``h' = clamp(rnd(v·h_m, h_s) + h_zp, h_qmin, h_qmax)`` (``≈ 2^-20/s_h``).
+
 This is the fake-quant model's step (qdsl/patch/recurrent_math.py) with its float gates
 replaced by fixed point; docs/qgraph.md §4.4 has the measured agreement.
 """
@@ -42,7 +46,7 @@ import numpy as np
 from qdsl.graph.ops import OpDef
 from qdsl.graph.schema import INT8_DTYPES, AttrType, DType, OpSchema
 
-__all__ = ["OPS", "lstm", "gru", "factor", "sigmoid_table", "TABLE_SIZE", "MAX_FEATURES", "BIAS_LIMIT"]
+__all__ = ["OPS", "lstm", "gru", "rnn", "factor", "sigmoid_table", "TABLE_SIZE", "MAX_FEATURES", "BIAS_LIMIT"]
 
 TABLE_SIZE = 4098
 """Entries of the sigmoid table: -16 + k/128 for k = 0..4097 (one past +16 for the second difference)."""
@@ -54,6 +58,9 @@ BIAS_LIMIT = 1 << 30
 PRE_LIMIT = 1 << 36
 """Pre-activation terms are clamped to ±2^36 (Q20: ±65536; the table saturates at ±16), so
 the products that follow (``r·Phh_n``) stay inside int64."""
+RELU_LIMIT = 1 << 31
+"""RNN (relu): the Q20 pre-activation is clamped to [0, 2^31] (2048.0) before its factor, so
+``v·h_m`` stays inside int64; a hidden grid reaching 2048 would saturate there."""
 _SIGNED_WEIGHTS = (DType.I8,)
 
 
@@ -153,6 +160,19 @@ def gru(args, a) -> tuple[np.ndarray, np.ndarray]:
     return (ys[:, 0] if cell else ys), h
 
 
+def rnn(args, a) -> tuple[np.ndarray, np.ndarray]:
+    cell, seq, w_hh, b_hh, states, p_ih, order, sig = _setup(args, a, 1)
+    n, hid = seq.shape[0], w_hh.shape[1]
+    h = states[0] if states else np.full((n, hid), a["h_zp"], dtype=np.int64)
+    ys = np.zeros((n, seq.shape[1], hid), dtype=np.int64)
+    for t in order:
+        p = p_ih[:, t] + _pre((h - a["h_zp"]) @ w_hh.T + b_hh, a["hh_mult"], a["hh_shift"])
+        v = np.clip(p, 0, RELU_LIMIT) if a["relu"] else _tanh(sig, p)
+        h = _hidden(v * a["h_mult"], a, a["h_shift"])
+        ys[:, t] = h
+    return (ys[:, 0] if cell else ys), h
+
+
 # ---------------------------------------------------------------- validation
 def _factor_attr(c, name: str, n: int) -> None:
     c.ints(f"{name}_mult", n, 0, (1 << 31) - 1)
@@ -203,7 +223,9 @@ def _infer(gates: int, lstm_: bool):
             c.act(s, "initial state")
             want = (out.dtype,) if k == 0 else (DType.I8, DType.U8, DType.I32)
             c.dt(s, want, "initial state")
-            c.need(tuple(s.shape) == (x.shape[0], hid), f"initial state {s.name!r} must be [N, {hid}], has {s.shape}")
+            # a state sliced from a module's (layers·directions, N, H) input has a static N (SELECT)
+            c.need(len(s.shape) == 2 and s.shape[1] == hid and (s.shape[0] == x.shape[0] or -1 in (s.shape[0], x.shape[0])),
+                   f"initial state {s.name!r} must be [N, {hid}], has {s.shape}")
         shape = tuple(x.shape[:-1]) + (hid,)
         return INT8_DTYPES, shape
     return infer
@@ -227,6 +249,11 @@ _COMMON = {
 _LSTM = {**_COMMON, "c_zp": AttrType.INT, "c_qmin": AttrType.INT, "c_qmax": AttrType.INT,
          "c_mult": AttrType.INT, "c_shift": AttrType.INT, "ct_mult": AttrType.INT, "ct_shift": AttrType.INT}
 
+def _infer_rnn(c, op, ins, out):
+    c.int("relu", 0, 1)
+    return _infer(1, False)(c, op, ins, out)
+
+
 OPS = (
     OpDef("LSTM", 35, OpSchema(5, 7, _LSTM, n_outputs=3), _infer(4, True),
           lambda op, args, graph, counts: lstm(args, op.attrs),
@@ -236,4 +263,8 @@ OPS = (
           lambda op, args, graph, counts: gru(args, op.attrs),
           "One GRU layer and direction over time: I8/U8 x, int8 W_ih/W_hh, int32 biases, optional h0 codes "
           "-> y, h_n (fixed-point gates, a Q24 sigmoid table).", extra_outputs=_extra(False)),
+    OpDef("RNN", 39, OpSchema(5, 6, {**_COMMON, "relu": AttrType.INT}, n_outputs=2), _infer_rnn,
+          lambda op, args, graph, counts: rnn(args, op.attrs),
+          "One Elman RNN layer and direction over time (tanh from the Q24 sigmoid table, or relu): I8/U8 x, "
+          "int8 W_ih/W_hh, int32 biases, optional h0 codes -> y, h_n.", extra_outputs=_extra(False)),
 )
