@@ -140,6 +140,14 @@ IgemmKernel SelectIgemmKernel(uint32_t path, bool int16) {
   return nullptr;
 }
 
+IgemmStageKernel SelectIgemmStageKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2) return x86::IgemmU8S8StageAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path) {
   if (VnniMicroKernel k = SelectVnniMicroKernel(broadcast_unsigned, path)) return k;
 #ifdef QDSL_HAVE_X86
@@ -395,6 +403,14 @@ DwNhwcKernel SelectDwNhwcKernel(uint32_t path) {
 #endif
   (void)path;
   return portable::DwConvNhwc;
+}
+
+DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::DwConvNhwcStageAvx2;
+#endif
+  (void)path;
+  return nullptr;
 }
 
 DwFillKernel SelectDwFillKernel(uint32_t path) {

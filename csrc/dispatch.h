@@ -13,6 +13,8 @@
 
 namespace qdsl {
 
+struct StageF32;  // requant/stage_f32.h
+
 uint32_t CompiledPaths();
 uint32_t CpuPaths();
 uint32_t EnabledPaths();
@@ -128,6 +130,13 @@ using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, 
                              int32_t* c, int64_t ldc, const int32_t* init);
 // nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs); `int16`: the int16 kind.
 IgemmKernel SelectIgemmKernel(uint32_t path, bool int16);
+// The same sums from init, then the prepared FIXED_SINGLE stage st (requant/stage_f32.h) of
+// channels c0.. applied in registers: row r's first `cols` (<= 16) codes go to out + r * ldo.
+// Bit-identical to the reference stage of those sums.  The vpmaddubsw kind only.
+using IgemmStageKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                  const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0, int cols,
+                                  uint8_t* out, int64_t ldo, bool out_signed);
+IgemmStageKernel SelectIgemmStageKernel(uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
 // unless `path` is kPathAmx.
 using AmxKernel = void (*)(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b,
@@ -159,6 +168,12 @@ using DwNhwcKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t nta
                               const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc,
                               int64_t ldc);
 DwNhwcKernel SelectDwNhwcKernel(uint32_t path);
+// The same sums, then the prepared FIXED_SINGLE stage st (requant/stage_f32.h) applied in
+// registers: position i's C codes go to out + i * ldo.  nullptr below AVX2.
+using DwNhwcStageKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                                   const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out,
+                                   int64_t ldo, bool out_signed);
+DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path);
 // The interior of a depthwise conv's zero-padded int16 plane: rows [ph, min(rows, ph + H))
 // hold input row r - ph minus zp at columns [pw, pw + W) (I8 codes when x_signed, else U8);
 // may also zero up to 16 columns past pw + W (ldp >= pw + W + 16).  nullptr: no vector kernel.

@@ -50,6 +50,8 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     info[4] = int_gemm && cp->int32_exact ? cp->maddubs_steps : -1;
     info[5] = int_gemm ? (cp->fast_acc ? 1 : 0) : -1;  // (binary ops: not tracked)
     info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : 1) : 0) : -1;  // 2: the int16 kernel kind
+    // the output stage prepared for the kernel's registers (StageF32: igemm or NHWC depthwise)
+    info[9] = int_gemm ? ((cp->igemm && cp->ig_stage.ok) || (cp->dw_nhwc && cp->dwn_stage.ok) ? 1 : 0) : -1;
     // the output's layout in the last run (Graph::nhwc; NCHW before any run)
     info[7] = op.outputs[0] < g->nhwc.size() ? g->nhwc[op.outputs[0]] : 0;
     info[8] = op.opcode == qdsl::kLinear && cp != nullptr ? (qdsl::conv::LinearFusedGemm(g, op) ? 1 : 0) : -1;

@@ -82,9 +82,11 @@ class CompiledGraph:
         stage runs), ``implicit_gemm`` (int conv/linear only: AVX2 runs the implicit-GEMM NHWC
         conv; with ``implicit_gemm_int16`` telling its kernel kind: True for the int16 one that
         is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one),
-        ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM with the bias
-        and the output stage fused, I8/U8/I32 outputs) and ``nhwc_output`` (the op's output
-        was stored NHWC in the last run)."""
+        ``register_stage`` (int conv/linear only: its output stage is prepared for the AVX2
+        kernel's epilogue, applied to the sums in registers when the output is one I8/U8 tensor
+        stored NHWC), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
+        with the bias and the output stage fused, I8/U8/I32 outputs) and ``nhwc_output`` (the
+        op's output was stored NHWC in the last run)."""
         info = (ctypes.c_int64 * 10)()
         name = ctypes.create_string_buffer(4100)
         out = []
@@ -103,6 +105,8 @@ class CompiledGraph:
                     entry["implicit_gemm_int16"] = info[6] == 2
             if info[8] >= 0:
                 entry["fused_gemm"] = bool(info[8])
+            if info[9] >= 0:
+                entry["register_stage"] = bool(info[9])
             entry["nhwc_output"] = bool(info[7])
             out.append(entry)
         return out

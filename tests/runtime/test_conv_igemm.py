@@ -22,7 +22,8 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Tensor  # noqa: E402
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, OutputStage, Tensor  # noqa: E402
+from qdsl.graph.requant import make_rescale  # noqa: E402
 
 from tests.runtime.test_graph import PATHS, _check, _rand, _stage  # noqa: E402
 
@@ -38,6 +39,11 @@ def _layouts(cg, x, kinds=None):
     if kinds is not None:
         kinds.update({p["name"]: p["implicit_gemm_int16"] for p in plan if p.get("implicit_gemm")})
     return {p["name"]: (p.get("implicit_gemm"), p["nhwc_output"]) for p in plan}
+
+
+def _register_stage(cg):
+    """Per op name: whether its output stage is prepared for the kernel's registers."""
+    return {p["name"]: p.get("register_stage") for p in cg.plan()}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -281,3 +287,45 @@ def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw,
         assert all(layouts[n] == (True, True) for n in ("stem", "expand", "project"))
         assert layouts["dw"][1] and (not residual or (layouts["add"][1] and layouts["stem_i32"] == (True, True)))
         assert layouts["head"] == (True, False)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3]), stride=st.sampled_from([1, 2]),
+       xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8]),
+       per_tensor=st.booleans(), rounding=st.integers(0, 3), left=st.booleans())
+def test_igemm_stage_from_registers_matches_reference(threads, seed, k, stride, xdtype, out, per_tensor, rounding,
+                                                      left):
+    """conv -> head: the conv's I8/U8 output is stored NHWC (the head reads it), so with a
+    FIXED_SINGLE stage whose right shifts are all in [0, 31] its kernel applies the stage to
+    the sums in registers (IgemmStageKernel, csrc/requant/stage_f32_avx2.h) and stores codes;
+    per channel or per tensor, every rounding, zero points and clamps, channel counts off the
+    16-channel panels (a partial last panel), M tails.  `left`: one scale > 1 (a left shift),
+    which the register stage does not take: the int32 tiles and the stage after them run."""
+    rng = np.random.default_rng(seed)
+    cin = int(rng.choice([8, 13, 16, 30]))
+    cout = int(rng.choice([16, 17, 23, 40, 64]))
+    h, w = int(rng.integers(k, k + 14)), int(rng.integers(k, k + 20))
+    pad = k // 2
+    scales = rng.uniform(1e-4, 0.05, 1 if per_tensor else cout)
+    if left:
+        scales[0] = 3.0
+    lo, hi = out.range
+    zp = int(rng.integers(lo, hi + 1))
+    qmin = zp if rng.random() < 0.3 else int(rng.integers(lo, zp + 1))
+    stage = OutputStage(make_rescale(scales, rounding, allow_pot=False, single=True), zp, qmin, hi)
+    attrs = {"stride": [stride, stride], "padding": [pad, pad], "dilation": [1, 1], "groups": 1,
+             "in_zp": int(rng.integers(*xdtype.range)), "w_zp": [0], "acc_bits": 32, "overflow": 0, **stage.attrs()}
+    oh, ow = ((n + 2 * pad - k) // stride + 1 for n in (h, w))
+    wt, wh = _weights(rng, cout, cin, k, 64), _weights(rng, 17, cout, 1, 64)
+    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt),
+               Tensor("b", DType.I32, (cout,), rng.integers(-5000, 5000, cout)), Tensor("wh", DType.I8, wh.shape, wh),
+               Tensor("a", out, (-1, cout, oh, ow)), Tensor("y", DType.U8, (-1, 17, oh, ow))]
+    ops = [Op(OpType.CONV2D, "conv", ["x", "w", "b"], ["a"], attrs),
+           Op(OpType.CONV2D, "head", ["a", "wh"], ["y"], _attrs(rng, 17, DType.U8, 1, 1, 0, in_zp=0))]
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
+    cg = _check(graph, x)
+    layouts = _layouts(cg, x)
+    if layouts is not None:
+        assert layouts["conv"] == (True, True) and layouts["head"] == (True, False)
+        assert _register_stage(cg)["conv"] == (not left)

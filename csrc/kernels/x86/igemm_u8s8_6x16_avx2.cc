@@ -18,6 +18,7 @@
 
 #include "kernels/x86/igemm_6x16_avx2.h"
 #include "kernels/x86/x86_kernels.h"
+#include "requant/stage_f32_avx2.h"
 
 namespace qdsl {
 namespace x86 {
@@ -59,12 +60,13 @@ __attribute__((always_inline)) inline void RowMem(const uint8_t* row, __m256i b0
       : "xmm14", "xmm15");
 }
 
+// The sums of MR rows into acc (registers once inlined).
 template <int MR>
-void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, int32_t* c, int64_t ldc,
-            const int32_t* init) {
+__attribute__((always_inline)) inline void Accumulate(const uint8_t* const* rows, int64_t taps, int64_t cquads,
+                                                      const uint8_t* panel, const int32_t* c, int64_t ldc,
+                                                      const int32_t* init, __m256i (&acc)[MR][2]) {
   // the start values: one row shared by every position (the conv's bias - z * rowsum, so
   // the caller need not copy it into each row of c first), or c's own values
-  __m256i acc[MR][2];
   for (int r = 0; r < MR; ++r) {
     const int32_t* from = init != nullptr ? init : c + r * ldc;
     acc[r][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
@@ -117,10 +119,63 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
     if (MR > 3) acc[3 % MR][0] = c30, acc[3 % MR][1] = c31;
     if (MR > 4) acc[4 % MR][0] = c40, acc[4 % MR][1] = c41;
   }
+}
+
+template <int MR>
+void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, int32_t* c, int64_t ldc,
+            const int32_t* init) {
+  __m256i acc[MR][2];
+  Accumulate<MR>(rows, taps, cquads, panel, c, ldc, init, acc);
   StoreIgemmRows<MR>(acc, c, ldc);
 }
 
+// The same sums, then the prepared output stage (stage_f32_avx2.h) applied from the
+// registers: each row's 16 channels become 16 codes stored at out + r * ldo (the first
+// `cols` of them when the panel runs past the last channel), no int32 stored or re-read.
+template <int MR, Rounding R>
+void KernelStage(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, const int32_t* init,
+                 const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo, bool out_signed) {
+  __m256i acc[MR][2];
+  Accumulate<MR>(rows, taps, cquads, panel, nullptr, 0, init, acc);
+  const StageF32Vec v(st);
+  for (int r = 0; r < MR; ++r) {
+    const __m128i codes = StageF32Codes16<R>(acc[r][0], acc[r][1], st, c0, v, out_signed);
+    if (cols == 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * ldo), codes);
+    } else {
+      alignas(16) uint8_t buf[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(buf), codes);
+      for (int i = 0; i < cols; ++i) out[r * ldo + i] = buf[i];
+    }
+  }
+}
+
+template <Rounding R>
+void StageRows(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+               const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+               bool out_signed) {
+  switch (rows) {
+    case 1: return KernelStage<1, R>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    case 2: return KernelStage<2, R>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    case 3: return KernelStage<3, R>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    case 4: return KernelStage<4, R>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    case 5: return KernelStage<5, R>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    default: return KernelStage<6, R>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+  }
+}
+
 }  // namespace
+
+void IgemmU8S8StageAvx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                        const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+                        bool out_signed) {
+  switch (st.rounding) {
+    case Rounding::kHalfEven: return StageRows<Rounding::kHalfEven>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    case Rounding::kFloor: return StageRows<Rounding::kFloor>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    case Rounding::kHalfUp: return StageRows<Rounding::kHalfUp>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+    default: return StageRows<Rounding::kHalfAway>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, out_signed);
+  }
+}
 
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                    int32_t* c, int64_t ldc, const int32_t* init) {

@@ -8,6 +8,7 @@
 #include "qdsl/requant.h"
 
 namespace qdsl {
+struct StageF32;  // requant/stage_f32.h
 namespace x86 {
 
 void GemmI16Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
@@ -32,6 +33,10 @@ void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* pan
 // Implicit-GEMM conv kernel (dispatch.h IgemmKernel's contract), the S == 1 sequence above.
 void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                    int32_t* c, int64_t ldc, const int32_t* init);
+// The same sums with the prepared stage applied from registers (dispatch.h IgemmStageKernel).
+void IgemmU8S8StageAvx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                        const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+                        bool out_signed);
 // Its int16 kind on int16 panels (igemm_i16_6x16_avx2.cc): exact on full-range u8 codes.
 void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                     int32_t* c, int64_t ldc, const int32_t* init);
@@ -130,6 +135,10 @@ void DwConvAvx2(const int16_t* plane, int64_t ldp, const DwConvShape& s, const i
 // Depthwise conv in NHWC (DwNhwcKernel in dispatch.h; dwconv_nhwc_avx2.cc): 16 channels per step.
 void DwConvNhwcAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
                     const int32_t* taps, const int32_t* pairs, const int32_t* init, int32_t* acc, int64_t ldc);
+// The same sums with the prepared stage applied from registers (DwNhwcStageKernel).
+void DwConvNhwcStageAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
+                         const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo,
+                         bool out_signed);
 // Padded int16 plane interior of a depthwise conv (DwFillKernel in dispatch.h).
 void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
                      int64_t ldp, int32_t zp, int16_t* xp);

@@ -18,6 +18,7 @@
 
 #include "dispatch.h"
 #include "qdsl/aligned.h"
+#include "requant/stage_f32.h"
 #include "runtime/ops/op.h"
 
 namespace qdsl {
@@ -76,6 +77,10 @@ struct ConvParams : OpParams {
   int64_t ig_cp = 0, ig_taps = 0, ig_panels = 0;
   AlignedVector<uint8_t> ig_w;
   std::vector<int32_t> ig_cinit;
+  // ig_stage: the output stage prepared for the kernel's epilogue (IgemmStageKernel: staged
+  // from registers, no int32 tile) when it is FIXED_SINGLE with shifts in [0, 31] and the
+  // output I8/U8; channels padded to ig_panels * 16.
+  StageF32 ig_stage;
   // Depthwise (groups == C, so each output channel reads one input plane; a depth
   // multiplier m = O / C >= 1) with int32-exact sums: DepthwiseConv runs it (conv_dw.cc).
   // dw_taps: [O][kh * kw] (W - w_zp); dw_pairs: [O][kh][(kw + 1) / 2] taps 2j (low half)
@@ -89,6 +94,9 @@ struct ConvParams : OpParams {
   // code repeated, what padded taps point at.  PrepareGraph clears dw_nhwc on twin convs
   // (prepare.cc KeepNhwcDepthwise); PlanNhwc and the executor read it.
   bool dw_nhwc = false;
+  // dwn_stage: the output stage prepared for the kernel's registers (DwNhwcStageKernel), when
+  // it is FIXED_SINGLE with right shifts in [0, 31]; channels padded to DwNhwcCols(C).
+  StageF32 dwn_stage;
   std::vector<int32_t> dwn_taps, dwn_init;
   AlignedVector<int32_t> dwn_pairs;
   std::vector<uint8_t> dwn_zrow;
@@ -227,6 +235,10 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
 // False when QDSL_IGEMM=0 (read once): the gathered-panel conv runs instead (timing the two
 // in one build; conv_igemm.cc).
 bool IgemmEnabled();
+// False when QDSL_REGISTER_STAGE=0 (read once): IgemmConv and DepthwiseConvNhwc store int32
+// sums and stage them afterwards instead of staging from the kernels' registers (timing the
+// two in one build).
+bool RegisterStageEnabled();
 // Whether the conv's chosen implementation on `path` reads and writes Graph::nhwc layouts
 // (the AMX and AVX2 implicit-GEMM convs); RunConv picks by the same rules.
 inline bool RunsNhwc(const ConvParams& p, uint32_t path) {

@@ -4,7 +4,8 @@
 // ConvParams::dwn_zrow, so no padded copy is made), a DwNhwcKernel sums all channels of the
 // row into int32 (the zero point folded into its init, qdsl/gemm.h), and the per-channel
 // output stage (the same RequantKernel as every conv: bit-exact with the reference) writes
-// the row's bytes once.
+// the row's bytes once; a FIXED_SINGLE stage prepared at prepare time (dwn_stage) is applied
+// by the kernel itself from its registers (DwNhwcStageKernel), storing the codes only.
 //
 // Either side may be NCHW (Graph::nhwc says which is not): an NCHW input is transposed a
 // band of rows at a time into a thread-local NHWC buffer (halo rows are transposed again by
@@ -38,6 +39,8 @@ Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t pa
   uint8_t* y = g->buffers[op.outputs[0]].data();
   const DwNhwcKernel kernel = SelectDwNhwcKernel(path);
   const RequantKernel requant = SelectRequantKernel(path);
+  // the stage applied from the kernel's registers (no int32 row) when it was prepared for it
+  const DwNhwcStageKernel stage_kernel = p.dwn_stage.ok && RegisterStageEnabled() ? SelectDwNhwcStageKernel(path) : nullptr;
   const int64_t C = e.C, cols = DwNhwcCols(C), taps = p.kh * p.kw, HW = e.H * e.W, P = e.OH * e.OW;
   const int64_t rows = e.n * e.OH;
   const int64_t band = std::clamp<int64_t>(kBandBytes / std::max<int64_t>(1, e.W * C * p.sh), 1, e.OH);
@@ -98,9 +101,14 @@ Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t pa
             pt[k] = slack.data() + k * cols;
           }
         }
+        uint8_t* out = out_nhwc ? y + ((b * e.OH + oy) * e.OW) * C : yb.data() + (oy - oy0) * e.OW * C;
+        if (stage_kernel != nullptr) {
+          stage_kernel(pt, e.OW, taps, C, x_signed, p.dwn_pairs.data(), p.dwn_init.data(), p.dwn_stage, out, C,
+                       out_signed);
+          continue;
+        }
         kernel(pt, e.OW, taps, C, x_signed, p.dwn_taps.data(), p.dwn_pairs.data(), p.dwn_init.data(),
                acc.data(), cols);
-        uint8_t* out = out_nhwc ? y + ((b * e.OH + oy) * e.OW) * C : yb.data() + (oy - oy0) * e.OW * C;
         requant(acc.data(), e.OW, C, cols, p.out.stage, 0, out, C, out_signed);
       }
       if (!out_nhwc) TransposeBytes(yb.data(), C, (oy1 - oy0) * e.OW, C, y + b * C * P + oy0 * e.OW, P);

@@ -42,6 +42,14 @@ int64_t BlockPositions(int64_t P) {
 
 }  // namespace
 
+bool RegisterStageEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("QDSL_REGISTER_STAGE");
+    return v == nullptr || !(v[0] == '0' && v[1] == '\0');
+  }();
+  return on;
+}
+
 bool IgemmEnabled() {
   static const bool on = [] {
     const char* v = std::getenv("QDSL_IGEMM");
@@ -146,6 +154,11 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
                     g->buffers[tw.outputs[0]].data()});
     g->fused_done[j] = 1;
   }
+  // the stage from registers (IgemmStageKernel): one output, stored NHWC as codes, with a
+  // stage prepared for it (ConvParams::ig_stage); else int32 tiles and the stage after them
+  const IgemmStageKernel stage_kernel = RegisterStageEnabled() ? SelectIgemmStageKernel(path) : nullptr;
+  const bool from_regs = stage_kernel != nullptr && !p.ig_int16 && p.ig_stage.ok && outs.size() == 1 && out_nhwc &&
+                         (out_dtype == kU8 || out_dtype == kI8);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
   const int64_t bsz = BlockPositions(P), blocks = (P + bsz - 1) / bsz;
@@ -182,6 +195,18 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
         }
       }
     }
+    const int64_t first = b * P + p0;  // NHWC: the block's first position
+    if (from_regs) {
+      for (int64_t np = n0; np < n1; ++np) {
+        const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+        const int64_t c0 = np * 16;
+        const int cols = static_cast<int>(std::min<int64_t>(16, O - c0));
+        for (int64_t s = 0; s < m; s += 6)
+          stage_kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
+                       p.ig_cinit.data() + c0, p.ig_stage, c0, cols, y + (first + s) * O + c0, O, out_dtype == kI8);
+      }
+      return;
+    }
     const int64_t ld = (n1 - n0) * 16, c0 = n0 * 16, cols = std::min(O, n1 * 16) - c0;
     thread_local AlignedVector<int32_t> acc;
     if (acc.size() < static_cast<size_t>(m * ld)) acc.resize(static_cast<size_t>(m * ld));
@@ -194,7 +219,6 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
         kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
                acc.data() + s * ld + (np - n0) * 16, ld, init);
     }
-    const int64_t first = b * P + p0;  // NHWC: the block's first position
     for (const Out& o : outs) {
       if (o.dtype != kI32) {
         const bool out_signed = o.dtype == kI8;

@@ -98,24 +98,29 @@ void PrepareDepthwise(ConvParams* pp) {
     p.dwn_init[c] = static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint64_t>(init)));
   }
   p.dwn_zrow.assign(static_cast<size_t>(cols), static_cast<uint8_t>(p.in_zp));
+  PrepareStageF32(p.out.stage, C, cols, &p.dwn_stage);
   p.dw_nhwc = true;
 }
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
-// shape is one where it beats the gathered-panel conv (measured per op inside MobileNetV2 and
-// ResNet-18, AVX2, with the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 24
-// and O >= 24.  Below that (MobileNetV2's 16-channel layers at 112 x 112: its 16 -> 96
-// expansion and 32 -> 16 projection) the NCHW gathered conv and the plane depthwise kernel
-// next to it are faster.  The kernel kind: vpmaddubsw when it is exact on the weights for the
-// input's codes (int8 weights, MaddubsStepsFor >= 1), else the int16 kind (|W - w_zp| <= 511:
-// int32_exact), e.g. full-range 8-bit activations with any int8 weights.
+// shape is one where it
+// beats the gathered-panel conv (measured per op inside MobileNetV2 and ResNet-18, AVX2, with
+// the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 16 and O >= 24.  With the
+// output stage applied from the kernel's registers (ig_stage) that includes MobileNetV2's
+// 16 -> 96 expansion at 112 x 112 (~1.1 -> ~0.85 ms, and the stride-2 depthwise conv after
+// it then runs NHWC: ~0.5 -> ~0.3 ms).  Its 32 -> 16 projection (O = 16) stays on the NCHW
+// gathered conv: as an implicit-GEMM conv it would make the 32-channel 112 x 112 depthwise
+// conv before it write NHWC, where the plane kernel is ~2x faster.  The kernel kind: vpmaddubsw
+// when it is exact on the weights for the input's codes (int8 weights, MaddubsStepsFor >= 1),
+// else the int16 kind (|W - w_zp| <= 511: int32_exact), e.g. full-range 8-bit activations
+// with any int8 weights.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
   // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
-  // row pointer loads)
+  // row pointer loads; measured slower on MobileNetV2's stem, NHWC output and all)
   if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.cin < 8 || out.dtype == kBin) return;
   const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
-  const bool pays = taps * cp >= 24 && O >= 24;
+  const bool pays = taps * cp >= 16 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
   const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
@@ -155,6 +160,12 @@ void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) 
   p.ig_taps = taps;
   p.ig_panels = panels;
   p.ig_int16 = !int8;
+  // the register stage where the stage is a sizable share of the work (K <= 512: about 1/K of
+  // the MACs per output); on ResNet-18's K >= 576 convs it measured 1-3 % slower than the
+  // stage over int32 tiles (within noise, but never faster)
+  // (the vpmaddubsw kind only: the stage kernel accumulates as IgemmU8S8Avx2 does)
+  if (!p.ig_int16 && (out.dtype == kU8 || out.dtype == kI8) && taps * cp <= 512)
+    PrepareStageF32(p.out.stage, O, panels * 16, &p.ig_stage);
   p.igemm = true;
 }
 
