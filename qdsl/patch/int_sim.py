@@ -134,7 +134,8 @@ def simulated_layernorm(module: nn.LayerNorm, x: torch.Tensor, y: torch.Tensor, 
              in_rounding=(int(_IDENTITY.rounding),), gamma=g_int, beta=b_int, eps=eps_int, **_IDENTITY.attrs(),
              out_zp=0, out_min=INT32_MIN, out_max=INT32_MAX)
     acc = layernorm([codes], a)
-    return _straight_through(acc.astype(np.float64) * unit, y)
+    # float32(acc)·float32(unit): the graph's DEQUANTIZE of the wide output, to the bit
+    return _straight_through(acc.astype(np.float32) * np.float32(unit), y)
 
 
 class LayerNormSim:
