@@ -22,9 +22,11 @@ When (the rule):
 * softmax (:func:`simulated_probs`): the ``scores`` and ``probs`` quantizers are both frozen,
   static, per-tensor integer quantizers of at most 8 bits, the softmax runs along the last
   axis (the only one the graph lowers).  Before that (calibration, QAT before freeze) the
-  grids still move and the float softmax runs.
+  grids still move and the float softmax runs; a disabled quantizer, or kept scores off the
+  scores grid (an additive mask other than 0/-inf, which export refuses), also keep it.
 * LayerNorm (:class:`LayerNormSim`, a forward hook on every ``nn.LayerNorm`` over one
-  axis of a patched model): the model is frozen (or exported).  Its input is read as the
+  axis of a patched model): the model is frozen (or exported) and not every quantizer is
+  disabled (``q.enabled = False`` on all of them gives the float model back).  Its input is read as the
   graph reads it: the codes of its own input quantizer (the narrow form: frozen, static,
   per-tensor, at most 8 bits), else the float residual sum on a fine power-of-two grid
   (the wide form, :func:`wide_grid`).  The graph's wide grid ``s_t`` comes from the
@@ -66,7 +68,8 @@ WIDE_CODE_BITS = 29
 def grid_of(q: Any) -> tuple[float, int, int, int, Rounding] | None:
     """``(scale, zero point, qmin, qmax, rounding)`` of a frozen, static, per-tensor integer
     quantizer of at most 8 bits (the graph's activation grids), else None."""
-    if q is None or not getattr(q, "frozen", False) or q.dynamic or q.scale.numel() != 1:
+    if q is None or not getattr(q, "frozen", False) or not getattr(q, "enabled", True) or q.dynamic \
+            or q.scale.numel() != 1:
         return None
     if q.format.activation_lowering(q.recipe.signed) != "int" or q.recipe.bits > 8:
         return None
@@ -98,7 +101,10 @@ def simulated_probs(x: torch.Tensor, keep: torch.Tensor, probs: torch.Tensor, sq
     s_s, zp_s = gs[0], gs[1]
     s_p, zp_p, qmin, qmax, rounding = gp
     keep_np = keep.detach().cpu().numpy()
-    codes = np.where(keep_np, _codes(x.masked_fill(~keep, 0.0), s_s, zp_s), 0)
+    codes = np.where(keep_np, _codes(x.masked_fill(~keep, 0.0), s_s, zp_s), zp_s)
+    if codes.size and (codes.min() < gs[2] or codes.max() > gs[3]):
+        # kept scores off the grid: an additive mask other than 0/-inf, which the graph refuses
+        return probs
     rescale = make_rescale(2.0**-SOFTMAX_FRAC_BITS / s_p, rounding, single=True)
     a = dict(table=softmax_table(s_s), **rescale.attrs(), out_zp=zp_p, out_min=qmin, out_max=qmax)
     out = softmax_kept(codes, keep_np, a)
@@ -145,7 +151,11 @@ class LayerNormSim:
         self.handle, self.fqn = handle, fqn
 
     def active(self) -> bool:
-        return getattr(self.handle.state, "value", None) in ("frozen", "exported")
+        """Frozen (or exported), and some quantizer of the model enabled (all disabled: the
+        float model)."""
+        if getattr(self.handle.state, "value", None) not in ("frozen", "exported"):
+            return False
+        return any(getattr(q, "enabled", True) for q in self.handle.container.quantizers.values())
 
     def __call__(self, module: nn.LayerNorm, args: tuple, output: Any) -> Any:
         if not self.active() or not args or not isinstance(args[0], torch.Tensor) \
@@ -155,7 +165,7 @@ class LayerNormSim:
         iq = getattr(patch, "iq", None)
         grid = grid_of(iq)
         if iq is not None and grid is None:
-            return None  # an input quantizer the graph cannot read as 8-bit codes: export refuses it anyway
+            return None  # disabled, or a grid the graph cannot read as 8-bit codes (export refuses it)
         return simulated_layernorm(module, args[0], output, grid)
 
 
