@@ -36,13 +36,13 @@ from qdsl.export.lower_layers import AddPending, term_grid
 from qdsl.export.values import (Builder, ExportError, FloatVal, OffsetVal, Pending, QVal, Target, WidePending,
                                wide_scale)
 from qdsl.graph.ir import DType, OpType, Rescale, RescaleKind, Rounding
-from qdsl.graph.ops.layernorm import BETA_MAX, GAMMA_MAX, LN_FRAC_BITS, WIDE_MAX_N
+from qdsl.graph.ops.layernorm import WIDE_MAX_N, layernorm_constants
 from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
-from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, SOFTMAX_TABLE_BITS
+from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 
 __all__ = ["View", "SeqFirst", "MatmulPending", "MaskInput", "permute_value", "matmul_pending", "scale_pending",
-           "softmax_pending", "layernorm_pending"]
+           "softmax_pending", "layernorm_pending", "softmax_table"]
 
 
 @attrs.frozen
@@ -182,12 +182,6 @@ def _need_int8(where: str, what: str, x: Any) -> QVal:
                       f"quantize it: add `input = a8` (an activation quantizer) for '{where}' in the spec")
 
 
-def softmax_table(scale: float) -> tuple[int, ...]:
-    """``table[255 + d] = round(2^20 · exp(scale · d))`` for ``d`` in [-255, 0] (float64)."""
-    one = 1 << SOFTMAX_TABLE_BITS
-    return tuple(int(math.floor(one * math.exp(scale * (i - 255)) + 0.5)) for i in range(256))
-
-
 @attrs.frozen
 class MaskInput:
     """A mask a softmax reads (SOFTMAX_MASKED, docs/qgraph.md §4.4): the graph tensor ``name``
@@ -276,14 +270,8 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
         if n > WIDE_MAX_N:
             raise ExportError(where, f"a LayerNorm over {n} channels reading a wide residual sum has no integer "
                                      f"lowering (at most {WIDE_MAX_N})", "quantize its input (`input = a8`)")
-    gamma = np.ones(n) if weight is None else np.asarray(weight, dtype=np.float64).reshape(n)
-    beta = np.zeros(n) if bias is None else np.asarray(bias, dtype=np.float64).reshape(n)
-    s_gamma = float(np.abs(gamma).max()) / GAMMA_MAX or 1.0
-    g_int = np.clip(np.rint(gamma / s_gamma), -GAMMA_MAX, GAMMA_MAX).astype(np.int64)
-    # acc = Z·gamma + beta is the affine output in units of s_gamma·sqrt(N)/2^16 (ops/layernorm.py)
-    unit = s_gamma * math.sqrt(n) / 2.0**LN_FRAC_BITS
-    b_int = np.clip(np.rint(beta / unit), -BETA_MAX, BETA_MAX).astype(np.int64)
-    eps_int = int(round(n**3 * eps / (s_in * s_in)))
+    # shared with the fake-quant simulation (qdsl.patch.int_sim): one derivation
+    g_int, b_int, unit, eps_int = layernorm_constants(n, weight, bias, eps, s_in)
     if wide is None and n**3 * 255**2 + eps_int >= 2**62:
         raise ExportError(where, f"LayerNorm over {n} channels with eps {eps} overflows the int64 variance sum")
     if wide is not None and eps_int >= 2**61:

@@ -184,7 +184,10 @@ def rdbp(x: np.ndarray, e: np.ndarray) -> np.ndarray:
 def rounding_shift(x: np.ndarray, s: np.ndarray, rounding: Rounding) -> np.ndarray:
     """Exact ``x · 2^-s`` for ``s <= 0``; ``x / 2^s`` rounded per ``rounding`` for ``s > 0`` (int64)."""
     x = np.asarray(x, dtype=np.int64)
-    s = np.broadcast_to(np.asarray(s, dtype=np.int64), x.shape)
+    s = np.asarray(s, dtype=np.int64)
+    if s.size == 1 and s.ndim <= x.ndim:  # one shift for all (the common case): no per-element shift arrays
+        return _rounding_shift_one(x, int(s.reshape(-1)[0]), rounding)
+    s = np.broadcast_to(s, x.shape)
     left = np.where(s < 0, -s, 0)
     right = np.where(s > 0, s, 0)
     floor = x >> right
@@ -203,6 +206,26 @@ def rounding_shift(x: np.ndarray, s: np.ndarray, rounding: Rounding) -> np.ndarr
     shifted = floor + np.where(right > 0, up, False)
     # left shifts: |x| <= 2^31 and left <= 31 keeps |x · 2^left| <= 2^62 (exact in int64)
     return np.where(s < 0, x << left, shifted)
+
+
+def _rounding_shift_one(x: np.ndarray, s: int, rounding: Rounding) -> np.ndarray:
+    """:func:`rounding_shift` by one shift ``s`` (the same formulas on scalars)."""
+    if s <= 0:
+        return x << -s
+    floor = x >> s
+    rem = x - (floor << s)
+    half = np.int64(1) << (s - 1)
+    if rounding == Rounding.FLOOR:
+        return floor
+    if rounding == Rounding.HALF_UP:
+        up = rem >= half
+    elif rounding == Rounding.HALF_AWAY:
+        up = (rem > half) | ((rem == half) & (x >= 0))
+    elif rounding == Rounding.HALF_EVEN:
+        up = (rem > half) | ((rem == half) & ((floor & 1) == 1))
+    else:
+        raise GraphFormatError(f"unknown rounding code {int(rounding)}")
+    return floor + up
 
 
 def apply_rescale(x: np.ndarray, rescale: Rescale, axis: int | None = 1) -> np.ndarray:

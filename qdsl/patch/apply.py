@@ -52,6 +52,7 @@ from qdsl.patch.consumers import read_only_by_binary
 from qdsl.patch.coverage import check_coverage, count_calls
 from qdsl.patch.fold import find_bn_pairs
 from qdsl.patch.implied import with_implied
+from qdsl.patch.int_sim import install_layernorm_sims
 from qdsl.patch.handle import QdslContainer, QdslHandle, State, get_handle, proxy_key, state_of
 from qdsl.patch.layer import LayerPatch
 from qdsl.patch.attention import AttentionPatch, is_attention, unsupported_attention
@@ -283,6 +284,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
             installed.append(patch)
         for patch in installed:
             patch.install_bn_skip()
+        # frozen LayerNorms compute the graph's LAYERNORM (qdsl.patch.int_sim)
+        handle.sim_hooks = install_layernorm_sims(handle, model)
         if example_input is not None:
             with torch.no_grad(), count_calls(model) as calls:
                 if isinstance(example_input, (tuple, list)):
@@ -296,6 +299,8 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
                 if strict and coverage.floats:
                     raise coverage.error()
     except BaseException:
+        for h in getattr(handle, "sim_hooks", ()):
+            h.remove()
         for patch in reversed(installed):
             patch.uninstall()
         del model._modules["_qdsl"]
@@ -328,6 +333,8 @@ def remove(model: nn.Module) -> nn.Module:
     if lean:  # qdsl.qat.lean: the float master lives in an optimizer, not on the module
         raise QdslError(f"layer(s) {', '.join(lean)} hold lean weights: "
                         "call finish() on the LeanOptimizer before qdsl.remove(model)")
+    for h in getattr(handle, "sim_hooks", ()):
+        h.remove()
     for patch in reversed(list(handle.layers.values())):
         patch.uninstall()
     del model._modules["_qdsl"]

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.computed import ComputedPatch
+from qdsl.patch.int_sim import simulated_probs
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Role
@@ -88,10 +89,14 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
               proj: Callable[[str, torch.Tensor], torch.Tensor], act: Callable[[Role, torch.Tensor], torch.Tensor],
               out_proj: Callable[[torch.Tensor], torch.Tensor], *, attn_mask: torch.Tensor | None = None,
               key_padding_mask: torch.Tensor | None = None, dropout: float = 0.0, training: bool = False,
-              need_weights: bool = True, average_attn_weights: bool = True) -> tuple[torch.Tensor, Any]:
+              need_weights: bool = True, average_attn_weights: bool = True,
+              sim: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, Any]:
     """Multi-head attention of batch-first ``(N, L, E)`` query and ``(N, S, E)`` key/value,
     torch's formula: ``proj(s, x)`` is the ``s`` in {q, k, v} projection, ``act(role, t)``
     the quantizer of an internal activation, ``out_proj`` the output projection.
+    ``sim(scores, keep, probs)``: the probabilities the integer graph computes from the
+    quantized scores (qdsl.patch.int_sim), or None for the float ones.
     Returns ``(output (N, L, E), weights (N, L, S) averaged or (N, H, L, S), or None)``."""
     n, length, e = xq.shape
     s_len = xk.shape[1]
@@ -117,6 +122,8 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
         # graph's SOFTMAX_MASKED gives it (docs/qgraph.md §4.4)
         probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
     probs = act(Role.PROBS, probs)
+    if sim is not None:
+        probs = sim(scores, ~torch.isneginf(scores), probs)
     if training and dropout > 0.0:
         probs = F.dropout(probs, p=dropout)
     ctx = torch.matmul(probs, v).transpose(1, 2).reshape(n, length, e)
@@ -185,6 +192,10 @@ class AttentionPatch(ComputedPatch):
             b = bq(b)
         return F.linear(x, w, b)
 
+    def _sim(self, scores: torch.Tensor, keep: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        sq, pq = self.acts[Role.SCORES], self.acts[Role.PROBS]
+        return probs if sq is None or pq is None else simulated_probs(scores, keep, probs, sq, pq)
+
     def _act(self, role: Role, t: torch.Tensor) -> torch.Tensor:
         q = self.acts[role]
         return t if q is None else q(t)
@@ -208,7 +219,7 @@ class AttentionPatch(ComputedPatch):
         out, weights = attention(
             batch_first(xq), batch_first(xk), batch_first(xv), int(m.num_heads), self._proj, self._act, m.out_proj,
             attn_mask=attn_mask, key_padding_mask=key_padding_mask, dropout=float(m.dropout), training=m.training,
-            need_weights=need_weights, average_attn_weights=average_attn_weights)
+            need_weights=need_weights, average_attn_weights=average_attn_weights, sim=self._sim)
         if self.out is not None:
             out = self.out(out)
         if unbatched:

@@ -32,6 +32,7 @@ import torch.fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from qdsl.patch.int_sim import simulated_probs
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["SoftmaxRoles", "TracingRoles", "quantized_softmax", "masked_positions", "SOFTMAX_FUNCTIONS"]
@@ -69,7 +70,11 @@ def quantized_softmax(x: torch.Tensor, dim: int, sq: Any, pq: Any, who: str,
     if bool(masked.any()):
         # masked entries are exactly 0 already (exp underflows); a fully masked row is not
         p = p.masked_fill(masked.all(dim=dim, keepdim=True), 0.0)
-    return pq(p) if pq is not None else p
+    p = pq(p) if pq is not None else p
+    if sq is not None and pq is not None and dim in (-1, x.dim() - 1):
+        # frozen grids: the graph's SOFTMAX_MASKED itself, straight-through (qdsl.patch.int_sim)
+        p = simulated_probs(x, ~masked, p, sq, pq)
+    return p
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,

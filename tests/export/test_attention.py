@@ -78,8 +78,10 @@ def test_encoder_block_exports_runs_in_cpp_and_agrees(norm_first, functional):
     print(f"norm_first={norm_first} functional={functional}: cos(graph, float) {cos_float:.5f}, "
           f"cos(graph, fake-quant) {cos_fq:.6f}, output codes equal {np.mean(lsb < 0.5):.4f}, within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
     assert cos_float >= 0.99
-    assert cos_fq >= 0.999
-    assert np.mean(lsb < 0.5) >= 0.9 and np.mean(lsb < 1.5) >= 0.99
+    # the frozen fake-quant LayerNorms and softmax compute the graph's LAYERNORM and SOFTMAX
+    # (qdsl.patch.int_sim): every output code equal (float LayerNorm/softmax: 95.6-99.1%)
+    assert cos_fq >= 0.999999
+    assert np.mean(lsb < 0.5) == 1.0
 
 
 def test_products_and_norms_get_implied_quantizers():

@@ -116,13 +116,14 @@ def test_exports_runs_in_cpp_bit_identical_and_agrees(case):
     assert cos_float >= 0.99
     if case == "encoder-pre-norm":
         # the first residual sum is float in the fake-quant model, norm2's input codes in the graph
-        assert cos_fq >= 0.999 and np.mean(lsb < 1.5) >= 0.99 and lsb.max() <= 2.5
+        # (64.7% of the codes equal, 99.7% within 1 LSB; with a float LayerNorm/softmax 61.9%/99.4%)
+        assert cos_fq >= 0.9995 and np.mean(lsb < 0.5) >= 0.6 and np.mean(lsb < 1.5) >= 0.995 and lsb.max() <= 2.5
     elif case == "encoder-post-norm":
-        # norm1's result is float in the fake-quant model and LAYERNORM's wide I32 output in the
-        # graph (the integer LayerNorm's error, ~1e-4 of a unit, flips a few of norm2's input codes)
-        assert cos_fq >= 0.9999 and np.mean(lsb < 0.5) >= 0.95 and np.mean(lsb < 1.5) >= 0.999
+        # the frozen fake-quant LayerNorms and softmax compute the graph's LAYERNORM and SOFTMAX
+        # (qdsl.patch.int_sim): every output code equal (float LayerNorm: 96.9%)
+        assert cos_fq >= 0.999999 and np.mean(lsb < 0.5) == 1.0
     else:
-        assert cos_fq >= 0.9999 and np.mean(lsb < 0.5) >= 0.97 and np.mean(lsb < 1.5) >= 0.999
+        assert cos_fq >= 0.999999 and np.mean(lsb < 0.5) == 1.0
 
 
 def test_post_norm_layernorm_output_stays_wide():

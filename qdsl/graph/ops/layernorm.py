@@ -41,6 +41,8 @@ and ``eps < 2^61`` do (``|D_i| <= 2^24`` after the shift).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from qdsl.graph.checks import check_out, check_rescale
@@ -50,7 +52,7 @@ from qdsl.graph.requant import apply_rescale, rounding_shift, sat
 from qdsl.graph.schema import (IN_RQ_ATTRS, INT8_DTYPES, OUT_ATTRS, RQ_ATTRS, AttrType, DType, OpSchema, OutputStage,
                                RescaleKind, Rounding)
 
-__all__ = ["OPS", "layernorm", "isqrt", "LN_FRAC_BITS", "GAMMA_MAX", "BETA_MAX", "WIDE_MAX_N", "D_BITS"]
+__all__ = ["OPS", "layernorm", "layernorm_constants", "isqrt", "LN_FRAC_BITS", "GAMMA_MAX", "BETA_MAX", "WIDE_MAX_N", "D_BITS"]
 
 LN_FRAC_BITS = 16
 GAMMA_MAX = 2**14 - 1
@@ -58,6 +60,24 @@ BETA_MAX = 2**30
 WIDE_MAX_N = 8192
 D_BITS = 24
 """Bits of ``|D_i|`` kept by the row shift ``k``."""
+
+
+def layernorm_constants(n: int, weight, bias, eps: float, s_in: float) -> tuple[np.ndarray, np.ndarray, float, int]:
+    """``(gamma codes, beta, unit, eps)`` of a LayerNorm over ``n`` channels (``weight``/``bias``:
+    float arrays or None) reading the grid ``s_in``: ``gamma`` the affine weight in codes of at
+    most 14 bits, ``beta`` the bias in accumulator units, ``unit`` the real value of one
+    accumulator unit (``s_gamma·sqrt(N)/2^16``), ``eps`` in the op's units (``round(N³·ε/s²)``).
+    The exporter (qdsl.export.lower_attn) and the fake-quant simulation (qdsl.patch.int_sim)
+    both derive them here, so they compute one function."""
+    gamma = np.ones(n) if weight is None else np.asarray(weight, dtype=np.float64).reshape(n)
+    beta = np.zeros(n) if bias is None else np.asarray(bias, dtype=np.float64).reshape(n)
+    s_gamma = float(np.abs(gamma).max()) / GAMMA_MAX or 1.0
+    g_int = np.clip(np.rint(gamma / s_gamma), -GAMMA_MAX, GAMMA_MAX).astype(np.int64)
+    # acc = Z·gamma + beta is the affine output in units of s_gamma·sqrt(N)/2^16
+    unit = s_gamma * math.sqrt(n) / 2.0**LN_FRAC_BITS
+    b_int = np.clip(np.rint(beta / unit), -BETA_MAX, BETA_MAX).astype(np.int64)
+    eps_int = int(round(n**3 * eps / (s_in * s_in)))
+    return g_int, b_int, unit, eps_int
 
 
 def isqrt(v: np.ndarray) -> np.ndarray:

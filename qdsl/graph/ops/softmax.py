@@ -15,6 +15,8 @@ quantizer's grid (docs/qgraph.md §4.4).  Entries are at most 2^24 and ``table[2
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from qdsl.graph.checks import check_out
@@ -22,13 +24,21 @@ from qdsl.graph.ops import OpDef
 from qdsl.graph.requant import apply_rescale
 from qdsl.graph.schema import INT8_DTYPES, OUT_ATTRS, RQ_ATTRS, AttrType, OpSchema, OutputStage
 
-__all__ = ["OPS", "softmax", "SOFTMAX_TABLE_BITS", "SOFTMAX_FRAC_BITS", "MAX_TABLE_ENTRY"]
+__all__ = ["OPS", "softmax", "softmax_table", "SOFTMAX_TABLE_BITS", "SOFTMAX_FRAC_BITS", "MAX_TABLE_ENTRY"]
 
 SOFTMAX_TABLE_BITS = 20
 """``table[255] = 2^20`` in the tables the exporter writes (exp(0))."""
 SOFTMAX_FRAC_BITS = 30
 """``Q = floor(E · 2^30 / S)``: the probability in 30 fraction bits before the output stage."""
 MAX_TABLE_ENTRY = 2**24
+
+
+def softmax_table(scale: float) -> tuple[int, ...]:
+    """``table[255 + d] = round(2^20 · exp(scale · d))`` for ``d`` in [-255, 0] (float64), the
+    table of an input grid ``scale``: the exporter and the fake-quant simulation
+    (:mod:`qdsl.patch.int_sim`) both build it here."""
+    one = 1 << SOFTMAX_TABLE_BITS
+    return tuple(int(math.floor(one * math.exp(scale * (i - 255)) + 0.5)) for i in range(256))
 
 
 def softmax(x: np.ndarray, a) -> np.ndarray:

@@ -41,7 +41,7 @@ from qdsl.graph.requant import apply_rescale
 from qdsl.graph.schema import INT8_DTYPES, OUT_ATTRS, RQ_ATTRS, AttrType, DType, OpSchema, OutputStage
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["OPS", "MaskError", "MASK_DTYPES", "softmax_masked", "mask_keep", "check_mask_dims"]
+__all__ = ["OPS", "MaskError", "MASK_DTYPES", "softmax_masked", "softmax_kept", "mask_keep", "check_mask_dims"]
 
 MASK_DTYPES = (DType.I32, DType.I8, DType.U8, DType.F32)
 """The dtypes a mask input may have."""
@@ -103,6 +103,14 @@ def softmax_masked(x: np.ndarray, masks, a, name: str = "?", mask_names=None) ->
         what = f"mask {mask_names[j]!r}" if mask_names else f"mask {j + 1}"
         keep = keep & mask_keep(x.shape, mask, a["mask_dims"][j * rank:(j + 1) * rank], a["mask_attend"][j], name,
                                 what)
+    return softmax_kept(x, keep, a)
+
+
+def softmax_kept(x: np.ndarray, keep: np.ndarray, a) -> np.ndarray:
+    """The op's arithmetic on the codes ``x`` over the positions ``keep`` (bool, x's shape)
+    marks; ``a`` needs ``table`` and the output stage.  The fake-quant simulation
+    (:mod:`qdsl.patch.int_sim`) calls this same function."""
+    x = np.asarray(x, dtype=np.int64)
     table = np.asarray(a["table"], dtype=np.int64)
     m = np.where(keep, x, np.iinfo(np.int64).min).max(axis=-1, keepdims=True)
     e = np.where(keep, table[np.where(keep, x - m + 255, 255)], 0)

@@ -1,0 +1,201 @@
+"""Fake quantization that computes the integer graph's LayerNorm and softmax.
+
+The graph's LAYERNORM and SOFTMAX/SOFTMAX_MASKED (qdsl/graph/ops) are fixed integer
+functions of their input codes: an exact exp table at the scores grid, ``floor`` of a
+2^30 fraction, 14-bit gamma codes, a 16-bit normalized value.  Float ``F.layer_norm`` and
+``torch.softmax`` on the fake-quantized values land within a fraction of an LSB of them,
+but on the other side of a rounding boundary in a few percent of the codes the next
+quantizer writes (MiniLM: 2-5% of the first q/k/v codes after a LayerNorm), and the scores
+grid (~0.3) turns a 1-2 LSB score difference into up to 20 LSB of probability; through
+six layers the two rounding patterns drift apart (hidden cosine graph/fake-quant 0.9895).
+
+So once the grids are fixed, the fake-quant forward of these two ops *is* the graph's op:
+the input's codes go through the reference executor's own functions
+(:func:`qdsl.graph.ops.layernorm.layernorm`, :func:`qdsl.graph.ops.softmax_masked.softmax_kept`,
+numpy int64 on the CPU) with the constants the exporter derives
+(:func:`~qdsl.graph.ops.layernorm.layernorm_constants`, :func:`~qdsl.graph.ops.softmax.softmax_table`),
+and the result comes back as ``float + (integer - float).detach()``: the forward value is
+the integer one, the gradient the float formula's (straight-through), so QAT still trains.
+
+When (the rule):
+
+* softmax (:func:`simulated_probs`): the ``scores`` and ``probs`` quantizers are both frozen,
+  static, per-tensor integer quantizers of at most 8 bits, the softmax runs along the last
+  axis (the only one the graph lowers).  Before that (calibration, QAT before freeze) the
+  grids still move and the float softmax runs; a disabled quantizer, or kept scores off the
+  scores grid (an additive mask other than 0/-inf, which export refuses), also keep it.
+* LayerNorm (:class:`LayerNormSim`, a forward hook on every ``nn.LayerNorm`` over one
+  axis of a patched model): the model is frozen (or exported) and not every quantizer is
+  disabled (``q.enabled = False`` on all of them gives the float model back).  Its input is read as the
+  graph reads it: the codes of its own input quantizer (the narrow form: frozen, static,
+  per-tensor, at most 8 bits), else the float residual sum on a fine power-of-two grid
+  (the wide form, :func:`wide_grid`).  The graph's wide grid ``s_t`` comes from the
+  operands' accumulators; this one from the value (``2^29`` codes for the largest entry).
+  Both grids are powers of two and LAYERNORM keeps 24 bits of ``N·(x - mean)`` per row after
+  its row shift ``k``, whose step ``s_t·2^k`` does not depend on ``s_t`` once ``k > 0``: the two
+  agree up to the double rounding of the float32 sum (measured: see docs/qgraph.md §6).
+  The result is the wide output ``acc·unit`` (the op's I32 accumulator); the next
+  quantizer rounds it as the graph's REQUANTIZE does (float32 of ``acc·unit`` aside).
+
+Cost: one numpy pass per op on the CPU (MiniLM: a few percent of a frozen forward).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from qdsl.graph.ops.layernorm import layernorm, layernorm_constants
+from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
+from qdsl.graph.ops.softmax_masked import softmax_kept
+from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
+from qdsl.graph.schema import Rescale, RescaleKind, Rounding
+
+__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "SoftmaxModuleSim", "install_layernorm_sims", "wide_grid",
+           "grid_of"]
+
+_ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
+"""The quantizer roundings the graph has (qdsl.export.values.ROUNDINGS)."""
+
+WIDE_CODE_BITS = 29
+"""The wide-form grid puts the largest input entry at about 2^29 codes (int32 with headroom)."""
+
+
+def grid_of(q: Any) -> tuple[float, int, int, int, Rounding] | None:
+    """``(scale, zero point, qmin, qmax, rounding)`` of a frozen, static, per-tensor integer
+    quantizer of at most 8 bits (the graph's activation grids), else None."""
+    if q is None or not getattr(q, "frozen", False) or not getattr(q, "enabled", True) or q.dynamic \
+            or q.scale.numel() != 1:
+        return None
+    if q.format.activation_lowering(q.recipe.signed) != "int" or q.recipe.bits > 8:
+        return None
+    rounding = _ROUNDINGS.get(q.recipe.rounding)
+    if rounding is None:
+        return None
+    return (float(q.scale.detach().reshape(-1)[0]), int(q.zero_point.reshape(-1)[0]), int(q.qmin), int(q.qmax),
+            rounding)
+
+
+def _codes(x: torch.Tensor, scale: float, zp: int) -> np.ndarray:
+    """The integer codes of a fake-quantized value ``(q - zp)·scale`` (exact: |q| <= 255)."""
+    return np.rint(x.detach().double().cpu().numpy() / scale).astype(np.int64) + zp
+
+
+def _straight_through(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    v = torch.from_numpy(value).to(like.dtype).to(like.device)
+    return like + (v - like).detach() if like.requires_grad else v
+
+
+def simulated_probs(x: torch.Tensor, keep: torch.Tensor, probs: torch.Tensor, sq: Any, pq: Any) -> torch.Tensor:
+    """The graph's SOFTMAX_MASKED of the fake-quantized scores ``x`` (kept entries on ``sq``'s
+    grid) over the positions ``keep`` marks, on ``pq``'s grid, straight-through to the
+    float ``probs`` (what the fake-quant path computed); ``probs`` itself when a grid is not
+    fixed yet (module docstring)."""
+    gs, gp = grid_of(sq), grid_of(pq)
+    if gs is None or gp is None:
+        return probs
+    s_s, zp_s = gs[0], gs[1]
+    s_p, zp_p, qmin, qmax, rounding = gp
+    keep_np = keep.detach().cpu().numpy()
+    codes = np.where(keep_np, _codes(x.masked_fill(~keep, 0.0), s_s, zp_s), zp_s)
+    if codes.size and (codes.min() < gs[2] or codes.max() > gs[3]):
+        # kept scores off the grid: an additive mask other than 0/-inf, which the graph refuses
+        return probs
+    rescale = make_rescale(2.0**-SOFTMAX_FRAC_BITS / s_p, rounding, single=True)
+    a = dict(table=softmax_table(s_s), **rescale.attrs(), out_zp=zp_p, out_min=qmin, out_max=qmax)
+    out = softmax_kept(codes, keep_np, a)
+    return _straight_through((out - zp_p).astype(np.float64) * s_p, probs)
+
+
+def wide_grid(x: torch.Tensor) -> float:
+    """A power-of-two grid putting the largest ``|x|`` at about ``2^WIDE_CODE_BITS`` codes."""
+    m = float(x.detach().abs().max()) if x.numel() else 0.0
+    if not math.isfinite(m) or m == 0.0:
+        return 1.0
+    return math.ldexp(1.0, math.frexp(m)[1] - WIDE_CODE_BITS)
+
+
+_IDENTITY = Rescale(RescaleKind.POT, [1], [0])
+
+
+def simulated_layernorm(module: nn.LayerNorm, x: torch.Tensor, y: torch.Tensor, grid: tuple | None) -> torch.Tensor:
+    """The graph's LAYERNORM of ``x`` (``module``'s input) as its wide output ``acc·unit``,
+    straight-through to the float result ``y``.  ``grid``: the input quantizer's
+    :func:`grid_of` (the narrow form: ``x`` holds its codes), or None (the wide form)."""
+    n = int(module.normalized_shape[0])
+    if grid is not None:
+        s_in, zp = grid[0], grid[1]
+        codes = _codes(x, s_in, zp)
+    else:
+        s_in, zp = wide_grid(x), 0
+        codes = np.rint(x.detach().double().cpu().numpy() / s_in).astype(np.int64)
+    weight = None if module.weight is None else module.weight.detach().double().cpu().numpy()
+    bias = None if module.bias is None else module.bias.detach().double().cpu().numpy()
+    g_int, b_int, unit, eps_int = layernorm_constants(n, weight, bias, float(module.eps), s_in)
+    a = dict(in_zp=(zp,), in_kind=(int(_IDENTITY.kind),), in_multiplier=(1,), in_shift=(0,),
+             in_rounding=(int(_IDENTITY.rounding),), gamma=g_int, beta=b_int, eps=eps_int, **_IDENTITY.attrs(),
+             out_zp=0, out_min=INT32_MIN, out_max=INT32_MAX)
+    acc = layernorm([codes], a)
+    # float32(acc)·float32(unit): the graph's DEQUANTIZE of the wide output, to the bit
+    return _straight_through(acc.astype(np.float32) * np.float32(unit), y)
+
+
+class LayerNormSim:
+    """The forward hook of one ``nn.LayerNorm`` (see the module docstring)."""
+
+    def __init__(self, handle: Any, fqn: str):
+        self.handle, self.fqn = handle, fqn
+
+    def active(self) -> bool:
+        """Frozen (or exported), and some quantizer of the model enabled (all disabled: the
+        float model)."""
+        if getattr(self.handle.state, "value", None) not in ("frozen", "exported"):
+            return False
+        return any(getattr(q, "enabled", True) for q in self.handle.container.quantizers.values())
+
+    def __call__(self, module: nn.LayerNorm, args: tuple, output: Any) -> Any:
+        if not self.active() or not args or not isinstance(args[0], torch.Tensor) \
+                or not isinstance(output, torch.Tensor) or not output.is_floating_point():
+            return None
+        patch = self.handle.layers.get(self.fqn)
+        iq = getattr(patch, "iq", None)
+        grid = grid_of(iq)
+        if iq is not None and grid is None:
+            return None  # disabled, or a grid the graph cannot read as 8-bit codes (export refuses it)
+        return simulated_layernorm(module, args[0], output, grid)
+
+
+class SoftmaxModuleSim:
+    """The forward hook of one ``nn.Softmax`` whose input and output quantizers are the
+    scores and probabilities grids (an implied input, "implied by softmax")."""
+
+    def __init__(self, handle: Any, fqn: str):
+        self.handle, self.fqn = handle, fqn
+
+    def __call__(self, module: nn.Softmax, args: tuple, output: Any) -> Any:
+        patch = self.handle.layers.get(self.fqn)
+        iq, oq = getattr(patch, "iq", None), getattr(patch, "oq", None)
+        if iq is None or oq is None or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        x = args[0]
+        if module.dim not in (-1, x.dim() - 1):
+            return None
+        keep = ~(x <= torch.finfo(x.dtype).min / 2)  # softmax_roles.masked_positions
+        return simulated_probs(x, keep, output, iq, oq)
+
+
+def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
+    """A :class:`LayerNormSim` on every ``nn.LayerNorm`` over one axis and a
+    :class:`SoftmaxModuleSim` on every ``nn.Softmax`` (each before any output quantizer's
+    hook: it reads the module's result); returns the hook handles."""
+    hooks = []
+    for fqn, m in model.named_modules():
+        if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+            hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn), prepend=True))
+        elif isinstance(m, nn.Softmax):
+            hooks.append(m.register_forward_hook(SoftmaxModuleSim(handle, fqn), prepend=True))
+    return hooks
