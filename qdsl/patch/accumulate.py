@@ -49,7 +49,8 @@ ResNet at 41%).  After freeze the bound holds and the fast path applies.
 
 Not simulated (a warning names the layer when its accumulator is narrower than 32 bits): a
 layer without an input or weight quantizer (its input scale is not local), group-wise
-weight scales (no single ``s_acc`` per output channel), transposed convs, and sums whose
+weight scales or scales along another weight axis than the output channels (no single
+``s_acc`` per output channel), transposed convs, and sums whose
 range leaves exact binary64 (``|w|·|x|·fan-in >= 2^53``, e.g. power-of-two weights with
 wide exponents): those pass their float output through, as before the simulation existed.  While calibrating the input scale still moves, so the layer
 passes its float output through.
@@ -168,6 +169,8 @@ class AccumulatorSim:
             return "no input or weight quantizer on the layer itself"
         if p.wq.group_size is not None:
             return "group-wise weight scales"
+        if p.wq.axis is not None and p.wq.axis not in (0, -m.weight.dim()):
+            return f"weight scales along axis {p.wq.axis} (not one per output channel)"
         if not (p.iq.format.accumulator_input and p.wq.format.accumulator_weight):
             return f"{p.iq.format.name} inputs × {p.wq.format.name} weights have no integer accumulator"
         return None

@@ -194,3 +194,20 @@ def test_sums_beyond_exact_binary64_pass_the_float_output_through():
         warnings.simplefilter("error")  # the default 32-bit accumulator does not warn
         y = model(x)
     assert y.shape == (2, 5) and torch.isfinite(y).all()
+
+
+def test_weight_scales_along_input_channels_pass_the_float_output_through():
+    """``granularity=channel(1)`` on a conv weight gives one scale per *input* channel: there
+    is no single s_x·s_w per output channel to simulate, so the layer passes its float output
+    through (hypothesis found the shape error in test_check_apply_parity)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+    spec = ("version 1\ndefaults {\n  weight = (kind=int, narrow)\n  input = (kind=int, narrow, dynamic)\n}\n"
+            "rule type:Conv2d { weight = (kind=int, narrow, scale=float, granularity=channel(1)) }\n")
+    qdsl.apply(model, parse_text(spec))
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        qdsl.calibrate(model, [x], progress=False)
+    qdsl.freeze(model)
+    y = model(x)
+    assert y.shape == (2, 5) and torch.isfinite(y).all()
