@@ -77,7 +77,10 @@ def _linear(q: np.ndarray, s: np.float32, z: np.float32, w: np.ndarray, ws: np.n
     return y + b[None, :] if b is not None else y
 
 
-def lstm_dynamic(args, a) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _prologue(args, a):
+    """What LSTM_DYNAMIC and GRU_DYNAMIC share before their time loop: the input (a second
+    [N, T, F2] input concatenated on features), the input products of every step at once,
+    the hidden weights and the optional initial states ``rest``."""
     x = args[0].astype(_F)
     rest = [np.asarray(v, dtype=_F) for v in args[3:]]
     if rest and rest[0].ndim == 3:
@@ -87,10 +90,14 @@ def lstm_dynamic(args, a) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     b_ih = bits_f32(a["b_ih"]) if a["b_ih"] else None
     b_hh = bits_f32(a["b_hh"]) if a["b_hh"] else None
     n, steps, feats = x.shape
-    hid = w_hh.shape[1]
     qx, qpx = quantize_dynamic(x, _q("in", a))
     s_x, z_x = qpx.reshape(-1, 2)[0]
     a_ih = _linear(qx.reshape(-1, feats), s_x, z_x, w_ih, ws_ih, b_ih).reshape(n, steps, -1)
+    return a_ih, (w_hh, ws_hh, b_hh), rest, n, steps, w_hh.shape[1]
+
+
+def lstm_dynamic(args, a) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    a_ih, (w_hh, ws_hh, b_hh), rest, n, steps, hid = _prologue(args, a)
     hq = _q("h", a)
     h = rest[0] if rest else np.zeros((n, hid), dtype=_F)
     c = rest[1] if len(rest) > 1 else np.zeros((n, hid), dtype=_F)
@@ -113,19 +120,7 @@ def gru_dynamic(args, a) -> tuple[np.ndarray, np.ndarray]:
     """GRU_DYNAMIC: as :func:`lstm_dynamic` with GRU gates r, z, n and no cell:
     ``n = tanh(A_ih_n + σ(r)·A_hh_n)``, ``h' = Q((1 - σ(z))·n + σ(z)·h)`` (binary32, that order),
     ``h`` the dequantized codes (``Q(h0)`` at the start)."""
-    x = args[0].astype(_F)
-    rest = [np.asarray(v, dtype=_F) for v in args[3:]]
-    if rest and rest[0].ndim == 3:
-        x = np.concatenate([x, rest.pop(0)], axis=-1)
-    w_ih, w_hh = (np.asarray(t.data, dtype=np.int64) for t in args[1:3])
-    ws_ih, ws_hh = bits_f32(a["w_ih_scale"]), bits_f32(a["w_hh_scale"])
-    b_ih = bits_f32(a["b_ih"]) if a["b_ih"] else None
-    b_hh = bits_f32(a["b_hh"]) if a["b_hh"] else None
-    n, steps, feats = x.shape
-    hid = w_hh.shape[1]
-    qx, qpx = quantize_dynamic(x, _q("in", a))
-    s_x, z_x = qpx.reshape(-1, 2)[0]
-    a_ih = _linear(qx.reshape(-1, feats), s_x, z_x, w_ih, ws_ih, b_ih).reshape(n, steps, -1)
+    a_ih, (w_hh, ws_hh, b_hh), rest, n, steps, hid = _prologue(args, a)
     hq = _q("h", a)
     qh, qph = quantize_dynamic(rest[0] if rest else np.zeros((n, hid), dtype=_F), hq)
     s_h, z_h = qph.reshape(-1, 2)[0]
