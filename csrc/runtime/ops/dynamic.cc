@@ -12,6 +12,7 @@
 #include <limits>
 
 #include "dispatch.h"
+#include "runtime/ops/dynamic_quant.h"
 #include "runtime/ops/op.h"
 #include "threads/thread_pool.h"
 
@@ -24,13 +25,12 @@
 namespace qdsl {
 namespace {
 
-constexpr float kTiny = 1e-12f;  // the smallest scale (qdsl.quantizers.range_search)
+using dynq::BitsF32;
+using dynq::FiniteRange;
 constexpr int64_t kMaxK = 65536;  // |q - zp| <= 255, |w| <= 128: K products fit int32
 
-struct QuantizeDynamicParams : OpParams {
-  int32_t qmin = 0, qmax = 0;
-  bool symmetric = true, per_row = false;
-  int rounding = 0;
+struct QuantizeDynamicParams : OpParams, dynq::Rule {
+  bool per_row = false;
 };
 
 struct LinearDynamicParams : OpParams {
@@ -42,72 +42,6 @@ struct LinearDynamicParams : OpParams {
   PackedWeights packed;
   mutable std::vector<int32_t> acc;  // scratch, reused (a graph runs one call at a time)
 };
-
-float BitsF32(int64_t bits) {
-  const int32_t b = static_cast<int32_t>(bits);
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-double RoundF(double v, int mode) {  // as QUANTIZE (quantize.cc) and the reference's _round_f
-  switch (mode) {
-    case 1: return std::nearbyint(v);  // half even (default FE_TONEAREST)
-    case 0: return v < 0 ? -std::floor(-v + 0.5) : (v > 0 ? std::floor(v + 0.5) : v);
-    case 3: return std::floor(v + 0.5);
-    default: return std::floor(v);
-  }
-}
-
-// Min and max of the finite values of x[0..n) ([0, 0] when none is finite), folded into *lo, *hi.
-void FiniteRange(const float* x, int64_t n, float* lo, float* hi, bool* any) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    if (!std::isfinite(v)) continue;
-    if (!*any || v < *lo) *lo = v;
-    if (!*any || v > *hi) *hi = v;
-    *any = true;
-  }
-}
-
-// Scale and zero point of the range [lo, hi] (binary32, the reference's _qparams).
-void QParams(float lo, float hi, bool any, const QuantizeDynamicParams& p, float* scale, float* zp) {
-  if (!any) lo = hi = 0.f;
-  lo = lo < 0.f ? lo : 0.f;
-  hi = hi > 0.f ? hi : 0.f;
-  if (p.symmetric) {
-    float amax;
-    if (p.qmin < 0) {
-      amax = -lo > hi ? -lo : hi;
-    } else {
-      amax = hi > 0.f ? hi : -lo;
-    }
-    const float s = amax / static_cast<float>(p.qmax);
-    *scale = s > kTiny ? s : kTiny;
-    *zp = 0.f;
-  } else {
-    const float s = (hi - lo) / static_cast<float>(p.qmax - p.qmin);
-    *scale = s > kTiny ? s : kTiny;
-    const float z = static_cast<float>(p.qmin) - std::nearbyint(lo / *scale);
-    *zp = z < p.qmin ? static_cast<float>(p.qmin) : (z > p.qmax ? static_cast<float>(p.qmax) : z);
-  }
-}
-
-void QuantizeRow(const float* x, int64_t n, float scale, float zpf, const QuantizeDynamicParams& p, uint8_t* y) {
-  const float inv = 1.0f / scale;
-  const int64_t zp = static_cast<int64_t>(zpf), lo = p.qmin, hi = p.qmax;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] * inv;  // binary32 multiply, as the reference
-    int64_t q;
-    if (std::isnan(v)) {
-      q = zp;
-    } else {
-      const double r = RoundF(static_cast<double>(v), p.rounding) + static_cast<double>(zp);
-      q = r < static_cast<double>(lo) ? lo : (r > static_cast<double>(hi) ? hi : static_cast<int64_t>(r));
-    }
-    y[i] = static_cast<uint8_t>(q);
-  }
-}
 
 }  // namespace
 
@@ -151,7 +85,7 @@ Status RunQuantizeDynamic(RunCtx& c, const GraphOp& op) {
     float lo = 0.f, hi = 0.f;
     bool any = false;
     FiniteRange(x, rows * k, &lo, &hi, &any);
-    QParams(lo, hi, any, p, &ts, &tz);
+    dynq::QParams(lo, hi, any, p, &ts, &tz);
   }
   // QUANTIZE's vector kernel equals QuantizeRow bit for bit (same rule, NaN -> zp)
   const QuantizeF32Kernel vec = SelectQuantizeF32Kernel(c.path);
@@ -163,12 +97,12 @@ Status RunQuantizeDynamic(RunCtx& c, const GraphOp& op) {
         float lo = 0.f, hi = 0.f;
         bool any = false;
         FiniteRange(x + r * k, k, &lo, &hi, &any);
-        QParams(lo, hi, any, p, &s, &z);
+        dynq::QParams(lo, hi, any, p, &s, &z);
       }
       if (vec != nullptr) {
         vec(x + r * k, k, 1.0f / s, static_cast<int32_t>(z), p.qmin, p.qmax, p.rounding, y + r * k, out_signed);
       } else {
-        QuantizeRow(x + r * k, k, s, z, p, y + r * k);
+        dynq::QuantizeRow(x + r * k, k, s, z, p, y + r * k);
       }
       qp[2 * r] = s;
       qp[2 * r + 1] = z;

@@ -17,6 +17,7 @@
 
 #include "dispatch.h"
 #include "qdsl/gemm.h"
+#include "runtime/ops/dynamic_quant.h"
 #include "runtime/ops/op.h"
 
 #if defined(__clang__)
@@ -28,13 +29,8 @@
 namespace qdsl {
 namespace {
 
-constexpr float kTiny = 1e-12f;
-
-struct DynQ {
-  int32_t qmin = 0, qmax = 255;
-  bool symmetric = false;
-  int rounding = 1;
-};
+using DynQ = dynq::Rule;
+using dynq::BitsF32;
 
 struct LstmDynamicParams : OpParams {
   bool reverse = false;
@@ -47,63 +43,13 @@ struct LstmDynamicParams : OpParams {
   PackedWeights packed_ih, packed_hh;  // the optimized paths' GEMM operands
 };
 
-float BitsF32(int64_t bits) {
-  const int32_t b = static_cast<int32_t>(bits);
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-double RoundF(double v, int mode) {  // the reference's _round_f (as QUANTIZE)
-  switch (mode) {
-    case 1: return std::nearbyint(v);
-    case 0: return v < 0 ? -std::floor(-v + 0.5) : (v > 0 ? std::floor(v + 0.5) : v);
-    case 3: return std::floor(v + 0.5);
-    default: return std::floor(v);
-  }
-}
-
-// QUANTIZE_DYNAMIC per tensor (dynamic.cc's FiniteRange, QParams, QuantizeRow).
+// QUANTIZE_DYNAMIC per tensor (dynamic_quant.h: the op's own rule) into int32 codes.
 void QuantizeDyn(const float* x, int64_t n, const DynQ& p, int32_t* q, float* scale, float* zpf) {
   float lo = 0.f, hi = 0.f;
   bool any = false;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i];
-    if (!std::isfinite(v)) continue;
-    if (!any || v < lo) lo = v;
-    if (!any || v > hi) hi = v;
-    any = true;
-  }
-  if (!any) lo = hi = 0.f;
-  lo = lo < 0.f ? lo : 0.f;
-  hi = hi > 0.f ? hi : 0.f;
-  float s, z;
-  if (p.symmetric) {
-    const float amax = p.qmin < 0 ? (-lo > hi ? -lo : hi) : (hi > 0.f ? hi : -lo);
-    s = amax / static_cast<float>(p.qmax);
-    s = s > kTiny ? s : kTiny;
-    z = 0.f;
-  } else {
-    s = (hi - lo) / static_cast<float>(p.qmax - p.qmin);
-    s = s > kTiny ? s : kTiny;
-    const float zz = static_cast<float>(p.qmin) - std::nearbyint(lo / s);
-    z = zz < p.qmin ? static_cast<float>(p.qmin) : (zz > p.qmax ? static_cast<float>(p.qmax) : zz);
-  }
-  const float inv = 1.0f / s;
-  const int64_t zp = static_cast<int64_t>(z);
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = x[i] * inv;
-    int64_t c;
-    if (std::isnan(v)) {
-      c = zp;
-    } else {
-      const double r = RoundF(static_cast<double>(v), p.rounding) + static_cast<double>(zp);
-      c = r < p.qmin ? p.qmin : (r > p.qmax ? p.qmax : static_cast<int64_t>(r));
-    }
-    q[i] = static_cast<int32_t>(c);
-  }
-  *scale = s;
-  *zpf = z;
+  dynq::FiniteRange(x, n, &lo, &hi, &any);
+  dynq::QParams(lo, hi, any, p, scale, zpf);
+  dynq::QuantizeRow(x, n, *scale, *zpf, p, q);
 }
 
 // exp_f32 of the reference: clamp, k = rint(x/ln2), r = (x - k·hi) - k·lo, Horner, ·2^k.
