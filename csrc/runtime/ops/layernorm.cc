@@ -149,20 +149,41 @@ namespace {
 
 // The header's formula as written, for every form (in the narrow form k = 0 and the rescale is
 // the identity, so it is the narrow formula line by line): the reference path's rows.
+// The call's operands, as both row runners read them.
+struct LnCall {
+  int64_t n, rows, work;
+  const uint8_t* x;
+  int dt;
+  const uint8_t* x1;  // input 1 when it is an activation, else nullptr (a constant or none)
+  int dt1;
+  uint8_t* y;
+  int ydt;
+  LnCall(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
+    const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
+    n = xs.back();
+    rows = Numel(xs) / std::max<int64_t>(n, 1);
+    const size_t n_in = op.inputs.size();
+    work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
+    x = c.Buf(op.inputs[0]);
+    dt = c.DType(op.inputs[0]);
+    const bool act1 = n_in > 1 && p.const1.empty();
+    x1 = act1 ? c.Buf(op.inputs[1]) : nullptr;
+    dt1 = act1 ? c.DType(op.inputs[1]) : 0;
+    y = c.Buf(op.outputs[0]);
+    ydt = c.DType(op.outputs[0]);
+  }
+};
+
 void RunLayernormWide(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
-  const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
-  const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
-  const size_t n_in = op.inputs.size();
-  const uint8_t* x = c.Buf(op.inputs[0]);
-  const int dt = c.DType(op.inputs[0]);
-  const bool act1 = n_in > 1 && p.const1.empty();
-  const uint8_t* x1 = act1 ? c.Buf(op.inputs[1]) : nullptr;
-  const int dt1 = act1 ? c.DType(op.inputs[1]) : 0;
+  const LnCall call(c, op, p);
+  const int64_t n = call.n, rows = call.rows, work = call.work;
+  const uint8_t* x = call.x;
+  const uint8_t* x1 = call.x1;
+  const int dt = call.dt, dt1 = call.dt1;
   const int64_t n1 = static_cast<int64_t>(p.const1.size());  // a (1, ...) constant repeats per batch row
-  uint8_t* y = c.Buf(op.outputs[0]);
-  const bool y32 = c.DType(op.outputs[0]) == kI32;  // the wide output
+  uint8_t* y = call.y;
+  const bool y32 = call.ydt == kI32;  // the wide output
   const OutputStage& st = p.out.stage;
-  const int64_t work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
   ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     std::vector<int64_t> d(static_cast<size_t>(n));
     for (int64_t r = r0; r < r1; ++r) {
@@ -292,25 +313,20 @@ struct OptScratch {
 // (RequantKernel for I8/U8; for I32 StageI32Kernel, or nothing when the stage is the identity:
 // the row is computed straight into y).
 void RunLayernormOpt(RunCtx& c, const GraphOp& op, const LayernormParams& p) {
-  const std::vector<int64_t> xs = c.Shape(op.inputs[0]);
-  const int64_t n = xs.back(), rows = Numel(xs) / std::max<int64_t>(n, 1);
-  const size_t n_in = op.inputs.size();
-  const uint8_t* x = c.Buf(op.inputs[0]);
-  const int dt = c.DType(op.inputs[0]);
-  const bool act1 = n_in > 1 && p.const1.empty();
-  const uint8_t* x1 = act1 ? c.Buf(op.inputs[1]) : nullptr;
-  const int dt1 = act1 ? c.DType(op.inputs[1]) : 0;
+  const LnCall call(c, op, p);
+  const int64_t n = call.n, rows = call.rows, work = call.work;
+  const uint8_t* x = call.x;
+  const uint8_t* x1 = call.x1;
+  const int dt = call.dt, dt1 = call.dt1;
   const int64_t n1 = static_cast<int64_t>(p.const1_32.size());
-  uint8_t* y = c.Buf(op.outputs[0]);
-  const int ydt = c.DType(op.outputs[0]);
-  const bool y32 = ydt == kI32;
-  const bool out_signed = ydt == kI8;
+  uint8_t* y = call.y;
+  const bool y32 = call.ydt == kI32;
+  const bool out_signed = call.ydt == kI8;
   const OutputStage& st = p.out.stage;
   const RequantKernel requant = SelectRequantKernel(c.path);
   const StageI32Kernel stage_i32 = SelectStageI32Kernel(c.path);
   const LayernormKernels ker = SelectLayernormKernels(c.path);
   const int64_t xb = ElementBytes(dt) * n, x1b = ElementBytes(dt1) * n;
-  const int64_t work = rows * n * kLayernormCost * static_cast<int64_t>(n_in);
   ParallelRanges(rows, RowChunk(rows, work), work, [&](int64_t r0, int64_t r1) {
     thread_local OptScratch sc;
     for (auto* b : {&sc.t0, &sc.t1, &sc.v, &sc.d, &sc.acc}) b->resize(static_cast<size_t>(n));
