@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import re
+import tempfile
 import time
 
 import numpy as np
 
-__all__ = ["add_timing_args", "interleaved", "load_average", "span", "steady_median", "timing_args"]
+__all__ = ["add_timing_args", "interleaved", "load_average", "profile_lines", "span", "steady_median",
+           "timing_args"]
 
 
 def steady_median(fn, reps: int, warmup_s: float) -> float:
@@ -24,6 +28,33 @@ def steady_median(fn, reps: int, warmup_s: float) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+_PROFILE_LINE = re.compile(r"qdsl op\s+(\d+) (\S+)\s+wall\s+([\d.]+) ms\s+cpu\s+([\d.]+) ms"
+                           r"(?:\s+jobs (\d+)/(\d+) tasks (\d+) caller (\d+) tail ([\d.]+) ms)?")
+
+
+def profile_lines(compiled, x, runs: int) -> list[tuple]:
+    """The runtime's QDSL_PROFILE=1 lines (stderr; the library reads the variable once, so the
+    calling script sets it before qdsl.runtime loads) of `runs` calls of ``compiled.run(x)``,
+    parsed as (op index, op name, wall ms, cpu ms, parallel jobs, serial jobs, tasks, the
+    caller's tasks, tail ms); the five pool fields are None in a line without them."""
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+") as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            for _ in range(runs):
+                compiled.run(x)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        out = []
+        for m in map(_PROFILE_LINE.match, f):
+            if m:
+                pool = (None,) * 5 if m[5] is None else (*map(int, m.groups()[4:8]), float(m[9]))
+                out.append((int(m[1]), m[2], float(m[3]), float(m[4]), *pool))
+        return out
 
 
 def interleaved(fns: dict, rounds: int, reps: int, warmup_s: float) -> dict[str, list[float]]:

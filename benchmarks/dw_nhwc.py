@@ -21,23 +21,20 @@ os.environ["QDSL_PROFILE"] = "1"  # read once by the library, before it is loade
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
-import re
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's qdsl
 
-from _timing import load_average, span  # noqa: E402
+from _timing import load_average, profile_lines, span  # noqa: E402
 
 __all__ = ["main"]
 
 # (channels, input size, stride) of MobileNetV2's depthwise convs at 224 x 224
 SHAPES = [(32, 112, 1), (96, 112, 2), (144, 56, 1), (144, 56, 2), (192, 28, 1), (192, 28, 2), (384, 14, 1),
           (576, 14, 1), (576, 14, 2), (960, 7, 1)]
-_LINE = re.compile(r"qdsl op\s+(\d+) (\S+)\s+wall\s+([\d.]+) ms")
 
 
 def _chain(rng, c: int, hw: int, stride: int, nchw: bool):
@@ -61,18 +58,8 @@ def _chain(rng, c: int, hw: int, stride: int, nchw: bool):
 
 
 def _middle_ms(compiled, x, runs: int) -> float:
-    """Median wall time (ms) of op 1 over `runs` runs, from the profile lines on stderr."""
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            for _ in range(runs):
-                compiled.run(x)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        f.seek(0)
-        return float(np.median([float(m[3]) for m in map(_LINE.match, f) if m and m[1] == "1"]))
+    """Median wall time (ms) of op 1 over `runs` runs, from the profile lines."""
+    return float(np.median([line[2] for line in profile_lines(compiled, x, runs) if line[0] == 1]))
 
 
 def main(argv=None) -> None:

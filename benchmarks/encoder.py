@@ -50,7 +50,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import copy
-import re
 import tempfile
 import warnings
 from collections import defaultdict
@@ -64,7 +63,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
 
 import _ort  # noqa: E402
-from _timing import add_timing_args, interleaved, load_average, span, timing_args  # noqa: E402
+from _timing import add_timing_args, interleaved, load_average, profile_lines, span, timing_args  # noqa: E402
 
 D, HEADS, FF, LAYERS = 384, 12, 1536, 6
 
@@ -126,25 +125,11 @@ def _onnx_int8(model: Encoder, seq: int, tmp: Path):
     return int8
 
 
-_LINE = re.compile(r"qdsl op\s+(\d+) (\S+)\s+wall\s+([\d.]+) ms\s+cpu\s+([\d.]+) ms")
-
-
 def _profile(qg, graph_types, x, runs: int) -> dict[str, float]:
     """Per op type, the sum over its ops of each op's median wall time (ms) over `runs` runs."""
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            for _ in range(runs):
-                qg.run(x)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        f.seek(0)
-        per = defaultdict(list)
-        for m in map(_LINE.match, f):
-            if m:
-                per[int(m[1])].append(float(m[3]))
+    per = defaultdict(list)
+    for line in profile_lines(qg, x, runs):
+        per[line[0]].append(line[2])
     out = defaultdict(float)
     for oi, walls in per.items():
         out[graph_types[oi]] += float(np.median(walls))

@@ -26,9 +26,7 @@ os.environ["QDSL_PROFILE"] = "1"  # read once by the library, before it is loade
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
-import re
 import sys
-import tempfile
 import warnings
 from collections import defaultdict
 from pathlib import Path
@@ -38,11 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's qdsl
 
-from _timing import load_average  # noqa: E402
+from _timing import load_average, profile_lines  # noqa: E402
 from threads import _build  # noqa: E402
-
-_LINE = re.compile(r"qdsl op\s+(\d+) (\S+)\s+wall\s+([\d.]+) ms\s+cpu\s+([\d.]+) ms\s+jobs (\d+)/(\d+) "
-                   r"tasks (\d+) caller (\d+) tail ([\d.]+) ms")
 
 
 def _model(name: str):
@@ -76,20 +71,8 @@ def _model(name: str):
 
 
 def _profiled(compiled, x, runs: int) -> list[tuple]:
-    """The profile lines of `runs` runs, as (op index, name, wall ms, cpu ms, parallel jobs,
-    serial jobs, tasks, caller's tasks, tail ms)."""
-    saved = os.dup(2)
-    with tempfile.TemporaryFile(mode="w+") as f:
-        os.dup2(f.fileno(), 2)
-        try:
-            for _ in range(runs):
-                compiled.run(x)
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-        f.seek(0)
-        return [(int(m[1]), m[2], float(m[3]), float(m[4]), *map(int, m.groups()[4:8]), float(m[9]))
-                for m in map(_LINE.match, f) if m]
+    """The profile lines of `runs` runs (_timing.profile_lines) that carry the pool fields."""
+    return [line for line in profile_lines(compiled, x, runs) if line[4] is not None]
 
 
 def main() -> None:
