@@ -193,17 +193,7 @@ def rounding_shift(x: np.ndarray, s: np.ndarray, rounding: Rounding) -> np.ndarr
     floor = x >> right
     rem = x - (floor << right)  # in [0, 2^right)
     half = np.where(right > 0, np.int64(1) << np.maximum(right - 1, 0), 0)
-    if rounding == Rounding.FLOOR:
-        up = np.zeros(x.shape, dtype=bool)
-    elif rounding == Rounding.HALF_UP:
-        up = rem >= half
-    elif rounding == Rounding.HALF_AWAY:
-        up = (rem > half) | ((rem == half) & (x >= 0))
-    elif rounding == Rounding.HALF_EVEN:
-        up = (rem > half) | ((rem == half) & ((floor & 1) == 1))
-    else:
-        raise GraphFormatError(f"unknown rounding code {int(rounding)}")
-    shifted = floor + np.where(right > 0, up, False)
+    shifted = floor + np.where(right > 0, _rounds_up(x, floor, rem, half, rounding), False)
     # left shifts: |x| <= 2^31 and left <= 31 keeps |x · 2^left| <= 2^62 (exact in int64)
     return np.where(s < 0, x << left, shifted)
 
@@ -214,18 +204,21 @@ def _rounding_shift_one(x: np.ndarray, s: int, rounding: Rounding) -> np.ndarray
         return x << -s
     floor = x >> s
     rem = x - (floor << s)
-    half = np.int64(1) << (s - 1)
+    return floor + _rounds_up(x, floor, rem, np.int64(1) << (s - 1), rounding)
+
+
+def _rounds_up(x, floor, rem, half, rounding: Rounding):
+    """Whether ``x / 2^s`` rounds up from ``floor`` = ``x >> s``, given ``rem`` = ``x - (floor << s)``
+    and ``half`` = ``2^(s-1)`` (both rounding_shift forms)."""
     if rounding == Rounding.FLOOR:
-        return floor
+        return np.zeros(np.shape(x), dtype=bool)
     if rounding == Rounding.HALF_UP:
-        up = rem >= half
-    elif rounding == Rounding.HALF_AWAY:
-        up = (rem > half) | ((rem == half) & (x >= 0))
-    elif rounding == Rounding.HALF_EVEN:
-        up = (rem > half) | ((rem == half) & ((floor & 1) == 1))
-    else:
-        raise GraphFormatError(f"unknown rounding code {int(rounding)}")
-    return floor + up
+        return rem >= half
+    if rounding == Rounding.HALF_AWAY:
+        return (rem > half) | ((rem == half) & (x >= 0))
+    if rounding == Rounding.HALF_EVEN:
+        return (rem > half) | ((rem == half) & ((floor & 1) == 1))
+    raise GraphFormatError(f"unknown rounding code {int(rounding)}")
 
 
 def apply_rescale(x: np.ndarray, rescale: Rescale, axis: int | None = 1) -> np.ndarray:
