@@ -205,22 +205,30 @@ def _soft_weights(model: nn.Module, patches: list[Any], softs: list[SoftRounding
     The proxy calls ``grad_path`` only for an input that needs a gradient, so only the
     block's float master weights need one here; every other parameter's flag is off for
     the duration (no ``.grad`` lands on the model), and the soft weight does not depend
-    on the master, so no gradient reaches it either."""
+    on the master, so no gradient reaches it either.  The layers' accumulator simulation
+    is off meanwhile: soft weights are off the integer grid it reads (the held-back check
+    after the fit runs with it)."""
     params = list(model.parameters())
     flags = [p.requires_grad for p in params]
     saved = [p.wq.grad_path for p in patches]
+    sims = [p.acc_sim for p in patches if p.acc_sim is not None]
+    sim_flags = [sim.enabled for sim in sims]
     try:
         for p in params:
             p.requires_grad_(False)
         for patch, soft in zip(patches, softs):
             patch.master("weight").requires_grad_(True)
             patch.wq.grad_path = lambda q, x, s, z, t, soft=soft: soft()
+        for sim in sims:
+            sim.enabled = False
         yield
     finally:
         for p, f in zip(params, flags):
             p.requires_grad_(f)
         for patch, g in zip(patches, saved):
             patch.wq.grad_path = g
+        for sim, f in zip(sims, sim_flags):
+            sim.enabled = f
 
 
 @contextlib.contextmanager
