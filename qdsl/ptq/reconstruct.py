@@ -23,12 +23,17 @@ BN/activation after it; :func:`find_blocks`):
    codes come back.  One :class:`qdsl.ptq.report.LayerDecision` per block (named by its
    first weighted layer, step ``"adaround"``) says which.
 
-Cost: one float pass, one partial quantized pass per block (to the block's input), then
-``iters`` forward+backward passes of the block alone on ``batch_size`` samples - for the
-whole model, ``iters`` minibatch passes of the model, linear in its size.  Defaults
-(``iters=100, batch_size=32``) are sized for the repo's small test models under the
-issue's budget (a few seconds for a whole quantize call at one thread, see
-``benchmarks/ptq_reconstruct.py``); raise ``iters`` for bigger models and more data.
+Cost: one float pass over the calibration batches, one partial quantized pass per block
+(up to the block's input: as bias correction and GPTQ here, quadratic in the number of
+blocks but cheap, inference only), a held-back check per block, and ``iters``
+forward+backward steps of the block alone - over all blocks, ``iters`` forward+backward
+steps of the whole model, linear in its size.  Defaults
+(``iters=20`` Adam steps of ``lr=0.2`` per block on 64 samples each) are sized for
+the repo's small test models under the issue's budget (a few seconds for a whole quantize
+call at one thread; measured in ``benchmarks/ptq_reconstruct.py``): each step costs about
+what one forward+backward of the block costs, and on these models Python overhead, not
+arithmetic, dominates a step, so few big steps beat many small ones.  Raise ``iters`` for
+bigger models and more data.
 Memory: the block inputs and float outputs of all calibration batches, one block at a time
 (plus all blocks' float outputs from the one float pass).
 """
@@ -281,9 +286,9 @@ def reconstruct(
     model: nn.Module,
     batches: Iterable[Any],
     *,
-    iters: int = 100,
-    batch_size: int = 32,
-    lr: float = 0.1,
+    iters: int = 20,
+    batch_size: int = 64,
+    lr: float = 0.2,
     reg: float = 0.01,
     keep: float = 0.5,
     max_layers: int = 3,

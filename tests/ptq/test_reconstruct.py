@@ -8,7 +8,6 @@ import torch
 import qdsl
 from qdsl.parse import parse_text
 from qdsl.patch import get_handle, int_tensors
-from qdsl.ptq import finish_calibration
 from qdsl.ptq.adaround import (SoftRounding, beta_schedule, initial_logits, rectified_sigmoid,
                                rounding_regulariser)
 from qdsl.ptq.reconstruct import STEP, find_blocks, reconstruct
@@ -151,17 +150,22 @@ def test_a_block_made_worse_is_reverted(monkeypatch):
         assert torch.equal(model(xte[:64]), before)
 
 
-def test_the_spec_setting_runs_it_and_returns_the_report():
-    model, _, _ = _calibrated(3, 'learned_rounding = adaround')
-    # calibrate ran it (finish_calibration): some block kept its codes
-    assert any(p.wq.codes.numel() for p in _weighted(model).values())
-    model2, batches, _ = _calibrated(3)
-    out = finish_calibration(model2, batches)
-    assert out == {}  # this spec enables no step
-    from qdsl.ptq import learn_rounding
+def test_the_spec_setting_runs_it_and_returns_the_report(monkeypatch):
+    import qdsl.ptq.rounding as rounding
 
-    report = learn_rounding(model2, batches, "adaround")
-    assert isinstance(report, PtqReport) and {d.step for d in report} == {"adaround"}
+    reports = []
+
+    def short(model, batches):  # the dispatch's call, with fewer steps (test time)
+        reports.append(reconstruct(model, batches, iters=5))
+        return reports[-1]
+
+    monkeypatch.setattr(rounding, "reconstruct", short)
+    model, batches, _ = _calibrated(3, "learned_rounding = adaround")
+    assert len(reports) == 1 and isinstance(reports[0], PtqReport)
+    assert {d.step for d in reports[0]} == {"adaround"} and len(reports[0]) == 6
+    kept = [d for d in reports[0] if d.kept]
+    assert kept and any(p.wq.codes.numel() for p in _weighted(model).values())
+    assert isinstance(rounding.learn_rounding(model, batches, "adaround"), PtqReport)
 
 
 def test_reconstruction_is_deterministic():
