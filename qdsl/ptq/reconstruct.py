@@ -23,9 +23,9 @@ BN/activation after it; :func:`find_blocks`):
    codes come back.  One :class:`qdsl.ptq.report.LayerDecision` per block (named by its
    first weighted layer, step ``"adaround"``) says which.
 
-Cost: one float pass over the calibration batches, one partial quantized pass per block
-(up to the block's input: as bias correction and GPTQ here, quadratic in the number of
-blocks but cheap, inference only), a held-back check per block, and ``iters``
+Cost: one partial float and one partial quantized pass per block (up to the block: as
+bias correction and GPTQ here, quadratic in the number of blocks but cheap, inference
+only), a held-back check per block, and ``iters``
 forward+backward steps of the block alone - over all blocks, ``iters`` forward+backward
 steps of the whole model, linear in its size.  Defaults
 (``iters=20`` Adam steps of ``lr=0.2`` per block on 64 samples each) are sized for
@@ -34,8 +34,8 @@ call at one thread; measured in ``benchmarks/ptq_reconstruct.py``): each step co
 what one forward+backward of the block costs, and on these models Python overhead, not
 arithmetic, dominates a step, so few big steps beat many small ones.  Raise ``iters`` for
 bigger models and more data.
-Memory: the block inputs and float outputs of all calibration batches, one block at a time
-(plus all blocks' float outputs from the one float pass).
+Memory: the block's inputs and float outputs on all calibration batches, one block at a
+time.
 """
 
 from __future__ import annotations
@@ -147,35 +147,38 @@ def _check(fqn: str, wq: Any) -> None:
 
 
 # --------------------------------------------------------------- collecting data
-def _float_outputs(model: nn.Module, blocks: list[Block], batches: list[Any]) -> dict[str, list]:
-    """``{block: [output per batch, or None]}`` of the float model; a block whose first
-    module runs more than once in a forward maps to ``"shared"``."""
-    outs: dict[str, list] = {b.name: [None] * len(batches) for b in blocks}
+def _shared_blocks(model: nn.Module, blocks: list[Block], batch: Any) -> set[str]:
+    """Blocks whose first module runs more than once in a forward (one float pass)."""
     calls: dict[str, int] = {}
-    current = [0]
-    hooks = []
-    for b in blocks:
-        def pre(m, args, b=b):
-            calls[b.name] = calls.get(b.name, 0) + 1
-
-        def post(m, args, out, b=b):
-            if isinstance(out, torch.Tensor):
-                outs[b.name][current[0]] = out.detach()
-        hooks.append(b.modules[0].register_forward_pre_hook(pre, prepend=True))
-        hooks.append(b.modules[-1].register_forward_hook(post))
-    shared = set()
+    hooks = [b.modules[0].register_forward_pre_hook(
+        lambda m, a, n=b.name: calls.__setitem__(n, calls.get(n, 0) + 1), prepend=True) for b in blocks]
     try:
         with float_mode(model):
-            for i, batch in enumerate(batches):
-                current[0] = i
-                calls.clear()
-                run_batches(model, [batch])
-                shared |= {n for n, k in calls.items() if k > 1}
+            run_batches(model, [batch])
     finally:
         for h in hooks:
             h.remove()
-    for n in shared:
-        outs[n] = "shared"
+    return {n for n, k in calls.items() if k > 1}
+
+
+def _float_outputs(model: nn.Module, block: Block, batches: list[Any]) -> list[torch.Tensor | None]:
+    """The float model's output of ``block`` per batch (None where it did not run); each
+    pass stops there, so only one block's targets are held at a time."""
+    outs: list[torch.Tensor | None] = []
+
+    def post(m, args, out):
+        if isinstance(out, torch.Tensor):
+            outs[-1] = out.detach()
+        raise StopForward
+
+    h = block.modules[-1].register_forward_hook(post)
+    try:
+        with float_mode(model):
+            for batch in batches:
+                outs.append(None)
+                run_batches(model, [batch])
+    finally:
+        h.remove()
     return outs
 
 
@@ -317,9 +320,12 @@ def reconstruct(
     gen = torch.Generator().manual_seed(seed)
     with scales_fixed(model):
         blocks = find_blocks(model, [f for f, _ in layers], max_layers)
-        targets = _float_outputs(model, blocks, data)
+        shared = _shared_blocks(model, blocks, data[0])
         for block in blocks:
-            _one_block(model, block, data, len(fit), targets[block.name], report, gen,
+            if block.name in shared:
+                _skip(report, block, "runs more than once per forward; left as it was")
+                continue
+            _one_block(model, block, data, len(fit), report, gen,
                        iters=iters, batch_size=batch_size, lr=lr, reg=reg, keep=keep)
     return report
 
@@ -328,9 +334,8 @@ def _skip(report: PtqReport, block: Block, note: str) -> None:
     report.add(LayerDecision(block.layers[0], STEP, False, float("nan"), float("nan"), f"block {block.name}: {note}"))
 
 
-def _one_block(model, block, data, n_fit, ys, report, gen, *, iters, batch_size, lr, reg, keep) -> None:
-    if ys == "shared":
-        return _skip(report, block, "runs more than once per forward; left as it was")
+def _one_block(model, block, data, n_fit, report, gen, *, iters, batch_size, lr, reg, keep) -> None:
+    ys = _float_outputs(model, block, data)
     xs = _block_inputs(model, block, data)
     if xs is None:
         return _skip(report, block, "not called with one tensor; left as it was")
