@@ -97,7 +97,7 @@ def find_blocks(model: nn.Module, layers: list[str], max_layers: int = 3) -> lis
 
     def block(names: list[str]) -> None:
         held = sorted({f for n in names for f in inside(n)}, key=rank.__getitem__)
-        name = names[0] if len(names) == 1 else f"{names[0]}..{names[-1].rsplit('.', 1)[-1]}"
+        name = (names[0] or "<model>") if len(names) == 1 else f"{names[0]}..{names[-1].rsplit('.', 1)[-1]}"
         out.append(Block(name, tuple(modules[n] for n in names), tuple(held)))
 
     def visit(fqn: str) -> None:

@@ -198,3 +198,27 @@ def test_export_and_cpp_agree_on_a_reconstructed_model():
     with torch.no_grad():
         fq = model(xte[:100]).argmax(1).numpy()
     assert (ref.argmax(1) == fq).mean() >= 0.97
+
+
+def test_a_module_run_twice_per_forward_is_left_alone():
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c = torch.nn.Conv2d(2, 2, 3, padding=1)
+            self.fc = torch.nn.Linear(2 * 16, 3)
+
+        def forward(self, x):
+            return self.fc(torch.relu(self.c(torch.relu(self.c(x)))).flatten(1))
+
+    torch.manual_seed(0)
+    model = Twice().eval()
+    x = torch.randn(64, 2, 4, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(Warning, match="called more than once"):
+        qdsl.apply(model, parse_text(SPEC.format(bits=3, extra="").replace("fold_bn", ""), "t.qspec"))
+    batches = [x[i : i + 16] for i in range(0, 64, 16)]
+    qdsl.calibrate(model, batches, progress=False)
+    report = reconstruct(model, batches, iters=2, max_layers=1)
+    shared = [d for d in report if d.layer == "c"]
+    assert len(shared) == 1 and not shared[0].kept and "more than once" in shared[0].note
+    assert get_handle(model).layers["c"].wq.codes.numel() == 0
+    assert [d.layer for d in report] == ["c", "fc"]

@@ -6,7 +6,7 @@ set of ``tests/ptq/test_accuracy.py`` (256 training samples, seed 0): W3A3 withi
 of float, W2A2 within 10 (``benchmarks/ptq_reconstruct.py`` prints the figures).  The run
 is seeded, so it is deterministic for a given machine and thread count (the tests run at
 one thread, tests/conftest.py); another CPU's float rounding can move an image or two, so
-the W3A3 floor here is 1.5 points (measured: digits 99.33 vs float 100; keywords 82.20 vs
+the W3A3 floor here is 2 points (measured: digits 99.33 vs float 100; keywords 82.20 vs
 83.60, where the bias correction after the rounding costs 1.4 points: 83.60 without it),
 the W2A2 one the target's 10 (measured: 92.43 vs 100, 79.40 vs 83.60).
 """
@@ -44,7 +44,7 @@ def keywords():
     return model, _calib(xtr), xte, yte
 
 
-@pytest.mark.parametrize("bits,tolerance", [(3, 1.5), (2, 10.0)])
+@pytest.mark.parametrize("bits,tolerance", [(3, 2.0), (2, 10.0)])
 @pytest.mark.parametrize("task", ["digits", "keywords"])
 def test_adaround_meets_the_low_bit_targets(task, bits, tolerance, request):
     model, xcal, xte, yte = request.getfixturevalue(task)
