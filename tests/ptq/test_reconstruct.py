@@ -112,7 +112,14 @@ def test_blocks_are_residual_blocks_and_layer_activation_runs():
 # ------------------------------------------------------------------ keep/revert
 def test_reconstruction_lowers_held_back_error_and_stores_codes():
     model, batches, _ = _calibrated(2)
+    flags = [p.requires_grad for p in model.parameters()]
     report = reconstruct(model, batches, iters=20, batch_size=32)
+    # the fit leaves the model as it found it: no gradients, flags, hooks or paths changed
+    assert [p.requires_grad for p in model.parameters()] == flags
+    assert all(p.grad is None for p in model.parameters())
+    for patch in get_handle(model).layers.values():
+        assert patch.acc_sim is None or patch.acc_sim.enabled
+        assert all(q.grad_path is None for q in patch.proxies().values())
     assert isinstance(report, PtqReport) and len(report) == 6
     assert all(d.step == STEP for d in report)
     assert any(d.kept for d in report)
