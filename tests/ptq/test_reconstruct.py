@@ -229,3 +229,12 @@ def test_a_module_run_twice_per_forward_is_left_alone():
     assert len(shared) == 1 and not shared[0].kept and "more than once" in shared[0].note
     assert get_handle(model).layers["c"].wq.codes.numel() == 0
     assert [d.layer for d in report] == ["c", "fc"]
+
+
+def test_adaround_doctests():
+    import doctest
+
+    from qdsl.ptq import adaround
+
+    result = doctest.testmod(adaround)
+    assert result.attempted > 0 and result.failed == 0
