@@ -3,9 +3,10 @@
 Public API::
 
     qdsl.ptq.finish_calibration(model, batches)   # what the spec asks for, in order:
-        learned rounding (spec learned_rounding = "gptq"), then bias correction
+        learned rounding (spec learned_rounding = "gptq" or "adaround"), then bias correction
         (spec bias_correction = true); called by qdsl.calibrate after the observers
     qdsl.ptq.learn_rounding(model, batches, "gptq")
+    qdsl.ptq.learn_rounding(model, batches, "adaround")   # -> PtqReport (qdsl.ptq.reconstruct)
     qdsl.ptq.correct_bias(model, batches)
 
 Sensitivity analysis and mixed precision, which run whole apply/calibrate cycles through

@@ -26,12 +26,14 @@ from torch import nn
 from qdsl.patch.handle import State, get_handle
 from qdsl.ptq.gptq import HessianAccumulator, gptq_codes
 from qdsl.ptq.layers import capture, require_batches, run_batches, weighted_layers
+from qdsl.ptq.reconstruct import reconstruct
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["LEARNED_ROUNDINGS", "learn_rounding"]
 
-LEARNED_ROUNDINGS = ("gptq",)
-"""Learned rounding methods implemented (``QuantSpec.learned_rounding``)."""
+LEARNED_ROUNDINGS = ("gptq", "adaround")
+"""Learned rounding methods implemented (``QuantSpec.learned_rounding``); ``adaround`` is
+block reconstruction (:mod:`qdsl.ptq.reconstruct`) and returns its ``PtqReport``."""
 
 
 def _check(fqn: str, wq: Any) -> None:
@@ -59,6 +61,8 @@ def learn_rounding(
     if method not in LEARNED_ROUNDINGS:
         raise QdslError(f"unknown learned rounding '{method}'; implemented: {', '.join(LEARNED_ROUNDINGS)}")
     batches = require_batches(batches, "learned rounding")
+    if method == "adaround":
+        return reconstruct(model, batches)
     if get_handle(model).state in (State.FROZEN, State.EXPORTED):
         raise QdslError("learned rounding runs before qdsl.freeze(model): the model is already frozen")
     layers = weighted_layers(model, batches)
