@@ -30,10 +30,11 @@ When (the rule):
   graph reads it: the codes of its own input quantizer (the narrow form: frozen, static,
   per-tensor, at most 8 bits), else the float residual sum on a fine power-of-two grid
   (the wide form, :func:`wide_grid`).  The graph's wide grid ``s_t`` comes from the
-  operands' accumulators; this one from the value (``2^29`` codes for the largest entry).
-  Both grids are powers of two and LAYERNORM keeps 24 bits of ``N·(x - mean)`` per row after
-  its row shift ``k``, whose step ``s_t·2^k`` does not depend on ``s_t`` once ``k > 0``: the two
-  agree up to the double rounding of the float32 sum (measured: see docs/qgraph.md §6).
+  operands' worst case (qdsl.export.lower_attn.wide_sum_grid: ``2^30`` steps for it); this one
+  from the value (``2^29`` codes for the largest entry).  Both grids are powers of two and
+  LAYERNORM keeps 24 bits of ``N·(x - mean)`` per row after its row shift ``k``, whose step
+  ``s_t·2^k`` does not depend on ``s_t`` once ``k > 0``: the two agree up to the graph's rounding
+  of each term onto ``s_t`` and the float32 sum's (measured: see docs/qgraph.md §6).
   The result is the wide output ``acc·unit`` (the op's I32 accumulator); the next
   quantizer rounds it as the graph's REQUANTIZE does (float32 of ``acc·unit`` aside).
 
