@@ -221,7 +221,14 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
             a.update(_rescale(bld, s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, ins, t.dtype, shape, a, out=fqn), shape
 
-    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
+    bound = None
+    if not binary and not transposed and wdtype is not DType.BIN:
+        # every input code within its range of the zero point, every product at its largest
+        x_max = max(abs(x.qmin - x.zp), abs(x.qmax - x.zp))
+        w_abs = np.abs(codes.reshape(codes.shape[0], -1).astype(np.int64) - np.asarray(w_zp).reshape(-1, 1))
+        b_abs = np.abs(bias) if bias is not None else 0
+        bound = float(((w_abs.sum(axis=1) * x_max + b_abs) * s_acc).max(initial=0.0))
+    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True, bound=bound)
 
 
 def wide(b: Builder, p: Pending, where: str, fraction_bits: int = 0) -> QVal:

@@ -159,6 +159,10 @@ class Pending:
     emit: Callable[["Builder", Target, float, float], tuple[str, tuple[int, ...]]]
     scales: np.ndarray | None = None
     """Per-channel accumulator scales (kind "acc"): real = acc · scales[c]."""
+    bound: float | None = None
+    """The largest ``|real value|`` the result can take, for any input codes (a layer's
+    worst case over its weight and bias codes); None when not known.  A wide sum's grid
+    (lower_attn.wide_sum_grid) is sized by it."""
     lo: float = -math.inf
     hi: float = math.inf
     post: tuple[tuple[OpType, dict, tuple[int, ...]], ...] = ()
