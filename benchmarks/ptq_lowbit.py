@@ -19,7 +19,8 @@ The spec is the README's plain one: per-channel symmetric weights, per-tensor af
 (zero point) inputs, ``auto`` observers, residual block outputs quantized.  Calibration:
 256 training inputs (seeded), batches of 64.  ``s/call`` is the wall time of one quantize
 call (``qdsl.apply`` + ``qdsl.calibrate`` + ``qdsl.freeze``) at 1 thread: the median over
-``--repeat`` runs (variants interleaved) of the slowest bit width.  Noise: one test
+``--repeat`` runs (variants interleaved) of the slowest bit width, and the same in
+process CPU seconds (less sensitive to other load on a shared machine).  Noise: one test
 sample is ``100/n`` points; the binomial standard deviation of an accuracy ``p`` on
 ``n`` samples is ``100·sqrt(p(1-p)/n)`` points, printed at the float accuracy and at 90%.
 """
@@ -74,15 +75,15 @@ TASKS = {"digits": ("DigitsResNet / digits", trained_digits_resnet),
          "keywords": ("Conv1dNet / keywords", trained_conv1d_net)}
 
 
-def quantize_and_score(model, spec, overrides, xcal, xte, yte) -> tuple[float, float]:
-    """(test accuracy %, seconds of apply + calibrate + freeze)."""
-    t0 = time.perf_counter()
+def quantize_and_score(model, spec, overrides, xcal, xte, yte) -> tuple[float, float, float]:
+    """(test accuracy %, wall and CPU seconds of apply + calibrate + freeze)."""
+    t0, c0 = time.perf_counter(), time.process_time()
     qdsl.apply(model, spec, overrides=overrides)
     try:
         qdsl.calibrate(model, [xcal[i : i + 64] for i in range(0, len(xcal), 64)], progress=False)
         qdsl.freeze(model)
-        dt = time.perf_counter() - t0
-        return 100 * evaluate(model, xte, yte), dt
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        return 100 * evaluate(model, xte, yte), dt, dc
     finally:
         qdsl.remove(model)
 
@@ -99,8 +100,8 @@ def main(argv=None) -> int:
     variants = [v.strip() for v in args.variants.split(",")]
     spec = parse_text(SPEC, "ptq_lowbit.qspec")
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
-    print("| model | variant | float | " + " | ".join(f"W{b}A{b}" for b in bits) + " | s/call |")
-    print("|---|---|---|" + "---|" * len(bits) + "---|")
+    print("| model | variant | float | " + " | ".join(f"W{b}A{b}" for b in bits) + " | s/call | cpu s/call |")
+    print("|---|---|---|" + "---|" * len(bits) + "---|---|")
     noise = []
     t_all = time.perf_counter()
     for key in args.models.split(","):
@@ -112,17 +113,20 @@ def main(argv=None) -> int:
         fp = 100 * evaluate(model, xte, yte)
         acc = {v: {} for v in variants}
         times = {v: {b: [] for b in bits} for v in variants}
+        cpu = {v: {b: [] for b in bits} for v in variants}
         for _ in range(max(1, args.repeat)):
             for b in bits:
                 for v in variants:  # interleaved, so load drifts hit every variant alike
-                    a, dt = quantize_and_score(model, spec, [f"weight.bits={b}", f"input.bits={b}", f"output.bits={b}",
+                    a, dt, dc = quantize_and_score(model, spec, [f"weight.bits={b}", f"input.bits={b}", f"output.bits={b}",
                                                              *VARIANTS[v]], xcal, xte, yte)
                     acc[v][b] = a
                     times[v][b].append(dt)
+                    cpu[v][b].append(dc)
         for v in variants:
             slowest = max(statistics.median(times[v][b]) for b in bits)
+            slowest_cpu = max(statistics.median(cpu[v][b]) for b in bits)
             print(f"| {label} | {v} | {fp:.2f} | " + " | ".join(f"{acc[v][b]:.2f}" for b in bits)
-                  + f" | {slowest:.2f} |", flush=True)
+                  + f" | {slowest:.2f} | {slowest_cpu:.2f} |", flush=True)
         n = len(yte)
         p = fp / 100
         noise.append(f"{label}: n = {n} test samples, one sample = {100 / n:.2f} points, binomial std "
