@@ -13,12 +13,19 @@ measurement, and holds only ``L``'s float outputs on them.
 unless the error went down (a tie keeps the layer as it was); it writes one
 :class:`~qdsl.ptq.report.LayerDecision` either way.  Without held-back data the change
 is kept unchecked and the decision says so.
+
+Inside :func:`shared_references` (``finish_calibration`` opens it around all steps) a
+layer's float outputs on the held-back batches are computed once and reused by every
+step that probes that layer (they do not change: the float path ignores the proxies),
+up to :data:`SHARED_ELEMENTS` cached elements; beyond that each probe recomputes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,7 +33,22 @@ from torch import nn
 from qdsl.ptq.layers import capture, float_mode, run_batches
 from qdsl.ptq.report import LayerDecision, PtqReport
 
-__all__ = ["LayerProbe", "guarded"]
+__all__ = ["LayerProbe", "guarded", "shared_references", "SHARED_ELEMENTS"]
+
+SHARED_ELEMENTS = 1 << 25
+"""Most float32 elements (128 MiB) :func:`shared_references` keeps."""
+
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("qdsl_ptq_float_refs", default=None)
+
+
+@contextlib.contextmanager
+def shared_references() -> Iterator[None]:
+    """Reuse each layer's float held-back outputs across the probes inside the block."""
+    token = _SHARED.set({"size": 0})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
 
 
 def _first_tensor(out: Any) -> torch.Tensor:
@@ -38,7 +60,16 @@ class LayerProbe:
 
     def __init__(self, model: nn.Module, module: nn.Module, heldback: list[Any]):
         self.model, self.module, self.heldback = model, module, heldback
+        shared = _SHARED.get()
+        key = (id(model), id(module), tuple(id(b) for b in heldback))
+        if shared is not None and key in shared:
+            self.ref = shared[key]
+            return
         self.ref = self._outputs(float_path=True)
+        size = sum(t.numel() for t in self.ref)
+        if shared is not None and shared["size"] + size <= SHARED_ELEMENTS:
+            shared[key] = self.ref
+            shared["size"] += size
 
     def _outputs(self, float_path: bool = False) -> list[torch.Tensor]:
         outs: list[torch.Tensor] = []

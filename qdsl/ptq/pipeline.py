@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterable
 from torch import nn
 
 from qdsl.patch.handle import get_handle
-from qdsl.ptq.guard import guarded
+from qdsl.ptq.guard import guarded, shared_references
 from qdsl.ptq.layers import require_batches, scales_fixed, weighted_layers
 from qdsl.ptq.report import PtqReport, split_heldback
 from qdsl.resolve.ptq_policy import BIAS_CORRECTION, LayerSteps, layer_steps
@@ -156,7 +156,7 @@ def finish_calibration(model: nn.Module, batches: Iterable[Any]) -> PtqReport:
         return out
     batches = require_batches(batches, "learned rounding and bias correction")
     plan = planned_steps(model)
-    with scales_fixed(model):
+    with scales_fixed(model), shared_references():
         for name in order:
             layers = [ls.fqn for ls in plan if name in ls.steps]
             _step(name)(model, batches, layers=layers, report=out)

@@ -190,3 +190,17 @@ def test_explain_prints_the_auto_steps_and_with_data_the_report(tmp_path, capsys
     rec = json.loads(capsys.readouterr().out)
     assert {r["step"] for r in rec["ptq_report"]} == {"gptq", BIAS_CORRECTION}
     assert [s["layer"] for s in rec["ptq_steps"]] == ["0", "3"]
+
+
+def test_shared_references_compute_a_layers_float_outputs_once():
+    from qdsl.ptq.guard import shared_references
+
+    model = Net().eval()
+    qdsl.apply(model, _spec(3, 3, 'learned_rounding = "none"\nbias_correction = false'))
+    x = torch.randn(64, 2, 8)
+    qdsl.calibrate(model, [x])
+    held = [x[:16]]
+    with shared_references():
+        a, b = LayerProbe(model, model.fc, held), LayerProbe(model, model.fc, list(held))
+        assert a.ref is b.ref and a.error() == b.error()
+    assert LayerProbe(model, model.fc, held).ref is not a.ref  # outside the block: recomputed
