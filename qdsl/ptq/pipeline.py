@@ -14,7 +14,9 @@ can hold).  It
    also kept on the model: ``qdsl.ptq.ptq_report(model)`` (``None`` before a calibration
    that ran steps); ``qdsl explain --data`` prints it.
 
-With no step to try it does nothing and costs nothing (an empty report).
+With no step to try it does nothing and costs nothing (an empty report).  The lower
+``qdsl.calibration.calibrate`` without ``steps=`` runs observers only: it refuses a spec
+that *names* a step, and leaves ``auto``'s steps out (they are a default, not a request).
 
 The step contract (what learned rounding / reconstruction methods implement)
 -----------------------------------------------------------------------------
