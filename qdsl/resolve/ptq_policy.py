@@ -12,7 +12,9 @@ only where it lowers the layer's output error (``qdsl.ptq.pipeline``), so the ta
 what is *tried*; ``qdsl.ptq.report(model)`` says what was kept.
 
 The layer's bit width is the narrowest of its quantized weight and input (a weight-only
-layer: its weight's).  Only Linear/Conv layers with an ``int`` weight take part; other
+layer: its weight's).  A layer with a learned weight or input scale (``learned``,
+``learned_pot``: a QAT spec) gets no ``auto`` step: fixed GPTQ codes would stop the
+weight's gradient, and QAT learns what bias correction would shift.  Only Linear/Conv layers with an ``int`` weight take part; other
 kinds (binary, ternary, pot, minifloat) have no learned rounding or bias correction here.
 The activation side of ``auto`` (the observers' range search, the joint (min, max)
 search below 5 bits) is the observer's business: :mod:`qdsl.quantizers.range_search`.
@@ -87,6 +89,11 @@ def _bits(lp) -> int | None:
     return min(w.bits, i.bits) if i is not None else w.bits
 
 
+def _learned(lp) -> bool:
+    return any(r is not None and r.scale.startswith("learned") for r in (lp.roles.get(Role.WEIGHT),
+                                                                        lp.roles.get(Role.INPUT)))
+
+
 def layer_steps(plan: Plan) -> list[LayerSteps]:
     """One :class:`LayerSteps` per weighted layer with an int weight, in plan order."""
     spec = plan.spec
@@ -97,6 +104,8 @@ def layer_steps(plan: Plan) -> list[LayerSteps]:
             continue
         auto = auto_steps(bits)
         auto_by = f"auto at {bits} bits"
+        if _learned(lp):  # QAT learns scales (and the rounding/shift with them): fixed codes would stop it
+            auto, auto_by = (), f"auto at {bits} bits: learned scale, left to QAT"
         if spec.learned_rounding is None:
             lr = next((s for s in auto if s != BIAS_CORRECTION), None)
             lr_by = auto_by

@@ -204,3 +204,33 @@ def test_shared_references_compute_a_layers_float_outputs_once():
         a, b = LayerProbe(model, model.fc, held), LayerProbe(model, model.fc, list(held))
         assert a.ref is b.ref and a.error() == b.error()
     assert LayerProbe(model, model.fc, held).ref is not a.ref  # outside the block: recomputed
+
+
+def test_per_channel_input_scales_calibrate_and_export_refuses_them_naming_the_spec_line():
+    from qdsl.export.values import ExportError
+
+    spec = parse_text("""version = 1
+[defaults]
+weight = { kind = "int", bits = 3, granularity = "channel" }
+input = { kind = "int", bits = 3, symmetric = false, granularity = "channel" }
+bias = { kind = "float" }
+""", "pc.qspec.toml")
+    model = nn.Sequential(nn.Conv1d(2, 6, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(48, 3)).eval()
+    x = torch.randn(64, 2, 8)
+    qdsl.apply(model, spec)
+    qdsl.calibrate(model, [x[:32], x[32:]])
+    qdsl.freeze(model)
+    assert qdsl.patch.get_handle(model).quantizer("0", "input").scale.shape[0] == 2  # one scale per channel
+    with pytest.raises(ExportError, match=r"per-channel activation scales .* set by defaults \(pc\.qspec\.toml:4\)"):
+        qdsl.export(model, x[:1])
+
+
+def test_auto_leaves_learned_scale_layers_to_qat():
+    spec = parse_text("""version = 1
+[defaults]
+weight = { kind = "int", bits = 3, granularity = "channel", scale = "learned" }
+input = { kind = "int", bits = 3, symmetric = false }
+bias = { kind = "int", bits = 32, scale = "input*weight" }
+""", "l.qspec.toml")
+    steps = layer_steps(resolve(Net(), spec))
+    assert [s.steps for s in steps] == [(), ()] and "learned scale" in steps[0].learned_rounding_by
