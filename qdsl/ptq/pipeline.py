@@ -37,20 +37,25 @@ or a learned rounding name of ``qdsl.ptq.rounding.LEARNED_ROUNDINGS``)::
 * the return value is the step's own result (not kept: the decisions are the record).
 
 Learned rounding goes through :func:`_learned_rounding` until ``qdsl.ptq.rounding``
-guards itself: it runs ``learn_rounding`` on the fit batches and then keeps each layer's
-codes only where :func:`qdsl.ptq.guard.guarded` says they help.
+follows the contract itself: it runs ``learn_rounding`` on the fit batches (on every
+weighted layer: it has no ``layers=`` yet, so one layer it cannot round, e.g. a binary or
+group-scaled weight, stops it for all, reported per layer) and then, in execution order,
+keeps each wanted layer's codes only where :func:`qdsl.ptq.guard.guarded` says they help.
+A method that implements the contract replaces its entry in :data:`STEPS`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Iterable
 
+import torch
 from torch import nn
 
 from qdsl.patch.handle import get_handle
 from qdsl.ptq.guard import guarded, shared_references
 from qdsl.ptq.layers import require_batches, scales_fixed, weighted_layers
-from qdsl.ptq.report import PtqReport, split_heldback
+from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.resolve.ptq_policy import BIAS_CORRECTION, LayerSteps, layer_steps
 from qdsl.spec.diagnostics import QdslError
 
@@ -96,9 +101,7 @@ def _bias_correction(model: nn.Module, batches: list[Any], *, layers: list[str],
 
 def _learned_rounding(method: str) -> Callable[..., Any]:
     def step(model: nn.Module, batches: list[Any], *, layers: list[str], report: PtqReport) -> Any:
-        import torch
-
-        from qdsl.ptq.rounding import learn_rounding
+        from qdsl.ptq.rounding import learn_rounding  # ptq.rounding imports the GPTQ maths: only when used
 
         fit, held = split_heldback(batches)
         wanted = set(layers)
@@ -130,17 +133,11 @@ def _learned_rounding(method: str) -> Callable[..., Any]:
     return step
 
 
-def _not_run(fqn: str, step: str, why: str):
-    import math
-
-    from qdsl.ptq.report import LayerDecision
-
+def _not_run(fqn: str, step: str, why: str) -> LayerDecision:
     return LayerDecision(fqn, step, False, math.nan, math.nan, f"not run: {why}")
 
 
 def _step(name: str) -> Callable[..., Any]:
-    if name == BIAS_CORRECTION:
-        return _bias_correction
     return STEPS.get(name) or _learned_rounding(name)
 
 
