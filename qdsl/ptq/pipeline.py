@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from qdsl.calibration.batches import BatchCall
 from qdsl.patch.handle import get_handle
 from qdsl.ptq.guard import guarded, shared_references
 from qdsl.ptq.layers import require_batches, scales_fixed, weighted_layers
@@ -63,8 +64,11 @@ __all__ = ["finish_calibration", "ptq_steps", "planned_steps", "ptq_report", "ST
 
 
 def planned_steps(model: nn.Module) -> list[LayerSteps]:
-    """Per weighted layer of the applied plan: the steps to try and who chose them."""
-    return layer_steps(get_handle(model).plan)
+    """Per weighted layer of the applied plan: the steps to try and who chose them (a
+    model whose QAT gradient path is installed gets no ``auto`` step)."""
+    handle = get_handle(model)
+    qat = any(getattr(q, "grad_path", None) is not None for q in handle.container.quantizers.values())
+    return layer_steps(handle.plan, qat=qat)
 
 
 def ptq_steps(model: nn.Module) -> list[str]:
@@ -153,7 +157,7 @@ def finish_calibration(model: nn.Module, batches: Iterable[Any]) -> PtqReport:
     order = ptq_steps(model)
     if not order:
         return out
-    batches = require_batches(batches, "learned rounding and bias correction")
+    batches = _rows_as_batches(require_batches(batches, "learned rounding and bias correction"))
     plan = planned_steps(model)
     with scales_fixed(model), shared_references():
         for name in order:
@@ -161,6 +165,23 @@ def finish_calibration(model: nn.Module, batches: Iterable[Any]) -> PtqReport:
             _step(name)(model, batches, layers=layers, report=out)
     get_handle(model).ptq_report = out
     return out
+
+
+def _rows_as_batches(batches: list[Any], parts: int = 4) -> list[Any]:
+    """One calibration call whose positional arguments are all tensors of the same batch
+    size (no keyword arguments) becomes ``parts`` calls over row slices, so
+    ``split_heldback`` can hold some rows back; anything else is returned as it is."""
+    if len(batches) != 1 or not isinstance(batches[0], BatchCall):
+        return batches
+    call = batches[0]
+    args = call.args
+    if call.kwargs or not args or not all(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args):
+        return batches
+    n = args[0].shape[0]
+    if n < parts or any(a.shape[0] != n for a in args):
+        return batches
+    cuts = [round(i * n / parts) for i in range(parts + 1)]
+    return [BatchCall(tuple(a[cuts[i] : cuts[i + 1]] for a in args), {}) for i in range(parts)]
 
 
 def ptq_report(model: nn.Module) -> PtqReport | None:

@@ -94,8 +94,10 @@ def _learned(lp) -> bool:
                                                                         lp.roles.get(Role.INPUT)))
 
 
-def layer_steps(plan: Plan) -> list[LayerSteps]:
-    """One :class:`LayerSteps` per weighted layer with an int weight, in plan order."""
+def layer_steps(plan: Plan, *, qat: bool = False) -> list[LayerSteps]:
+    """One :class:`LayerSteps` per weighted layer with an int weight, in plan order.
+    ``qat``: the model trains (its QAT gradient path is installed): ``auto`` adds no step,
+    a recalibration mid-QAT must not pin codes or shift biases the training then fights."""
     spec = plan.spec
     out = []
     for lp in plan.layers:
@@ -106,6 +108,8 @@ def layer_steps(plan: Plan) -> list[LayerSteps]:
         auto_by = f"auto at {bits} bits"
         if _learned(lp):  # QAT learns scales (and the rounding/shift with them): fixed codes would stop it
             auto, auto_by = (), f"auto at {bits} bits: learned scale, left to QAT"
+        elif qat:
+            auto, auto_by = (), f"auto at {bits} bits: QAT model, left to QAT"
         if spec.learned_rounding is None:
             lr = next((s for s in auto if s != BIAS_CORRECTION), None)
             lr_by = auto_by

@@ -234,3 +234,46 @@ bias = { kind = "int", bits = 32, scale = "input*weight" }
 """, "l.qspec.toml")
     steps = layer_steps(resolve(Net(), spec))
     assert [s.steps for s in steps] == [(), ()] and "learned scale" in steps[0].learned_rounding_by
+
+
+def test_qat_models_get_no_auto_step_and_entering_qat_drops_ptq_adjustments():
+    from qdsl.quantizers import proxy_grad
+
+    model = Net().eval()
+    qdsl.apply(model, _spec(3, 3))
+    x = torch.randn(128, 2, 8)
+    qdsl.calibrate(model, [x[i : i + 32] for i in range(0, 128, 32)])
+    handle = qdsl.patch.get_handle(model)
+    kept = [d for d in qdsl.ptq.ptq_report(model) if d.kept]
+    assert kept  # auto ran and kept something on this model
+    proxy_grad.install(model)
+    assert all(q.codes.numel() == 0 and q.offset.numel() == 0 for q in handle.container.quantizers.values())
+    assert all(s.steps == () and "QAT" in s.learned_rounding_by for s in qdsl.ptq.pipeline.planned_steps(model))
+    model.train()
+    model(x[:8]).square().sum().backward()
+    assert model.c.weight_float.grad is not None and model.c.weight_float.grad.abs().sum() > 0
+
+
+def test_a_training_forward_drops_fixed_codes_so_the_weight_gets_a_gradient():
+    model = Net().eval()
+    qdsl.apply(model, _spec(3, 3, "bias_correction = false\nlearned_rounding = \"none\""))
+    x = torch.randn(64, 2, 8)
+    qdsl.calibrate(model, [x])
+    wq = qdsl.patch.get_handle(model).quantizer("fc", "weight")
+    with torch.no_grad():
+        wq.set_codes(wq.int_repr(model.fc.weight_float).long())  # what learned rounding leaves
+    assert wq.codes.numel() > 0
+    with torch.no_grad():
+        model(x)  # an eval forward keeps them
+    assert wq.codes.numel() > 0
+    model.train()
+    model(x[:8]).square().sum().backward()
+    assert wq.codes.numel() == 0 and model.fc.weight_float.grad.abs().sum() > 0
+
+
+def test_a_single_calibration_batch_is_split_by_rows_so_the_steps_are_still_checked():
+    model = Net().eval()
+    qdsl.apply(model, _spec(3, 3))
+    qdsl.calibrate(model, [torch.randn(64, 2, 8)])
+    rep = qdsl.ptq.ptq_report(model)
+    assert len(rep) == 4 and not any("unchecked" in d.note for d in rep)
