@@ -66,6 +66,7 @@ from qdsl.patch.implied import analyse_operands
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.export.trace_errors import trace_failure
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph, trace_model
+from qdsl.spec.model import Role
 
 __all__ = ["export", "trace_quantized"]
 
@@ -174,6 +175,11 @@ class _Lowerer:
         proxy = self.handle.quantizer(fqn, role)
         if proxy.dynamic:  # a Linear's run-time quantized input (lower_dynamic.py)
             return dynamic_input(self, value, fqn, role, proxy, self.modules.get(fqn))
+        if proxy.scale.numel() > 1:  # a per-channel input/output: say which spec line asked for it
+            raise ExportError(f"{fqn or '<model>'}:{role}",
+                              "per-channel activation scales have no integer lowering"
+                              + _granularity_source(self.handle, fqn, role),
+                              "use `granularity = tensor` for activations (per-channel ones are a fake-quant option)")
         t = act_target(proxy, f"{fqn or '<model>'}:{role}")
         if isinstance(value, ConstVal):  # a constant stays one: its fake-quant value
             with torch.no_grad():
@@ -508,3 +514,17 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
         return graph, lowerer.b.info
     return graph
 
+
+def _granularity_source(handle, fqn: str, role: str) -> str:
+    """``"; granularity channel(1) set by defaults (m.qspec:5:3)"``, or "" when the plan
+    does not say (an implied quantizer)."""
+    try:
+        prov = handle.plan.layer(fqn).provenance.get((Role(role), "granularity"))
+    except (KeyError, ValueError):
+        return ""
+    if prov is None:
+        return ""
+    text = f"; granularity {prov.value} set by {prov.set_by}"
+    if prov.via:
+        text += " via " + " > ".join(str(v) for v in prov.via)
+    return text

@@ -366,7 +366,12 @@ class TensorQuantizer(LazyBuffers):
         if self.offset.numel():
             x = x + self.offset
         if self.codes.numel():
-            return self._from_codes(x)
+            if not (self.training and torch.is_grad_enabled() and x.requires_grad):
+                return self._from_codes(x)
+            # a training forward (QAT after a PTQ calibration that learned the rounding):
+            # the fixed codes are stale once the weight moves and would stop its gradient,
+            # so they go, as qdsl.qat.prepare_qat's clear_ptq_adjustments would drop them
+            self.codes = torch.empty(0, dtype=torch.int64, device=self.codes.device)
         if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad):
             return self._fast(x)
         p = self.qparams(x, src=src)
