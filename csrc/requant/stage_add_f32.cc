@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace qdsl {
 namespace {
@@ -41,39 +42,41 @@ bool PrepareStageAddF32(const OutputStage& conv, int64_t channels, int64_t padde
   const double k = ((static_cast<double>(conv.zero_point) - in_conv.zero_point) * fs - in_other.zero_point * fx) * fo;
   const double lo = static_cast<double>(out.qmin) - out.zero_point, hi = static_cast<double>(out.qmax) - out.zero_point;
   const double bound = std::max(std::fabs(lo), std::fabs(hi)) + 1;
-  // |q| <= qmax: 8-bit codes always; an int32 input's lanes beyond it are recomputed
-  double xmax = other_signed ? 128 : 255, p1 = xmax * std::fabs(b), qmax = p1 + std::fabs(k) + 1;
-  if (other_i32) {
-    if (!(std::fabs(b) > 0)) return false;
-    qmax = 2 * bound;
-    p1 = qmax + std::fabs(k);
-    xmax = p1 / std::fabs(b);
-  }
-  const double pmax = bound + p1 + std::fabs(k) + 1;
   const double u = std::ldexp(1.0, -24);
-  const double e_int = (fs + 2) * fo, e_f = 16 * u * (pmax + p1 + std::fabs(k) + 1);
-  const double thr = 0.5 - 2 * (e_int + e_f) - u;
-  if (thr < 0.25 || pmax + p1 + std::fabs(k) >= (1 << 20)) return false;
-  // no saturation or wrap while |p0| <= pmax: the other input's shifted value, t
-  if ((xmax + std::fabs(static_cast<double>(in_other.zero_point))) * std::ldexp(1.0, pre + left_o) >= kLimit) return false;
-  if ((pmax + p1 + std::fabs(k) + 2) / fo * std::ldexp(1.0, left_out) >= kLimit) return false;
-  s->a.assign(static_cast<size_t>(padded), 0.0f);
+  const double e_int = (fs + 2) * fo;
+  const double thr = 0.5 - 2 * e_int - 16 * u * std::fabs(k) - u;
+  if (thr < 0.25 || std::fabs(k) >= (1 << 20) || (other_i32 && !(std::fabs(b) > 0))) return false;
+  // the conv's channels: A_c; the largest smax (a power of two, 2^20 down to the clamp's
+  // bound) with no saturation or wrap while |p0| + |q| <= smax
+  std::vector<double> fc(static_cast<size_t>(channels));
+  std::vector<int> left_c(static_cast<size_t>(channels));
   for (int64_t c = 0; c < channels; ++c) {
-    int left_c = 0;
-    const double fc = Factor(conv.rescale, c, &left_c);
-    if (!(fc > 0)) return false;
-    const double ac = fc * fs * fo;
-    const double accmax = pmax / ac;  // |acc| beyond it has |p0| > pmax (recomputed exactly)
-    if ((accmax + 1) * std::ldexp(1.0, left_c) >= kLimit) return false;
-    const double vmax = accmax * fc + std::fabs(static_cast<double>(conv.zero_point)) + 1;
-    if ((vmax + std::fabs(static_cast<double>(in_conv.zero_point))) * std::ldexp(1.0, pre + left_s) >= kLimit)
-      return false;
-    s->a[c] = static_cast<float>(ac);
+    fc[c] = Factor(conv.rescale, c, &left_c[c]);
+    if (!(fc[c] > 0)) return false;
   }
+  auto fits = [&](double smax) {
+    // the other input: |x B| <= |q| + |K| (an int32 input) or its code range
+    const double xmax = other_i32 ? (smax + std::fabs(k)) / std::fabs(b) : (other_signed ? 128 : 255);
+    if ((xmax + std::fabs(static_cast<double>(in_other.zero_point))) * std::ldexp(1.0, pre + left_o) >= kLimit) return false;
+    if ((smax + std::fabs(k) + 2) / fo * std::ldexp(1.0, left_out) >= kLimit) return false;  // t
+    for (int64_t c = 0; c < channels; ++c) {
+      const double accmax = smax / (fc[c] * fs * fo);  // |p0| <= smax
+      if ((accmax + 1) * std::ldexp(1.0, left_c[c]) >= kLimit) return false;
+      const double vmax = accmax * fc[c] + std::fabs(static_cast<double>(conv.zero_point)) + 1;
+      if ((vmax + std::fabs(static_cast<double>(in_conv.zero_point))) * std::ldexp(1.0, pre + left_s) >= kLimit)
+        return false;
+    }
+    return true;
+  };
+  double smax = 1 << 20;
+  while (smax >= 2 * bound && !fits(smax)) smax /= 2;
+  if (smax < 2 * bound) return false;
+  s->a.assign(static_cast<size_t>(padded), 0.0f);
+  for (int64_t c = 0; c < channels; ++c) s->a[c] = static_cast<float>(fc[c] * fs * fo);
   s->b = static_cast<float>(b);
   s->k = static_cast<float>(k);
-  s->pmax = static_cast<float>(pmax);
-  s->qmax = static_cast<float>(qmax);
+  s->smax = static_cast<float>(smax);
+  s->eps = static_cast<float>(16 * u);
   s->lof = static_cast<float>(lo);
   s->hif = static_cast<float>(hi);
   s->thr = static_cast<float>(thr);

@@ -15,17 +15,16 @@
 //   t * f_out = z + d,  z = acc * A_c + x * B + K,  |d| <= E = (2^pre f_s + 2) f_out
 //   A_c = f_c 2^pre f_s f_out,  B = 2^pre f_o f_out,  K = ((zp_c - zp_s) 2^pre f_s - zp_o 2^pre f_o) f_out
 // (zp_c: the conv stage's zero point).  The kernels compute z in float32 (p0 = acc * A_c,
-// q = x * B + K, z = p0 + q), clamp it to [qmin - zp, qmax - zp] and round it; the lane is
-// exact when the clamped estimate is more than E + e from a rounding boundary, e the float
-// error: for |p0| <= Pmax = bound + P1 + |K| + 1 (bound = max(|qmin - zp|, |qmax - zp|) + 1,
-// P1 = max |x| |B|), |z| <= Pmax + P1 + |K| and each of the seven float roundings (A_c, B, K,
-// acc's conversion, the product, the fma, the sum) is within u = 2^-24 of its magnitude:
-// e <= 16 u (Pmax + P1 + |K| + 1).  An int32 other input (another conv's int32 stage) has no
-// code range: P1 = Qmax + |K| with Qmax = 2 bound, and lanes with |q| > Qmax are recomputed.
-// A lane is recomputed exactly (StageAddOne) when |p0| > Pmax or |xf - round(xf)| > thr = 1/2 - 2 (E + e) - u (xf the clamped estimate).  A value clamped
-// in float is one the exact rule clamps too (beyond the bound by more than E + e).
-// PrepareStageAddF32 checks that no intermediate saturates or wraps while |p0| <= Pmax (each
-// stays below 2^30).
+// q = x * B + K, z = p0 + q), clamp it to [qmin - zp, qmax - zp] (integers) and round it.
+// The float roundings (A_c, B, K, the conversions of acc and x, the product, the fma, the
+// sum; u = 2^-24 each) put z within e = 8 u (|p0| + |q|) + 4 u |K| of its real value.  A lane
+// is exact when the clamped estimate xf is more than E + e from a rounding boundary; with a
+// factor 2 of margin it is recomputed by the exact chain (StageAddOne) when
+//   |xf - round(xf)| + 16 u (|p0| + |q|) > thr = 1/2 - 2 E - 16 u |K| - u,
+// or when |p0| + |q| > smax, the largest bound (<= 2^20) for which PrepareStageAddF32 proves
+// that no intermediate saturates or wraps (each stays below 2^30).  A value clamped in float
+// is one the exact rule clamps too (the bounds are integers: beyond them by less than 1/2,
+// both round to the bound or past it).
 #ifndef QDSL_REQUANT_STAGE_ADD_F32_H_
 #define QDSL_REQUANT_STAGE_ADD_F32_H_
 
@@ -38,7 +37,7 @@ namespace qdsl {
 
 struct StageAddF32 {
   AlignedVector<float> a;  // A_c per channel, zeros past the channels (padded)
-  float b = 0, k = 0, pmax = 0, qmax = 0, lof = 0, hif = 0, thr = 0;
+  float b = 0, k = 0, smax = 0, lof = 0, hif = 0, thr = 0, eps = 0;  // eps = 16 u
   int32_t zp = 0;
   Rounding rounding = Rounding::kHalfAway;
   bool other_signed = false, other_i32 = false, y_signed = false;

@@ -1,6 +1,6 @@
 // AVX2 form of the fused conv stage + residual ADD (StageAddRowsKernel; the estimate and its
-// proof in requant/stage_add_f32.h): eight channels per step, a 16-channel step's lanes
-// recomputed by the exact chain when any of them is flagged.
+// proof in requant/stage_add_f32.h): eight channels per step, the flagged lanes recomputed
+// by the exact chain.
 #pragma GCC target("avx2,fma")
 #include <immintrin.h>
 
@@ -30,10 +30,10 @@ inline int32_t Value(const uint8_t* x, int64_t i) {
 }
 
 struct Consts {
-  __m256 b, k, pmax, qmax, lof, hif, thr, half, sign;
+  __m256 b, k, smax, eps, lof, hif, thr, half, sign;
   __m256i zp;
   explicit Consts(const StageAddF32& s)
-      : b(_mm256_set1_ps(s.b)), k(_mm256_set1_ps(s.k)), pmax(_mm256_set1_ps(s.pmax)), qmax(_mm256_set1_ps(s.qmax)),
+      : b(_mm256_set1_ps(s.b)), k(_mm256_set1_ps(s.k)), smax(_mm256_set1_ps(s.smax)), eps(_mm256_set1_ps(s.eps)),
         lof(_mm256_set1_ps(s.lof)), hif(_mm256_set1_ps(s.hif)), thr(_mm256_set1_ps(s.thr)),
         half(_mm256_set1_ps(0.5f)), sign(_mm256_set1_ps(-0.0f)), zp(_mm256_set1_epi32(s.zp)) {}
 };
@@ -42,7 +42,7 @@ struct Consts {
 // the lanes the estimate cannot decide.
 template <int kOther, bool kFloor>
 __attribute__((always_inline)) inline __m256i Estimate8(const int32_t* acc, const float* a, const uint8_t* x,
-                                                        int64_t i, const Consts& v, __m256* flag) {
+                                                        int64_t i, const Consts& v, __m256* flag) {  // (sets *flag)
   const __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(acc))),
                                   _mm256_loadu_ps(a));
   const __m256 q = _mm256_fmadd_ps(Values8<kOther>(x, i), v.b, v.k);
@@ -50,10 +50,10 @@ __attribute__((always_inline)) inline __m256i Estimate8(const int32_t* acc, cons
   if (kFloor) z = _mm256_sub_ps(z, v.half);
   z = _mm256_min_ps(_mm256_max_ps(z, v.lof), v.hif);
   const __m256 r = _mm256_round_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 bad = _mm256_or_ps(_mm256_cmp_ps(_mm256_andnot_ps(v.sign, p0), v.pmax, _CMP_GT_OQ),
-                            _mm256_cmp_ps(_mm256_andnot_ps(v.sign, _mm256_sub_ps(z, r)), v.thr, _CMP_GT_OQ));
-  if (kOther == kI32) bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_andnot_ps(v.sign, q), v.qmax, _CMP_GT_OQ));
-  *flag = _mm256_or_ps(*flag, bad);
+  // |p0| + |q|: the float error's scale and the saturation guard
+  const __m256 mag = _mm256_add_ps(_mm256_andnot_ps(v.sign, p0), _mm256_andnot_ps(v.sign, q));
+  const __m256 dist = _mm256_fmadd_ps(mag, v.eps, _mm256_andnot_ps(v.sign, _mm256_sub_ps(z, r)));
+  *flag = _mm256_or_ps(_mm256_cmp_ps(dist, v.thr, _CMP_GT_OQ), _mm256_cmp_ps(mag, v.smax, _CMP_GT_OQ));
   return _mm256_add_epi32(_mm256_cvtps_epi32(r), v.zp);
 }
 
@@ -68,18 +68,31 @@ void Rows(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const Sta
     uint8_t* yr = y + r * ldy;
     int64_t c = 0;
     for (; c + 16 <= cols; c += 16) {
-      __m256 flag = _mm256_setzero_ps();
-      const __m256i lo = Estimate8<kOther, kFloor>(ar + c, s.a.data() + c0 + c, xr, c, v, &flag);
-      const __m256i hi = Estimate8<kOther, kFloor>(ar + c + 8, s.a.data() + c0 + c + 8, xr, c + 8, v, &flag);
+      __m256 f0, f1;
+      const __m256i lo = Estimate8<kOther, kFloor>(ar + c, s.a.data() + c0 + c, xr, c, v, &f0);
+      const __m256i hi = Estimate8<kOther, kFloor>(ar + c + 8, s.a.data() + c0 + c + 8, xr, c + 8, v, &f1);
       // codes within [-128, 255]: both packs are exact
       const __m128i wl = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
       const __m128i wh = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(yr + c),
                        s.y_signed ? _mm_packs_epi16(wl, wh) : _mm_packus_epi16(wl, wh));
-      if (__builtin_expect(!_mm256_testz_ps(flag, flag), 0)) {
-        for (int64_t i = c; i < c + 16; ++i)
-          yr[i] = static_cast<uint8_t>(StageAddOne(s, ar[i], c0 + i, Value<kOther>(xr, i)));
+      unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(f0)) | (static_cast<unsigned>(_mm256_movemask_ps(f1)) << 8);
+      while (__builtin_expect(bits != 0, 0)) {  // the flagged lanes
+        const int64_t i = c + __builtin_ctz(bits);
+        bits &= bits - 1;
+        yr[i] = static_cast<uint8_t>(StageAddOne(s, ar[i], c0 + i, Value<kOther>(xr, i)));
       }
+    }
+    if (c + 8 <= cols) {  // (24 channels: MobileNetV2's narrowest projections)
+      __m256 f0;
+      const __m256i lo = Estimate8<kOther, kFloor>(ar + c, s.a.data() + c0 + c, xr, c, v, &f0);
+      const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(yr + c), s.y_signed ? _mm_packs_epi16(w, w) : _mm_packus_epi16(w, w));
+      for (unsigned bits = static_cast<unsigned>(_mm256_movemask_ps(f0)); bits != 0; bits &= bits - 1) {
+        const int64_t i = c + __builtin_ctz(bits);
+        yr[i] = static_cast<uint8_t>(StageAddOne(s, ar[i], c0 + i, Value<kOther>(xr, i)));
+      }
+      c += 8;
     }
     for (; c < cols; ++c)  // (a panel past the last channel)
       yr[c] = static_cast<uint8_t>(StageAddOne(s, ar[c], c0 + c, Value<kOther>(xr, c)));
