@@ -178,11 +178,9 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
     const int64_t* rx_ = rx.data();
     const T* src = reinterpret_cast<const T*>(x) + pl * H * W_;
     T* dst = reinterpret_cast<T*>(y) + pl * OH_ * OW_;
-    thread_local std::vector<T> col, win;
+    thread_local std::vector<T> col;
     col.resize(static_cast<size_t>(W_));
-    win.resize(static_cast<size_t>(W_));
     T* __restrict cm = col.data();
-    T* const hm = win.data();
     for (int64_t oy = 0; oy < OH_; ++oy) {
       const int64_t y0 = oy * sh_ - ph_;
       const T* r0 = src + (y0 + ry_[2 * oy] * dh_) * W_;
@@ -195,14 +193,11 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
       int64_t ox = 0;
       if (kw_ == 3 && dw_ == 1) {  // the common 3-wide window: full windows without the range loop
         for (; ox < OW_ && rx_[2 * ox] != 0; ++ox) d[ox] = Max3Clipped(cm + ox * sw_ - pw_, rx_[2 * ox], rx_[2 * ox + 1]);
-        // every 3-wide window's max once (contiguous: vectorized), then the full windows pick
-        // theirs (a stride-2 window loop is not vectorized: 3 loads and 2 maxes per output)
-        T* __restrict h = hm;
-        for (int64_t i = 0; i + 2 < W_; ++i) {
-          const T a = cm[i] > cm[i + 1] ? cm[i] : cm[i + 1];
-          h[i] = a > cm[i + 2] ? a : cm[i + 2];
+        for (; ox < OW_ && rx_[2 * ox + 1] == 3; ++ox) {
+          const T* c0 = cm + ox * sw_ - pw_;
+          const T a = c0[0] > c0[1] ? c0[0] : c0[1];
+          d[ox] = a > c0[2] ? a : c0[2];
         }
-        for (; ox < OW_ && rx_[2 * ox + 1] == 3; ++ox) d[ox] = h[ox * sw_ - pw_];
       }
       for (; ox < OW_; ++ox) {
         const T* c0 = cm + ox * sw_ - pw_;
