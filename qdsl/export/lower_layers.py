@@ -19,9 +19,10 @@ from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
+from qdsl.export.exact_weights import NotExact, exact_weight_ints
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
-from qdsl.quantizers.formats.base import NotExportable
+from qdsl.quantizers.formats.base import FormatOps, NotExportable
 from qdsl.spec.model import Overflow
 
 __all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints",
@@ -63,21 +64,37 @@ def weight_ints(patch, where: str, out_axis: int = 0):
     wq = patch.wq
     if not wq.frozen:
         raise ExportError(where, "the weight quantizer is not frozen", "call qdsl.freeze(model)")
-    if wq.group_size or wq.axis not in (None, out_axis):
-        raise ExportError(where, "group-wise (or non-output-channel) weight scales have no integer lowering: an "
-                                 "accumulator needs one scale per output channel", "use `granularity = channel`")
+    if wq.axis not in (None, out_axis) or (wq.group_size and out_axis != 0):
+        raise ExportError(where, "non-output-channel weight scales have no integer lowering: an accumulator needs "
+                                 "one scale per output channel", "use `granularity = channel`")
     rec = frozen_layer(patch)  # the codes the fake quantizers use, derived once (qdsl.patch.frozen)
     codes = rec.weight_codes.numpy().astype(np.int64)
     scale = rec.weight_scale.detach().double().reshape(-1).numpy()
     c = codes.shape[out_axis]
-    scale = np.broadcast_to(scale, (c,)).copy()
-    zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
-    # the number format maps its codes to graph constants (pot: onto an integer grid)
+    # the number format maps its codes to graph constants (pot: onto an integer grid); a
+    # format without a mapping (minifloat), and group-wise scales, lower only when the
+    # values are exact integers times one scale per output channel (qdsl/export/exact_weights.py)
     try:
-        codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, scale)
+        if wq.group_size:
+            raise NotExportable("group-wise weight scales have no integer lowering unless each output channel's "
+                                "values are exact int8 codes times one scale", "use `granularity = channel`")
+        zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
+        codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, np.broadcast_to(scale, (c,)).copy())
     except NotExportable as exc:
-        raise ExportError(where, exc.message, exc.hint) from None
+        if not wq.group_size and _own_lowering(wq._ops):  # the format's own refusal (pot beyond 4 bits: lint's W320)
+            raise ExportError(where, exc.message, exc.hint) from None
+        w, _ = patch.float_params()
+        got = exact_weight_ints(wq, w, out_axis)
+        if isinstance(got, NotExact):
+            raise ExportError(where, f"{exc.message} ({got.message(wq.format.name)})", exc.hint) from None
+        codes, scale, dtype_name, zp = got.codes, got.scale, got.dtype, np.zeros(c, dtype=np.int64)
     return codes, DType[dtype_name], scale, zp, rec.bias_float
+
+
+def _own_lowering(ops) -> bool:
+    """The format maps its codes to graph constants itself (int, pot, binary, ternary);
+    one that keeps the default refusal (minifloat) lowers only through the exact decode."""
+    return type(ops).lower_weight is not FormatOps.lower_weight
 
 
 def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
