@@ -20,6 +20,7 @@ from torch import nn
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
+from qdsl.export.float8 import Float8Grid, float8_weight
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
@@ -186,7 +187,14 @@ def _output_padding(m: nn.Module, in_shape, out_shape, where: str) -> tuple[int,
 def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> Pending:
     """A Conv1d/Conv2d/Linear/ConvTranspose1d/ConvTranspose2d on the quantized input ``x``."""
     transposed = _transposed(m)
-    codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn, 1 if transposed else 0)
+    f8 = None
+    if b.float8_weights:  # ONNX: FP8 weights as float8 (qdsl/export/float8.py), not an int8 decode
+        f8 = float8_weight(patch.wq, patch.float_params()[0], 1 if transposed else 0) if patch.wq.frozen else None
+    if f8 is not None:
+        codes, wdtype, s_w, bias_f = f8.bits, DType.U8, f8.scale, frozen_layer(patch).bias_float
+        w_zp = np.zeros(len(s_w), dtype=np.int64)
+    else:
+        codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn, 1 if transposed else 0)
     binary = x.dtype is DType.BIN
     if binary and wdtype is not DType.BIN:
         raise ExportError(fqn, "binary activations need binary weights (XNOR-popcount)", "make the weight binary too")
@@ -220,6 +228,8 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
         raise ExportError(fqn, "binary weights cannot have a zero point")
     inputs = [x.name, b.tensor(f"{fqn}.weight", wdtype, codes.shape, codes)]
     b.info[inputs[1]] = (s_w, w_zp)  # real weight = (w - zp[c]) · s_w[c] (ONNX export reads it)
+    if f8 is not None:
+        b.info[inputs[1]] = Float8Grid(s_w, w_zp, f8.onnx_type)
     if bias is not None:
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
         b.info[inputs[2]] = (s_acc, np.zeros_like(w_zp))
