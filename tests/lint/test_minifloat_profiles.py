@@ -116,3 +116,17 @@ def test_scale_names_in_a_profile_are_checked(tmp_path):
     with pytest.raises(SpecError) as info:
         load_profile(str(f))
     assert info.value.codes == ["E105"] and "fp8_e4m3" in info.value.render()
+
+
+def test_minifloat_activations_are_reported_as_export_refusals(tmp_path):
+    """The integer graph has no minifloat activation type: lint names each place as export
+    does ('<layer>:<role>'; tests/export/test_minifloat_export.py checks export's words)."""
+    spec = _spec(tmp_path, MXFP4)
+    found = [d for d in qdsl.lint(spec, "ocp-mx", _model()) if d.code == "W321"]
+    assert len(found) == 1, [d.render() for d in found]
+    assert "'fp8_e4m3 input activation' has no integer lowering" in found[0].message
+    assert "(0:input, 2:input)" in found[0].message
+    # int8 activations lower: no finding
+    int_acts = _spec(tmp_path, MXFP4.replace("quantizer a_fp8 = fp8_e4m3(scale=pot)",
+                                             "quantizer a_fp8 = int(bits=8, scale=pot)"), "int.qspec")
+    assert [d for d in qdsl.lint(int_acts, "ocp-mx", _model()) if d.code == "W321"] == []
