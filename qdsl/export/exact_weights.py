@@ -60,10 +60,10 @@ class NotExact:
     """The largest |code| that channel needs at its finest bit (inf: not a short dyadic)."""
     reason: str
 
-    def message(self, fmt_name: str) -> str:
-        return (f"{fmt_name} weights have no exact int8 form: output channel {self.channel} {self.reason}; "
-                f"the integer graph runs minifloat/block-scaled weights only when each output channel's values "
-                f"are integers in [-128, 127] times one scale")
+    def message(self, what: str) -> str:
+        """``what`` names the weights (``"fp4_e2m1 weights with group(32) scales"``)."""
+        return (f"{what} have no exact int8 form: output channel {self.channel} {self.reason}; the integer graph "
+                f"takes such weights only as integers in [-128, 127] times one scale per output channel")
 
 
 def _round_sig(v: np.ndarray, bits: int) -> np.ndarray:

@@ -20,11 +20,11 @@ from torch import nn
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
-from qdsl.export.float8 import Float8Grid, float8_weight
+from qdsl.export.float8 import Float8Grid, float8_weight, onnx_float8_type
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
-from qdsl.spec.model import Overflow
+from qdsl.spec.model import Overflow, Role
 
 __all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints",
            "wide", "raw", "term_grid"]
@@ -77,8 +77,7 @@ def weight_ints(patch, where: str, out_axis: int = 0):
     # values are exact integers times one scale per output channel (qdsl/export/exact_weights.py)
     try:
         if wq.group_size:
-            raise NotExportable("group-wise weight scales have no integer lowering unless each output channel's "
-                                "values are exact int8 codes times one scale", "use `granularity = channel`")
+            raise NotExportable("group-wise weight scales have no integer lowering", "use `granularity = channel`")
         zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
         codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, np.broadcast_to(scale, (c,)).copy())
     except NotExportable as exc:
@@ -87,9 +86,25 @@ def weight_ints(patch, where: str, out_axis: int = 0):
         w, _ = patch.float_params()
         got = exact_weight_ints(wq, w, out_axis)
         if isinstance(got, NotExact):
-            raise ExportError(where, f"{exc.message} ({got.message(wq.format.name)})", exc.hint) from None
+            what = f"{wq.format.name} weights" + (f" with group({wq.group_size}) scales" if wq.group_size else "")
+            hints = (exc.hint, "qdsl.export.onnx.export_onnx writes them as FLOAT8"
+                     if onnx_float8_type(wq.format) and not wq.group_size else None,
+                     _written_at(patch, "granularity" if wq.group_size else "kind"))
+            raise ExportError(where, got.message(what), "; ".join(h for h in hints if h) or None) from None
         codes, scale, dtype_name, zp = got.codes, got.scale, got.dtype, np.zeros(c, dtype=np.int64)
     return codes, DType[dtype_name], scale, zp, rec.bias_float
+
+
+def _written_at(patch, field: str) -> str:
+    """Where the spec writes the weight's ``field`` (``"the weight's kind is written at
+    m.qspec:4:12 (defaults)"``), from the plan's provenance; empty when unknown."""
+    p = getattr(patch.plan, "provenance", {}).get((Role.WEIGHT, field))
+    if p is None:
+        return ""
+    origin = p.via[-1] if p.via else p.set_by
+    if not origin.span.known:
+        return ""
+    return f"the weight's {field} is written at {origin.span.location()} ({origin.label})"
 
 
 def _own_lowering(ops) -> bool:

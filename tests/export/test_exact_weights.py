@@ -34,7 +34,8 @@ def test_a_row_spanning_too_many_binades_is_named():
     values = np.array([[1.0, 2.0], [6.0, 0.5 * 2.0**-5]])  # row 1: 6 / 2^-6 = 384 > 127
     got = dyadic_rows(values)
     assert isinstance(got, NotExact) and got.channel == 1 and got.largest_code == 384
-    assert "output channel 1" in got.message("fp4_e2m1") and "fp4_e2m1" in got.message("fp4_e2m1")
+    text = got.message("fp4_e2m1 weights")
+    assert "output channel 1 needs codes up to 384" in text and text.startswith("fp4_e2m1 weights have no exact")
 
 
 def test_zero_rows_and_negative_bounds():
@@ -79,5 +80,8 @@ def test_group_wise_pot_weights_export_exactly():
 
 def test_group_wise_float_scales_are_refused_with_the_layer():
     m, x = _model("float")
-    with pytest.raises(ExportError, match=r"cannot export '0'.*group-wise.*output channel \d+"):
+    with pytest.raises(ExportError, match=r"cannot export '0': int weights with group\(16\) scales have no exact int8 "
+                                          r"form: output channel \d+") as info:
         qdsl.export(m, x[:2])
+    # located: where the spec writes the granularity (a parsed text is '<input>')
+    assert "hint: use `granularity = channel`; the weight's granularity is written at <input>:4:" in str(info.value)
