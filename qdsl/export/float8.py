@@ -13,9 +13,12 @@ the graph tensor then holds the float8 *bit patterns* as U8 and its grid in ``in
 :class:`Float8Grid` naming the ONNX type.  Such a graph is not an integer graph and is never
 returned by :func:`qdsl.export.export` without that flag.
 
-FP6, FP4 and block-scaled (MX, NVFP4) weights have no ONNX element type here (ONNX's
-FLOAT4E2M1 and block_size quantization are newer than what qdsl targets); they reach ONNX only
-through an exact int8 decode, else the export refuses.
+Block-scaled FP8 (MXFP8: ``fp8_e4m3(granularity=group(32), scale=pot)``, or minifloat-coded
+block scales) is written the same way with ONNX's blocked quantization (opset 21,
+``block_size`` along the flattened row; a conv weight is dequantized as ``[C, K]`` and
+reshaped).  FP6 and FP4 have no ONNX type onnxruntime runs (FLOAT4E2M1 is opset 23; its CPU
+kernels do not implement it, checked with onnxruntime 1.32); they reach ONNX only through
+an exact int8 decode, else the export refuses.
 """
 
 from __future__ import annotations
@@ -51,14 +54,17 @@ def onnx_float8_type(fmt: Any) -> str | None:
 
 
 class Float8Grid(tuple):
-    """``(scale, zero point)`` of a weight held as float8 bit patterns, plus its ONNX type:
-    it unpacks like every grid in ``info``, and the ONNX writer reads :attr:`onnx_type`."""
+    """``(scale, zero point)`` of a weight held as float8 bit patterns, plus its ONNX type
+    and, for block scales, the blocks' scales ``[C, G]`` and size: it unpacks like every
+    grid in ``info``, and the ONNX writer reads the rest."""
 
     onnx_type: str
+    blocks: np.ndarray | None
+    block_size: int | None
 
-    def __new__(cls, scale, zp, onnx_type: str):
+    def __new__(cls, scale, zp, onnx_type: str, blocks: np.ndarray | None = None, block_size: int | None = None):
         obj = super().__new__(cls, (scale, zp))
-        obj.onnx_type = onnx_type
+        obj.onnx_type, obj.blocks, obj.block_size = onnx_type, blocks, block_size
         return obj
 
 
@@ -67,26 +73,42 @@ class Float8Weight:
     bits: np.ndarray
     """The float8 bit patterns (uint8 values as int64), the weight's shape."""
     scale: np.ndarray
-    """float64 per output channel."""
+    """float64 per output channel (with block scales: each row's largest, for the graph's
+    bias and output stage, which the ONNX writer does not read for the weight)."""
     onnx_type: str
+    blocks: np.ndarray | None = None
+    """float64 ``[C, G]`` block scales (``group(k)``: MXFP8's powers of two, or NVFP4-style
+    minifloat-coded scales), None for a scale per tensor or channel."""
+    block_size: int | None = None
+
+    def grid(self, zp: np.ndarray) -> Float8Grid:
+        return Float8Grid(self.scale, zp, self.onnx_type, self.blocks, self.block_size)
 
 
 def float8_weight(wq, w: torch.Tensor, out_axis: int = 0) -> Float8Weight | None:
     """The frozen FP8 weight quantizer ``wq``'s values of ``w`` as float8 bit patterns and
-    one scale per output channel, or None when ``wq`` is not FP8 with a per-tensor or
-    per-output-channel scale (the caller then takes the integer path or refuses)."""
+    their scales (per tensor, per output channel, or per block of a row along the flattened
+    row), or None when ``wq`` is not FP8 on one of those layouts (the caller then takes the
+    integer path or refuses)."""
     got = _TYPES.get(_key(wq.format))
-    if got is None or wq.group_size or wq.axis not in (None, out_axis):
+    if got is None or wq.axis not in (None, out_axis) or (wq.group_size and out_axis != 0):
         return None
     onnx_type, tdtype = got
     with torch.no_grad():
         wh = wq(w.detach().float()).detach()
         c = wh.shape[out_axis]
-        s = wq.scale.detach().double().reshape(-1)
-        s = s.expand(c) if s.numel() == 1 else s
-        view = [1] * wh.dim()
-        view[out_axis] = c
-        sv = s.reshape(view)
+        if wq.group_size:
+            blocks = wq.scale.detach().double().reshape(c, -1)
+            if blocks.shape[1] * wq.group_size != wh[0].numel():
+                return None  # a row that is not a whole number of blocks: no ONNX block layout
+            sv = blocks.repeat_interleave(wq.group_size, dim=1).reshape(wh.shape)
+            s = blocks.max(dim=1).values
+        else:
+            s = wq.scale.detach().double().reshape(-1)
+            s = s.expand(c) if s.numel() == 1 else s
+            view = [1] * wh.dim()
+            view[out_axis] = c
+            sv = s.reshape(view)
         e = wh.double() / sv
         m, ex = torch.frexp(e)  # round to SIGNIFICANT_BITS bits: the element value (exact_weights.py)
         e = torch.ldexp(torch.round(torch.ldexp(m, torch.tensor(SIGNIFICANT_BITS))), ex - SIGNIFICANT_BITS)
@@ -94,4 +116,6 @@ def float8_weight(wq, w: torch.Tensor, out_axis: int = 0) -> Float8Weight | None
         if not torch.equal(f8.double(), e) or not torch.equal(e.float() * sv.float(), wh):
             return None  # not an fp8 value times the scale: the integer path decides
         bits = f8.view(torch.uint8).numpy().astype(np.int64)
+    if wq.group_size:
+        return Float8Weight(bits, s.numpy().copy(), onnx_type, blocks.numpy().copy(), int(wq.group_size))
     return Float8Weight(bits, s.numpy().copy(), onnx_type)

@@ -20,7 +20,7 @@ from torch import nn
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
-from qdsl.export.float8 import Float8Grid, float8_weight, onnx_float8_type
+from qdsl.export.float8 import float8_weight, onnx_float8_type
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
@@ -244,7 +244,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     inputs = [x.name, b.tensor(f"{fqn}.weight", wdtype, codes.shape, codes)]
     b.info[inputs[1]] = (s_w, w_zp)  # real weight = (w - zp[c]) · s_w[c] (ONNX export reads it)
     if f8 is not None:
-        b.info[inputs[1]] = Float8Grid(s_w, w_zp, f8.onnx_type)
+        b.info[inputs[1]] = f8.grid(w_zp)
     if bias is not None:
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
         b.info[inputs[2]] = (s_acc, np.zeros_like(w_zp))

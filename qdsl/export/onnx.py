@@ -8,8 +8,9 @@ becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
 * weights: ``DequantizeLinear(int8 weights, per-channel scale, zero point)`` (int4/int2 and
   ternary codes are stored widened to int8 - ONNX QDQ has no packed types here);
 * FP8 weights (``fp8_e4m3`` / ``fp8_e5m2`` per tensor or channel): ``DequantizeLinear(FLOAT8E4M3FN /
-  FLOAT8E5M2 weights, scale, float8 zero point)``, opset 19 (qdsl/export/float8.py); other
-  minifloat and block-scaled weights (FP6, FP4, MX, NVFP4) have no ONNX type onnxruntime runs
+  FLOAT8E5M2 weights, scale, float8 zero point)``, opset 19 (qdsl/export/float8.py); with block
+  scales (MXFP8) the same with ``block_size``, opset 21; other
+  minifloat and block-scaled weights (FP6, FP4, MXFP4, NVFP4) have no ONNX type onnxruntime runs
   (FLOAT4E2M1 / E8M0 block scales are opset 23+, not implemented by its CPU kernels): they are
   written as int8 when each output channel's values are exactly int8 codes times one scale
   (qdsl/export/exact_weights.py, the same values), else the export refuses naming the layer;
@@ -45,13 +46,15 @@ from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, RescaleKind, Rounding
 from qdsl.export.float8 import Float8Grid
 from qdsl.export.values import ExportError
 
-__all__ = ["export_onnx", "graph_to_onnx", "OPSET", "LN_OPSET", "FLOAT8_OPSET"]
+__all__ = ["export_onnx", "graph_to_onnx", "OPSET", "LN_OPSET", "FLOAT8_OPSET", "BLOCK_OPSET"]
 
 OPSET = 13
 LN_OPSET = 17
 """The opset of a graph with LAYERNORM (ONNX LayerNormalization); QDQ's ops are unchanged from 13 to 17."""
 FLOAT8_OPSET = 19
 """The opset of a model with FP8 weights (DequantizeLinear of FLOAT8E4M3FN / FLOAT8E5M2)."""
+BLOCK_OPSET = 21
+"""The opset of a model with block-scaled FP8 weights (DequantizeLinear's ``block_size``)."""
 
 
 def _onnx():
@@ -72,8 +75,8 @@ class _Writer:
         self.nodes: list = []
         self.inits: list = []
         self.count = 0
-        self.float8 = False
-        """A float8 weight was written (the model needs opset 19)."""
+        self.float8 = 0
+        """The opset float8 weights need (19; 21 with block scales), 0 without any."""
         self.dyn: dict[str, tuple[str, str]] = {}
         """QUANTIZE_DYNAMIC codes tensor -> its DynamicQuantizeLinear scale and zero point."""
 
@@ -124,7 +127,7 @@ class _Writer:
         if axis and np.size(scale) > 1:
             scale, zp = np.asarray(scale)[: t.shape[axis]], np.asarray(zp)[: t.shape[axis]]
         if isinstance(grid, Float8Grid):
-            return self.float8_weight(name, t, scale, grid.onnx_type, axis)
+            return self.float8_weight(name, t, scale, grid, axis)
         signed = t.dtype not in (DType.U8, DType.U4, DType.U2)
         dtype = np.int8 if signed else np.uint8
         q = self.const(name, t.data.astype(dtype))
@@ -132,18 +135,29 @@ class _Writer:
         z = self.const(name + "_zp", np.asarray(zp).astype(dtype))
         return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=axis)
 
-    def float8_weight(self, name: str, t, scale, onnx_type: str, axis: int) -> str:
+    def float8_weight(self, name: str, t, scale, grid, axis: int) -> str:
         """``DequantizeLinear(float8 weight, scale, float8 zero point 0, axis)`` (opset 19):
-        the graph tensor holds the float8 bit patterns (qdsl/export/float8.py)."""
-        tp = getattr(self.TP, onnx_type)
+        the graph tensor holds the float8 bit patterns (qdsl/export/float8.py).  Block scales
+        (opset 21): the weight as ``[C, K]`` rows, blocks of ``block_size`` along axis 1,
+        then reshaped back (a conv's blocks run along its flattened ``in × k..`` row)."""
+        tp = getattr(self.TP, grid.onnx_type)
         bits = np.asarray(t.data).astype(np.uint8)
+        if grid.blocks is not None:
+            bits, scale = bits.reshape(bits.shape[0], -1), grid.blocks
         self.inits.append(self.h.make_tensor(name, tp, list(bits.shape), bits.tobytes(), raw=True))
         scale = np.asarray(scale, dtype=np.float32)
         s = self.const(name + "_scale", scale)
         z = self.name(name + "_zp")
         self.inits.append(self.h.make_tensor(z, tp, list(scale.shape), bytes(scale.size), raw=True))
-        self.float8 = True
-        return self.node("DequantizeLinear", [name, s, z], name + "_dq", axis=axis)
+        self.float8 = max(self.float8, FLOAT8_OPSET)
+        if grid.blocks is None:
+            return self.node("DequantizeLinear", [name, s, z], name + "_dq", axis=axis)
+        self.float8 = BLOCK_OPSET
+        y = self.node("DequantizeLinear", [name, s, z], name + "_dq", axis=1, block_size=grid.block_size)
+        if len(t.shape) == 2:
+            return y
+        return self.node("Reshape", [y, self.const(name + "_shape", np.array(t.shape, dtype=np.int64))],
+                         name + "_rows")
 
     def bias(self, name: str) -> str:
         scale, _ = self.grid(name)
@@ -449,10 +463,11 @@ def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:
     g = h.make_graph(w.nodes, graph.name, [vi(n, n) for n in graph.inputs], outputs, w.inits)
     # LayerNormalization needs opset 17; graphs without it keep the QDQ baseline opset 13
     opset = LN_OPSET if any(op.type is OpType.LAYERNORM for op in graph.ops) else OPSET
-    if w.float8:  # QuantizeLinear/DequantizeLinear take float8 types from opset 19
-        opset = FLOAT8_OPSET
+    if w.float8:  # DequantizeLinear takes float8 types from opset 19, block_size from 21
+        opset = max(opset, w.float8)
     model = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], producer_name="qdsl")
-    model.ir_version = min(model.ir_version, 9)  # readable by onnxruntime releases of the last years
+    # readable by onnxruntime releases of the last years (opset 21 needs IR version 10)
+    model.ir_version = min(model.ir_version, 10 if opset >= BLOCK_OPSET else 9)
     w.onnx.checker.check_model(model)
     return model
 
