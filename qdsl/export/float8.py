@@ -8,10 +8,17 @@ output channel is written as ``DequantizeLinear(float8 weight, scale, float8 zer
 axis)``: the decoded value is ``e · s``, the product the fake-quant model computes.
 
 The integer graph has no such weights (only exact int8 decodes, qdsl/export/exact_weights.py),
-so :func:`qdsl.export.export` takes them only for the ONNX writer (``float8_weights=True``):
+so :func:`qdsl.export.export` takes them only for the ONNX writer (``onnx_float8=True``):
 the graph tensor then holds the float8 *bit patterns* as U8 and its grid in ``info`` is a
 :class:`Float8Grid` naming the ONNX type.  Such a graph is not an integer graph and is never
 returned by :func:`qdsl.export.export` without that flag.
+
+FP8 *activations* (per tensor, rounding half even) are, in the same mode, lowered like int8
+ones onto placeholder codes whose grid scale is an :class:`F8Scale`; the ONNX writer turns
+every such quantization point into ``QuantizeLinear -> DequantizeLinear`` with a float8 zero
+point (ONNX's saturating round-to-nearest-even cast of ``x / s``, which is the fake
+quantizer's rule), and refuses ops it lowers on integer codes (lookup tables, attention,
+LayerNorm, clamps other than ReLU) when they read or write one.
 
 Block-scaled FP8 (MXFP8: ``fp8_e4m3(granularity=group(32), scale=pot)``, or minifloat-coded
 block scales) is written the same way with ONNX's blocked quantization (opset 21,
@@ -31,7 +38,12 @@ import torch
 
 from qdsl.export.exact_weights import SIGNIFICANT_BITS
 
-__all__ = ["Float8Grid", "Float8Weight", "onnx_float8_type", "float8_weight"]
+__all__ = ["Float8Grid", "Float8Weight", "F8Scale", "onnx_float8_type", "float8_weight", "float8_target",
+           "F8_PLACEHOLDER"]
+
+F8_PLACEHOLDER = 127
+"""An FP8 activation's placeholder codes are [-127, 127] (int8, narrow): unlike any int8
+target's range at the same scale they never match one, and they are never computed with."""
 
 # (exponent bits, mantissa bits, bias, special values) -> the ONNX and torch element types
 _TYPES = {
@@ -119,3 +131,38 @@ def float8_weight(wq, w: torch.Tensor, out_axis: int = 0) -> Float8Weight | None
     if wq.group_size:
         return Float8Weight(bits, s.numpy().copy(), onnx_type, blocks.numpy().copy(), int(wq.group_size))
     return Float8Weight(bits, s.numpy().copy(), onnx_type)
+
+
+class F8Scale(float):
+    """The scale of an FP8 activation in the ONNX writer's mode: a float that also names its
+    ONNX type, carried along with the value wherever the lowering passes a grid's scale
+    (reshapes, pools), and recorded in ``info``.  It equals only an F8Scale of the same
+    type, so an int8 value at the same scale is requantized to it, never taken as it."""
+
+    onnx_type: str
+
+    def __new__(cls, value: float, onnx_type: str):
+        obj = super().__new__(cls, value)
+        obj.onnx_type = onnx_type
+        return obj
+
+    def __eq__(self, other):
+        return isinstance(other, F8Scale) and float(self) == float(other) and self.onnx_type == other.onnx_type
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = float.__hash__
+
+    def __reduce__(self):
+        return F8Scale, (float(self), self.onnx_type)
+
+
+def float8_target(scale: float, fmt: Any, where: str):
+    """An FP8 per-tensor activation quantizer as the lowering's :class:`Target`: placeholder
+    int8 codes (:data:`F8_PLACEHOLDER`), zero point 0, scale an :class:`F8Scale`."""
+    from qdsl.export.values import Target
+    from qdsl.graph.ir import DType, Rounding
+
+    return Target(F8Scale(scale, onnx_float8_type(fmt)), 0, -F8_PLACEHOLDER, F8_PLACEHOLDER, DType.I8,
+                  Rounding.HALF_EVEN, where)

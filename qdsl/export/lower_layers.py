@@ -20,7 +20,7 @@ from torch import nn
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
-from qdsl.export.float8 import float8_weight, onnx_float8_type
+from qdsl.export.float8 import float8_target, float8_weight, onnx_float8_type
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
@@ -30,8 +30,10 @@ __all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pen
            "wide", "raw", "term_grid"]
 
 
-def act_target(proxy, where: str) -> Target:
-    """The frozen per-tensor activation quantizer ``proxy`` as a :class:`Target`."""
+def act_target(proxy, where: str, float8: bool = False) -> Target:
+    """The frozen per-tensor activation quantizer ``proxy`` as a :class:`Target`; with
+    ``float8`` (the ONNX writer's mode) an FP8 quantizer is a placeholder int8 target whose
+    scale is an :class:`F8Scale` (qdsl/export/float8.py)."""
     if proxy.dynamic:
         raise ExportError(where, "a dynamic quantizer has no static target (only a Linear's input lowers, to "
                                  "QUANTIZE_DYNAMIC + LINEAR_DYNAMIC: qdsl/export/lower_dynamic.py)",
@@ -49,6 +51,11 @@ def act_target(proxy, where: str) -> Target:
     lowering = proxy.format.activation_lowering(proxy.recipe.signed)
     if lowering == "bin":
         return Target(scale, 0, -1, 1, DType.BIN, rounding, where)
+    if lowering is None and float8 and onnx_float8_type(proxy.format):
+        if rounding is not Rounding.HALF_EVEN:
+            raise ExportError(where, f"ONNX QuantizeLinear rounds to nearest even; this {proxy.format.name} "
+                                     f"quantizer rounds '{proxy.recipe.rounding}'", "use rounding = half_even")
+        return float8_target(scale, proxy.format, where)
     if lowering != "int":
         raise ExportError(where, f"{proxy.format.name} activations have no integer lowering", "use int or signed binary")
     if proxy.recipe.bits > 8:
@@ -203,7 +210,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     """A Conv1d/Conv2d/Linear/ConvTranspose1d/ConvTranspose2d on the quantized input ``x``."""
     transposed = _transposed(m)
     f8 = None
-    if b.float8_weights:  # ONNX: FP8 weights as float8 (qdsl/export/float8.py), not an int8 decode
+    if b.onnx_float8:  # ONNX: FP8 weights as float8 (qdsl/export/float8.py), not an int8 decode
         f8 = float8_weight(patch.wq, patch.float_params()[0], 1 if transposed else 0) if patch.wq.frozen else None
     if f8 is not None:
         codes, wdtype, s_w, bias_f = f8.bits, DType.U8, f8.scale, frozen_layer(patch).bias_float

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, RescaleKind, Rounding
-from qdsl.export.float8 import Float8Grid
+from qdsl.export.float8 import F8_PLACEHOLDER, F8Scale, Float8Grid
 from qdsl.export.values import ExportError
 
 __all__ = ["export_onnx", "graph_to_onnx", "OPSET", "LN_OPSET", "FLOAT8_OPSET", "BLOCK_OPSET"]
@@ -103,6 +103,8 @@ class _Writer:
         """Clip to ``[out_min, out_max]`` (codes), then QuantizeLinear/DequantizeLinear on ``tensor``'s grid."""
         t = self.graph.tensor(tensor)
         scale, zp = self.grid(tensor)
+        if isinstance(scale, F8Scale):
+            return self.qdq_float8(x, tensor, scale, out_min, out_max)
         if t.dtype is DType.I32:  # wide: the fake-quant model holds it in float; only a ReLU clip
             if out_min is not None and out_min == 0:
                 return self.node("Relu", [x], tensor)
@@ -115,6 +117,23 @@ class _Writer:
                                    self.const("hi", np.float32((out_max - zp) * scale))], tensor + "_clip")
         s = self.const(tensor + "_scale", np.float32(scale))
         z = self.const(tensor + "_zp", np.array(zp, dtype=t.dtype.numpy))
+        q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
+        return self.node("DequantizeLinear", [q, s, z], tensor)
+
+    def qdq_float8(self, x: str, tensor: str, scale: "F8Scale", out_min: int | None, out_max: int | None) -> str:
+        """An FP8 activation: ``QuantizeLinear -> DequantizeLinear`` with a float8 zero point
+        (opset 19: ``x / s`` cast to float8, round to nearest even, saturating).  A fused
+        ReLU is a Relu before it; another clamp has only placeholder codes here: refused."""
+        if out_min is not None and out_min > -F8_PLACEHOLDER:
+            if out_min != 0 or out_max < F8_PLACEHOLDER:
+                raise ExportError(tensor, "a clamp other than ReLU before an FP8 activation has no ONNX form in qdsl",
+                                  "use an int8 quantizer after it, or plain ReLU")
+            x = self.node("Relu", [x], tensor + "_relu")
+        tp = getattr(self.TP, scale.onnx_type)
+        s = self.const(tensor + "_scale", np.float32(scale))
+        z = self.name(tensor + "_zp")
+        self.inits.append(self.h.make_tensor(z, tp, [], bytes(1), raw=True))
+        self.float8 = max(self.float8, FLOAT8_OPSET)
         q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
         return self.node("DequantizeLinear", [q, s, z], tensor)
 
@@ -172,10 +191,27 @@ def _stage(a: dict) -> tuple[int | None, int | None]:
     return a.get("out_min"), a.get("out_max")
 
 
+# ops the writer lowers on the real values between QDQ pairs: the only ones that may read or
+# write an FP8 activation (the others compute on integer codes: tables, attention, LayerNorm)
+_FLOAT8_OK = frozenset(OpType[n] for n in (
+    "QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "CONV1D", "CONV2D", "LINEAR", "CONV_TRANSPOSE1D", "CONV_TRANSPOSE2D",
+    "ADD", "MUL", "CONCAT", "CLAMP", "MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL", "RESHAPE",
+    "RESIZE"))
+
+
+def _float8_reader(w: _Writer, op: Op) -> None:
+    names = [n for n in list(op.inputs) + list(op.outputs) if not w.graph.tensor(n).is_constant]
+    f8 = [n for n in names if isinstance(w.info.get(n, (None,))[0], F8Scale)]
+    if f8 and op.type not in _FLOAT8_OK:
+        raise ExportError(op.name, f"{op.type.name} reads or writes an FP8 activation ('{f8[0]}'), and qdsl lowers it "
+                                   "to ONNX on integer codes", "quantize that value with an int8 quantizer")
+
+
 def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     t, a = op.type, op.attrs
     out = op.outputs[0]
     xs = [env.get(n, n) for n in op.inputs]
+    _float8_reader(w, op)
     if any(w.graph.tensor(o).dtype is DType.BIN for o in op.outputs):  # before its inputs' grids (a sign threshold has none)
         raise ExportError(out, "BIN activations have no ONNX QDQ form", "use an 8-bit config")
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
@@ -219,6 +255,11 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return w.qdq(xs[0], out, *_stage(a))
     if t is OpType.CLAMP:
         scale, zp = w.grid(out)
+        if isinstance(scale, F8Scale):  # ReLU of FP8 values stays on their grid; other clamps: placeholder codes
+            if (a["out_min"], a["out_max"]) != (0, F8_PLACEHOLDER):
+                raise ExportError(op.name, "a clamp other than ReLU of an FP8 activation has no ONNX form in qdsl",
+                                  "use an int8 quantizer there, or plain ReLU")
+            return w.node("Relu", [xs[0]], out)
         return w.node("Clip", [xs[0], w.const("lo", np.float32((a["out_min"] - zp) * scale)),
                                w.const("hi", np.float32((a["out_max"] - zp) * scale))], out)
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D):
@@ -480,7 +521,7 @@ def export_onnx(model: Any, example_input: Any, path: str | os.PathLike | None =
     """
     from qdsl.export.lower import export
 
-    graph, info = export(model, example_input, with_info=True, float8_weights=True)
+    graph, info = export(model, example_input, with_info=True, onnx_float8=True)
     proto = graph_to_onnx(graph, info)
     if path is not None:
         w = _onnx()[0]
