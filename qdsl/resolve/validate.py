@@ -21,7 +21,8 @@ dimension of NC... activations).
 Group granularity: one scale per ``group_size`` consecutive elements of each flattened
 weight row, i.e. along the reduction dimension ``prod(weight.shape[1:])`` (Linear:
 ``in_features``; Conv: ``in_channels/groups * prod(kernel_size)``, kernel-position
-fastest, matching ``weight.reshape(out, -1)``).  The group size must divide it.
+fastest, matching ``weight.reshape(out, -1)``).  The group size must divide it, unless the
+format has ``ragged_groups`` (minifloats: the last block of a row is shorter, as OCP MX pads it).
 Activation shapes are not in the model index, so axis checks cover weight and bias only.
 """
 
@@ -339,7 +340,8 @@ def check_shapes(
                 f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis {OUT_CHANNEL_AXIS.get(entry.type_name, 0)} "
                 "is the output channels",
             )]
-    if gran.kind is GranularityKind.GROUP and (gran.group_size or 0) > 0 and len(shape) >= 2:
+    if gran.kind is GranularityKind.GROUP and (gran.group_size or 0) > 0 and len(shape) >= 2 \
+            and not recipe.format.ragged_groups:
         row = math.prod(shape[1:])
         if row % gran.group_size:
             # suggest the divisors nearest to what was asked for

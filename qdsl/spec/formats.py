@@ -121,6 +121,10 @@ class NumberFormat:
     """Its codes are a comparison of ``x`` with one threshold (binary), so a float bias
     read only by it lowers exactly as a sign threshold (qdsl.patch.consumers)."""
 
+    ragged_groups: bool = False
+    """``group(k)`` need not divide a weight row: the last block of a row is shorter (OCP MX
+    pads it); otherwise the resolver requires k to divide the row (E217)."""
+
     max_export_weight_bits: int | None = None
     """The widest weight of this format the integer graph can hold (None: no limit of the
     format's own); wider weights still fake-quantize, so lint warns instead of resolve failing."""
@@ -310,6 +314,7 @@ class MinifloatFormat(NumberFormat):
 
     family = "minifloat"
     default_observer = "minmax"
+    ragged_groups = True
     fixed_width = True
     signedness = False
 
