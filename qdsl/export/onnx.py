@@ -163,16 +163,17 @@ class _Writer:
         bits = np.asarray(t.data).astype(np.uint8)
         if grid.blocks is not None:
             bits, scale = bits.reshape(bits.shape[0], -1), grid.blocks
-        self.inits.append(self.h.make_tensor(name, tp, list(bits.shape), bits.tobytes(), raw=True))
+        init = self.name(name)  # unique: a layer lowered for two consumers writes its weight twice
+        self.inits.append(self.h.make_tensor(init, tp, list(bits.shape), bits.tobytes(), raw=True))
         scale = np.asarray(scale, dtype=np.float32)
         s = self.const(name + "_scale", scale)
         z = self.name(name + "_zp")
         self.inits.append(self.h.make_tensor(z, tp, list(scale.shape), bytes(scale.size), raw=True))
         self.float8 = max(self.float8, FLOAT8_OPSET)
         if grid.blocks is None:
-            return self.node("DequantizeLinear", [name, s, z], name + "_dq", axis=axis)
+            return self.node("DequantizeLinear", [init, s, z], name + "_dq", axis=axis)
         self.float8 = BLOCK_OPSET
-        y = self.node("DequantizeLinear", [name, s, z], name + "_dq", axis=1, block_size=grid.block_size)
+        y = self.node("DequantizeLinear", [init, s, z], name + "_dq", axis=1, block_size=grid.block_size)
         if len(t.shape) == 2:
             return y
         return self.node("Reshape", [y, self.const(name + "_shape", np.array(t.shape, dtype=np.int64))],
