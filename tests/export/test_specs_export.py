@@ -20,7 +20,8 @@ from qdsl.zoo.models import digits_resnet, mlp
 SPECS = sorted(os.path.basename(p)[: -len(".qspec")] for p in glob.glob("specs/*.qspec"))
 # transformer specs target other models; int8-dynamic's dynamic inputs export for Linear
 # layers only (tests/runtime/test_dynamic_ops.py exports it on an MLP)
-CNN_SPECS = [s for s in SPECS if not s.startswith(("transformer", "int8-dynamic"))]
+# mxfp4: minifloat activations/weights are not in the integer graph yet (E402; #22's integer-graph part)
+CNN_SPECS = [s for s in SPECS if not s.startswith(("transformer", "int8-dynamic", "mxfp"))]
 
 
 @pytest.fixture(scope="module")

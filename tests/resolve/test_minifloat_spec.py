@@ -142,3 +142,26 @@ def test_preset_cannot_take_a_minifloat_name():
     with pytest.raises(SpecError) as exc:
         parse_dsl("version 1\nquantizer fp4_e2m1 = int(bits=4)\n", "p.qspec")
     assert exc.value.codes == ["E107"]
+
+
+def _doc_number(text: str) -> float:
+    text = text.strip().replace("−", "-")
+    return 2.0 ** int(text[2:]) if text.startswith("2^") else float(text)
+
+
+def test_documented_range_tables_match_the_formats():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for doc, cols in (("docs/spec-language.md", (2, 3, 4)), ("README.md", (1, 2, 3))):
+        rows = [line.split("|")[1:-1] for line in (root / doc).read_text().splitlines()
+                if line.startswith("| `fp") and line.count("|") >= 6]
+        seen = set()
+        for row in rows:
+            name = row[0].strip().strip("`")
+            if name not in MINIFLOAT_PRESETS or name in seen:
+                continue
+            seen.add(name)
+            f = MINIFLOAT_PRESETS[name]
+            assert [_doc_number(row[c]) for c in cols] == [f.max_normal, f.min_normal, f.min_subnormal], (doc, name)
+        assert seen == set(MINIFLOAT_PRESETS), doc
