@@ -260,3 +260,24 @@ def test_fp8_residual_net_exports_to_onnx():
           f"max |diff| {rel.max():.2%} of max |y|")
     assert (y.argmax(1) == fq.argmax(1)).all()
     assert (rel <= 1e-4).mean() >= 0.95 and rel.max() <= 0.05
+
+
+def test_mxfp4_spec_weights_on_a_resnet_run_in_the_integer_graph():
+    """specs/mxfp4.qspec's MXFP4 weights (rows of 9·C end in a shorter block) with int8 inputs
+    instead of its fp8 ones: every layer decodes to int8, the C++ runtime equals the
+    reference, and top-1 matches the fake-quant model (folded BN biases are float, rounded
+    to int32 at s_x·s_w: not bit-exact)."""
+    from qdsl.zoo.data import digits
+    from qdsl.zoo.models import digits_resnet
+
+    data = digits()
+    m = digits_resnet(seed=0, width=8).eval()
+    qdsl.apply(m, "specs/mxfp4.qspec", overrides=["input=int(bits=8, signed, symmetric, scale=pot, per_tensor)"])
+    qdsl.calibrate(m, [data[0][:256]])
+    qdsl.freeze(m)
+    x = data[2][:200]
+    g = qdsl.export(m, x[:2])
+    ref = _cpp_equals_reference(g, x.numpy())
+    with torch.no_grad():
+        fq = m(x).numpy()
+    assert (ref.argmax(1) == fq.argmax(1)).mean() >= 0.99
