@@ -163,6 +163,10 @@ class NumberFormat:
         """How lint names a quantizer's codes (``"8-bit signed"``, ``"pot 4-bit"``)."""
         return self.name
 
+    def label(self, bits: int) -> str:
+        """A short name for reprs: ``int8``, ``pot4``; a name that holds its width, as is."""
+        return f"{self.name}{bits}"
+
     def __repr__(self) -> str:
         return f"<number format {self.name}>"
 
@@ -381,6 +385,9 @@ class MinifloatFormat(NumberFormat):
 
     def describe(self, bits, signed, symmetric):
         return f"{self.name} (e{self.exponent}m{self.mantissa})"
+
+    def label(self, bits):
+        return self.name
 
     def __eq__(self, other):
         return isinstance(other, MinifloatFormat) and self._key() == other._key()

@@ -272,3 +272,16 @@ def test_generic_minifloat_uses_the_family_ops():
     y = torch.tensor([1.0, 56.0, 100.0, 2.0 ** -3, 2.0 ** -5])
     got = q._fake(y, torch.tensor(1.0), torch.zeros((), dtype=torch.int32), None)
     assert got.tolist() == [1.0, 56.0, 56.0, 2.0 ** -3, 0.0]  # bias 2: max 56, smallest subnormal 2^(-1-2)
+
+
+@pytest.mark.parametrize("kind", ["fp4_e2m1", "fp8_e4m3"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_mx_equals_ocp_reference_on_generated_blocks(kind, data):
+    fmt = MINIFLOAT_PRESETS[kind]
+    cols = data.draw(st.integers(1, 80))
+    vals = data.draw(st.lists(st.floats(-1e4, 1e4, width=32), min_size=2 * cols, max_size=2 * cols))
+    w = torch.tensor(vals).reshape(2, cols)
+    q = _CACHE.setdefault(("mx", kind), quantizer(kind, scale="pot", gran=group(32)))
+    want = [sum((_ocp_mx_block(row[j:j + 32], fmt)[1] for j in range(0, cols, 32)), []) for row in w.tolist()]
+    assert q(w).tolist() == want
