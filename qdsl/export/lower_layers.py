@@ -27,7 +27,7 @@ from qdsl.quantizers.formats.base import FormatOps, NotExportable
 from qdsl.spec.model import Overflow, Role
 
 __all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints",
-           "wide", "raw", "term_grid"]
+           "decoded_weight", "wide", "raw", "term_grid"]
 
 
 def act_target(proxy, where: str, float8: bool = False) -> Target:
@@ -88,7 +88,7 @@ def weight_ints(patch, where: str, out_axis: int = 0):
         zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
         codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, np.broadcast_to(scale, (c,)).copy())
     except NotExportable as exc:
-        if not wq.group_size and _own_lowering(wq._ops):  # the format's own refusal (pot beyond 4 bits: lint's W320)
+        if not decoded_weight(wq):  # the format's own refusal (pot beyond 4 bits: lint's W320)
             raise ExportError(where, exc.message, exc.hint) from None
         w, _ = patch.float_params()
         got = exact_weight_ints(wq, w, out_axis)
@@ -114,10 +114,12 @@ def _written_at(patch, field: str) -> str:
     return f"the weight's {field} is written at {origin.span.location()} ({origin.label})"
 
 
-def _own_lowering(ops) -> bool:
-    """The format maps its codes to graph constants itself (int, pot, binary, ternary);
-    one that keeps the default refusal (minifloat) lowers only through the exact decode."""
-    return type(ops).lower_weight is not FormatOps.lower_weight
+def decoded_weight(wq) -> bool:
+    """The weight lowers only through the exact decode (qdsl/export/exact_weights.py):
+    group-wise scales, or a format that keeps the default refusal (minifloat) instead of
+    mapping its codes to graph constants itself (int, pot, binary, ternary).  Lint asks the
+    same (qdsl/lint/exact_export.py)."""
+    return bool(wq.group_size) or type(wq._ops).lower_weight is FormatOps.lower_weight
 
 
 def _bias_ints(patch, b, s_acc: np.ndarray, where: str):

@@ -281,3 +281,23 @@ def test_mxfp4_spec_weights_on_a_resnet_run_in_the_integer_graph():
     with torch.no_grad():
         fq = m(x).numpy()
     assert (ref.argmax(1) == fq.argmax(1)).mean() >= 0.99
+
+
+def test_lint_on_the_frozen_model_reports_what_export_refuses(tmp_path):
+    """With a frozen model lint runs export's decode on the actual weights: W320 at the spec's
+    weight line naming layer, format and channel exactly when export refuses."""
+    spec = tmp_path / "m.qspec"
+    x = torch.randn(64, 64)
+    for weight, refused in (("fp8_e4m3(per_channel)", True), ("fp4_e2m1(granularity=group(32), scale=pot)", False)):
+        spec.write_text(_spec(weight))
+        m = _prepared(_mlp(), _spec(weight), x)
+        found = [d for d in qdsl.lint(str(spec), "ocp-mx", m) if d.code == "W320"]
+        try:
+            qdsl.export(m, x[:2])
+            err = None
+        except ExportError as e:
+            err = str(e)
+        assert (err is not None) == refused == bool(found), (weight, err, [d.message for d in found])
+        if refused:
+            assert "cannot export '0'" in err and any(d.message.startswith("'0': fp8_e4m3 weights") for d in found)
+            assert {d.span.line for d in found} == {3} and found[0].span.file == str(spec)
