@@ -6,8 +6,8 @@ per-tensor max-abs scale, BN folded.  Calibrated on 256 training images (seed 0)
 
 * PTQ loses less than 1 point of test accuracy (measured: 100.0 -> 99.555, 2 of 449
   images; NVFP4 weights the same at this seed);
-* a few QAT steps (``qdsl.qat.fit``, 1 epoch on 512 images) lower the quantized model's
-  training loss.
+* a few QAT steps (``qdsl.qat.fit``, 1 epoch at lr 1e-4) lower the quantized model's
+  training loss (measured 0.0073 -> 0.0026) and keep its test accuracy.
 """
 
 from pathlib import Path
@@ -45,7 +45,7 @@ def test_mxfp4_weights_fp8_activations_lose_under_one_point(digits, overrides):
 def test_qat_lowers_the_quantized_training_loss(digits):
     import copy
 
-    model, xtr, ytr, xcal, _, _ = digits
+    model, xtr, ytr, xcal, xte, yte = digits
     model = copy.deepcopy(model)
     qdsl.apply(model, SPEC)
     qdsl.calibrate(model, [xcal])
@@ -53,15 +53,16 @@ def test_qat_lowers_the_quantized_training_loss(digits):
     def loss():
         model.eval()
         with torch.no_grad():
-            return torch.nn.functional.cross_entropy(model(xtr[:512]), ytr[:512]).item()
+            return torch.nn.functional.cross_entropy(model(xtr), ytr).item()
 
-    before = loss()
+    before, ptq = loss(), evaluate(model, xte, yte)
     steps: list[float] = []
-    qdsl.qat.fit(model, xtr[:512], ytr[:512], epochs=1, lr=1e-3, progress=lambda e, s, n, v: steps.append(v))
+    qdsl.qat.fit(model, xtr, ytr, epochs=1, lr=1e-4, progress=lambda e, s, n, v: steps.append(v))
     assert len(steps) >= 8 and all(v == v for v in steps)  # it trained, and no NaN reached the loss
     after = loss()
-    assert after < before, (before, after)
+    assert after < before, (before, after)  # measured 0.0073 -> 0.0026
     qdsl.freeze(model)
+    assert evaluate(model, xte, yte) >= ptq - 0.01  # and the test accuracy holds (measured: equal)
     ints = qdsl.int_tensors(model)["layer1.0.conv1"]
     assert ints.weight.dtype == torch.uint8 and ints.weight_kind == "fp4_e2m1"
     assert tuple(ints.weight_scale.shape) == (16, 5)  # 144 = 4 blocks of 32 + one of 16
