@@ -241,6 +241,9 @@ class Builder:
         """Graph output names: other tensors avoid them, the output that asks gets it exactly."""
         self.info: dict[str, tuple[Any, Any]] = {}
         """Real-value grid per tensor name: ``(scale, zero point)`` (scalars or per channel)."""
+        self.onnx_float8 = False
+        """The ONNX writer's mode (qdsl/export/float8.py): FP8 weights as float8 bit patterns,
+        FP8 activations as targets with an :class:`~qdsl.export.float8.F8Scale`."""
 
     def q(self, name: str, scale: float, zp: int, qmin: int, qmax: int, dtype: DType, shape) -> QVal:
         """A :class:`QVal`, with its grid recorded in :attr:`info`."""

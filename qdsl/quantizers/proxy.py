@@ -258,7 +258,7 @@ class TensorQuantizer(LazyBuffers):
 
     def extra_repr(self) -> str:
         g = f"axis={self.axis}" if self.axis is not None else (f"group={self.group_size}" if self.group_size else "tensor")
-        return (f"{self.role.value}: {self.format.name}{self.recipe.bits} [{self.qmin}, {self.qmax}] {g} "
+        return (f"{self.role.value}: {self.format.label(self.recipe.bits)} [{self.qmin}, {self.qmax}] {g} "
                 f"scale={self.recipe.scale} frozen={self.frozen}")
 
     # --------------------------------------------------------------- qparams
