@@ -19,7 +19,10 @@ For each quantized Linear/Conv layer in execution order:
    weight proxy (``TensorQuantizer.set_codes``): from then on ``forward``, ``int_repr`` -
    hence ``int_tensors`` and export - use these integers instead of rounding.  Otherwise
    the layer keeps nearest rounding.  Either way a
-   :class:`~qdsl.ptq.report.LayerDecision` (``step="gptq"``) records it.
+   :class:`~qdsl.ptq.report.LayerDecision` (``step="gptq"``) records it;
+5. a kept layer with at most ``FLOAT64_MAX_D`` inputs is then refitted on all batches (fit
+   and held-back: a quarter more data; the check above judged the fit-only codes).  Wider
+   layers keep their fit-only codes: the refit would need a second ``d × d`` matrix.
 
 Without held-back data (a single batch that cannot be split) or with ``heldback=False``,
 GPTQ fits on all batches and is kept unchecked (the decision's note says so).
@@ -39,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.handle import State, get_handle
-from qdsl.ptq.gptq import HessianAccumulator, gptq_codes
+from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes
 from qdsl.ptq.layers import capture, require_batches, run_batches, weighted_layers
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.quantizers.functional import dequantize_affine
@@ -135,7 +138,12 @@ def learn_rounding(
             nearest = wq.int_repr(w).to(torch.int64)
             w = w.detach().float()
             target = w + wq.offset if wq.offset.numel() else w  # what the proxy rounds
-            codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, act_order=act_order, damp=damp, block=block)
+            gptq = lambda a: gptq_codes(target, a, scale, zp, wq.qmin, wq.qmax,  # noqa: E731
+                                        act_order=act_order, damp=damp, block=block)
+            # refit on all batches once the check passed, where a second Hessian is cheap
+            refit = bool(held_x) and acc.h.shape[-1] <= FLOAT64_MAX_D
+            fit_sum, fit_n = (acc.h.clone(), acc.n) if refit else (None, 0)
+            codes = gptq(acc)
             kept, before, after, note = True, math.nan, math.nan, ""
             if held_x:
                 deq = lambda q: dequantize_affine(q, scale, zp, wq.axis, wq.group_size)  # noqa: E731
@@ -144,6 +152,12 @@ def learn_rounding(
                 kept = after < before
             else:
                 note = "no held-back data: kept unchecked" if heldback else "held-back check off"
+            if kept and refit:
+                acc.h, acc.n = fit_sum, fit_n
+                for x in held_x:
+                    acc.add(module, x)
+                codes = gptq(acc)
+                note = "refit on all batches"
             result.report.add(LayerDecision(fqn, "gptq", kept, before, after, note))
             if kept:
                 wq.set_codes(codes)
