@@ -244,8 +244,8 @@ def gptq_codes(
     if c_out % groups or w_all.shape[1] != d:
         raise QdslError(f"weight {tuple(weight.shape)} does not match a Hessian of shape {tuple(h_all.shape)}")
     dtype = h_all.dtype if h_all.dtype in (torch.float32, torch.float64) else torch.float32
-    # the proxy rounds x · reciprocal(s) in float32: the same multiplier here, so a layer
-    # whose inputs are uncorrelated gets exactly nearest rounding
+    # the proxy rounds x · reciprocal(s) (float32): the same multiplier here, so in float32
+    # a layer whose inputs are uncorrelated gets exactly its nearest rounding
     s_all, z_all = _per_row(scale, c_out, torch.float32), _per_row(zero_point, c_out, torch.float32)
     inv_all = reciprocal(s_all)
     n_scale_groups = s_all.shape[1]
@@ -358,21 +358,17 @@ def _sweep(w, chol, order, s, inv, z, group_size, qmin, qmax, block):
     col_group = order // group_size
     st, it, zt = s.T.contiguous(), inv.T.contiguous(), z.T.contiguous()  # [G, C]
     diag = torch.diagonal(chol)
-    f32 = dtype == torch.float32
     for b in range(d, 0, -block):
         a = max(0, b - block)
         acc = chol[b:, a:b].T @ delta[b:] if b < d else torch.zeros(b - a, c, dtype=dtype)
         acc /= diag[a:b, None]
         lblk = chol[a:b, a:b] / diag[a:b]  # row j: the update to columns a..a+j-1, pre-divided
         gcols = col_group[a:b]
-        sb, ib, zb = st[gcols].to(dtype), it[gcols], zt[gcols].to(dtype)
+        sb, ib, zb = st[gcols].to(dtype), it[gcols].to(dtype), zt[gcols].to(dtype)
         for j in range(b - a - 1, -1, -1):
             r = a + j
             target = acc[j].add_(wt[r])
-            # the float32 product x · reciprocal(s), as in the proxy's rounding
-            qc = (target if f32 else target.to(torch.float32)).mul(ib[j]).round_()
-            qc = qc.to(dtype).add_(zb[j]).clamp_(qmin, qmax)
-            codes[r] = qc
+            qc = torch.mul(target, ib[j], out=codes[r]).round_().add_(zb[j]).clamp_(qmin, qmax)
             err = torch.sub(wt[r], (qc - zb[j]).mul_(sb[j]), out=delta[r])
             if j:
                 acc[:j].addr_(lblk[j, :j], err)
