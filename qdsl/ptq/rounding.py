@@ -19,10 +19,10 @@ For each quantized Linear/Conv layer in execution order:
    weight proxy (``TensorQuantizer.set_codes``): from then on ``forward``, ``int_repr`` -
    hence ``int_tensors`` and export - use these integers instead of rounding.  Otherwise
    the layer keeps nearest rounding.  Either way a
-   :class:`~qdsl.ptq.report.LayerDecision` (``step="gptq"``) records it.  The codes kept
-   are the ones checked (no refit on all batches: it would cost a second factorisation
-   and, on wide layers, a second ``d × d`` matrix; measured on the digits models it
-   changed accuracy by less than the spread over calibration seeds).
+   :class:`~qdsl.ptq.report.LayerDecision` (``step="gptq"``) records it;
+5. a kept layer with at most ``FLOAT64_MAX_D`` inputs is then refitted on all batches (a
+   third more data than the fit alone; the check judged the fit-only codes).  Wider
+   layers keep the fit-only codes: the refit would need a second ``d × d`` matrix.
 
 Without held-back data (a single batch that cannot be split) or with ``heldback=False``,
 GPTQ fits on all batches and is kept unchecked (the decision's note says so).
@@ -104,13 +104,15 @@ def learn_rounding(
     damp: float = 0.01,
     block: int = 128,
     heldback: bool = True,
+    refit: bool = True,
     report: PtqReport | None = None,
 ) -> RoundingResult:
     """Learn the weight rounding of every quantized Linear/Conv layer of a calibrated
     patched model; returns ``{fqn: fraction of codes that differ from nearest rounding}``
     (a :class:`RoundingResult`; its ``.report`` holds the per-layer decisions, appended to
     ``report`` when one is given).  ``heldback=False``: fit on every batch and keep GPTQ
-    on every layer without checking."""
+    on every layer without checking.  ``refit=False``: keep the fit-only codes the check
+    judged (see the module docstring)."""
     if method not in LEARNED_ROUNDINGS:
         raise QdslError(f"unknown learned rounding '{method}'; implemented: {', '.join(LEARNED_ROUNDINGS)}")
     batches = require_batches(batches, "learned rounding")
@@ -132,7 +134,7 @@ def learn_rounding(
         for fqn, patch in group:
             if accs[fqn].h is not None:
                 _round_layer(fqn, patch, accs[fqn], held_x[fqn], result, heldback,
-                             dict(act_order=act_order, damp=damp, block=block))
+                             dict(act_order=act_order, damp=damp, block=block, refit=refit))
     return result
 
 
@@ -184,6 +186,8 @@ def _round_layer(fqn, patch, acc, held_x, result, heldback, options) -> None:
         nearest = wq.int_repr(w).to(torch.int64)
         w = w.detach().float()
         target = w + wq.offset if wq.offset.numel() else w  # what the proxy rounds
+        refit = options.pop("refit") and bool(held_x) and acc.h.shape[-1] <= FLOAT64_MAX_D
+        fit_sum, fit_n = (acc.h.clone(), acc.n) if refit else (None, 0)
         codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, **options)
         kept, before, after, note = True, math.nan, math.nan, ""
         if held_x:
@@ -193,6 +197,12 @@ def _round_layer(fqn, patch, acc, held_x, result, heldback, options) -> None:
             kept = after < before
         else:
             note = "no held-back data: kept unchecked" if heldback else "held-back check off"
+        if kept and refit:
+            acc.h, acc.n = fit_sum, fit_n
+            for x in held_x:
+                acc.add(module, x)
+            codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, **options)
+            note = "refit on all batches"
         result.report.add(LayerDecision(fqn, "gptq", kept, before, after, note))
         if kept:
             wq.set_codes(codes)
