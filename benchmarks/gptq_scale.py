@@ -15,7 +15,8 @@ Variants:
                activations), 32 calibration sentences; also prints the cosine of the
                mean-pooled embeddings to fp32 with and without GPTQ on 64 other sentences.
 
-Times are wall seconds of the step alone (model/data set-up excluded), peak RSS is the
+Times are wall and CPU seconds of the step alone (model/data set-up excluded; on a loaded
+machine the CPU time is the steadier figure), peak RSS is the
 child's ``ru_maxrss`` (MB, whole process: torch and the data included; ``base`` is the
 RSS before the step).  Asserts nothing.  ``--rounds`` repeats the new variants in turn
 and prints medians; the old conv variant runs once (minutes, GBs) and only with ``--old``.
@@ -72,18 +73,19 @@ def _child_conv_layer(args) -> dict:
     w = conv.weight.detach()
     s = w.reshape(w.shape[0], -1).abs().amax(1) / 3
     base = _rss_mb()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     acc = gptq.HessianAccumulator()
     for x in batches:
         acc.add(conv, x)
     t_h = time.perf_counter() - t
     h = acc if args.variant == "new" else acc.value()
     codes = gptq.gptq_codes(w, h, s, torch.zeros_like(s), -4, 3)
-    total = time.perf_counter() - t
+    total, cpu = time.perf_counter() - t, time.process_time() - c
     cols = gptq.unfold_inputs(conv, unseen)[0]
-    err = lambda q: float(((w.reshape(len(s), -1) - q.reshape(len(s), -1) * s[:, None]) @ cols).pow(2).mean())  # noqa: E731
+    rows = w.reshape(len(s), -1)
+    err = lambda q: float(((rows - q.reshape(len(s), -1) * s[:, None]) @ cols).pow(2).mean())  # noqa: E731
     rtn = torch.clamp(torch.round(w / s.reshape(-1, 1, 1, 1)), -4, 3)
-    return {"time_s": total, "hessian_s": t_h, "base_mb": base, "peak_mb": _rss_mb(),
+    return {"time_s": total, "cpu_s": cpu, "hessian_s": t_h, "base_mb": base, "peak_mb": _rss_mb(),
             "unseen_err_vs_nearest": err(codes) / err(rtn)}
 
 
@@ -102,10 +104,10 @@ def _timed_rounding(model, batches) -> tuple[float, float, object]:
     from qdsl.ptq.layers import scales_fixed
 
     base = _rss_mb()
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     with scales_fixed(model):  # as qdsl.calibrate's finish_calibration runs it
         out = learn_rounding(model, batches)
-    return time.perf_counter() - t, base, out
+    return (time.perf_counter() - t, time.process_time() - c), base, out
 
 
 def _child_conv_model(args) -> dict:
@@ -115,9 +117,9 @@ def _child_conv_model(args) -> dict:
     model = __import__("torch").nn.Sequential(conv)
     qdsl.apply(model, _w3_spec(False))
     qdsl.calibrate(model, batches[:1], progress=False)
-    sec, base, out = _timed_rounding(model, batches)
+    (sec, cpu), base, out = _timed_rounding(model, batches)
     kept = [d.kept for d in out.report]
-    return {"time_s": sec, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}"}
+    return {"time_s": sec, "cpu_s": cpu, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}"}
 
 
 def _child_minilm(args) -> dict:
@@ -143,11 +145,11 @@ def _child_minilm(args) -> dict:
     qdsl.apply(model, _w3_spec(False))
     qdsl.calibrate(model, calib, progress=False)
     plain = embed()
-    sec, base, out = _timed_rounding(model, calib)
+    (sec, cpu), base, out = _timed_rounding(model, calib)
     gptq = embed()
     cos = lambda a: float(torch.nn.functional.cosine_similarity(a.double(), ref.double(), dim=-1).mean())  # noqa: E731
     kept = [d.kept for d in out.report]
-    return {"time_s": sec, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}",
+    return {"time_s": sec, "cpu_s": cpu, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}",
             "cos_plain": cos(plain), "cos_gptq": cos(gptq)}
 
 
@@ -168,8 +170,9 @@ def _fmt(r: dict) -> str:
     if "error" in r:
         return f"error: {r['error']}"
     extra = "  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
-                      if k not in ("time_s", "base_mb", "peak_mb"))
-    return f"{r['time_s']:7.2f} s  peak {r['peak_mb']:6.0f} MB (base {r['base_mb']:4.0f})  {extra}"
+                      if k not in ("time_s", "cpu_s", "base_mb", "peak_mb"))
+    return (f"wall {r['time_s']:7.2f} s  cpu {r['cpu_s']:7.2f} s  peak {r['peak_mb']:6.0f} MB "
+            f"(base {r['base_mb']:4.0f})  {extra}")
 
 
 def main(argv=None) -> None:
@@ -193,18 +196,23 @@ def main(argv=None) -> None:
     from _timing import load_average
 
     print(f"load average before: {load_average()}")
+    print(f"conv: Conv2d(128, {args.cout}, (64, 1)), d = 8192, 4104 calibration positions; 1 thread")
     kinds = [("conv-layer", "new"), ("conv-model", "new")] + ([] if args.no_minilm else [("minilm", "new")])
     results: dict[tuple[str, str], list[dict]] = {k: [] for k in kinds}
-    for _ in range(args.rounds):
-        for k in kinds:
-            results[k].append(_run_child(*k, args))
+    for i in range(args.rounds):
+        for kind, variant in kinds:
+            r = _run_child(kind, variant, args)
+            results[(kind, variant)].append(r)
+            print(f"  round {i + 1}: {kind:<11} {variant:<12} {_fmt(r)}", flush=True)
     if args.old:
-        results[("conv-layer", f"old@{args.old_ref}")] = [_run_child("conv-layer", "old", args)]
-    print(f"conv: Conv2d(128, {args.cout}, (64, 1)), d = 8192, 4104 calibration positions; 1 thread")
+        r = _run_child("conv-layer", "old", args)
+        results[("conv-layer", f"old@{args.old_ref}")] = [r]
+        print(f"  {'conv-layer':<11} {'old@' + args.old_ref:<12} {_fmt(r)}", flush=True)
+    print("medians (by wall time):")
     for (kind, variant), runs in results.items():
         ok = [r for r in runs if "error" not in r]
-        best = sorted(ok, key=lambda r: r["time_s"])[len(ok) // 2] if ok else runs[0]
-        print(f"{kind:<11} {variant:<12} {_fmt(best)}" + (f"  (median of {len(ok)})" if len(ok) > 1 else ""))
+        mid = sorted(ok, key=lambda r: r["time_s"])[len(ok) // 2] if ok else runs[0]
+        print(f"{kind:<11} {variant:<12} {_fmt(mid)}" + (f"  (median of {len(ok)})" if len(ok) > 1 else ""))
     print(f"load average after: {load_average()}")
 
 
