@@ -289,10 +289,14 @@ def _factor(h: torch.Tensor, damp: float, act_order: bool, block: int):
 
 
 def _permute_symmetric_(a: torch.Tensor, order: torch.Tensor, block: int) -> None:
-    """``a[:] = a[order][:, order]`` without a second ``d × d`` matrix: columns permuted a
-    chunk of rows at a time, rows moved along the permutation's cycles."""
+    """``a[:] = a[order][:, order]``, above ``FLOAT64_MAX_D`` without a second ``d × d``
+    matrix: columns permuted a chunk of rows at a time, rows moved along the permutation's
+    cycles."""
     d = a.shape[0]
     if torch.equal(order, torch.arange(d)):
+        return
+    if d <= FLOAT64_MAX_D:  # small: a temporary copy costs less than walking the cycles in Python
+        a.copy_(a[order[:, None], order[None, :]])
         return
     step = max(1, _CHUNK_ELEMENTS // (4 * d))
     for r in range(0, d, step):
@@ -365,11 +369,13 @@ def _sweep(w, chol, order, s, inv, z, group_size, qmin, qmax, block):
         lblk = chol[a:b, a:b] / diag[a:b]  # row j: the update to columns a..a+j-1, pre-divided
         gcols = col_group[a:b]
         sb, ib, zb = st[gcols].to(dtype), it[gcols].to(dtype), zt[gcols].to(dtype)
+        wb = wt[a:b]
+        off = wb + zb * sb  # Δ = w - (q - z)·s = off - q·s
         for j in range(b - a - 1, -1, -1):
             r = a + j
-            target = acc[j].add_(wt[r])
+            target = acc[j].add_(wb[j])
             qc = torch.mul(target, ib[j], out=codes[r]).round_().add_(zb[j]).clamp_(qmin, qmax)
-            err = torch.sub(wt[r], (qc - zb[j]).mul_(sb[j]), out=delta[r])
+            err = torch.addcmul(off[j], qc, sb[j], value=-1, out=delta[r])
             if j:
                 acc[:j].addr_(lblk[j, :j], err)
     out = torch.empty(c, d, dtype=torch.int64)

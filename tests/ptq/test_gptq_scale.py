@@ -162,6 +162,18 @@ def test_hessian_is_streamed_in_chunks(monkeypatch):
     assert input_hessian(nn.Linear(7, 2), [torch.randn(4, 7)]).dtype == torch.float32
 
 
+def test_in_place_symmetric_permutation(monkeypatch):
+    g = torch.Generator().manual_seed(10)
+    a = torch.randn(40, 40, generator=g)
+    h = a @ a.T
+    order = torch.randperm(40, generator=g)
+    for limit in (2048, 0):  # the copy (small matrices) and the cycle walk (wide ones)
+        monkeypatch.setattr(G, "FLOAT64_MAX_D", limit)
+        m = h.clone()
+        G._permute_symmetric_(m, order, 8)
+        assert torch.equal(m, h[order][:, order])
+
+
 def test_dead_inputs_keep_nearest_rounding_and_indefinite_hessians_get_more_damping():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(200, 10, generator=g)
