@@ -84,7 +84,8 @@ def main(argv=None) -> int:
             "torch.ao FakeQuantize (HistogramObserver, per-channel minmax)":
                 [torchao_ptq(model, b, xcal, xte, yte) for b in bits],
             "qdsl (range search + bias correction)":
-                [ptq_metric(model, SPEC, xcal, xte, yte, overrides=[f"weight.bits={b}", f"input.bits={b}"])
+                [ptq_metric(model, SPEC, xcal, xte, yte,
+                            overrides=[f"weight.bits={b}", f"input.bits={b}", "learned_rounding=none"])
                  for b in bits],
             "qdsl (+ GPTQ learned rounding)":
                 [ptq_metric(model, SPEC, xcal, xte, yte,

@@ -413,6 +413,14 @@ DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path) {
   return nullptr;
 }
 
+StageAddRowsKernel SelectStageAddRowsKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::StageAddRowsAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 DwFillKernel SelectDwFillKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2) return x86::DwFillPlaneAvx2;

@@ -13,7 +13,8 @@
 
 namespace qdsl {
 
-struct StageF32;  // requant/stage_f32.h
+struct StageF32;     // requant/stage_f32.h
+struct StageAddF32;  // requant/stage_add_f32.h
 
 uint32_t CompiledPaths();
 uint32_t CpuPaths();
@@ -174,6 +175,14 @@ using DwNhwcStageKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_
                                    const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out,
                                    int64_t ldo, bool out_signed);
 DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path);
+// A conv's int32 stage and the residual ADD it feeds, prepared as s (requant/stage_add_f32.h):
+// acc [rows][cols] (stride lda) of channels c0.., the ADD's other input at other (8-bit
+// codes or int32 values as s says; stride ldo elements), its output codes to y (stride ldy).
+// nullptr below AVX2.
+using StageAddRowsKernel = void (*)(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda,
+                                    const StageAddF32& s, int64_t c0, const uint8_t* other, int64_t ldo, uint8_t* y,
+                                    int64_t ldy);
+StageAddRowsKernel SelectStageAddRowsKernel(uint32_t path);
 // The interior of a depthwise conv's zero-padded int16 plane: rows [ph, min(rows, ph + H))
 // hold input row r - ph minus zp at columns [pw, pw + W) (I8 codes when x_signed, else U8);
 // may also zero up to 16 columns past pw + W (ldp >= pw + W + 16).  nullptr: no vector kernel.

@@ -40,7 +40,7 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
   if (which == 2) {
     const qdsl::GraphOp& op = g->ops[index];
     info[0] = op.opcode;
-    info[1] = 0;
+    info[1] = 0;  // int conv/linear: 1 when its int32 stage and a fused ADD run as one estimate
     const qdsl::GraphTensor& x = g->tensors[op.inputs[0]];
     info[2] = x.value_min;
     info[3] = x.value_max;
@@ -50,6 +50,7 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     info[4] = int_gemm && cp->int32_exact ? cp->maddubs_steps : -1;
     info[5] = int_gemm ? (cp->fast_acc ? 1 : 0) : -1;  // (binary ops: not tracked)
     info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : 1) : 0) : -1;  // 2: the int16 kernel kind
+    if (int_gemm) info[1] = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok ? 1 : 0;
     // the output stage prepared for the kernel's registers (StageF32: igemm or NHWC depthwise)
     info[9] = int_gemm ? ((cp->igemm && cp->ig_stage.ok) || (cp->dw_nhwc && cp->dwn_stage.ok) ? 1 : 0) : -1;
     // the output's layout in the last run (Graph::nhwc; NCHW before any run)

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <string>
 
+#include "runtime/ops/add.h"
 #include "runtime/ops/conv.h"
 #include "runtime/ops/op.h"
 
@@ -46,6 +47,14 @@ void FuseResidualAdds(Graph* g) {
     ConvParams& p = *AsConv(g->ops[producer[add.inputs[best]]]);
     p.fused_add = static_cast<int32_t>(bi);
     p.fused_slot = best;
+    // the implicit-GEMM conv's epilogue: its int32 stage and the ADD as one estimate
+    const int other_dtype = g->tensors[add.inputs[1 - best]].dtype, y_dtype = g->tensors[add.outputs[0]].dtype;
+    if (p.igemm && (other_dtype == kU8 || other_dtype == kI8 || other_dtype == kI32) &&
+        (y_dtype == kU8 || y_dtype == kI8)) {
+      const AddParams& ap = ParamsOf<AddParams>(add);
+      PrepareStageAddF32(p.out.stage, p.cout, p.ig_panels * 16, ap.in[best].stage, ap.in[1 - best].stage, ap.pre_shift,
+                         ap.out.stage, other_dtype == kI8, other_dtype == kI32, y_dtype == kI8, &p.ig_add);
+    }
   }
 }
 

@@ -66,6 +66,7 @@ from qdsl.patch.implied import analyse_operands
 from qdsl.patch.recurrent import is_recurrent
 from qdsl.export.trace_errors import trace_failure
 from qdsl.patch.trace import MarkingTracer, quantizer_mark, trace_graph, trace_model
+from qdsl.spec.model import Role
 
 __all__ = ["export", "trace_quantized"]
 
@@ -174,7 +175,12 @@ class _Lowerer:
         proxy = self.handle.quantizer(fqn, role)
         if proxy.dynamic:  # a Linear's run-time quantized input (lower_dynamic.py)
             return dynamic_input(self, value, fqn, role, proxy, self.modules.get(fqn))
-        t = act_target(proxy, f"{fqn or '<model>'}:{role}")
+        if proxy.scale.numel() > 1:  # a per-channel input/output: say which spec line asked for it
+            raise ExportError(f"{fqn or '<model>'}:{role}",
+                              "per-channel activation scales have no integer lowering"
+                              + _granularity_source(self.handle, fqn, role),
+                              "use `granularity = tensor` for activations (per-channel ones are a fake-quant option)")
+        t = act_target(proxy, f"{fqn or '<model>'}:{role}", float8=self.b.onnx_float8)
         if isinstance(value, ConstVal):  # a constant stays one: its fake-quant value
             with torch.no_grad():
                 return ConstVal(value.origin, proxy(value.value))
@@ -461,7 +467,7 @@ REQUANT_MODES = ("gemmlowp", "single")
 
 
 def export(model: nn.Module, example_input: Any, *, name: str | None = None, requant: str = "single",
-           with_info: bool = False):
+           with_info: bool = False, onnx_float8: bool = False):
     """Lower the frozen patched ``model`` (see module doc) and mark it EXPORTED.
 
     ``requant`` picks the form of non-power-of-two requantization: ``"single"`` (the
@@ -473,7 +479,10 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
     to 3 LSB, because the two roundings flip a code in a few hundred per layer and that
     compounds; see docs/qgraph.md §4.1 and §6). ``with_info`` also
     returns ``{tensor name: (scale, zero point)}``, the real-value grid of every integer
-    tensor (the ONNX exporter builds its QDQ graph from it).
+    tensor (the ONNX exporter builds its QDQ graph from it). ``onnx_float8`` (the ONNX
+    exporter's, with ``with_info``) keeps FP8 weights as float8 bit patterns with a
+    ``Float8Grid`` and lowers FP8 activations onto placeholder int8 codes whose grid scale is
+    an ``F8Scale`` (qdsl/export/float8.py): the graph is then for the ONNX writer only.
     """
     if requant not in REQUANT_MODES:
         raise ExportError("", f"unknown requant mode {requant!r}", f"choose one of {', '.join(REQUANT_MODES)}")
@@ -499,6 +508,7 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
         with torch.no_grad():  # the graph's targets are the model's own submodules (as a GraphModule's would be)
             _ShapeRecorder(model, graph=graph_fx).run(*values)
         lowerer = _Lowerer(model, handle, graph_fx, requant == "single", call)
+        lowerer.b.onnx_float8 = onnx_float8
         graph = lowerer.run(name or type(model).__name__)
     finally:
         for m, mode in modes.items():
@@ -508,3 +518,17 @@ def export(model: nn.Module, example_input: Any, *, name: str | None = None, req
         return graph, lowerer.b.info
     return graph
 
+
+def _granularity_source(handle, fqn: str, role: str) -> str:
+    """``"; granularity channel(1) set by defaults (m.qspec:5:3)"``, or "" when the plan
+    does not say (an implied quantizer)."""
+    try:
+        prov = handle.plan.layer(fqn).provenance.get((Role(role), "granularity"))
+    except (KeyError, ValueError):
+        return ""
+    if prov is None:
+        return ""
+    text = f"; granularity {prov.value} set by {prov.set_by}"
+    if prov.via:
+        text += " via " + " > ".join(str(v) for v in prov.via)
+    return text

@@ -42,7 +42,7 @@ from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 
 __all__ = ["View", "SeqFirst", "MatmulPending", "MaskInput", "permute_value", "matmul_pending", "scale_pending",
-           "softmax_pending", "layernorm_pending", "softmax_table"]
+           "softmax_pending", "layernorm_pending", "softmax_table", "wide_sum_grid"]
 
 
 @attrs.frozen
@@ -230,25 +230,54 @@ def _pow2_floor(v: float) -> float:
     return math.ldexp(1.0, math.frexp(v)[1] - 1)
 
 
-OFFSET_FRACTION_BITS = 8
-"""Bits below the 8-bit grid of a LayerNorm's ``base + constant`` input kept by its wide grid."""
+WIDE_SUM_BITS = 30
+"""A wide sum's worst case stays below ``2^WIDE_SUM_BITS`` grid steps (int32, with headroom)."""
 
 
-def _wide_terms(where: str, x: Any) -> tuple[list, float] | None:
+def wide_sum_grid(bound: float, n: int, eps: float) -> float:
+    """The grid of a LayerNorm's wide input: the finest power of two that keeps the sum's worst
+    case ``bound`` below ``2^WIDE_SUM_BITS`` steps (LAYERNORM saturates its sum to int32), and
+    ``eps`` in the op's units (``N³·eps/s²``) below ``2^60``.
+
+    Fine on purpose: each term of the sum is rounded onto this grid, and the fake-quant model
+    normalizes the float sum (qdsl.patch.int_sim, on a grid at least as fine); a grid at an
+    accumulator's unit (what an ADD's int8 result needs) rounds away bits the LayerNorm keeps
+    (24 of ``N·(x - mean)``), and the two roundings then start 8-bit code differences that the
+    attention's softmax amplifies from block to block (docs/qgraph.md §6)."""
+    # frexp: bound / 2^WIDE_SUM_BITS = m·2^e with m in [0.5, 1), so 2^e is the finest power of
+    # two above it
+    s = math.ldexp(1.0, math.frexp(max(bound, 1e-30) / 2**WIDE_SUM_BITS)[1])
+    while n**3 * eps / (s * s) >= 2**60:
+        s *= 2
+    return s
+
+
+def _term_bound(v: Any) -> float | None:
+    """The largest ``|real value|`` of one term of a wide sum, or None when not known."""
+    if wide_scale(v) is not None:
+        return getattr(v, "bound", None)
+    if isinstance(v, QVal):
+        return max(abs(v.qmin - v.zp), abs(v.qmax - v.zp)) * v.scale
+    if isinstance(v, Pending):
+        return v.bound
+    return float(np.abs(v).max(initial=0))  # a constant
+
+
+def _wide_terms(where: str, x: Any, n: int, eps: float) -> tuple[list, float] | None:
     """The terms of a LayerNorm input read wide (a residual sum of a layer accumulator and a
     quantized value or a LayerNorm's wide output, or a quantized value plus a constant) and
-    their common grid ``s_t``, or ``None`` for another value."""
+    their common grid ``s_t`` (:func:`wide_sum_grid`; a sum with a term of unknown bound: the
+    finest accumulator or 8-bit grid's, lower_layers.term_grid), or ``None`` for another value."""
     if isinstance(x, AddPending) and not x.post and x.lo == -math.inf and x.hi == math.inf:
         terms = list(x.args)
+    elif isinstance(x, OffsetVal):
+        terms = [x.base, x.const.detach().double().numpy()]
+    else:
+        return None
+    bounds = [_term_bound(v) for v in terms]
+    if any(b is None for b in bounds):
         return terms, term_grid(terms)
-    if isinstance(x, OffsetVal):
-        base, const = x.base, x.const.detach().double().numpy()
-        bound = max(abs(base.qmin - base.zp), abs(base.qmax - base.zp)) * base.scale + float(np.abs(const).max(initial=0))
-        s_t = _pow2_floor(base.scale) / 2**OFFSET_FRACTION_BITS
-        while bound / s_t >= 2**30:
-            s_t *= 2
-        return [base, const], s_t
-    return None
+    return terms, wide_sum_grid(sum(bounds), n, eps)
 
 
 def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weight, bias, eps: float,
@@ -261,7 +290,7 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
     if len(normalized_shape) != 1:
         raise ExportError(where, f"LayerNorm over {len(normalized_shape)} dims has no integer lowering (the last only)")
     n = int(normalized_shape[0])
-    wide = _wide_terms(where, x)
+    wide = _wide_terms(where, x, n, eps)
     if wide is None:
         v = _need_int8(where, "LayerNorm", x)
         terms, s_in = [v], v.scale
@@ -338,5 +367,7 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
                  **rescale.attrs(), out_zp=out_zp, out_min=out_min, out_max=out_max)
         return bld.op(OpType.LAYERNORM, where, names, t.dtype, shape, a, out=f"{where}:layernorm"), shape
 
-    result = WidePending("layernorm", where, shape, emit, unit=unit, wide_out=wide_out)  # emit reads it
+    # |z| <= 2^16 (+ rounding): |N·(x - mean)| is at most the row's root sum of squares
+    bound = float(((2**16 + 2) * np.abs(g_int).max(initial=0) + np.abs(b_int).max(initial=0)) * unit)
+    result = WidePending("layernorm", where, shape, emit, unit=unit, wide_out=wide_out, bound=bound)  # emit reads it
     return result

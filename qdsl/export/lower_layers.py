@@ -19,17 +19,21 @@ from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
+from qdsl.export.exact_weights import NotExact, exact_weight_ints
+from qdsl.export.float8 import float8_target, float8_weight, onnx_float8_type
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
-from qdsl.quantizers.formats.base import NotExportable
-from qdsl.spec.model import Overflow
+from qdsl.quantizers.formats.base import FormatOps, NotExportable
+from qdsl.spec.model import Overflow, Role
 
 __all__ = ["act_target", "layer_pending", "add_pending", "AddPending", "pool_pending", "concat_value", "weight_ints",
-           "wide", "raw", "term_grid"]
+           "decoded_weight", "wide", "raw", "term_grid"]
 
 
-def act_target(proxy, where: str) -> Target:
-    """The frozen per-tensor activation quantizer ``proxy`` as a :class:`Target`."""
+def act_target(proxy, where: str, float8: bool = False) -> Target:
+    """The frozen per-tensor activation quantizer ``proxy`` as a :class:`Target`; with
+    ``float8`` (the ONNX writer's mode) an FP8 quantizer is a placeholder int8 target whose
+    scale is an :class:`F8Scale` (qdsl/export/float8.py)."""
     if proxy.dynamic:
         raise ExportError(where, "a dynamic quantizer has no static target (only a Linear's input lowers, to "
                                  "QUANTIZE_DYNAMIC + LINEAR_DYNAMIC: qdsl/export/lower_dynamic.py)",
@@ -47,6 +51,11 @@ def act_target(proxy, where: str) -> Target:
     lowering = proxy.format.activation_lowering(proxy.recipe.signed)
     if lowering == "bin":
         return Target(scale, 0, -1, 1, DType.BIN, rounding, where)
+    if lowering is None and float8 and onnx_float8_type(proxy.format):
+        if rounding is not Rounding.HALF_EVEN:
+            raise ExportError(where, f"ONNX QuantizeLinear rounds to nearest even; this {proxy.format.name} "
+                                     f"quantizer rounds '{proxy.recipe.rounding}'", "use rounding = half_even")
+        return float8_target(scale, proxy.format, where)
     if lowering != "int":
         raise ExportError(where, f"{proxy.format.name} activations have no integer lowering", "use int or signed binary")
     if proxy.recipe.bits > 8:
@@ -63,21 +72,54 @@ def weight_ints(patch, where: str, out_axis: int = 0):
     wq = patch.wq
     if not wq.frozen:
         raise ExportError(where, "the weight quantizer is not frozen", "call qdsl.freeze(model)")
-    if wq.group_size or wq.axis not in (None, out_axis):
-        raise ExportError(where, "group-wise (or non-output-channel) weight scales have no integer lowering: an "
-                                 "accumulator needs one scale per output channel", "use `granularity = channel`")
+    if wq.axis not in (None, out_axis) or (wq.group_size and out_axis != 0):
+        raise ExportError(where, "non-output-channel weight scales have no integer lowering: an accumulator needs "
+                                 "one scale per output channel", "use `granularity = channel`")
     rec = frozen_layer(patch)  # the codes the fake quantizers use, derived once (qdsl.patch.frozen)
     codes = rec.weight_codes.numpy().astype(np.int64)
     scale = rec.weight_scale.detach().double().reshape(-1).numpy()
     c = codes.shape[out_axis]
-    scale = np.broadcast_to(scale, (c,)).copy()
-    zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
-    # the number format maps its codes to graph constants (pot: onto an integer grid)
+    # the number format maps its codes to graph constants (pot: onto an integer grid); a
+    # format without a mapping (minifloat), and group-wise scales, lower only when the
+    # values are exact integers times one scale per output channel (qdsl/export/exact_weights.py)
     try:
-        codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, scale)
+        if wq.group_size:
+            raise NotExportable("group-wise weight scales have no integer lowering", "use `granularity = channel`")
+        zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (c,)).copy()
+        codes, scale, dtype_name = wq._ops.lower_weight(wq, codes, np.broadcast_to(scale, (c,)).copy())
     except NotExportable as exc:
-        raise ExportError(where, exc.message, exc.hint) from None
+        if not decoded_weight(wq):  # the format's own refusal (pot beyond 4 bits: lint's W320)
+            raise ExportError(where, exc.message, exc.hint) from None
+        w, _ = patch.float_params()
+        got = exact_weight_ints(wq, w, out_axis)
+        if isinstance(got, NotExact):
+            what = f"{wq.format.name} weights" + (f" with group({wq.group_size}) scales" if wq.group_size else "")
+            hints = (exc.hint, "qdsl.export.onnx.export_onnx writes them as FLOAT8"
+                     if onnx_float8_type(wq.format) and not wq.group_size else None,
+                     _written_at(patch, "granularity" if wq.group_size else "kind"))
+            raise ExportError(where, got.message(what), "; ".join(h for h in hints if h) or None) from None
+        codes, scale, dtype_name, zp = got.codes, got.scale, got.dtype, np.zeros(c, dtype=np.int64)
     return codes, DType[dtype_name], scale, zp, rec.bias_float
+
+
+def _written_at(patch, field: str) -> str:
+    """Where the spec writes the weight's ``field`` (``"the weight's kind is written at
+    m.qspec:4:12 (defaults)"``), from the plan's provenance; empty when unknown."""
+    p = getattr(patch.plan, "provenance", {}).get((Role.WEIGHT, field))
+    if p is None:
+        return ""
+    origin = p.via[-1] if p.via else p.set_by
+    if not origin.span.known:
+        return ""
+    return f"the weight's {field} is written at {origin.span.location()} ({origin.label})"
+
+
+def decoded_weight(wq) -> bool:
+    """The weight lowers only through the exact decode (qdsl/export/exact_weights.py):
+    group-wise scales, or a format that keeps the default refusal (minifloat) instead of
+    mapping its codes to graph constants itself (int, pot, binary, ternary).  Lint asks the
+    same (qdsl/lint/exact_export.py)."""
+    return bool(wq.group_size) or type(wq._ops).lower_weight is FormatOps.lower_weight
 
 
 def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
@@ -169,7 +211,14 @@ def _output_padding(m: nn.Module, in_shape, out_shape, where: str) -> tuple[int,
 def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> Pending:
     """A Conv1d/Conv2d/Linear/ConvTranspose1d/ConvTranspose2d on the quantized input ``x``."""
     transposed = _transposed(m)
-    codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn, 1 if transposed else 0)
+    f8 = None
+    if b.onnx_float8:  # ONNX: FP8 weights as float8 (qdsl/export/float8.py), not an int8 decode
+        f8 = float8_weight(patch.wq, patch.float_params()[0], 1 if transposed else 0) if patch.wq.frozen else None
+    if f8 is not None:
+        codes, wdtype, s_w, bias_f = f8.bits, DType.U8, f8.scale, frozen_layer(patch).bias_float
+        w_zp = np.zeros(len(s_w), dtype=np.int64)
+    else:
+        codes, wdtype, s_w, w_zp, bias_f = weight_ints(patch, fqn, 1 if transposed else 0)
     binary = x.dtype is DType.BIN
     if binary and wdtype is not DType.BIN:
         raise ExportError(fqn, "binary activations need binary weights (XNOR-popcount)", "make the weight binary too")
@@ -203,6 +252,8 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
         raise ExportError(fqn, "binary weights cannot have a zero point")
     inputs = [x.name, b.tensor(f"{fqn}.weight", wdtype, codes.shape, codes)]
     b.info[inputs[1]] = (s_w, w_zp)  # real weight = (w - zp[c]) · s_w[c] (ONNX export reads it)
+    if f8 is not None:
+        b.info[inputs[1]] = f8.grid(w_zp)
     if bias is not None:
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
         b.info[inputs[2]] = (s_acc, np.zeros_like(w_zp))
@@ -221,7 +272,14 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
             a.update(_rescale(bld, s_acc / t.scale, t.rounding, fqn).attrs(), out_zp=t.zp, out_min=out_min, out_max=out_max)
         return bld.op(op, fqn, ins, t.dtype, shape, a, out=fqn), shape
 
-    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True)
+    bound = None
+    if not binary and not transposed and wdtype is not DType.BIN:
+        # every input code within its range of the zero point, every product at its largest
+        x_max = max(abs(x.qmin - x.zp), abs(x.qmax - x.zp))
+        w_abs = np.abs(codes.reshape(codes.shape[0], -1).astype(np.int64) - np.asarray(w_zp).reshape(-1, 1))
+        b_abs = np.abs(bias) if bias is not None else 0
+        bound = float(((w_abs.sum(axis=1) * x_max + b_abs) * s_acc).max(initial=0.0))
+    return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True, bound=bound)
 
 
 def wide(b: Builder, p: Pending, where: str, fraction_bits: int = 0) -> QVal:

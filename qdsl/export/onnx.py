@@ -7,6 +7,13 @@ becomes a float ONNX tensor holding its real value ``(q - zp) · scale``:
 
 * weights: ``DequantizeLinear(int8 weights, per-channel scale, zero point)`` (int4/int2 and
   ternary codes are stored widened to int8 - ONNX QDQ has no packed types here);
+* FP8 weights (``fp8_e4m3`` / ``fp8_e5m2`` per tensor or channel): ``DequantizeLinear(FLOAT8E4M3FN /
+  FLOAT8E5M2 weights, scale, float8 zero point)``, opset 19 (qdsl/export/float8.py); with block
+  scales (MXFP8) the same with ``block_size``, opset 21; other
+  minifloat and block-scaled weights (FP6, FP4, MXFP4, NVFP4) have no ONNX type onnxruntime runs
+  (FLOAT4E2M1 / E8M0 block scales are opset 23+, not implemented by its CPU kernels): they are
+  written as int8 when each output channel's values are exactly int8 codes times one scale
+  (qdsl/export/exact_weights.py, the same values), else the export refuses naming the layer;
 * bias: ``DequantizeLinear(int32 bias, s_in · s_w)``;
 * each requantized output: ``Clip`` (fused ReLU / narrow range) then
   ``QuantizeLinear -> DequantizeLinear`` at the output quantizer's scale and zero point;
@@ -36,13 +43,18 @@ from typing import Any
 import numpy as np
 
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, RescaleKind, Rounding
+from qdsl.export.float8 import F8_PLACEHOLDER, F8Scale, Float8Grid
 from qdsl.export.values import ExportError
 
-__all__ = ["export_onnx", "graph_to_onnx", "OPSET", "LN_OPSET"]
+__all__ = ["export_onnx", "graph_to_onnx", "OPSET", "LN_OPSET", "FLOAT8_OPSET", "BLOCK_OPSET"]
 
 OPSET = 13
 LN_OPSET = 17
 """The opset of a graph with LAYERNORM (ONNX LayerNormalization); QDQ's ops are unchanged from 13 to 17."""
+FLOAT8_OPSET = 19
+"""The opset of a model with FP8 weights (DequantizeLinear of FLOAT8E4M3FN / FLOAT8E5M2)."""
+BLOCK_OPSET = 21
+"""The opset of a model with block-scaled FP8 weights (DequantizeLinear's ``block_size``)."""
 
 
 def _onnx():
@@ -63,6 +75,8 @@ class _Writer:
         self.nodes: list = []
         self.inits: list = []
         self.count = 0
+        self.float8 = 0
+        """The opset float8 weights need (19; 21 with block scales), 0 without any."""
         self.dyn: dict[str, tuple[str, str]] = {}
         """QUANTIZE_DYNAMIC codes tensor -> its DynamicQuantizeLinear scale and zero point."""
 
@@ -89,6 +103,8 @@ class _Writer:
         """Clip to ``[out_min, out_max]`` (codes), then QuantizeLinear/DequantizeLinear on ``tensor``'s grid."""
         t = self.graph.tensor(tensor)
         scale, zp = self.grid(tensor)
+        if isinstance(scale, F8Scale):
+            return self.qdq_float8(x, tensor, scale, out_min, out_max)
         if t.dtype is DType.I32:  # wide: the fake-quant model holds it in float; only a ReLU clip
             if out_min is not None and out_min == 0:
                 return self.node("Relu", [x], tensor)
@@ -104,19 +120,64 @@ class _Writer:
         q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
         return self.node("DequantizeLinear", [q, s, z], tensor)
 
+    def qdq_float8(self, x: str, tensor: str, scale: "F8Scale", out_min: int | None, out_max: int | None) -> str:
+        """An FP8 activation: ``QuantizeLinear -> DequantizeLinear`` with a float8 zero point
+        (opset 19: ``x / s`` cast to float8, round to nearest even, saturating).  A fused
+        ReLU is a Relu before it; another clamp has only placeholder codes here: refused."""
+        if out_min is not None and out_min > -F8_PLACEHOLDER:
+            if out_min != 0 or out_max < F8_PLACEHOLDER:
+                raise ExportError(tensor, "a clamp other than ReLU before an FP8 activation has no ONNX form in qdsl",
+                                  "use an int8 quantizer after it, or plain ReLU")
+            x = self.node("Relu", [x], tensor + "_relu")
+        tp = getattr(self.TP, scale.onnx_type)
+        s = self.const(tensor + "_scale", np.float32(scale))
+        z = self.name(tensor + "_zp")
+        self.inits.append(self.h.make_tensor(z, tp, [], bytes(1), raw=True))
+        self.float8 = max(self.float8, FLOAT8_OPSET)
+        q = self.node("QuantizeLinear", [x, s, z], tensor + "_q")
+        return self.node("DequantizeLinear", [q, s, z], tensor)
+
     def weight(self, name: str, axis: int = 0) -> str:
         """``axis``: the output channels' (1 for ConvTranspose, whose per-output-channel
         grid repeats per group: the first group's ``out/groups`` entries are the axis's)."""
         t = self.graph.tensor(name)
-        scale, zp = self.grid(name)
+        grid = self.grid(name)
+        scale, zp = grid
         if axis and np.size(scale) > 1:
             scale, zp = np.asarray(scale)[: t.shape[axis]], np.asarray(zp)[: t.shape[axis]]
+        if isinstance(grid, Float8Grid):
+            return self.float8_weight(name, t, scale, grid, axis)
         signed = t.dtype not in (DType.U8, DType.U4, DType.U2)
         dtype = np.int8 if signed else np.uint8
         q = self.const(name, t.data.astype(dtype))
         s = self.const(name + "_scale", np.asarray(scale, dtype=np.float32))
         z = self.const(name + "_zp", np.asarray(zp).astype(dtype))
         return self.node("DequantizeLinear", [q, s, z], name + "_dq", axis=axis)
+
+    def float8_weight(self, name: str, t, scale, grid, axis: int) -> str:
+        """``DequantizeLinear(float8 weight, scale, float8 zero point 0, axis)`` (opset 19):
+        the graph tensor holds the float8 bit patterns (qdsl/export/float8.py).  Block scales
+        (opset 21): the weight as ``[C, K]`` rows, blocks of ``block_size`` along axis 1,
+        then reshaped back (a conv's blocks run along its flattened ``in × k..`` row)."""
+        tp = getattr(self.TP, grid.onnx_type)
+        bits = np.asarray(t.data).astype(np.uint8)
+        if grid.blocks is not None:
+            bits, scale = bits.reshape(bits.shape[0], -1), grid.blocks
+        init = self.name(name)  # unique: a layer lowered for two consumers writes its weight twice
+        self.inits.append(self.h.make_tensor(init, tp, list(bits.shape), bits.tobytes(), raw=True))
+        scale = np.asarray(scale, dtype=np.float32)
+        s = self.const(name + "_scale", scale)
+        z = self.name(name + "_zp")
+        self.inits.append(self.h.make_tensor(z, tp, list(scale.shape), bytes(scale.size), raw=True))
+        self.float8 = max(self.float8, FLOAT8_OPSET)
+        if grid.blocks is None:
+            return self.node("DequantizeLinear", [init, s, z], name + "_dq", axis=axis)
+        self.float8 = BLOCK_OPSET
+        y = self.node("DequantizeLinear", [init, s, z], name + "_dq", axis=1, block_size=grid.block_size)
+        if len(t.shape) == 2:
+            return y
+        return self.node("Reshape", [y, self.const(name + "_shape", np.array(t.shape, dtype=np.int64))],
+                         name + "_rows")
 
     def bias(self, name: str) -> str:
         scale, _ = self.grid(name)
@@ -131,10 +192,27 @@ def _stage(a: dict) -> tuple[int | None, int | None]:
     return a.get("out_min"), a.get("out_max")
 
 
+# ops the writer lowers on the real values between QDQ pairs: the only ones that may read or
+# write an FP8 activation (the others compute on integer codes: tables, attention, LayerNorm)
+_FLOAT8_OK = frozenset(OpType[n] for n in (
+    "QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "CONV1D", "CONV2D", "LINEAR", "CONV_TRANSPOSE1D", "CONV_TRANSPOSE2D",
+    "ADD", "MUL", "CONCAT", "CLAMP", "MAXPOOL1D", "MAXPOOL2D", "AVGPOOL1D", "AVGPOOL2D", "GLOBAL_AVGPOOL", "RESHAPE",
+    "RESIZE"))
+
+
+def _float8_reader(w: _Writer, op: Op) -> None:
+    names = [n for n in list(op.inputs) + list(op.outputs) if not w.graph.tensor(n).is_constant]
+    f8 = [n for n in names if isinstance(w.info.get(n, (None,))[0], F8Scale)]
+    if f8 and op.type not in _FLOAT8_OK:
+        raise ExportError(op.name, f"{op.type.name} reads or writes an FP8 activation ('{f8[0]}'), and qdsl lowers it "
+                                   "to ONNX on integer codes", "quantize that value with an int8 quantizer")
+
+
 def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     t, a = op.type, op.attrs
     out = op.outputs[0]
     xs = [env.get(n, n) for n in op.inputs]
+    _float8_reader(w, op)
     if any(w.graph.tensor(o).dtype is DType.BIN for o in op.outputs):  # before its inputs' grids (a sign threshold has none)
         raise ExportError(out, "BIN activations have no ONNX QDQ form", "use an 8-bit config")
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):
@@ -178,6 +256,11 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
         return w.qdq(xs[0], out, *_stage(a))
     if t is OpType.CLAMP:
         scale, zp = w.grid(out)
+        if isinstance(scale, F8Scale):  # ReLU of FP8 values stays on their grid; other clamps: placeholder codes
+            if (a["out_min"], a["out_max"]) != (0, F8_PLACEHOLDER):
+                raise ExportError(op.name, "a clamp other than ReLU of an FP8 activation has no ONNX form in qdsl",
+                                  "use an int8 quantizer there, or plain ReLU")
+            return w.node("Relu", [xs[0]], out)
         return w.node("Clip", [xs[0], w.const("lo", np.float32((a["out_min"] - zp) * scale)),
                                w.const("hi", np.float32((a["out_max"] - zp) * scale))], out)
     if t in (OpType.MAXPOOL1D, OpType.MAXPOOL2D):
@@ -422,8 +505,11 @@ def graph_to_onnx(graph: IntegerGraph, info: dict) -> Any:
     g = h.make_graph(w.nodes, graph.name, [vi(n, n) for n in graph.inputs], outputs, w.inits)
     # LayerNormalization needs opset 17; graphs without it keep the QDQ baseline opset 13
     opset = LN_OPSET if any(op.type is OpType.LAYERNORM for op in graph.ops) else OPSET
+    if w.float8:  # DequantizeLinear takes float8 types from opset 19, block_size from 21
+        opset = max(opset, w.float8)
     model = h.make_model(g, opset_imports=[h.make_opsetid("", opset)], producer_name="qdsl")
-    model.ir_version = min(model.ir_version, 9)  # readable by onnxruntime releases of the last years
+    # readable by onnxruntime releases of the last years (opset 21 needs IR version 10)
+    model.ir_version = min(model.ir_version, 10 if opset >= BLOCK_OPSET else 9)
     w.onnx.checker.check_model(model)
     return model
 
@@ -436,7 +522,7 @@ def export_onnx(model: Any, example_input: Any, path: str | os.PathLike | None =
     """
     from qdsl.export.lower import export
 
-    graph, info = export(model, example_input, with_info=True)
+    graph, info = export(model, example_input, with_info=True, onnx_float8=True)
     proto = graph_to_onnx(graph, info)
     if path is not None:
         w = _onnx()[0]

@@ -159,6 +159,10 @@ class Pending:
     emit: Callable[["Builder", Target, float, float], tuple[str, tuple[int, ...]]]
     scales: np.ndarray | None = None
     """Per-channel accumulator scales (kind "acc"): real = acc · scales[c]."""
+    bound: float | None = None
+    """The largest ``|real value|`` the result can take, for any input codes (a layer's
+    worst case over its weight and bias codes); None when not known.  A wide sum's grid
+    (lower_attn.wide_sum_grid) is sized by it."""
     lo: float = -math.inf
     hi: float = math.inf
     post: tuple[tuple[OpType, dict, tuple[int, ...]], ...] = ()
@@ -237,6 +241,9 @@ class Builder:
         """Graph output names: other tensors avoid them, the output that asks gets it exactly."""
         self.info: dict[str, tuple[Any, Any]] = {}
         """Real-value grid per tensor name: ``(scale, zero point)`` (scalars or per channel)."""
+        self.onnx_float8 = False
+        """The ONNX writer's mode (qdsl/export/float8.py): FP8 weights as float8 bit patterns,
+        FP8 activations as targets with an :class:`~qdsl.export.float8.F8Scale`."""
 
     def q(self, name: str, scale: float, zp: int, qmin: int, qmax: int, dtype: DType, shape) -> QVal:
         """A :class:`QVal`, with its grid recorded in :attr:`info`."""

@@ -27,6 +27,7 @@ import attrs
 
 from qdsl.lint.collect import sort_key
 from qdsl.lint.graph import ModelGraph, index_graph
+from qdsl.lint.exact_export import exact_export_findings
 from qdsl.lint.hygiene import check_hygiene
 from qdsl.lint.plan_checks import LayerInts, check_plan
 from qdsl.lint.profile_loader import load_profile
@@ -199,6 +200,8 @@ def _lint_plan(plan, prep, original, prof, model, calibrated, regs, model_label)
                        spec_file=spec_file, model_label=model_label)
     diags += check_hygiene(plan, prep, original) + export_width_findings(prep)
     diags += lowering_findings(graph, model_label, plan, _unplaced(plan, model, graph))
+    if model is not None and not isinstance(model, ModelIndex) and calibrated is not False:
+        diags += exact_export_findings(model, plan, model_label)  # a frozen model's actual weights
     if not graph.traced and model is not None and (prof.ops is not None or prof.integer_only):
         if isinstance(model, ModelIndex):
             what, hint = "a ModelIndex has no forward()", "lint the nn.Module itself to check them"

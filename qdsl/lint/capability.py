@@ -16,9 +16,9 @@ import attrs
 
 from qdsl.lint.fixes import bias_fix, use
 from qdsl.spec.diagnostics import Span
-from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name
+from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name, minifloat_format
 from qdsl.spec.model import Granularity, GranularityKind, Kind, Role
-from qdsl.spec.profile import NarrowRange, TensorCaps, export_scale_class
+from qdsl.spec.profile import NarrowRange, TensorCaps, export_scale_class, scale_allowed
 
 __all__ = ["Violation", "check_quantizer", "nearest"]
 
@@ -67,6 +67,20 @@ def _kind(value: Any) -> Any:
     return Kind(value) if kind_name(value) in {k.value for k in Kind} else value
 
 
+def _same_kind(a: Any, b: Any) -> bool:
+    """``a`` is the kind ``b`` allows: the same name, or the same minifloat under another
+    spelling (``fp8_e4m3`` and ``fp8_e4m3_b7_fn`` have equal exponent, mantissa, bias and
+    special values)."""
+    if kind_name(a) == kind_name(b):
+        return True
+    fa, fb = minifloat_format(kind_name(a)), minifloat_format(kind_name(b))
+    return fa is not None and fb is not None and _facts(fa) == _facts(fb)
+
+
+def _facts(fmt) -> tuple:
+    return fmt.exponent, fmt.mantissa, fmt.bias, fmt.special
+
+
 def _bool(v: bool) -> str:
     return "true" if v else "false"
 
@@ -99,7 +113,7 @@ def check_quantizer(
         if not fmt.quantized and integer_only:
             out.append(Violation("E312", "kind", "float", "an integer kind", Kind.INT, "integer_only",
                                  "the target is integer-only: no tensor may stay float", _float_fix(role)))
-        elif caps.kinds is not None and kind not in caps.kinds:
+        elif caps.kinds is not None and not any(_same_kind(kind, k) for k in caps.kinds):
             choice = next((k for k in caps.kinds if format_of(k, default=BUILTIN_FORMATS["int"]).affine), caps.kinds[0])
             special = _float_fix(role) if not fmt.quantized else None
             out.append(Violation("E301", "kind", kind_name(kind), _fmt_list(caps.kinds), choice, "kinds",
@@ -119,8 +133,7 @@ def check_quantizer(
     scale = known.get("scale")
     if scale is not None and caps.scales is not None:
         cls = export_scale_class(scale, pot_scales)
-        ok = cls in caps.scales or (cls == "pot" and "float" in caps.scales)
-        if not ok:
+        if not scale_allowed(cls, caps.scales):
             value, special = _scale_fix(scale, cls, caps.scales)
             out.append(Violation("E304", "scale", scale, _fmt_list(caps.scales), value, "scales",
                                  f"'{scale}' exports as a {cls} scale" if cls != scale else "", special))

@@ -29,9 +29,11 @@ CODES: dict[str, str] = {
     "E317": "output quantization conflicts with the target's fixed output range for the op",
     "W318": "pairs of raw products can saturate the target's intermediate pair sum (x86 VPMADDUBSW)",
     "W319": "signed binary activation fed by a ReLU: every code is +1 (a constant input)",
-    "W320": "weights wider than their format can export (power-of-two beyond 4 bits spans more than int8)",
+    "W320": "weights wider than their format can export (power-of-two beyond 4 bits spans more than int8; on a "
+            "frozen model, minifloat/group-scaled weights that are not exact int8 per output channel)",
     "W321": "op with no integer lowering (the catalog's construct table), or an integer op reading a value no "
-            "module can carry a quantizer for (y * torch.sigmoid(y)): qdsl.export refuses the model",
+            "module can carry a quantizer for (y * torch.sigmoid(y)), or an activation format with no graph type "
+            "(minifloat): qdsl.export refuses the model",
     "W330": "rule matches no layer (and is not optional)",
     "W331": "rule fully shadowed: everything it sets is overridden on every layer it matches",
     "W340": "model could not be traced: functional ops were not checked",

@@ -16,6 +16,10 @@ layer of an op without one is a W321 too; and a ``dynamic``
 quantizer anywhere but a Linear's input (QUANTIZE_DYNAMIC + LINEAR_DYNAMIC) or an nn.LSTM's
 input and hidden state (LSTM_DYNAMIC) is one too.
 
+So is a quantized activation whose number format has no graph tensor type
+(``activation_lowering`` None: a minifloat such as ``fp8_e4m3``, ternary, unsigned binary),
+named ``<layer>:<role>`` as export names it.
+
 So is an operand of an integer op (a product, an add, a lookup table...) that needs a
 quantizer no module can carry (``y * torch.sigmoid(y)``): ``qdsl.patch.implied`` finds these
 while placing implied quantizers, and export refuses the model with the same record
@@ -55,6 +59,11 @@ def lowering_findings(graph: ModelGraph, model_label: str = "<model>", plan: Pla
         for role, r in layer.roles.items():
             lstm = role in (Role.INPUT, Role.HIDDEN) and f"{layer.type_name.upper()}_DYNAMIC" in LOWERINGS[
                 "recurrent"] and layer.type_name in ("LSTM", "GRU")
+            if r is not None and not role.is_param and r.format.quantized and r.format.activation_lowering(
+                    r.signed) is None:
+                # an activation format the graph has no tensor type for (minifloat, ternary): export
+                # refuses at the quantizer ('<layer>:<role>'), whatever the op
+                where.setdefault(f"{r.format.name} {role.value} activation", []).append(f"{layer.fqn}:{role.value}")
             if r is not None and r.dynamic and not lstm and (
                     role is not Role.INPUT or "LINEAR_DYNAMIC" not in LOWERINGS["layer"] or op != "linear"):
                 where.setdefault(f"dynamic {role.value} of {op or layer.type_name}", []).append(layer.fqn)

@@ -26,6 +26,7 @@ import attrs
 
 from qdsl.parse.located_toml import KeySpec, LocatedToml, check_choice, check_keys, check_range, read_located_toml
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
+from qdsl.spec.formats import MINIFLOAT_PRESETS, looks_like_minifloat, minifloat_format, minifloat_problem
 from qdsl.spec.model import GranularityKind, Kind, Overflow, Role
 from qdsl.spec.profile import (
     PROFILE_VERSION,
@@ -284,6 +285,25 @@ def _strings(lt: LocatedToml, path, choices, diags, what: str) -> list[str]:
     return out
 
 
+def _kinds(lt: LocatedToml, path, diags) -> list:
+    """A role's allowed kinds: built-in kinds as :class:`Kind`, minifloat formats by name
+    (``fp8_e4m3``, ``fp4_e2m1``, ``fp6_e3m2_b2``...; qdsl/spec/formats.py), each bad entry
+    located: a malformed minifloat name says what is wrong with it."""
+    builtin = [k.value for k in Kind]
+    out = []
+    for i, v in enumerate(lt.get(path)):
+        if isinstance(v, str) and v in builtin:
+            out.append(Kind(v))
+        elif isinstance(v, str) and minifloat_format(v) is not None:
+            out.append(v)
+        elif isinstance(v, str) and looks_like_minifloat(v):
+            message, hint = minifloat_problem(v)
+            diags.append(Diagnostic.error("E105", f"unknown kind: {message}", lt.span(path + (i,)), hint))
+        else:
+            check_choice(lt, path + (i,), builtin + list(MINIFLOAT_PRESETS), diags, what="kind")
+    return out
+
+
 def _ints(lt: LocatedToml, path, lo: int, hi: int, diags, what: str) -> list[int]:
     out = []
     for i, v in enumerate(lt.get(path)):
@@ -340,8 +360,7 @@ def _caps(lt: LocatedToml, path, diags) -> TensorCaps:
     values: dict[str, Any] = {}
     spans = {k: lt.span(path + (k,)) for k in body}
     if "kinds" in body:
-        values["kinds"] = tuple(Kind(k) for k in _strings(lt, path + ("kinds",), [k.value for k in Kind], diags,
-                                                          "kind"))
+        values["kinds"] = tuple(_kinds(lt, path + ("kinds",), diags))
     if "bits" in body:
         values["bits"] = tuple(_ints(lt, path + ("bits",), 1, 32, diags, "bits"))
     if "signedness" in body:
@@ -349,7 +368,9 @@ def _caps(lt: LocatedToml, path, diags) -> TensorCaps:
                                               "signedness"))
     if "scales" in body:
         allowed = SCALE_CLASSES if path[-1] == "bias" else SCALE_CLASSES[:2]
-        values["scales"] = tuple(_strings(lt, path + ("scales",), allowed, diags, "scale"))
+        # a scale coded in a minifloat (NVFP4's fp8_e4m3 block scales) is a class of its own
+        values["scales"] = tuple(_strings(lt, path + ("scales",), list(allowed) + list(MINIFLOAT_PRESETS), diags,
+                                          "scale"))
     if "granularities" in body:
         values["granularities"] = tuple(GranularityKind(g) for g in _strings(
             lt, path + ("granularities",), [g.value for g in GranularityKind], diags, "granularity"))

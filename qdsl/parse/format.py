@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from qdsl.parse.dsl_grammar import RULE_OPTIONS
-from qdsl.spec.formats import is_float, kind_name
+from qdsl.spec.formats import is_float, is_format_name, kind_name
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -122,6 +122,8 @@ def format_quant_dsl(tq: TensorQuant) -> str:
             args.append(f"kind={kind_name(tq.kind)}")
     elif isinstance(tq.kind, Kind):
         head = tq.kind.value
+    elif tq.kind is not None and is_format_name(tq.kind):  # a minifloat reads as a kind head
+        head = tq.kind
     elif tq.kind is not None:  # a registered format's name: ``(kind=name, ...)``, not a preset head
         args.append(f"kind={tq.kind}")
     for field in TENSOR_QUANT_FIELDS[1:]:

@@ -3,7 +3,8 @@
 Desugaring rules (normative summary; ``docs/spec-language.md`` has the full table):
 
 * ``NAME`` as a role value or preset: ``float`` -> ``kind = float``; a kind name
-  (``int``, ``binary``...) -> ``{kind}``; anything else -> ``extends = NAME``.
+  (``int``, ``binary``..., a minifloat such as ``fp8_e4m3`` or ``fp6_e3m2_b2``) ->
+  ``{kind}``; anything else -> ``extends = NAME``.
 * ``HEAD(args)``: HEAD a kind -> ``{kind = HEAD, args}``, else ``{extends = HEAD, args}``;
   ``(args)`` alone sets only the given fields.
 * Flags: ``signed``/``unsigned``, ``narrow``, ``symmetric``/``asymmetric``, ``dynamic``,
@@ -30,7 +31,7 @@ from qdsl.parse.located_toml import LineIndex
 from qdsl.parse.schema import QUANT_KEYS, lower_tree
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
-from qdsl.spec.formats import is_float
+from qdsl.spec.formats import is_float, is_format_name
 from qdsl.spec.model import Kind, QuantSpec, Role
 
 __all__ = ["parse_dsl", "Desugarer", "FLAGS", "value_node"]
@@ -46,7 +47,6 @@ FLAGS: dict[str, tuple[str, Any]] = {
     "per_channel": ("granularity", "channel"),
     "per_token": ("granularity", "token"),
 }
-_KINDS = tuple(k.value for k in Kind)
 _ROLES = tuple(r.value for r in Role)
 _BODY_WORDS = _ROLES + ("skip", "accumulator")
 
@@ -115,13 +115,13 @@ class Desugarer:
 
     def quant(self, v: ast.Value) -> Node:
         """A role value or preset definition, as a TOML-shaped quantizer value."""
-        if isinstance(v, ast.Name) and v.text in _KINDS and not is_float(v.text):
+        if isinstance(v, ast.Name) and is_format_name(v.text) and not is_float(v.text):
             return Node({"kind": Node(v.text, self.span(v), self.span(v))}, self.span(v))
         if not isinstance(v, ast.Call):
             return self.scalar(v)
         table: dict[str, Node] = {}
         if v.head is not None:
-            key = "kind" if v.head.text in _KINDS else "extends"
+            key = "kind" if is_format_name(v.head.text) else "extends"
             table[key] = Node(v.head.text, self.span(v.head), self.span(v.head))
         for a in v.args:
             if a.key is not None:

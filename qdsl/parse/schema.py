@@ -27,7 +27,7 @@ import attrs
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
-from qdsl.spec.formats import is_float
+from qdsl.spec.formats import is_float, looks_like_minifloat
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     SPEC_VERSION,
@@ -159,6 +159,10 @@ class SchemaLowerer:
             self.err("E107", f"'{name}' is not a valid quantizer name", span,
                      "names are ASCII letters, digits and '_', not starting with a digit")
             return False
+        if looks_like_minifloat(name):  # the DSL reads such a name as the kind
+            self.err("E107", f"'{name}' is a minifloat format's name and cannot name a quantizer", span,
+                     "pick another name (e.g. w_" + name + ")")
+            return False
         if name in RESERVED_PRESET_NAMES:
             self.err("E107", f"'{name}' is reserved and cannot name a quantizer", span,
                      "reserved: " + ", ".join(sorted(RESERVED_PRESET_NAMES)))
@@ -192,6 +196,8 @@ class SchemaLowerer:
     def _field(self, key: str, node: Node, role: Role | None) -> Any:
         if key == "kind":
             builtin = tuple(k.value for k in Kind)
+            if isinstance(node.value, str) and looks_like_minifloat(node.value):
+                return node.value  # a minifloat: resolve checks the name's fields (E224)
             if (isinstance(node.value, str) and node.value not in builtin and PART_NAME_RE.match(node.value)
                     and not difflib.get_close_matches(node.value, builtin, n=1, cutoff=0.6)):
                 # a registered number format's name (qdsl.spec.formats): resolve checks it

@@ -145,6 +145,10 @@ class AccumulatorSim:
     exact sum left the P-bit range (the count ``qdsl run --overflow`` reports for the
     graph); ``simulated`` says whether the exact integer path ran (False: fast path)."""
 
+    enabled = True
+    """False: the hook passes the layer's output through (set per instance; block
+    reconstruction, :mod:`qdsl.ptq.reconstruct`, fits soft off-grid weights with it off)."""
+
     def __init__(self, patch) -> None:
         self.patch = patch
         self.acc: Accumulator = patch.plan.accumulator
@@ -196,7 +200,7 @@ class AccumulatorSim:
         self.simulated = False
         self.overflows = 0
         p = self.patch
-        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+        if not self.enabled or not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
             return None
         why = self._unsupported()
         if why is not None:

@@ -119,6 +119,8 @@ class QdslHandle:
         self.container = container
         self.layers: dict[str, "LayerPatch"] = {}
         self.removed = False
+        self.ptq_report: Any = None
+        """The ``qdsl.ptq.PtqReport`` of the last calibration that ran PTQ steps (set by qdsl.ptq)."""
 
     # ----------------------------------------------------------------- state
     @property

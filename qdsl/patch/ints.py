@@ -33,8 +33,12 @@ class LayerInts:
 
     fqn: str
     weight: torch.Tensor | None
-    """Integer codes (int8/uint8/int16/int32 by range; binary/ternary codes in {-1, 0, 1})."""
+    """Integer codes (int8/uint8/int16/int32 by range; binary/ternary codes in {-1, 0, 1};
+    minifloats: uint8 bit patterns ``sign | exponent | mantissa`` in the low ``bits`` bits,
+    ``value = decode(code) · weight_scale`` with ``qdsl.quantizers.formats.minifloat.decode``)."""
     weight_scale: torch.Tensor | None
+    """float32, ``[]``/``[C]``/``[C, G]`` (groups; minifloat MX blocks: powers of two, E8M0
+    code ``log2(s) + 127``; NVFP4: ``s_t · e4m3``, ``minifloat.split_scale`` separates them)."""
     weight_zero_point: torch.Tensor | None
     weight_kind: str | None
     bias: torch.Tensor | None

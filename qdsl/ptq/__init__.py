@@ -2,10 +2,14 @@
 
 Public API::
 
-    qdsl.ptq.finish_calibration(model, batches)   # what the spec asks for, in order:
-        learned rounding (spec learned_rounding = "gptq"), then bias correction
-        (spec bias_correction = true); called by qdsl.calibrate after the observers
+    qdsl.ptq.finish_calibration(model, batches) -> PtqReport
+        the steps the spec asks for or ``auto`` picks by bit width
+        (qdsl.resolve.ptq_policy), in order: learned rounding, then bias correction,
+        each kept per layer only where it lowers the held-back output error; called by
+        qdsl.calibrate after the observers
+    qdsl.ptq.ptq_report(model)   # that PtqReport after qdsl.calibrate (None if no step ran)
     qdsl.ptq.learn_rounding(model, batches, "gptq")
+    qdsl.ptq.learn_rounding(model, batches, "adaround")   # -> PtqReport (qdsl.ptq.reconstruct)
     qdsl.ptq.correct_bias(model, batches)
 
 Sensitivity analysis and mixed precision, which run whole apply/calibrate cycles through
@@ -22,12 +26,18 @@ from typing import Any
 
 __all__ = [
     "finish_calibration",
+    "ptq_report",
+    "PtqReport",
+    "LayerDecision",
     "learn_rounding",
     "correct_bias",
 ]
 
 _LAZY = {
     "finish_calibration": "qdsl.ptq.pipeline",
+    "ptq_report": "qdsl.ptq.pipeline",
+    "PtqReport": "qdsl.ptq.report",
+    "LayerDecision": "qdsl.ptq.report",
     "learn_rounding": "qdsl.ptq.rounding",
     "correct_bias": "qdsl.ptq.bias_correction",
 }

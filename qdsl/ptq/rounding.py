@@ -50,12 +50,14 @@ from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes
 from qdsl.ptq.layers import capture, float_mode, require_batches, run_batches, weighted_layers
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.quantizers.functional import dequantize_affine
+from qdsl.ptq.reconstruct import reconstruct
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["LEARNED_ROUNDINGS", "RoundingResult", "learn_rounding"]
 
-LEARNED_ROUNDINGS = ("gptq",)
-"""Learned rounding methods implemented (``QuantSpec.learned_rounding``)."""
+LEARNED_ROUNDINGS = ("gptq", "adaround")
+"""Learned rounding methods implemented (``QuantSpec.learned_rounding``); ``adaround`` is
+block reconstruction (:mod:`qdsl.ptq.reconstruct`) and returns its ``PtqReport``."""
 
 
 class RoundingResult(dict):
@@ -109,19 +111,27 @@ def learn_rounding(
     heldback: bool = True,
     refit: bool = True,
     report: PtqReport | None = None,
+    only: Iterable[str] | None = None,
 ) -> RoundingResult:
     """Learn the weight rounding of every quantized Linear/Conv layer of a calibrated
     patched model; returns ``{fqn: fraction of codes that differ from nearest rounding}``
     (a :class:`RoundingResult`; its ``.report`` holds the per-layer decisions, appended to
     ``report`` when one is given).  ``heldback=False``: fit on every batch and keep GPTQ
     on every layer without checking.  ``refit=False``: keep the fit-only codes the check
-    judged (see the module docstring)."""
+    judged (see the module docstring).  ``only``: round just these layers (fqns); the
+    others keep their codes.  ``adaround`` returns :func:`qdsl.ptq.reconstruct.reconstruct`'s
+    ``PtqReport`` (its own held-back check per block) instead."""
     if method not in LEARNED_ROUNDINGS:
         raise QdslError(f"unknown learned rounding '{method}'; implemented: {', '.join(LEARNED_ROUNDINGS)}")
     batches = require_batches(batches, "learned rounding")
+    if method == "adaround":
+        return reconstruct(model, batches, report=report, only=only)
     if get_handle(model).state in (State.FROZEN, State.EXPORTED):
         raise QdslError("learned rounding runs before qdsl.freeze(model): the model is already frozen")
     layers = weighted_layers(model, batches)
+    if only is not None:
+        wanted = set(only)
+        layers = [(f, p) for f, p in layers if f in wanted]
     for fqn, patch in layers:
         _check(fqn, patch.wq)
     fit, held = split_heldback(batches) if heldback else (batches, [])

@@ -22,8 +22,12 @@ Guarantees
   ``axis``) or ``[C, G]`` (groups); zero points are integer tensors of the same shape.
 * **Groups** (the resolver's definition, ``qdsl.resolve.validate``): a weight of shape
   ``[C, *rest]`` is seen as rows ``w.reshape(C, R)`` (``R = prod(rest)``, kernel position
-  fastest); with ``group_size`` g (g divides R) each row has ``G = R // g`` groups and
-  group ``(c, j)`` is ``w.reshape(C, R)[c, j*g:(j+1)*g]``.  :func:`group_view` exposes it.
+  fastest); with ``group_size`` g each row has ``G = ceil(R / g)`` groups and group
+  ``(c, j)`` is ``w.reshape(C, R)[c, j*g:(j+1)*g]``.  :func:`group_view` exposes it.  When
+  g does not divide R the last group of each row is shorter; the reductions see it
+  zero-padded to g (OCP MX's padded last block: min/max/max-abs are unchanged by the
+  zeros).  Only formats with ``ragged_groups`` (minifloats) get there: the resolver keeps
+  E217 (g must divide R) for the others.
 * Power-of-two scales (:func:`pot_scale`), binary, ternary and power-of-two weights are
   exact: they use ``frexp``/comparisons, never ``log2`` rounding, so a value exactly on
   a boundary always goes the documented way.
@@ -186,11 +190,9 @@ def param_shape(shape: tuple[int, ...], axis: int | None = None, group_size: int
         if len(shape) < 2:
             raise ValueError(f"group granularity needs a tensor with >= 2 dims, got shape {tuple(shape)}")
         row = math.prod(shape[1:])
-        if group_size <= 0 or row % group_size:
-            raise ValueError(
-                f"group size {group_size} does not divide the row size {row} of shape {tuple(shape)}"
-            )
-        return (shape[0], row // group_size)
+        if group_size <= 0:
+            raise ValueError(f"group size must be positive, got {group_size}")
+        return (shape[0], -(-row // group_size))
     if axis is None:
         return ()
     return (shape[axis],)
@@ -208,7 +210,11 @@ def param_view(p: torch.Tensor, x: torch.Tensor, axis: int | None = None, group_
     if p.dim() == 0:
         return p
     if group_size is not None:
-        return p.repeat_interleave(group_size, dim=1).reshape(x.shape)
+        e = p.repeat_interleave(group_size, dim=1)
+        row = x[0].numel() if x.dim() else 1
+        if e.shape[1] != row:  # a shorter last group (see the module docstring)
+            e = e[:, :row]
+        return e.reshape(x.shape)
     ax = axis % x.dim()
     shape = [1] * x.dim()
     shape[ax] = p.numel()
@@ -222,7 +228,15 @@ def group_view(x: torch.Tensor, group_size: int) -> torch.Tensor:
     [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
     """
     c, g = param_shape(tuple(x.shape), group_size=group_size)
-    return x.reshape(c, g, group_size)
+    return _padded_rows(x, c, g * group_size).reshape(c, g, group_size)
+
+
+def _padded_rows(x: torch.Tensor, c: int, width: int) -> torch.Tensor:
+    """``x.reshape(c, -1)`` zero-padded on the right to ``width`` columns."""
+    rows = x.reshape(c, -1)
+    if rows.shape[1] == width:
+        return rows
+    return torch.nn.functional.pad(rows, (0, width - rows.shape[1]))
 
 
 def reduce_view(x: torch.Tensor, axis: int | None = None, group_size: int | None = None) -> torch.Tensor:
@@ -232,7 +246,8 @@ def reduce_view(x: torch.Tensor, axis: int | None = None, group_size: int | None
     (torch.Size([4, 18]), torch.Size([36, 2]))
     """
     if group_size is not None:
-        return x.reshape(-1, group_size)
+        c, g = param_shape(tuple(x.shape), group_size=group_size)
+        return _padded_rows(x, c, g * group_size).reshape(-1, group_size)
     if axis is None:
         return x.reshape(1, -1)
     return x.movedim(axis, 0).reshape(x.shape[axis], -1)

@@ -208,6 +208,8 @@ class HistogramObserver(Observer):
     """
 
     _state = ("hist", "hist_lo", "hist_hi", "slot_shape")
+    joint = False
+    """Search an asymmetric range over (min, max) jointly (``auto`` below 5 bits sets it)."""
 
     def __init__(self, params, ctx):
         super().__init__(params, ctx)
@@ -244,6 +246,7 @@ class HistogramObserver(Observer):
         return RS.histogram_range(
             hist, lo, hi, ctx.qmin, ctx.qmax, symmetric=ctx.recipe.symmetric, signed=ctx.qmin < 0,
             norm=float(getattr(self.params, "norm", 2.0)), grid=int(getattr(self.params, "grid", 100)), pot=ctx.pot,
+            joint=self.joint,
         )
 
     def range(self):

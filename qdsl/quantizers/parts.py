@@ -39,6 +39,7 @@ import attrs
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.builtins import builtin_registries
 from qdsl.spec.diagnostics import QdslError, SpecError
+from qdsl.spec.formats import MINIFLOAT_PRESETS
 from qdsl.spec.model import GranularityKind, Role
 from qdsl.spec.registry import PartInfo, Registries, Registry, validate_params
 
@@ -51,6 +52,7 @@ _IMPORTED: dict[str, Any] = {}
 # imported on first use so that building a bundle imports no torch module
 _OBS, _ROUND, _SCALE = "qdsl.quantizers.observers:", "qdsl.quantizers.rounding:", "qdsl.quantizers.scales:"
 _LEARNED = "qdsl.quantizers.learned:"
+_MINIFLOAT = "qdsl.quantizers.formats.minifloat:"
 _BUILTIN_FACTORIES: dict[str, dict[str, str]] = {
     "observers": {
         "minmax": _OBS + "MinMaxObserver",
@@ -68,6 +70,8 @@ _BUILTIN_FACTORIES: dict[str, dict[str, str]] = {
         "pot_ceil": _SCALE + "PotCeilScale",
         "learned": _LEARNED + "LearnedScale",
         "learned_pot": _LEARNED + "LearnedPotScale",
+        "fp8_e4m3": _MINIFLOAT + "E4M3Scale",
+        "fp8_e5m2": _MINIFLOAT + "E5M2Scale",
     },
     # number formats: the torch ops of the kinds qdsl.spec.formats describes
     "formats": {
@@ -75,6 +79,9 @@ _BUILTIN_FACTORIES: dict[str, dict[str, str]] = {
         "binary": "qdsl.quantizers.formats.binary:BinaryOps",
         "ternary": "qdsl.quantizers.formats.ternary:TernaryOps",
         "pot": "qdsl.quantizers.formats.pot:PotOps",
+        # every minifloat shares one ops class: the presets by name, the generic
+        # fp{N}_e{E}m{M} names through their family entry (build_format_ops)
+        **{name: _MINIFLOAT + "MinifloatOps" for name in ("minifloat",) + tuple(MINIFLOAT_PRESETS)},
     },
 }
 
@@ -164,9 +171,13 @@ def build_format_ops(registries: Registries, recipe: QuantizerRecipe) -> Any:
     """The torch ops of the recipe's number format, from ``registries.formats`` (a bundle
     without the name - an older copy - falls back to the built-in ops of that name)."""
     name = recipe.format.name
+    family = recipe.format.family
+    if name not in registries.formats and family and family in registries.formats:
+        name = family  # a format of an open family (fp6_e3m2_b2): the family's ops
     if name in registries.formats:
         info = registries.formats.get(name)
-    elif name in _BUILTIN_FACTORIES["formats"]:
+    elif name in _BUILTIN_FACTORIES["formats"] or family in _BUILTIN_FACTORIES["formats"]:
+        name = name if name in _BUILTIN_FACTORIES["formats"] else family
         info = PartInfo(name, _BUILTIN_FACTORIES["formats"][name])
     else:
         raise QdslError(f"number format '{name}' is not registered on this bundle; "

@@ -258,7 +258,7 @@ class TensorQuantizer(LazyBuffers):
 
     def extra_repr(self) -> str:
         g = f"axis={self.axis}" if self.axis is not None else (f"group={self.group_size}" if self.group_size else "tensor")
-        return (f"{self.role.value}: {self.format.name}{self.recipe.bits} [{self.qmin}, {self.qmax}] {g} "
+        return (f"{self.role.value}: {self.format.label(self.recipe.bits)} [{self.qmin}, {self.qmax}] {g} "
                 f"scale={self.recipe.scale} frozen={self.frozen}")
 
     # --------------------------------------------------------------- qparams
@@ -366,7 +366,12 @@ class TensorQuantizer(LazyBuffers):
         if self.offset.numel():
             x = x + self.offset
         if self.codes.numel():
-            return self._from_codes(x)
+            if not (self.training and torch.is_grad_enabled() and x.requires_grad):
+                return self._from_codes(x)
+            # a training forward (QAT after a PTQ calibration that learned the rounding):
+            # the fixed codes are stale once the weight moves and would stop its gradient,
+            # so they go, as qdsl.qat.prepare_qat's clear_ptq_adjustments would drop them
+            self.codes = torch.empty(0, dtype=torch.int64, device=self.codes.device)
         if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad):
             return self._fast(x)
         p = self.qparams(x, src=src)

@@ -62,10 +62,16 @@ def _proxies(target) -> list:
 def install(target) -> int:
     """Make the proxies of ``target`` (a ``TensorQuantizer``, a module such as a patched
     model, or an iterable of them) train with :func:`qat_grad_path`; idempotent.
-    Returns how many proxies it set; no other proxy changes."""
+    Returns how many proxies it set; no other proxy changes.
+
+    Entering QAT drops the proxies' PTQ-only adjustments (``clear_ptq_adjustments``:
+    bias-correction offsets, fixed GPTQ codes), which ``qdsl.calibrate`` adds below 8 bits
+    by default: they were fitted to the calibrated weights, and fixed codes would stop
+    the weight's gradient (``qdsl.qat.prepare_qat`` documents the measured cost)."""
     proxies = _proxies(target)
     for q in proxies:
         q.grad_path = qat_grad_path
+        q.clear_ptq_adjustments()
     return len(proxies)
 
 

@@ -35,7 +35,14 @@ Searches and their cost (``G`` = number of candidates, ``grid``):
   once: ``O(G · bins)``.  The search knows the grid: an unsigned grid (post-ReLU data,
   ``qmin = 0``) searches ``[0, hi]``, a signed symmetric grid searches ``±a``, an
   asymmetric grid first shrinks both ends together, then refines the low and the high
-  end separately (three 1-D passes instead of a ``G²`` 2-D search).
+  end separately (three 1-D passes instead of a ``G²`` 2-D search).  With ``joint=True``
+  (what ``auto`` uses for activations below :data:`AUTO_JOINT_BELOW_BITS` bits, where
+  each code is a large share of the range and the two ends interact through the zero
+  point) an asymmetric grid searches ``(lo, hi)`` jointly instead: a ``33 × 32`` grid of
+  ratios of the min/max ends (``lo`` ratio 0 included: a range starting at 0) on the
+  histogram pooled to 256 bins, then a ``17 × 17`` grid one coarse step around the best
+  pair (plus min/max) on the full one; ``O(300 · bins)``.  min/max itself is a
+  candidate of the final pass, so the result is never worse than min/max on the histogram.
 * :func:`percentile_range`: the range at a percentile of ``|x|`` (symmetric) or of
   ``x`` at both tails (asymmetric), read off the histogram's CDF with linear
   interpolation inside a bin; ``O(bins)``.
@@ -65,10 +72,19 @@ __all__ = [
     "histogram_merge",
     "auto_observer",
     "AUTO_SEARCH_BELOW_BITS",
+    "AUTO_JOINT_BELOW_BITS",
 ]
 
 AUTO_SEARCH_BELOW_BITS = 8
 """The ``auto`` observer searches ranges for quantizers narrower than this many bits."""
+
+AUTO_JOINT_BELOW_BITS = 5
+"""Below this many bits the ``auto`` observer searches an asymmetric activation range
+jointly over (min, max) (``histogram_range(joint=True)``)."""
+
+_JOINT_STEPS = 32  # coarse grid of the joint search, per end
+_JOINT_REFINE = 8  # fine points per coarse step around the best pair
+_JOINT_BINS = 256  # the coarse pass pools the histogram to this many bins
 
 # Rows are searched in blocks of about this many elements (a 256 KiB float32 block plus
 # its scratch buffer fit a 512 KiB L2 cache): see _candidate_errors.
@@ -432,9 +448,12 @@ def histogram_range(
     norm: float = 2.0,
     grid: int = 100,
     pot: bool = False,
+    joint: bool = False,
 ):
     """The activation range minimising the histogram-estimated ``E|x - x̂|^norm`` at the
     grid ``qmin..qmax`` (``signed`` must agree with ``qmin < 0``).  Returns 0-d tensors.
+    ``joint``: search an asymmetric range over (lo, hi) jointly (module docstring);
+    ignored for symmetric grids (one end decides) and pot scales.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> s = histogram_observe(None, torch.relu(torch.randn(10000, generator=g)))
@@ -467,6 +486,9 @@ def histogram_range(
         k = int(_pick(_hist_error(c, m, scale, zp, qmin, qmax, norm)))
         return lo_c[k], hi_c[k], scale[k], zp[k]
 
+    if joint and not symmetric and not pot:
+        return _joint_search(c, m, lo0, hi0, qmin, qmax, norm)
+
     # Pass 1: shrink both ends together (for a symmetric or unsigned grid this is the
     # whole search: only max(|lo|, hi), resp. hi, matters).
     best_lo, best_hi, scale, zp = search(lo0 * ratios, hi0 * ratios)
@@ -479,6 +501,42 @@ def histogram_range(
     if pot:
         return _range_from_scale(scale, zp, qmin, qmax, symmetric)
     return best_lo, best_hi
+
+
+def _joint_search(c, m, lo0, hi0, qmin: int, qmax: int, norm: float):
+    """Best asymmetric ``(lo, hi)`` over a coarse then a fine 2-D grid of end ratios.
+
+    The coarse pass scores ~1000 pairs on the histogram pooled to :data:`_JOINT_BINS`
+    bins (a coarse pass needs only the shape), the fine pass ~1000 pairs one coarse step
+    around the winner on the full histogram, so the search costs about as much as two
+    1-D passes over the full one."""
+
+    def best(a: torch.Tensor, b: torch.Tensor, c, m):
+        lo = (lo0 * a).unsqueeze(1).expand(len(a), len(b)).reshape(-1)
+        hi = (hi0 * b).unsqueeze(0).expand(len(a), len(b)).reshape(-1)
+        scale, zp = _scale_zp(lo, hi, qmin, qmax, False)
+        err = _hist_error(c, m, scale, zp, qmin, qmax, norm)
+        k = int(_pick(err))  # ties: the last candidate (widest hi, then widest lo)
+        return k // len(b), k % len(b), lo[k], hi[k]
+
+    n = _JOINT_STEPS
+    pool = max(1, len(c) // _JOINT_BINS)
+    if pool > 1 and len(c) % pool == 0:
+        cc, mc = c.reshape(-1, pool).mean(1), m.reshape(-1, pool).sum(1)
+    else:
+        cc, mc = c, m
+    a = torch.arange(0, n + 1, dtype=torch.float32) / n  # lo ratio 0 = a range starting at 0
+    b = torch.arange(1, n + 1, dtype=torch.float32) / n
+    i, j, _, _ = best(a, b, cc, mc)
+    fine = torch.arange(-_JOINT_REFINE, _JOINT_REFINE + 1, dtype=torch.float32) / (_JOINT_REFINE * n)
+    a2 = torch.unique(torch.clamp(a[i] + fine, 0.0, 1.0))
+    b2 = torch.unique(torch.clamp(b[j] + fine, 1.0 / (_JOINT_REFINE * n), 1.0))
+    if float(a2[-1]) < 1.0:  # min/max stays a candidate: never worse than min/max
+        a2 = torch.cat([a2, torch.ones(1)])
+    if float(b2[-1]) < 1.0:
+        b2 = torch.cat([b2, torch.ones(1)])
+    _, _, lo, hi = best(a2, b2, c, m)
+    return lo, hi
 
 
 def _f32(v) -> torch.Tensor:
@@ -524,4 +582,6 @@ def auto_observer(params, ctx):
 
     if ctx.recipe.bits >= AUTO_SEARCH_BELOW_BITS:
         return MinMaxObserver(None, ctx)
-    return MseObserver(params, ctx)
+    obs = MseObserver(params, ctx)
+    obs.joint = ctx.recipe.bits < AUTO_JOINT_BELOW_BITS
+    return obs

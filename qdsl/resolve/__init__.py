@@ -54,6 +54,8 @@ E218    malformed target (empty, bad regex, unterminated ``[``) or rule without 
 E219    ``dynamic`` on a weight or bias (it is for activations)
 E222    a rule that sets nothing
 E223    a rule that both skips and sets quantizers
+E224    a minifloat kind that names no format (``fp8_e3m2``: 1 + 3 + 2 is 6 bits, not 8; bias
+        out of range; ``_ieee`` with 1 exponent bit), or ``kind = minifloat`` without a format
 ======  ==============================================================================
 """
 

@@ -21,7 +21,8 @@ dimension of NC... activations).
 Group granularity: one scale per ``group_size`` consecutive elements of each flattened
 weight row, i.e. along the reduction dimension ``prod(weight.shape[1:])`` (Linear:
 ``in_features``; Conv: ``in_channels/groups * prod(kernel_size)``, kernel-position
-fastest, matching ``weight.reshape(out, -1)``).  The group size must divide it.
+fastest, matching ``weight.reshape(out, -1)``).  The group size must divide it, unless the
+format has ``ragged_groups`` (minifloats: the last block of a row is shorter, as OCP MX pads it).
 Activation shapes are not in the model index, so axis checks cover weight and bias only.
 """
 
@@ -33,7 +34,15 @@ from typing import Any, Mapping
 from qdsl.resolve.plan import OUT_CHANNEL_AXIS, RECURRENT_TYPES, ModuleEntry, QuantizerRecipe, param_shape
 from qdsl.spec.builtins import builtin_registries
 from qdsl.spec.diagnostics import Diagnostic, Span, UNKNOWN_SPAN
-from qdsl.spec.formats import BUILTIN_FORMATS, format_of, kind_name
+from qdsl.spec.formats import (
+    BUILTIN_FORMATS,
+    MINIFLOAT_PRESETS,
+    format_of,
+    kind_name,
+    looks_like_minifloat,
+    lookup_format,
+    minifloat_problem,
+)
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     Granularity,
@@ -145,10 +154,17 @@ def validate_fields(
         d += obs_diags
     fmt = None
     if kind is not None:
-        if kind_name(kind) in _known_formats(registries):
-            fmt = format_of(kind, registries)
-        else:
-            d.append(registries.formats.lookup(kind_name(kind), _spot(spans, "kind")))
+        name = kind_name(kind)
+        problem = minifloat_problem(name) if looks_like_minifloat(name) else None
+        fmt = None if problem else lookup_format(name, registries)
+        if problem is not None:
+            d.append(Diagnostic.error("E224", problem[0], _spot(spans, "kind"), problem[1]))
+        elif fmt is None and name in registries.formats:  # a family entry (minifloat) names no format
+            d.append(Diagnostic.error(
+                "E224", f"'{name}' is a family of formats: name one", _spot(spans, "kind"),
+                f"e.g. {', '.join(MINIFLOAT_PRESETS)}, or fp{{bits}}_e{{E}}m{{M}}[_b{{bias}}][_ieee|_fn|_finite]"))
+        elif fmt is None:
+            d.append(registries.formats.lookup(name, _spot(spans, "kind")))
     if fmt is not None and not fmt.quantized:
         return d  # a float tensor ignores every other field
 
@@ -235,10 +251,6 @@ def validate_fields(
                 "use minmax, ema, histogram, percentile or mse",
             ))
     return d
-
-
-def _known_formats(registries: Registries) -> set[str]:
-    return set(registries.formats.names()) | set(BUILTIN_FORMATS)
 
 
 def _degenerate(fmt: Any, bits: int, fields: Mapping[str, Any]) -> bool:
@@ -328,7 +340,8 @@ def check_shapes(
                 f"a {nd}-d tensor has axes {-nd}..{nd - 1}; axis {OUT_CHANNEL_AXIS.get(entry.type_name, 0)} "
                 "is the output channels",
             )]
-    if gran.kind is GranularityKind.GROUP and (gran.group_size or 0) > 0 and len(shape) >= 2:
+    if gran.kind is GranularityKind.GROUP and (gran.group_size or 0) > 0 and len(shape) >= 2 \
+            and not recipe.format.ragged_groups:
         row = math.prod(shape[1:])
         if row % gran.group_size:
             # suggest the divisors nearest to what was asked for

@@ -84,7 +84,9 @@ class CompiledGraph:
         is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one),
         ``register_stage`` (int conv/linear only: its output stage is prepared for the AVX2
         kernel's epilogue, applied to the sums in registers when the output is one I8/U8 tensor
-        stored NHWC), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
+        stored NHWC), ``fused_add_stage`` (implicit-GEMM convs: its int32 stage and the residual
+        ADD fused into it run as one float estimate with an exact recompute, when the ADD's
+        tensors are stored NHWC), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
         with the bias and the output stage fused, I8/U8/I32 outputs) and ``nhwc_output`` (the
         op's output was stored NHWC in the last run)."""
         info = (ctypes.c_int64 * 10)()
@@ -103,6 +105,7 @@ class CompiledGraph:
                 entry["implicit_gemm"] = bool(info[6])
                 if info[6] > 0:
                     entry["implicit_gemm_int16"] = info[6] == 2
+                    entry["fused_add_stage"] = bool(info[1])
             if info[8] >= 0:
                 entry["fused_gemm"] = bool(info[8])
             if info[9] >= 0:

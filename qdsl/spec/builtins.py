@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import attrs
 
-from qdsl.spec.formats import BUILTIN_FORMATS, register_format
+from qdsl.spec.formats import BUILTIN_FORMATS, MINIFLOAT_PRESETS, register_format
 from qdsl.spec.registry import NoParams, PartInfo, Registries
 
 __all__ = [
@@ -103,4 +103,13 @@ def builtin_registries() -> Registries:
     for fmt in BUILTIN_FORMATS.values():
         if fmt.quantized:  # float is "no format": never looked up in a registry
             register_format(regs, fmt)
+    for fmt in MINIFLOAT_PRESETS.values():
+        register_format(regs, fmt)
+    # every minifloat (the presets and the generic fp{N}_e{E}m{M}... names) shares the torch
+    # ops of this family entry; it names no format itself (qdsl.spec.formats.lookup_format)
+    regs.formats.add(PartInfo("minifloat", None, extra={"family": True}))
+    # a minifloat scale: the raw scale cast to an 8-bit float (NVFP4's block scales are
+    # fp8_e4m3); scale rules by format name, so `scale = fp8_e4m3` reads like the kind
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        regs.scales.add(PartInfo(name, None, extra={"minifloat": name}))
     return regs

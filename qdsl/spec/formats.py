@@ -24,6 +24,7 @@ so export, lint and QAT read them from the plan without a registry at hand.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from qdsl.spec.model import Kind
@@ -36,11 +37,18 @@ __all__ = [
     "TernaryFormat",
     "PotFormat",
     "FloatFormat",
+    "MinifloatFormat",
     "BUILTIN_FORMATS",
+    "MINIFLOAT_PRESETS",
+    "minifloat_format",
+    "minifloat_problem",
+    "looks_like_minifloat",
+    "is_format_name",
     "kind_name",
     "is_float",
     "builtin_format",
     "format_of",
+    "lookup_format",
     "register_format",
     "int_code_range",
     "pot_levels",
@@ -81,6 +89,9 @@ class NumberFormat:
 
     name: str = ""
     quantized: bool = True
+    family: str = ""
+    """The name the torch ops are registered under when it differs from ``name``: every
+    minifloat (``fp8_e4m3``, ``fp6_e3m2_b2``...) shares the ops registered as ``minifloat``."""
     """False only for ``float`` (the tensor stays in floating point)."""
     zero_point: bool = False
     """An asymmetric zero point exists (``symmetric = false`` is allowed)."""
@@ -109,6 +120,10 @@ class NumberFormat:
     sign_reader: bool = False
     """Its codes are a comparison of ``x`` with one threshold (binary), so a float bias
     read only by it lowers exactly as a sign threshold (qdsl.patch.consumers)."""
+
+    ragged_groups: bool = False
+    """``group(k)`` need not divide a weight row: the last block of a row is shorter (OCP MX
+    pads it); otherwise the resolver requires k to divide the row (E217)."""
 
     max_export_weight_bits: int | None = None
     """The widest weight of this format the integer graph can hold (None: no limit of the
@@ -147,6 +162,10 @@ class NumberFormat:
     def describe(self, bits: int, signed: bool, symmetric: bool) -> str:
         """How lint names a quantizer's codes (``"8-bit signed"``, ``"pot 4-bit"``)."""
         return self.name
+
+    def label(self, bits: int) -> str:
+        """A short name for reprs: ``int8``, ``pot4``; a name that holds its width, as is."""
+        return f"{self.name}{bits}"
 
     def __repr__(self) -> str:
         return f"<number format {self.name}>"
@@ -274,6 +293,183 @@ class FloatFormat(NumberFormat):
         return ()
 
 
+class MinifloatFormat(NumberFormat):
+    """A sign bit, ``exponent`` exponent bits and ``mantissa`` mantissa bits (OCP FP8/FP6/FP4).
+
+    Value of the bit pattern ``s|e|m`` (exponent field ``e``, mantissa field ``m``):
+    ``(-1)^s · 2^(1-bias) · m/2^M`` when ``e = 0`` (subnormals, and ±0), else
+    ``(-1)^s · 2^(e-bias) · (1 + m/2^M)``.  ``special`` says which patterns are not numbers:
+
+    * ``ieee`` - the all-ones exponent holds ±inf (``m = 0``) and NaNs (fp8_e5m2);
+    * ``fn``   - no infinities; only ``S.1..1.1..1`` is NaN (fp8_e4m3, torch's ``float8_e4m3fn``);
+    * ``finite`` - every pattern is a number (the OCP FP6 and FP4 element formats).
+
+    Quantized values never reach inf/NaN: rounding saturates to ``±max_normal``.  Every value
+    is an integer multiple of ``2^(emin - M)`` (the smallest subnormal), so the format's
+    integer grid (``code_range``, ``operand_codes``, ``grid_step``) is that multiple, which
+    is what an integer accumulator would multiply (fp4_e2m1: ±12 steps of 0.5).
+
+    >>> f = MINIFLOAT_PRESETS["fp8_e4m3"]
+    >>> f.max_normal, f.min_normal, f.min_subnormal, f.emax, f.bits
+    (448.0, 0.015625, 0.001953125, 8, 8)
+    >>> MINIFLOAT_PRESETS["fp4_e2m1"].values()
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    """
+
+    family = "minifloat"
+    default_observer = "minmax"
+    ragged_groups = True
+    fixed_width = True
+    signedness = False
+
+    def __init__(self, name: str, exponent: int, mantissa: int, bias: int | None = None, special: str = "finite"):
+        self.name = name
+        self.exponent, self.mantissa = exponent, mantissa
+        self.bias = (1 << (exponent - 1)) - 1 if bias is None else bias
+        self.special = special
+        self.bits = self.default_bits = 1 + exponent + mantissa
+        top = (1 << exponent) - 1  # the all-ones exponent field
+        top_mant = (1 << mantissa) - 1
+        if special == "ieee":
+            top, top_mant = top - 1, top_mant
+        elif special == "fn":
+            top_mant -= 1  # S.1..1.1..1 is NaN
+        self.emax = top - self.bias
+        """Unbiased exponent of the largest normal value (OCP MX's ``emax_elem``)."""
+        self.emin = 1 - self.bias
+        self.max_normal = 2.0 ** self.emax * (1 + top_mant / (1 << mantissa))
+        self.min_normal = 2.0 ** self.emin
+        self.min_subnormal = 2.0 ** (self.emin - mantissa)
+        self.has_inf = special == "ieee"
+        self.has_nan = special != "finite"
+        self._max_steps = int(self.max_normal / self.min_subnormal)
+
+    def values(self) -> list[float]:
+        """Every finite non-negative value, ascending (``-0`` and negatives mirror them)."""
+        out = {0.0}
+        step = 2.0 ** -self.mantissa
+        for m in range(1, 1 << self.mantissa):
+            out.add(2.0 ** self.emin * m * step)
+        for e in range(self.emin, self.emax + 1):
+            for m in range(1 << self.mantissa):
+                v = 2.0 ** e * (1 + m * step)
+                if v <= self.max_normal:
+                    out.add(v)
+        return sorted(out)
+
+    def code_range(self, bits, signed, narrow):
+        # the integer grid (multiples of the smallest subnormal), not the bit patterns
+        return -self._max_steps, self._max_steps
+
+    def bits_requirement(self):
+        return f"== {self.bits}"
+
+    def bits_ok(self, bits):
+        return bits == self.bits
+
+    def grid_step(self, bits):
+        return self.min_subnormal
+
+    def operand_codes(self, codes):
+        # bit patterns (uint8, sign|exponent|mantissa) -> integer multiples of min_subnormal:
+        # subnormal m, normal 2^(e-1)·(2^M + m); numpy imported here as in PotFormat
+        import numpy as np
+
+        c = np.asarray(codes).astype(np.int64)
+        m_bits = self.mantissa
+        sign = np.where((c >> (self.bits - 1)) & 1, -1, 1)
+        e = (c >> m_bits) & ((1 << self.exponent) - 1)
+        m = c & ((1 << m_bits) - 1)
+        mag = np.where(e == 0, m, np.left_shift(np.int64(1) << m_bits | m, np.maximum(e - 1, 0)))
+        return sign * mag
+
+    def describe(self, bits, signed, symmetric):
+        return f"{self.name} (e{self.exponent}m{self.mantissa})"
+
+    def label(self, bits):
+        return self.name
+
+    def __eq__(self, other):
+        return isinstance(other, MinifloatFormat) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def _key(self):
+        return self.name, self.exponent, self.mantissa, self.bias, self.special
+
+
+_SPECIALS = ("ieee", "fn", "finite")
+MINIFLOAT_PRESETS: dict[str, MinifloatFormat] = {
+    f.name: f for f in (
+        MinifloatFormat("fp8_e4m3", 4, 3, special="fn"),
+        MinifloatFormat("fp8_e5m2", 5, 2, special="ieee"),
+        MinifloatFormat("fp6_e3m2", 3, 2),
+        MinifloatFormat("fp6_e2m3", 2, 3),
+        MinifloatFormat("fp4_e2m1", 2, 1),
+    )
+}
+"""The OCP formats by name (OCP 8-bit FP v1.0, OCP MX v1.0 element formats)."""
+
+# generic minifloats: fp{bits}_e{E}m{M}, then optionally _b{bias} and _ieee / _fn / _finite
+_MF_NAME = re.compile(r"fp(\d+)_e(\d+)m(\d+)(?:_b(\d+))?(?:_(ieee|fn|finite))?")
+_MF_LOOSE = re.compile(r"fp\d*_?e\d+m\d+\w*")
+_MF_FORM = "fp{bits}_e{E}m{M}[_b{bias}][_ieee|_fn|_finite]"
+_MF_CACHE: dict[str, MinifloatFormat] = {}
+
+
+def looks_like_minifloat(name: str) -> bool:
+    """``name`` is meant as a minifloat format (the DSL reads such a head as a kind)."""
+    return name in MINIFLOAT_PRESETS or name == "minifloat" or _MF_LOOSE.fullmatch(name) is not None
+
+
+def is_format_name(name: str) -> bool:
+    """The DSL reads ``name`` / ``name(...)`` as a kind: a built-in kind or a minifloat."""
+    return name in BUILTIN_FORMATS or looks_like_minifloat(name)
+
+
+def minifloat_problem(name: str) -> tuple[str, str] | None:
+    """``(message, hint)`` when ``name`` looks like a minifloat but names none, else None."""
+    if name in MINIFLOAT_PRESETS:
+        return None
+    m = _MF_NAME.fullmatch(name)
+    presets = ", ".join(MINIFLOAT_PRESETS)
+    if name == "minifloat":
+        return "'minifloat' is a family of formats: name one", f"e.g. {presets}, or {_MF_FORM}"
+    if m is None:
+        return (f"'{name}' is not a minifloat format name",
+                f"write one of {presets}, or {_MF_FORM}")
+    bits, e, mant = int(m[1]), int(m[2]), int(m[3])
+    bias, special = m[4], m[5] or "finite"
+    if e < 1 or 1 + e + mant > 8:
+        return (f"'{name}': a minifloat needs 1 to 7 exponent bits and at most 8 bits in all "
+                f"(sign + exponent + mantissa), got 1 + {e} + {mant}", f"presets: {presets}")
+    if bits != 1 + e + mant:
+        return (f"'{name}': sign + exponent + mantissa is 1 + {e} + {mant} = {1 + e + mant} bits, not {bits}",
+                f"write fp{1 + e + mant}_e{e}m{mant}{name[m.end(3):]}")
+    if bias is not None and int(bias) >= (1 << e):
+        return (f"'{name}': exponent bias {bias} is out of range for {e} exponent bits",
+                f"use a bias in 0..{(1 << e) - 1} (default {(1 << (e - 1)) - 1})")
+    if special == "ieee" and e < 2:
+        return f"'{name}': an IEEE-like format needs >= 2 exponent bits (one exponent is inf/NaN)", \
+            f"drop '_ieee' (fp{bits}_e{e}m{mant} has no inf/NaN)"
+    if special == "fn" and mant < 1:
+        return f"'{name}': '_fn' (only S.1..1.1..1 is NaN) needs >= 1 mantissa bit", \
+            "use _ieee or _finite"
+    return None
+
+
+def minifloat_format(name: str) -> MinifloatFormat | None:
+    """The minifloat ``name`` names (a preset or the generic form), or None."""
+    fmt = MINIFLOAT_PRESETS.get(name) or _MF_CACHE.get(name)
+    if fmt is not None or minifloat_problem(name) is not None or not looks_like_minifloat(name):
+        return fmt
+    m = _MF_NAME.fullmatch(name)
+    bias = None if m[4] is None else int(m[4])
+    fmt = _MF_CACHE[name] = MinifloatFormat(name, int(m[2]), int(m[3]), bias, m[5] or "finite")
+    return fmt
+
+
 BUILTIN_FORMATS: dict[str, NumberFormat] = {
     f.name: f for f in (IntFormat(), BinaryFormat(), TernaryFormat(), PotFormat(), FloatFormat())
 }
@@ -286,8 +482,9 @@ def is_float(kind: Any) -> bool:
 
 
 def builtin_format(kind: Any) -> NumberFormat:
-    """The facts of a built-in kind (``Kind.POT`` or ``"pot"``)."""
-    return BUILTIN_FORMATS[kind_name(kind)]
+    """The facts of a built-in kind (``Kind.POT`` or ``"pot"``, or a minifloat's name)."""
+    name = kind_name(kind)
+    return BUILTIN_FORMATS.get(name) or minifloat_format(name) or BUILTIN_FORMATS[name]
 
 
 def format_of(kind: Any, registries: Registries | None = None, default: NumberFormat | None = None) -> NumberFormat:
@@ -298,9 +495,24 @@ def format_of(kind: Any, registries: Registries | None = None, default: NumberFo
         fmt = registries.formats.get(name).extra.get("format")
         if fmt is not None:
             return fmt
-    if name not in BUILTIN_FORMATS and default is not None:
-        return default
+    if name not in BUILTIN_FORMATS:
+        mini = minifloat_format(name)  # the generic minifloat names form an open family
+        if mini is not None:
+            return mini
+        if default is not None:
+            return default
     return BUILTIN_FORMATS[name]
+
+
+def lookup_format(kind: Any, registries: Registries | None = None) -> NumberFormat | None:
+    """The facts of ``kind`` or None: a registered format, a built-in one, or a minifloat
+    name (a family entry such as ``minifloat`` names ops, not a format)."""
+    name = kind_name(kind)
+    if registries is not None and name in registries.formats:
+        fmt = registries.formats.get(name).extra.get("format")
+        if fmt is not None:
+            return fmt
+    return BUILTIN_FORMATS.get(name) or minifloat_format(name)
 
 
 def register_format(registries: Registries, fmt: NumberFormat, ops: Any = None, *, override: bool = False) -> None:

@@ -16,7 +16,12 @@ applied with an int32 fixed-point multiplier and shift), ``pot`` (a power of two
 with a shift alone), and, for the bias role, ``input*weight`` (int32 bias sharing the
 accumulator's scale).  A spec's ``learned`` scale exports as ``float``; ``pot``,
 ``pot_ceil`` and ``learned_pot`` export as ``pot``.  A ``pot`` scale is a real number too,
-so a target that accepts ``float`` scales also accepts ``pot`` ones.
+so a target that accepts ``float`` scales also accepts ``pot`` ones.  A scale coded in a
+minifloat (``scale = fp8_e4m3``, NVFP4's block scales) exports as its own class, named
+like the format; OCP MX's E8M0 block scale is ``pot``.
+
+``kinds`` lists built-in kinds as :class:`Kind` members and minifloat formats by name
+(``fp8_e4m3``...): a target names the element formats it executes.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Mapping
 import attrs
 
 from qdsl.spec.diagnostics import Span, UNKNOWN_SPAN
+from qdsl.spec.formats import minifloat_format
 from qdsl.spec.model import GranularityKind, Kind, Overflow, Role, attrs_frozendict
 
 __all__ = [
@@ -40,6 +46,7 @@ __all__ = [
     "CAPS_FIELDS",
     "SCALE_CLASSES",
     "export_scale_class",
+    "scale_allowed",
 ]
 
 PROFILE_VERSION = 1
@@ -66,7 +73,17 @@ def export_scale_class(scale: str, pot_names: frozenset[str] = frozenset()) -> s
     """
     if scale in _SPEC_SCALE_CLASS:
         return _SPEC_SCALE_CLASS[scale]
+    if minifloat_format(scale) is not None:  # a scale coded in a minifloat (NVFP4: fp8_e4m3)
+        return scale
     return "pot" if scale in pot_names else "float"
+
+
+def scale_allowed(cls: str, allowed: tuple[str, ...]) -> bool:
+    """A scale of class ``cls`` is accepted by a target listing ``allowed``: a power of two
+    and a minifloat-coded scale are real numbers too, so ``float`` accepts them."""
+    if cls in allowed:
+        return True
+    return "float" in allowed and (cls == "pot" or minifloat_format(cls) is not None)
 
 
 class NarrowRange(str, enum.Enum):
@@ -108,7 +125,8 @@ CAPS_FIELDS = (
 class TensorCaps:
     """What a target accepts for one operand role (all ``None`` = unconstrained).
 
-    * ``kinds``: allowed :class:`Kind` values; ``float`` means the role may stay float.
+    * ``kinds``: allowed :class:`Kind` values and minifloat format names; ``float`` means
+      the role may stay float.
     * ``bits``: allowed bit widths for ``int`` and ``pot`` kinds (binary is 1 bit and
       ternary 2 by definition, so ``bits`` does not apply to them).
     * ``signedness``: subset of ``("signed", "unsigned")``.
@@ -120,7 +138,7 @@ class TensorCaps:
     * ``dynamic``: ``False`` means scales must be fixed at export (no per-batch scales).
     """
 
-    kinds: tuple[Kind, ...] | None = None
+    kinds: tuple[Kind | str, ...] | None = None
     bits: tuple[int, ...] | None = None
     signedness: tuple[str, ...] | None = None
     scales: tuple[str, ...] | None = None

@@ -211,6 +211,9 @@ def test_minilm_exports_with_its_attention_mask():
         return a @ b / np.linalg.norm(a) / np.linalg.norm(b)
     print(f"\nMiniLM hidden states (real tokens): cos(graph, float) {cos(got, want):.4f}  "
           f"cos(fq, float) {cos(fq, want):.4f}  cos(graph, fq) {cos(got, fq):.4f}")
-    assert cos(got, want) >= 0.95 and cos(got, fq) >= 0.95
+    # graph vs fake-quant 0.9974: the wide LayerNorm sums on the finest grid their worst case
+    # allows (lower_attn.wide_sum_grid; at an accumulator's unit: 0.9900, what the softmax made of
+    # the 8-bit code differences that grid started); graph vs float 0.990, fake-quant 0.9905
+    assert cos(got, want) >= 0.95 and cos(got, fq) >= 0.995
     if rt.available():
         np.testing.assert_array_equal(np.asarray(run_graph(graph, feeds, backend="cpp")["output"]), got)

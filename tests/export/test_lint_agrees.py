@@ -25,7 +25,8 @@ SPECS = sorted(os.path.basename(p)[: -len(".qspec")] for p in glob.glob("specs/*
                if not os.path.basename(p).startswith("transformer"))
 REFUSALS = {"W320", "W321"}
 # int8-default for every model is fast; the other specs repeat the ResNet-50 / EfficientNet cost
-FAST = {(m, "int8-default") for m in MODELS} | {("resnet18", "xnor-binary"), ("unet", "xnor-binary")}
+FAST = {(m, "int8-default") for m in MODELS} | {("resnet18", "xnor-binary"), ("unet", "xnor-binary"),
+                                               ("resnet18", "mxfp4")}
 
 
 def _cases():

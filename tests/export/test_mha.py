@@ -114,16 +114,12 @@ def test_exports_runs_in_cpp_bit_identical_and_agrees(case):
     print(f"{case}: cos(graph, float) {cos_float:.5f}, cos(graph, fake-quant) {cos_fq:.6f}, output codes equal "
           f"{np.mean(lsb < 0.5):.4f}, within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
     assert cos_float >= 0.99
-    if case == "encoder-pre-norm":
-        # the first residual sum is float in the fake-quant model, norm2's input codes in the graph
-        # (64.7% of the codes equal, 99.7% within 1 LSB; with a float LayerNorm/softmax 61.9%/99.4%)
-        assert cos_fq >= 0.9995 and np.mean(lsb < 0.5) >= 0.6 and np.mean(lsb < 1.5) >= 0.995 and lsb.max() <= 2.5
-    elif case == "encoder-post-norm":
-        # the frozen fake-quant LayerNorms and softmax compute the graph's LAYERNORM and SOFTMAX
-        # (qdsl.patch.int_sim): every output code equal (float LayerNorm: 96.9%)
-        assert cos_fq >= 0.999999 and np.mean(lsb < 0.5) == 1.0
-    else:
-        assert cos_fq >= 0.999999 and np.mean(lsb < 0.5) == 1.0
+    # the frozen fake-quant LayerNorms and softmax compute the graph's LAYERNORM and SOFTMAX
+    # (qdsl.patch.int_sim): every output code equal (post-norm with a float LayerNorm: 96.9%).
+    # Pre-norm: the second residual add reads the first sum at norm2's input grid in both
+    # (int_sim.PreNormResidualSim; when the fake-quant model added the float sum: 64.7% equal,
+    # 99.7% within 1 LSB, below the CNN baseline of benchmarks/fq_agreement.py)
+    assert cos_fq >= 0.999999 and np.mean(lsb < 0.5) == 1.0
 
 
 def test_post_norm_layernorm_output_stays_wide():

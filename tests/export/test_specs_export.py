@@ -20,7 +20,9 @@ from qdsl.zoo.models import digits_resnet, mlp
 SPECS = sorted(os.path.basename(p)[: -len(".qspec")] for p in glob.glob("specs/*.qspec"))
 # transformer specs target other models; int8-dynamic's dynamic inputs export for Linear
 # layers only (tests/runtime/test_dynamic_ops.py exports it on an MLP)
-CNN_SPECS = [s for s in SPECS if not s.startswith(("transformer", "int8-dynamic"))]
+# mxfp4: its fp8_e4m3 activations have no integer-graph type (E402 naming the first one, lint W321:
+# test_lint_agrees); MXFP4 weights alone export when exact (tests/export/test_minifloat_export.py)
+CNN_SPECS = [s for s in SPECS if not s.startswith(("transformer", "int8-dynamic", "mxfp"))]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from qdsl.spec.model import GranularityKind, Kind, Overflow, Role
 from qdsl.spec.profile import NarrowRange, Position
 
 REPO = Path(__file__).resolve().parents[2]
-BUNDLED = ["int-only-photonic", "pot-asic-24bit-acc", "tflite-int8", "x86-fbgemm", "xnor-fpga"]
+BUNDLED = ["int-only-photonic", "ocp-mx", "pot-asic-24bit-acc", "tflite-int8", "x86-fbgemm", "xnor-fpga"]
 
 
 def test_bundled_profiles_are_listed_and_load():

@@ -139,3 +139,53 @@ def test_calibration_runs_the_float_layernorm():
     qdsl.freeze(model)
     with torch.no_grad():
         assert not torch.equal(model(x), before)
+
+
+PRE_NORM_SPEC = """
+version 1
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+defaults {
+  weight = w8
+  input = a8
+  bias = int(bits=32, signed, symmetric, scale=input*weight)
+}
+rule head { output = a8 }
+"""
+
+
+class _PreNormStack(nn.Module):
+    """embed -> two pre-norm nn.TransformerEncoderLayers -> head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.layers = nn.ModuleList(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
+                                                               norm_first=True) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def test_pre_norm_encoder_layers_add_the_first_residual_sum_as_the_graph_does():
+    """A frozen pre-norm layer's output is norm2's input codes plus ff (PreNormResidualSim), the
+    graph's second ADD: every output code equal (adding the float first sum: ~65% in
+    tests/export/test_mha.py's encoder); the gradient still flows (straight-through)."""
+    torch.manual_seed(2)
+    model = _PreNormStack().eval()
+    qdsl.apply(model, parse_text(PRE_NORM_SPEC, "t.qspec"))
+    qdsl.calibrate(model, [torch.randn(32, 6, 8)])
+    qdsl.freeze(model)
+    x = torch.randn(4, 6, 8)
+    graph = qdsl.export(model, x[:1])
+    with torch.no_grad():
+        fq = model(x).numpy()
+    s = float(get_handle(model).quantizer("head", "output").scale)
+    np.testing.assert_array_equal(np.rint(fq / s), np.rint(execute(graph, x.numpy()).outputs[0] / s))
+    xg = x.clone().requires_grad_()
+    model(xg).sum().backward()
+    assert xg.grad is not None and float(xg.grad.abs().sum()) > 0

@@ -63,12 +63,17 @@ def _channel_shift(model, ref, x, name):
 def test_bias_correction_removes_mean_shift(bias):
     ref, model = _net(bias), _net(bias)
     x = _data()
-    qdsl.apply(model, _spec(3, "bias_correction = true", fold=False, bias=bias))
-    qdsl.calibrate(model, [x[:64], x[64:]])  # runs correct_bias (spec) after the observers
+    # the correction's math, unguarded: qdsl.calibrate fits it on part of the data and
+    # checks it on the rest (test_auto_ptq.py covers that path)
+    off = "bias_correction = true\nlearned_rounding = \"none\""
+    qdsl.apply(model, _spec(3, off, fold=False, bias=bias))  # true: bias-less layers get a bias
+    with qdsl.calibration.calibrating(model), torch.no_grad():  # observers only
+        model(x[:64]), model(x[64:])
+    correct_bias(model, [x[:64], x[64:]])
     after = _channel_shift(model, ref, x, "fc").abs().max()
     # the same model without the correction
     plain = _net(bias)
-    qdsl.apply(plain, _spec(3, fold=False, bias=bias))
+    qdsl.apply(plain, _spec(3, "bias_correction = false\nlearned_rounding = \"none\"", fold=False, bias=bias))
     qdsl.calibrate(plain, [x[:64], x[64:]])
     before = _channel_shift(plain, ref, x, "fc").abs().max()
     q = qdsl.patch.get_handle(model).quantizer("fc", "bias")
@@ -165,14 +170,14 @@ def test_learned_rounding_rejects_unknown_method_and_group_scales():
     qdsl.apply(model, _spec(4, fold=False))
     x = _data()
     qdsl.calibrate(model, [x])
-    with pytest.raises(QdslError, match="unknown learned rounding 'adaround'"):
-        learn_rounding(model, [x], "adaround")
+    with pytest.raises(QdslError, match="unknown learned rounding 'obq'"):
+        learn_rounding(model, [x], "obq")
 
 
 def test_finish_calibration_is_a_no_op_without_steps():
     model = _net()
-    qdsl.apply(model, _spec(4, fold=False))
-    assert finish_calibration(model, []) == {}
+    qdsl.apply(model, _spec(4, "bias_correction = false\nlearned_rounding = \"none\"", fold=False))
+    assert len(finish_calibration(model, [])) == 0
 
 
 def test_scales_fixed_is_exact_and_restores_the_proxies():
@@ -204,9 +209,12 @@ def test_calibrate_with_a_generator_still_runs_the_spec_steps():
 
 
 def test_unimplemented_learned_rounding_fails_before_calibration():
+    import attrs
+
     model = _net()
-    qdsl.apply(model, _spec(3, 'learned_rounding = "adaround"', fold=False))
-    with pytest.raises(QdslError, match="learned_rounding = 'adaround', which qdsl does not implement; use 'gptq'"):
+    # every value the spec grammar accepts is implemented: a hand-built spec names another
+    qdsl.apply(model, attrs.evolve(_spec(3, fold=False), learned_rounding="obq"))
+    with pytest.raises(QdslError, match="learned_rounding = 'obq', which qdsl does not implement; use 'gptq'"):
         qdsl.calibrate(model, [_data()])
     assert qdsl.patch.get_handle(model).quantizer("c1", "input").observer.observed is False
 
@@ -223,4 +231,5 @@ def test_calibration_layer_needs_the_ptq_steps_passed_in():
     with pytest.raises(QdslError, match="bias_correction"):
         qdsl.calibration.calibrate(model, [x[:64]])
     qdsl.calibration.calibrate(model, [x[:64]], steps=pipeline)
-    assert qdsl.patch.get_handle(model).quantizer("fc", "bias").offset.shape == (5,)
+    # it ran on every layer (each correction kept only where held-back rows say it helps)
+    assert {d.layer for d in pipeline.ptq_report(model).for_step("bias_correction")} == {"c1", "c2", "fc"}

@@ -15,7 +15,7 @@ from torch import nn
 import qdsl
 from qdsl.quantizers.formats import FormatOps
 from qdsl.spec.diagnostics import SpecError
-from qdsl.spec.formats import BUILTIN_FORMATS, NumberFormat, builtin_format, int_code_range, register_format
+from qdsl.spec.formats import BUILTIN_FORMATS, MINIFLOAT_PRESETS, NumberFormat, builtin_format, int_code_range, register_format
 from qdsl.spec.model import Kind
 
 
@@ -155,7 +155,8 @@ def test_every_builtin_kind_has_a_format_and_only_float_is_unquantized():
     assert set(BUILTIN_FORMATS) == {k.value for k in Kind}
     assert [f.name for f in BUILTIN_FORMATS.values() if not f.quantized] == ["float"]
     regs = qdsl.default_registries()
-    assert set(regs.formats.names()) == {k.value for k in Kind} - {"float"}
+    # plus the minifloat presets and their family entry (qdsl.spec.formats.MINIFLOAT_PRESETS)
+    assert set(regs.formats.names()) == ({k.value for k in Kind} - {"float"}) | set(MINIFLOAT_PRESETS) | {"minifloat"}
 
 
 def test_user_kind_round_trips_through_both_front_ends():

@@ -22,7 +22,7 @@ import qdsl.runtime as rt
 
 pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
 
-from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, OutputStage, Tensor  # noqa: E402
+from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, OutputStage, Rescale, RescaleKind, Tensor  # noqa: E402
 from qdsl.graph.requant import make_rescale  # noqa: E402
 
 from tests.runtime.test_graph import PATHS, _check, _rand, _stage  # noqa: E402
@@ -329,3 +329,82 @@ def test_igemm_stage_from_registers_matches_reference(threads, seed, k, stride, 
     if layouts is not None:
         assert layouts["conv"] == (True, True) and layouts["head"] == (True, False)
         assert _register_stage(cg)["conv"] == (not left)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 3]), c=st.sampled_from([8, 16, 17, 40]),
+       other=st.sampled_from([DType.U8, DType.I8, DType.I32]), sum_dtype=st.sampled_from([DType.U8, DType.I8]),
+       exported=st.booleans(), pre=st.sampled_from([0, 0, 1, 3]))
+def test_igemm_fused_add_stage_matches_reference(threads, seed, k, c, other, sum_dtype, exported, pre):
+    """stem (1x1) -> conv (k x k, I32) + shortcut -> ADD -> head (1x1), every tensor but x and
+    y NHWC: the conv takes the ADD into its epilogue, where its int32 stage and the ADD run as
+    one float estimate with an exact recompute near rounding boundaries
+    (csrc/requant/stage_add_f32.h; plan: fused_add_stage).  The shortcut is the stem's U8/I8
+    output, or an int32 one (a 1x1 conv with an I32 stage, as in downsampling blocks and
+    exported MobileNetV2s).  `exported`: the stages an export writes (the conv's int32 stage
+    a left shift with a FIXED_SINGLE multiplier, the ADD's conv input POT 0, its output POT
+    right shift), which the estimate must take; else random stages of every kind and rounding
+    (taken or not).  Output shifts down to 6 put many sums near rounding boundaries (the
+    recompute)."""
+    rng = np.random.default_rng(seed)
+    h, w = int(rng.integers(k, k + 12)), int(rng.integers(k, k + 14))
+    cin = int(rng.choice([8, 13, 24]))
+    cs = cin if other is DType.I32 else c  # the stem's channels (an 8-bit shortcut: the conv's)
+    ws, wc, wo, wh = (_weights(rng, n, m, kk, 127) for n, m, kk in ((cs, cin, 1), (c, cs, k), (c, cs, 1), (9, c, 1)))
+    s_dtype = other if other is not DType.I32 else DType.U8
+    slo, shi = s_dtype.range
+    stem = _attrs(rng, cs, s_dtype, 1, 1, 0, in_zp=0)
+    stem.update(out_min=max(slo, 0) if s_dtype is DType.U8 else slo, out_max=min(shi, 127))
+    stem["out_zp"] = int(np.clip(stem["out_zp"], stem["out_min"], stem["out_max"]))
+    lo, hi = sum_dtype.range
+    if exported:
+        def i32_stage(n):
+            r = Rescale(RescaleKind.FIXED_SINGLE, tuple(int(v) for v in rng.integers(1 << 30, 1 << 31, n)),
+                        (-7,) * n, int(rng.integers(0, 4)))
+            return OutputStage(r, 0, -(2**31), 2**31 - 1).attrs()
+        shift = int(rng.integers(6, 17))  # (6: about a fifth of the lanes near a boundary, recomputed)
+        in_rq = {"in_zp": [0, 0 if other is DType.I32 else int(stem["out_zp"])], "in_kind": [1, 1 if other is DType.I32 else 2],
+                 "in_multiplier": [1, 1 if other is DType.I32 else int(rng.integers(1 << 30, 1 << 31))],
+                 "in_shift": [0, 0 if other is DType.I32 else -shift + int(rng.integers(-2, 3))],
+                 "in_rounding": [0, int(rng.integers(0, 4))]}
+        zp = int(rng.integers(lo, hi + 1))
+        out_stage = OutputStage(Rescale(RescaleKind.POT, (1,), (shift,), int(rng.integers(0, 4))), zp,
+                                zp if rng.random() < 0.5 else lo, hi).attrs()
+    else:
+        def i32_stage(n):
+            return _stage(rng, n, -(2**31), 2**31 - 1, pot=False)
+        kinds = [int(v) for v in rng.integers(0, 3, 2)]
+        other_zp = int(rng.integers(-3, 4)) if other is DType.I32 else int(rng.integers(*s_dtype.range))
+        in_rq = {"in_zp": [int(rng.integers(-3, 4)), other_zp], "in_kind": kinds,
+                 "in_multiplier": [1 if kd == 1 else int(rng.integers(1 << 30, 1 << 31)) for kd in kinds],
+                 "in_shift": [int(rng.integers(-8, 3)) for _ in kinds],
+                 "in_rounding": [0 if kd == 0 else int(rng.integers(0, 4)) for kd in kinds]}
+        out_stage = _stage(rng, 1, lo, hi)
+    conv = {"stride": [1, 1], "padding": [k // 2] * 2, "dilation": [1, 1], "groups": 1, "in_zp": 0, "w_zp": [0],
+            "acc_bits": 32, "overflow": 0, **i32_stage(c)}
+    shape = (-1, c, h, w)
+    tensors = [Tensor("x", DType.U8, (-1, cin, h, w)), Tensor("s", s_dtype, (-1, cs, h, w)),
+               Tensor("ws", DType.I8, ws.shape, ws), Tensor("wc", DType.I8, wc.shape, wc),
+               Tensor("wo", DType.I8, wo.shape, wo), Tensor("wh", DType.I8, wh.shape, wh),
+               Tensor("bc", DType.I32, (c,), rng.integers(-3000, 3000, c)), Tensor("r", DType.I32, shape),
+               Tensor("sum", sum_dtype, shape), Tensor("y", DType.U8, (-1, 9, h, w))]
+    ops = [Op(OpType.CONV2D, "stem", ["x", "ws"], ["s"], stem)]
+    short = "s"
+    if other is DType.I32:  # produced before the conv, so the conv takes the ADD
+        tensors.append(Tensor("o", DType.I32, shape))
+        ops.append(Op(OpType.CONV2D, "short", ["s", "wo"], ["o"],
+                      {**conv, "padding": [0, 0], **i32_stage(c)}))
+        short = "o"
+    ops.append(Op(OpType.CONV2D, "conv", ["s", "wc", "bc"], ["r"], conv))
+    slot = int(rng.integers(0, 2))
+    ops.append(Op(OpType.ADD, "add", ["r", short][::1 - 2 * slot], ["sum"],
+                  {**{key: val[::1 - 2 * slot] for key, val in in_rq.items()}, "pre_shift": pre, **out_stage}))
+    ops.append(Op(OpType.CONV2D, "head", ["sum", "wh"], ["y"], _attrs(rng, 9, DType.U8, 1, 1, 0, in_zp=0)))
+    graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
+    x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), cin, h, w))
+    cg = _check(graph, x)
+    layouts = _layouts(cg, x)
+    if layouts is not None:
+        assert layouts["conv"] == (True, True) and layouts["add"][1]
+        if exported and pre == 0:
+            assert {p["name"]: p.get("fused_add_stage") for p in cg.plan()}["conv"]

@@ -8,7 +8,8 @@
 #include "qdsl/requant.h"
 
 namespace qdsl {
-struct StageF32;  // requant/stage_f32.h
+struct StageF32;     // requant/stage_f32.h
+struct StageAddF32;  // requant/stage_add_f32.h
 namespace x86 {
 
 void GemmI16Avx2(int rows, const int16_t* a, int64_t lda, const uint8_t* panel, int64_t kpairs, int32_t* c,
@@ -43,6 +44,9 @@ void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t c
 // Per-column (channel c0 + c) stage into int32 over a [rows][cols] block (StageI32RowsKernel).
 void StageI32RowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const OutputStage& stage,
                       int64_t c0, int32_t* out, int64_t ldo);
+// A conv's int32 stage and the residual ADD it feeds, into the ADD's codes (StageAddRowsKernel).
+void StageAddRowsAvx2(const int32_t* acc, int64_t rows, int64_t cols, int64_t lda, const StageAddF32& s, int64_t c0,
+                      const uint8_t* other, int64_t ldo, uint8_t* y, int64_t ldy);
 QDSL_DECLARE_MADDUBS(1)
 QDSL_DECLARE_MADDUBS(2)
 QDSL_DECLARE_MADDUBS(4)

@@ -18,6 +18,7 @@
 
 #include "dispatch.h"
 #include "qdsl/aligned.h"
+#include "requant/stage_add_f32.h"
 #include "requant/stage_f32.h"
 #include "runtime/ops/op.h"
 
@@ -81,6 +82,10 @@ struct ConvParams : OpParams {
   // from registers, no int32 tile) when it is FIXED_SINGLE with shifts in [0, 31] and the
   // output I8/U8; channels padded to ig_panels * 16.
   StageF32 ig_stage;
+  // ig_add: this conv's int32 stage and the fused ADD's (fused_add) prepared as one estimate
+  // (StageAddRowsKernel), when the ADD's other input and output are 8-bit codes and the
+  // conditions of requant/stage_add_f32.h hold (prepare.cc FuseResidualAdds)
+  StageAddF32 ig_add;
   // Depthwise (groups == C, so each output channel reads one input plane; a depth
   // multiplier m = O / C >= 1) with int32-exact sums: DepthwiseConv runs it (conv_dw.cc).
   // dw_taps: [O][kh * kw] (W - w_zp); dw_pairs: [O][kh][(kw + 1) / 2] taps 2j (low half)

@@ -161,6 +161,10 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
                          (out_dtype == kU8 || out_dtype == kI8);
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
+  // the fused ADD's codes straight from the int32 tile (ig_add: the conv's stage and the ADD
+  // as one estimate) when the ADD's tensors are NHWC like the tile's rows
+  const StageAddRowsKernel stage_add =
+      add != nullptr && out_nhwc && p.ig_add.ok && RegisterStageEnabled() ? SelectStageAddRowsKernel(path) : nullptr;
   const int64_t bsz = BlockPositions(P), blocks = (P + bsz - 1) / bsz;
   const int64_t work = e.n * P * O * (taps * cp + 64 * static_cast<int64_t>(outs.size()));
   const int threads = ThreadsFor(work);
@@ -236,6 +240,11 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
       int32_t* y32 = reinterpret_cast<int32_t*>(o.y);
       if (!fused && o.nhwc) {
         stage_rows(acc.data(), m, cols, ld, o.sd->stage, c0, y32 + first * O + c0, O);
+        continue;
+      }
+      if (fused && stage_add != nullptr) {  // (o.nhwc: stage_add needs out_nhwc)
+        stage_add(acc.data(), m, cols, ld, p.ig_add, c0, add_other + (first * O + c0) * add_other_size, O,
+                  add_y + first * O + c0, O);
         continue;
       }
       thread_local AlignedVector<int32_t> tile32, planes;

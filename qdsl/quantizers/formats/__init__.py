@@ -1,4 +1,4 @@
-"""Number formats, torch side: one module per built-in kind (int, binary, ternary, pot).
+"""Number formats, torch side: one module per built-in kind (int, binary, ternary, pot, minifloat).
 
 Each module holds a :class:`~qdsl.quantizers.formats.base.FormatOps` subclass that a
 :class:`~qdsl.quantizers.proxy.TensorQuantizer` delegates to for everything that differs
