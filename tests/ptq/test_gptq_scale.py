@@ -202,8 +202,9 @@ def test_dead_inputs_keep_nearest_rounding_and_indefinite_hessians_get_more_damp
 
 
 def _spec(extra="", granularity="per_channel"):
+    # the steps off: calibrate runs the observers only, the tests call learn_rounding themselves
     return parse_text(
-        f"version 1\n{extra}\n"
+        f"version 1\nlearned_rounding = none\nbias_correction = false\n{extra}\n"
         f"quantizer w3 = int(bits=3, signed, symmetric, {granularity}, observer=minmax)\n"
         "defaults {\n  weight = w3\n}\n", "t.qspec")
 
