@@ -70,6 +70,7 @@ VARIANTS = {
     "auto - bias corr.": ["bias_correction=false"],
     "auto - gptq": ["learned_rounding=none"],
     "auto": [],
+    "auto adaround": ["learned_rounding=adaround"],
 }
 TASKS = {"digits": ("DigitsResNet / digits", trained_digits_resnet),
          "keywords": ("Conv1dNet / keywords", trained_conv1d_net)}

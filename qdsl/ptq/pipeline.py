@@ -36,12 +36,12 @@ or a learned rounding name of ``qdsl.ptq.rounding.LEARNED_ROUNDINGS``)::
   that does not lower the error is undone.
 * the return value is the step's own result (not kept: the decisions are the record).
 
-Learned rounding goes through :func:`_learned_rounding` until ``qdsl.ptq.rounding``
-follows the contract itself: it runs ``learn_rounding`` on the fit batches (on every
-weighted layer: it has no ``layers=`` yet, so one layer it cannot round, e.g. a binary or
-group-scaled weight, stops it for all, reported per layer) and then, in execution order,
-keeps each wanted layer's codes only where :func:`qdsl.ptq.guard.guarded` says they help.
-A method that implements the contract replaces its entry in :data:`STEPS`.
+Learned rounding follows the contract through ``qdsl.ptq.rounding.learn_rounding(...,
+only=layers, report=report)``: GPTQ checks each layer on the held-back batches
+(nearest rounding where GPTQ does not help), ``adaround`` each block
+(:mod:`qdsl.ptq.reconstruct`).  A layer the method cannot round (a binary or
+group-scaled weight for ``adaround``) stops the step and is reported on every layer it
+was asked for.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from torch import nn
 
 from qdsl.calibration.batches import BatchCall
 from qdsl.patch.handle import get_handle
-from qdsl.ptq.guard import guarded, shared_references
-from qdsl.ptq.layers import require_batches, scales_fixed, weighted_layers
+from qdsl.ptq.guard import shared_references
+from qdsl.ptq.layers import require_batches, scales_fixed
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.resolve.ptq_policy import BIAS_CORRECTION, LayerSteps, layer_steps
 from qdsl.spec.diagnostics import QdslError
@@ -107,32 +107,12 @@ def _learned_rounding(method: str) -> Callable[..., Any]:
     def step(model: nn.Module, batches: list[Any], *, layers: list[str], report: PtqReport) -> Any:
         from qdsl.ptq.rounding import learn_rounding  # ptq.rounding imports the GPTQ maths: only when used
 
-        fit, held = split_heldback(batches)
-        wanted = set(layers)
         try:
-            result = learn_rounding(model, fit, method)
-        except QdslError as exc:  # e.g. a group-scaled weight somewhere: say so per layer
+            return learn_rounding(model, batches, method, only=layers, report=report)
+        except QdslError as exc:  # e.g. a weight this method cannot round: say so per layer
             for fqn in layers:
                 report.add(_not_run(fqn, method, str(exc)))
             return None
-        for fqn, patch in weighted_layers(model, batches):
-            wq = patch.wq
-            if getattr(wq, "codes", None) is None or wq.codes.numel() == 0:
-                continue
-            codes = wq.codes.clone()
-            empty = torch.empty(0, dtype=torch.int64, device=codes.device)
-            wq.codes = empty.clone()
-            if fqn not in wanted:
-                continue
-
-            def apply(wq=wq, codes=codes):
-                wq.codes = codes.clone()
-
-            def undo(wq=wq, empty=empty):
-                wq.codes = empty.clone()
-
-            guarded(model, fqn, patch.module, held, method, apply, undo, report)
-        return result
 
     return step
 
@@ -145,9 +125,9 @@ def _step(name: str) -> Callable[..., Any]:
     return STEPS.get(name) or _learned_rounding(name)
 
 
-STEPS: dict[str, Callable[..., Any]] = {BIAS_CORRECTION: _bias_correction, "gptq": _learned_rounding("gptq")}
+STEPS: dict[str, Callable[..., Any]] = {BIAS_CORRECTION: _bias_correction}
 """Step functions by registry name (the contract in the module docstring).  A learned
-rounding method not listed here runs through the guarded ``learn_rounding`` adapter."""
+rounding method not listed here runs through ``learn_rounding`` (:func:`_learned_rounding`)."""
 
 
 def finish_calibration(model: nn.Module, batches: Iterable[Any]) -> PtqReport:

@@ -297,6 +297,7 @@ def reconstruct(
     max_layers: int = 3,
     seed: int = 0,
     report: PtqReport | None = None,
+    only: Iterable[str] | None = None,
 ) -> PtqReport:
     """Learn the weight rounding of a calibrated patched model block by block (module
     docstring); returns the :class:`PtqReport` (``report`` if given, extended) with one
@@ -306,12 +307,16 @@ def reconstruct(
     the rounding logits; ``reg``: the rounding regulariser's weight λ; ``keep``: the
     fraction of activation elements quantized during the fit (1.0: all, no QDrop);
     ``max_layers``: the most weighted layers one block may hold; ``seed``: minibatches and
-    drop masks (the result is deterministic for a given seed and thread count)."""
+    drop masks (the result is deterministic for a given seed and thread count); ``only``:
+    reconstruct just the blocks made of these layers (fqns), the others keep their codes."""
     batches = require_batches(batches, "learned rounding (adaround)")
     handle = get_handle(model)
     if handle.state in (State.FROZEN, State.EXPORTED):
         raise QdslError("learned rounding runs before qdsl.freeze(model): the model is already frozen")
     layers = weighted_layers(model, batches)
+    if only is not None:
+        wanted = set(only)
+        layers = [(f, p) for f, p in layers if f in wanted]
     for fqn, patch in layers:
         _check(fqn, patch.wq)
     report = report if report is not None else PtqReport()

@@ -60,6 +60,7 @@ def test_auto_resolves_to_the_table_steps_at_each_bit_width(bits):
 def test_auto_tries_learned_rounding_and_bias_correction_below_8_bits_only():
     assert auto_steps(8) == ()
     assert BIAS_CORRECTION in auto_steps(3) and "gptq" in auto_steps(3)
+    assert auto_steps(2) == ("adaround", BIAS_CORRECTION)  # block reconstruction at 2 bits
 
 
 def test_layer_bits_are_the_narrowest_of_weight_and_input():

@@ -32,8 +32,13 @@ rule type:BasicBlock optional {{
 """
 
 
+def _spec_text(bits, extra=""):
+    # without a named step the auto policy would run GPTQ and bias correction at calibrate
+    return SPEC.format(bits=bits, extra=extra or "learned_rounding = none\nbias_correction = false")
+
+
 def _spec(bits, extra=""):
-    return parse_text(SPEC.format(bits=bits, extra=extra), "t.qspec")
+    return parse_text(_spec_text(bits, extra), "t.qspec")
 
 
 def _calibrated(bits=2, extra=""):
@@ -162,15 +167,17 @@ def test_the_spec_setting_runs_it_and_returns_the_report(monkeypatch):
 
     reports = []
 
-    def short(model, batches):  # the dispatch's call, with fewer steps (test time)
-        reports.append(reconstruct(model, batches, iters=5))
+    def short(model, batches, **kw):  # the dispatch's call, with fewer steps (test time)
+        reports.append(reconstruct(model, batches, iters=5, **kw))
         return reports[-1]
 
     monkeypatch.setattr(rounding, "reconstruct", short)
     model, batches, _ = _calibrated(3, "learned_rounding = adaround")
     assert len(reports) == 1 and isinstance(reports[0], PtqReport)
-    assert {d.step for d in reports[0]} == {"adaround"} and len(reports[0]) == 6
-    kept = [d for d in reports[0] if d.kept]
+    # one shared report: the blocks' decisions, then auto's bias correction per layer
+    ada = reports[0].for_step("adaround")
+    assert len(ada) == 6 and {d.step for d in reports[0]} <= {"adaround", "bias_correction"}
+    kept = [d for d in ada if d.kept]
     assert kept and any(p.wq.codes.numel() for p in _weighted(model).values())
     assert isinstance(rounding.learn_rounding(model, batches, "adaround"), PtqReport)
 
@@ -221,7 +228,7 @@ def test_a_module_run_twice_per_forward_is_left_alone():
     model = Twice().eval()
     x = torch.randn(64, 2, 4, 4, generator=torch.Generator().manual_seed(1))
     with pytest.warns(Warning, match="called more than once"):
-        qdsl.apply(model, parse_text(SPEC.format(bits=3, extra="").replace("fold_bn", ""), "t.qspec"))
+        qdsl.apply(model, parse_text(_spec_text(3).replace("fold_bn", ""), "t.qspec"))
     batches = [x[i : i + 16] for i in range(0, 64, 16)]
     qdsl.calibrate(model, batches, progress=False)
     report = reconstruct(model, batches, iters=2, max_layers=1)
