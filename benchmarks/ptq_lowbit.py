@@ -1,6 +1,6 @@
 """Low-bit PTQ out of the box: plain vs each step alone vs ``auto``, with time per quantize call.
 
-    python benchmarks/ptq_lowbit.py [--models digits,keywords] [--bits 8,6,4,3,2] [--repeat 1]
+    python benchmarks/ptq_lowbit.py [--models digits,keywords] [--bits 8,6,4,3,2] [--repeat 1] [--seeds 1]
 
 For each of the repo's trained test models (``qdsl.zoo.trained``: the digits ResNet and
 the keyword-spotting Conv1dNet), at W8A8..W2A2 (every conv/linear weight and input at
@@ -17,7 +17,7 @@ the stated bits, BN folded, int32 bias), prints the test accuracy (%) of:
 
 The spec is the README's plain one: per-channel symmetric weights, per-tensor affine
 (zero point) inputs, ``auto`` observers, residual block outputs quantized.  Calibration:
-256 training inputs (seeded), batches of 64.  ``s/call`` is the wall time of one quantize
+256 training inputs (seeded; `--seeds N`: N calibration sets, cells the mean (min-max)), batches of 64.  ``s/call`` is the wall time of one quantize
 call (``qdsl.apply`` + ``qdsl.calibrate`` + ``qdsl.freeze``) at 1 thread: the median over
 ``--repeat`` runs (variants interleaved) of the slowest bit width, and the same in
 process CPU seconds (less sensitive to other load on a shared machine).  Noise: one test
@@ -89,12 +89,21 @@ def quantize_and_score(model, spec, overrides, xcal, xte, yte) -> tuple[float, f
         qdsl.remove(model)
 
 
+def _cell(accs: list[float]) -> str:
+    """One accuracy, or the mean over calibration seeds with its range."""
+    if len(accs) == 1:
+        return f"{accs[0]:.2f}"
+    return f"{statistics.mean(accs):.2f} ({min(accs):.1f}-{max(accs):.1f})"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="digits,keywords")
     ap.add_argument("--bits", default="8,6,4,3,2")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--repeat", type=int, default=1, help="timing repeats per cell (accuracy is deterministic)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="calibration sets drawn with seeds 0..N-1; a cell is then the mean accuracy (min-max)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     bits = [int(b) for b in args.bits.split(",")]
@@ -109,24 +118,26 @@ def main(argv=None) -> int:
         label, factory = TASKS[key]
         model, (xtr, _ytr, xte, yte) = factory()
         model.eval()
-        g = torch.Generator().manual_seed(0)
-        xcal = xtr[torch.randperm(len(xtr), generator=g)[:256]]
+        xcals = [xtr[torch.randperm(len(xtr), generator=torch.Generator().manual_seed(seed))[:256]]
+                 for seed in range(max(1, args.seeds))]
         fp = 100 * evaluate(model, xte, yte)
-        acc = {v: {} for v in variants}
+        acc = {v: {b: [] for b in bits} for v in variants}
         times = {v: {b: [] for b in bits} for v in variants}
         cpu = {v: {b: [] for b in bits} for v in variants}
-        for _ in range(max(1, args.repeat)):
-            for b in bits:
-                for v in variants:  # interleaved, so load drifts hit every variant alike
-                    a, dt, dc = quantize_and_score(model, spec, [f"weight.bits={b}", f"input.bits={b}", f"output.bits={b}",
-                                                             *VARIANTS[v]], xcal, xte, yte)
-                    acc[v][b] = a
-                    times[v][b].append(dt)
-                    cpu[v][b].append(dc)
+        for rep in range(max(1, args.repeat)):
+            for xcal in xcals if rep == 0 else xcals[:1]:  # timing repeats reuse the first set
+                for b in bits:
+                    for v in variants:  # interleaved, so load drifts hit every variant alike
+                        a, dt, dc = quantize_and_score(model, spec, [f"weight.bits={b}", f"input.bits={b}",
+                                                                 f"output.bits={b}", *VARIANTS[v]], xcal, xte, yte)
+                        if rep == 0:
+                            acc[v][b].append(a)
+                        times[v][b].append(dt)
+                        cpu[v][b].append(dc)
         for v in variants:
             slowest = max(statistics.median(times[v][b]) for b in bits)
             slowest_cpu = max(statistics.median(cpu[v][b]) for b in bits)
-            print(f"| {label} | {v} | {fp:.2f} | " + " | ".join(f"{acc[v][b]:.2f}" for b in bits)
+            print(f"| {label} | {v} | {fp:.2f} | " + " | ".join(_cell(acc[v][b]) for b in bits)
                   + f" | {slowest:.2f} | {slowest_cpu:.2f} |", flush=True)
         n = len(yte)
         p = fp / 100
