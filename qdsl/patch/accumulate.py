@@ -193,6 +193,8 @@ class AccumulatorSim:
 
     # ------------------------------------------------------------------ hook
     def __call__(self, module: nn.Module, args: tuple, output):
+        if torch.compiler.is_compiling():
+            return self._traced(module, args, output)
         self.simulated = False
         self.overflows = 0
         p = self.patch
@@ -239,6 +241,64 @@ class AccumulatorSim:
             self._warn("sums beyond an exact binary64 range (|w|·|x|·fan-in >= 2^53)")
             return None
         y, keep = sim
+        if not output.requires_grad:
+            return y
+        return _Overflowed.apply(output, y, keep)
+
+    def _traced(self, module: nn.Module, args: tuple, output):
+        """The hook inside a compiled region: the same value and gradient as the eager
+        hook, without data-dependent Python.  The fast-path decision (every channel's
+        reachable sums fit) is a tensor, and ``torch.cond`` runs the exact simulation only
+        when it is false; the branch sees detached tensors (no gradient flows through
+        ``cond``), ``_Overflowed`` carries the gradient as in eager.  Not kept up to
+        date here: ``overflows``/``simulated`` (eager-only counters), the per-weight
+        decision cache, the warnings, and the check that sums stay exact in binary64
+        (``|w|·|x|·fan-in < 2^53``; only very wide power-of-two weights come near it)."""
+        p = self.patch
+        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        if self._unsupported() is not None:
+            return None
+        iq, wq = p.iq, p.wq
+        if iq.observing or not iq.enabled or not wq.enabled or (self.acc.constrain and not wq.frozen):
+            return None
+        s_x, s_w = iq.current_scale(), wq.current_scale()
+        if s_x is None or s_w is None or s_x.numel() != 1:
+            return None
+        z = iq.zero_point if iq.frozen and not iq.dynamic else None
+        if z is not None and z.numel() == 1:
+            zt = z.reshape(()).to(torch.int64)
+            ranges = [(iq.qmin - zt, iq.qmax - zt)]
+        else:
+            r = iq.recipe
+            ranges = list(iq.format.operand_ranges(r.bits, r.signed, r.narrow_range, r.symmetric))
+        bits = self.acc.bits
+        saturate = self.acc.overflow is Overflow.SATURATE
+        linear = isinstance(module, nn.Linear)
+        with torch.no_grad():
+            w_int, b_int, s_x64, s_acc = self._operands(wq, s_w, s_x, module.weight, module.bias)
+            lo, hi = reachable(w_int, b_int, ranges)
+            unsafe = ~fits(lo, hi, bits).all()
+            if b_int is None:
+                b_int = torch.zeros(w_int.shape[0], dtype=torch.int64, device=w_int.device)
+            s_acc = s_acc.expand(w_int.shape[0]) if s_acc.numel() == 1 else s_acc
+
+            def exact(x_hat, y, w_int, b_int, s_x64, s_acc):
+                x_int = torch.round(x_hat.double() / s_x64)
+                sums = F.linear(x_int, w_int) if linear else module._conv_forward(x_int, w_int, None)
+                axis = sums.dim() - 1 if linear else 1
+                sums = torch.round(sums).to(torch.int64) + _channel_view(b_int, sums.dim(), axis)
+                half = 1 << (bits - 1)
+                inside = (sums >= -half) & (sums <= half - 1)
+                a = saturate_sum(sums, bits) if saturate else wrap_sum(sums, bits)
+                keep = inside if saturate else torch.ones_like(inside)
+                return (a.double() * _channel_view(s_acc, a.dim(), axis)).to(y.dtype), keep
+
+            def fast(x_hat, y, w_int, b_int, s_x64, s_acc):
+                return y.clone(), torch.ones(y.shape, dtype=torch.bool, device=y.device)
+
+            y, keep = torch.cond(unsafe, exact, fast,
+                                 (args[0].detach(), output.detach(), w_int, b_int, s_x64, s_acc))
         if not output.requires_grad:
             return y
         return _Overflowed.apply(output, y, keep)

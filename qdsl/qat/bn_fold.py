@@ -47,15 +47,8 @@ from torch import Tensor, nn
 __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
 
-@torch.compiler.disable
 def fold_factor(bn: nn.Module) -> Tensor:
-    """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ.
-
-    Always runs eagerly (``torch.compiler.disable``): a compiled graph would be free to
-    keep the ``running_var`` buffer itself for its backward (recomputing the rsqrt), and
-    the BatchNorm updates that buffer in place later in the same training step.  Eager
-    autograd keeps only γ and the rsqrt.
-    """
+    """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ."""
     inv_std = torch.rsqrt(bn.running_var + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
 
