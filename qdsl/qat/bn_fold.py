@@ -209,8 +209,12 @@ class _MemoRange:
         obs = self.obs
         if torch.compiler.is_compiling():
             return type(obs).range(obs)
-        key = tuple((id(t), t._version) for t in (getattr(obs, k) for k in obs._state))
-        if self.key != key:
+        # the key holds the buffers themselves (compared by identity): an id alone can be
+        # reused by a new buffer once the old one is freed (every observation reassigns
+        # them), and a fresh buffer's version is 0 again - a stale range after recalibration
+        key = tuple((t, t._version) for t in (getattr(obs, k) for k in obs._state))
+        old = self.key
+        if old is None or len(old) != len(key) or any(a is not b or va != vb for (a, va), (b, vb) in zip(old, key)):
             self.value = type(obs).range(obs)
             self.key = key
         return self.value

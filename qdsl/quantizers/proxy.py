@@ -236,6 +236,17 @@ class TensorQuantizer(LazyBuffers):
         """The frozen scale, else the scale the last ``forward`` used (None: passed through)."""
         if self.frozen and not self.dynamic:
             return self.scale
+        if (not self.stateless and not self.derived and not self.learned and not self._observing
+                and self.observer is not None and not torch.compiler.is_compiling()):
+            # a static activation's scale follows its statistics, not the last forward: a
+            # refresh right after calibration (before any forward) derives the bias from it
+            r = self._static_range()
+            if r is None:
+                return None
+            sv = self.__dict__.get("_sviews")
+            if sv is not None and sv[0] is self._range:
+                return sv[3]
+            return self._from_range(None, *r, self.scale_rule)[0]
         return self._last_scale
 
     def add_offset(self, delta: torch.Tensor) -> torch.Tensor:
@@ -434,8 +445,13 @@ class TensorQuantizer(LazyBuffers):
             x = x + self.offset
         if self.codes.numel():
             return self._from_codes(x)
-        if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling():
-            return self._fast(x)  # (thread switches and Python caches: not for a traced region)
+        if not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling():
+            # (thread switches and Python caches: not for a traced region)
+            if self._fast_ok:
+                return self._fast(x)
+            v = self._static_views(x)
+            if v is not None:
+                return self._fast(x, v)
         p = self.qparams(x, src=src)
         if p is None:
             self._last_scale = None
@@ -451,7 +467,33 @@ class TensorQuantizer(LazyBuffers):
             f"the {x.dim()}-d tensor it quantizes (shape {tuple(x.shape)})", g.span,
             f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
 
-    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+    def _static_views(self, x: torch.Tensor):
+        """Before freeze, a static activation's scale is fixed by its statistics, so
+        evaluation (no autograd) takes the frozen fast path below with the views of the
+        cached range (rebuilt when :meth:`_static_range` recomputes it).  None: not such
+        a quantizer (or nothing observed yet)."""
+        if (self.stateless or self.derived or self.learned or self._frozen or self.observer is None
+                or not self._ops.fast_path or self._round_mode != "half_even"):
+            return None
+        r = self._static_range()
+        if r is None:
+            return None
+        key = (id(self._range), x.dim() if self.group_size is None else tuple(x.shape))
+        sv = self.__dict__.get("_sviews")
+        if sv is None or sv[0] is not self._range or sv[1] != key:
+            scale, zp, _ = self._from_range(x, *r, self.scale_rule)
+            sv = self._sviews = (self._range, key, self._views_for(x, scale, zp), scale)
+        self._last_scale = sv[3]
+        return sv[2]
+
+    def _views_for(self, x, scale, zero_point):
+        s, inv, z = self._param_views(x, scale, zero_point)
+        if zero_point.numel() == 1 or not bool((zero_point != zero_point.flatten()[0]).any()):
+            zp = int(zero_point.flatten()[0]) if zero_point.numel() else 0
+            return s, inv, self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
+        return s, inv, self.qmin - z, self.qmax - z
+
+    def _fast(self, x: torch.Tensor, v: tuple | None = None) -> torch.Tensor:
         """Frozen int path: five passes over one fresh buffer.
 
         ``(clamp(round(v) + z, qmin, qmax) − z)·s`` equals ``clamp(round(v), qmin − z,
@@ -460,16 +502,11 @@ class TensorQuantizer(LazyBuffers):
         here where the reference gives +0.0), which compares equal.  A NaN becomes 0 after
         the rounding (the zero point's code, as :func:`functional.scaled` does before it).
         """
-        key = x.dim() if self.group_size is None else tuple(x.shape)
-        v = self._views.get(key)
         if v is None:
-            s, inv, z = self._param_views(x, self.scale, self.zero_point)
-            if self.zero_point.numel() == 1 or not bool((self.zero_point != self.zero_point.flatten()[0]).any()):
-                zp = int(self.zero_point.flatten()[0]) if self.zero_point.numel() else 0
-                lo, hi = self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
-            else:
-                lo, hi = self.qmin - z, self.qmax - z
-            v = self._views[key] = (s, inv, lo, hi)
+            key = x.dim() if self.group_size is None else tuple(x.shape)
+            v = self._views.get(key)
+            if v is None:
+                v = self._views[key] = self._views_for(x, self.scale, self.zero_point)
         s, inv, lo, hi = v
         n = TensorQuantizer.fast_path_threads
         prev = torch.get_num_threads() if n else 0
@@ -544,6 +581,7 @@ class TensorQuantizer(LazyBuffers):
         state["_observed"] = None
         state["_views"] = {}
         state["_range"] = None  # keyed on this model's buffers
+        state.pop("_sviews", None)
         for name in ("_last_scale", "_derived_scale"):
             t = state.get(name)
             if isinstance(t, torch.Tensor):
