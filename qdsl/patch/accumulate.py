@@ -297,8 +297,11 @@ class AccumulatorSim:
             def fast(x_hat, y, w_int, b_int, s_x64, s_acc):
                 return y.clone(), torch.ones(y.shape, dtype=torch.bool, device=y.device)
 
+            # contiguous operands: inductor checks the branch inputs' strides against the
+            # layout it traced them with (a channels-last conv output failed that check)
             y, keep = torch.cond(unsafe, exact, fast,
-                                 (args[0].detach(), output.detach(), w_int, b_int, s_x64, s_acc))
+                                 (args[0].detach().contiguous(), output.detach().contiguous(), w_int.contiguous(),
+                                  b_int, s_x64, s_acc.contiguous()))
         if not output.requires_grad:
             return y
         return _Overflowed.apply(output, y, keep)

@@ -52,7 +52,10 @@ def test_compiled_qat_step_matches_eager(spec):
     y_eager.square().sum().backward()
     assert torch.equal(y, y_eager)
     for n, p in model.named_parameters():
-        assert torch.equal(p.grad, grads[n]), n
+        # not bit-exact since the BN fold factor is traced (it was a graph break): a folded
+        # BN's γ gets two gradient contributions (the fold factor and the BN itself), which
+        # the compiled backward sums in its own order (measured: <= 4e-6 relative)
+        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-9, msg=n)
         assert p.grad.abs().sum() > 0, n
     for k, v in model.state_dict().items():
         assert torch.equal(v, after[k]), k  # BN running statistics updated alike
