@@ -283,25 +283,31 @@ class AccumulatorSim:
                 b_int = torch.zeros(w_int.shape[0], dtype=torch.int64, device=w_int.device)
             s_acc = s_acc.expand(w_int.shape[0]) if s_acc.numel() == 1 else s_acc
 
-            def exact(x_hat, y, w_int, b_int, s_x64, s_acc):
-                x_int = torch.round(x_hat.double() / s_x64)
-                sums = F.linear(x_int, w_int) if linear else module._conv_forward(x_int, w_int, None)
+            # the branches take and return flat tensors: inductor checks a branch operand's
+            # strides against those it traced with, and a channels-last conv output failed
+            # that check even after .contiguous(); a 1-d tensor has one layout
+            x_shape, y_shape, w_shape = tuple(args[0].shape), tuple(output.shape), tuple(w_int.shape)
+
+            def exact(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
+                x_int = torch.round(x_flat.reshape(x_shape) / s_x64)
+                w = w_flat.reshape(w_shape)
+                sums = F.linear(x_int, w) if linear else module._conv_forward(x_int, w, None)
                 axis = sums.dim() - 1 if linear else 1
                 sums = torch.round(sums).to(torch.int64) + _channel_view(b_int, sums.dim(), axis)
                 half = 1 << (bits - 1)
                 inside = (sums >= -half) & (sums <= half - 1)
                 a = saturate_sum(sums, bits) if saturate else wrap_sum(sums, bits)
                 keep = inside if saturate else torch.ones_like(inside)
-                return (a.double() * _channel_view(s_acc, a.dim(), axis)).to(y.dtype), keep
+                y = (a.double() * _channel_view(s_acc, a.dim(), axis)).to(y_flat.dtype)
+                return y.reshape(-1), keep.reshape(-1)
 
-            def fast(x_hat, y, w_int, b_int, s_x64, s_acc):
-                return y.clone(), torch.ones(y.shape, dtype=torch.bool, device=y.device)
+            def fast(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
+                return y_flat.clone(), torch.ones(y_flat.shape, dtype=torch.bool, device=y_flat.device)
 
-            # contiguous operands: inductor checks the branch inputs' strides against the
-            # layout it traced them with (a channels-last conv output failed that check)
             y, keep = torch.cond(unsafe, exact, fast,
-                                 (args[0].detach().contiguous(), output.detach().contiguous(), w_int.contiguous(),
-                                  b_int, s_x64, s_acc.contiguous()))
+                                 (args[0].detach().double().reshape(-1), output.detach().reshape(-1),
+                                  w_int.reshape(-1), b_int, s_x64, s_acc.contiguous()))
+            y, keep = y.reshape(y_shape), keep.reshape(y_shape)
         if not output.requires_grad:
             return y
         return _Overflowed.apply(output, y, keep)
