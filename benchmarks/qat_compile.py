@@ -121,7 +121,13 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool) -> None:
         print(f"\n== training step, {spec} (ConvBnReluNet w32 hardtanh, batch {batch}, 1 thread) "
               f"load {load_average()}")
         q = _qdsl(base, spec, x)
-        print(f"  graph breaks (explain, training forward): {_breaks(q, x)}")
+        print(f"  graph breaks (explain, training forward): {_breaks(q, x)} with live BN statistics "
+              f"(bn_fold.fold_factor runs eagerly), ", end="")
+        import qdsl.qat
+
+        qf = copy.deepcopy(q)
+        qdsl.qat.freeze_bn_stats(qf)
+        print(f"{_breaks(qf, x)} with frozen BN statistics; eval: {_breaks(qf.eval(), x)}")
         torch._dynamo.reset()
         fl = copy.deepcopy(base)
         models = {"float eager": (fl, fl), "qdsl eager": (q, q)}

@@ -47,8 +47,17 @@ from torch import Tensor, nn
 __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
 
+@torch.compiler.disable
 def fold_factor(bn: nn.Module) -> Tensor:
-    """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ."""
+    """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ.
+
+    Always runs eagerly (``torch.compiler.disable``, one graph break per folded layer in a
+    live-statistics training forward; eval and frozen statistics do not call it): a
+    compiled graph keeps the ``running_var`` buffer itself for its backward (recomputing
+    the rsqrt), and the BatchNorm updates that buffer in place later in the same training
+    step (measured under inductor: autograd's "modified by an inplace operation" error on
+    the second step).  Eager autograd keeps only γ and the rsqrt.
+    """
     inv_std = torch.rsqrt(bn.running_var + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
 

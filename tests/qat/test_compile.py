@@ -52,10 +52,7 @@ def test_compiled_qat_step_matches_eager(spec):
     y_eager.square().sum().backward()
     assert torch.equal(y, y_eager)
     for n, p in model.named_parameters():
-        # not bit-exact since the BN fold factor is traced (it was a graph break): a folded
-        # BN's γ gets two gradient contributions (the fold factor and the BN itself), which
-        # the compiled backward sums in its own order (measured: <= 4e-6 relative)
-        torch.testing.assert_close(p.grad, grads[n], rtol=1e-5, atol=1e-9, msg=n)
+        assert torch.equal(p.grad, grads[n]), n
         assert p.grad.abs().sum() > 0, n
     for k, v in model.state_dict().items():
         assert torch.equal(v, after[k]), k  # BN running statistics updated alike
@@ -89,8 +86,12 @@ _FAST = ("int8-default.qspec", "pot-asic.qspec")
 @pytest.mark.parametrize("spec", [s if s in _FAST else pytest.param(s, marks=pytest.mark.slow) for s in _BUNDLED])
 def test_no_graph_breaks_in_training_or_eval_forward(spec):
     model, x = _qat_model(spec, model=_HardtanhNet() if spec.startswith("xnor") else None)
-    assert _breaks(model, x, train=True) == 0
     assert _breaks(model, x, train=False) == 0
+    # live BN statistics still break the graph where the fold factor runs eagerly
+    # (bn_fold.fold_factor: a traced one lets the BN's in-place update of running_var
+    # corrupt the saved tensor); with frozen statistics (the inference fold) none
+    qdsl.qat.freeze_bn_stats(model)
+    assert _breaks(model, x, train=True) == 0
 
 
 @pytest.mark.slow
