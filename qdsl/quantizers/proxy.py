@@ -594,6 +594,10 @@ class TensorQuantizer(LazyBuffers):
         state.setdefault("_range", None)
         super().__setstate__(state)
         self._frozen = bool(self.frozen_flag)
+        if not self.stateless and not self._observing:
+            # the range cache is not copied (it names the original's buffers): take it again
+            # now, eagerly, so that a compiled forward of the copy finds it
+            self._static_range(refresh=True)
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` / ``.half()`` / ``.double()`` reach every buffer: the
