@@ -197,6 +197,8 @@ class AccumulatorSim:
 
     # ------------------------------------------------------------------ hook
     def __call__(self, module: nn.Module, args: tuple, output):
+        if torch.compiler.is_compiling():
+            return self._traced(module, args, output)
         self.simulated = False
         self.overflows = 0
         p = self.patch
@@ -243,6 +245,73 @@ class AccumulatorSim:
             self._warn("sums beyond an exact binary64 range (|w|·|x|·fan-in >= 2^53)")
             return None
         y, keep = sim
+        if not output.requires_grad:
+            return y
+        return _Overflowed.apply(output, y, keep)
+
+    def _traced(self, module: nn.Module, args: tuple, output):
+        """The hook inside a compiled region: the same value and gradient as the eager
+        hook, without data-dependent Python.  The fast-path decision (every channel's
+        reachable sums fit) is a tensor, and ``torch.cond`` runs the exact simulation only
+        when it is false; the branch sees detached tensors (no gradient flows through
+        ``cond``), ``_Overflowed`` carries the gradient as in eager.  Not kept up to
+        date here: ``overflows``/``simulated`` (eager-only counters), the per-weight
+        decision cache, the warnings, and the check that sums stay exact in binary64
+        (``|w|·|x|·fan-in < 2^53``; only very wide power-of-two weights come near it)."""
+        p = self.patch
+        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        if self._unsupported() is not None:
+            return None
+        iq, wq = p.iq, p.wq
+        if iq.observing or not iq.enabled or not wq.enabled or (self.acc.constrain and not wq.frozen):
+            return None
+        s_x, s_w = iq.current_scale(), wq.current_scale()
+        if s_x is None or s_w is None or s_x.numel() != 1:
+            return None
+        z = iq.zero_point if iq.frozen and not iq.dynamic else None
+        if z is not None and z.numel() == 1:
+            zt = z.reshape(()).to(torch.int64)
+            ranges = [(iq.qmin - zt, iq.qmax - zt)]
+        else:
+            r = iq.recipe
+            ranges = list(iq.format.operand_ranges(r.bits, r.signed, r.narrow_range, r.symmetric))
+        bits = self.acc.bits
+        saturate = self.acc.overflow is Overflow.SATURATE
+        linear = isinstance(module, nn.Linear)
+        with torch.no_grad():
+            w_int, b_int, s_x64, s_acc = self._operands(wq, s_w, s_x, module.weight, module.bias)
+            lo, hi = reachable(w_int, b_int, ranges)
+            unsafe = ~fits(lo, hi, bits).all()
+            if b_int is None:
+                b_int = torch.zeros(w_int.shape[0], dtype=torch.int64, device=w_int.device)
+            s_acc = s_acc.expand(w_int.shape[0]) if s_acc.numel() == 1 else s_acc
+
+            # the branches take and return flat tensors: inductor checks a branch operand's
+            # strides against those it traced with, and a channels-last conv output failed
+            # that check even after .contiguous(); a 1-d tensor has one layout
+            x_shape, y_shape, w_shape = tuple(args[0].shape), tuple(output.shape), tuple(w_int.shape)
+
+            def exact(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
+                x_int = torch.round(x_flat.reshape(x_shape) / s_x64)
+                w = w_flat.reshape(w_shape)
+                sums = F.linear(x_int, w) if linear else module._conv_forward(x_int, w, None)
+                axis = sums.dim() - 1 if linear else 1
+                sums = torch.round(sums).to(torch.int64) + _channel_view(b_int, sums.dim(), axis)
+                half = 1 << (bits - 1)
+                inside = (sums >= -half) & (sums <= half - 1)
+                a = saturate_sum(sums, bits) if saturate else wrap_sum(sums, bits)
+                keep = inside if saturate else torch.ones_like(inside)
+                y = (a.double() * _channel_view(s_acc, a.dim(), axis)).to(y_flat.dtype)
+                return y.reshape(-1), keep.reshape(-1)
+
+            def fast(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
+                return y_flat.clone(), torch.ones(y_flat.shape, dtype=torch.bool, device=y_flat.device)
+
+            y, keep = torch.cond(unsafe, exact, fast,
+                                 (args[0].detach().double().reshape(-1), output.detach().reshape(-1),
+                                  w_int.reshape(-1), b_int, s_x64, s_acc.contiguous()))
+            y, keep = y.reshape(y_shape), keep.reshape(y_shape)
         if not output.requires_grad:
             return y
         return _Overflowed.apply(output, y, keep)

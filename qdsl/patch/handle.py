@@ -95,6 +95,9 @@ class QdslContainer(nn.Module):
         self.register_buffer("lifecycle", torch.zeros((), dtype=torch.int8))
         self.handle: QdslHandle | None = None
         self.generation = 0
+        # ``lifecycle`` as a Python int, read by forwards (a compiled one guards on it and
+        # recompiles when it changes, instead of reading the buffer)
+        self.state_index = 0
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The identity: a root ``nn.Sequential`` calls every child, this one included."""
@@ -104,6 +107,12 @@ class QdslContainer(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
         # loaded scales invalidate every cached fake-quantized weight
         self.generation += 1
+        self.state_index = int(self.lifecycle)
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "state_index" not in state:  # pickled before the mirror existed
+            self.state_index = int(self.lifecycle)
 
     def extra_repr(self) -> str:
         return f"state={_STATES[int(self.lifecycle)].value}"
@@ -125,11 +134,13 @@ class QdslHandle:
     # ----------------------------------------------------------------- state
     @property
     def state(self) -> State:
-        return _STATES[int(self.container.lifecycle)]
+        return _STATES[self.container.state_index]
 
     @state.setter
     def state(self, value: State) -> None:
-        self.container.lifecycle.fill_(_STATES.index(State(value)))
+        i = _STATES.index(State(value))
+        self.container.lifecycle.fill_(i)
+        self.container.state_index = i
         self.container.generation += 1
 
     @property

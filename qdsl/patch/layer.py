@@ -31,7 +31,13 @@ still move).
 Frozen fast path: when every proxy of the layer is frozen (and the input is not
 dynamic) and autograd does not need the weights, the fake-quantized weight and bias are
 computed once and reused until the master weight, the BN's tensors (their ``_version``)
-or the handle's generation (bumped by freeze/load) change.
+or the handle's generation (bumped by freeze/load) change.  Before freeze the same cache
+serves evaluation during QAT (no autograd through the weights): its key adds every buffer
+and parameter of the weight, bias and input proxies (identity and version counter) and
+their flags, so an optimizer step, an in-place edit of a master, a learned scale's
+update, new statistics or ``load_state_dict`` recompute it.  (An edit through ``.data``
+bumps no version counter: it goes unseen, as for any version-keyed cache.)  Compiled
+regions never use it.
 """
 
 from __future__ import annotations
@@ -221,13 +227,15 @@ class LayerPatch:
     def _cacheable(self, w, b) -> tuple | None:
         from qdsl.patch.handle import State
 
-        if self.handle.state not in (State.FROZEN, State.EXPORTED):
-            return None
-        if self.iq is not None and self.iq.dynamic:
-            return None
+        if torch.compiler.is_compiling():
+            return None  # version counters cannot be traced; the compiler fuses the recomputation
+        if self.iq is not None and self.iq.dynamic and self.bq is not None and self.bq.derived:
+            return None  # the bias scale follows each batch's input scale
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in self._grad_sources(w, b)):
             return None
         key = [self.handle.generation, self._exact()]
+        if self.handle.state not in (State.FROZEN, State.EXPORTED):
+            key += self._quantizer_key()
         for t in self._grad_sources(w, b):
             # dtype: ``model.to(torch.bfloat16)`` swaps ``.data`` without bumping _version
             key += [id(t), t._version, t.dtype] if t is not None else [None, None, None]
@@ -237,6 +245,27 @@ class LayerPatch:
                 key += [id(t), t._version]
         return tuple(key)
 
+    def _quantizer_key(self) -> list:
+        """Before freeze, what else the fake-quantized weight and bias depend on: every
+        buffer and parameter of the weight, bias and input proxies (observer statistics,
+        carried clip ratios, learned scales, offsets, codes; by identity and version
+        counter) and their flags.  The tensors themselves are kept (``_cache_refs``) so that
+        no id is reused by a new tensor while the entry lives."""
+        key: list = []
+        refs: list = []
+        for q in (self.wq, self.bq, self.iq):
+            if q is None:
+                key.append(None)
+                continue
+            key += [q.enabled, q.observing, q.frozen, id(q._range),
+                    bool(getattr(q.observer, "_search_requested", False))]
+            refs.append(q._range)
+            for t in (*q.buffers(), *q.parameters()):
+                key += [id(t), t._version, t.dtype]
+                refs.append(t)
+        self._key_refs = refs
+        return key
+
     def _grad_sources(self, w, b):
         out = [w, b]
         if self.bn is not None:
@@ -245,6 +274,7 @@ class LayerPatch:
 
     def refresh(self) -> None:
         """Recompute ``module.weight`` / ``module.bias`` from the masters (and the BN)."""
+        from qdsl.patch.handle import State
         w0, b0 = self.master("weight"), self.master("bias")
         key = self._cacheable(w0, b0)
         if key is not None and key == self._cache_key:
@@ -267,7 +297,12 @@ class LayerPatch:
         if "bias" in self._moved:
             ref = b0 if b0 is not None else w0
             d["bias"] = b if b is None or ref is None else b.to(exact or ref.dtype)
+        if key is not None and self.handle.state not in (State.FROZEN, State.EXPORTED):
+            # before freeze the proxies may have re-observed just now: the key of the state
+            # these weights were computed with is the one after the call
+            key = self._cacheable(w0, b0)
         self._cache_key = key
+        self._cache_refs = getattr(self, "_key_refs", None) if key is not None else None
 
     # ----------------------------------------------------------------- hooks
     def _load_float_names(self, module, state_dict, prefix, *args):
@@ -358,6 +393,7 @@ class LayerPatch:
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_cache_key"] = None  # names this model's tensors by id(): meaningless in a copy
+        state["_cache_refs"] = state["_key_refs"] = None
         state.pop("_frozen_record", None)  # keyed the same way (qdsl.patch.frozen)
         return state
 

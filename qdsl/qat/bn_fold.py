@@ -51,10 +51,12 @@ __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats",
 def fold_factor(bn: nn.Module) -> Tensor:
     """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ.
 
-    Always runs eagerly (``torch.compiler.disable``): a compiled graph would be free to
-    keep the ``running_var`` buffer itself for its backward (recomputing the rsqrt), and
-    the BatchNorm updates that buffer in place later in the same training step.  Eager
-    autograd keeps only γ and the rsqrt.
+    Always runs eagerly (``torch.compiler.disable``, one graph break per folded layer in a
+    live-statistics training forward; eval and frozen statistics do not call it): a
+    compiled graph keeps the ``running_var`` buffer itself for its backward (recomputing
+    the rsqrt), and the BatchNorm updates that buffer in place later in the same training
+    step (measured under inductor: autograd's "modified by an inplace operation" error on
+    the second step).  Eager autograd keeps only γ and the rsqrt.
     """
     inv_std = torch.rsqrt(bn.running_var + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
@@ -216,8 +218,12 @@ class _MemoRange:
         obs = self.obs
         if torch.compiler.is_compiling():
             return type(obs).range(obs)
-        key = tuple((id(t), t._version) for t in (getattr(obs, k) for k in obs._state))
-        if self.key != key:
+        # the key holds the buffers themselves (compared by identity): an id alone can be
+        # reused by a new buffer once the old one is freed (every observation reassigns
+        # them), and a fresh buffer's version is 0 again - a stale range after recalibration
+        key = tuple((t, t._version) for t in (getattr(obs, k) for k in obs._state))
+        old = self.key
+        if old is None or len(old) != len(key) or any(a is not b or va != vb for (a, va), (b, vb) in zip(old, key)):
             self.value = type(obs).range(obs)
             self.key = key
         return self.value

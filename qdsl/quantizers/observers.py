@@ -85,6 +85,23 @@ class Observer(LazyBuffers):
     def observed(self) -> bool:
         return getattr(self, self._state[0]).numel() > 0
 
+    def traced_range(self, x: torch.Tensor, training: bool):
+        """``(lo, hi)`` of a stateless quantizer's tensor ``x`` alone (the observer is reset
+        for every tensor) in tensor ops only, for a compiled forward; None: this observer
+        cannot (the proxy observes eagerly, a graph break).  ``training``: a training
+        forward (as ``training_forward``).  Touches no Python-side state."""
+        return None
+
+    @staticmethod
+    def _finite_minmax(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_minmax` without its data-dependent branch (one masked pass; a slot with
+        no finite value gets ``(0, 0)``), for traced code."""
+        ok = torch.isfinite(rows)
+        lo = torch.where(ok, rows, torch.inf).amin(dim=1)
+        hi = torch.where(ok, rows, -torch.inf).amax(dim=1)
+        none = ~ok.any(dim=1)
+        return lo.masked_fill(none, 0.0), hi.masked_fill(none, 0.0)
+
     def cached_training_forward(self) -> None:
         """A training forward whose tensor is the one this observer saw last (the proxy's
         "same tensor, unchanged" cache skipped the observation).  Observers that count
@@ -140,6 +157,10 @@ class MinMaxObserver(Observer):
             lo, hi = torch.minimum(lo, self.min_val), torch.maximum(hi, self.max_val)
         self.min_val, self.max_val = lo, hi
 
+    def traced_range(self, x: torch.Tensor, training: bool):
+        rows, shape = self._rows(x)
+        return tuple(t.reshape(shape) for t in self._finite_minmax(rows))
+
     def range(self):
         self._check()
         return self.min_val, self.max_val
@@ -169,6 +190,8 @@ class EmaObserver(Observer):
         self._check()
         return self.min_val, self.max_val
 
+    traced_range = MinMaxObserver.traced_range  # one tensor: its min/max, as after a reset
+
 
 class MeanAbsObserver(Observer):
     """``(−m, m)`` with ``m`` = mean of ``|x|`` over everything seen (per slot).
@@ -196,6 +219,13 @@ class MeanAbsObserver(Observer):
     def range(self):
         self._check()
         m = self.abs_sum / self.count.clamp_min(1)
+        return -m, m
+
+    def traced_range(self, x: torch.Tensor, training: bool):
+        rows, shape = self._rows(x)
+        ok = torch.isfinite(rows)
+        s = torch.where(ok, rows.abs(), 0.0).sum(dim=1).reshape(shape)
+        m = s / ok.sum(dim=1).to(torch.float32).reshape(shape).clamp_min(1)
         return -m, m
 
 
@@ -375,6 +405,28 @@ class MseObserver(HistogramObserver):
             return super().range()
         self._check()
         return self.min_val, self.max_val
+
+    def traced_range(self, x: torch.Tensor, training: bool):
+        """Compiled forwards always carry the searched ratio (no search can be traced):
+        a training forward as in :meth:`forward` (counted, ``carrying`` set), and an
+        eval one too, also before the first training forward (eager would search the
+        tensor again; equal while the weight is still the one calibration searched).
+        A periodic search (``search_every``) waits for an eager training forward, or
+        run ``qdsl.qat.research_ranges(model)``; a requested one, or no ratio yet for
+        these slots, observes eagerly (a graph break)."""
+        if not self._exact or not self.ctx.role.is_param or self._search_requested:
+            return None
+        rows, shape = self._rows(x)
+        if self.clip_ratio.numel() != rows.shape[0]:
+            return None
+        ctx = self.ctx
+        if training:  # in place: buffer mutations a compiled graph can carry
+            self.carrying.fill_(True)
+            self.since_search.add_(1)
+        lo0, hi0 = RS.channel_minmax(rows, ctx.recipe.symmetric, ctx.qmin)
+        lo, hi = RS.range_from_ratio(lo0, hi0, self.clip_ratio, ctx.qmin, ctx.qmax,
+                                     symmetric=ctx.recipe.symmetric, pot=ctx.pot)
+        return lo.reshape(shape).float(), hi.reshape(shape).float()
 
 
 def _ctx(axis=None, group_size=None, role=Role.INPUT, qmin=-128, qmax=127):

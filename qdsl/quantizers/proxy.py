@@ -109,6 +109,13 @@ def code_range(recipe: QuantizerRecipe) -> tuple[int, int]:
     return recipe.qmin, recipe.qmax
 
 
+def _after_load(q: "TensorQuantizer", _incompatible) -> None:
+    # load_state_dict post hook: the observer (a child) has loaded by now; take the range
+    # eagerly so that a compiled forward finds it (see TensorQuantizer._static_range)
+    if not q.stateless and not q._observing:
+        q._static_range(refresh=True)
+
+
 class TensorQuantizer(LazyBuffers):
     """See the module docstring for the interface."""
 
@@ -151,7 +158,14 @@ class TensorQuantizer(LazyBuffers):
         # Not pickled (see __getstate__): a copy re-observes once.
         self._observed: tuple[Any, int] | None = None
         self.enabled = True
-        self.observing = False
+        self._observing = False
+        # Python mirrors of rarely changing state, so a compiled forward branches on
+        # attributes dynamo guards on (a change recompiles) instead of reading a tensor:
+        # ``_frozen`` mirrors the ``frozen_flag`` buffer (synced by :meth:`_refresh`);
+        # ``_range`` is a static activation's ``(key, lo, hi)``, the observer's range
+        # for the statistics named by ``key`` (see :meth:`_static_range`)
+        self._frozen = False
+        self._range: tuple | None = None
         self.check_finite = False
         """True: a NaN/inf reaching this (input/output) quantizer raises NonFiniteError
         (``qdsl.apply(..., check_finite=True)``) instead of following the policy."""
@@ -185,11 +199,25 @@ class TensorQuantizer(LazyBuffers):
         self._views: dict[Any, tuple] = {}
         self._fast_ok = False
         self._last_scale: torch.Tensor | None = None
+        self.register_load_state_dict_post_hook(_after_load)
 
     # ------------------------------------------------------------------ state
     @property
     def frozen(self) -> bool:
-        return bool(self.frozen_flag)
+        return self._frozen
+
+    @property
+    def observing(self) -> bool:
+        """True -> ``forward`` feeds the observer and returns ``x`` unchanged."""
+        return self._observing
+
+    @observing.setter
+    def observing(self, value: bool) -> None:
+        was, self._observing = self._observing, bool(value)
+        if was and not self._observing:
+            # calibration ended: take the range now, eagerly, so that a compiled forward
+            # finds it (a histogram's percentile/search cannot be traced)
+            self._static_range(refresh=True)
 
     @property
     def learned(self) -> bool:
@@ -208,6 +236,17 @@ class TensorQuantizer(LazyBuffers):
         """The frozen scale, else the scale the last ``forward`` used (None: passed through)."""
         if self.frozen and not self.dynamic:
             return self.scale
+        if (not self.stateless and not self.derived and not self.learned and not self._observing
+                and self.observer is not None and not torch.compiler.is_compiling()):
+            # a static activation's scale follows its statistics, not the last forward: a
+            # refresh right after calibration (before any forward) derives the bias from it
+            r = self._static_range()
+            if r is None:
+                return None
+            sv = self.__dict__.get("_sviews")
+            if sv is not None and sv[0] is self._range:
+                return sv[3]
+            return self._from_range(None, *r, self.scale_rule)[0]
         return self._last_scale
 
     def add_offset(self, delta: torch.Tensor) -> torch.Tensor:
@@ -283,6 +322,11 @@ class TensorQuantizer(LazyBuffers):
             zp = self.zero_point if self.zero_point.shape == scale.shape else torch.zeros(scale.shape, dtype=torch.int32)
             return scale, zp, self._ops.learned_threshold(scale)
         obs = self.observer
+        if self.stateless and x is not None and torch.compiler.is_compiling():
+            training = self.role.is_param and torch.is_grad_enabled() and x.requires_grad
+            traced = obs.traced_range(x.detach(), training)
+            if traced is not None:  # else: the eager observation below (a graph break)
+                return self._from_range(x, *traced, rule)
         if self.stateless and x is not None:
             key = x if src is None else src
             last = self._observed
@@ -296,14 +340,48 @@ class TensorQuantizer(LazyBuffers):
                 self._observed = (weakref.ref(key), key._version)
             elif training:
                 obs.cached_training_forward()
+        if not self.stateless:
+            r = self._static_range()
+            return None if r is None else self._from_range(x, *r, rule)
         if not obs.observed:
             return None
-        lo, hi = obs.range()
-        lo, hi = lo.float(), hi.float()
-        scale, zp, thr = self._ops.qparams(self, x, lo, hi, rule)
+        return self._from_range(x, *obs.range(), rule)
+
+    def _from_range(self, x, lo, hi, rule):
+        scale, zp, thr = self._ops.qparams(self, x, lo.float(), hi.float(), rule)
         if self.learned:
             self.zero_point = zp.detach()
         return scale, zp, thr
+
+    def _static_range(self, refresh: bool = False):
+        """A static activation's observed ``(lo, hi)``, or None before any data.
+
+        Computed once per state of the statistics: after calibration they no longer
+        change, while a histogram's percentile or search costs as much as a small layer
+        on every forward.  The key holds each observer buffer with its version counter:
+        observing (buffers are reassigned), ``load_state_dict`` (in-place copies) and
+        ``sync_observers`` (reassigned) all miss it.  A compiled forward cannot read
+        version counters: it uses the range taken eagerly (at the end of calibration,
+        after ``load_state_dict``, or by the last eager forward); a range changed in
+        between by other means needs an eager forward (or ``_static_range(refresh=True)``)
+        before the compiled one sees it.
+        """
+        obs = self.observer
+        if obs is None:
+            return None
+        r = self._range
+        if r is not None and not refresh and torch.compiler.is_compiling():
+            return r[1], r[2]
+        key = tuple((t, t._version) for t in obs._buffers.values() if t is not None)
+        if (r is not None and not refresh and len(r[0]) == len(key)
+                and all(a is b and va == vb for (a, va), (b, vb) in zip(r[0], key))):
+            return r[1], r[2]
+        if not obs.observed:
+            self._range = None
+            return None
+        lo, hi = obs.range()
+        self._range = (key, lo, hi)
+        return lo, hi
 
     # --------------------------------------------------------------- numerics
     def _param_views(self, x, s, zp):
@@ -372,8 +450,13 @@ class TensorQuantizer(LazyBuffers):
             # the fixed codes are stale once the weight moves and would stop its gradient,
             # so they go, as qdsl.qat.prepare_qat's clear_ptq_adjustments would drop them
             self.codes = torch.empty(0, dtype=torch.int64, device=self.codes.device)
-        if self._fast_ok and not (torch.is_grad_enabled() and x.requires_grad):
-            return self._fast(x)
+        if not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling():
+            # (thread switches and Python caches: not for a traced region)
+            if self._fast_ok:
+                return self._fast(x)
+            v = self._static_views(x)
+            if v is not None:
+                return self._fast(x, v)
         p = self.qparams(x, src=src)
         if p is None:
             self._last_scale = None
@@ -389,7 +472,33 @@ class TensorQuantizer(LazyBuffers):
             f"the {x.dim()}-d tensor it quantizes (shape {tuple(x.shape)})", g.span,
             f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
 
-    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+    def _static_views(self, x: torch.Tensor):
+        """Before freeze, a static activation's scale is fixed by its statistics, so
+        evaluation (no autograd) takes the frozen fast path below with the views of the
+        cached range (rebuilt when :meth:`_static_range` recomputes it).  None: not such
+        a quantizer (or nothing observed yet)."""
+        if (self.stateless or self.derived or self.learned or self._frozen or self.observer is None
+                or not self._ops.fast_path or self._round_mode != "half_even"):
+            return None
+        r = self._static_range()
+        if r is None:
+            return None
+        key = (id(self._range), x.dim() if self.group_size is None else tuple(x.shape))
+        sv = self.__dict__.get("_sviews")
+        if sv is None or sv[0] is not self._range or sv[1] != key:
+            scale, zp, _ = self._from_range(x, *r, self.scale_rule)
+            sv = self._sviews = (self._range, key, self._views_for(x, scale, zp), scale)
+        self._last_scale = sv[3]
+        return sv[2]
+
+    def _views_for(self, x, scale, zero_point):
+        s, inv, z = self._param_views(x, scale, zero_point)
+        if zero_point.numel() == 1 or not bool((zero_point != zero_point.flatten()[0]).any()):
+            zp = int(zero_point.flatten()[0]) if zero_point.numel() else 0
+            return s, inv, self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
+        return s, inv, self.qmin - z, self.qmax - z
+
+    def _fast(self, x: torch.Tensor, v: tuple | None = None) -> torch.Tensor:
         """Frozen int path: five passes over one fresh buffer.
 
         ``(clamp(round(v) + z, qmin, qmax) − z)·s`` equals ``clamp(round(v), qmin − z,
@@ -398,16 +507,11 @@ class TensorQuantizer(LazyBuffers):
         here where the reference gives +0.0), which compares equal.  A NaN becomes 0 after
         the rounding (the zero point's code, as :func:`functional.scaled` does before it).
         """
-        key = x.dim() if self.group_size is None else tuple(x.shape)
-        v = self._views.get(key)
         if v is None:
-            s, inv, z = self._param_views(x, self.scale, self.zero_point)
-            if self.zero_point.numel() == 1 or not bool((self.zero_point != self.zero_point.flatten()[0]).any()):
-                zp = int(self.zero_point.flatten()[0]) if self.zero_point.numel() else 0
-                lo, hi = self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
-            else:
-                lo, hi = self.qmin - z, self.qmax - z
-            v = self._views[key] = (s, inv, lo, hi)
+            key = x.dim() if self.group_size is None else tuple(x.shape)
+            v = self._views.get(key)
+            if v is None:
+                v = self._views[key] = self._views_for(x, self.scale, self.zero_point)
         s, inv, lo, hi = v
         n = TensorQuantizer.fast_path_threads
         prev = torch.get_num_threads() if n else 0
@@ -436,6 +540,7 @@ class TensorQuantizer(LazyBuffers):
             raise QdslError(f"quantizer {self.name or self.role.value} is already frozen")
         if self.dynamic:
             self.frozen_flag.fill_(True)
+            self._frozen = True
             return
         if self.role.is_param and not self.derived and x is None:
             raise ValueError("freezing a parameter quantizer needs the parameter")
@@ -457,6 +562,7 @@ class TensorQuantizer(LazyBuffers):
         self._refresh()
 
     def _refresh(self) -> None:
+        self._frozen = bool(self.frozen_flag)
         self._views = {}
         # the fused path below is the affine one: only formats that say so use it
         self._fast_ok = (self.frozen and not self.dynamic and self._ops.fast_path
@@ -465,6 +571,7 @@ class TensorQuantizer(LazyBuffers):
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._refresh()
+
 
     # ---------------------------------------------------------- pickle, copy
     def __getstate__(self) -> dict:
@@ -478,11 +585,24 @@ class TensorQuantizer(LazyBuffers):
         state = super().__getstate__()
         state["_observed"] = None
         state["_views"] = {}
+        state["_range"] = None  # keyed on this model's buffers
+        state.pop("_sviews", None)
         for name in ("_last_scale", "_derived_scale"):
             t = state.get(name)
             if isinstance(t, torch.Tensor):
                 state[name] = t.detach()
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        # a model pickled before the compile-friendly state: plain attributes then
+        state.setdefault("_observing", state.pop("observing", False))
+        state.setdefault("_range", None)
+        super().__setstate__(state)
+        self._frozen = bool(self.frozen_flag)
+        if not self.stateless and not self._observing:
+            # the range cache is not copied (it names the original's buffers): take it again
+            # now, eagerly, so that a compiled forward of the copy finds it
+            self._static_range(refresh=True)
 
     def _apply(self, fn, recurse=True):
         # ``model.to(torch.bfloat16)`` / ``.half()`` / ``.double()`` reach every buffer: the

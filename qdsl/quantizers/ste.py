@@ -128,10 +128,12 @@ def _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size) -> b
         return False
     if torch.is_grad_enabled() and (scale.requires_grad or (zero_point is not None and zero_point.requires_grad)):
         return False
+    if torch.compiler.is_compiling():
+        # the fused kernels (per tensor with tensor qparams, per channel) have no
+        # fake-tensor support: they would break the graph; the compiler fuses the plain ops
+        return False
     if axis is None:
         return scale.numel() == 1 and (zero_point is None or zero_point.numel() == 1)
-    if torch.compiler.is_compiling():
-        return False  # the per-channel kernel has no fake-tensor support: it would break the graph
     return scale.dim() == 1 and (zero_point is None or zero_point.shape == scale.shape)
 
 

@@ -190,7 +190,8 @@ def test_static_activation_ranges_are_memoized_until_statistics_change():
     obs = handle.layer("features.3").iq.observer
     calls = []
     compute = type(obs).range
-    type(obs).range = lambda self: calls.append(1) or compute(self)
+    # counted for this observer only: the end of a calibration takes every static range
+    type(obs).range = lambda self: (calls.append(1) if self is obs else None) or compute(self)
     try:
         qdsl.qat.prepare_qat(model)
         model.train()

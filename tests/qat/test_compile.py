@@ -1,5 +1,7 @@
 """torch.compile of an applied QAT model: outputs, gradients and state equal eager (slow: compiling)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -59,3 +61,77 @@ def test_compiled_qat_step_matches_eager(spec):
     model.eval()
     with torch.no_grad():
         assert torch.equal(compiled(x), model(x))
+
+
+# ---------------------------------------------------------------- issue 23: graph breaks, inductor
+def _qat_model(spec, width=8, model=None):
+    torch.manual_seed(0)
+    model = model if model is not None else conv_bn_relu_net(width=width)
+    apply(model, SPECS / spec)
+    x = torch.randn(8, 3, 16, 16)
+    calibrate(model, [x])
+    qdsl.qat.prepare_qat(model)
+    return model.train(), x
+
+
+def _breaks(model, x, train):
+    torch._dynamo.reset()
+    model.train(train)
+    with torch.set_grad_enabled(train):
+        return torch._dynamo.explain(model)(x).graph_break_count
+
+
+_BUNDLED = sorted(p.name for p in SPECS.glob("*.qspec") if not p.name.startswith("transformer"))
+_FAST = ("int8-default.qspec", "pot-asic.qspec")
+
+
+@pytest.mark.parametrize("spec", [s if s in _FAST else pytest.param(s, marks=pytest.mark.slow) for s in _BUNDLED])
+def test_no_graph_breaks_in_training_or_eval_forward(spec):
+    model, x = _qat_model(spec, model=_HardtanhNet() if spec.startswith("xnor") else None)
+    model = copy.deepcopy(model)  # a copy takes its static ranges again (proxy.__setstate__)
+    assert _breaks(model, x, train=False) == 0
+    # live BN statistics still break the graph where the fold factor runs eagerly
+    # (bn_fold.fold_factor: a traced one lets the BN's in-place update of running_var
+    # corrupt the saved tensor); with frozen statistics (the inference fold) none
+    qdsl.qat.freeze_bn_stats(model)
+    assert _breaks(model, x, train=True) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["pot-asic.qspec", "w4a8-per-channel.qspec"])
+def test_inductor_qat_step_matches_eager(spec):
+    """One training step compiled with inductor: same loss and gradients as eager (within
+    float tolerance: inductor fuses and reorders float arithmetic), same BN statistics."""
+    torch._dynamo.reset()
+    model, x = _qat_model(spec)
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(start)
+    compiled = torch.compile(model, backend="inductor")
+    loss = compiled(x).square().mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    model.zero_grad()
+    model.load_state_dict(start)
+    loss_eager = model(x).square().mean()
+    loss_eager.backward()
+    torch.testing.assert_close(loss, loss_eager, rtol=1e-4, atol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-3, atol=1e-4, msg=n)
+        assert p.grad.abs().sum() > 0, n
+    for k, v in model.state_dict().items():
+        if v.is_floating_point():
+            torch.testing.assert_close(after[k], v, rtol=1e-4, atol=1e-5, msg=k)
+        else:
+            assert torch.equal(after[k], v), k
+
+
+def test_frozen_state_is_a_python_attribute_that_follows_the_buffer():
+    model, x = _qat_model("int8-default.qspec")
+    qs = [m for m in model.modules() if isinstance(m, qdsl.quantizers.proxy.TensorQuantizer)]
+    assert not any(q.frozen for q in qs)
+    qdsl.freeze(model)
+    assert all(q.frozen for q in qs)
+    fresh, _ = _qat_model("int8-default.qspec")
+    fresh.load_state_dict(model.state_dict())
+    assert all(m.frozen for m in fresh.modules() if isinstance(m, qdsl.quantizers.proxy.TensorQuantizer))

@@ -1,0 +1,212 @@
+"""QAT under torch.compile, and evaluation during QAT (issue 23).
+
+**Training step** (forward + cross-entropy + backward + SGD momentum 0.9) on
+``ConvBnReluNet`` (width 32, 3×32×32 input, batch 64), 1 thread, per spec:
+
+* ``float eager`` / ``float inductor``  the unmodified network, eager / ``torch.compile``
+* ``qdsl eager`` / ``qdsl inductor``    apply + calibrate + ``prepare_qat``, eager / compiled
+* ``qdsl aot_eager``                    (``--aot``) the documented reference backend
+
+The model is compiled (not the optimizer step).  Compile time: wall and process CPU time
+of the first compiled step minus a steady step.  Steps are timed round-robin (one step of
+each variant per round) so load changes hit all alike; each figure is the median of the
+per-round process CPU time (``time.process_time``: on a shared machine another process's
+load does not count, only cache/memory contention does), with the range.  The graph-break
+count comes from ``torch._dynamo.explain`` on a training forward.
+
+**Evaluation** (``model.eval()``, ``torch.no_grad()``), per bundled spec: float vs qdsl
+before ``freeze`` (after a training step, as validation during QAT) vs after ``freeze``.
+
+Targets (issue 23): compiled QAT step <= 1.0× float eager and <= 1.3× float inductor,
+compile time <= 2× float's, zero graph breaks; eval before freeze <= 1.3× float.
+
+    python benchmarks/qat_compile.py [--specs pot-asic,int8-default] [--rounds 15] [--aot]
+                                     [--eval-only] [--eval-specs all|LIST]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from _timing import load_average  # benchmarks/ is the script's own directory
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
+SPECS = ROOT / "specs"
+BUNDLED = sorted(p.name[: -len(".qspec")] for p in SPECS.glob("*.qspec") if not p.name.startswith("transformer"))
+
+
+def _data(batch: int):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def _base() -> nn.Module:
+    from qdsl.zoo.models import conv_bn_relu_net
+
+    return conv_bn_relu_net(width=32, activation="hardtanh")
+
+
+def _qdsl(base: nn.Module, spec: str, x: torch.Tensor) -> nn.Module:
+    import qdsl
+    import qdsl.qat
+
+    model = copy.deepcopy(base)
+    qdsl.apply(model, str(SPECS / f"{spec}.qspec"))
+    qdsl.calibrate(model, [x[i: i + 32] for i in range(0, len(x), 32)], progress=False)
+    qdsl.qat.prepare_qat(model)
+    return model.train()
+
+
+def _stepper(model: nn.Module, fwd, x, y):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss_fn(fwd(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def _clock():
+    return time.perf_counter(), time.process_time()
+
+
+def _first_step(step) -> tuple[float, float]:
+    w0, c0 = _clock()
+    step()
+    w1, c1 = _clock()
+    return w1 - w0, c1 - c0
+
+
+def _round_robin(fns: dict, rounds: int) -> dict[str, list[float]]:
+    for f in fns.values():
+        f()
+        f()
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, f in fns.items():
+            c0 = time.process_time()
+            f()
+            out[k].append(time.process_time() - c0)
+    return out
+
+
+def _report(times: dict[str, list[float]], ref: str, unit: float = 1e3) -> None:
+    base = statistics.median(times[ref])
+    for k, v in times.items():
+        m = statistics.median(v)
+        print(f"  {k:<28} {m * unit:8.2f} ms  [{min(v) * unit:.2f}-{max(v) * unit:.2f}]  {m / base:5.2f}x {ref}")
+
+
+def _breaks(model: nn.Module, x: torch.Tensor) -> int:
+    torch._dynamo.reset()
+    return torch._dynamo.explain(model)(x).graph_break_count
+
+
+def train_suite(specs: list[str], rounds: int, batch: int, aot: bool) -> None:
+    x, y = _data(batch)
+    base = _base().train()
+    for spec in specs:
+        print(f"\n== training step, {spec} (ConvBnReluNet w32 hardtanh, batch {batch}, 1 thread) "
+              f"load {load_average()}")
+        q = _qdsl(base, spec, x)
+        print(f"  graph breaks (explain, training forward): {_breaks(q, x)} with live BN statistics "
+              f"(bn_fold.fold_factor runs eagerly), ", end="")
+        import qdsl.qat
+
+        qf = copy.deepcopy(q)
+        qdsl.qat.freeze_bn_stats(qf)
+        print(f"{_breaks(qf, x)} with frozen BN statistics; eval: {_breaks(qf.eval(), x)}")
+        torch._dynamo.reset()
+        fl = copy.deepcopy(base)
+        models = {"float eager": (fl, fl), "qdsl eager": (q, q)}
+        fc = copy.deepcopy(base)
+        qc = copy.deepcopy(q)
+        models["float inductor"] = (fc, torch.compile(fc, backend="inductor"))
+        models["qdsl inductor"] = (qc, torch.compile(qc, backend="inductor"))
+        if aot:
+            qa = copy.deepcopy(q)
+            models["qdsl aot_eager"] = (qa, torch.compile(qa, backend="aot_eager"))
+        steps = {k: _stepper(m, f, x, y) for k, (m, f) in models.items()}
+        compile_s = {}
+        for k, step in steps.items():
+            if k.endswith("eager") and not k.endswith("aot_eager"):
+                continue
+            first = _first_step(step)
+            steady = _first_step(step)
+            compile_s[k] = (first[0] - steady[0], first[1] - steady[1])
+        times = _round_robin(steps, rounds)
+        _report(times, "float eager")
+        fi = statistics.median(times["float inductor"])
+        qi = statistics.median(times["qdsl inductor"])
+        print(f"  qdsl inductor / float inductor: {qi / fi:.2f}x (target <= 1.3)")
+        for k, (w, c) in compile_s.items():
+            print(f"  compile {k:<20} wall {w:7.1f} s  cpu {c:7.1f} s")
+        if "float inductor" in compile_s:
+            print(f"  compile time qdsl/float (cpu): {compile_s['qdsl inductor'][1] / compile_s['float inductor'][1]:.2f}x "
+                  f"(target <= 2)")
+        print(f"  load {load_average()}")
+
+
+def eval_suite(specs: list[str], rounds: int, batch: int) -> None:
+    import qdsl
+
+    x, y = _data(batch)
+    base = _base().train()
+    print(f"\n== evaluation (eval(), no_grad), ConvBnReluNet w32 hardtanh, batch {batch}, 1 thread; "
+          f"load {load_average()}")
+    fns = {}
+    fl = copy.deepcopy(base).eval()
+    fns["float"] = fl
+    for spec in specs:
+        q = _qdsl(base, spec, x)
+        _stepper(q, q, x, y)()  # one training step: validation happens during QAT
+        q.eval()
+        fz = copy.deepcopy(q)
+        qdsl.freeze(fz)
+        fns[f"{spec} before freeze"] = q
+        fns[f"{spec} after freeze"] = fz.eval()
+
+    def ev(m):
+        def run():
+            with torch.no_grad():
+                m(x)
+        return run
+
+    times = _round_robin({k: ev(m) for k, m in fns.items()}, rounds)
+    _report(times, "float")
+    print(f"  load {load_average()}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--specs", default="pot-asic,int8-default")
+    ap.add_argument("--eval-specs", default="all")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--aot", action="store_true", help="also time the aot_eager backend")
+    ap.add_argument("--eval-only", action="store_true")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load {load_average()}")
+    eval_specs = BUNDLED if args.eval_specs == "all" else args.eval_specs.split(",")
+    eval_suite(eval_specs, args.rounds, args.batch)
+    if not args.eval_only:
+        train_suite(args.specs.split(","), args.rounds, args.batch, args.aot)
+
+
+if __name__ == "__main__":
+    main()
