@@ -31,6 +31,7 @@ __all__ = [
     "StopForward",
     "channel_dim",
     "require_batches",
+    "rounding_layers",
 ]
 
 WEIGHTED = (nn.Linear, nn.Conv1d, nn.Conv2d)
@@ -163,3 +164,21 @@ def require_batches(batches: Iterable[Any], what: str) -> list[Any]:
     if not out:
         raise QdslError(f"{what} needs calibration batches, but the iterable was empty")
     return out
+
+
+def rounding_layers(model: nn.Module, batches: list[Any], only: Iterable[str] | None,
+                    check: Callable[[str, Any], None]) -> list[tuple[str, Any]]:
+    """The layers a learned-rounding method rounds: ``weighted_layers`` in execution order,
+    just ``only``'s fqns when given, each passed through ``check(fqn, weight_proxy)`` (which
+    raises a located QdslError for a weight the method cannot round).  Refuses a frozen model."""
+    from qdsl.patch.handle import State
+
+    if get_handle(model).state in (State.FROZEN, State.EXPORTED):
+        raise QdslError("learned rounding runs before qdsl.freeze(model): the model is already frozen")
+    layers = weighted_layers(model, batches)
+    if only is not None:
+        wanted = set(only)
+        layers = [(f, p) for f, p in layers if f in wanted]
+    for fqn, patch in layers:
+        check(fqn, patch.wq)
+    return layers

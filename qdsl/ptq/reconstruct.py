@@ -47,9 +47,9 @@ import attrs
 import torch
 from torch import nn
 
-from qdsl.patch.handle import State, get_handle
+from qdsl.patch.handle import get_handle
 from qdsl.ptq.adaround import SoftRounding, beta_schedule
-from qdsl.ptq.layers import StopForward, float_mode, require_batches, run_batches, scales_fixed, weighted_layers
+from qdsl.ptq.layers import StopForward, float_mode, require_batches, rounding_layers, run_batches, scales_fixed
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.spec.diagnostics import QdslError
 
@@ -310,15 +310,7 @@ def reconstruct(
     drop masks (the result is deterministic for a given seed and thread count); ``only``:
     reconstruct just the blocks made of these layers (fqns), the others keep their codes."""
     batches = require_batches(batches, "learned rounding (adaround)")
-    handle = get_handle(model)
-    if handle.state in (State.FROZEN, State.EXPORTED):
-        raise QdslError("learned rounding runs before qdsl.freeze(model): the model is already frozen")
-    layers = weighted_layers(model, batches)
-    if only is not None:
-        wanted = set(only)
-        layers = [(f, p) for f, p in layers if f in wanted]
-    for fqn, patch in layers:
-        _check(fqn, patch.wq)
+    layers = rounding_layers(model, batches, only, _check)
     report = report if report is not None else PtqReport()
     fit, held = split_heldback(batches)
     data = fit + held

@@ -45,12 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qdsl.patch.handle import State, get_handle
 from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes
-from qdsl.ptq.layers import capture, float_mode, require_batches, run_batches, weighted_layers
+from qdsl.ptq.layers import capture, float_mode, require_batches, rounding_layers, run_batches
+from qdsl.ptq.reconstruct import reconstruct
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.quantizers.functional import dequantize_affine
-from qdsl.ptq.reconstruct import reconstruct
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["LEARNED_ROUNDINGS", "RoundingResult", "learn_rounding"]
@@ -126,14 +125,7 @@ def learn_rounding(
     batches = require_batches(batches, "learned rounding")
     if method == "adaround":
         return reconstruct(model, batches, report=report, only=only)
-    if get_handle(model).state in (State.FROZEN, State.EXPORTED):
-        raise QdslError("learned rounding runs before qdsl.freeze(model): the model is already frozen")
-    layers = weighted_layers(model, batches)
-    if only is not None:
-        wanted = set(only)
-        layers = [(f, p) for f, p in layers if f in wanted]
-    for fqn, patch in layers:
-        _check(fqn, patch.wq)
+    layers = rounding_layers(model, batches, only, _check)
     fit, held = split_heldback(batches) if heldback else (batches, [])
     result = RoundingResult(report=report)
     for group in _shared_input_groups(model, layers, batches[0]):

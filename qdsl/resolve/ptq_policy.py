@@ -29,7 +29,6 @@ from typing import Sequence
 import attrs
 
 from qdsl.resolve.plan import Plan
-from qdsl.spec.formats import format_of
 from qdsl.spec.model import Role
 
 __all__ = ["AUTO_STEPS", "BIAS_CORRECTION", "WEIGHTED_TYPES", "LayerSteps", "auto_steps", "layer_steps",
@@ -85,7 +84,7 @@ class LayerSteps:
 
 def _bits(lp) -> int | None:
     w = lp.roles.get(Role.WEIGHT)
-    if lp.skip or lp.type_name not in WEIGHTED_TYPES or w is None or not format_of(w.kind).fixed_codes:
+    if lp.skip or lp.type_name not in WEIGHTED_TYPES or w is None or not w.format.fixed_codes:
         return None
     i = lp.roles.get(Role.INPUT)
     return min(w.bits, i.bits) if i is not None else w.bits

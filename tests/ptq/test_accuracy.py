@@ -10,37 +10,15 @@ correction, BN folded, int32 bias), calibrated on 256 training images (seeded):
   uniform 3 bits on test loss (and is within one test image on accuracy).
 """
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from qdsl.workflows.sensitivity import emit_mixed_precision, mixed_average_bits, ptq_metric, sensitivity
-from qdsl.zoo.train import evaluate, trained_conv1d_net, trained_digits_resnet
+from qdsl.zoo.train import evaluate
+
+from _trained import SPEC, digits, keywords  # noqa: F401 (digits/keywords are fixtures)
+from _trained import bits as _bits
 
 pytestmark = pytest.mark.slow
-
-SPEC = Path(__file__).resolve().parent.parent.parent / "specs" / "low-bit.qspec"
-
-
-def _calib(x, n=256, seed=0):
-    return x[torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:n]]
-
-
-def _bits(b):
-    return [f"weight.bits={b}", f"input.bits={b}"]
-
-
-@pytest.fixture(scope="module")
-def digits():
-    model, (xtr, _ytr, xte, yte) = trained_digits_resnet()
-    return model, _calib(xtr), xte, yte
-
-
-@pytest.fixture(scope="module")
-def keywords():
-    model, (xtr, _ytr, xte, yte) = trained_conv1d_net()
-    return model, _calib(xtr), xte, yte
 
 
 @pytest.mark.parametrize("bits,tolerance", [(4, 0.7), (3, 2.0)])

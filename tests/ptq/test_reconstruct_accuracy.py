@@ -11,37 +11,15 @@ the W3A3 floor here is 2 points (measured: digits 99.33 vs float 100; keywords 8
 the W2A2 one the target's 10 (measured: 92.43 vs 100, 79.40 vs 83.60).
 """
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from qdsl.workflows.sensitivity import ptq_metric
-from qdsl.zoo.train import evaluate, trained_conv1d_net, trained_digits_resnet
+from qdsl.zoo.train import evaluate
+
+from _trained import SPEC, digits, keywords  # noqa: F401 (digits/keywords are fixtures)
+from _trained import bits as _bits
 
 pytestmark = pytest.mark.slow
-
-SPEC = Path(__file__).resolve().parent.parent.parent / "specs" / "low-bit.qspec"
-
-
-def _calib(x, n=256, seed=0):
-    return x[torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))[:n]]
-
-
-def _bits(b):
-    return [f"weight.bits={b}", f"input.bits={b}"]
-
-
-@pytest.fixture(scope="module")
-def digits():
-    model, (xtr, _ytr, xte, yte) = trained_digits_resnet()
-    return model, _calib(xtr), xte, yte
-
-
-@pytest.fixture(scope="module")
-def keywords():
-    model, (xtr, _ytr, xte, yte) = trained_conv1d_net()
-    return model, _calib(xtr), xte, yte
 
 
 @pytest.mark.parametrize("bits,tolerance", [(3, 2.0), (2, 10.0)])
