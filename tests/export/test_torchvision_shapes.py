@@ -150,7 +150,9 @@ def test_mobilenet_v3_w4a8_differs_by_one_tie():
     # input of every layer, and the first difference is that one code, by one.
     torch.manual_seed(0)
     model = ALL["mobilenet_v3_small"]().train()
-    handle = qdsl.apply(model, "specs/w4a8-per-channel.qspec")
+    # nearest-rounded weights, as when this tie was found (auto's GPTQ at 4 bits moves them)
+    handle = qdsl.apply(model, "specs/w4a8-per-channel.qspec",
+                        overrides=["learned_rounding=none", "bias_correction=false"])
     x = torch.randn(2, 3, 32, 32)  # the draws of test_bundled_spec_trains_and_exports
     model(x).square().mean().backward()
     model.eval()
