@@ -33,7 +33,7 @@ from torch import nn
 from qdsl.ptq.layers import capture, float_mode, run_batches
 from qdsl.ptq.report import LayerDecision, PtqReport
 
-__all__ = ["LayerProbe", "guarded", "shared_references", "SHARED_ELEMENTS"]
+__all__ = ["LayerProbe", "decide", "guarded", "shared_references", "SHARED_ELEMENTS"]
 
 SHARED_ELEMENTS = 1 << 25
 """Most float32 elements (128 MiB) :func:`shared_references` keeps."""
@@ -95,24 +95,36 @@ class LayerProbe:
         return total / n if n else math.nan
 
 
+def decide(report: PtqReport, fqn: str, step: str, before: float, after: float, *,
+           undo: Callable[[], Any] | None = None, note: str = "", unchecked: str = "no held-back data") -> bool:
+    """The one rule every PTQ step's held-back check follows: keep the change only if the
+    error went down (a tie keeps the layer as it was, calling ``undo``); a nan error (no
+    held-back data, or the layer did not run on it) keeps it unchecked, saying
+    ``unchecked`` why.  Writes the :class:`LayerDecision` and returns whether it was kept.
+
+    The errors themselves are each step's own: :class:`LayerProbe` for a layer in the whole
+    model, GPTQ's output error on captured inputs (they stay fixed, so it is cheap), block
+    reconstruction's on stacked block inputs."""
+    if math.isnan(before) or math.isnan(after):
+        report.add(LayerDecision(fqn, step, True, before, after,
+                                 f"{unchecked}: kept unchecked" + (f"; {note}" if note else "")))
+        return True
+    kept = after < before
+    if not kept and undo is not None:
+        undo()
+    report.add(LayerDecision(fqn, step, kept, before, after, note))
+    return kept
+
+
 def guarded(model: nn.Module, fqn: str, module: nn.Module, heldback: list[Any], step: str,
             apply: Callable[[], Any], undo: Callable[[], Any], report: PtqReport, note: str = "") -> bool:
     """Apply a change to one layer, keep it only if its held-back error drops; returns
     whether it was kept (see the module docstring)."""
     if not heldback:
         apply()
-        report.add(LayerDecision(fqn, step, True, math.nan, math.nan,
-                                 "no held-back data: kept unchecked" + (f"; {note}" if note else "")))
-        return True
+        return decide(report, fqn, step, math.nan, math.nan, note=note)
     probe = LayerProbe(model, module, heldback)
     before = probe.error()
     apply()
-    after = probe.error()
-    if math.isnan(after) or math.isnan(before):
-        report.add(LayerDecision(fqn, step, True, before, after, "layer did not run on held-back data: kept unchecked"))
-        return True
-    kept = after < before
-    if not kept:
-        undo()
-    report.add(LayerDecision(fqn, step, kept, before, after, note))
-    return kept
+    return decide(report, fqn, step, before, probe.error(), undo=undo, note=note,
+                  unchecked="layer did not run on held-back data")

@@ -49,7 +49,8 @@ from torch import nn
 
 from qdsl.patch.handle import get_handle
 from qdsl.ptq.adaround import SoftRounding, beta_schedule
-from qdsl.ptq.layers import StopForward, float_mode, require_batches, rounding_layers, run_batches, scales_fixed
+from qdsl.ptq.guard import decide
+from qdsl.ptq.layers import StopForward, capture, float_mode, require_batches, rounding_layers, run_batches, scales_fixed
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.spec.diagnostics import QdslError
 
@@ -166,19 +167,14 @@ def _float_outputs(model: nn.Module, block: Block, batches: list[Any]) -> list[t
     pass stops there, so only one block's targets are held at a time."""
     outs: list[torch.Tensor | None] = []
 
-    def post(m, args, out):
+    def keep(_x, out):
         if isinstance(out, torch.Tensor):
             outs[-1] = out.detach()
-        raise StopForward
 
-    h = block.modules[-1].register_forward_hook(post)
-    try:
-        with float_mode(model):
-            for batch in batches:
-                outs.append(None)
-                run_batches(model, [batch])
-    finally:
-        h.remove()
+    with capture(block.modules[-1], keep, stop=True), float_mode(model):
+        for batch in batches:
+            outs.append(None)
+            run_batches(model, [batch])
     return outs
 
 
@@ -384,17 +380,16 @@ def _one_block(model, block, data, n_fit, report, gen, *, iters, batch_size, lr,
         total += codes.numel()
         p.wq.set_codes(codes)
     after = _error(block, x_held, y_held) if checked else float("nan")
-    kept = not checked or after < before
-    if not kept:
+
+    def undo() -> None:
         for p, old in zip(patches, previous):
             if old.numel():
                 p.wq.set_codes(old)
             else:
                 p.wq.codes = torch.empty(0, dtype=torch.int64)
+
     note = f"block {block.name}: {len(patches)} layer(s), {100.0 * moved / max(total, 1):.1f}% codes off nearest"
-    if not checked:
-        note += "; no held-back data, kept unchecked"
-    report.add(LayerDecision(block.layers[0], STEP, kept, before, after, note))
+    decide(report, block.layers[0], STEP, before, after, undo=undo, note=note)
 
 
 def _weight(patch: Any) -> torch.Tensor:

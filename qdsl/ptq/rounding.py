@@ -46,9 +46,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes
+from qdsl.ptq.guard import decide
 from qdsl.ptq.layers import capture, float_mode, require_batches, rounding_layers, run_batches
 from qdsl.ptq.reconstruct import reconstruct
-from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
+from qdsl.ptq.report import PtqReport, split_heldback
 from qdsl.quantizers.functional import dequantize_affine
 from qdsl.spec.diagnostics import QdslError
 
@@ -194,21 +195,20 @@ def _round_layer(fqn, patch, acc, held_x, result, heldback, options) -> None:
         refit = options.pop("refit") and bool(held_x) and acc.h.shape[-1] <= FLOAT64_MAX_D
         fit_sum, fit_n = (acc.h.clone(), acc.n) if refit else (None, 0)
         codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, **options)
-        kept, before, after, note = True, math.nan, math.nan, ""
+        before = after = math.nan
         if held_x:
             deq = lambda q: dequantize_affine(q, scale, zp, wq.axis, wq.group_size)  # noqa: E731
             before = _output_error(module, w - deq(nearest), held_x)
             after = _output_error(module, w - deq(codes), held_x)
-            kept = after < before
-        else:
-            note = "no held-back data: kept unchecked" if heldback else "held-back check off"
+        # the codes are applied below, after a possible refit, so there is nothing to undo
+        note = "refit on all batches" if refit and (not held_x or after < before) else ""
+        kept = decide(result.report, fqn, "gptq", before, after, note=note,
+                      unchecked="no held-back data" if heldback else "held-back check off")
         if kept and refit:
             acc.h, acc.n = fit_sum, fit_n
             for x in held_x:
                 acc.add(module, x)
             codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, **options)
-            note = "refit on all batches"
-        result.report.add(LayerDecision(fqn, "gptq", kept, before, after, note))
         if kept:
             wq.set_codes(codes)
             result[fqn] = float((codes != nearest).float().mean())

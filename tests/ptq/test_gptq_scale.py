@@ -279,7 +279,7 @@ def test_without_held_back_data_gptq_is_kept_unchecked():
     qdsl.calibrate(model, [_tokens(32, g)], progress=False)
     with scales_fixed(model):
         out = learn_rounding(model, [_tokens(32, g)], heldback=False)
-    assert all(d.kept and math.isnan(d.error_before) and d.note == "held-back check off" for d in out.report)
+    assert all(d.kept and math.isnan(d.error_before) and d.note == "held-back check off: kept unchecked" for d in out.report)
     shared = PtqReport()
     with scales_fixed(model):
         again = learn_rounding(model, [{"x": _tokens(8, g)}])  # one kwargs batch: cannot be split
