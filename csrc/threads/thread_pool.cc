@@ -110,6 +110,7 @@ class Pool {
     threads_.clear();
     stop_.store(false);
     for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Work(); });
+    policy_ = SoloPolicy();  // parallel times taken with another thread count no longer apply
   }
   int workers() const { return static_cast<int>(threads_.size()); }
 
