@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <vector>
 
 #include "threads/thread_pool.h"
 
@@ -45,21 +46,26 @@ inline int SoloPolicyFailures() {
     }
     return solos;
   };
-  // true when b's slot is a's (measured a, solo winning: b resets it)
-  auto clashes = [](uint64_t a, uint64_t b) {
+  const uint64_t conv = SoloPolicy::Key(16, int64_t{1} << 30), pool = SoloPolicy::Key(64, int64_t{1} << 23);
+  // a shape is forgotten (measured again: parallel first) once kWays other shapes of its set
+  // were used after it, least recently used first
+  {
+    std::vector<uint64_t> same;  // other shapes of conv's set
+    for (uint64_t k = conv + 1; static_cast<int>(same.size()) < SoloPolicy::kWays; ++k)
+      if (SoloPolicy::SetOf(k) == SoloPolicy::SetOf(conv)) same.push_back(k);
     auto q = std::make_unique<SoloPolicy>();
-    q->Record(a, false, 2);
-    q->Record(a, true, 1);
-    q->Record(b, false, 5);
-    return !q->Solo(a);
-  };
-  const uint64_t conv = SoloPolicy::Key(16, int64_t{1} << 30);
-  uint64_t pool = SoloPolicy::Key(64, int64_t{1} << 23), clash = conv + 1;
-  for (int i = 0; i < 4096 && clashes(conv, pool); ++i) ++pool;
-  for (int i = 0; i < 4096 && !clashes(conv, clash); ++i) ++clash;
-  // a shape that lands in an occupied slot starts over (measures parallel first), one that
-  // does not leaves it alone
-  SOLO_EXPECT(clashes(conv, clash) && !clashes(conv, pool), "no shape shares a slot with another, or every one does");
+    auto measure = [&](uint64_t k) {  // parallel 2, solo 1: k's next job runs solo
+      q->Record(k, false, 2);
+      q->Record(k, true, 1);
+    };
+    measure(conv);
+    for (int i = 0; i + 1 < SoloPolicy::kWays; ++i) measure(same[i]);
+    SOLO_EXPECT(q->Solo(conv), "a shape was forgotten with its set not full");
+    measure(same.back());  // evicts same[0], used least recently (conv was just looked up)
+    SOLO_EXPECT(q->Solo(conv) && !q->Solo(same[0]), "the least recently used shape was not the one forgotten");
+    for (int i = 0; i < SoloPolicy::kWays; ++i) measure(same[i]);  // kWays others used after conv
+    SOLO_EXPECT(!q->Solo(conv), "a shape was remembered after kWays others of its set were used");
+  }
   SOLO_EXPECT(!p.Solo(conv), "a new shape did not run in parallel first");
   p.Record(conv, false, 600);
   SOLO_EXPECT(p.Solo(conv), "a shape measured in parallel only did not run solo next");

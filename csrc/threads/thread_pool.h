@@ -73,13 +73,17 @@ inline int64_t FineChunk(int64_t n, int64_t chunk, int64_t min_chunk, int64_t wo
 // and every op gives the same bytes at any thread count.  QDSL_POOL_ADAPT=0 turns it off.
 class SoloPolicy {
  public:
-  static constexpr int kSlots = 256;  // shapes tracked at once (direct-mapped; a clash resets the slot)
+  // Shapes tracked at once: kSets sets of kWays, least recently used out (ResNet-18 issues
+  // ~25 shapes per run, MobileNetV2 ~60; a shape that is forgotten is measured again).
+  static constexpr int kSets = 64;
+  static constexpr int kWays = 4;
   static constexpr int kFirstProbe = 8;
   static constexpr int kMaxProbe = 128;
 
   static uint64_t Key(int n, int64_t work) {
     return (static_cast<uint64_t>(work) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(n);
   }
+  static int SetOf(uint64_t key) { return static_cast<int>((key * 0xD6E8FEB86659FD93ull) >> 58); }
 
   // True when the next job of this shape should run in the caller alone.
   bool Solo(uint64_t key) {
@@ -114,25 +118,32 @@ class SoloPolicy {
  private:
   struct Slot {
     uint64_t key = 0;
-    bool used = false;
+    uint64_t used = 0;  // when last looked up (0: empty)
     bool solo = false;  // the winning mode
     int interval = kFirstProbe, countdown = kFirstProbe;
     int64_t solo_ns = -1, par_ns = -1;  // running means; -1: not measured yet
   };
   Slot& SlotFor(uint64_t key) {
-    const int i = static_cast<int>((key * 0xD6E8FEB86659FD93ull) >> 56) % kSlots;
-    Slot& s = slots_[i];
-    if (!s.used || s.key != key) {
-      s = Slot();
-      s.used = true;
-      s.key = key;
-      // spread the slots' probes over runs: probing every op on the same run would make
-      // that whole run solo
-      s.countdown = kFirstProbe + i % kFirstProbe;
+    const int set = SetOf(key);
+    Slot* ways = slots_ + set * kWays;
+    Slot* out = ways;
+    for (int w = 0; w < kWays; ++w) {
+      if (ways[w].used != 0 && ways[w].key == key) {
+        ways[w].used = ++clock_;
+        return ways[w];
+      }
+      if (ways[w].used < out->used) out = ways + w;  // empty or least recently used
     }
-    return s;
+    *out = Slot();
+    out->used = ++clock_;
+    out->key = key;
+    // spread the shapes' probes over runs: probing every op on the same run would make
+    // that whole run solo
+    out->countdown = kFirstProbe + static_cast<int>(key >> 61);
+    return *out;
   }
-  Slot slots_[kSlots];
+  Slot slots_[kSets * kWays];
+  uint64_t clock_ = 0;
 };
 
 // Counters for QDSL_PROFILE (the executor prints their change per op): how ops were cut,
