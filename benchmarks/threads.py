@@ -13,7 +13,10 @@ be shared, and figures taken while other processes held the cores are not compar
 Outputs at every thread count are checked equal to the 1-thread output first.  On Linux
 the CPU time per run of the two busiest threads is printed too: on a loaded machine the
 wall times mostly measure the other processes, while the CPU split still shows whether the
-threads share the work.
+threads share the work (with the busy loop, a second thread near 0 ms means the pool's
+SoloPolicy measured solo runs faster and ran the jobs in the caller).  The last lines give
+both targets from this one run, each marked MET / NOT MET, and the 2-thread vs 1-thread
+ratio with the busy loop.
 """
 
 from __future__ import annotations
@@ -95,7 +98,28 @@ def _phase(name, compiled, x, counts, rounds, reps):
         print(f"  {n} thread(s): {med[n]:8.2f} ms  (range {min(v):.2f}-{max(v):.2f}; "
               f"{med[counts[0]] / med[n]:.2f}x of {counts[0]} thread{split})")
     print(f"  load average after {load_average()}")
-    return med
+    return per
+
+
+def _targets(quiet: dict, loaded: dict | None) -> None:
+    """Issue 18's two thread targets from this run's medians (ranges: the per-round ratios;
+    rounds interleave the thread counts, so round r's figures were taken side by side)."""
+    q1, q2 = np.array(quiet[1]), np.array(quiet[2])
+    a = float(np.median(q1) / np.median(q2))
+    rounds_a = q1 / q2
+    print("targets (issue 18), this run:")
+    print(f"  (a) 2 threads >= 1.6x one thread, quiet: {a:.2f}x (per round {rounds_a.min():.2f}-{rounds_a.max():.2f}) "
+          f"{'MET' if a >= 1.6 else 'NOT MET'}")
+    if loaded is None:
+        print("  (b) not measured (--no-loaded)")
+        return
+    l1, l2 = np.array(loaded[1]), np.array(loaded[2])
+    b = float(np.median(l2) / np.median(q2))
+    print(f"  (b) 2 threads with the busy loop <= 1.5x quiet 2 threads: {b:.2f}x "
+          f"({np.median(l2):.2f} vs {np.median(q2):.2f} ms) {'MET' if b <= 1.5 else 'NOT MET'}")
+    print(f"      with the busy loop, 2 threads vs 1 thread: {np.median(l1) / np.median(l2):.2f}x "
+          f"(below 1.00x: the second thread costs more than it brings)")
+    print(f"  both in this run: {'yes' if a >= 1.6 and b <= 1.5 else 'no'}")
 
 
 def main() -> None:
@@ -125,6 +149,7 @@ def main() -> None:
         print(f"ResNet-18, batch {args.batch}, 3x224x224, int8-default; "
               f"{args.rounds} rounds x {args.reps} reps; cores: {os.cpu_count()}")
         quiet = _phase("no busy loop", compiled, x, counts, args.rounds, args.reps)
+        loaded = None
         if not args.no_loaded:
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             try:
@@ -134,7 +159,10 @@ def main() -> None:
                 hog.kill()
                 hog.wait()
             for n in counts:
-                print(f"  {n} thread(s): with / without the busy loop = {loaded[n] / quiet[n]:.2f}x")
+                print(f"  {n} thread(s): with / without the busy loop = "
+                      f"{np.median(loaded[n]) / np.median(quiet[n]):.2f}x")
+        if {1, 2} <= set(counts):
+            _targets(quiet, loaded)
     finally:
         rt.set_num_threads(before)
 

@@ -14,6 +14,7 @@
 #include "qdsl/gemm.h"
 #include "qdsl/graph.h"
 #include "threads/thread_pool.h"
+#include "tests/solo_policy_test.h"
 
 namespace {
 
@@ -279,38 +280,6 @@ void TestThreadPool(std::mt19937& rng) {
   qdsl::SetNumThreads(0);
 }
 
-// SoloPolicy: windows of jobs that beat their one-thread estimate never go solo; a losing
-// window runs the next kSoloJobs jobs in the caller, a second one twice as many (up to
-// kMaxSoloJobs), a winning window resets the stretch; jobs the caller ran no task of are
-// not counted.
-void TestSoloPolicy() {
-  using qdsl::SoloPolicy;
-  SoloPolicy p;
-  auto window = [&](int64_t wall, int64_t alone_per_job) {  // one window of 4-task jobs
-    for (int j = 0; j < SoloPolicy::kWindow; ++j) p.Record(4, 2, alone_per_job / 2, wall);
-  };
-  auto solos = [&] {
-    int k = 0;
-    while (p.Solo()) ++k;
-    return k;
-  };
-  window(60, 100);
-  EXPECT(solos() == 0, "a winning window went solo");
-  window(130, 100);
-  EXPECT(solos() == SoloPolicy::kSoloJobs, "a losing window did not run kSoloJobs jobs solo");
-  window(130, 100);
-  EXPECT(solos() == 2 * SoloPolicy::kSoloJobs, "a second losing window did not double the stretch");
-  for (int i = 0; i < 20; ++i) window(130, 100), solos();
-  window(130, 100);
-  EXPECT(solos() == SoloPolicy::kMaxSoloJobs, "the stretch is not capped at kMaxSoloJobs");
-  window(60, 100);
-  EXPECT(solos() == 0, "a winning window went solo");
-  window(130, 100);
-  EXPECT(solos() == SoloPolicy::kSoloJobs, "a winning window did not reset the stretch");
-  for (int j = 0; j < 3 * SoloPolicy::kWindow; ++j) p.Record(4, 0, 0, 1000);
-  EXPECT(solos() == 0, "jobs the caller ran no task of were counted");
-}
-
 }  // namespace
 
 int main() {
@@ -322,7 +291,7 @@ int main() {
   TestWideRescale();
   TestLoaderGarbage(rng);
   TestThreadPool(rng);
-  TestSoloPolicy();
+  failures += qdsl_test::SoloPolicyFailures();
   std::printf("%s (%d failures)\n", failures ? "FAILED" : "OK", failures);
   return failures ? 1 : 0;
 }

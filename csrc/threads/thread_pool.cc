@@ -110,16 +110,26 @@ class Pool {
     threads_.clear();
     stop_.store(false);
     for (int i = 0; i < workers; ++i) threads_.emplace_back([this] { Work(); });
+    policy_ = SoloPolicy();  // parallel times taken with another thread count no longer apply
   }
   int workers() const { return static_cast<int>(threads_.size()); }
 
-  // Runs fn(0..n-1), 1 <= n <= kMaxTasks; false (nothing run) when another thread's job
-  // holds the pool, or SoloPolicy says jobs do not pay: the caller then runs its tasks
-  // itself rather than queue behind it.
-  bool Run(int n, const std::function<void(int)>& fn) {
+  // Runs fn(0..n-1), 1 <= n <= kMaxTasks, on the pool or (SoloPolicy) in the caller alone;
+  // `key` names the job's shape for the policy.  False (nothing run) when another thread's
+  // job holds the pool: the caller then runs its tasks itself rather than queue behind it.
+  bool Run(int n, uint64_t key, const std::function<void(int)>& fn) {
     std::unique_lock<std::mutex> run_lock(run_mu_, std::try_to_lock);
     if (!run_lock.owns_lock()) return false;
-    if (adapt_ && policy_.Solo()) return false;
+    auto ns = [](std::chrono::steady_clock::duration d) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
+    };
+    if (adapt_ && policy_.Solo(key)) {
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < n; ++i) fn(i);
+      policy_.Record(key, /*solo=*/true, ns(std::chrono::steady_clock::now() - start));
+      if (stats_on.load(std::memory_order_relaxed)) stat_serial.Add(1);
+      return true;
+    }
     const auto posted = std::chrono::steady_clock::now();
     fn_.store(&fn, std::memory_order_relaxed);
     done_.store(0, std::memory_order_relaxed);
@@ -143,11 +153,8 @@ class Pool {
       done_cv_.wait(lock, [&] { return done_.load(std::memory_order_acquire) == n; });
     }
     const auto end = std::chrono::steady_clock::now();
-    auto ns = [](std::chrono::steady_clock::duration d) {
-      return std::chrono::duration_cast<std::chrono::nanoseconds>(d).count();
-    };
     if (stats) stat_tail_ns.Add(ns(end - drained));
-    policy_.Record(n, mine, ns(drained - posted), ns(end - posted));
+    if (adapt_) policy_.Record(key, /*solo=*/false, ns(end - posted));
     return true;
   }
 
@@ -251,7 +258,7 @@ void ParallelFor(int n, const std::function<void(int)>& fn, int64_t work) {
   // more tasks than a ticket counts: each claim runs a contiguous run of them
   const int per = (n + Pool::kMaxTasks - 1) / Pool::kMaxTasks, claims = (n + per - 1) / per;
   in_parallel = true;
-  const bool ran = pool.Run(claims, [&](int c) {
+  const bool ran = pool.Run(claims, SoloPolicy::Key(n, work), [&](int c) {
     const bool outer = in_parallel;
     in_parallel = true;
     for (int i = c * per, e = std::min(n, i + per); i < e; ++i) fn(i);

@@ -52,45 +52,98 @@ inline int64_t FineChunk(int64_t n, int64_t chunk, int64_t min_chunk, int64_t wo
 // When the pool stops paying (issue 18: "degrade toward, not below, the 1-thread speed").
 // On an oversubscribed machine a worker that another process preempts in the middle of a
 // task holds the op's end until it is scheduled again, milliseconds later; with several
-// processes per core that made 2 threads slower than one.  The caller measures each job:
-// its wall time, and what the job would have cost it alone (n tasks at the caller's own
-// time per task).  Over a window of jobs, if the jobs took longer than that estimate, the
-// next jobs run in the caller alone, for a stretch that doubles while probes keep losing
-// (kSoloJobs .. kMaxSoloJobs jobs: ResNet-18 issues ~22 per run) and resets once a window
-// wins.  Results never depend on it (every op gives the same bytes at any thread count).
-// QDSL_POOL_ADAPT=0 turns it off.
+// processes per core that made 2 threads slower than one.  So the pool times both ways of
+// running a job, under the conditions of the moment, and runs each job the way that is
+// faster: in parallel, or in the caller alone ("solo").
+//
+// Jobs are told apart by their shape (task count, work estimate): an op issues the same
+// shape on every run, so the two wall times of one shape compare like with like (a
+// window of mixed jobs would compare a conv's parallel time with a pooling's solo time).
+// Per shape it keeps a running mean of each mode's wall time, updated each time the job
+// runs that way; the faster mean wins.  The mode that is not winning is re-measured now
+// and then (a probe, every kFirstProbe visits, the interval doubling up to kMaxProbe while
+// probes confirm the winner and reset when one changes it), so an estimate taken under
+// other conditions (the machine got busy, or quiet again) does not stick.  A probe's time
+// replaces the old estimate outright: it is the only fresh figure for that mode.
+//
+// The earlier policy compared the parallel wall time with the caller's time per task times
+// the task count; under contention the caller's own tasks ran slowly too, so that estimate
+// made solo look as bad as the parallel job and 2 threads never fell back (stop 29).
+// Results never depend on the policy: ops cut their tasks by ThreadsFor, not by the mode,
+// and every op gives the same bytes at any thread count.  QDSL_POOL_ADAPT=0 turns it off.
 class SoloPolicy {
  public:
-  static constexpr int kWindow = 24;
-  static constexpr int kSoloJobs = 32;
-  static constexpr int kMaxSoloJobs = 2048;
+  // Shapes tracked at once: kSets sets of kWays, least recently used out (ResNet-18 issues
+  // ~25 shapes per run, MobileNetV2 ~60; a shape that is forgotten is measured again).
+  static constexpr int kSets = 64;
+  static constexpr int kWays = 4;
+  static constexpr int kFirstProbe = 8;
+  static constexpr int kMaxProbe = 128;
 
-  // A parallel job: n tasks, `mine` of them run by the caller in caller_ns, the job's wall
-  // time wall_ns (from posting to its end).
-  void Record(int n, int64_t mine, int64_t caller_ns, int64_t wall_ns) {
-    if (mine <= 0 || caller_ns <= 0) return;  // the caller ran nothing: no estimate
-    wall_ns_ += wall_ns;
-    alone_ns_ += caller_ns * n / mine;
-    if (++jobs_ < kWindow) return;
-    if (wall_ns_ > alone_ns_) {
-      solo_left_ = backoff_;
-      backoff_ = backoff_ * 2 > kMaxSoloJobs ? kMaxSoloJobs : backoff_ * 2;
-    } else {
-      backoff_ = kSoloJobs;
-    }
-    jobs_ = 0;
-    wall_ns_ = alone_ns_ = 0;
+  static uint64_t Key(int n, int64_t work) {
+    return (static_cast<uint64_t>(work) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(n);
   }
-  // True (and counted) when the next job should run in the caller alone.
-  bool Solo() {
-    if (solo_left_ <= 0) return false;
-    --solo_left_;
-    return true;
+  static int SetOf(uint64_t key) { return static_cast<int>((key * 0xD6E8FEB86659FD93ull) >> 58); }
+
+  // True when the next job of this shape should run in the caller alone.
+  bool Solo(uint64_t key) {
+    Slot& s = SlotFor(key);
+    if (s.par_ns < 0) return false;  // measure each mode once first
+    if (s.solo_ns < 0) return true;
+    if (--s.countdown <= 0) {
+      s.countdown = s.interval;
+      return !s.solo;  // probe the mode that is not winning
+    }
+    return s.solo;
+  }
+
+  // A job of this shape ran solo or in parallel and took wall_ns.
+  void Record(uint64_t key, bool solo, int64_t wall_ns) {
+    Slot& s = SlotFor(key);
+    int64_t& est = solo ? s.solo_ns : s.par_ns;
+    const bool probe = s.par_ns >= 0 && s.solo_ns >= 0 && solo != s.solo;
+    est = est < 0 || probe ? wall_ns : est + (wall_ns - est) / 4;
+    if (s.par_ns < 0 || s.solo_ns < 0) return;
+    const bool winner = s.solo_ns < s.par_ns;
+    if (winner != s.solo) {
+      s.solo = winner;
+      s.interval = kFirstProbe;
+      s.countdown = kFirstProbe;
+    } else if (probe) {
+      s.interval = std::min(2 * s.interval, kMaxProbe);
+      s.countdown = s.interval;
+    }
   }
 
  private:
-  int jobs_ = 0, solo_left_ = 0, backoff_ = kSoloJobs;
-  int64_t wall_ns_ = 0, alone_ns_ = 0;
+  struct Slot {
+    uint64_t key = 0;
+    uint64_t used = 0;  // when last looked up (0: empty)
+    bool solo = false;  // the winning mode
+    int interval = kFirstProbe, countdown = kFirstProbe;
+    int64_t solo_ns = -1, par_ns = -1;  // running means; -1: not measured yet
+  };
+  Slot& SlotFor(uint64_t key) {
+    const int set = SetOf(key);
+    Slot* ways = slots_ + set * kWays;
+    Slot* out = ways;
+    for (int w = 0; w < kWays; ++w) {
+      if (ways[w].used != 0 && ways[w].key == key) {
+        ways[w].used = ++clock_;
+        return ways[w];
+      }
+      if (ways[w].used < out->used) out = ways + w;  // empty or least recently used
+    }
+    *out = Slot();
+    out->used = ++clock_;
+    out->key = key;
+    // spread the shapes' probes over runs: probing every op on the same run would make
+    // that whole run solo
+    out->countdown = kFirstProbe + static_cast<int>(key >> 61);
+    return *out;
+  }
+  Slot slots_[kSets * kWays];
+  uint64_t clock_ = 0;
 };
 
 // Counters for QDSL_PROFILE (the executor prints their change per op): how ops were cut,

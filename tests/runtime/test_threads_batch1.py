@@ -128,3 +128,56 @@ def test_batch1_ops_are_cut_into_claims_for_every_thread():
             # 8 per thread, or one per output row for the depthwise convs (14 rows)
             want = 14 if name.startswith("depthwise") else 16
             assert tasks >= want, f"{name} {op}: {tasks} claims at 2 threads (want >= {want})"
+
+
+@pytest.mark.skipif("avx2" not in PATHS, reason="the implicit-GEMM convs run on the AVX2 path")
+@pytest.mark.parametrize("names", [["layernorm", "softmax", "depthwise_14x14", "gemv", "igemm_14x14", "igemm_7x7"],
+                                   # its jobs have SOFTMAX's shapes, so they share SOFTMAX's policy
+                                   # slot: a process of its own for its first visits
+                                   ["softmax_masked"]])
+def test_batch1_ops_give_the_same_bytes_solo_and_in_parallel(names):
+    """The pool's SoloPolicy (threads/thread_pool.h) runs a job shape's first visit in
+    parallel and its second in the caller alone, whatever the timings, so three runs at 2
+    threads take both modes for the ops of every case above (ops of one shape share their
+    visits): the profile shows parallel jobs, and more serial ones than with the policy off
+    (the solo ones), and every run's output equals the 1-thread output."""
+    script = (
+        "import sys\n"
+        "import numpy as np\n"
+        "import qdsl.runtime as rt\n"
+        "from tests.runtime.test_threads_batch1 import _cases\n"
+        "cases = _cases()\n"
+        "for name in sys.argv[1:]:\n"
+        "    g, xs, _ = cases[name]\n"
+        "    cg = rt.CompiledGraph(g)\n"
+        "    rt.set_num_threads(1)\n"
+        "    want = cg.run(*xs, path='avx2')\n"
+        "    rt.set_num_threads(2)\n"
+        "    for r in range(3):\n"
+        "        assert np.array_equal(cg.run(*xs, path='avx2'), want), (name, r)\n"
+    )
+
+    def jobs(adapt: str) -> dict:
+        """op -> (parallel, serial) jobs over the three 2-thread runs"""
+        env = {**os.environ, "QDSL_PROFILE": "1", "QDSL_POOL_ADAPT": adapt}
+        run = subprocess.run([sys.executable, "-c", script, *names], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        lines = iter([m for m in map(_PROFILE.match, run.stderr.splitlines()) if m])
+        out = {}
+        for name in names:
+            for r in range(4):  # the 1-thread run, then the three 2-thread runs
+                for op in cases[name][2]:
+                    m = next((x for x in lines if x[1] == op), None)
+                    assert m is not None, f"{name}: no profile line for op {op!r} in run {r}"
+                    par, ser = out.get((name, op), (0, 0))
+                    out[name, op] = (par + int(m[2]), ser + int(m[3])) if r > 0 else (par, ser)
+        return out
+
+    cases = _cases()
+    adaptive, fixed = jobs("1"), jobs("0")  # fixed: every job the op sends the pool runs in parallel
+    for name in names:
+        ops = cases[name][2]
+        par = sum(adaptive[name, op][0] for op in ops)
+        solo = sum(adaptive[name, op][1] - fixed[name, op][1] for op in ops)
+        assert par >= 1 and solo >= 1, f"{name}: {par} parallel and {solo} solo jobs over three 2-thread runs"
