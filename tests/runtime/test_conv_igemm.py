@@ -292,21 +292,27 @@ def test_igemm_inverted_residual_keeps_nhwc_matches_reference(threads, seed, hw,
 @settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3]), stride=st.sampled_from([1, 2]),
        xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8]),
-       per_tensor=st.booleans(), rounding=st.integers(0, 3), left=st.booleans())
+       per_tensor=st.booleans(), rounding=st.integers(0, 3), left=st.booleans(), ties=st.booleans())
 def test_igemm_stage_from_registers_matches_reference(threads, seed, k, stride, xdtype, out, per_tensor, rounding,
-                                                      left):
+                                                      left, ties):
     """conv -> head: the conv's I8/U8 output is stored NHWC (the head reads it), so with a
     FIXED_SINGLE stage whose right shifts are all in [0, 31] its kernel applies the stage to
     the sums in registers (IgemmStageKernel, csrc/requant/stage_f32_avx2.h) and stores codes;
     per channel or per tensor, every rounding, zero points and clamps, channel counts off the
     16-channel panels (a partial last panel), M tails.  `left`: one scale > 1 (a left shift),
-    which the register stage does not take: the int32 tiles and the stage after them run."""
+    which the register stage does not take: the int32 tiles and the stage after them run.
+    `ties`: scales of 1, 3 or 5 x 2^-6..2^-11, so about one sum in 2^k lands exactly on a
+    rounding tie and most 32-code groups (two rows of a panel) take the exact recompute."""
     rng = np.random.default_rng(seed)
     cin = int(rng.choice([8, 13, 16, 30]))
     cout = int(rng.choice([16, 17, 23, 40, 64]))
     h, w = int(rng.integers(k, k + 14)), int(rng.integers(k, k + 20))
     pad = k // 2
-    scales = rng.uniform(1e-4, 0.05, 1 if per_tensor else cout)
+    n_scales = 1 if per_tensor else cout
+    if ties:
+        scales = rng.choice([1.0, 3.0, 5.0], n_scales) * 2.0 ** -rng.integers(6, 12, n_scales).astype(np.float64)
+    else:
+        scales = rng.uniform(1e-4, 0.05, n_scales)
     if left:
         scales[0] = 3.0
     lo, hi = out.range

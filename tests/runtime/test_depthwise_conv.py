@@ -134,20 +134,27 @@ def test_depthwise_twin_convs_match_reference(seed, out2):
             np.testing.assert_array_equal(g, w_, err_msg=f"path {path}")
 
 
-def _single_stage(rng, channels, lo, hi):
+def _single_stage(rng, channels, lo, hi, ties=False):
     """A FIXED_SINGLE stage (right shifts in [0, 31]: the one kernels apply from registers),
-    per channel or per tensor, any rounding, a zero point and clamps."""
+    per channel or per tensor, any rounding, a zero point and clamps.  `ties`: scales of 1, 3
+    or 5 x 2^-4..2^-9, so about one sum in 2^k is an exact rounding tie (the kernels' exact
+    recompute runs on most 32-channel groups)."""
     from qdsl.graph.ir import OutputStage
     from qdsl.graph.requant import make_rescale
 
-    scales = rng.uniform(1e-4, 0.05, channels if rng.random() < 0.7 else 1)
+    n = channels if rng.random() < 0.7 else 1
+    if ties:
+        scales = rng.choice([1.0, 3.0, 5.0], n) * 2.0 ** -rng.integers(4, 10, n).astype(np.float64)
+    else:
+        scales = rng.uniform(1e-4, 0.05, n)
     zp = int(rng.integers(lo, hi + 1))
     qmin = zp if rng.random() < 0.3 else int(rng.integers(lo, zp + 1))
     return OutputStage(make_rescale(scales, int(rng.integers(0, 4)), allow_pot=False, single=True), zp, qmin,
                        hi).attrs()
 
 
-def _dw_chain_graph(rng, *, c, xdtype, mid_dtype, layers, extra_reader, mid_output, hw=None, single=False):
+def _dw_chain_graph(rng, *, c, xdtype, mid_dtype, layers, extra_reader, mid_output, hw=None, single=False,
+                    ties=False):
     """x -> dw conv -> t1 -> dw conv -> t2 ... -> y: the tensors between two depthwise convs
     are kept NHWC (PlanNhwc) unless another op reads them (extra_reader: a 1x1 dense conv of
     t1 as a second graph output) or they are graph outputs (mid_output: t1)."""
@@ -166,7 +173,7 @@ def _dw_chain_graph(rng, *, c, xdtype, mid_dtype, layers, extra_reader, mid_outp
         wt = _rand(rng, DType.I8, (c, 1, k, k))
         attrs = {"stride": [stride] * 2, "padding": [pad] * 2, "dilation": [1, 1], "groups": c,
                  "in_zp": int(rng.integers(*src_dtype.range)), "w_zp": [0], "acc_bits": 32, "overflow": 0}
-        attrs.update(_single_stage(rng, c, *out.range) if single else _stage(rng, c, *out.range))
+        attrs.update(_single_stage(rng, c, *out.range, ties) if single else _stage(rng, c, *out.range))
         name = "y" if i == len(layers) - 1 else f"t{i + 1}"
         tensors += [Tensor(f"w{i}", DType.I8, wt.shape, wt), Tensor(f"b{i}", DType.I32, (c,), rng.integers(-9000, 9000, c)),
                     Tensor(name, out, (-1, c, oh, ow))]
@@ -208,18 +215,20 @@ def test_depthwise_chain_nhwc_matches_reference(seed, xdtype, mid_dtype, threads
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31), xdtype=st.sampled_from([DType.U8, DType.I8]),
-       mid_dtype=st.sampled_from([DType.U8, DType.I8]), threads=st.sampled_from([1, 2]))
-def test_depthwise_nhwc_stage_from_registers_matches_reference(seed, xdtype, mid_dtype, threads):
+       mid_dtype=st.sampled_from([DType.U8, DType.I8]), threads=st.sampled_from([1, 2]), ties=st.booleans())
+def test_depthwise_nhwc_stage_from_registers_matches_reference(seed, xdtype, mid_dtype, threads, ties):
     """Chains of depthwise convs with FIXED_SINGLE stages (per channel or per tensor, every
     rounding, zero points, clamps): the NHWC depthwise kernel applies the stage to its sums in
     registers (DwNhwcStageKernel, csrc/requant/stage_f32_avx2.h) and stores codes; channel
-    counts off the 16-channel steps (a partial last block), 3x3 and 5x5, strides 1 and 2."""
+    counts off the 16-channel steps (a partial last block, a lone last 16-channel block of a
+    32-channel group, 48: three blocks), 3x3 and 5x5, strides 1 and 2; `ties`: scales that put
+    many sums exactly on rounding ties (the exact recompute)."""
     rng = np.random.default_rng(seed)
-    c = int(rng.choice([1, 3, 16, 17, 32, 33]))
+    c = int(rng.choice([1, 3, 16, 17, 32, 33, 48]))
     layers = [(int(rng.choice([3, 5])), int(rng.choice([1, 2])), int(rng.integers(0, 3)))
               for _ in range(int(rng.integers(2, 4)))]
     graph = _dw_chain_graph(rng, c=c, xdtype=xdtype, mid_dtype=mid_dtype, layers=layers, extra_reader=False,
-                            mid_output=False, single=True)
+                            mid_output=False, single=True, ties=ties)
     x = _rand(rng, xdtype, (int(rng.integers(1, 4)), c, *graph.tensors[0].shape[2:]))
     cg = _with_threads(threads, lambda: _check(graph, x))
     if "avx2" in PATHS:

@@ -73,7 +73,9 @@ void DwNhwc(const uint8_t* const* ptrs, int64_t n, int64_t ntaps_rt, int64_t C, 
 }
 
 // The same sums with the prepared stage applied from registers (DwNhwcStageKernel): C
-// codes per position at out + i * ldo.
+// codes per position at out + i * ldo.  Channel blocks go two at a time through
+// StageF32Codes32 (a lone last block as both halves; the stage's arrays are padded to
+// DwNhwcCols(C), so block c0 + 16 < C reads within them).
 template <bool kSigned, int kTaps, Rounding R>
 void DwNhwcStage(const uint8_t* const* ptrs, int64_t n, int64_t ntaps_rt, int64_t C, const int32_t* pairs,
                  const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo, bool out_signed) {
@@ -82,15 +84,21 @@ void DwNhwcStage(const uint8_t* const* ptrs, int64_t n, int64_t ntaps_rt, int64_
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* const* pt = ptrs + i * ntaps;
     uint8_t* o = out + i * ldo;
-    for (int64_t c0 = 0; c0 < C; c0 += 16) {
-      __m256i a, b;
-      Sums16<kSigned, kTaps>(pt, ntaps, c0, pairs + (c0 / 16) * np * 16, init, &a, &b);
-      const __m128i codes = StageF32Codes16<R>(a, b, st, c0, v, out_signed);
-      if (c0 + 16 <= C) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + c0), codes);
+    for (int64_t c0 = 0; c0 < C; c0 += 32) {
+      const int64_t c1 = c0 + 16 < C ? c0 + 16 : c0;
+      __m256i a0, b0, a1, b1;
+      Sums16<kSigned, kTaps>(pt, ntaps, c0, pairs + (c0 / 16) * np * 16, init, &a0, &b0);
+      if (c1 != c0) {
+        Sums16<kSigned, kTaps>(pt, ntaps, c1, pairs + (c1 / 16) * np * 16, init, &a1, &b1);
       } else {
-        alignas(16) uint8_t buf[16];
-        _mm_store_si128(reinterpret_cast<__m128i*>(buf), codes);
+        a1 = a0, b1 = b0;
+      }
+      const __m256i codes = StageF32Codes32<R>(a0, b0, a1, b1, st, c0, c1, v, out_signed);
+      if (c0 + 32 <= C) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + c0), codes);
+      } else {
+        alignas(32) uint8_t buf[32];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(buf), codes);
         for (int64_t k = 0; c0 + k < C; ++k) o[c0 + k] = buf[k];
       }
     }

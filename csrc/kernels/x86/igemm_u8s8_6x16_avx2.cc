@@ -132,20 +132,29 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
 // The same sums, then the prepared output stage (stage_f32_avx2.h) applied from the
 // registers: each row's 16 channels become 16 codes stored at out + r * ldo (the first
 // `cols` of them when the panel runs past the last channel), no int32 stored or re-read.
+// Rows go two at a time through StageF32Codes32 (an odd last row as both halves); the row
+// loop is unrolled so acc keeps constant indices and stays in registers (a rolled loop
+// indexed it at run time, which kept all 12 sums on the stack and stored the start values
+// there first).
 template <int MR, Rounding R>
 void KernelStage(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, const int32_t* init,
                  const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo, bool out_signed) {
   __m256i acc[MR][2];
   Accumulate<MR>(rows, taps, cquads, panel, nullptr, 0, init, acc);
   const StageF32Vec v(st);
-  for (int r = 0; r < MR; ++r) {
-    const __m128i codes = StageF32Codes16<R>(acc[r][0], acc[r][1], st, c0, v, out_signed);
+#pragma GCC unroll 3
+  for (int r = 0; r < MR; r += 2) {
+    const int r1 = r + 1 < MR ? r + 1 : r;
+    const __m256i codes = StageF32Codes32<R>(acc[r][0], acc[r][1], acc[r1][0], acc[r1][1], st, c0, c0, v, out_signed);
     if (cols == 16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * ldo), codes);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * ldo), _mm256_castsi256_si128(codes));
+      if (r1 != r) _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r1 * ldo), _mm256_extracti128_si256(codes, 1));
     } else {
-      alignas(16) uint8_t buf[16];
-      _mm_store_si128(reinterpret_cast<__m128i*>(buf), codes);
+      alignas(32) uint8_t buf[32];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(buf), codes);
       for (int i = 0; i < cols; ++i) out[r * ldo + i] = buf[i];
+      if (r1 != r)
+        for (int i = 0; i < cols; ++i) out[r1 * ldo + i] = buf[16 + i];
     }
   }
 }
