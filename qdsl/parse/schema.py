@@ -45,6 +45,8 @@ from qdsl.spec.model import (
     TargetKind,
     TARGET_POSITIONS,
     TensorQuant,
+    THRESHOLDS,
+    threshold_misuse,
 )
 
 __all__ = [
@@ -67,7 +69,7 @@ LEARNED_ROUNDINGS = ("none", "adaround", "gptq")
 _NON_FINITE_NAMES = ("inf", "infinity", "nan")
 ROLE_NAMES = tuple(r.value for r in Role)
 QUANT_KEYS = ("kind", "bits", "signed", "narrow_range", "symmetric", "scale", "granularity",
-              "observer", "rounding", "dynamic", "extends")
+              "observer", "rounding", "dynamic", "threshold", "extends")
 BODY_KEYS = ROLE_NAMES + ("skip", "accumulator")
 RULE_KEYS = ("target", "name", "optional", "priority") + BODY_KEYS
 TOP_KEYS = ("version", "fold_bn", "bias_correction", "learned_rounding", "include",
@@ -191,6 +193,12 @@ class SchemaLowerer:
             if value is not None:
                 fields[key] = value
                 spans[key] = child.span
+        if fields.get("threshold") == "learned":
+            kind = fields.get("kind")
+            bad = threshold_misuse(kind.value if isinstance(kind, Kind) else kind, fields.get("signed"), role)
+            if bad is not None:  # what this node writes (E220); the resolver checks the cascade again
+                self.err("E220", bad[1], spans["threshold"], bad[2])
+                return None
         return TensorQuant(**fields, span=node.span, field_spans=spans)
 
     def _field(self, key: str, node: Node, role: Role | None) -> Any:
@@ -221,6 +229,8 @@ class SchemaLowerer:
             return self._part_name(node, "scale")
         if key in ("rounding",):
             return self._part_name(node, "rounding")
+        if key == "threshold":
+            return self.choice(node, THRESHOLDS, "threshold")
         if key == "extends":
             ok = self._want(node, lambda v: isinstance(v, str), "a quantizer name", "extends")
             return node.value if ok and self.preset_name(node.value, node.span) else None

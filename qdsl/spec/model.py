@@ -22,6 +22,9 @@ Vocabulary (the closed sets are str Enums; registry-backed names are plain str):
   ``stochastic``.
 * ``granularity``: :class:`Granularity` - tensor, channel(axis), group(size), gate
   (recurrent weights).
+* ``threshold``: ``none`` or ``learned`` (:data:`THRESHOLDS`): a signed binary
+  activation's codes are ``+1`` where ``x >= t[c]`` and ``-1`` below, with ``t`` a learned
+  per-channel parameter (ReActNet's RSign); ``none`` is ``t = 0``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ __all__ = [
     "QuantSpec",
     "ParamValue",
     "TENSOR_QUANT_FIELDS",
+    "THRESHOLDS",
+    "threshold_misuse",
     "BUILTIN_SCALES",
     "BUILTIN_ROUNDINGS",
     "BUILTIN_OBSERVERS",
@@ -250,6 +255,7 @@ class TensorQuant:
     observer: ObserverSpec | None = None
     rounding: str | None = None
     dynamic: bool | None = None
+    threshold: str | None = None
     extends: str | None = None
     span: Span = attrs.field(default=UNKNOWN_SPAN, eq=False, repr=False)
     field_spans: Mapping[str, Span] = attrs.field(factory=dict, eq=False, repr=False)
@@ -273,8 +279,32 @@ TENSOR_QUANT_FIELDS: tuple[str, ...] = (
     "observer",
     "rounding",
     "dynamic",
+    "threshold",
 )
 """The cascading fields of a tensor quantizer, in canonical order."""
+
+THRESHOLDS: tuple[str, ...] = ("none", "learned")
+"""Values of ``threshold``: ``none`` (binarise at 0) or ``learned`` (a learned per-channel
+threshold; signed binary activations only)."""
+
+
+def threshold_misuse(kind: str | None, signed: bool | None, role: "Role | None") -> tuple[str, str, str] | None:
+    """Why ``threshold = learned`` cannot apply here, as ``(field to point at, message,
+    hint)``, or None.  ``kind`` is the kind's name; None arguments are not known yet (a
+    partial quantizer).  The schema asks for what one node writes, the resolver again for
+    the cascaded result (both raise E220)."""
+    if role is not None and role.is_param:
+        return ("threshold", f"a learned threshold applies to binary activations, not the {role.value}",
+                "binary weights are sign(w) (their threshold is 0); set the threshold on the layer's input: "
+                "input = binary(signed, threshold=learned)")
+    if kind is not None and kind != "binary":
+        hint = ("ternary quantizers derive their own threshold from the scale; use binary(signed, threshold=learned)"
+                if kind == "ternary" else "use binary(signed, threshold=learned), or drop the threshold")
+        return ("kind", f"threshold = learned needs kind binary, not {kind}", hint)
+    if signed is False:
+        return ("signed", "threshold = learned needs signed binary codes {-1, +1}, not unsigned {0, 1}",
+                "unsigned binary already thresholds at half its scale; use binary(signed, threshold=learned)")
+    return None
 
 
 @attrs.frozen
