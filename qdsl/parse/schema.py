@@ -27,7 +27,7 @@ import attrs
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
-from qdsl.spec.formats import is_float, looks_like_minifloat
+from qdsl.spec.formats import NumberFormat, format_of, is_float, looks_like_minifloat, threshold_misuse
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     SPEC_VERSION,
@@ -46,7 +46,6 @@ from qdsl.spec.model import (
     TARGET_POSITIONS,
     TensorQuant,
     THRESHOLDS,
-    threshold_misuse,
 )
 
 __all__ = [
@@ -74,6 +73,7 @@ BODY_KEYS = ROLE_NAMES + ("skip", "accumulator")
 RULE_KEYS = ("target", "name", "optional", "priority") + BODY_KEYS
 TOP_KEYS = ("version", "fold_bn", "bias_correction", "learned_rounding", "include",
             "quantizers", "defaults", "rules")
+_NO_FORMAT = NumberFormat()  # a kind only the resolver's registries know (checked there)
 _BOOL_FIELDS = ("signed", "narrow_range", "symmetric", "dynamic")
 _AXIS_RANGE = (-8, 7)
 
@@ -195,7 +195,8 @@ class SchemaLowerer:
                 spans[key] = child.span
         if fields.get("threshold") == "learned":
             kind = fields.get("kind")
-            bad = threshold_misuse(kind.value if isinstance(kind, Kind) else kind, fields.get("signed"), role)
+            fmt = None if kind is None else format_of(kind, default=_NO_FORMAT)
+            bad = threshold_misuse(None if fmt is _NO_FORMAT else fmt, fields.get("signed"), role)
             if bad is not None:  # what this node writes (E220); the resolver checks the cascade again
                 self.err("E220", bad[1], spans["threshold"], bad[2])
                 return None

@@ -72,7 +72,7 @@ from qdsl.resolve.validate import (
     validate_observer,
 )
 from qdsl.spec.diagnostics import Diagnostic, QdslError, Span, SpecError
-from qdsl.spec.formats import builtin_format, format_of, is_float, kind_name
+from qdsl.spec.formats import builtin_format, format_of, is_float
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     TENSOR_QUANT_FIELDS,
@@ -140,7 +140,7 @@ def resolve(
         return _Resolver(prepare(spec, registries), index).run()
 
 
-def _drop_shadowed_threshold(won: dict, written: dict, rank: dict, kind: Any) -> None:
+def _drop_shadowed_threshold(won: dict, written: dict, rank: dict, kind: Any, regs: Any) -> None:
     """A learned threshold belongs to signed binary activations: when a more specific
     source than the one that set it makes the quantizer another kind (a rule's ``input =
     a8`` over a thresholded ``defaults`` input) or unsigned, it does not apply there and
@@ -150,7 +150,8 @@ def _drop_shadowed_threshold(won: dict, written: dict, rank: dict, kind: Any) ->
     if t is None or t.value != "learned":
         return
     signed = won["signed"].value if "signed" in won else True
-    for field, bad in (("kind", kind_name(kind) != Kind.BINARY.value), ("signed", signed is False)):
+    fmt = format_of(kind, regs, builtin_format(Kind.INT))
+    for field, bad in (("kind", not fmt.learned_threshold), ("signed", signed is False)):
         if bad and field in rank and rank[field] > rank["threshold"]:
             by = won[field].set_by
             won["threshold"] = FieldProvenance("none", Origin(f"built-in default (the {field} set by {by.label} "
@@ -427,7 +428,7 @@ class _Resolver:
         if is_float(kind):
             prov[(role, "kind")] = won["kind"]
             return None
-        _drop_shadowed_threshold(won, written, rank, kind)
+        _drop_shadowed_threshold(won, written, rank, kind, self.regs)
         scale = won["scale"].value if "scale" in won else None
         values: dict[str, Any] = {}
         for field in TENSOR_QUANT_FIELDS:

@@ -43,6 +43,7 @@ from qdsl.spec.formats import (
     looks_like_minifloat,
     lookup_format,
     minifloat_problem,
+    threshold_misuse,
 )
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
@@ -52,7 +53,6 @@ from qdsl.spec.model import (
     ObserverSpec,
     Role,
     TENSOR_QUANT_FIELDS,
-    threshold_misuse,
 )
 from qdsl.spec.registry import Registries, validate_params
 
@@ -241,7 +241,7 @@ def validate_fields(
                 "from every batch, so there is nothing to learn",
                 _spot(spans, "dynamic", "scale"), "drop 'dynamic' or use scale = float or pot",
             ))
-    d += _threshold_problems(fields, role, spans)
+    d += _threshold_problems(fields, fmt, role, spans)
     if scale == DERIVED_BIAS_SCALE and role is not None and role is not Role.BIAS:
         d.append(Diagnostic.error(
             "E214", f"scale '{DERIVED_BIAS_SCALE}' is only for the bias, not the {role.value}",
@@ -258,12 +258,12 @@ def validate_fields(
     return d
 
 
-def _threshold_problems(fields: Mapping[str, Any], role: Role | None, spans: Mapping[str, Span]) -> list[Diagnostic]:
+def _threshold_problems(fields: Mapping[str, Any], fmt: Any, role: Role | None,
+                        spans: Mapping[str, Span]) -> list[Diagnostic]:
     """E220: a learned threshold on anything but a signed binary activation."""
     if fields.get("threshold") != "learned":
         return []
-    kind = fields.get("kind")
-    bad = threshold_misuse(kind_name(kind) if kind is not None else None, fields.get("signed"), role)
+    bad = threshold_misuse(fmt, fields.get("signed"), role)
     if bad is None:
         return []
     field, message, hint = bad

@@ -54,7 +54,6 @@ __all__ = [
     "ParamValue",
     "TENSOR_QUANT_FIELDS",
     "THRESHOLDS",
-    "threshold_misuse",
     "BUILTIN_SCALES",
     "BUILTIN_ROUNDINGS",
     "BUILTIN_OBSERVERS",
@@ -287,24 +286,6 @@ THRESHOLDS: tuple[str, ...] = ("none", "learned")
 """Values of ``threshold``: ``none`` (binarise at 0) or ``learned`` (a learned per-channel
 threshold; signed binary activations only)."""
 
-
-def threshold_misuse(kind: str | None, signed: bool | None, role: "Role | None") -> tuple[str, str, str] | None:
-    """Why ``threshold = learned`` cannot apply here, as ``(field to point at, message,
-    hint)``, or None.  ``kind`` is the kind's name; None arguments are not known yet (a
-    partial quantizer).  The schema asks for what one node writes, the resolver again for
-    the cascaded result (both raise E220)."""
-    if role is not None and role.is_param:
-        return ("threshold", f"a learned threshold applies to binary activations, not the {role.value}",
-                "binary weights are sign(w) (their threshold is 0); set the threshold on the layer's input: "
-                "input = binary(signed, threshold=learned)")
-    if kind is not None and kind != "binary":
-        hint = ("ternary quantizers derive their own threshold from the scale; use binary(signed, threshold=learned)"
-                if kind == "ternary" else "use binary(signed, threshold=learned), or drop the threshold")
-        return ("kind", f"threshold = learned needs kind binary, not {kind}", hint)
-    if signed is False:
-        return ("signed", "threshold = learned needs signed binary codes {-1, +1}, not unsigned {0, 1}",
-                "unsigned binary already thresholds at half its scale; use binary(signed, threshold=learned)")
-    return None
 
 
 @attrs.frozen
