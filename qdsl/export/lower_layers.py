@@ -21,7 +21,7 @@ from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rou
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
 from qdsl.export.float8 import float8_target, float8_weight, onnx_float8_type
-from qdsl.export.lower_threshold import accumulator_threshold_bias, channel_thresholds
+from qdsl.export.lower_threshold import accumulator_threshold_bias, binarize_codes, channel_thresholds
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
@@ -521,13 +521,26 @@ def concat_value(b: Builder, where: str, values: list, dim: int, shape):
         return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(qs, t, lo, hi),
                       out=f"{where}:cat"), shape
 
-    def binarize(bld: Builder, t: Target) -> QVal:
+    def binarize(bld: Builder, t: Target, lo: float = -math.inf, hi: float = math.inf) -> QVal:
         # a binary quantizer reading the concatenation (xnor-binary's U-Net: a binary conv
         # after the skip cat) is the sign of each part: BINARIZE an int8 part at its zero
         # point, a layer result takes its BIN output (the sign of its accumulator), and the
-        # signs are concatenated (CONCAT with a BIN output: identity rescales)
+        # signs are concatenated (CONCAT with a BIN output: identity rescales); learned
+        # thresholds: each part at its own channels' slice (qdsl/export/lower_threshold.py)
         parts = []
+        if t.thresholds is not None and (axis % len(shape) != 1 or len(t.thresholds) != shape[1]):
+            raise ExportError(t.where, f"a learned threshold reads a concatenation along axis {axis}, not the "
+                                       "channels", "concatenate along axis 1, or quantize the result to int8 first")
+        off = 0
         for v in values:
+            if t.thresholds is not None:
+                c = v.shape[1]
+                tp = attrs.evolve(t, thresholds=t.thresholds[off:off + c])
+                off += c
+                v = v.clamped(lo, hi).materialize(bld, tp) if isinstance(v, Pending) else \
+                    binarize_codes(bld, v, tp, lo, hi)
+                parts.append(v)
+                continue
             if isinstance(v, Pending):
                 v = v.materialize(bld, t)
             elif v.dtype is not DType.BIN:

@@ -27,6 +27,8 @@ so the comparison becomes one on integers, ``+1`` exactly where ``q >= k[c]``, w
 * a binary value (a binary layer's BIN output read by another thresholded quantizer): the
   codes are ``±α``; each channel's threshold must lie in ``(-α, α]`` (then the codes pass
   unchanged), else the channel would be constant and export refuses it.
+* a concatenation along the channels: each part at its own channels' thresholds, then
+  CONCAT of the signs (the U-Net's binary conv after a skip cat).
 * the float graph input: refused (no integer op compares floats per channel); quantize
   the input to 8 bits first (xnor-binary keeps the first layer 8-bit).
 """
@@ -60,10 +62,13 @@ def check_channels(t: Target, shape, origin: str) -> None:
                           "a threshold is per channel along axis 1 of the binarised tensor")
 
 
-def binarize_codes(b: Builder, v: QVal, t: Target) -> QVal:
-    """``v`` (8-bit codes or BIN) binarised at ``t``'s learned thresholds (module doc)."""
+def binarize_codes(b: Builder, v: QVal, t: Target, lo: float = -math.inf, hi: float = math.inf) -> QVal:
+    """``v`` (8-bit codes or BIN), clamped to ``[lo, hi]`` (a ReLU after a concat), binarised
+    at ``t``'s learned thresholds (module doc)."""
     check_channels(t, v.shape, v.name)
     if v.dtype is DType.BIN:
+        if lo != -math.inf or hi != math.inf:
+            raise ExportError(t.where, "a learned threshold reads clamped binary codes", "binarise before the clamp")
         alpha = np.float32(v.scale)
         bad = [c for c, x in enumerate(t.thresholds) if not -alpha < np.float32(x) <= alpha]
         if bad:
@@ -75,6 +80,12 @@ def binarize_codes(b: Builder, v: QVal, t: Target) -> QVal:
     vals = (codes - v.zp).astype(np.float32) * np.float32(v.scale)  # the fake quantizer's x̂, binary32
     k = []
     for x in t.thresholds:
+        if np.float32(x) <= lo:
+            k.append(v.qmin)  # clamp(x̂) >= lo >= t: always +1
+            continue
+        if np.float32(x) > hi:
+            k.append(v.qmax + 1)  # never
+            continue
         hit = np.nonzero(vals >= np.float32(x))[0]
         k.append(int(codes[hit[0]]) if hit.size else v.qmax + 1)
     name = b.op(OpType.BINARIZE_CHANNEL, t.where, [v.name], DType.BIN, v.shape, {"thresholds": tuple(k)})

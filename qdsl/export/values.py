@@ -171,8 +171,9 @@ class Pending:
     post: tuple[tuple[OpType, dict, tuple[int, ...]], ...] = ()
     binary_ok: bool = False
     """Can produce a BIN output directly (sign of the accumulator)."""
-    binarize: Callable[["Builder", Target], QVal] | None = None
-    """Writes the value's signs for a BIN target another way (a concat: sign of each part)."""
+    binarize: Callable[..., QVal] | None = None
+    """Writes the value's signs for a BIN target another way (a concat: sign of each part);
+    ``binarize(builder, target, lo=-inf, hi=inf)``, the clamp only for learned thresholds."""
     cache: dict = attrs.field(factory=dict)
 
     def clamped(self, lo: float, hi: float) -> "Pending":
@@ -213,6 +214,8 @@ class Pending:
         """A BIN target with learned thresholds: the layer compares its accumulator
         (qdsl/export/lower_threshold.py); pools after it see the signs, reshapes must keep
         the channel axis."""
+        if self.binarize is not None and not self.post:
+            return self.binarize(b, t, self.lo, self.hi)  # a concat: each part at its channels' thresholds
         if not (self.kind == "acc" and self.binary_ok):
             raise ExportError(self.origin, f"a binary quantizer with a learned threshold ({t.where}) reads the result "
                                            f"of a {self.kind}", "quantize that result to int8 first (an output quantizer)")
