@@ -209,7 +209,6 @@ class Pending:
             self.cache[key] = b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, self.shape)
         return self.cache[key]
 
-
     def _thresholded(self, b: "Builder", t: Target) -> QVal:
         """A BIN target with learned thresholds: the layer compares its accumulator
         (qdsl/export/lower_threshold.py); pools after it see the signs, reshapes must keep
