@@ -15,10 +15,11 @@ What it shows:
    Python reference executor (bit for bit) and with the fake-quant model.
 
 The model is :class:`qdsl.zoo.models.ConvBnReluNet` with its ReLUs replaced by
-Hardtanh.  That matters: a binary activation is ``sign(x)`` with ``sign(0) = +1``, so
-after a ReLU every code is +1 and the binary layers see a constant input (the ReLU
-models in ``qdsl.zoo.models`` stay at chance level, ~10%, under this spec; see it
-with ``--activation relu``).
+Hardtanh.  The spec's binary activations binarise at a learned per-channel threshold
+(``threshold = learned``: +1 where ``x >= t[c]``), so the unmodified ReLU network trains too
+(``--activation relu``); with ``sign(x)`` alone (``sign(0) = +1``) every code after a ReLU
+would be +1 and the ReLU models stay at chance, ~10%
+(benchmarks/binary_threshold_digits.py shows both).
 
 Run: ``python examples/xnor_binary_qat.py [--quick] [--epochs N] [--lr LR] [--activation relu]``.
 """
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=None, help="QAT epochs (default 8, 3 with --quick)")
     parser.add_argument("--lr", type=float, default=5e-3, help="peak QAT learning rate")
     parser.add_argument("--activation", choices=ACTIVATIONS, default="hardtanh",
-                        help="relu shows why a ReLU network cannot learn with sign() activations")
+                        help="relu: the unmodified ReLU network (the learned thresholds make it trainable)")
     parser.add_argument("--spec", default=str(SPEC))
     args = parser.parse_args(argv)
     epochs = args.epochs if args.epochs is not None else (3 if args.quick else 8)

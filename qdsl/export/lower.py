@@ -50,6 +50,7 @@ from qdsl.graph.ir import DType, OpType, OutputStage
 from qdsl.export.graph_io import ExampleCall, bind_example, output_names
 from qdsl.export.lower_dynamic import DynIn, DynOut, dynamic_input
 from qdsl.export.lower_layers import act_target, wide
+from qdsl.export.lower_threshold import binarize_codes
 from qdsl.export.rules import FUNCTION_RULES, METHOD_RULES, MODULE_RULES, NoLowering
 from qdsl.graph.requant import make_rescale
 from qdsl.export.values import (Builder, ConstVal, ExportError, FloatVal, IdsVal, OffsetVal, Pending, QVal, Target,
@@ -197,6 +198,10 @@ class _Lowerer:
         if isinstance(value, FloatVal) and value.name is not None:
             # the graph input before any reshape the model applied to it, or a float result
             shape = self.input_shapes[value.name] if value.reshape is not None else value.shape
+            if t.dtype is DType.BIN and t.thresholds is not None:
+                raise ExportError(t.where, "a binary quantizer with a learned threshold reads the float graph input "
+                                           "(no integer op compares floats per channel)",
+                                  "quantize the model input to 8 bits first (an 8-bit first layer, as xnor-binary's)")
             if t.dtype is DType.BIN:
                 name = self.b.op(OpType.BINARIZE, t.where, [value.name], DType.BIN, shape, {"zero_point": 0})
             else:
@@ -213,6 +218,8 @@ class _Lowerer:
     def requantize(self, v: QVal, t: Target) -> QVal:
         if v.matches(t):
             return v
+        if t.dtype is DType.BIN and t.thresholds is not None:
+            return binarize_codes(self.b, v, t)
         if t.dtype is DType.BIN:
             if v.dtype is DType.BIN:
                 return self.b.q(v.name, t.scale, 0, -1, 1, DType.BIN, v.shape)

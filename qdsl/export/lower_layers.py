@@ -21,6 +21,7 @@ from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rou
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
 from qdsl.export.float8 import float8_target, float8_weight, onnx_float8_type
+from qdsl.export.lower_threshold import accumulator_threshold_bias, binarize_codes, channel_thresholds
 from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
@@ -50,7 +51,7 @@ def act_target(proxy, where: str, float8: bool = False) -> Target:
     scale = float(proxy.scale.detach().reshape(-1)[0])
     lowering = proxy.format.activation_lowering(proxy.recipe.signed)
     if lowering == "bin":
-        return Target(scale, 0, -1, 1, DType.BIN, rounding, where)
+        return Target(scale, 0, -1, 1, DType.BIN, rounding, where, thresholds=channel_thresholds(proxy))
     if lowering is None and float8 and onnx_float8_type(proxy.format):
         if rounding is not Rounding.HALF_EVEN:
             raise ExportError(where, f"ONNX QuantizeLinear rounds to nearest even; this {proxy.format.name} "
@@ -144,6 +145,19 @@ def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
         raise ExportError(where, "the bias does not fit int32 at scale input·weight",
                           "the input or weight scale is too small for this bias")
     return vals.astype(np.int64)
+
+
+def _fake_bias(patch, b, where: str):
+    """The bias the fake-quant layer adds (its bias quantizer's value, else the float
+    bias), as float32 values per channel, or None."""
+    if b is None:
+        return None
+    with torch.no_grad():
+        if patch.bq is not None:
+            if not patch.bq.frozen:
+                raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
+            b = patch.bq(b)
+        return b.detach().float().reshape(-1).numpy()
 
 
 def _sign_bias(patch, b, s_acc: np.ndarray, where: str):
@@ -258,11 +272,26 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
         inputs.append(b.tensor(f"{fqn}.bias", DType.I32, bias.shape, bias))
         b.info[inputs[2]] = (s_acc, np.zeros_like(w_zp))
     sign_bias = _sign_bias(patch, bias_f, s_acc, fqn)
+    # |acc| bound per output channel (a learned threshold's always/never cases; a transposed
+    # conv's: the whole weight, a loose bound that is enough there)
+    x_codes = 1 if binary else max(abs(x.qmin - x.zp), abs(x.qmax - x.zp))
+    if transposed:
+        acc_max = np.full(len(s_acc), int(np.abs(codes).sum() + np.abs(w_zp).max(initial=0) * codes.size) * x_codes)
+    else:
+        w_rows = np.abs(codes.reshape(codes.shape[0], -1).astype(np.int64) - np.asarray(w_zp).reshape(-1, 1))
+        acc_max = w_rows.sum(axis=1) * x_codes
 
     def emit(bld: Builder, t: Target, lo: float, hi: float):
         a = dict(attrs_)
         ins = list(inputs)
-        if t.dtype is DType.BIN and sign_bias is not None and not np.array_equal(sign_bias, bias):
+        if t.dtype is DType.BIN and t.thresholds is not None:
+            if len(t.thresholds) != len(s_acc):
+                raise ExportError(t.where, f"a learned threshold has {len(t.thresholds)} channels, '{fqn}' has "
+                                           f"{len(s_acc)} outputs", "a threshold is per channel along axis 1")
+            tb = accumulator_threshold_bias(t, s_acc, _fake_bias(patch, bias_f, fqn), lo, hi, acc_max)
+            name = bld.tensor(f"{fqn}.bias_threshold", DType.I32, tb.shape, tb)
+            ins = ins[:2] + [name]
+        elif t.dtype is DType.BIN and sign_bias is not None and not np.array_equal(sign_bias, bias):
             ins[2] = bld.tensor(f"{fqn}.bias_sign", DType.I32, sign_bias.shape, sign_bias)
         if t.raw:  # the accumulator itself (a per-channel consumer rescales it); ReLU only
             a.update(Rescale(RescaleKind.POT, [1], [0]).attrs(), out_zp=0,
@@ -492,13 +521,26 @@ def concat_value(b: Builder, where: str, values: list, dim: int, shape):
         return bld.op(OpType.CONCAT, where, [v.name for v in qs], t.dtype, shape, attrs_for(qs, t, lo, hi),
                       out=f"{where}:cat"), shape
 
-    def binarize(bld: Builder, t: Target) -> QVal:
+    def binarize(bld: Builder, t: Target, lo: float = -math.inf, hi: float = math.inf) -> QVal:
         # a binary quantizer reading the concatenation (xnor-binary's U-Net: a binary conv
         # after the skip cat) is the sign of each part: BINARIZE an int8 part at its zero
         # point, a layer result takes its BIN output (the sign of its accumulator), and the
-        # signs are concatenated (CONCAT with a BIN output: identity rescales)
+        # signs are concatenated (CONCAT with a BIN output: identity rescales); learned
+        # thresholds: each part at its own channels' slice (qdsl/export/lower_threshold.py)
         parts = []
+        if t.thresholds is not None and (axis % len(shape) != 1 or len(t.thresholds) != shape[1]):
+            raise ExportError(t.where, f"a learned threshold reads a concatenation along axis {axis}, not the "
+                                       "channels", "concatenate along axis 1, or quantize the result to int8 first")
+        off = 0
         for v in values:
+            if t.thresholds is not None:
+                c = v.shape[1]
+                tp = attrs.evolve(t, thresholds=t.thresholds[off:off + c])
+                off += c
+                v = v.clamped(lo, hi).materialize(bld, tp) if isinstance(v, Pending) else \
+                    binarize_codes(bld, v, tp, lo, hi)
+                parts.append(v)
+                continue
             if isinstance(v, Pending):
                 v = v.materialize(bld, t)
             elif v.dtype is not DType.BIN:

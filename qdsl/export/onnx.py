@@ -27,7 +27,8 @@ the model's opset when the graph has one) of the real residual sum (:func:`_laye
 (GELU, SiLU, ...) is a Gather of the table's real values by the input codes, exact
 (:func:`_lut`).  LUT_CHANNEL has no ONNX form.
 
-Binary (XNOR) layers have no QDQ form and raise :class:`ExportError`. onnxruntime runs the
+Binary (XNOR) layers, and learned binarisation thresholds (BINARIZE_CHANNEL), have no QDQ
+form and raise :class:`ExportError`. onnxruntime runs the
 result in float, like the fake-quant model, at its basic optimization level;
 tests/export/test_onnx.py states and checks the agreement tolerance. At its full level
 onnxruntime fuses QDQ into integer kernels whose u8·s8 form saturates at int16 on CPUs
@@ -213,6 +214,9 @@ def _op(w: _Writer, op: Op, env: dict[str, str]) -> str:
     out = op.outputs[0]
     xs = [env.get(n, n) for n in op.inputs]
     _float8_reader(w, op)
+    if t is OpType.BINARIZE_CHANNEL:
+        raise ExportError(op.name, "a learned binarisation threshold (threshold = learned: BINARIZE_CHANNEL) has no "
+                                   "ONNX QDQ form", "run the .qgraph, or export an 8-bit config to ONNX")
     if any(w.graph.tensor(o).dtype is DType.BIN for o in op.outputs):  # before its inputs' grids (a sign threshold has none)
         raise ExportError(out, "BIN activations have no ONNX QDQ form", "use an 8-bit config")
     if t in (OpType.BINARIZE, OpType.BCONV1D, OpType.BCONV2D, OpType.BLINEAR):

@@ -59,6 +59,9 @@ class Target:
     where: str = attrs.field(eq=False)
     raw: bool = False
     """I32 only: keep a layer's accumulator as it is (per-channel scales, factor 1)."""
+    thresholds: tuple[float, ...] | None = None
+    """BIN only: a learned per-channel binarisation threshold (+1 where x >= t[c]; axis 1),
+    lowered by qdsl/export/lower_threshold.py."""
 
     def code(self, v: float) -> int:
         """The code the fake quantizer gives the real value ``v`` (binary32, multiply by 1/scale)."""
@@ -168,8 +171,9 @@ class Pending:
     post: tuple[tuple[OpType, dict, tuple[int, ...]], ...] = ()
     binary_ok: bool = False
     """Can produce a BIN output directly (sign of the accumulator)."""
-    binarize: Callable[["Builder", Target], QVal] | None = None
-    """Writes the value's signs for a BIN target another way (a concat: sign of each part)."""
+    binarize: Callable[..., QVal] | None = None
+    """Writes the value's signs for a BIN target another way (a concat: sign of each part);
+    ``binarize(builder, target, lo=-inf, hi=inf)``, the clamp only for learned thresholds."""
     cache: dict = attrs.field(factory=dict)
 
     def clamped(self, lo: float, hi: float) -> "Pending":
@@ -180,6 +184,8 @@ class Pending:
 
     def materialize(self, b: "Builder", t: Target) -> QVal:
         key = (t, self.lo, self.hi)
+        if key not in self.cache and t.dtype is DType.BIN and t.thresholds is not None:
+            self.cache[key] = self._thresholded(b, t)
         if key not in self.cache:
             if t.dtype is DType.BIN and self.lo >= 0:
                 # sign(ReLU(y)) is +1 everywhere (sign(0) = +1): any int8 grid keeps the clamped
@@ -202,6 +208,27 @@ class Pending:
                 shape = out_shape
             self.cache[key] = b.q(name, t.scale, t.zp, t.qmin, t.qmax, t.dtype, self.shape)
         return self.cache[key]
+
+    def _thresholded(self, b: "Builder", t: Target) -> QVal:
+        """A BIN target with learned thresholds: the layer compares its accumulator
+        (qdsl/export/lower_threshold.py); pools after it see the signs, reshapes must keep
+        the channel axis."""
+        if self.binarize is not None and not self.post:
+            return self.binarize(b, t, self.lo, self.hi)  # a concat: each part at its channels' thresholds
+        if not (self.kind == "acc" and self.binary_ok):
+            raise ExportError(self.origin, f"a binary quantizer with a learned threshold ({t.where}) reads the result "
+                                           f"of a {self.kind}", "quantize that result to int8 first (an output quantizer)")
+        shapes = [self.shape] + [s for _, _, s in self.post]
+        if any(len(s) < 2 or s[1] != len(t.thresholds) for s in shapes):
+            raise ExportError(t.where, f"a learned threshold has {len(t.thresholds)} channels but reads the result of "
+                                       f"'{self.origin}' reshaped across its channel axis ({' -> '.join(map(str, shapes))})",
+                              "binarise before the reshape, or quantize the result to int8 first (an output quantizer)")
+        name, shape = self.emit(b, t, self.lo, self.hi)
+        for op, a, out_shape in self.post:
+            b.q(name, t.scale, 0, -1, 1, DType.BIN, shape)
+            name = b.op(op, self.origin, [name], DType.BIN, out_shape, a)
+            shape = out_shape
+        return b.q(name, t.scale, 0, -1, 1, DType.BIN, self.shape)
 
 
 @attrs.define(eq=False)

@@ -156,6 +156,8 @@ def check_quantizer(
                                  "dynamic scales are computed in float at run time; the target is integer-only"))
         elif caps.dynamic is False:
             out.append(Violation("E308", "dynamic", "true", "false", False, "dynamic"))
+    if known.get("threshold") == "learned" and caps.thresholds is False and (fmt is None or fmt.learned_threshold):
+        out.append(Violation("E309", "threshold", "learned", "none (binarise at 0)", "none", "thresholds"))
     return _bias_rule(out, role)
 
 

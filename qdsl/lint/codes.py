@@ -18,6 +18,7 @@ CODES: dict[str, str] = {
     "E306": "zero point not supported: symmetric quantization required",
     "E307": "narrow range required (or forbidden)",
     "E308": "dynamic (run-time) scales not supported",
+    "E309": "learned binarisation threshold (threshold = learned) not supported",
     "E310": "op type not supported by the target",
     "E311": "op supported only fused after another op",
     "E312": "float left on an integer-only target (skipped layer, float tensor, float op)",

@@ -149,14 +149,15 @@ def _check_binary_after_relu(plan: Plan, graph: ModelGraph, col: Collector, wher
     """W319: a signed binary input fed only by ReLU/ReLU6 outputs is ``sign(x) = +1`` always.
 
     ``sign(0) = +1``, so every code is +1: the layer sees a constant input and QAT cannot
-    learn (measured: DigitsResNet with xnor-binary stays at chance).  Profile-independent.
+    learn (measured: DigitsResNet with xnor-binary stays at chance).  Profile-independent;
+    a learned threshold (``threshold = learned``, codes ``x >= t[c]``) makes it meaningful.
     """
     if not graph.traced:
         return
     calls = {n.module: n for n in graph.nodes if n.module is not None}
     for layer in plan.layers:
         x = layer.recipe(Role.INPUT)
-        if layer.skip or x is None or x.format.activation_lowering(x.signed) != "bin":
+        if layer.skip or x is None or x.format.activation_lowering(x.signed) != "bin" or x.threshold == "learned":
             continue
         node = calls.get(layer.fqn)
         if node is None:
@@ -167,8 +168,8 @@ def _check_binary_after_relu(plan: Plan, graph: ModelGraph, col: Collector, wher
             col.add(("W319", span.location()), Diagnostic.warning(
                 "W319", "a signed binary input after a ReLU is always +1 (sign(0) = +1): the layer sees a "
                 f"constant{' (' + origin + ')' if origin else ''}", span,
-                "use a sign-symmetric activation before binary layers (e.g. Hardtanh), or "
-                "unsigned binary activations ({0, 1})"), layer=layer.fqn)
+                "add a learned per-channel threshold: binary(signed, threshold=learned), or use a "
+                "sign-symmetric activation before binary layers (e.g. Hardtanh)"), layer=layer.fqn)
 
 
 def _role_findings(layer: LayerPlan, roles, op, weighted: bool, positions, profile: HardwareProfile,

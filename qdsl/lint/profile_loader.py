@@ -72,6 +72,7 @@ _CAPS = {
     "zero_point": KeySpec(_B),
     "narrow_range": KeySpec(_S, doc='"required", "forbidden" or "allowed"'),
     "dynamic": KeySpec(_B),
+    "thresholds": KeySpec(_B, doc="true/false: learned per-channel binarisation thresholds"),
 }
 _ACC = {"bits": KeySpec(_I), "overflow": KeySpec(_S, doc='"wrap" or "saturate"'), "pair_bits": KeySpec(_I)}
 _FIXED = {
@@ -378,7 +379,7 @@ def _caps(lt: LocatedToml, path, diags) -> TensorCaps:
         values["channel_axes"] = tuple(_ints(lt, path + ("channel_axes",), -8, 8, diags, "channel axis"))
     if "group_sizes" in body:
         values["group_sizes"] = tuple(_ints(lt, path + ("group_sizes",), 1, 1 << 20, diags, "group size"))
-    for key in ("zero_point", "dynamic"):
+    for key in ("zero_point", "dynamic", "thresholds"):
         if key in body:
             values[key] = body[key]
     if "narrow_range" in body:

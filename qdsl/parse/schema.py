@@ -27,7 +27,7 @@ import attrs
 from qdsl.parse.located_toml import toml_type_name
 from qdsl.parse.tree import Node
 from qdsl.spec.diagnostics import Diagnostic, Span, SpecError, did_you_mean
-from qdsl.spec.formats import is_float, looks_like_minifloat
+from qdsl.spec.formats import NumberFormat, format_of, is_float, looks_like_minifloat, threshold_misuse
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
     SPEC_VERSION,
@@ -45,6 +45,7 @@ from qdsl.spec.model import (
     TargetKind,
     TARGET_POSITIONS,
     TensorQuant,
+    THRESHOLDS,
 )
 
 __all__ = [
@@ -67,11 +68,12 @@ LEARNED_ROUNDINGS = ("none", "adaround", "gptq")
 _NON_FINITE_NAMES = ("inf", "infinity", "nan")
 ROLE_NAMES = tuple(r.value for r in Role)
 QUANT_KEYS = ("kind", "bits", "signed", "narrow_range", "symmetric", "scale", "granularity",
-              "observer", "rounding", "dynamic", "extends")
+              "observer", "rounding", "dynamic", "threshold", "extends")
 BODY_KEYS = ROLE_NAMES + ("skip", "accumulator")
 RULE_KEYS = ("target", "name", "optional", "priority") + BODY_KEYS
 TOP_KEYS = ("version", "fold_bn", "bias_correction", "learned_rounding", "include",
             "quantizers", "defaults", "rules")
+_NO_FORMAT = NumberFormat()  # a kind only the resolver's registries know (checked there)
 _BOOL_FIELDS = ("signed", "narrow_range", "symmetric", "dynamic")
 _AXIS_RANGE = (-8, 7)
 
@@ -191,6 +193,13 @@ class SchemaLowerer:
             if value is not None:
                 fields[key] = value
                 spans[key] = child.span
+        if fields.get("threshold") == "learned":
+            kind = fields.get("kind")
+            fmt = None if kind is None else format_of(kind, default=_NO_FORMAT)
+            bad = threshold_misuse(None if fmt is _NO_FORMAT else fmt, fields.get("signed"), role)
+            if bad is not None:  # what this node writes (E220); the resolver checks the cascade again
+                self.err("E220", bad[1], spans["threshold"], bad[2])
+                return None
         return TensorQuant(**fields, span=node.span, field_spans=spans)
 
     def _field(self, key: str, node: Node, role: Role | None) -> Any:
@@ -221,6 +230,8 @@ class SchemaLowerer:
             return self._part_name(node, "scale")
         if key in ("rounding",):
             return self._part_name(node, "rounding")
+        if key == "threshold":
+            return self.choice(node, THRESHOLDS, "threshold")
         if key == "extends":
             ok = self._want(node, lambda v: isinstance(v, str), "a quantizer name", "extends")
             return node.value if ok and self.preset_name(node.value, node.span) else None

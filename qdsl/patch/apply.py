@@ -48,6 +48,7 @@ import attrs
 import torch
 from torch import nn
 
+from qdsl.patch.binary_relu import warn_binary_after_relu
 from qdsl.patch.consumers import read_only_by_binary
 from qdsl.patch.coverage import check_coverage, count_calls
 from qdsl.patch.fold import find_bn_pairs
@@ -216,7 +217,9 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     ``torch.matmul``, ...; :mod:`qdsl.patch.coverage`) are listed in
     a :class:`~qdsl.patch.coverage.LeftFloatWarning`; ``strict=True`` raises
     :class:`~qdsl.patch.coverage.LeftFloatError` instead, with the model untouched.
-    Quantized modules called more than once per forward get a ``SharedModuleWarning``.
+    Quantized modules called more than once per forward get a ``SharedModuleWarning``;
+    a signed binary input without a learned threshold that only ReLU outputs feed (always
+    +1) a located :class:`~qdsl.patch.binary_relu.BinaryAfterReluWarning`.
     Both come from one torch.fx trace; when fx cannot trace the model the warning says
     that functional ops were not checked, and the call counts come from the
     ``example_input`` forward if there is one.
@@ -308,6 +311,7 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
         raise
     handle.state = State.PREPARED
     coverage.warn(stacklevel=3)
+    warn_binary_after_relu(model, trace.graph, plan, stacklevel=3)
     return handle
 
 

@@ -16,6 +16,10 @@ Stable interface (export, lint and QAT read these; keep them)
                     (binary/ternary/pot: α or the largest magnitude)
 ``zero_point``      buffer, int32, same shape (0 unless asymmetric int)
 ``threshold``       buffer (ternary only): codes are ``sign(x)·[|x| > threshold]``
+``sign_threshold``  parameter (``threshold = learned``, signed binary activations) or None:
+                    codes are +1 where ``x >= t[c]`` and -1 below, ``c`` along axis 1
+                    (qdsl.quantizers.formats.binary); empty until the first batch sets
+                    it to the per-channel mean of that batch
 ``frozen``          True after :meth:`freeze`; the scale no longer changes
 ``dynamic``         activation scale computed per batch at run time (never frozen)
 ``derived``         a bias whose scale is ``input_scale × weight_scale`` (set by the patch
@@ -177,7 +181,9 @@ class TensorQuantizer(LazyBuffers):
             ctx = PartContext(recipe, self.role, self.qmin, self.qmax, self.axis, self.group_size, pot)
             self.scale_rule = build_scale_rule(regs, ctx)
             self.observer = build_observer(regs, ctx)
-            if self.learned:  # a learned scale trains with LSQ's gradient from the start
+            if self.learned or recipe.threshold == "learned":
+                # a learned scale trains with LSQ's gradient from the start, a learned
+                # threshold with its own (the plain STE would give it none)
                 from qdsl.quantizers.proxy_grad import qat_grad_path
 
                 self.grad_path = qat_grad_path
@@ -190,6 +196,10 @@ class TensorQuantizer(LazyBuffers):
         self.register_buffer("zero_point", torch.empty(0, dtype=torch.int32))
         self.register_buffer("threshold", torch.empty(0))
         self.register_buffer("frozen_flag", torch.zeros((), dtype=torch.bool))
+        # a learned per-channel binarisation threshold: sized by the first batch (the
+        # same Parameter object, so an optimizer built before it still holds it)
+        self.register_parameter("sign_threshold", torch.nn.Parameter(torch.empty(0))
+                                if recipe.threshold == "learned" else None)
         # PTQ (qdsl.ptq), empty = unused: ``offset`` is added to the float tensor before
         # quantizing (bias correction); ``codes`` are fixed integer codes that replace
         # rounding (learned rounding, e.g. GPTQ).  Buffers, so state_dict carries them.
@@ -394,11 +404,14 @@ class TensorQuantizer(LazyBuffers):
         return self._ops.fake(self, x, scale, zp, thr)
 
     def _with_grad(self, x, scale, zp, thr):
-        needs = torch.is_grad_enabled() and (x.requires_grad or (isinstance(scale, torch.Tensor) and scale.requires_grad))
+        needs = torch.is_grad_enabled() and (x.requires_grad or (isinstance(scale, torch.Tensor) and scale.requires_grad)
+                                             or (self.sign_threshold is not None and self.sign_threshold.requires_grad))
         if not needs:
             return self._fake(x, scale, zp, thr)
         if self.grad_path is not None:
             return self.grad_path(self, x, scale, zp, thr)
+        if self.sign_threshold is not None:  # a learned threshold always trains with its own gradient
+            return self._ops.qat_value(self, x, scale, zp, thr)
         # plain straight-through estimator: value of x̂ exactly, gradient of the identity
         # (not ``x + (x̂ - x).detach()``, whose float rounding changes the value)
         return _StraightThrough.apply(x, lambda: self._fake(x.detach(), scale.detach(), zp, thr))
@@ -428,6 +441,8 @@ class TensorQuantizer(LazyBuffers):
             self._bad_axis(x)
         if self.check_finite and not self.role.is_param:
             check_finite(x, self.name or self.role.value)
+        if self.sign_threshold is not None and self.sign_threshold.numel() == 0:
+            self._ops.init_threshold(self, x)
         if self.observing:
             if not self.stateless and self.observer is not None:
                 self.observer(x.detach().float() if x.dtype in HALF_DTYPES else x.detach())
@@ -569,6 +584,10 @@ class TensorQuantizer(LazyBuffers):
                          and self._round_mode == "half_even")
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        t = state_dict.get(prefix + "sign_threshold")
+        if self.sign_threshold is not None and t is not None and self.sign_threshold.shape != t.shape \
+                and self.sign_threshold.numel() == 0:
+            self.sign_threshold.data = torch.zeros_like(t, dtype=torch.float32, device=self.sign_threshold.device)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._refresh()
 

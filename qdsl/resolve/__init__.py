@@ -52,6 +52,7 @@ E216    channel axis out of range for the tensor's dimensions (weights; a convol
 E217    group size does not divide the weight's reduction size
 E218    malformed target (empty, bad regex, unterminated ``[``) or rule without targets
 E219    ``dynamic`` on a weight or bias (it is for activations)
+E220    ``threshold = learned`` on a weight/bias, or on a kind other than signed binary
 E222    a rule that sets nothing
 E223    a rule that both skips and sets quantizers
 E224    a minifloat kind that names no format (``fp8_e3m2``: 1 + 3 + 2 is 6 bits, not 8; bias

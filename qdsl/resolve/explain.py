@@ -120,6 +120,8 @@ def _rows(lp: LayerPlan, roles: list[Role] | None) -> list[tuple[str, str, str, 
         for field in TENSOR_QUANT_FIELDS:
             p = prov.get((role, field))
             value = getattr(recipe, field)
+            if field == "threshold" and value == "none" and (p is None or not p.set_by.span.known):
+                continue  # only signed binary activations take one: keep the tables short
             rows.append((lp.fqn, role.value, field, format_value(value), _set_by_text(p) if p else "", p))
     return rows
 

@@ -259,6 +259,8 @@ class QuantizerRecipe:
     observer: ObserverSpec
     rounding: str
     dynamic: bool
+    threshold: str = "none"
+    """``"learned"``: a signed binary activation with a learned per-channel threshold."""
     observer_params: Any = attrs.field(default=None, eq=False)
     format: NumberFormat = attrs.field(
         default=attrs.Factory(lambda self: builtin_format(self.kind), takes_self=True), eq=False, repr=False)

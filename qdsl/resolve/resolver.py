@@ -140,6 +140,26 @@ def resolve(
         return _Resolver(prepare(spec, registries), index).run()
 
 
+def _drop_shadowed_threshold(won: dict, written: dict, rank: dict, kind: Any, regs: Any) -> None:
+    """A learned threshold belongs to signed binary activations: when a more specific
+    source than the one that set it makes the quantizer another kind (a rule's ``input =
+    a8`` over a thresholded ``defaults`` input) or unsigned, it does not apply there and
+    falls back to ``none``.  Written at the same level or below (``abin(unsigned)`` on a
+    thresholded ``abin``), it stays, and validation reports E220."""
+    t = won.get("threshold")
+    if t is None or t.value != "learned":
+        return
+    signed = won["signed"].value if "signed" in won else True
+    fmt = format_of(kind, regs, builtin_format(Kind.INT))
+    for field, bad in (("kind", not fmt.learned_threshold), ("signed", signed is False)):
+        if bad and field in rank and rank[field] > rank["threshold"]:
+            by = won[field].set_by
+            won["threshold"] = FieldProvenance("none", Origin(f"built-in default (the {field} set by {by.label} "
+                                                              "takes no threshold)", by.span),
+                                               (), ((t.set_by, t.value),) + t.overridden)
+            written.pop("threshold", None)
+            return
+
 
 @attrs.frozen
 class _Outcome:
@@ -374,6 +394,7 @@ class _Resolver:
         """Cascade, override, fill and validate one role; None when it ends up in float."""
         won: dict[str, FieldProvenance] = {}
         written: dict[str, Span] = {}
+        rank: dict[str, tuple[int, int]] = {}  # the winner's (level, refining role)
         for field in TENSOR_QUANT_FIELDS:
             cands = []
             for lvl, b in srcs:
@@ -384,6 +405,7 @@ class _Resolver:
                     cands.append((lvl, b, b.roles[parent][field], 0, parent))
             if cands:
                 won[field], written[field] = self._pick(cands, role, field, conflicts, with_span=True)
+                rank[field] = max((c[0], c[3]) for c in cands)
         kind = won["kind"].value if "kind" in won else Kind.INT
         if is_float(kind):
             prov[(role, "kind")] = won["kind"]
@@ -401,10 +423,12 @@ class _Resolver:
             at = c.span if not c.via else self.prep.overrides.role_spans.get(role, c.span)
             won[field] = FieldProvenance(c.value, Origin(label, at), c.via, lower)
             written[field] = c.span
+            rank[field] = (Level.OVERRIDE, 1)
         kind = won["kind"].value if "kind" in won else Kind.INT
         if is_float(kind):
             prov[(role, "kind")] = won["kind"]
             return None
+        _drop_shadowed_threshold(won, written, rank, kind, self.regs)
         scale = won["scale"].value if "scale" in won else None
         values: dict[str, Any] = {}
         for field in TENSOR_QUANT_FIELDS:

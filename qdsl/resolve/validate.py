@@ -12,7 +12,8 @@ built-in default.
 Built-in defaults (provenance "built-in default"): kind int; bits 8 (binary 1, ternary
 2; a bias whose scale is ``input*weight`` gets 32); signed true; narrow_range false;
 symmetric true; scale float; granularity tensor; observer auto (min/max at >= 8 bits,
-bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false.
+bit-aware range search below; binary and ternary: mean_abs); rounding half_even; dynamic false;
+threshold none (``threshold = learned`` is for signed binary activations only: E220).
 The kind-dependent ones (bits, observer) and the kind's bit rules (E210 degenerate code
 range, E211) come from the kind's number format (``qdsl.spec.formats``).  ``channel`` without an axis means axis
 0 for weight and bias (output channels) and axis 1 for input and output (the channel
@@ -42,6 +43,7 @@ from qdsl.spec.formats import (
     looks_like_minifloat,
     lookup_format,
     minifloat_problem,
+    threshold_misuse,
 )
 from qdsl.spec.model import (
     DERIVED_BIAS_SCALE,
@@ -96,6 +98,8 @@ def builtin_value(field: str, role: Role, kind: Kind, scale: str | None,
         return ObserverSpec(format_of(kind, registries, BUILTIN_FORMATS["int"]).default_observer)
     if field == "rounding":
         return "half_even"
+    if field == "threshold":
+        return "none"
     raise KeyError(field)
 
 
@@ -237,6 +241,7 @@ def validate_fields(
                 "from every batch, so there is nothing to learn",
                 _spot(spans, "dynamic", "scale"), "drop 'dynamic' or use scale = float or pot",
             ))
+    d += _threshold_problems(fields, fmt, role, spans)
     if scale == DERIVED_BIAS_SCALE and role is not None and role is not Role.BIAS:
         d.append(Diagnostic.error(
             "E214", f"scale '{DERIVED_BIAS_SCALE}' is only for the bias, not the {role.value}",
@@ -251,6 +256,20 @@ def validate_fields(
                 "use minmax, ema, histogram, percentile or mse",
             ))
     return d
+
+
+def _threshold_problems(fields: Mapping[str, Any], fmt: Any, role: Role | None,
+                        spans: Mapping[str, Span]) -> list[Diagnostic]:
+    """E220: a learned threshold on anything but a signed binary activation."""
+    if fields.get("threshold") != "learned":
+        return []
+    bad = threshold_misuse(fmt, fields.get("signed"), role)
+    if bad is None:
+        return []
+    field, message, hint = bad
+    # point at the field that conflicts (a preset's threshold is fine until a cascade
+    # makes it unsigned or ternary); a parameter role points at the threshold itself
+    return [Diagnostic.error("E220", message, _spot(spans, field, "threshold"), hint)]
 
 
 def _degenerate(fmt: Any, bits: int, fields: Mapping[str, Any]) -> bool:

@@ -31,6 +31,7 @@ from qdsl.spec.model import Kind
 from qdsl.spec.registry import PartInfo, Registries
 
 __all__ = [
+    "threshold_misuse",
     "NumberFormat",
     "IntFormat",
     "BinaryFormat",
@@ -120,6 +121,9 @@ class NumberFormat:
     sign_reader: bool = False
     """Its codes are a comparison of ``x`` with one threshold (binary), so a float bias
     read only by it lowers exactly as a sign threshold (qdsl.patch.consumers)."""
+    learned_threshold: bool = False
+    """A signed activation of this format may binarise at a learned per-channel threshold
+    (``threshold = learned``: +1 where ``x >= t[c]``; qdsl.quantizers.formats.binary)."""
 
     ragged_groups: bool = False
     """``group(k)`` need not divide a weight row: the last block of a row is shorter (OCP MX
@@ -207,6 +211,7 @@ class BinaryFormat(NumberFormat):
     accumulator_input = accumulator_weight = True
     sign_reader = True
     unit_codes = True
+    learned_threshold = True
 
     def activation_lowering(self, signed):
         return "bin" if signed else None  # sign(x) as bit-packed ±1; {0, 1} has no lowering
@@ -525,3 +530,23 @@ def register_format(registries: Registries, fmt: NumberFormat, ops: Any = None, 
 # Kind's members and the built-in formats must name the same set (a new built-in kind
 # adds both); checked at import so a mismatch fails every test at once.
 assert set(BUILTIN_FORMATS) == {k.value for k in Kind}, "Kind and BUILTIN_FORMATS disagree"
+
+
+def threshold_misuse(fmt: NumberFormat | None, signed: bool | None, role: Any) -> tuple[str, str, str] | None:
+    """Why ``threshold = learned`` cannot apply here, as ``(field to point at, message,
+    hint)``, or None.  ``fmt`` is the kind's number format, ``role`` a
+    :class:`~qdsl.spec.model.Role`; None arguments are not known yet (a partial quantizer).
+    The schema asks for what one node writes, the resolver again for the cascaded result
+    (both raise E220)."""
+    if role is not None and role.is_param:
+        return ("threshold", f"a learned threshold applies to binary activations, not the {role.value}",
+                "binary weights are sign(w) (their threshold is 0); set the threshold on the layer's input: "
+                "input = binary(signed, threshold=learned)")
+    if fmt is not None and not fmt.learned_threshold:
+        return ("kind", f"threshold = learned needs kind binary, not {fmt.name}",
+                "a learned threshold is for signed binary activations: use binary(signed, threshold=learned), "
+                "or drop the threshold")
+    if signed is False:
+        return ("signed", "threshold = learned needs signed binary codes {-1, +1}, not unsigned {0, 1}",
+                "unsigned binary already thresholds at half its scale; use binary(signed, threshold=learned)")
+    return None

@@ -22,6 +22,9 @@ Vocabulary (the closed sets are str Enums; registry-backed names are plain str):
   ``stochastic``.
 * ``granularity``: :class:`Granularity` - tensor, channel(axis), group(size), gate
   (recurrent weights).
+* ``threshold``: ``none`` or ``learned`` (:data:`THRESHOLDS`): a signed binary
+  activation's codes are ``+1`` where ``x >= t[c]`` and ``-1`` below, with ``t`` a learned
+  per-channel parameter (ReActNet's RSign); ``none`` is ``t = 0``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "QuantSpec",
     "ParamValue",
     "TENSOR_QUANT_FIELDS",
+    "THRESHOLDS",
     "BUILTIN_SCALES",
     "BUILTIN_ROUNDINGS",
     "BUILTIN_OBSERVERS",
@@ -250,6 +254,7 @@ class TensorQuant:
     observer: ObserverSpec | None = None
     rounding: str | None = None
     dynamic: bool | None = None
+    threshold: str | None = None
     extends: str | None = None
     span: Span = attrs.field(default=UNKNOWN_SPAN, eq=False, repr=False)
     field_spans: Mapping[str, Span] = attrs.field(factory=dict, eq=False, repr=False)
@@ -273,8 +278,14 @@ TENSOR_QUANT_FIELDS: tuple[str, ...] = (
     "observer",
     "rounding",
     "dynamic",
+    "threshold",
 )
 """The cascading fields of a tensor quantizer, in canonical order."""
+
+THRESHOLDS: tuple[str, ...] = ("none", "learned")
+"""Values of ``threshold``: ``none`` (binarise at 0) or ``learned`` (a learned per-channel
+threshold; signed binary activations only)."""
+
 
 
 @attrs.frozen

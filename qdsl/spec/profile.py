@@ -117,6 +117,7 @@ CAPS_FIELDS = (
     "zero_point",
     "narrow_range",
     "dynamic",
+    "thresholds",
 )
 """The fields of :class:`TensorCaps`, in the order lint checks them."""
 
@@ -136,6 +137,8 @@ class TensorCaps:
     * ``zero_point``: ``False`` means symmetric quantization is required.
     * ``narrow_range``: :class:`NarrowRange`.
     * ``dynamic``: ``False`` means scales must be fixed at export (no per-batch scales).
+    * ``thresholds``: ``False`` means binary activations binarise at 0 only (no learned
+      per-channel threshold, ``threshold = learned``: a per-channel integer comparison).
     """
 
     kinds: tuple[Kind | str, ...] | None = None
@@ -148,6 +151,7 @@ class TensorCaps:
     zero_point: bool | None = None
     narrow_range: NarrowRange | None = None
     dynamic: bool | None = None
+    thresholds: bool | None = None
     field_spans: Mapping[str, Span] = attrs.field(factory=dict, eq=False, repr=False, converter=attrs_frozendict)
 
     def over(self, base: "TensorCaps | None") -> "TensorCaps":

@@ -4,6 +4,8 @@
 * :class:`DigitsResNet`   - a small ResNet-style CNN with residual blocks for 1×8×8 digits.
 * :class:`Conv1dNet`      - a Conv1d keyword-spotting-like net with BN (hardware users).
 * :class:`MLP`            - linear layers only.
+* :class:`TvStyleNet`     - a torchvision-style ReLU CNN (``ReLU(inplace=True)``, a max pool)
+  for 1×8×8 digits, as users write them (xnor-binary's learned thresholds are for these).
 
 Every factory takes keyword arguments only and builds deterministic weights when
 ``seed`` is given, so ``--model qdsl.zoo.models:digits_resnet`` works from the CLI.
@@ -21,12 +23,14 @@ __all__ = [
     "DigitsResNet",
     "Conv1dNet",
     "MLP",
+    "TvStyleNet",
     "conv_bn_relu_net",
     "digits_binary_cnn",
     "digits_resnet",
     "conv1d_net",
     "mlp",
     "binary_mlp",
+    "tv_style_net",
 ]
 
 
@@ -141,6 +145,25 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class TvStyleNet(nn.Module):
+    """conv-BN-ReLU(inplace), max pool, (conv-BN-ReLU(inplace)) ×2, GAP, linear (1×8×8 in)."""
+
+    def __init__(self, width: int = 32, num_classes: int = 10, in_ch: int = 1):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(in_ch, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width), nn.ReLU(inplace=True),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1, bias=False), nn.BatchNorm2d(2 * width),
+            nn.ReLU(inplace=True),
+        )
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
 def _seeded(model: nn.Module, seed: int | None) -> nn.Module:
     if seed is not None:
         g = torch.Generator().manual_seed(seed)
@@ -184,3 +207,7 @@ def mlp(*, seed: int | None = 0, **kw) -> MLP:
 def binary_mlp(*, seed: int | None = 0, **kw) -> MLP:
     """MLP with Hardtanh activations: signed binary activations need signed inputs."""
     return _seeded(MLP(activation="hardtanh", **kw), seed).eval()
+
+
+def tv_style_net(*, seed: int | None = 0, **kw) -> TvStyleNet:
+    return _seeded(TvStyleNet(**kw), seed).eval()

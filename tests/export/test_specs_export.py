@@ -44,7 +44,8 @@ def test_shipped_spec_exports(spec, data):
     got = execute(graph, x.numpy()).outputs[0]
     assert (got.argmax(1) == fq.argmax(1)).mean() >= 0.95
     if spec == "xnor-binary":
-        assert {OpType.BINARIZE, OpType.BCONV2D} <= {op.type for op in graph.ops}
+        # the learned thresholds binarise the residual blocks' int8 outputs per channel
+        assert {OpType.BINARIZE_CHANNEL, OpType.BCONV2D} <= {op.type for op in graph.ops}
 
 
 def test_spec_accumulator_reaches_the_graph_and_overflows_are_counted():

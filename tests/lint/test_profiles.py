@@ -92,7 +92,7 @@ def test_unknown_key_with_did_you_mean_is_located(tmp_path):
         "  3 | bitz = [8]\n"
         "    | ^^^^\n"
         "  hint: did you mean 'bits'? known keys: bits, channel_axes, dynamic, granularities, "
-        "group_sizes, kinds, narrow_range, scales, signedness, zero_point"
+        "group_sizes, kinds, narrow_range, scales, signedness, thresholds, zero_point"
     )
 
 

@@ -45,8 +45,9 @@ enum OpCode : int {
   kSelect = 38,
   kRnn = 39,
   kGruDynamic = 40,
+  kBinarizeChannel = 41,
 };
-constexpr int kMaxOpcode = 40;
+constexpr int kMaxOpcode = 41;
 
 // GraphOp attribute value types (Attr::type).
 enum AttrType : int { kAttrInt = 1, kAttrFloat = 2, kAttrInts = 3 };
@@ -105,6 +106,7 @@ inline constexpr AttrSchema kLstmDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih
 inline constexpr AttrSchema kSelectAttrs[] = {{"axis", kAttrInt}, {"index", kAttrInt}};
 inline constexpr AttrSchema kRnnAttrs[] = {{"reverse", kAttrInt}, {"x_zp", kAttrInt}, {"h_zp", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"ih_mult", kAttrInts}, {"ih_shift", kAttrInts}, {"hh_mult", kAttrInts}, {"hh_shift", kAttrInts}, {"h_mult", kAttrInt}, {"h_shift", kAttrInt}, {"sigmoid", kAttrInts}, {"relu", kAttrInt}};
 inline constexpr AttrSchema kGruDynamicAttrs[] = {{"reverse", kAttrInt}, {"w_ih_scale", kAttrInts}, {"w_hh_scale", kAttrInts}, {"b_ih", kAttrInts}, {"b_hh", kAttrInts}, {"in_qmin", kAttrInt}, {"in_qmax", kAttrInt}, {"in_symmetric", kAttrInt}, {"in_rounding", kAttrInt}, {"h_qmin", kAttrInt}, {"h_qmax", kAttrInt}, {"h_symmetric", kAttrInt}, {"h_rounding", kAttrInt}};
+inline constexpr AttrSchema kBinarizeChannelAttrs[] = {{"thresholds", kAttrInts}};
 
 // Indexed by opcode; row 0 (and an unassigned opcode's row) is no op.
 inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
@@ -149,6 +151,7 @@ inline constexpr OpSchema kOpSchemas[kMaxOpcode + 1] = {
     {"SELECT", 1, 1, false, kSelectAttrs, 2, 1},
     {"RNN", 5, 6, false, kRnnAttrs, 13, 2},
     {"GRU_DYNAMIC", 3, 5, false, kGruDynamicAttrs, 13, 2},
+    {"BINARIZE_CHANNEL", 1, 1, false, kBinarizeChannelAttrs, 1, 1},
 };
 
 // Each op's C++ side (Prepare, Run, output value-range rule; runtime/ops/op.h OpDef) is
@@ -193,6 +196,7 @@ extern const OpDef kLstmDynamicDef;
 extern const OpDef kSelectDef;
 extern const OpDef kRnnDef;
 extern const OpDef kGruDynamicDef;
+extern const OpDef kBinarizeChannelDef;
 inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     nullptr,
     &kQuantizeDef,
@@ -235,6 +239,7 @@ inline constexpr const OpDef* kOpDefs[kMaxOpcode + 1] = {
     &kSelectDef,
     &kRnnDef,
     &kGruDynamicDef,
+    &kBinarizeChannelDef,
 };
 
 }  // namespace qdsl

@@ -1,4 +1,5 @@
-"""QUANTIZE, DEQUANTIZE, BINARIZE: the float <-> integer boundary ops."""
+"""QUANTIZE, DEQUANTIZE, BINARIZE, BINARIZE_CHANNEL: the float <-> integer boundary ops
+(BINARIZE_CHANNEL: a learned per-channel binarisation threshold on 8-bit codes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from qdsl.graph.checks import I32_RANGE
 from qdsl.graph.ops import OpDef
 from qdsl.graph.schema import ACTIVATION_DTYPES, INT8_DTYPES, AttrType, DType, OpSchema, Rounding
 
-__all__ = ["OPS", "quantize", "dequantize", "binarize"]
+__all__ = ["OPS", "quantize", "dequantize", "binarize", "binarize_channel"]
 
 
 def _round_f(v: np.ndarray, mode: int) -> np.ndarray:
@@ -43,6 +44,12 @@ def binarize(x: np.ndarray, a) -> np.ndarray:
     return np.where(x < a["zero_point"], -1, 1).astype(np.int64)
 
 
+def binarize_channel(x: np.ndarray, a) -> np.ndarray:
+    # channel c along axis 1: -1 where x < thresholds[c], else +1 (x == thresholds[c] is +1)
+    t = np.asarray(a["thresholds"], dtype=np.int64).reshape((1, x.shape[1]) + (1,) * (x.ndim - 2))
+    return np.where(x < t, -1, 1).astype(np.int64)
+
+
 def _infer_quantize(c, op, ins, out):
     x = ins[0]
     c.dt(x, (DType.F32,), "input")
@@ -73,6 +80,16 @@ def _infer_binarize(c, op, ins, out):
     return (DType.BIN,), x.shape
 
 
+def _infer_binarize_channel(c, op, ins, out):
+    x = ins[0]
+    c.dt(x, INT8_DTYPES, "input")
+    c.need(len(x.shape) >= 2 and x.shape[1] >= 1, f"input {x.name!r} must have a channel axis, has shape {x.shape}")
+    # one threshold per channel; below min(dtype) is "always +1", above max(dtype) "always -1"
+    lo, hi = x.dtype.range
+    c.ints("thresholds", x.shape[1], lo, hi + 1)
+    return (DType.BIN,), x.shape
+
+
 OPS = (
     OpDef("QUANTIZE", 1,
           OpSchema(1, 1, {"scale": AttrType.FLOAT, "zero_point": AttrType.INT,
@@ -85,4 +102,7 @@ OPS = (
     OpDef("BINARIZE", 19, OpSchema(1, 1, {"zero_point": AttrType.INT}),
           _infer_binarize, lambda op, args, graph, counts: binarize(args[0], op.attrs),
           "I8/U8/F32 -> BIN: ``-1 if x < zero_point else +1``."),
+    OpDef("BINARIZE_CHANNEL", 41, OpSchema(1, 1, {"thresholds": AttrType.INTS}),
+          _infer_binarize_channel, lambda op, args, graph, counts: binarize_channel(args[0], op.attrs),
+          "I8/U8 -> BIN per channel (axis 1): ``-1 if x < thresholds[c] else +1``."),
 )

@@ -6,6 +6,7 @@ A :class:`FormatOps` answers, for one :class:`~qdsl.quantizers.proxy.TensorQuant
 * ``qparams(q, x, lo, hi, rule)`` - ``(scale, zero_point, threshold)`` from an observed
   range ``lo..hi`` and the scale rule;
 * ``learned_threshold(scale)`` - the threshold a learned scale implies (ternary);
+* ``init_threshold(q, x)`` - a learned binarisation threshold's first value (binary);
 * ``fake(q, x, scale, zp, thr)`` - fake quantization x̂ (the values the codes decode to);
 * ``codes(q, x, scale, zp, thr)`` - the integer codes ``int_repr`` returns;
 * ``fast_path`` - the frozen quantizer may use the proxy's fused affine fast path;
@@ -110,6 +111,11 @@ class FormatOps:
 
     def learned_threshold(self, scale: torch.Tensor) -> torch.Tensor | None:
         return None
+
+    def init_threshold(self, q: Any, x: torch.Tensor) -> None:
+        """Size and set ``q.sign_threshold`` from its first batch (a format whose facts say
+        ``learned_threshold``: binary)."""
+        raise NotImplementedError(f"{q.format.name} has no learned threshold")
 
     def fake(self, q: Any, x: torch.Tensor, scale, zp, thr) -> torch.Tensor:
         raise NotImplementedError
