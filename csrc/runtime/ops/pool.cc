@@ -122,10 +122,10 @@ Status RunPool(RunCtx& c, const GraphOp& op) {
   const int64_t planes = xs[0] * xs[1];
   // NHWC tensors (Graph::nhwc: a pool's input and output may each be NHWC): the pool runs on
   // NCHW planes, an NHWC input transposed in and an NHWC output transposed out per image
-  // (a ResNet's stem pool: one transpose there keeps the whole first stage NHWC)
   const bool in_nhwc = c.g->nhwc[xi] != 0, out_nhwc = c.g->nhwc[yi] != 0;
-  // a max pool from NHWC to NHWC (a ResNet's stem pool after the implicit-GEMM stem) runs on
-  // the NHWC pixels themselves (MaxRowNhwc), no transposes
+  // except a max pool from NHWC to NHWC (a ResNet's stem pool: the stem writes NHWC for it,
+  // conv::GatheredWritesNhwc), which runs on the NHWC pixels themselves (MaxRowNhwc); at 224 x
+  // 224 about 0.16 instead of 0.33 ms (CPU time, loaded machine), the stem ~0.1 ms slower
   const bool nhwc_max = is_max && in_nhwc && out_nhwc && rank == 2;
   const int64_t esize = xd == kI32 ? 4 : 1, HW = H * W, OHW = OH * OW;
   auto transpose = [&](const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {  // per image
