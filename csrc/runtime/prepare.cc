@@ -106,7 +106,8 @@ bool DwNhwc(const ConvParams& p, uint32_t path) { return p.depthwise && p.dw_nhw
 // The ops that run on NHWC tensors (Graph::nhwc) on `path`: whether op writes its output
 // NHWC when asked to, and whether it reads input k NHWC when that is stored so.
 //   convs     the AMX and AVX2 implicit-GEMM convs that path runs (conv::RunsNhwc) and the
-//             channels-last depthwise convs (DwNhwc): input 0
+//             channels-last depthwise convs (DwNhwc): input 0; the gathered-panel conv writes
+//             NHWC for max pools only (conv::GatheredWritesNhwc, PlanNhwc)
 //   ADD       elementwise: any layout, but all three tensors the same (PlanNhwc below)
 //   pools     MAXPOOL2D/AVGPOOL2D: input and output each either way (transposed per image)
 //   GLOBAL_AVGPOOL  reads NHWC; its [N][C][1][1] output is the same in both layouts
@@ -132,8 +133,20 @@ void PlanNhwc(Graph* g, uint32_t path) {
   const size_t nt = g->tensors.size();
   std::vector<char>& s = g->nhwc;
   s.assign(nt, 0);
+  // pool_only: outputs of gathered-panel convs (conv::GatheredWritesNhwc), NHWC only while
+  // every reader is a max pool that writes NHWC
+  std::vector<char> twin(g->ops.size(), 0), pool_only(nt, 0);
   for (const GraphOp& op : g->ops)
-    if (WritesNhwc(op, path)) s[op.outputs[0]] = 1;
+    if (const ConvParams* p = AsConv(op))
+      for (int32_t j : p->twins) twin[j] = 1;
+  for (size_t i = 0; i < g->ops.size(); ++i) {
+    const GraphOp& op = g->ops[i];
+    if (WritesNhwc(op, path)) {
+      s[op.outputs[0]] = 1;
+    } else if (const ConvParams* p = AsConv(op); p != nullptr && !twin[i] && conv::GatheredWritesNhwc(*p, path)) {
+      s[op.outputs[0]] = pool_only[op.outputs[0]] = 1;
+    }
+  }
   for (uint32_t t : g->outputs) s[t] = 0;
   for (bool changed = true; changed;) {
     changed = false;
@@ -141,7 +154,7 @@ void PlanNhwc(Graph* g, uint32_t path) {
       const GraphOp& op = g->ops[i];
       for (size_t k = 0; k < op.inputs.size(); ++k) {
         const uint32_t t = op.inputs[k];
-        if (s[t] && !ReadsNhwc(op, k, path)) {
+        if (s[t] && (!ReadsNhwc(op, k, path) || (pool_only[t] && (op.opcode != kMaxpool2d || !s[op.outputs[0]])))) {
           s[t] = 0;
           changed = true;
         }

@@ -225,7 +225,8 @@ def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
     x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), 3, hw, hw))
     layouts = _layouts(_check(graph, x), x)
     if layouts is not None:
-        assert layouts["stem"] == (False, False)  # 3 input channels: the gathered NCHW conv
+        # 3 input channels: the gathered conv, which writes NHWC for a max pool only
+        assert layouts["stem"] == (False, pool is OpType.MAXPOOL2D)
         assert layouts["pool"][1] and layouts["conv"] == (True, True) and layouts["add"][1]
         assert not layouts["last"][1]
 
@@ -414,3 +415,47 @@ def test_igemm_fused_add_stage_matches_reference(threads, seed, k, c, other, sum
         assert layouts["conv"] == (True, True) and layouts["add"][1]
         if exported and pre == 0:
             assert {p["name"]: p.get("fused_add_stage") for p in cg.plan()}["conv"]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([3, 5, 7]), stride=st.sampled_from([1, 2]),
+       xdtype=st.sampled_from([DType.U8, DType.I8]), sdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]),
+       after=st.sampled_from(["conv", "conv", "output"]))
+def test_gathered_stem_nhwc_max_pool_matches_reference(threads, seed, k, stride, xdtype, sdtype, after):
+    """A ResNet's stem: conv (1-7 input channels: the gathered-panel conv) -> MAXPOOL2D -> conv.
+    The stem writes its codes NHWC (conv::GatheredWritesNhwc: per tile, transposed) because its
+    one reader is a max pool that writes NHWC, and the pool then takes the max of whole NHWC
+    pixels (pool.cc MaxRowNhwc).  Odd channel counts, image sizes and batches, strides,
+    padding, bias, pool windows 2/3 with strides 1/2, padding and dilation.  after == "output":
+    the pool output is the graph output (NCHW), so the stem stays NCHW too."""
+    rng = np.random.default_rng(seed)
+    cin, c = int(rng.integers(1, 8)), int(rng.choice([8, 13, 17, 24, 64]))
+    h, w = int(rng.integers(k + 2, k + 30)), int(rng.integers(k + 2, k + 40))
+    pad = int(rng.integers(0, k // 2 + 1))
+    sh, sw = ((n + 2 * pad - k) // stride + 1 for n in (h, w))
+    pk = int(rng.choice([2, 3]))
+    ps, pp = int(rng.choice([1, 2])), int(rng.integers(0, pk // 2 + 1))
+    pd = int(rng.choice([1, 1, 2])) if pp == 0 and min(sh, sw) > 2 * pk else 1
+    ph, pw = ((n + 2 * pp - pd * (pk - 1) - 1) // ps + 1 for n in (sh, sw))
+    ws, w1 = _weights(rng, c, cin, k, 127), _weights(rng, 11, c, 3, 127)
+    s_attrs = _attrs(rng, c, sdtype, k, stride, pad, in_zp=int(rng.integers(*xdtype.range)))
+    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("ws", DType.I8, ws.shape, ws),
+               Tensor("b", DType.I32, (c,), rng.integers(-20000, 20000, c)), Tensor("w1", DType.I8, w1.shape, w1),
+               Tensor("s", sdtype, (-1, c, sh, sw)), Tensor("p", sdtype, (-1, c, ph, pw)),
+               Tensor("y", DType.U8, (-1, 11, ph, pw))]
+    ops = [Op(OpType.CONV2D, "stem", ["x", "ws", "b"], ["s"], s_attrs),
+           Op(OpType.MAXPOOL2D, "pool", ["s"], ["p"],
+              {"kernel": [pk, pk], "stride": [ps, ps], "padding": [pp, pp], "dilation": [pd, pd]})]
+    if after == "conv":
+        ops.append(Op(OpType.CONV2D, "conv", ["p", "w1"], ["y"],
+                      _attrs(rng, 11, DType.U8, 3, 1, 1, in_zp=int(rng.integers(*sdtype.range)))))
+    else:
+        tensors.pop()
+    graph = IntegerGraph(tensors, ["x"], ["y" if after == "conv" else "p"], ops).validate()
+    x = _rand(rng, xdtype, (int(rng.integers(1, 4)), cin, h, w))
+    x.reshape(-1)[:2] = xdtype.range
+    layouts = _layouts(_check(graph, x), x)
+    if layouts is not None:
+        nhwc = after == "conv"
+        # (one input channel: a depthwise conv too, which runs on NCHW planes)
+        assert layouts["stem"] == (False, nhwc and cin > 1) and layouts["pool"] == (None, nhwc)

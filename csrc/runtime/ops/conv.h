@@ -251,6 +251,16 @@ inline bool RunsNhwc(const ConvParams& p, uint32_t path) {
   if (p.amx_conv && p.fast_acc && SelectAmxGatherKernel(path) != nullptr) return true;
   return p.igemm && SelectIgemmKernel(path, p.ig_int16) != nullptr && IgemmEnabled();
 }
+// Whether IntConvFast (the gathered-panel conv) can write this conv's I8/U8 output NHWC
+// (Graph::nhwc): the fast stage into a per-tile code block, transposed into NHWC positions.
+// PlanNhwc asks for it only when every reader is a max pool that writes NHWC (a ResNet's RGB
+// stem and its pool, which then runs on NHWC pixels without transposes), and never for a
+// twin (the conv it twins writes its output).  Not on the AMX forms.
+inline bool GatheredWritesNhwc(const ConvParams& p, uint32_t path) {
+  return p.spatial == 2 && p.groups == 1 && p.fast_stage && !p.bin_out && !p.w16.empty() && !p.depthwise &&
+         path != kPathRef && p.twins.empty() && p.fused_add < 0 && !RunsNhwc(p, path) &&
+         !(p.amx_conv && SelectAmxGatherKernel(path) != nullptr) && (p.w8.empty() || SelectAmxKernel(path) == nullptr);
+}
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t path);

@@ -138,6 +138,9 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
     add_signed = g->tensors[add->outputs[0]].dtype == kI8;
     g->fused_done[p.fused_add] = 1;
   }
+  // NHWC output (GatheredWritesNhwc; PlanNhwc chose it): each tile's codes go to a block
+  // [image][channel row][column] and are transposed into the images' NHWC positions
+  const bool nhwc_out = g->nhwc[op.outputs[0]] != 0;
   // the bias added inside the stage's pass (RequantAddKernel) when every output is I8/U8
   bool fold_bias = requant_add != nullptr && !p.bias.empty() && out_dtype != kI32;
   for (const auto& tw : twins) fold_bias = fold_bias && tw.second != kI32;
@@ -252,6 +255,8 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
       // columns [c0, c1) of nb images: one image's span when cut into pieces (nb == 1),
       // else all nb * P columns (c0 == 0), P per image
       const int64_t len = (c1 - c0) / nb;
+      thread_local AlignedVector<uint8_t> codes;
+      if (nhwc_out) codes.resize(static_cast<size_t>(nb * (r1 - r0) * len));
       for (int64_t o = r0; o < r1; ++o) {
         const int64_t oc = gi * e.og + o;
         int32_t* row = acc.data() + (o - (amx ? 0 : r0)) * ld;
@@ -271,6 +276,16 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             one.rescale.shift = r.shift + ch;
             one.rescale.channels = 1;
             if (dt != kI32) {  // all nb images in one call: rows = images, output stride O * P
+              if (nhwc_out) {  // (no twins: tw == 0)
+                uint8_t* block = codes.data() + (o - r0) * len;
+                const int64_t ldb = (r1 - r0) * len;
+                if (add_bias && fold_bias) {
+                  requant_add(row, nb, len, len, p.bias[oc], one, block, ldb, dt == kI8);
+                } else {
+                  requant(row, nb, len, len, one, 0, block, ldb, dt == kI8);
+                }
+                continue;
+              }
               if (add_bias && fold_bias) {
                 requant_add(row, nb, len, len, p.bias[oc], one, dst + (b0 * e.O + oc) * P + c0, e.O * P, dt == kI8);
               } else {
@@ -291,6 +306,11 @@ Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, in
             Emit(row[col - c0], p, oc, y, out_dtype == kI32, ((b0 + bi) * e.O + oc) * P + i, &counts[t]);
           }
         }
+      }
+      if (nhwc_out) {  // columns [c0, c0 + len) of one image, or all P of nb images (c0 == 0)
+        for (int64_t bi = 0; bi < nb; ++bi)
+          TransposeBytes(codes.data() + bi * (r1 - r0) * len, len, r1 - r0, len,
+                         y + ((b0 + bi) * P + (nb == 1 ? c0 : 0)) * e.O + r0, e.O);
       }
       if (add != nullptr) {
         // the fused ADD on the values just staged (still in cache): one call per image when
