@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.computed import ComputedPatch
-from qdsl.patch.int_sim import simulated_probs
+from qdsl.patch.int_sim import grid_of, simulated_probs
 from qdsl.patch.layer import proxy_state_key
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
@@ -91,13 +91,14 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
               out_proj: Callable[[torch.Tensor], torch.Tensor], *, attn_mask: torch.Tensor | None = None,
               key_padding_mask: torch.Tensor | None = None, dropout: float = 0.0, training: bool = False,
               need_weights: bool = True, average_attn_weights: bool = True,
-              sim: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+              sim: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, Any]:
     """Multi-head attention of batch-first ``(N, L, E)`` query and ``(N, S, E)`` key/value,
     torch's formula: ``proj(s, x)`` is the ``s`` in {q, k, v} projection, ``act(role, t)``
     the quantizer of an internal activation, ``out_proj`` the output projection.
-    ``sim(scores, keep, probs)``: the probabilities the integer graph computes from the
-    quantized scores (qdsl.patch.int_sim), or None for the float ones.
+    ``sim(scores, probs)``: the probabilities the integer graph computes from the
+    quantized scores over the kept (not ``-inf``) positions (qdsl.patch.int_sim), or None
+    for the float ones.
     Returns ``(output (N, L, E), weights (N, L, S) averaged or (N, H, L, S), or None)``."""
     n, length, e = xq.shape
     s_len = xk.shape[1]
@@ -124,7 +125,7 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
         probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
     probs = act(Role.PROBS, probs)
     if sim is not None:
-        probs = sim(scores, ~torch.isneginf(scores), probs)
+        probs = sim(scores, probs)
     if training and dropout > 0.0:
         probs = F.dropout(probs, p=dropout)
     ctx = torch.matmul(probs, v).transpose(1, 2).reshape(n, length, e)
@@ -241,9 +242,11 @@ class AttentionPatch(ComputedPatch):
             b = bq(b)
         return w, b
 
-    def _sim(self, scores: torch.Tensor, keep: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def _sim(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         sq, pq = self.acts[Role.SCORES], self.acts[Role.PROBS]
-        return probs if sq is None or pq is None else simulated_probs(scores, keep, probs, sq, pq)
+        if grid_of(sq) is None or grid_of(pq) is None:
+            return probs  # no fixed grids (before freeze): nothing to simulate, no mask to find
+        return simulated_probs(scores, ~torch.isneginf(scores), probs, sq, pq)
 
     def _act(self, role: Role, t: torch.Tensor) -> torch.Tensor:
         q = self.acts[role]
