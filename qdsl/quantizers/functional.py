@@ -406,6 +406,8 @@ def _select_by_mask(x: torch.Tensor, a: torch.Tensor, signed: bool) -> bool:
     2α finite (signed), α positive (unsigned: ``0·α`` is then +0.0, as ``where``'s zeros),
     and no autograd through α (``where``'s gradient to α is the same, but not worth the
     in-place bookkeeping), and a result of ``x``'s own shape."""
+    if torch.compiler.is_compiling():
+        return False  # the check below is data-dependent (a graph break); the compiler fuses where anyway
     if (a.requires_grad and torch.is_grad_enabled()) or not x.is_floating_point() or a.dtype != x.dtype:
         return False
     if a.dim() > x.dim() or any(sa not in (1, sx) for sa, sx in zip(reversed(a.shape), reversed(x.shape))):

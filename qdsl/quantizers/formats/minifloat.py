@@ -253,7 +253,7 @@ class MinifloatOps(FormatOps):
         y, s = self._y(q, x.float(), scale)
         dtype = _TORCH_FP8.get(q.format.name) if q._round_fn is None and q._round_mode == "half_even" else None
         if dtype is not None and q.format == MINIFLOAT_PRESETS[q.format.name] \
-                and not (torch.is_grad_enabled() and y.requires_grad):
+                and not (torch.is_grad_enabled() and y.requires_grad) and not torch.compiler.is_compiling():
             return (_cast_round(y, q.format, dtype) * s).to(x.dtype)
         return (minifloat_round(y, q.format, q._round_mode, q.generator, q._round_fn) * s).to(x.dtype)
 
