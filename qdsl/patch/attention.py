@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qdsl.patch.computed import ComputedPatch
-from qdsl.patch.int_sim import simulated_probs
+from qdsl.patch.int_sim import grid_of, simulated_probs
+from qdsl.patch.layer import proxy_state_key
 from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Role
@@ -90,13 +91,14 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
               out_proj: Callable[[torch.Tensor], torch.Tensor], *, attn_mask: torch.Tensor | None = None,
               key_padding_mask: torch.Tensor | None = None, dropout: float = 0.0, training: bool = False,
               need_weights: bool = True, average_attn_weights: bool = True,
-              sim: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+              sim: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, Any]:
     """Multi-head attention of batch-first ``(N, L, E)`` query and ``(N, S, E)`` key/value,
     torch's formula: ``proj(s, x)`` is the ``s`` in {q, k, v} projection, ``act(role, t)``
     the quantizer of an internal activation, ``out_proj`` the output projection.
-    ``sim(scores, keep, probs)``: the probabilities the integer graph computes from the
-    quantized scores (qdsl.patch.int_sim), or None for the float ones.
+    ``sim(scores, probs)``: the probabilities the integer graph computes from the
+    quantized scores over the kept (not ``-inf``) positions (qdsl.patch.int_sim), or None
+    for the float ones.
     Returns ``(output (N, L, E), weights (N, L, S) averaged or (N, H, L, S), or None)``."""
     n, length, e = xq.shape
     s_len = xk.shape[1]
@@ -123,7 +125,7 @@ def attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor, heads: int,
         probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
     probs = act(Role.PROBS, probs)
     if sim is not None:
-        probs = sim(scores, ~torch.isneginf(scores), probs)
+        probs = sim(scores, probs)
     if training and dropout > 0.0:
         probs = F.dropout(probs, p=dropout)
     ctx = torch.matmul(probs, v).transpose(1, 2).reshape(n, length, e)
@@ -146,6 +148,8 @@ class AttentionPatch(ComputedPatch):
         self.iq_all = proxy(Role.INPUT, "")
         self.acts = {r: proxy(r, "") for r in ACT_ROLES}
         self.out = proxy(Role.OUTPUT, "")
+        self._wcache: tuple | None = None  # (key, tensors the key names, {slice: (w, b)})
+        self._key_refs: list = []
 
     # ----------------------------------------------------- LayerPatch's interface
     def param_proxies(self) -> list[Any]:
@@ -178,8 +182,54 @@ class AttentionPatch(ComputedPatch):
                     bq.set_derived_scale(xq.scale * wq.scale)
                 bq.freeze(self.rows("bias", s))
 
+    def refresh_now(self) -> None:
+        self._wcache = None  # the next forward fake-quantizes the weights again
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_wcache"], state["_key_refs"] = None, []  # names this model's tensors by id()
+        return state
+
     # ------------------------------------------------------------------ forward
     def _proj(self, s: str, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, *self._params(s))
+
+    def _params(self, s: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The ``s`` slice's (fake-quantized) weight and bias, from the cache when valid."""
+        key = self._cache_key()
+        if key is None:
+            return self._quantized_rows(s)
+        hit = self._wcache
+        if hit is None or hit[0] != key:
+            rows = {t: self._quantized_rows(t) for t in SLICES}
+            # before freeze the proxies re-observed just now: the key of the state these
+            # weights were computed with is the one after the calls (as LayerPatch.refresh)
+            key = self._cache_key()
+            hit = self._wcache = (key, self._key_refs, rows)
+        return hit[2][s]
+
+    def _cache_key(self) -> tuple | None:
+        """The fake-quantized q/k/v weights and biases are reused while nothing they depend
+        on changes: evaluation (no autograd through ``in_proj_*``), before freeze as after,
+        as :class:`~qdsl.patch.layer.LayerPatch` caches a layer's weights (same key: the
+        handle's generation, the masters' identity/version/dtype, every buffer and parameter
+        of the weight, bias and input proxies).  None: not cacheable (a compiled region,
+        autograd through the masters, or a derived bias following a dynamic input's scale)."""
+        if torch.compiler.is_compiling():
+            return None
+        masters = [self.master("in_proj_weight"), self.master("in_proj_bias")]
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in masters):
+            return None
+        xq = self.iq_all
+        if xq is not None and xq.dynamic and any(b is not None and b.derived for b in self.b.values()):
+            return None
+        key, self._key_refs = proxy_state_key([*self.w.values(), *self.b.values(), xq])
+        key.append(self.handle.generation)
+        for t in masters:
+            key += [id(t), t._version, t.dtype] if t is not None else [None]
+        return tuple(key)
+
+    def _quantized_rows(self, s: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         w, b = self.rows("weight", s), self.rows("bias", s)
         wq, bq, xq = self.w[s], self.b[s], self.iq_all
         if wq is not None:
@@ -190,11 +240,13 @@ class AttentionPatch(ComputedPatch):
                 s_w = wq.current_scale() if wq is not None else None
                 bq.set_derived_scale(None if s_x is None or s_w is None else s_x.detach() * s_w.detach())
             b = bq(b)
-        return F.linear(x, w, b)
+        return w, b
 
-    def _sim(self, scores: torch.Tensor, keep: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def _sim(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         sq, pq = self.acts[Role.SCORES], self.acts[Role.PROBS]
-        return probs if sq is None or pq is None else simulated_probs(scores, keep, probs, sq, pq)
+        if grid_of(sq) is None or grid_of(pq) is None:
+            return probs  # no fixed grids (before freeze): nothing to simulate, no mask to find
+        return simulated_probs(scores, ~torch.isneginf(scores), probs, sq, pq)
 
     def _act(self, role: Role, t: torch.Tensor) -> torch.Tensor:
         q = self.acts[role]

