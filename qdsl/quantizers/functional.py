@@ -380,18 +380,22 @@ def binary_codes(x: torch.Tensor, alpha=None, signed: bool = True, axis=None, gr
     return (x >= a * 0.5).to(torch.int8)
 
 
-def fake_quant_binary(x: torch.Tensor, alpha, signed: bool = True, axis=None, group_size=None) -> torch.Tensor:
+def fake_quant_binary(x: torch.Tensor, alpha, signed: bool = True, axis=None, group_size=None,
+                      threshold: torch.Tensor | None = None) -> torch.Tensor:
     """``α · code`` with the codes of :func:`binary_codes`; ``α`` per tensor/channel/group.
+    A signed ``threshold`` (already viewed to broadcast against ``x``) moves the sign
+    change from 0 to it: ``-α`` where ``x < t``, ``+α`` at and above it (and for NaN).
 
     >>> fake_quant_binary(torch.tensor([[-3., 1.], [0., -2.]]), torch.tensor([2., 1.]), axis=0).tolist()
     [[-2.0, 2.0], [1.0, -1.0]]
     """
     a = param_view(torch.as_tensor(alpha, dtype=x.dtype, device=x.device), x, axis, group_size)
     if signed:
+        t = 0 if threshold is None else threshold
         if _select_by_mask(x, a, signed=True):
-            # -2α·[x < 0] + α: exactly -α or +α (2α is exact and finite, checked)
-            return torch.lt(x, 0, out=torch.empty_like(x)).mul_(-2 * a).add_(a)
-        return torch.where(x < 0, -a, a)  # NaN -> +α, as binary_codes
+            # -2α·[x < t] + α: exactly -α or +α (2α is exact and finite, checked)
+            return torch.lt(x, t, out=torch.empty_like(x)).mul_(-2 * a).add_(a)
+        return torch.where(x < t, -a, a)  # NaN -> +α, as binary_codes
     if _select_by_mask(x, a, signed=False):
         return torch.ge(x, a * 0.5, out=torch.empty_like(x)).mul_(a)  # α·[x >= α/2]; α > 0: +0.0 below
     return torch.where(x >= a * 0.5, a, torch.zeros_like(a))

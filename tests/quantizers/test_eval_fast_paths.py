@@ -121,6 +121,22 @@ def test_binary_values_need_no_where(monkeypatch):
     assert F.fake_quant_binary(x, torch.tensor([0.5, 1.0, 2.0]), False, axis=1).shape == x.shape
 
 
+def test_thresholded_binary_values_need_no_where(monkeypatch):
+    # a learned threshold (the bundled xnor spec's) takes the same mask path: -α below
+    # t[c], +α at and above it and for NaN; fails while the thresholded fake used where
+    x = torch.randn(2, 3, 4, 4)
+    t = torch.nn.Parameter(torch.tensor([-0.5, 0.0, 0.25]))
+    x[0, :, 0, 0] = t.detach()  # ties -> +α
+    x[1, 0, 1, 1] = float("nan")
+    tv = t.view(1, 3, 1, 1)
+    a = torch.tensor(0.7)
+    want = torch.where(x < tv, -a, a)
+    monkeypatch.setattr(torch, "where", lambda *args, **kw: (_ for _ in ()).throw(AssertionError("where")))
+    with torch.no_grad():
+        got = F.fake_quant_binary(x, a, True, threshold=tv)
+    assert torch.equal(_bits(got), _bits(want))
+
+
 def test_binary_gradient_to_alpha_is_where_s():
     x = torch.randn(3, 5)
     a1 = torch.tensor(0.8, requires_grad=True)

@@ -116,10 +116,8 @@ class BinaryOps(FormatOps):
 
     def fake(self, q, x, scale, zp, thr):
         tv = threshold_view(q, x)
-        if tv is not None:
-            a = F.param_view(scale.to(x.dtype), x, q.axis, q.group_size)
-            return torch.where(x < tv, -a, a)  # x == t[c] (and NaN) -> +α
-        return F.fake_quant_binary(x, scale.to(x.dtype), q.recipe.signed, q.axis, q.group_size)
+        # x == t[c] (and NaN) -> +α
+        return F.fake_quant_binary(x, scale.to(x.dtype), q.recipe.signed, q.axis, q.group_size, threshold=tv)
 
     def codes(self, q, x, scale, zp, thr):
         tv = threshold_view(q, x)
