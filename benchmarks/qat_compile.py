@@ -8,7 +8,8 @@
 * ``qdsl aot_eager``                    (``--aot``) the documented reference backend
 
 The model is compiled (not the optimizer step).  Compile time: wall and process CPU time
-of the first compiled step minus a steady step.  Steps are timed round-robin (one step of
+of the first compiled step minus a steady step, with a fresh inductor cache directory
+(``TORCHINDUCTOR_CACHE_DIR`` unless set).  Steps are timed round-robin (one step of
 each variant per round) so load changes hit all alike; each figure is the median of the
 per-round process CPU time (``time.process_time``: on a shared machine another process's
 load does not count, only cache/memory contention does), with the range.  The graph-break
@@ -28,15 +29,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import torch
+# a fresh inductor cache: with the on-disk one, a graph compiled by an earlier run (the
+# float model's, typically) comes back in a second and the compile-time ratio means nothing
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qat-compile-inductor-"))
+
+import torch  # noqa: E402
 from torch import nn
-from _timing import load_average  # benchmarks/ is the script's own directory
+from _timing import load_average  # noqa: E402  (benchmarks/ is the script's own directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one

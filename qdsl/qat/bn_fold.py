@@ -52,10 +52,10 @@ __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats",
 # partitioner recomputes ``rsqrt(running_var + eps)`` in the backward from the
 # ``running_var`` buffer itself (buffers and parameters are "free to save": they outlive
 # the step), but the BatchNorm updates that buffer in place later in the same forward, so
-# the backward read the new statistics (autograd's "modified by an inplace operation"
-# error on the next step under inductor).  An op outside the partitioner's recompute
+# the backward kept a tensor that changes before it runs (under inductor: autograd's
+# "modified by an inplace operation" error; tests/qat/test_compile.py).  An op outside the partitioner's recompute
 # allowlist is saved, never recomputed; the running statistics are a buffer with no
-# gradient, so the op needs no backward.  Eager runs the same arithmetic.
+# gradient, so the op needs no backward.  Eager computes the same expression directly.
 @torch.library.custom_op("qdsl::bn_inv_std", mutates_args=())
 def _inv_std(running_var: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(running_var + eps)
@@ -72,7 +72,10 @@ def fold_factor(bn: nn.Module) -> Tensor:
     Traceable (no graph break); under ``torch.compile`` the inverse std is saved for
     backward, never recomputed from ``running_var`` (see ``_inv_std``).
     """
-    inv_std = _inv_std(bn.running_var, float(bn.eps))
+    if torch.compiler.is_compiling():
+        inv_std = _inv_std(bn.running_var, float(bn.eps))
+    else:  # the op's dispatch costs a few times the arithmetic; eager autograd saves the result
+        inv_std = torch.rsqrt(bn.running_var + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
 
 

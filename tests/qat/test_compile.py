@@ -192,3 +192,41 @@ def test_inductor_qat_steps_with_live_bn_statistics_match_eager():
         for k in bn_state:
             torch.testing.assert_close(states[1][k], states[0][k], rtol=1e-4, atol=1e-5, msg=f"step {step}: {k}")
         opt.step()
+
+
+_ACC_SPEC = """version 1
+defaults {{
+  weight = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+  input = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+  accumulator(bits={bits}, overflow=saturate)
+}}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [12, 24])
+def test_compiled_accumulator_simulation_matches_eager(bits):
+    """The traced accumulator hook (torch.cond): 12 bits overflows (the exact branch),
+    24 bits cannot (the fast branch); value and gradient as in eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 4))
+    with torch.no_grad():
+        model[0].weight.abs_()
+    x = torch.rand(6, 16) * 3
+    apply(model, qdsl.parse_spec(_ACC_SPEC.format(bits=bits)))
+    calibrate(model, [x])
+    qdsl.qat.prepare_qat(model)
+    model.train()
+    compiled = torch.compile(model, backend="aot_eager")
+    out = []
+    for fwd in (model, compiled):
+        xg = x.clone().requires_grad_(True)
+        y = fwd(xg)
+        y.square().sum().backward()
+        out.append((y.detach(), xg.grad))
+    sim = qdsl.patch.get_handle(model).layers["0"].acc_sim
+    model(x)
+    assert sim.simulated == (bits == 12)
+    assert torch.equal(out[1][0], out[0][0])
+    assert torch.equal(out[1][1], out[0][1])
