@@ -8,7 +8,8 @@
 * ``qdsl aot_eager``                    (``--aot``) the documented reference backend
 
 The model is compiled (not the optimizer step).  Compile time: wall and process CPU time
-of the first compiled step minus a steady step.  Steps are timed round-robin (one step of
+of the first compiled step minus a steady step, with a fresh inductor cache directory
+(``TORCHINDUCTOR_CACHE_DIR`` unless set).  Steps are timed round-robin (one step of
 each variant per round) so load changes hit all alike; each figure is the median of the
 per-round process CPU time (``time.process_time``: on a shared machine another process's
 load does not count, only cache/memory contention does), with the range.  The graph-break
@@ -33,7 +34,7 @@ Targets (issue 23): compiled QAT step <= 1.0× float eager and <= 1.3× float in
 compile time <= 2× float's, zero graph breaks; eval before freeze <= 1.3× float.
 
     python benchmarks/qat_compile.py [--specs pot-asic,int8-default] [--rounds 15] [--aot]
-                                     [--eval-only] [--eval-specs all|LIST]
+                                     [--eval-only | --train-only] [--eval-specs all|LIST] [--profile]
                                      [--eval-models cnn,transformer[,minilm]]
 """
 
@@ -41,15 +42,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
-import torch
+# a fresh inductor cache: with the on-disk one, a graph compiled by an earlier run (the
+# float model's, typically) comes back in a second and the compile-time ratio means nothing
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="qat-compile-inductor-"))
+
+import torch  # noqa: E402
 from torch import nn
-from _timing import load_average  # benchmarks/ is the script's own directory
+from _timing import load_average  # noqa: E402  (benchmarks/ is the script's own directory)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
@@ -198,20 +205,37 @@ def _breaks(model: nn.Module, x: torch.Tensor) -> int:
     return torch._dynamo.explain(model)(x).graph_break_count
 
 
-def train_suite(specs: list[str], rounds: int, batch: int, aot: bool) -> None:
+def _verdict(value: float, target: float) -> str:
+    return "met" if value <= target else "NOT met"
+
+
+def _profile(step, label: str, steps: int = 5, top: int = 25) -> None:
+    """Where a step's CPU time goes: torch.profiler's operator table (compiled kernels
+    appear as ``graph_*``/``cpp_fused_*`` entries, eager ops by name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    print(f"\n  profile of {steps} '{label}' steps (self CPU time):")
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+    print("\n".join("    " + line for line in table.splitlines()))
+
+
+def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: bool = False) -> None:
     x, y = _data(batch)
     base = _base().train()
     for spec in specs:
         print(f"\n== training step, {spec} (ConvBnReluNet w32 hardtanh, batch {batch}, 1 thread) "
               f"load {load_average()}")
         q = _qdsl(base, spec, x)
-        print(f"  graph breaks (explain, training forward): {_breaks(q, x)} with live BN statistics "
-              f"(bn_fold.fold_factor runs eagerly), ", end="")
         import qdsl.qat
 
         qf = copy.deepcopy(q)
         qdsl.qat.freeze_bn_stats(qf)
-        print(f"{_breaks(qf, x)} with frozen BN statistics; eval: {_breaks(qf.eval(), x)}")
+        nb = (_breaks(q, x), _breaks(qf, x), _breaks(copy.deepcopy(qf).eval(), x))
+        print(f"  graph breaks (explain): training forward {nb[0]} with live BN statistics, {nb[1]} with frozen "
+              f"BN statistics; eval {nb[2]}  (target 0: {_verdict(max(nb), 0)})")
         torch._dynamo.reset()
         fl = copy.deepcopy(base)
         models = {"float eager": (fl, fl), "qdsl eager": (q, q)}
@@ -232,15 +256,19 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool) -> None:
             compile_s[k] = (first[0] - steady[0], first[1] - steady[1])
         times = _round_robin(steps, rounds)
         _report(times, "float eager")
+        fe = statistics.median(times["float eager"])
         fi = statistics.median(times["float inductor"])
         qi = statistics.median(times["qdsl inductor"])
-        print(f"  qdsl inductor / float inductor: {qi / fi:.2f}x (target <= 1.3)")
+        print(f"  qdsl inductor / float eager:    {qi / fe:.2f}x (target <= 1.0: {_verdict(qi / fe, 1.0)})")
+        print(f"  qdsl inductor / float inductor: {qi / fi:.2f}x (target <= 1.3: {_verdict(qi / fi, 1.3)})")
         for k, (w, c) in compile_s.items():
             print(f"  compile {k:<20} wall {w:7.1f} s  cpu {c:7.1f} s")
         if "float inductor" in compile_s:
-            print(f"  compile time qdsl/float (cpu): {compile_s['qdsl inductor'][1] / compile_s['float inductor'][1]:.2f}x "
-                  f"(target <= 2)")
+            r = compile_s["qdsl inductor"][1] / compile_s["float inductor"][1]
+            print(f"  compile time qdsl/float (cpu):  {r:.2f}x (target <= 2.0: {_verdict(r, 2.0)})")
         print(f"  load {load_average()}")
+        if profile:
+            _profile(steps["qdsl inductor"], "qdsl inductor")
 
 
 def eval_suite(specs: list[str], rounds: int, batch: int, model: str = "cnn") -> None:
@@ -292,17 +320,20 @@ def main() -> None:
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--eval-models", default="cnn,transformer",
                     help="cnn, transformer, minilm (comma-separated; see the module docstring)")
+    ap.add_argument("--train-only", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="profile the compiled qdsl step (torch.profiler)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load {load_average()}")
-    for model in args.eval_models.split(","):
-        default = BUNDLED if model == "cnn" else ENCODER_SPECS
-        eval_specs = default if args.eval_specs == "all" else [s for s in args.eval_specs.split(",") if s in default]
-        eval_suite(eval_specs, args.rounds, args.batch, model)
+    if not args.train_only:
+        for model in args.eval_models.split(","):
+            default = BUNDLED if model == "cnn" else ENCODER_SPECS
+            eval_specs = default if args.eval_specs == "all" else [s for s in args.eval_specs.split(",") if s in default]
+            eval_suite(eval_specs, args.rounds, args.batch, model)
     if not args.eval_only:
-        train_suite(args.specs.split(","), args.rounds, args.batch, args.aot)
+        train_suite(args.specs.split(","), args.rounds, args.batch, args.aot, args.profile)
 
 
 if __name__ == "__main__":

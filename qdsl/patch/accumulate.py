@@ -293,7 +293,9 @@ class AccumulatorSim:
             x_shape, y_shape, w_shape = tuple(args[0].shape), tuple(output.shape), tuple(w_int.shape)
 
             def exact(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
-                x_int = torch.round(x_flat.reshape(x_shape) / s_x64)
+                # binary64 inside the branch: an operand is materialised on every step, and
+                # the fast branch (taken almost always) never reads the input
+                x_int = torch.round(x_flat.reshape(x_shape).double() / s_x64)
                 w = w_flat.reshape(w_shape)
                 sums = F.linear(x_int, w) if linear else module._conv_forward(x_int, w, None)
                 axis = sums.dim() - 1 if linear else 1
@@ -309,7 +311,7 @@ class AccumulatorSim:
                 return y_flat.clone(), torch.ones(y_flat.shape, dtype=torch.bool, device=y_flat.device)
 
             y, keep = torch.cond(unsafe, exact, fast,
-                                 (args[0].detach().double().reshape(-1), output.detach().reshape(-1),
+                                 (args[0].detach().reshape(-1), output.detach().reshape(-1),
                                   w_int.reshape(-1), b_int, s_x64, s_acc.contiguous()))
             y, keep = y.reshape(y_shape), keep.reshape(y_shape)
         if not output.requires_grad:

@@ -47,18 +47,35 @@ from torch import Tensor, nn
 __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
 
-@torch.compiler.disable
+# The fold factor's inverse std is a custom op, opaque to the compiler, for one reason: a
+# compiled training step must *save* it for backward.  Written with aten ops, AOTAutograd's
+# partitioner recomputes ``rsqrt(running_var + eps)`` in the backward from the
+# ``running_var`` buffer itself (buffers and parameters are "free to save": they outlive
+# the step), but the BatchNorm updates that buffer in place later in the same forward, so
+# the backward kept a tensor that changes before it runs (under inductor: autograd's
+# "modified by an inplace operation" error; tests/qat/test_compile.py).  An op outside the partitioner's recompute
+# allowlist is saved, never recomputed; the running statistics are a buffer with no
+# gradient, so the op needs no backward.  Eager computes the same expression directly.
+@torch.library.custom_op("qdsl::bn_inv_std", mutates_args=())
+def _inv_std(running_var: Tensor, eps: float) -> Tensor:
+    return torch.rsqrt(running_var + eps)
+
+
+@_inv_std.register_fake
+def _inv_std_fake(running_var: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(running_var)
+
+
 def fold_factor(bn: nn.Module) -> Tensor:
     """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ.
 
-    Always runs eagerly (``torch.compiler.disable``, one graph break per folded layer in a
-    live-statistics training forward; eval and frozen statistics do not call it): a
-    compiled graph keeps the ``running_var`` buffer itself for its backward (recomputing
-    the rsqrt), and the BatchNorm updates that buffer in place later in the same training
-    step (measured under inductor: autograd's "modified by an inplace operation" error on
-    the second step).  Eager autograd keeps only γ and the rsqrt.
+    Traceable (no graph break); under ``torch.compile`` the inverse std is saved for
+    backward, never recomputed from ``running_var`` (see ``_inv_std``).
     """
-    inv_std = torch.rsqrt(bn.running_var + bn.eps)
+    if torch.compiler.is_compiling():
+        inv_std = _inv_std(bn.running_var, float(bn.eps))
+    else:  # the op's dispatch costs a few times the arithmetic; eager autograd saves the result
+        inv_std = torch.rsqrt(bn.running_var + bn.eps)
     return inv_std if bn.weight is None else bn.weight * inv_std
 
 
