@@ -43,6 +43,7 @@ from qdsl.graph import execute  # noqa: E402
 from qdsl.graph.ops.layernorm import layernorm_constants  # noqa: E402
 from qdsl.parse import parse_text  # noqa: E402
 from qdsl.patch.handle import get_handle  # noqa: E402
+from qdsl.patch.int_sim import mark_graph_value  # noqa: E402
 
 INT8 = (ROOT / "specs" / "int8-default.qspec").read_text()
 TEL_SPEC = """
@@ -212,7 +213,10 @@ def minilm(sentences: int) -> None:
     def graph_value(i):  # block i's output (i = -1: the embeddings), as the fake-quant model holds it
         name, ln = ("embeddings.LayerNorm", model.embeddings.LayerNorm) if i < 0 else \
             (f"encoder.layer.{i}.output.LayerNorm", layers[i].output.LayerNorm)
-        return torch.from_numpy(env[f"{name}:layernorm"].astype(np.float32) * np.float32(unit(ln)))
+        acc = env[f"{name}:layernorm"]
+        v = torch.from_numpy(acc.astype(np.float32) * np.float32(unit(ln)))
+        mark_graph_value(h, v, ln, acc)  # the residual sums read it as the graph's wide value
+        return v
 
     def next_codes(v: torch.Tensor, i: int) -> np.ndarray:  # the 8-bit codes the next block's query reads
         q = h.quantizer(f"encoder.layer.{i + 1}.attention.self.query", "input")

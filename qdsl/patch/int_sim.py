@@ -58,14 +58,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from qdsl.graph.ops.layernorm import layernorm, layernorm_constants
+from qdsl.graph.ops.layernorm import layernorm
 from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.ops.softmax_masked import softmax_kept
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 from qdsl.graph.schema import Rescale, RescaleKind, Rounding
+from qdsl.patch.residual_sim import (LinearTerm, TermLog, layernorm_constants_at, mark_wide, residual_terms,
+                                     wide_term)
 
-__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "SoftmaxModuleSim", "PreNormResidualSim",
-           "install_layernorm_sims", "wide_grid", "grid_of"]
+__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "LinearMark", "SoftmaxModuleSim", "PreNormResidualSim",
+           "install_layernorm_sims", "mark_graph_value", "wide_grid", "grid_of"]
 
 _ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 """The quantizer roundings the graph has (qdsl.export.values.ROUNDINGS)."""
@@ -131,33 +133,44 @@ def wide_grid(x: torch.Tensor) -> float:
 _IDENTITY = Rescale(RescaleKind.POT, [1], [0])
 
 
-def simulated_layernorm(module: nn.LayerNorm, x: torch.Tensor, y: torch.Tensor, grid: tuple | None) -> torch.Tensor:
+def simulated_layernorm(module: nn.LayerNorm, x: torch.Tensor, y: torch.Tensor, grid: tuple | None,
+                        log: TermLog | None = None, rounding: Rounding = Rounding.HALF_EVEN) -> torch.Tensor:
     """The graph's LAYERNORM of ``x`` (``module``'s input) as its wide output ``acc·unit``,
     straight-through to the float result ``y``.  ``grid``: the input quantizer's
-    :func:`grid_of` (the narrow form: ``x`` holds its codes), or None (the wide form)."""
-    n = int(module.normalized_shape[0])
+    :func:`grid_of` (the narrow form: ``x`` holds its codes), or None (the wide form: the
+    graph's residual sum when ``log`` finds its terms, qdsl.patch.residual_sim; else ``x`` on
+    :func:`wide_grid`).  ``rounding``: the LAYERNORM's input rounding (its output quantizer's;
+    half even for the wide output).  With ``log``, the result is marked as a wide term."""
+    found = None
     if grid is not None:
         s_in, zp = grid[0], grid[1]
-        codes = _codes(x, s_in, zp)
+        codes, in_a = [_codes(x, s_in, zp)], _in_attrs(zp)
+    elif log is not None and (found := residual_terms(module, x, log, rounding)) is not None:
+        codes, in_a, s_in = found
     else:
-        s_in, zp = wide_grid(x), 0
-        codes = np.rint(x.detach().double().cpu().numpy() / s_in).astype(np.int64)
-    weight = None if module.weight is None else module.weight.detach().double().cpu().numpy()
-    bias = None if module.bias is None else module.bias.detach().double().cpu().numpy()
-    g_int, b_int, unit, eps_int = layernorm_constants(n, weight, bias, float(module.eps), s_in)
-    a = dict(in_zp=(zp,), in_kind=(int(_IDENTITY.kind),), in_multiplier=(1,), in_shift=(0,),
-             in_rounding=(int(_IDENTITY.rounding),), gamma=g_int, beta=b_int, eps=eps_int, **_IDENTITY.attrs(),
-             out_zp=0, out_min=INT32_MIN, out_max=INT32_MAX)
-    acc = layernorm([codes], a)
+        s_in = wide_grid(x)
+        codes, in_a = [np.rint(x.detach().double().cpu().numpy() / s_in).astype(np.int64)], _in_attrs(0)
+    g_int, b_int, unit, eps_int = layernorm_constants_at(module, s_in)
+    a = dict(in_a, gamma=g_int, beta=b_int, eps=eps_int, **_IDENTITY.attrs(), out_zp=0, out_min=INT32_MIN,
+             out_max=INT32_MAX)
+    acc = layernorm(codes, a)
     # float32(acc)·float32(unit): the graph's DEQUANTIZE of the wide output, to the bit
-    return _straight_through(acc.astype(np.float32) * np.float32(unit), y)
+    out = _straight_through(acc.astype(np.float32) * np.float32(unit), y)
+    if log is not None:
+        log.mark(out, wide_term(g_int, b_int, unit, acc))
+    return out
+
+
+def _in_attrs(zp: int) -> dict:
+    return dict(in_zp=(zp,), in_kind=(int(_IDENTITY.kind),), in_multiplier=(1,), in_shift=(0,),
+                in_rounding=(int(_IDENTITY.rounding),))
 
 
 class LayerNormSim:
     """The forward hook of one ``nn.LayerNorm`` (see the module docstring)."""
 
-    def __init__(self, handle: Any, fqn: str):
-        self.handle, self.fqn = handle, fqn
+    def __init__(self, handle: Any, fqn: str, log: TermLog | None = None):
+        self.handle, self.fqn, self.log = handle, fqn, log
 
     def active(self) -> bool:
         """Frozen (or exported), and some quantizer of the model enabled (all disabled: the
@@ -173,7 +186,9 @@ class LayerNormSim:
         grid = grid_of(iq)
         if iq is not None and grid is None:
             return None  # disabled, or a grid the graph cannot read as 8-bit codes (export refuses it)
-        return simulated_layernorm(module, args[0], output, grid)
+        out_grid = grid_of(getattr(patch, "oq", None))
+        rounding = out_grid[4] if out_grid is not None else Rounding.HALF_EVEN
+        return simulated_layernorm(module, args[0], output, grid, self.log, rounding)
 
 
 def _frozen_and_quantized(handle: Any) -> bool:
@@ -241,17 +256,49 @@ class SoftmaxModuleSim:
         return simulated_probs(x, keep, output, iq, oq)
 
 
+class LinearMark:
+    """The forward hook of one patched ``nn.Linear`` whose result is an accumulator (input and
+    int weight quantizers, no output quantizer): once frozen, its output is marked as a
+    residual sum's term (qdsl.patch.residual_sim)."""
+
+    def __init__(self, handle: Any, fqn: str, log: TermLog):
+        self.handle, self.fqn, self.log = handle, fqn, log
+
+    def __call__(self, module: nn.Linear, args: tuple, output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor) \
+                or not _frozen_and_quantized(self.handle):
+            return None
+        patch = self.handle.layers.get(self.fqn)
+        wq, grid = getattr(patch, "wq", None), grid_of(getattr(patch, "iq", None))
+        if grid is None or wq is None or not wq.frozen or not wq.enabled or getattr(patch, "oq", None) is not None \
+                or wq.group_size is not None or wq.axis not in (None, 0, -2) or wq.format.name != "int":
+            return None
+        self.log.mark(output, LinearTerm(patch, args[0], grid))
+        return None
+
+
+def mark_graph_value(handle: Any, value: torch.Tensor, layernorm: nn.LayerNorm, acc: np.ndarray) -> None:
+    """``value``, fed to the frozen model in place of ``layernorm``'s output, is the graph's
+    wide LAYERNORM output with accumulator ``acc``: the residual sums reading it are then
+    simulated as the graph computes them (qdsl.patch.residual_sim; what benchmarks/fq_agreement.py
+    and the tests do to feed one block the graph's own input)."""
+    mark_wide(handle.term_log, value, layernorm, acc)
+
+
 def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
     """A :class:`LayerNormSim` on every ``nn.LayerNorm`` over one axis, a
     :class:`SoftmaxModuleSim` on every ``nn.Softmax`` (each before any output quantizer's
     hook: it reads the module's result) and a :class:`PreNormResidualSim` on every pre-norm
     ``nn.TransformerEncoderLayer``; returns the hook handles."""
-    hooks = []
+    hooks, log = [], TermLog()
+    handle.term_log = log  # read by mark_graph_value
     for fqn, m in model.named_modules():
         if isinstance(m, nn.TransformerEncoderLayer) and m.norm_first:
             hooks += PreNormResidualSim(handle, fqn).install(m)
+        if isinstance(m, nn.Linear) and fqn in handle.layers:
+            hooks.append(m.register_forward_hook(LinearMark(handle, fqn, log)))
         if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
-            hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn), prepend=True))
+            hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn, log), prepend=True))
         elif isinstance(m, nn.Softmax):
             hooks.append(m.register_forward_hook(SoftmaxModuleSim(handle, fqn), prepend=True))
     return hooks
