@@ -63,10 +63,10 @@ from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.ops.softmax_masked import softmax_kept
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 from qdsl.graph.schema import Rescale, RescaleKind, Rounding
-from qdsl.patch.residual_sim import (LinearTerm, TermLog, layernorm_constants_at, mark_wide, residual_terms,
-                                     wide_term)
+from qdsl.patch.residual_sim import (LinearTerm, TermLog, WideTerm, layernorm_constants_at, linear_codes,
+                                     mark_wide, residual_terms, wide_codes, wide_term)
 
-__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "LinearMark", "SoftmaxModuleSim", "PreNormResidualSim",
+__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "LinearSim", "WideReadSim", "SoftmaxModuleSim", "PreNormResidualSim",
            "install_layernorm_sims", "mark_graph_value", "wide_grid", "grid_of"]
 
 _ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
@@ -256,25 +256,59 @@ class SoftmaxModuleSim:
         return simulated_probs(x, keep, output, iq, oq)
 
 
-class LinearMark:
-    """The forward hook of one patched ``nn.Linear`` whose result is an accumulator (input and
-    int weight quantizers, no output quantizer): once frozen, its output is marked as a
-    residual sum's term (qdsl.patch.residual_sim)."""
+class LinearSim:
+    """The forward hook of one patched ``nn.Linear`` with a frozen 8-bit input grid and int
+    weights, once frozen (before its output quantizer's hook):
+
+    * with an 8-bit output quantizer, the output is the graph's LINEAR codes
+      (residual_sim.linear_codes: the exact sum on codes, one rounding of ``s_acc/s_out``),
+      straight-through; the output quantizer then reads them unchanged;
+    * without one (the graph's accumulator, read by a residual sum), the output is marked as a
+      residual term (residual_sim.LinearTerm)."""
 
     def __init__(self, handle: Any, fqn: str, log: TermLog):
         self.handle, self.fqn, self.log = handle, fqn, log
 
-    def __call__(self, module: nn.Linear, args: tuple, output: Any) -> None:
+    def __call__(self, module: nn.Linear, args: tuple, output: Any) -> Any:
         if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor) \
                 or not _frozen_and_quantized(self.handle):
             return None
         patch = self.handle.layers.get(self.fqn)
         wq, grid = getattr(patch, "wq", None), grid_of(getattr(patch, "iq", None))
-        if grid is None or wq is None or not wq.frozen or not wq.enabled or getattr(patch, "oq", None) is not None \
-                or wq.group_size is not None or wq.axis not in (None, 0, -2) or wq.format.name != "int":
+        if grid is None or wq is None or not wq.frozen or not wq.enabled or wq.group_size is not None \
+                or wq.axis not in (None, 0, -2) or wq.format.name != "int" or patch.plan.accumulator.bits != 32:
             return None
-        self.log.mark(output, LinearTerm(patch, args[0], grid))
-        return None
+        oq = getattr(patch, "oq", None)
+        if oq is None:
+            self.log.mark(output, LinearTerm(patch, args[0], grid))
+            return None
+        out_grid = grid_of(oq)
+        if out_grid is None:
+            return None
+        codes = linear_codes(patch, args[0], grid, out_grid)
+        return _straight_through((codes - out_grid[1]).astype(np.float64) * out_grid[0], output)
+
+
+class WideReadSim:
+    """The forward pre-hook (before its input quantizer's) of a patched module with a frozen
+    8-bit input grid: once frozen, an input that is a simulated LayerNorm's wide output (marked
+    in the term log) is replaced by the graph's REQUANTIZE codes of its accumulator
+    (residual_sim.wide_codes), straight-through; the input quantizer then reads them unchanged."""
+
+    def __init__(self, handle: Any, fqn: str, log: TermLog):
+        self.handle, self.fqn, self.log = handle, fqn, log
+
+    def __call__(self, module: nn.Module, args: tuple) -> Any:
+        if not args or not isinstance(args[0], torch.Tensor) or not _frozen_and_quantized(self.handle):
+            return None
+        term = self.log.term_of(args[0])
+        if not isinstance(term, WideTerm):
+            return None
+        grid = grid_of(getattr(self.handle.layers.get(self.fqn), "iq", None))
+        if grid is None or term.acc.shape != tuple(args[0].shape):
+            return None
+        codes = wide_codes(term, grid)
+        return (_straight_through((codes - grid[1]).astype(np.float64) * grid[0], args[0]),) + tuple(args[1:])
 
 
 def mark_graph_value(handle: Any, value: torch.Tensor, layernorm: nn.LayerNorm, acc: np.ndarray) -> None:
@@ -296,7 +330,9 @@ def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
         if isinstance(m, nn.TransformerEncoderLayer) and m.norm_first:
             hooks += PreNormResidualSim(handle, fqn).install(m)
         if isinstance(m, nn.Linear) and fqn in handle.layers:
-            hooks.append(m.register_forward_hook(LinearMark(handle, fqn, log)))
+            hooks.append(m.register_forward_hook(LinearSim(handle, fqn, log), prepend=True))
+        if fqn in handle.layers and getattr(handle.layers[fqn], "iq", None) is not None:
+            hooks.append(m.register_forward_pre_hook(WideReadSim(handle, fqn, log), prepend=True))
         if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
             hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn, log), prepend=True))
         elif isinstance(m, nn.Softmax):

@@ -55,11 +55,11 @@ from qdsl.graph.schema import Rescale, RescaleKind, Rounding
 from qdsl.patch.frozen import frozen_layer
 from qdsl.spec.model import Overflow
 
-__all__ = ["LinearTerm", "WideTerm", "TermLog", "residual_terms", "mark_wide", "wide_term", "layernorm_constants_at",
-           "EXACT_F64"]
+__all__ = ["LinearTerm", "WideTerm", "TermLog", "residual_terms", "mark_wide", "wide_codes", "wide_term",
+           "layernorm_constants_at", "exact_accumulator", "linear_codes", "F32_EXACT"]
 
-EXACT_F64 = 2**53
-"""Integer sums below this are exact in binary64 (the Linear's sum on its codes)."""
+F32_EXACT = 2**24
+"""Integers below this are exact in binary32 (the Linear's partial sums on its codes)."""
 
 _IDENTITY = Rescale(RescaleKind.POT, [1], [0])
 
@@ -67,51 +67,77 @@ SINGLE_ROUNDING = True
 """The rescales of export's default ``requant="single"`` (FIXED_SINGLE: one rounding)."""
 
 
+def _operands(patch, grid: tuple):
+    """``(w codes - zp (O, K) float32, bias int64 or None, s_acc (O,), bound, chunk)`` of a
+    frozen Linear reading ``grid``, derived from its frozen record as export derives them
+    (cached per record): ``chunk`` input features per float32 product keep every partial sum
+    below 2^24, so the sums on codes are exact integers in any order."""
+    rec = frozen_layer(patch)
+    cached = patch.__dict__.get("_residual_operands")
+    if cached is not None and cached[0] is rec and cached[1] == grid:
+        return cached[2]
+    codes, s_w = rec.weight_grid()
+    w_zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (codes.shape[0],))
+    s_acc = np.float64(grid[0]) * np.broadcast_to(s_w, (codes.shape[0],))
+    bias = rec.bias_at(s_acc)
+    bias = None if bias is None else bias.astype(np.int64)
+    x_max = max(abs(grid[2] - grid[1]), abs(grid[3] - grid[1]))
+    w = codes.reshape(codes.shape[0], -1) - w_zp.reshape(-1, 1)
+    w_max = int(np.abs(w).max(initial=1)) or 1
+    chunk = max(1, (F32_EXACT - 1) // (max(x_max, 1) * w_max))
+    ops = (torch.from_numpy(w.astype(np.float32)), bias, s_acc, accumulator_bound(codes, w_zp, x_max, bias, s_acc),
+           chunk)
+    patch._residual_operands = (rec, grid, ops)
+    return ops
+
+
+def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> np.ndarray:
+    """The graph's LINEAR accumulator (int64, the spec's accumulator wrap/saturate applied) of
+    a frozen Linear on its fake-quantized input ``x`` (``grid``: its input quantizer's):
+    float32 products of codes summed in chunks that stay exact (:func:`_operands`), then int64."""
+    w, bias, _, _, chunk = _operands(patch, grid)
+    xq = torch.round(x.detach().cpu().double() / grid[0]).float()  # q - z: exact, |q - z| <= 255
+    k = w.shape[1]
+    acc = None
+    for lo in range(0, k, chunk):
+        part = F.linear(xq[..., lo:lo + chunk], w[:, lo:lo + chunk]).to(torch.int64)
+        acc = part if acc is None else acc + part
+    acc = acc.numpy()
+    if bias is not None:
+        acc = acc + bias
+    a = patch.plan.accumulator
+    return sat(acc, a.bits) if a.overflow is Overflow.SATURATE else wrap(acc, a.bits)
+
+
+def linear_codes(patch, x: torch.Tensor, grid: tuple, out_grid: tuple) -> np.ndarray:
+    """The graph's LINEAR output codes at ``out_grid`` (int_sim.grid_of of its output
+    quantizer): the exact accumulator rescaled by ``s_acc/s_out`` (one rounding, the
+    quantizer's mode), not the quantizer's rounding of the float32 sum."""
+    s_acc = _operands(patch, grid)[2]
+    s_out, zp, qmin, qmax, rounding = out_grid
+    acc = exact_accumulator(patch, x, grid)
+    rescale = make_rescale(s_acc / s_out, rounding, single=SINGLE_ROUNDING)
+    return np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1) + zp, qmin, qmax)
+
+
 @attrs.define(eq=False)
 class LinearTerm:
-    """A frozen Linear's result read wide: its patch and its (fake-quantized) input."""
+    """A frozen Linear's result read wide: its patch, its (fake-quantized) input and input grid."""
 
     patch: Any
     x: torch.Tensor
     grid: tuple
 
-    def _operands(self):
-        """``(w codes - zp (O, K) float64, bias int64 or None, s_acc (O,), x_max)``, derived from
-        the layer's frozen record as export derives them (cached per record)."""
-        rec = frozen_layer(self.patch)
-        cached = self.patch.__dict__.get("_residual_operands")
-        if cached is not None and cached[0] is rec:
-            return cached[1]
-        codes, s_w = rec.weight_grid()
-        w_zp = np.broadcast_to(rec.weight_zero_point.reshape(-1).numpy().astype(np.int64), (codes.shape[0],))
-        s_acc = np.float64(self.grid[0]) * np.broadcast_to(s_w, (codes.shape[0],))
-        bias = rec.bias_at(s_acc)
-        bias = None if bias is None else bias.astype(np.int64)
-        x_max = max(abs(self.grid[2] - self.grid[1]), abs(self.grid[3] - self.grid[1]))
-        w = torch.from_numpy((codes.reshape(codes.shape[0], -1) - w_zp.reshape(-1, 1)).astype(np.float64))
-        ops = (w, bias, s_acc, x_max, accumulator_bound(codes, w_zp, x_max, bias, s_acc))
-        self.patch._residual_operands = (rec, ops)
-        return ops
-
     def bound(self) -> float:
-        return self._operands()[4]
+        return _operands(self.patch, self.grid)[3]
 
-    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale] | None:
-        """The LINEAR's int32 output at ``s_t`` (identity rescale in the LAYERNORM), or None
-        when the sum is not exact in binary64."""
-        w, bias, s_acc, x_max, _ = self._operands()
-        if float(w.abs().sum(1).max()) * x_max >= EXACT_F64:  # not exact in binary64 (wide weight codes)
-            return None
-        x = torch.round(self.x.detach().double().cpu() / self.grid[0])  # q - z: exact, |q - z| <= 255
-        acc = torch.round(F.linear(x, w)).to(torch.int64).numpy()
-        if bias is not None:
-            acc = acc + bias
-        accumulator = self.patch.plan.accumulator
-        acc = sat(acc, accumulator.bits) if accumulator.overflow is Overflow.SATURATE else wrap(acc, accumulator.bits)
+    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale]:
+        """The LINEAR's int32 output at ``s_t`` (identity rescale in the LAYERNORM)."""
+        s_acc = _operands(self.patch, self.grid)[2]
+        acc = exact_accumulator(self.patch, self.x, self.grid)
         # the Pending's I32 target: half away, export's default rescale (FIXED_SINGLE)
         rescale = make_rescale(s_acc / s_t, Rounding.HALF_AWAY, single=SINGLE_ROUNDING)
-        out = np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1), INT32_MIN, INT32_MAX)
-        return out, _IDENTITY
+        return np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1), INT32_MIN, INT32_MAX), _IDENTITY
 
 
 @attrs.define(eq=False)
@@ -146,6 +172,10 @@ class TermLog:
     def mark(self, t: torch.Tensor, term: Any) -> None:
         self._recent.append((weakref.ref(t), term))
 
+    def term_of(self, t: torch.Tensor) -> Any:
+        """The term ``t`` itself was marked with, or None."""
+        return next((term for ref, term in reversed(self._recent) if ref() is t), None)
+
     def find(self, x: torch.Tensor) -> list | None:
         """Two marked tensors whose float sum is ``x`` bit for bit (most recent first), as
         their terms, or None."""
@@ -168,14 +198,21 @@ def residual_terms(module: Any, x: torch.Tensor, log: TermLog, rounding: Roundin
     n = int(module.normalized_shape[0])
     s_t = wide_sum_grid(sum(t.bound() for t in terms), n, float(module.eps))
     parts = [t.at(s_t, rounding) for t in terms]
-    if any(p is None for p in parts):
-        return None
     codes = [p[0] for p in parts]
     rescales = [p[1] for p in parts]
     a = dict(in_zp=(0,) * len(parts), in_kind=tuple(int(r.kind) for r in rescales),
              in_multiplier=tuple(int(r.multiplier[0]) for r in rescales),
              in_shift=tuple(int(r.shift[0]) for r in rescales), in_rounding=tuple(int(r.rounding) for r in rescales))
     return codes, a, s_t
+
+
+def wide_codes(term: WideTerm, grid: tuple) -> np.ndarray:
+    """The 8-bit codes an input quantizer with ``grid`` (int_sim.grid_of) reads from a wide
+    LayerNorm output: the graph's REQUANTIZE of its accumulator by ``unit/s`` (one rounding,
+    the quantizer's mode), not the quantizer's rounding of ``float32(acc)·float32(unit)/s``."""
+    s, zp, qmin, qmax, rounding = grid
+    rescale = make_rescale(term.unit / s, rounding, single=SINGLE_ROUNDING)
+    return np.clip(apply_rescale(term.acc, rescale, axis=None) + zp, qmin, qmax)
 
 
 def mark_wide(log: TermLog, value: torch.Tensor, module: Any, acc: np.ndarray) -> None:
