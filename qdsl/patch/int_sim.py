@@ -63,10 +63,10 @@ from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.ops.softmax_masked import softmax_kept
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 from qdsl.graph.schema import Rescale, RescaleKind, Rounding
-from qdsl.patch.residual_sim import (LinearTerm, TermLog, WideTerm, layernorm_constants_at, linear_codes,
+from qdsl.patch.residual_sim import (CodesTerm, LinearTerm, TermLog, WideTerm, layernorm_constants_at, linear_codes,
                                      mark_wide, residual_terms, wide_codes, wide_term)
 
-__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "LinearSim", "WideReadSim", "SoftmaxModuleSim", "PreNormResidualSim",
+__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "LinearSim", "EmbeddingMark", "WideReadSim", "SoftmaxModuleSim", "PreNormResidualSim",
            "install_layernorm_sims", "mark_graph_value", "wide_grid", "grid_of"]
 
 _ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
@@ -289,6 +289,27 @@ class LinearSim:
         return _straight_through((codes - out_grid[1]).astype(np.float64) * out_grid[0], output)
 
 
+class EmbeddingMark:
+    """The forward hook (after its output quantizer's) of a patched ``nn.Embedding`` with a
+    frozen 8-bit output grid: once frozen, its output is marked as a wide sum's term
+    (residual_sim.CodesTerm), ``fixed`` when the ids are not one of the model's inputs (BERT's
+    position and token-type ids from its buffers: the exporter folds those lookups into a
+    constant)."""
+
+    def __init__(self, handle: Any, fqn: str, log: TermLog):
+        self.handle, self.fqn, self.log = handle, fqn, log
+
+    def __call__(self, module: nn.Embedding, args: tuple, output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor) \
+                or not _frozen_and_quantized(self.handle):
+            return None
+        grid = grid_of(getattr(self.handle.layers.get(self.fqn), "oq", None))
+        if grid is not None:
+            fixed = args[0].untyped_storage().data_ptr() not in self.log.inputs
+            self.log.mark(output, CodesTerm(output, grid, fixed))
+        return None
+
+
 class WideReadSim:
     """The forward pre-hook (before its input quantizer's) of a patched module with a frozen
     8-bit input grid: once frozen, an input that is a simulated LayerNorm's wide output (marked
@@ -324,7 +345,7 @@ def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
     :class:`SoftmaxModuleSim` on every ``nn.Softmax`` (each before any output quantizer's
     hook: it reads the module's result) and a :class:`PreNormResidualSim` on every pre-norm
     ``nn.TransformerEncoderLayer``; returns the hook handles."""
-    hooks, log = [], TermLog()
+    hooks, log, inputs_hooked = [], TermLog(), False
     handle.term_log = log  # read by mark_graph_value
     for fqn, m in model.named_modules():
         if isinstance(m, nn.TransformerEncoderLayer) and m.norm_first:
@@ -333,6 +354,12 @@ def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
             hooks.append(m.register_forward_hook(LinearSim(handle, fqn, log), prepend=True))
         if fqn in handle.layers and getattr(handle.layers[fqn], "iq", None) is not None:
             hooks.append(m.register_forward_pre_hook(WideReadSim(handle, fqn, log), prepend=True))
+        if isinstance(m, nn.Embedding) and fqn in handle.layers and not inputs_hooked:
+            # the model's own input tensors (their storages): an embedding of other ids is fixed
+            hooks.append(model.register_forward_pre_hook(log.read_inputs, with_kwargs=True))
+            inputs_hooked = True
+        if isinstance(m, nn.Embedding) and fqn in handle.layers:
+            hooks.append(m.register_forward_hook(EmbeddingMark(handle, fqn, log)))
         if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
             hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn, log), prepend=True))
         elif isinstance(m, nn.Softmax):

@@ -55,7 +55,7 @@ from qdsl.graph.schema import Rescale, RescaleKind, Rounding
 from qdsl.patch.frozen import frozen_layer
 from qdsl.spec.model import Overflow
 
-__all__ = ["LinearTerm", "WideTerm", "TermLog", "residual_terms", "mark_wide", "wide_codes", "wide_term",
+__all__ = ["LinearTerm", "WideTerm", "CodesTerm", "ConstTerm", "TermLog", "residual_terms", "mark_wide", "wide_codes", "wide_term",
            "layernorm_constants_at", "exact_accumulator", "linear_codes", "F32_EXACT"]
 
 F32_EXACT = 2**24
@@ -131,13 +131,13 @@ class LinearTerm:
     def bound(self) -> float:
         return _operands(self.patch, self.grid)[3]
 
-    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale]:
+    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale, int]:
         """The LINEAR's int32 output at ``s_t`` (identity rescale in the LAYERNORM)."""
         s_acc = _operands(self.patch, self.grid)[2]
         acc = exact_accumulator(self.patch, self.x, self.grid)
         # the Pending's I32 target: half away, export's default rescale (FIXED_SINGLE)
         rescale = make_rescale(s_acc / s_t, Rounding.HALF_AWAY, single=SINGLE_ROUNDING)
-        return np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1), INT32_MIN, INT32_MAX), _IDENTITY
+        return np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1), INT32_MIN, INT32_MAX), _IDENTITY, 0
 
 
 @attrs.define(eq=False)
@@ -151,8 +151,43 @@ class WideTerm:
     def bound(self) -> float:
         return self.bound_
 
-    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale]:
-        return self.acc, make_rescale(self.unit / s_t, rounding, single=SINGLE_ROUNDING)
+    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale, int]:
+        return self.acc, make_rescale(self.unit / s_t, rounding, single=SINGLE_ROUNDING), 0
+
+
+@attrs.define(eq=False)
+class CodesTerm:
+    """An 8-bit quantized value read by a wide sum (an embedding lookup's output): its codes at
+    its quantizer's ``grid``; ``fixed``: computed from model buffers only (position and
+    token-type ids), which the exporter folds into one constant."""
+
+    x: torch.Tensor
+    grid: tuple
+    fixed: bool
+
+    def codes(self) -> np.ndarray:
+        return np.rint(self.x.detach().double().cpu().numpy() / self.grid[0]).astype(np.int64) + self.grid[1]
+
+    def bound(self) -> float:
+        s, zp, qmin, qmax = self.grid[:4]
+        return max(abs(qmin - zp), abs(qmax - zp)) * s
+
+    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale, int]:
+        return self.codes(), make_rescale(self.grid[0] / s_t, rounding, single=SINGLE_ROUNDING), self.grid[1]
+
+
+@attrs.define(eq=False)
+class ConstTerm:
+    """The constant the exporter folds from the fixed lookups (their float32 sum, one batch
+    row), added at the sum's grid."""
+
+    value: np.ndarray
+
+    def bound(self) -> float:
+        return float(np.abs(self.value).max(initial=0))
+
+    def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale, int]:
+        return np.rint(self.value / s_t).astype(np.int64), _IDENTITY, 0
 
 
 class TermLog:
@@ -162,6 +197,13 @@ class TermLog:
 
     def __init__(self) -> None:
         self._recent: collections.deque = collections.deque(maxlen=self.SIZE)
+        self.inputs: set[int] = set()
+        """Storage addresses of the model's input tensors in the current call."""
+
+    def read_inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
+        """The model's forward pre-hook: which tensors are its inputs (read by EmbeddingMark)."""
+        self.inputs = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values())
+                       if isinstance(t, torch.Tensor)}
 
     def __getstate__(self) -> dict:
         return {}  # weak references to this process's tensors: a copy starts empty
@@ -186,6 +228,27 @@ class TermLog:
                 for b, tb in alive[i + 1:]:
                     if torch.equal(a + b, x):
                         return [ta, tb]
+            return self._lookups(x)
+
+    def _lookups(self, x: torch.Tensor) -> list | None:
+        """An embedding sum: one lookup of the ids plus fixed lookups (BERT's word + token type
+        + position), ``(a + b) + c`` in float32 equal to ``x``, as the exporter reads it: the
+        lookup's codes and the fixed ones' float32 sum as one constant."""
+        found = [(t, term) for ref, term in reversed(self._recent) if isinstance(term, CodesTerm)
+                 and (t := ref()) is not None and t.dtype == x.dtype and t.dim() == x.dim()
+                 and all(d in (1, e) for d, e in zip(t.shape, x.shape))]
+        for i, (a, ta) in enumerate(found):
+            for j, (b, tb) in enumerate(found[i + 1:], i + 1):
+                for c, tc in (f for k, f in enumerate(found) if k not in (i, j)):
+                    terms = (ta, tb, tc)
+                    if sum(not t.fixed for t in terms) != 1 or (a + b + c).shape != x.shape \
+                            or not torch.equal(a + b + c, x):
+                        continue
+                    fixed = [t.x.detach() for t in terms if t.fixed]
+                    const = (fixed[0] + fixed[1]).double()
+                    if not bool((const == const[:1]).all()):
+                        return None  # rows differ: not one constant
+                    return [next(t for t in terms if not t.fixed), ConstTerm(const[:1].cpu().numpy())]
         return None
 
 
@@ -200,7 +263,7 @@ def residual_terms(module: Any, x: torch.Tensor, log: TermLog, rounding: Roundin
     parts = [t.at(s_t, rounding) for t in terms]
     codes = [p[0] for p in parts]
     rescales = [p[1] for p in parts]
-    a = dict(in_zp=(0,) * len(parts), in_kind=tuple(int(r.kind) for r in rescales),
+    a = dict(in_zp=tuple(p[2] for p in parts), in_kind=tuple(int(r.kind) for r in rescales),
              in_multiplier=tuple(int(r.multiplier[0]) for r in rescales),
              in_shift=tuple(int(r.shift[0]) for r in rescales), in_rounding=tuple(int(r.rounding) for r in rescales))
     return codes, a, s_t
