@@ -270,6 +270,23 @@ class LinearSim:
         self.handle, self.fqn, self.log = handle, fqn, log
 
     def __call__(self, module: nn.Linear, args: tuple, output: Any) -> Any:
+        grid = self._grid(args, output)
+        if grid is None:
+            return None
+        patch = self.handle.layers[self.fqn]
+        out_grid = grid_of(getattr(patch, "oq", None))
+        if out_grid is None:
+            return None
+        codes = linear_codes(patch, args[0], grid, out_grid)
+        return _straight_through((codes - out_grid[1]).astype(np.float64) * out_grid[0], output)
+
+    def mark(self, module: nn.Linear, args: tuple, output: Any) -> None:
+        """The last forward hook: a result with no output quantizer is marked as a term."""
+        if self._grid(args, output) is not None and getattr(self.handle.layers.get(self.fqn), "oq", None) is None:
+            self.log.mark(output, LinearTerm(self.handle.layers[self.fqn], args[0], self._grid(args, output)))
+
+    def _grid(self, args: tuple, output: Any) -> tuple | None:
+        """The input grid when the layer is simulated (class doc), else None."""
         if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor) \
                 or not _frozen_and_quantized(self.handle):
             return None
@@ -278,15 +295,7 @@ class LinearSim:
         if grid is None or wq is None or not wq.frozen or not wq.enabled or wq.group_size is not None \
                 or wq.axis not in (None, 0, -2) or wq.format.name != "int" or patch.plan.accumulator.bits != 32:
             return None
-        oq = getattr(patch, "oq", None)
-        if oq is None:
-            self.log.mark(output, LinearTerm(patch, args[0], grid))
-            return None
-        out_grid = grid_of(oq)
-        if out_grid is None:
-            return None
-        codes = linear_codes(patch, args[0], grid, out_grid)
-        return _straight_through((codes - out_grid[1]).astype(np.float64) * out_grid[0], output)
+        return grid
 
 
 class EmbeddingMark:
@@ -351,7 +360,8 @@ def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
         if isinstance(m, nn.TransformerEncoderLayer) and m.norm_first:
             hooks += PreNormResidualSim(handle, fqn).install(m)
         if isinstance(m, nn.Linear) and fqn in handle.layers:
-            hooks.append(m.register_forward_hook(LinearSim(handle, fqn, log), prepend=True))
+            sim = LinearSim(handle, fqn, log)  # codes before the output quantizer, the mark after every hook
+            hooks += [m.register_forward_hook(sim, prepend=True), m.register_forward_hook(sim.mark)]
         if fqn in handle.layers and getattr(handle.layers[fqn], "iq", None) is not None:
             hooks.append(m.register_forward_pre_hook(WideReadSim(handle, fqn, log), prepend=True))
         if isinstance(m, nn.Embedding) and fqn in handle.layers and not inputs_hooked:

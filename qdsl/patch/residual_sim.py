@@ -191,7 +191,9 @@ class ConstTerm:
 
 
 class TermLog:
-    """The tensors most recently marked with a term (weak references: nothing is kept alive)."""
+    """The tensors most recently marked with a term: a weak reference to each (identity:
+    :meth:`term_of`) and its detached value (a sum's operand may be a temporary that is gone
+    by the time the LayerNorm runs, ``LayerNorm(dense(h) + x)``)."""
 
     SIZE = 8
 
@@ -200,29 +202,29 @@ class TermLog:
         self.inputs: set[int] = set()
         """Storage addresses of the model's input tensors in the current call."""
 
+    def __getstate__(self) -> dict:
+        return {}  # this process's tensors: a copy starts empty
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+
     def read_inputs(self, module: Any, args: tuple, kwargs: dict) -> None:
         """The model's forward pre-hook: which tensors are its inputs (read by EmbeddingMark)."""
         self.inputs = {t.untyped_storage().data_ptr() for t in (*args, *kwargs.values())
                        if isinstance(t, torch.Tensor)}
 
-    def __getstate__(self) -> dict:
-        return {}  # weak references to this process's tensors: a copy starts empty
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__()
-
     def mark(self, t: torch.Tensor, term: Any) -> None:
-        self._recent.append((weakref.ref(t), term))
+        self._recent.append((weakref.ref(t), t.detach(), term))
 
     def term_of(self, t: torch.Tensor) -> Any:
         """The term ``t`` itself was marked with, or None."""
-        return next((term for ref, term in reversed(self._recent) if ref() is t), None)
+        return next((term for ref, _, term in reversed(self._recent) if ref() is t), None)
 
     def find(self, x: torch.Tensor) -> list | None:
         """Two marked tensors whose float sum is ``x`` bit for bit (most recent first), as
         their terms, or None."""
-        alive = [(t, term) for ref, term in reversed(self._recent) if (t := ref()) is not None
-                 and t.shape == x.shape and t.dtype == x.dtype and t.device == x.device]
+        alive = [(t, term) for _, t, term in reversed(self._recent)
+                 if t.shape == x.shape and t.dtype == x.dtype and t.device == x.device]
         with torch.no_grad():
             for i, (a, ta) in enumerate(alive):
                 for b, tb in alive[i + 1:]:
@@ -234,9 +236,8 @@ class TermLog:
         """An embedding sum: one lookup of the ids plus fixed lookups (BERT's word + token type
         + position), ``(a + b) + c`` in float32 equal to ``x``, as the exporter reads it: the
         lookup's codes and the fixed ones' float32 sum as one constant."""
-        found = [(t, term) for ref, term in reversed(self._recent) if isinstance(term, CodesTerm)
-                 and (t := ref()) is not None and t.dtype == x.dtype and t.dim() == x.dim()
-                 and all(d in (1, e) for d, e in zip(t.shape, x.shape))]
+        found = [(t, term) for _, t, term in reversed(self._recent) if isinstance(term, CodesTerm)
+                 and t.dtype == x.dtype and t.dim() == x.dim() and all(d in (1, e) for d, e in zip(t.shape, x.shape))]
         for i, (a, ta) in enumerate(found):
             for j, (b, tb) in enumerate(found[i + 1:], i + 1):
                 for c, tc in (f for k, f in enumerate(found) if k not in (i, j)):
