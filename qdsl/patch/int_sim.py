@@ -96,8 +96,8 @@ def _codes(x: torch.Tensor, scale: float, zp: int) -> np.ndarray:
     return np.rint(x.detach().double().cpu().numpy() / scale).astype(np.int64) + zp
 
 
-def _straight_through(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    v = torch.from_numpy(value).to(like.dtype).to(like.device)
+def _straight_through(value: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    v = (value if isinstance(value, torch.Tensor) else torch.from_numpy(value)).to(like.dtype).to(like.device)
     return like + (v - like).detach() if like.requires_grad else v
 
 
@@ -278,7 +278,7 @@ class LinearSim:
         if out_grid is None:
             return None
         codes = linear_codes(patch, args[0], grid, out_grid)
-        return _straight_through((codes - out_grid[1]).astype(np.float64) * out_grid[0], output)
+        return _straight_through((codes - out_grid[1]).double() * out_grid[0], output)
 
     def mark(self, module: nn.Linear, args: tuple, output: Any) -> None:
         """The last forward hook: a result with no output quantizer is marked as a term."""
@@ -338,7 +338,7 @@ class WideReadSim:
         if grid is None or term.acc.shape != tuple(args[0].shape):
             return None
         codes = wide_codes(term, grid)
-        return (_straight_through((codes - grid[1]).astype(np.float64) * grid[0], args[0]),) + tuple(args[1:])
+        return (_straight_through((codes - grid[1]).double() * grid[0], args[0]),) + tuple(args[1:])
 
 
 def mark_graph_value(handle: Any, value: torch.Tensor, layernorm: nn.LayerNorm, acc: np.ndarray) -> None:

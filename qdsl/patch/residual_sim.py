@@ -50,13 +50,13 @@ import torch.nn.functional as F
 
 from qdsl.graph.ops.layernorm import layernorm_constants, wide_output_bound, wide_sum_grid
 from qdsl.graph.ops.weighted import accumulator_bound
-from qdsl.graph.requant import INT32_MAX, INT32_MIN, apply_rescale, make_rescale, sat, wrap
+from qdsl.graph.requant import INT32_MAX, INT32_MIN, apply_rescale, make_rescale
 from qdsl.graph.schema import Rescale, RescaleKind, Rounding
 from qdsl.patch.frozen import frozen_layer
 from qdsl.spec.model import Overflow
 
 __all__ = ["LinearTerm", "WideTerm", "CodesTerm", "ConstTerm", "TermLog", "residual_terms", "mark_wide", "wide_codes", "wide_term",
-           "layernorm_constants_at", "exact_accumulator", "linear_codes", "F32_EXACT"]
+           "layernorm_constants_at", "exact_accumulator", "linear_codes", "rescale_codes", "F32_EXACT", "NEAR_TIE"]
 
 F32_EXACT = 2**24
 """Integers below this are exact in binary32 (the Linear's partial sums on its codes)."""
@@ -68,7 +68,7 @@ SINGLE_ROUNDING = True
 
 
 def _operands(patch, grid: tuple):
-    """``(w codes - zp (O, K) float32, bias int64 or None, s_acc (O,), bound, chunk)`` of a
+    """``(w codes - zp (O, K) float32, bias int64 or None, s_acc (O,), bound, chunk, fits)`` of a
     frozen Linear reading ``grid``, derived from its frozen record as export derives them
     (cached per record): ``chunk`` input features per float32 product keep every partial sum
     below 2^24, so the sums on codes are exact integers in any order."""
@@ -85,39 +85,84 @@ def _operands(patch, grid: tuple):
     w = codes.reshape(codes.shape[0], -1) - w_zp.reshape(-1, 1)
     w_max = int(np.abs(w).max(initial=1)) or 1
     chunk = max(1, (F32_EXACT - 1) // (max(x_max, 1) * w_max))
-    ops = (torch.from_numpy(w.astype(np.float32)), bias, s_acc, accumulator_bound(codes, w_zp, x_max, bias, s_acc),
-           chunk)
+    bound = accumulator_bound(codes, w_zp, x_max, bias, s_acc)
+    # every reachable sum inside the accumulator: no wrap or saturation to apply
+    fits = float(((np.abs(w).sum(axis=1) * x_max + (np.abs(bias) if bias is not None else 0))).max(initial=0)) \
+        < 2.0 ** (patch.plan.accumulator.bits - 1) - 1
+    ops = (torch.from_numpy(w.astype(np.float32)), None if bias is None else torch.from_numpy(bias), s_acc, bound,
+           chunk, fits)
     patch._residual_operands = (rec, grid, ops)
     return ops
 
 
-def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> np.ndarray:
+def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> torch.Tensor:
     """The graph's LINEAR accumulator (int64, the spec's accumulator wrap/saturate applied) of
     a frozen Linear on its fake-quantized input ``x`` (``grid``: its input quantizer's):
     float32 products of codes summed in chunks that stay exact (:func:`_operands`), then int64."""
-    w, bias, _, _, chunk = _operands(patch, grid)
-    xq = torch.round(x.detach().cpu().double() / grid[0]).float()  # q - z: exact, |q - z| <= 255
+    w, bias, _, bound, chunk, fits = _operands(patch, grid)
+    xq = torch.round(x.detach().cpu().float() / grid[0])  # q - z: |q - z| <= 255, off by < 2^-14
     k = w.shape[1]
     acc = None
     for lo in range(0, k, chunk):
         part = F.linear(xq[..., lo:lo + chunk], w[:, lo:lo + chunk]).to(torch.int64)
         acc = part if acc is None else acc + part
-    acc = acc.numpy()
     if bias is not None:
         acc = acc + bias
+    if fits:  # every reachable sum inside the accumulator (accumulator_bound): nothing to wrap
+        return acc
     a = patch.plan.accumulator
-    return sat(acc, a.bits) if a.overflow is Overflow.SATURATE else wrap(acc, a.bits)
+    half = 1 << (a.bits - 1)
+    if a.overflow is Overflow.SATURATE:
+        return acc.clamp(-half, half - 1)
+    return torch.remainder(acc + half, 1 << a.bits) - half
 
 
-def linear_codes(patch, x: torch.Tensor, grid: tuple, out_grid: tuple) -> np.ndarray:
+NEAR_TIE = 2.0**-40
+"""Relative distance to a rounding boundary below which :func:`rescale_codes` asks the
+reference (binary64 rounds ``acc·m/2^(31+s)`` to 2^-53 relative: far inside it)."""
+
+
+def rescale_codes(acc: torch.Tensor, rescale: Rescale) -> torch.Tensor:
+    """``apply_rescale(acc, rescale)`` along the last axis (qdsl.graph.requant, the reference),
+    computed in binary64: the product decides every rounding but those within
+    :data:`NEAR_TIE` of a boundary, which the reference decides on those elements only
+    (its int64 per-channel shifts are ~50x slower).  Exact by construction."""
+    m = torch.as_tensor(np.asarray(rescale.multiplier, dtype=np.int64))
+    sh = torch.as_tensor(np.asarray(rescale.shift, dtype=np.int64))
+    kind = rescale.kind
+    if kind not in (RescaleKind.POT, RescaleKind.FIXED_SINGLE):
+        ref = apply_rescale(acc.numpy(), rescale, axis=acc.dim() - 1)  # gemmlowp's two roundings
+        return torch.from_numpy(ref)
+    left, right = (-sh).clamp(min=0), sh.clamp(min=0)
+    t = (acc.clamp(INT32_MIN, INT32_MAX) * (2**left)).clamp(INT32_MIN, INT32_MAX)
+    scale = (m.double() if kind == RescaleKind.FIXED_SINGLE else torch.ones_like(m, dtype=torch.float64)) \
+        * torch.exp2(-(right + (31 if kind == RescaleKind.FIXED_SINGLE else 0)).double())
+    y = t.double() * scale
+    rounding = Rounding(rescale.rounding)
+    if rounding == Rounding.FLOOR:
+        out, dist = torch.floor(y), (y - torch.round(y)).abs()
+    else:
+        out = torch.round(y) if rounding == Rounding.HALF_EVEN else torch.sign(y) * torch.floor(y.abs() + 0.5)
+        dist = ((y - torch.floor(y)) - 0.5).abs()
+    out = out.to(torch.int64).clamp(INT32_MIN, INT32_MAX)
+    near = dist <= NEAR_TIE * (y.abs() + 1.0)
+    if bool(near.any()):
+        idx = near.nonzero(as_tuple=True)
+        ch = idx[-1] if m.numel() > 1 else torch.zeros_like(idx[-1])
+        sub = Rescale(kind, m[ch].tolist(), sh[ch].tolist(), rescale.rounding) if ch.numel() > 1 else \
+            Rescale(kind, [int(m[ch[0]])], [int(sh[ch[0]])], rescale.rounding)
+        out[idx] = torch.from_numpy(apply_rescale(acc[idx].numpy(), sub, axis=0))
+    return out
+
+
+def linear_codes(patch, x: torch.Tensor, grid: tuple, out_grid: tuple) -> torch.Tensor:
     """The graph's LINEAR output codes at ``out_grid`` (int_sim.grid_of of its output
     quantizer): the exact accumulator rescaled by ``s_acc/s_out`` (one rounding, the
     quantizer's mode), not the quantizer's rounding of the float32 sum."""
     s_acc = _operands(patch, grid)[2]
     s_out, zp, qmin, qmax, rounding = out_grid
-    acc = exact_accumulator(patch, x, grid)
     rescale = make_rescale(s_acc / s_out, rounding, single=SINGLE_ROUNDING)
-    return np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1) + zp, qmin, qmax)
+    return (rescale_codes(exact_accumulator(patch, x, grid), rescale) + zp).clamp(qmin, qmax)
 
 
 @attrs.define(eq=False)
@@ -137,7 +182,7 @@ class LinearTerm:
         acc = exact_accumulator(self.patch, self.x, self.grid)
         # the Pending's I32 target: half away, export's default rescale (FIXED_SINGLE)
         rescale = make_rescale(s_acc / s_t, Rounding.HALF_AWAY, single=SINGLE_ROUNDING)
-        return np.clip(apply_rescale(acc, rescale, axis=acc.ndim - 1), INT32_MIN, INT32_MAX), _IDENTITY, 0
+        return rescale_codes(acc, rescale).numpy(), _IDENTITY, 0
 
 
 @attrs.define(eq=False)
@@ -270,13 +315,13 @@ def residual_terms(module: Any, x: torch.Tensor, log: TermLog, rounding: Roundin
     return codes, a, s_t
 
 
-def wide_codes(term: WideTerm, grid: tuple) -> np.ndarray:
+def wide_codes(term: WideTerm, grid: tuple) -> torch.Tensor:
     """The 8-bit codes an input quantizer with ``grid`` (int_sim.grid_of) reads from a wide
     LayerNorm output: the graph's REQUANTIZE of its accumulator by ``unit/s`` (one rounding,
     the quantizer's mode), not the quantizer's rounding of ``float32(acc)·float32(unit)/s``."""
     s, zp, qmin, qmax, rounding = grid
     rescale = make_rescale(term.unit / s, rounding, single=SINGLE_ROUNDING)
-    return np.clip(apply_rescale(term.acc, rescale, axis=None) + zp, qmin, qmax)
+    return (rescale_codes(torch.from_numpy(term.acc), rescale) + zp).clamp(qmin, qmax)
 
 
 def mark_wide(log: TermLog, value: torch.Tensor, module: Any, acc: np.ndarray) -> None:
