@@ -89,32 +89,34 @@ def _operands(patch, grid: tuple):
     # every reachable sum inside the accumulator: no wrap or saturation to apply
     fits = float(((np.abs(w).sum(axis=1) * x_max + (np.abs(bias) if bias is not None else 0))).max(initial=0)) \
         < 2.0 ** (patch.plan.accumulator.bits - 1) - 1
-    ops = (torch.from_numpy(w.astype(np.float32)), None if bias is None else torch.from_numpy(bias), s_acc, bound,
+    ops = (torch.from_numpy(w.astype(np.float32)), None if bias is None else torch.from_numpy(bias.astype(np.float64)),
+           s_acc, bound,
            chunk, fits)
     patch._residual_operands = (rec, grid, ops)
     return ops
 
 
 def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> torch.Tensor:
-    """The graph's LINEAR accumulator (int64, the spec's accumulator wrap/saturate applied) of
-    a frozen Linear on its fake-quantized input ``x`` (``grid``: its input quantizer's):
-    float32 products of codes summed in chunks that stay exact (:func:`_operands`), then int64."""
+    """The graph's LINEAR accumulator (the spec's accumulator wrap/saturate applied) of a
+    frozen Linear on its fake-quantized input ``x`` (``grid``: its input quantizer's), as
+    binary64 holding exact integers: float32 products of codes summed in chunks that stay
+    exact (:func:`_operands`), the chunks and the bias added in binary64 (below 2^53)."""
     w, bias, _, bound, chunk, fits = _operands(patch, grid)
     xq = torch.round(x.detach().cpu().float() / grid[0])  # q - z: |q - z| <= 255, off by < 2^-14
     k = w.shape[1]
     acc = None
     for lo in range(0, k, chunk):
-        part = F.linear(xq[..., lo:lo + chunk], w[:, lo:lo + chunk]).to(torch.int64)
+        part = F.linear(xq[..., lo:lo + chunk], w[:, lo:lo + chunk]).double()
         acc = part if acc is None else acc + part
     if bias is not None:
         acc = acc + bias
     if fits:  # every reachable sum inside the accumulator (accumulator_bound): nothing to wrap
         return acc
     a = patch.plan.accumulator
-    half = 1 << (a.bits - 1)
+    half = float(1 << (a.bits - 1))
     if a.overflow is Overflow.SATURATE:
         return acc.clamp(-half, half - 1)
-    return torch.remainder(acc + half, 1 << a.bits) - half
+    return torch.remainder(acc + half, 2 * half) - half
 
 
 NEAR_TIE = 2.0**-40
@@ -123,42 +125,44 @@ reference (binary64 rounds ``acc·m/2^(31+s)`` to 2^-53 relative: far inside it)
 
 
 def rescale_codes(acc: torch.Tensor, rescale: Rescale) -> torch.Tensor:
-    """``apply_rescale(acc, rescale)`` along the last axis (qdsl.graph.requant, the reference),
-    computed in binary64: the product decides every rounding but those within
-    :data:`NEAR_TIE` of a boundary, which the reference decides on those elements only
-    (its int64 per-channel shifts are ~50x slower).  Exact by construction."""
-    m = torch.as_tensor(np.asarray(rescale.multiplier, dtype=np.int64))
-    sh = torch.as_tensor(np.asarray(rescale.shift, dtype=np.int64))
+    """``apply_rescale(acc, rescale)`` along the last axis (qdsl.graph.requant, the reference)
+    of integers held in binary64 (``|acc| < 2^53``), as binary64 integers: the binary64
+    product decides every rounding but those within :data:`NEAR_TIE` of a boundary, which the
+    reference decides on those elements only (its int64 per-channel shifts are ~50x slower).
+    Exact by construction."""
     kind = rescale.kind
-    if kind not in (RescaleKind.POT, RescaleKind.FIXED_SINGLE):
-        ref = apply_rescale(acc.numpy(), rescale, axis=acc.dim() - 1)  # gemmlowp's two roundings
-        return torch.from_numpy(ref)
-    left, right = (-sh).clamp(min=0), sh.clamp(min=0)
-    t = (acc.clamp(INT32_MIN, INT32_MAX) * (2**left)).clamp(INT32_MIN, INT32_MAX)
-    scale = (m.double() if kind == RescaleKind.FIXED_SINGLE else torch.ones_like(m, dtype=torch.float64)) \
-        * torch.exp2(-(right + (31 if kind == RescaleKind.FIXED_SINGLE else 0)).double())
-    y = t.double() * scale
+    if kind not in (RescaleKind.POT, RescaleKind.FIXED_SINGLE):  # gemmlowp's two roundings
+        ref = apply_rescale(acc.to(torch.int64).numpy(), rescale, axis=acc.dim() - 1)
+        return torch.from_numpy(ref).double()
+    m = np.asarray(rescale.multiplier, dtype=np.int64)
+    sh = np.asarray(rescale.shift, dtype=np.int64)
+    single = kind == RescaleKind.FIXED_SINGLE
+    t = acc.clamp(INT32_MIN, INT32_MAX)
+    if (sh < 0).any():  # left shifts (factors above 1): saturated as the reference does
+        t = (t * torch.from_numpy(np.exp2(np.maximum(-sh, 0)))).clamp(INT32_MIN, INT32_MAX)
+    scale = (m if single else np.ones_like(m)) * np.exp2(-(np.maximum(sh, 0) + (31 if single else 0)))
+    y = t * torch.from_numpy(scale.astype(np.float64))
     rounding = Rounding(rescale.rounding)
-    if rounding == Rounding.FLOOR:
-        out, dist = torch.floor(y), (y - torch.round(y)).abs()
-    else:
-        out = torch.round(y) if rounding == Rounding.HALF_EVEN else torch.sign(y) * torch.floor(y.abs() + 0.5)
-        dist = ((y - torch.floor(y)) - 0.5).abs()
-    out = out.to(torch.int64).clamp(INT32_MIN, INT32_MAX)
-    near = dist <= NEAR_TIE * (y.abs() + 1.0)
+    out = torch.floor(y) if rounding == Rounding.FLOOR else torch.round(y)
+    # distance to the nearest boundary (an integer for floor, a half for the others)
+    dist = (y - torch.round(y)).abs() if rounding == Rounding.FLOOR else ((y - out).abs() - 0.5).abs()
+    tol = NEAR_TIE * (float(y.abs().max()) + 1.0) if y.numel() else 0.0
+    near = dist <= tol
     if bool(near.any()):
         idx = near.nonzero(as_tuple=True)
-        ch = idx[-1] if m.numel() > 1 else torch.zeros_like(idx[-1])
-        sub = Rescale(kind, m[ch].tolist(), sh[ch].tolist(), rescale.rounding) if ch.numel() > 1 else \
-            Rescale(kind, [int(m[ch[0]])], [int(sh[ch[0]])], rescale.rounding)
-        out[idx] = torch.from_numpy(apply_rescale(acc[idx].numpy(), sub, axis=0))
-    return out
+        ch = idx[-1].numpy() if m.size > 1 else np.zeros(idx[-1].numel(), dtype=np.int64)
+        sub = Rescale(kind, [int(v) for v in m[ch]], [int(v) for v in sh[ch]], rescale.rounding)
+        vals = acc[idx].to(torch.int64).numpy()
+        out[idx] = torch.from_numpy(apply_rescale(vals, sub, axis=0) if vals.size > 1 else
+                                    apply_rescale(vals, Rescale(kind, [int(m[ch[0]])], [int(sh[ch[0]])],
+                                                                rescale.rounding), axis=0)).double()
+    return out.clamp(INT32_MIN, INT32_MAX)
 
 
 def linear_codes(patch, x: torch.Tensor, grid: tuple, out_grid: tuple) -> torch.Tensor:
     """The graph's LINEAR output codes at ``out_grid`` (int_sim.grid_of of its output
-    quantizer): the exact accumulator rescaled by ``s_acc/s_out`` (one rounding, the
-    quantizer's mode), not the quantizer's rounding of the float32 sum."""
+    quantizer), as binary64: the exact accumulator rescaled by ``s_acc/s_out`` (one rounding,
+    the quantizer's mode), not the quantizer's rounding of the float32 sum."""
     s_acc = _operands(patch, grid)[2]
     s_out, zp, qmin, qmax, rounding = out_grid
     rescale = make_rescale(s_acc / s_out, rounding, single=SINGLE_ROUNDING)
@@ -182,7 +186,7 @@ class LinearTerm:
         acc = exact_accumulator(self.patch, self.x, self.grid)
         # the Pending's I32 target: half away, export's default rescale (FIXED_SINGLE)
         rescale = make_rescale(s_acc / s_t, Rounding.HALF_AWAY, single=SINGLE_ROUNDING)
-        return rescale_codes(acc, rescale).numpy(), _IDENTITY, 0
+        return rescale_codes(acc, rescale).to(torch.int64).numpy(), _IDENTITY, 0
 
 
 @attrs.define(eq=False)
@@ -321,7 +325,7 @@ def wide_codes(term: WideTerm, grid: tuple) -> torch.Tensor:
     the quantizer's mode), not the quantizer's rounding of ``float32(acc)·float32(unit)/s``."""
     s, zp, qmin, qmax, rounding = grid
     rescale = make_rescale(term.unit / s, rounding, single=SINGLE_ROUNDING)
-    return (rescale_codes(torch.from_numpy(term.acc), rescale) + zp).clamp(qmin, qmax)
+    return (rescale_codes(torch.from_numpy(term.acc).double(), rescale) + zp).clamp(qmin, qmax)
 
 
 def mark_wide(log: TermLog, value: torch.Tensor, module: Any, acc: np.ndarray) -> None:
