@@ -30,11 +30,12 @@ When (the rule):
   graph reads it: the codes of its own input quantizer (the narrow form: frozen, static,
   per-tensor, at most 8 bits), else the float residual sum on a fine power-of-two grid
   (the wide form, :func:`wide_grid`).  The graph's wide grid ``s_t`` comes from the
-  operands' worst case (qdsl.export.lower_attn.wide_sum_grid: ``2^30`` steps for it); this one
+  operands' worst case (qdsl.graph.ops.layernorm.wide_sum_grid: ``2^30`` steps for it); this one
   from the value (``2^29`` codes for the largest entry).  Both grids are powers of two and
   LAYERNORM keeps 24 bits of ``N·(x - mean)`` per row after its row shift ``k``, whose step
   ``s_t·2^k`` does not depend on ``s_t`` once ``k > 0``: the two agree up to the graph's rounding
-  of each term onto ``s_t`` and the float32 sum's (measured: see docs/qgraph.md §6).
+  of each term onto ``s_t`` and the float32 sum's (measured: see docs/qgraph.md §6); a sum of
+  marked terms (qdsl.patch.residual_sim) uses the graph's grid and terms instead.
   The result is the wide output ``acc·unit`` (the op's I32 accumulator); the next
   quantizer rounds it as the graph's REQUANTIZE does (float32 of ``acc·unit`` aside).
 
@@ -46,7 +47,15 @@ When (the rule):
   (was ``h + ff``, half an LSB of ``norm2``'s grid from it: 64.7% of a small encoder's output
   codes equal to the graph's, now 100%).
 
-Cost: one numpy pass per op on the CPU (MiniLM: a few percent of a frozen forward).
+* Post-norm residual sums (qdsl.patch.residual_sim): a frozen Linear with an 8-bit output
+  quantizer (:class:`LinearSim`) gives the graph's LINEAR codes (exact sum on codes, one
+  rounding); one without marks its output as a residual term, as do simulated LayerNorms and
+  embedding lookups (:class:`EmbeddingMark`); a wide LayerNorm whose input is the float32 sum
+  of marked outputs reads the graph's integer terms on the exporter's grid; an 8-bit input
+  quantizer reading a wide LayerNorm output gets its REQUANTIZE codes (:class:`WideReadSim`).
+  MiniLM's frozen fake-quant hidden states then equal the graph's to the bit.
+
+Cost: one numpy pass per op on the CPU, one more float32 product per simulated Linear.
 """
 
 from __future__ import annotations

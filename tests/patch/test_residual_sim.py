@@ -118,3 +118,23 @@ def test_post_norm_encoder_layers_equal_codes():
     ref = execute(qdsl.export(model, x[:1]), x.numpy()).outputs[0]
     s = float(get_handle(model).quantizer("head", "output").scale)
     np.testing.assert_array_equal(np.rint(fq / s), np.rint(ref / s))
+
+
+@pytest.mark.parametrize("rounding", ["HALF_AWAY", "HALF_EVEN", "FLOOR"])
+@pytest.mark.parametrize("pot", [False, True])
+def test_rescale_codes_equals_the_reference(rounding, pot):
+    # the binary64 rescale (near-ties handed to the reference) against qdsl.graph.requant's
+    # apply_rescale, per channel, on random accumulators and on exact ties of power-of-two factors
+    from qdsl.graph.requant import apply_rescale, make_rescale
+    from qdsl.graph.schema import Rounding
+    from qdsl.patch.residual_sim import rescale_codes
+
+    rng = np.random.default_rng(int(pot) * 3 + len(rounding))
+    for _ in range(40):
+        c = int(rng.integers(1, 6))
+        f = 2.0 ** rng.integers(-20, 4, c) if pot else np.exp(rng.uniform(-25, 3, c))
+        rescale = make_rescale(f, Rounding[rounding], single=True)
+        acc = rng.integers(-2**31, 2**31, (50, c))
+        acc[:10] = rng.integers(-64, 64, (10, c)) * 2 ** int(rng.integers(0, 20))
+        got = rescale_codes(torch.from_numpy(acc).double(), rescale).numpy()
+        np.testing.assert_array_equal(got, apply_rescale(acc, rescale, axis=1))
