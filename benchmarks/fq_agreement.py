@@ -43,24 +43,10 @@ from qdsl.graph import execute  # noqa: E402
 from qdsl.graph.ops.layernorm import layernorm_constants  # noqa: E402
 from qdsl.parse import parse_text  # noqa: E402
 from qdsl.patch.handle import get_handle  # noqa: E402
+from qdsl.patch.int_sim import mark_graph_value  # noqa: E402
+from tests.export.attn_models import TEL_SPEC, cos  # noqa: E402 (the encoder tests' spec)
 
 INT8 = (ROOT / "specs" / "int8-default.qspec").read_text()
-TEL_SPEC = """
-version 1
-quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
-quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
-defaults {
-  weight = w8
-  input = a8
-  bias = int(bits=32, signed, symmetric, scale=input*weight)
-}
-rule head { output = a8 }
-"""
-
-
-def cos(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 def codes_row(name: str, fq_codes, graph_codes, c: float, extra: str = "") -> None:
@@ -212,7 +198,10 @@ def minilm(sentences: int) -> None:
     def graph_value(i):  # block i's output (i = -1: the embeddings), as the fake-quant model holds it
         name, ln = ("embeddings.LayerNorm", model.embeddings.LayerNorm) if i < 0 else \
             (f"encoder.layer.{i}.output.LayerNorm", layers[i].output.LayerNorm)
-        return torch.from_numpy(env[f"{name}:layernorm"].astype(np.float32) * np.float32(unit(ln)))
+        acc = env[f"{name}:layernorm"]
+        v = torch.from_numpy(acc.astype(np.float32) * np.float32(unit(ln)))
+        mark_graph_value(h, v, ln, acc)  # the residual sums read it as the graph's wide value
+        return v
 
     def next_codes(v: torch.Tensor, i: int) -> np.ndarray:  # the 8-bit codes the next block's query reads
         q = h.quantizer(f"encoder.layer.{i + 1}.attention.self.query", "input")

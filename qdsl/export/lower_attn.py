@@ -36,7 +36,7 @@ from qdsl.export.lower_layers import AddPending, term_grid
 from qdsl.export.values import (Builder, ExportError, FloatVal, OffsetVal, Pending, QVal, Target, WidePending,
                                wide_scale)
 from qdsl.graph.ir import DType, OpType, Rescale, RescaleKind, Rounding
-from qdsl.graph.ops.layernorm import WIDE_MAX_N, layernorm_constants
+from qdsl.graph.ops.layernorm import WIDE_MAX_N, layernorm_constants, wide_output_bound, wide_sum_grid
 from qdsl.graph.ops.matmul import MAX_DEPTH, matmul_shape
 from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
@@ -230,28 +230,6 @@ def _pow2_floor(v: float) -> float:
     return math.ldexp(1.0, math.frexp(v)[1] - 1)
 
 
-WIDE_SUM_BITS = 30
-"""A wide sum's worst case stays below ``2^WIDE_SUM_BITS`` grid steps (int32, with headroom)."""
-
-
-def wide_sum_grid(bound: float, n: int, eps: float) -> float:
-    """The grid of a LayerNorm's wide input: the finest power of two that keeps the sum's worst
-    case ``bound`` below ``2^WIDE_SUM_BITS`` steps (LAYERNORM saturates its sum to int32), and
-    ``eps`` in the op's units (``N³·eps/s²``) below ``2^60``.
-
-    Fine on purpose: each term of the sum is rounded onto this grid, and the fake-quant model
-    normalizes the float sum (qdsl.patch.int_sim, on a grid at least as fine); a grid at an
-    accumulator's unit (what an ADD's int8 result needs) rounds away bits the LayerNorm keeps
-    (24 of ``N·(x - mean)``), and the two roundings then start 8-bit code differences that the
-    attention's softmax amplifies from block to block (docs/qgraph.md §6)."""
-    # frexp: bound / 2^WIDE_SUM_BITS = m·2^e with m in [0.5, 1), so 2^e is the finest power of
-    # two above it
-    s = math.ldexp(1.0, math.frexp(max(bound, 1e-30) / 2**WIDE_SUM_BITS)[1])
-    while n**3 * eps / (s * s) >= 2**60:
-        s *= 2
-    return s
-
-
 def _term_bound(v: Any) -> float | None:
     """The largest ``|real value|`` of one term of a wide sum, or None when not known."""
     if wide_scale(v) is not None:
@@ -367,7 +345,6 @@ def layernorm_pending(where: str, x: Any, normalized_shape: Sequence[int], weigh
                  **rescale.attrs(), out_zp=out_zp, out_min=out_min, out_max=out_max)
         return bld.op(OpType.LAYERNORM, where, names, t.dtype, shape, a, out=f"{where}:layernorm"), shape
 
-    # |z| <= 2^16 (+ rounding): |N·(x - mean)| is at most the row's root sum of squares
-    bound = float(((2**16 + 2) * np.abs(g_int).max(initial=0) + np.abs(b_int).max(initial=0)) * unit)
+    bound = wide_output_bound(g_int, b_int, unit)  # the bound qdsl.patch.residual_sim sizes its grid with
     result = WidePending("layernorm", where, shape, emit, unit=unit, wide_out=wide_out, bound=bound)  # emit reads it
     return result

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from qdsl.graph.ir import DType, OpType, OverflowMode, Rescale, RescaleKind, Rounding
+from qdsl.graph.ops.weighted import accumulator_bound
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
 from qdsl.export.float8 import float8_target, float8_weight, onnx_float8_type
@@ -134,11 +135,7 @@ def _bias_ints(patch, b, s_acc: np.ndarray, where: str):
     if bq is not None:
         if not bq.frozen:
             raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
-        rec = frozen_layer(patch)
-        codes = rec.bias_codes.numpy().astype(np.float64)
-        s_b = np.broadcast_to(rec.bias_scale.detach().double().reshape(-1).numpy(), codes.shape)
-        exact = codes * (s_b / s_acc)  # an exact integer when s_b / s_acc is a power of two >= 1
-        vals = np.where(exact == np.round(exact), exact, np.rint(exact))
+        vals = frozen_layer(patch).bias_at(s_acc)
     else:
         vals = np.rint(b.detach().double().numpy() / s_acc)
     if np.abs(vals).max(initial=0) > INT32_MAX:
@@ -304,10 +301,7 @@ def layer_pending(b: Builder, fqn: str, m: nn.Module, patch, x: QVal, shape) -> 
     bound = None
     if not binary and not transposed and wdtype is not DType.BIN:
         # every input code within its range of the zero point, every product at its largest
-        x_max = max(abs(x.qmin - x.zp), abs(x.qmax - x.zp))
-        w_abs = np.abs(codes.reshape(codes.shape[0], -1).astype(np.int64) - np.asarray(w_zp).reshape(-1, 1))
-        b_abs = np.abs(bias) if bias is not None else 0
-        bound = float(((w_abs.sum(axis=1) * x_max + b_abs) * s_acc).max(initial=0.0))
+        bound = accumulator_bound(codes, w_zp, max(abs(x.qmin - x.zp), abs(x.qmax - x.zp)), bias, s_acc)
     return Pending("acc", fqn, shape, emit, scales=s_acc, binary_ok=True, bound=bound)
 
 

@@ -62,6 +62,19 @@ class FrozenLayer:
         scale = self.weight_scale.detach().double().reshape(-1).numpy()
         return codes, scale * fmt.grid_step(self.weight_bits)
 
+    def bias_at(self, s_acc: np.ndarray) -> np.ndarray | None:
+        """The quantized bias in units of ``s_acc`` (float64 integers; per channel), the
+        int32 bias the graph adds to the accumulator: the codes times ``s_b / s_acc``, exact
+        when that ratio is a power of two >= 1, else rounded to nearest.  Export
+        (qdsl/export/lower_layers.py) and the fake-quant residual sums (qdsl.patch.residual_sim) read it.
+        A float bias (no bias quantizer) is rounded to ``s_acc``; no bias: None."""
+        if self.bias_codes is None:
+            return None if self.bias_float is None else np.rint(self.bias_float.double().numpy() / s_acc)
+        codes = self.bias_codes.numpy().astype(np.float64)
+        s_b = np.broadcast_to(self.bias_scale.detach().double().reshape(-1).numpy(), codes.shape)
+        exact = codes * (s_b / s_acc)
+        return np.where(exact == np.round(exact), exact, np.rint(exact))
+
 
 def _qp(q) -> tuple[Any, Any]:
     if q is None or q.dynamic:

@@ -30,11 +30,12 @@ When (the rule):
   graph reads it: the codes of its own input quantizer (the narrow form: frozen, static,
   per-tensor, at most 8 bits), else the float residual sum on a fine power-of-two grid
   (the wide form, :func:`wide_grid`).  The graph's wide grid ``s_t`` comes from the
-  operands' worst case (qdsl.export.lower_attn.wide_sum_grid: ``2^30`` steps for it); this one
+  operands' worst case (qdsl.graph.ops.layernorm.wide_sum_grid: ``2^30`` steps for it); this one
   from the value (``2^29`` codes for the largest entry).  Both grids are powers of two and
   LAYERNORM keeps 24 bits of ``N·(x - mean)`` per row after its row shift ``k``, whose step
   ``s_t·2^k`` does not depend on ``s_t`` once ``k > 0``: the two agree up to the graph's rounding
-  of each term onto ``s_t`` and the float32 sum's (measured: see docs/qgraph.md §6).
+  of each term onto ``s_t`` and the float32 sum's (measured: see docs/qgraph.md §6); a sum of
+  marked terms (qdsl.patch.residual_sim) uses the graph's grid and terms instead.
   The result is the wide output ``acc·unit`` (the op's I32 accumulator); the next
   quantizer rounds it as the graph's REQUANTIZE does (float32 of ``acc·unit`` aside).
 
@@ -46,7 +47,15 @@ When (the rule):
   (was ``h + ff``, half an LSB of ``norm2``'s grid from it: 64.7% of a small encoder's output
   codes equal to the graph's, now 100%).
 
-Cost: one numpy pass per op on the CPU (MiniLM: a few percent of a frozen forward).
+* Post-norm residual sums (qdsl.patch.residual_sim): a frozen Linear with an 8-bit output
+  quantizer (:class:`LinearSim`) gives the graph's LINEAR codes (exact sum on codes, one
+  rounding); one without marks its output as a residual term, as do simulated LayerNorms and
+  embedding lookups (:class:`EmbeddingMark`); a wide LayerNorm whose input is the float32 sum
+  of marked outputs reads the graph's integer terms on the exporter's grid; an 8-bit input
+  quantizer reading a wide LayerNorm output gets its REQUANTIZE codes (:class:`WideReadSim`).
+  MiniLM's frozen fake-quant hidden states then equal the graph's to the bit.
+
+Cost: one numpy pass per op on the CPU, one more float32 product per simulated Linear.
 """
 
 from __future__ import annotations
@@ -58,14 +67,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from qdsl.graph.ops.layernorm import layernorm, layernorm_constants
+from qdsl.graph.ops.layernorm import layernorm
 from qdsl.graph.ops.softmax import SOFTMAX_FRAC_BITS, softmax_table
 from qdsl.graph.ops.softmax_masked import softmax_kept
 from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale
 from qdsl.graph.schema import Rescale, RescaleKind, Rounding
+from qdsl.patch.residual_sim import (CodesTerm, LinearTerm, TermLog, WideTerm, layernorm_constants_at, linear_codes,
+                                     mark_wide, residual_terms, wide_codes, wide_term)
 
-__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "SoftmaxModuleSim", "PreNormResidualSim",
-           "install_layernorm_sims", "wide_grid", "grid_of"]
+__all__ = ["simulated_probs", "simulated_layernorm", "LayerNormSim", "LinearSim", "EmbeddingMark", "WideReadSim", "SoftmaxModuleSim", "PreNormResidualSim",
+           "install_layernorm_sims", "mark_graph_value", "wide_grid", "grid_of"]
 
 _ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 """The quantizer roundings the graph has (qdsl.export.values.ROUNDINGS)."""
@@ -94,8 +105,8 @@ def _codes(x: torch.Tensor, scale: float, zp: int) -> np.ndarray:
     return np.rint(x.detach().double().cpu().numpy() / scale).astype(np.int64) + zp
 
 
-def _straight_through(value: np.ndarray, like: torch.Tensor) -> torch.Tensor:
-    v = torch.from_numpy(value).to(like.dtype).to(like.device)
+def _straight_through(value: np.ndarray | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    v = (value if isinstance(value, torch.Tensor) else torch.from_numpy(value)).to(like.dtype).to(like.device)
     return like + (v - like).detach() if like.requires_grad else v
 
 
@@ -131,33 +142,44 @@ def wide_grid(x: torch.Tensor) -> float:
 _IDENTITY = Rescale(RescaleKind.POT, [1], [0])
 
 
-def simulated_layernorm(module: nn.LayerNorm, x: torch.Tensor, y: torch.Tensor, grid: tuple | None) -> torch.Tensor:
+def simulated_layernorm(module: nn.LayerNorm, x: torch.Tensor, y: torch.Tensor, grid: tuple | None,
+                        log: TermLog | None = None, rounding: Rounding = Rounding.HALF_EVEN) -> torch.Tensor:
     """The graph's LAYERNORM of ``x`` (``module``'s input) as its wide output ``acc·unit``,
     straight-through to the float result ``y``.  ``grid``: the input quantizer's
-    :func:`grid_of` (the narrow form: ``x`` holds its codes), or None (the wide form)."""
-    n = int(module.normalized_shape[0])
+    :func:`grid_of` (the narrow form: ``x`` holds its codes), or None (the wide form: the
+    graph's residual sum when ``log`` finds its terms, qdsl.patch.residual_sim; else ``x`` on
+    :func:`wide_grid`).  ``rounding``: the LAYERNORM's input rounding (its output quantizer's;
+    half even for the wide output).  With ``log``, the result is marked as a wide term."""
+    found = None
     if grid is not None:
         s_in, zp = grid[0], grid[1]
-        codes = _codes(x, s_in, zp)
+        codes, in_a = [_codes(x, s_in, zp)], _in_attrs(zp)
+    elif log is not None and (found := residual_terms(module, x, log, rounding)) is not None:
+        codes, in_a, s_in = found
     else:
-        s_in, zp = wide_grid(x), 0
-        codes = np.rint(x.detach().double().cpu().numpy() / s_in).astype(np.int64)
-    weight = None if module.weight is None else module.weight.detach().double().cpu().numpy()
-    bias = None if module.bias is None else module.bias.detach().double().cpu().numpy()
-    g_int, b_int, unit, eps_int = layernorm_constants(n, weight, bias, float(module.eps), s_in)
-    a = dict(in_zp=(zp,), in_kind=(int(_IDENTITY.kind),), in_multiplier=(1,), in_shift=(0,),
-             in_rounding=(int(_IDENTITY.rounding),), gamma=g_int, beta=b_int, eps=eps_int, **_IDENTITY.attrs(),
-             out_zp=0, out_min=INT32_MIN, out_max=INT32_MAX)
-    acc = layernorm([codes], a)
+        s_in = wide_grid(x)
+        codes, in_a = [np.rint(x.detach().double().cpu().numpy() / s_in).astype(np.int64)], _in_attrs(0)
+    g_int, b_int, unit, eps_int = layernorm_constants_at(module, s_in)
+    a = dict(in_a, gamma=g_int, beta=b_int, eps=eps_int, **_IDENTITY.attrs(), out_zp=0, out_min=INT32_MIN,
+             out_max=INT32_MAX)
+    acc = layernorm(codes, a)
     # float32(acc)·float32(unit): the graph's DEQUANTIZE of the wide output, to the bit
-    return _straight_through(acc.astype(np.float32) * np.float32(unit), y)
+    out = _straight_through(acc.astype(np.float32) * np.float32(unit), y)
+    if log is not None:
+        log.mark(out, wide_term(g_int, b_int, unit, acc))
+    return out
+
+
+def _in_attrs(zp: int) -> dict:
+    return dict(in_zp=(zp,), in_kind=(int(_IDENTITY.kind),), in_multiplier=(1,), in_shift=(0,),
+                in_rounding=(int(_IDENTITY.rounding),))
 
 
 class LayerNormSim:
     """The forward hook of one ``nn.LayerNorm`` (see the module docstring)."""
 
-    def __init__(self, handle: Any, fqn: str):
-        self.handle, self.fqn = handle, fqn
+    def __init__(self, handle: Any, fqn: str, log: TermLog | None = None):
+        self.handle, self.fqn, self.log = handle, fqn, log
 
     def active(self) -> bool:
         """Frozen (or exported), and some quantizer of the model enabled (all disabled: the
@@ -173,7 +195,9 @@ class LayerNormSim:
         grid = grid_of(iq)
         if iq is not None and grid is None:
             return None  # disabled, or a grid the graph cannot read as 8-bit codes (export refuses it)
-        return simulated_layernorm(module, args[0], output, grid)
+        out_grid = grid_of(getattr(patch, "oq", None))
+        rounding = out_grid[4] if out_grid is not None else Rounding.HALF_EVEN
+        return simulated_layernorm(module, args[0], output, grid, self.log, rounding)
 
 
 def _frozen_and_quantized(handle: Any) -> bool:
@@ -241,17 +265,122 @@ class SoftmaxModuleSim:
         return simulated_probs(x, keep, output, iq, oq)
 
 
+class LinearSim:
+    """The forward hook of one patched ``nn.Linear`` with a frozen 8-bit input grid and int
+    weights, once frozen (before its output quantizer's hook):
+
+    * with an 8-bit output quantizer, the output is the graph's LINEAR codes
+      (residual_sim.linear_codes: the exact sum on codes, one rounding of ``s_acc/s_out``),
+      straight-through; the output quantizer then reads them unchanged;
+    * without one (the graph's accumulator, read by a residual sum), the output is marked as a
+      residual term (residual_sim.LinearTerm)."""
+
+    def __init__(self, handle: Any, fqn: str, log: TermLog):
+        self.handle, self.fqn, self.log = handle, fqn, log
+
+    def __call__(self, module: nn.Linear, args: tuple, output: Any) -> Any:
+        grid = self._grid(args, output)
+        if grid is None:
+            return None
+        patch = self.handle.layers[self.fqn]
+        out_grid = grid_of(getattr(patch, "oq", None))
+        if out_grid is None:
+            return None
+        codes = linear_codes(patch, args[0], grid, out_grid)
+        return _straight_through((codes - out_grid[1]).double() * out_grid[0], output)
+
+    def mark(self, module: nn.Linear, args: tuple, output: Any) -> None:
+        """The last forward hook: a result with no output quantizer is marked as a term."""
+        if self._grid(args, output) is not None and getattr(self.handle.layers.get(self.fqn), "oq", None) is None:
+            self.log.mark(output, LinearTerm(self.handle.layers[self.fqn], args[0], self._grid(args, output)))
+
+    def _grid(self, args: tuple, output: Any) -> tuple | None:
+        """The input grid when the layer is simulated (class doc), else None."""
+        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor) \
+                or not _frozen_and_quantized(self.handle):
+            return None
+        patch = self.handle.layers.get(self.fqn)
+        wq, grid = getattr(patch, "wq", None), grid_of(getattr(patch, "iq", None))
+        if grid is None or wq is None or not wq.frozen or not wq.enabled or wq.group_size is not None \
+                or wq.axis not in (None, 0, -2) or wq.format.name != "int" or patch.plan.accumulator.bits != 32:
+            return None
+        return grid
+
+
+class EmbeddingMark:
+    """The forward hook (after its output quantizer's) of a patched ``nn.Embedding`` with a
+    frozen 8-bit output grid: once frozen, its output is marked as a wide sum's term
+    (residual_sim.CodesTerm), ``fixed`` when the ids are not one of the model's inputs (BERT's
+    position and token-type ids from its buffers: the exporter folds those lookups into a
+    constant)."""
+
+    def __init__(self, handle: Any, fqn: str, log: TermLog):
+        self.handle, self.fqn, self.log = handle, fqn, log
+
+    def __call__(self, module: nn.Embedding, args: tuple, output: Any) -> None:
+        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor) \
+                or not _frozen_and_quantized(self.handle):
+            return None
+        grid = grid_of(getattr(self.handle.layers.get(self.fqn), "oq", None))
+        if grid is not None:
+            fixed = args[0].untyped_storage().data_ptr() not in self.log.inputs
+            self.log.mark(output, CodesTerm(output, grid, fixed))
+        return None
+
+
+class WideReadSim:
+    """The forward pre-hook (before its input quantizer's) of a patched module with a frozen
+    8-bit input grid: once frozen, an input that is a simulated LayerNorm's wide output (marked
+    in the term log) is replaced by the graph's REQUANTIZE codes of its accumulator
+    (residual_sim.wide_codes), straight-through; the input quantizer then reads them unchanged."""
+
+    def __init__(self, handle: Any, fqn: str, log: TermLog):
+        self.handle, self.fqn, self.log = handle, fqn, log
+
+    def __call__(self, module: nn.Module, args: tuple) -> Any:
+        if not args or not isinstance(args[0], torch.Tensor) or not _frozen_and_quantized(self.handle):
+            return None
+        term = self.log.term_of(args[0])
+        if not isinstance(term, WideTerm):
+            return None
+        grid = grid_of(getattr(self.handle.layers.get(self.fqn), "iq", None))
+        if grid is None or term.acc.shape != tuple(args[0].shape):
+            return None
+        codes = wide_codes(term, grid)
+        return (_straight_through((codes - grid[1]).double() * grid[0], args[0]),) + tuple(args[1:])
+
+
+def mark_graph_value(handle: Any, value: torch.Tensor, layernorm: nn.LayerNorm, acc: np.ndarray) -> None:
+    """``value``, fed to the frozen model in place of ``layernorm``'s output, is the graph's
+    wide LAYERNORM output with accumulator ``acc``: the residual sums reading it are then
+    simulated as the graph computes them (qdsl.patch.residual_sim; what benchmarks/fq_agreement.py
+    and the tests do to feed one block the graph's own input)."""
+    mark_wide(handle.term_log, value, layernorm, acc)
+
+
 def install_layernorm_sims(handle: Any, model: nn.Module) -> list[Any]:
     """A :class:`LayerNormSim` on every ``nn.LayerNorm`` over one axis, a
     :class:`SoftmaxModuleSim` on every ``nn.Softmax`` (each before any output quantizer's
     hook: it reads the module's result) and a :class:`PreNormResidualSim` on every pre-norm
     ``nn.TransformerEncoderLayer``; returns the hook handles."""
-    hooks = []
+    hooks, log, inputs_hooked = [], TermLog(), False
+    handle.term_log = log  # read by mark_graph_value
     for fqn, m in model.named_modules():
         if isinstance(m, nn.TransformerEncoderLayer) and m.norm_first:
             hooks += PreNormResidualSim(handle, fqn).install(m)
+        if isinstance(m, nn.Linear) and fqn in handle.layers:
+            sim = LinearSim(handle, fqn, log)  # codes before the output quantizer, the mark after every hook
+            hooks += [m.register_forward_hook(sim, prepend=True), m.register_forward_hook(sim.mark)]
+        if fqn in handle.layers and getattr(handle.layers[fqn], "iq", None) is not None:
+            hooks.append(m.register_forward_pre_hook(WideReadSim(handle, fqn, log), prepend=True))
+        if isinstance(m, nn.Embedding) and fqn in handle.layers and not inputs_hooked:
+            # the model's own input tensors (their storages): an embedding of other ids is fixed
+            hooks.append(model.register_forward_pre_hook(log.read_inputs, with_kwargs=True))
+            inputs_hooked = True
+        if isinstance(m, nn.Embedding) and fqn in handle.layers:
+            hooks.append(m.register_forward_hook(EmbeddingMark(handle, fqn, log)))
         if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
-            hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn), prepend=True))
+            hooks.append(m.register_forward_hook(LayerNormSim(handle, fqn, log), prepend=True))
         elif isinstance(m, nn.Softmax):
             hooks.append(m.register_forward_hook(SoftmaxModuleSim(handle, fqn), prepend=True))
     return hooks

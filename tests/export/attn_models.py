@@ -1,13 +1,59 @@
 """Hand-written attention blocks (the form Hugging Face models use: nn.Linear projections,
 ``view``/``transpose`` head split, ``q @ kᵀ / sqrt(d)``, softmax, ``p @ v``, LayerNorm, GELU MLP)
-for the export tests."""
+for the export tests, and what those tests (and benchmarks/fq_agreement.py) share: the 8-bit
+spec text (:data:`INT8_SPEC`, :func:`head_spec`), the BERT spec (:func:`bert_int8_spec`) and
+:func:`cos`."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
+
+from qdsl.parse import parse_text
+
+INT8_SPEC = """
+version 1
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+defaults {
+  weight = w8
+  input = a8
+  bias = int(bits=32, signed, symmetric, scale=input*weight)
+}
+"""
+"""w8 per-channel symmetric weights, a8 asymmetric per-tensor inputs, int32 biases at input·weight."""
+
+
+def head_spec(layer: str = "head") -> str:
+    """:data:`INT8_SPEC` plus an 8-bit output for ``layer`` (the model's last Linear)."""
+    return INT8_SPEC + f"rule {layer} {{ output = a8 }}\n"
+
+
+TEL_SPEC = head_spec()
+"""The encoder tests' spec: embed -> attention/encoder layer -> ``head`` with an 8-bit output."""
+
+SPEC_FILE = Path(__file__).resolve().parents[2] / "specs" / "transformer-int8.qspec"
+# the attention's pieces that have a module to carry their quantizer (an nn.Softmax here; no
+# apply-time trace implies them, as BertEmbeddings' slicing stops a plain fx trace)
+BERT_ATTENTION = """
+rule re:'.*\\.(query|key|value|intermediate\\.dense)' { output = a8 }
+rule type:Softmax optional { input = a8  output = a8 }
+"""
+
+
+def bert_int8_spec(extra: str = ""):
+    """specs/transformer-int8.qspec plus :data:`BERT_ATTENTION` (and ``extra`` rules), parsed."""
+    return parse_text(SPEC_FILE.read_text() + BERT_ATTENTION + extra, "transformer-int8+attention.qspec")
+
+
+def cos(a, b) -> float:
+    """Cosine similarity of two arrays (flattened, binary64)."""
+    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 class Attention(nn.Module):

@@ -20,24 +20,10 @@ from qdsl.parse import parse_text
 from qdsl.patch.handle import get_handle
 from qdsl.spec.model import Role
 
-from tests.export.attn_models import Attention, EncoderBlock
+from tests.export.attn_models import Attention, EncoderBlock, cos, head_spec
 
-SPEC = """
-version 1
-quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
-quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
-defaults {
-  weight = w8
-  input = a8
-  bias = int(bits=32, signed, symmetric, scale=input*weight)
-}
-rule final { output = a8 }
-"""
+SPEC = head_spec("final")
 
-
-def _cos(a, b) -> float:
-    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 def _pipeline(model, spec=SPEC, seed=0):
@@ -72,7 +58,7 @@ def test_encoder_block_exports_runs_in_cpp_and_agrees(norm_first, functional):
         cg = rt.CompiledGraph(graph)
         for path in K.paths()["cpu"]:
             np.testing.assert_array_equal(cg.run(xt.numpy(), path=path), ref, err_msg=f"path {path}")
-    cos_float, cos_fq = _cos(ref, want_float), _cos(ref, fq)
+    cos_float, cos_fq = cos(ref, want_float), cos(ref, fq)
     q = get_handle(model).quantizer("final", "output")
     lsb = np.abs(ref - fq) / float(q.scale)
     print(f"norm_first={norm_first} functional={functional}: cos(graph, float) {cos_float:.5f}, "

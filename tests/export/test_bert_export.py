@@ -8,7 +8,6 @@ LayerNorm inputs and outputs in float), C++ equals the reference executor."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,24 +23,8 @@ from qdsl.graph.ir import DType, OpType
 from qdsl.parse import parse_text
 from qdsl.runtime.run import run_graph
 
+from tests.export.attn_models import BERT_ATTENTION as ATTENTION, SPEC_FILE, bert_int8_spec, cos
 from tests.export.bert_models import TinyBert
-
-SPEC_FILE = Path(__file__).resolve().parents[2] / "specs" / "transformer-int8.qspec"
-# the attention's pieces that have a module to carry their quantizer (an nn.Softmax here; no
-# apply-time trace implies them, as BertEmbeddings' slicing stops a plain fx trace)
-ATTENTION = """
-rule re:'.*\\.(query|key|value|intermediate\\.dense)' { output = a8 }
-rule type:Softmax optional { input = a8  output = a8 }
-"""
-
-
-def _spec():
-    return parse_text(SPEC_FILE.read_text() + ATTENTION, "transformer-int8+attention.qspec")
-
-
-def _cos(a, b) -> float:
-    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +34,7 @@ def exported():
     ids = torch.randint(0, 50, (16, 12))
     with torch.no_grad():
         want = model(ids).numpy()
-    qdsl.apply(model, _spec())
+    qdsl.apply(model, bert_int8_spec())
     qdsl.calibrate(model, [{"input_ids": ids[:8]}, {"input_ids": ids[8:]}])
     qdsl.freeze(model)
     with torch.no_grad():
@@ -72,10 +55,10 @@ def test_tiny_bert_exports_with_wide_layernorm_inputs(exported):
     assert tuple(graph.inputs) == ("input",) and graph.tensor("input").dtype is DType.I32
     got = np.asarray(run_graph(graph, ids, backend="reference"))
     # graph vs float as close as the fake-quant model, graph vs fake-quant: a few output LSBs
-    assert _cos(got, want) >= 0.999 and _cos(fq, want) >= 0.999
-    assert _cos(got, fq) >= 0.9999
-    print(f"\ncos(graph, float) {_cos(got, want):.6f}  cos(fq, float) {_cos(fq, want):.6f}  "
-          f"cos(graph, fq) {_cos(got, fq):.7f}  max |graph - fq| {np.abs(got - fq).max():.4f}")
+    assert cos(got, want) >= 0.999 and cos(fq, want) >= 0.999
+    assert cos(got, fq) >= 0.9999
+    print(f"\ncos(graph, float) {cos(got, want):.6f}  cos(fq, float) {cos(fq, want):.6f}  "
+          f"cos(graph, fq) {cos(got, fq):.7f}  max |graph - fq| {np.abs(got - fq).max():.4f}")
 
 
 def test_layernorm_outputs_stay_wide(exported):
@@ -104,14 +87,14 @@ def test_wide_layernorm_outputs_beat_8_bit_ones():
         ids = torch.randint(0, 50, (16, 12))
         with torch.no_grad():
             want = model(ids).numpy()
-        qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ATTENTION + extra, "t.qspec"))
+        qdsl.apply(model, bert_int8_spec(extra))
         qdsl.calibrate(model, [{"input_ids": ids[:8]}, {"input_ids": ids[8:]}])
         qdsl.freeze(model)
         with torch.no_grad():
             fq = model(ids).numpy()
         graph = qdsl.export(model, {"input_ids": ids[:1]})
         got = np.asarray(run_graph(graph, ids.numpy(), backend="reference"))
-        results[name] = (_cos(got, want), _cos(got, fq))
+        results[name] = (cos(got, want), cos(got, fq))
         print(f"\n{name} LayerNorm outputs: cos(graph, float) {results[name][0]:.6f}  "
               f"cos(graph, fq) {results[name][1]:.7f}")
     assert results["wide"][0] >= results["8-bit"][0]
@@ -138,7 +121,7 @@ def test_layernorm_with_quantized_input_keeps_the_narrow_form():
     model = TinyBert(pooler=False, softmax_module=True, layers=1).eval()
     ids = torch.randint(0, 50, (8, 12))
     encoder_ln_inputs = "rule re:'encoder\\..*\\.LayerNorm' { input = a8 }\n"
-    qdsl.apply(model, parse_text(SPEC_FILE.read_text() + ATTENTION + encoder_ln_inputs, "t.qspec"))
+    qdsl.apply(model, bert_int8_spec(encoder_ln_inputs))
     qdsl.calibrate(model, [{"input_ids": ids}])
     qdsl.freeze(model)
     graph = qdsl.export(model, {"input_ids": ids[:1]})
@@ -207,7 +190,7 @@ def test_add_of_two_wide_layernorm_outputs():
     lns = {op.name: op for op in graph.ops if op.type is OpType.LAYERNORM}
     assert all(graph.tensor(lns[n].outputs[0]).dtype is DType.I32 for n in ("norm1", "norm2"))
     got = np.asarray(run_graph(graph, x.numpy(), backend="reference"))
-    assert _cos(got, fq) >= 0.9999
+    assert cos(got, fq) >= 0.9999
     if rt.available():
         np.testing.assert_array_equal(np.asarray(run_graph(graph, x.numpy(), backend="cpp")), got)
 
@@ -251,9 +234,9 @@ def test_functional_softmax_exports_with_scores_probs_roles(mask):
     if mask:  # padded tokens' states are not compared (the model computes them, nobody reads them)
         keep = am.astype(bool)
         got, want, fq = got[keep], want[keep], fq[keep]
-    print(f"\n{op.name}: cos(graph, float) {_cos(got, want):.6f}  cos(fq, float) {_cos(fq, want):.6f}  "
-          f"cos(graph, fq) {_cos(got, fq):.7f}")
-    assert _cos(got, want) >= 0.999 and _cos(got, fq) >= 0.9999
+    print(f"\n{op.name}: cos(graph, float) {cos(got, want):.6f}  cos(fq, float) {cos(fq, want):.6f}  "
+          f"cos(graph, fq) {cos(got, fq):.7f}")
+    assert cos(got, want) >= 0.999 and cos(got, fq) >= 0.9999
     if rt.available():
         np.testing.assert_array_equal(_out(run_graph(graph, inputs, backend="cpp")),
                                       _out(run_graph(graph, inputs, backend="reference")))

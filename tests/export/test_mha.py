@@ -19,17 +19,9 @@ from qdsl.graph.ir import OpType
 from qdsl.parse import parse_text
 from qdsl.patch.handle import get_handle
 
-SPEC = """
-version 1
-quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
-quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
-defaults {
-  weight = w8
-  input = a8
-  bias = int(bits=32, signed, symmetric, scale=input*weight)
-}
-rule head { output = a8 }
-"""
+from tests.export.attn_models import TEL_SPEC, cos
+
+SPEC = TEL_SPEC
 
 
 class Model(nn.Module):
@@ -58,10 +50,6 @@ class Model(nn.Module):
         h = self.attn(h, h, h, **self.call)[0] if self.kind == "mha" else self.attn(h)
         return self.head(h)
 
-
-def _cos(a, b) -> float:
-    a, b = np.asarray(a, np.float64).reshape(-1), np.asarray(b, np.float64).reshape(-1)
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 def _pipeline(model, seed=0, requant="single", extra=""):
@@ -110,7 +98,7 @@ def test_exports_runs_in_cpp_bit_identical_and_agrees(case):
             np.testing.assert_array_equal(cg.run(xt.numpy(), path=path), ref, err_msg=f"path {path}")
     q = get_handle(model).quantizer("head", "output")
     lsb = np.abs(ref - fq) / float(q.scale)
-    cos_float, cos_fq = _cos(ref, want), _cos(ref, fq)
+    cos_float, cos_fq = cos(ref, want), cos(ref, fq)
     print(f"{case}: cos(graph, float) {cos_float:.5f}, cos(graph, fake-quant) {cos_fq:.6f}, output codes equal "
           f"{np.mean(lsb < 0.5):.4f}, within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
     assert cos_float >= 0.99
@@ -126,7 +114,7 @@ def test_post_norm_layernorm_output_stays_wide():
     # post-norm: norm1's result feeds linear1 and the residual add x + ff(x).  No quantizer is
     # implied on it: LAYERNORM writes I32, linear1's input quantizer REQUANTIZEs it, the add
     # reads it wide.  An explicit 8-bit output (the alternative) is further from float.
-    cos = {}
+    cosines = {}
     for name, extra in (("wide", ""), ("8-bit", "rule attn.norm1 { output = a8 }\n")):
         torch.manual_seed(1)
         model = Model(**CASES["encoder-post-norm"])
@@ -142,9 +130,9 @@ def test_post_norm_layernorm_output_stays_wide():
         ref = execute(graph, xt.numpy()).outputs[0]
         if rt.available():
             np.testing.assert_array_equal(rt.CompiledGraph(graph).run(xt.numpy()), ref)
-        cos[name] = (_cos(ref, want), _cos(fq, want))
-        print(f"post-norm, {name} norm1 output: cos(graph, float) {cos[name][0]:.6f}, cos(fq, float) {cos[name][1]:.6f}")
-    assert cos["wide"][0] >= cos["8-bit"][0] and cos["wide"][1] >= cos["8-bit"][1]
+        cosines[name] = (cos(ref, want), cos(fq, want))
+        print(f"post-norm, {name} norm1 output: cos(graph, float) {cosines[name][0]:.6f}, cos(fq, float) {cosines[name][1]:.6f}")
+    assert cosines["wide"][0] >= cosines["8-bit"][0] and cosines["wide"][1] >= cosines["8-bit"][1]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -161,9 +149,9 @@ def test_gemmlowp_requantization_runs_in_cpp_bit_identical(case):
         for path in K.paths()["cpu"]:
             np.testing.assert_array_equal(cg.run(xt.numpy(), path=path), ref, err_msg=f"path {path}")
     lsb = np.abs(ref - fq) / float(get_handle(model).quantizer("head", "output").scale)
-    print(f"gemmlowp {case}: cos(graph, float) {_cos(ref, want):.5f}, output codes equal {np.mean(lsb < 0.5):.4f}, "
+    print(f"gemmlowp {case}: cos(graph, float) {cos(ref, want):.5f}, output codes equal {np.mean(lsb < 0.5):.4f}, "
           f"within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
-    assert _cos(ref, want) >= 0.99 and np.mean(lsb < 1.5) >= 0.98 and lsb.max() <= 2.5
+    assert cos(ref, want) >= 0.99 and np.mean(lsb < 1.5) >= 0.98 and lsb.max() <= 2.5
 
 
 @pytest.mark.parametrize("call, match", [
@@ -224,4 +212,4 @@ def test_float_in_proj_bias_is_rounded_to_the_accumulator_grid():
     with torch.no_grad():
         fq = model(xt).numpy()
     lsb = np.abs(ref - fq) / float(get_handle(model).quantizer("head", "output").scale)
-    assert _cos(ref, want) >= 0.99 and np.mean(lsb < 1.5) >= 0.99
+    assert cos(ref, want) >= 0.99 and np.mean(lsb < 1.5) >= 0.99

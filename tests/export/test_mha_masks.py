@@ -21,7 +21,7 @@ from qdsl.graph.ops.softmax_masked import MaskError
 from qdsl.parse import parse_text
 from qdsl.patch.handle import get_handle
 
-from tests.export.test_mha import SPEC, _cos
+from tests.export.attn_models import TEL_SPEC as SPEC, cos
 
 N, L, HEADS = 4, 10, 4
 
@@ -152,7 +152,7 @@ def test_masked_attention_exports_runs_in_cpp_bit_identical_and_agrees(case, req
     assert types.count(OpType.SOFTMAX_MASKED) == 1 and OpType.SOFTMAX not in types
     ref = _run_all(graph, inputs)
     lsb = np.abs(ref - fq) / float(get_handle(model).quantizer("head", "output").scale)
-    cos_float, cos_fq = _cos(ref, want), _cos(ref, fq)
+    cos_float, cos_fq = cos(ref, want), cos(ref, fq)
     print(f"{case} ({requant}): cos(graph, float) {cos_float:.5f}, cos(graph, fake-quant) {cos_fq:.6f}, codes equal "
           f"{np.mean(lsb < 0.5):.4f}, within 1 LSB {np.mean(lsb < 1.5):.4f}, max {lsb.max():.0f} LSB")
     assert cos_float >= 0.99

@@ -24,7 +24,7 @@ from qdsl.export.lower import export  # noqa: E402
 from qdsl.export.onnx import graph_to_onnx  # noqa: E402
 from qdsl.patch.handle import get_handle  # noqa: E402
 
-from tests.export.test_mha import _cos  # noqa: E402
+from tests.export.attn_models import cos  # noqa: E402
 from tests.export.test_mha_masks import _pipeline  # noqa: E402
 
 
@@ -57,8 +57,8 @@ def test_attention_runs_in_onnxruntime_and_agrees_with_the_graph(case):
     ref = execute(graph, [t.numpy() for t in inputs]).outputs[0]
     lsb = np.abs(y - ref) / float(get_handle(model).quantizer("head", "output").scale)
     print(f"{case}: onnxruntime vs graph output codes equal {np.mean(lsb < 0.5):.4f}, max {lsb.max():.0f} LSB, "
-          f"cos(onnxruntime, float) {_cos(y, want):.5f}")
-    assert np.mean(lsb < 0.5) >= 0.99 and lsb.max() <= 1.5 and _cos(y, want) >= 0.99
+          f"cos(onnxruntime, float) {cos(y, want):.5f}")
+    assert np.mean(lsb < 0.5) >= 0.99 and lsb.max() <= 1.5 and cos(y, want) >= 0.99
 
 
 def _one_op(op_type, x_shapes, attrs, out_scale, out_zp, out_dtype=DType.U8, masks=(), out_shape=None):

@@ -28,12 +28,8 @@ from qdsl.parse import parse_text  # noqa: E402
 from qdsl.patch.handle import get_handle  # noqa: E402
 
 from tests.export.test_onnx_attention import _codes_differ, _one_op, _session  # noqa: E402
-from tests.export.test_transformer_layer import SPEC  # noqa: E402
+from tests.export.attn_models import INT8_SPEC as SPEC, cos  # noqa: E402
 
-
-def _cos(a, b) -> float:
-    a, b = np.ravel(a).astype(np.float64), np.ravel(b).astype(np.float64)
-    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
 
 
 class _Encoder(nn.Module):
@@ -70,8 +66,8 @@ def test_encoder_layer_runs_in_onnxruntime_and_agrees_with_the_graph(norm_first,
         fq = model(x).numpy()
     lsb = np.abs(y - ref) / float(get_handle(model).quantizer("layer", "output").scale)
     print(f"TEL norm_first={norm_first} {activation}: onnxruntime vs graph output codes equal "
-          f"{np.mean(lsb < 0.5):.4f}, max {lsb.max():.0f} LSB; cos(onnxruntime, fake-quant) {_cos(y, fq):.6f}")
-    assert np.mean(lsb < 0.5) >= 0.97 and lsb.max() <= 2.5 and _cos(y, fq) >= 0.999
+          f"{np.mean(lsb < 0.5):.4f}, max {lsb.max():.0f} LSB; cos(onnxruntime, fake-quant) {cos(y, fq):.6f}")
+    assert np.mean(lsb < 0.5) >= 0.97 and lsb.max() <= 2.5 and cos(y, fq) >= 0.999
 
 
 def test_graphs_without_layernorm_keep_opset_13():
@@ -126,7 +122,7 @@ def test_minilm_runs_in_onnxruntime_and_agrees_with_the_graph():
     y = _session(proto).run(None, feeds)[0]
     ref = execute(graph, [feeds[n] for n in graph.inputs]).outputs[0]
     keep = feeds["attention_mask"].astype(bool)
-    c_graph, c_float = _cos(y[keep], ref[keep]), _cos(y[keep], want[keep])
+    c_graph, c_float = cos(y[keep], ref[keep]), cos(y[keep], want[keep])
     print(f"MiniLM hidden states (real tokens): cos(onnxruntime, graph) {c_graph:.4f}, "
-          f"cos(onnxruntime, float) {c_float:.4f}, cos(graph, float) {_cos(ref[keep], want[keep]):.4f}")
+          f"cos(onnxruntime, float) {c_float:.4f}, cos(graph, float) {cos(ref[keep], want[keep]):.4f}")
     assert c_graph >= 0.98 and c_float >= 0.98

@@ -16,16 +16,9 @@ from qdsl.export.values import ExportError
 from qdsl.parse import parse_text
 from qdsl.patch.trace import trace_model
 
-SPEC = """
-version 1
-quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
-quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
-defaults {
-  weight = w8
-  input = a8
-  bias = int(bits=32, signed, symmetric, scale=input*weight)
-}
-"""
+from tests.export.attn_models import INT8_SPEC
+
+SPEC = INT8_SPEC
 
 
 class Nested(nn.Module):

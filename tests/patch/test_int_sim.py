@@ -21,6 +21,8 @@ from qdsl.patch.handle import get_handle
 from qdsl.patch.int_sim import grid_of
 from qdsl.patch.softmax_roles import quantized_softmax
 
+from tests.export.attn_models import TEL_SPEC
+
 SPEC = """
 version 1
 quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
@@ -141,17 +143,7 @@ def test_calibration_runs_the_float_layernorm():
         assert not torch.equal(model(x), before)
 
 
-PRE_NORM_SPEC = """
-version 1
-quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
-quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
-defaults {
-  weight = w8
-  input = a8
-  bias = int(bits=32, signed, symmetric, scale=input*weight)
-}
-rule head { output = a8 }
-"""
+PRE_NORM_SPEC = TEL_SPEC
 
 
 class _PreNormStack(nn.Module):

@@ -52,7 +52,8 @@ from qdsl.graph.requant import apply_rescale, rounding_shift, sat
 from qdsl.graph.schema import (IN_RQ_ATTRS, INT8_DTYPES, OUT_ATTRS, RQ_ATTRS, AttrType, DType, OpSchema, OutputStage,
                                RescaleKind, Rounding)
 
-__all__ = ["OPS", "layernorm", "layernorm_constants", "isqrt", "LN_FRAC_BITS", "GAMMA_MAX", "BETA_MAX", "WIDE_MAX_N", "D_BITS"]
+__all__ = ["OPS", "layernorm", "layernorm_constants", "wide_output_bound", "wide_sum_grid", "isqrt", "LN_FRAC_BITS",
+           "GAMMA_MAX", "BETA_MAX", "WIDE_MAX_N", "WIDE_SUM_BITS", "D_BITS"]
 
 LN_FRAC_BITS = 16
 GAMMA_MAX = 2**14 - 1
@@ -78,6 +79,35 @@ def layernorm_constants(n: int, weight, bias, eps: float, s_in: float) -> tuple[
     b_int = np.clip(np.rint(beta / unit), -BETA_MAX, BETA_MAX).astype(np.int64)
     eps_int = int(round(n**3 * eps / (s_in * s_in)))
     return g_int, b_int, unit, eps_int
+
+
+def wide_output_bound(g_int: np.ndarray, b_int: np.ndarray, unit: float) -> float:
+    """The largest ``|real value|`` of a LayerNorm's wide output (its accumulator ``acc·unit``):
+    ``|Z| <= 2^16`` (+ rounding), since ``|N·(x - mean)|`` is at most the row's root sum of squares."""
+    return float(((2**16 + 2) * np.abs(g_int).max(initial=0) + np.abs(b_int).max(initial=0)) * unit)
+
+
+WIDE_SUM_BITS = 30
+"""A wide sum's worst case stays below ``2^WIDE_SUM_BITS`` grid steps (int32, with headroom)."""
+
+
+def wide_sum_grid(bound: float, n: int, eps: float) -> float:
+    """The grid of a LayerNorm's wide input: the finest power of two that keeps the sum's worst
+    case ``bound`` below ``2^WIDE_SUM_BITS`` steps (LAYERNORM saturates its sum to int32), and
+    ``eps`` in the op's units (``N³·eps/s²``) below ``2^60``.
+
+    Fine on purpose: each term of the sum is rounded onto this grid; a grid at an
+    accumulator's unit (what an ADD's int8 result needs) rounds away bits the LayerNorm keeps
+    (24 of ``N·(x - mean)``), and those roundings start 8-bit code differences that the
+    attention's softmax amplifies from block to block (docs/qgraph.md §6).  The exporter
+    (qdsl.export.lower_attn) sizes the graph's grid with it, and the fake-quant model
+    (qdsl.patch.residual_sim) the same grid from the same term bounds."""
+    # frexp: bound / 2^WIDE_SUM_BITS = m·2^e with m in [0.5, 1), so 2^e is the finest power of
+    # two above it
+    s = math.ldexp(1.0, math.frexp(max(bound, 1e-30) / 2**WIDE_SUM_BITS)[1])
+    while n**3 * eps / (s * s) >= 2**60:
+        s *= 2
+    return s
 
 
 def isqrt(v: np.ndarray) -> np.ndarray:

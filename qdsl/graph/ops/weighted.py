@@ -12,7 +12,7 @@ from qdsl.graph.ops import OpDef
 from qdsl.graph.requant import apply_rescale, apply_rescale_wide, sat, wrap
 from qdsl.graph.schema import INT8_DTYPES, WEIGHT_DTYPES, AttrType, DType, OpSchema, OutputStage
 
-__all__ = ["OPS", "windows", "conv", "linear", "bconv"]
+__all__ = ["OPS", "windows", "conv", "linear", "bconv", "accumulator_bound"]
 
 _ACC = {"acc_bits": AttrType.INT, "overflow": AttrType.INT}
 _SPATIAL = {"stride": AttrType.INTS, "padding": AttrType.INTS, "dilation": AttrType.INTS}
@@ -21,6 +21,18 @@ _BCONV = {**_SPATIAL, "groups": AttrType.INT, **_ACC}
 
 
 # ---------------------------------------------------------------- reference semantics
+
+
+def accumulator_bound(w_codes: np.ndarray, w_zp, x_max: int, bias: np.ndarray | None, s_acc) -> float:
+    """The largest ``|real value|`` a conv/linear result ``acc·s_acc[c]`` can take for any input
+    codes within ``x_max`` of their zero point: every product at its largest, plus the bias
+    (``w_codes``: output channels first; ``w_zp``/``s_acc``: per channel or one).  The
+    exporter sizes a wide sum's grid with it (qdsl.export.lower_attn), and the fake-quant
+    model the same grid (qdsl.patch.residual_sim)."""
+    w = np.asarray(w_codes, dtype=np.int64)
+    w_abs = np.abs(w.reshape(w.shape[0], -1) - np.asarray(w_zp, dtype=np.int64).reshape(-1, 1))
+    b_abs = np.abs(np.asarray(bias, dtype=np.int64)) if bias is not None else 0
+    return float(((w_abs.sum(axis=1) * x_max + b_abs) * np.asarray(s_acc, dtype=np.float64)).max(initial=0.0))
 def windows(x: np.ndarray, kernel, stride, padding, dilation, pad_value) -> np.ndarray:
     """``N×C×L_1..×K_1..``: every window of ``x`` (rank-2 spatial or rank-1)."""
     pads = [(0, 0), (0, 0)] + [(p, p) for p in padding]
