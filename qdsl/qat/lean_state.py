@@ -82,7 +82,7 @@ class BlockQuantized:
     >>> m = BlockQuantized(2, 3, signed=True)
     >>> m.write(0, 2, torch.tensor([[0.5, -1.0, 0.0], [2.0, 0.02, -0.5]]))
     >>> [[round(v, 3) for v in row] for row in m.read(0, 2).tolist()]
-    [[0.5, -1.0, 0.0], [2.0, 0.02, -0.5]]
+    [[0.502, -1.0, 0.0], [2.0, 0.021, -0.508]]
     """
 
     def __init__(self, rows: int, cols: int, *, signed: bool, device=None) -> None:

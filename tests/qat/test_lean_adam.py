@@ -1,5 +1,7 @@
 """qdsl.qat.LeanAdam: packed-code QAT with the update in backward (and qdsl.qat.lean_state)."""
 
+import doctest
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from qdsl.export import export
 from qdsl.parse import parse_text
 from qdsl.patch import apply, get_handle, remove
 from qdsl.patch.ints import int_tensors
-from qdsl.qat import LeanAdam
+from qdsl.qat import LeanAdam, lean_state
 from qdsl.qat.lean_state import (BLOCK, BlockQuantized, pack_rows, packed_cols, round_bf16_stochastic,
                                  stochastic_codes, unpack_rows)
 from qdsl.quantizers import proxy_grad
@@ -60,6 +62,11 @@ def _masters(model, opt=None):
 
 
 # ---------------------------------------------------------------- lean_state
+def test_lean_state_doctests():
+    res = doctest.testmod(lean_state)
+    assert res.attempted >= 8 and res.failed == 0
+
+
 @pytest.mark.parametrize("qmin,qmax,cols", [(-7, 7, 9), (-8, 7, 10), (0, 15, 1), (0, 255, 5), (-127, 127, 7), (-1, 1, 3)])
 def test_pack_rows_round_trip(qmin, qmax, cols):
     codes = torch.randint(qmin, qmax + 1, (5, cols))
