@@ -47,7 +47,7 @@ defaults {
   bias = int(bits=32, signed, symmetric, scale=input*weight)
 }
 """
-VARIANTS = ("fp32_adam", "qat", "lean_opt", "lean_bf16", "lean_none", "lean_fp32")
+VARIANTS = ("fp32_adam", "lean_bf16", "lean_none", "qat", "lean_fp32", "lean_opt")
 LEAN = {"lean_bf16": {}, "lean_none": {"master": "none"},
         "lean_fp32": {"master": "fp32", "grad_dtype": "float32", "state_bits": 32}}
 
@@ -149,7 +149,10 @@ def _run(variant: str, args, extra: list[str]) -> dict:
     if res.returncode:
         sys.stderr.write(res.stderr)
         raise SystemExit(f"variant {variant} failed")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    row = json.loads(res.stdout.strip().splitlines()[-1])
+    if args.verbose:  # the raw figures as each variant ends (a long run can be read while it goes)
+        print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    return row
 
 
 def main() -> None:
@@ -162,18 +165,19 @@ def main() -> None:
     ap.add_argument("--loss-steps", type=int, default=0)
     ap.add_argument("--loss-width", type=int, default=1024)
     ap.add_argument("--skip-rss", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="print each variant's figures as it ends")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     if args.variant:
         _child(args)
         return
-    print(f"load average: {os.getloadavg()}")
+    print(f"load average: {os.getloadavg()}", flush=True)
     variants = args.variants.split(",")
     if not args.skip_rss:
         base = _run("baseline", args, [])["base_mb"]
         n = 3 * args.width * args.width + 10 * args.width + 3 * args.width + 10
         print(f"RSS: mlp {args.width}x4 ({n / 1e6:.1f}M parameters), {args.steps} steps, batch {args.batch}, "
-              f"1 thread; baseline (python + torch + qdsl imported) {base:.0f} MB")
+              f"1 thread; baseline (python + torch + qdsl imported) {base:.0f} MB", flush=True)
         rows = {v: _run(v, args, ["--width", str(args.width), "--steps", str(args.steps)]) for v in variants}
         ref = rows["fp32_adam"] if "fp32_adam" in rows else None
         print(f"{'variant':<11}{'peak MB':>9}{'ratio':>7}{'setup MB':>10}{'train MB':>10}{'ratio':>7}"

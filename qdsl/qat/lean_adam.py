@@ -61,7 +61,7 @@ from torch import nn
 from qdsl.patch.handle import get_handle
 from qdsl.patch.layer import MASTER_SUFFIX
 from qdsl.qat.lean import LEAN_ATTR
-from qdsl.qat.lean_state import (BlockQuantized, pack_rows, packed_cols, round_bf16_stochastic,
+from qdsl.qat.lean_state import (BlockQuantized, RandomBits, pack_rows, packed_cols, round_bf16_stochastic,
                                  stochastic_codes, unpack_rows)
 from qdsl.quantizers.observers import MinMaxObserver
 from qdsl.quantizers.proxy_grad import install as install_grad_path
@@ -236,11 +236,12 @@ class _LeanLayer:
             self.m.write(r0, r1, m)
             self.v.write(r0, r1, v)
         if self.master is not None and self.master.dtype != torch.float32:
-            self.master[r0:r1] = round_bf16_stochastic(w, opt.generator)
+            self.master[r0:r1] = round_bf16_stochastic(w, bits=opt.random.take(w.shape))
             w = self._float_rows(r0, r1)
         if self.master is None:
             s, z = _rows(self.scale, r0, r1), _rows(self.zp, r0, r1)
-            c = stochastic_codes(w.mul_(s.reciprocal()).add_(z), opt.generator).clamp_(self.qmin, self.qmax)
+            c = stochastic_codes(w.mul_(s.reciprocal()).add_(z), bits=opt.random.take(w.shape))
+            c = c.clamp_(self.qmin, self.qmax)
             self.codes[r0:r1] = pack_rows(c, self.qmin, self.qmax)
             return
         if self.track:  # the stateless weight quantizer's scale of the updated rows
@@ -384,6 +385,7 @@ class LeanAdam:
         self.master, self.grad_dtype, self.state_bits, self.scale = master, grad_dtype, state_bits, scale
         self.chunk = int(chunk)
         self.generator = torch.Generator().manual_seed(seed)
+        self._random: RandomBits | None = None
         install_grad_path(handle.container.quantizers.values())  # QAT gradients for this model only
         diags: list[Diagnostic] = []
         self.skipped: dict[str, str] = {}
@@ -415,6 +417,14 @@ class LeanAdam:
         self.state: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._param_hook) for p in self.params]
         self.finished = False
+
+    @property
+    def random(self) -> RandomBits:
+        """Random bits for the stochastic roundings (drawn at the first update)."""
+        if self._random is None:
+            n = max(lay.step_rows * lay.cols for lay in self.layers.values())
+            self._random = RandomBits(n, self.generator)
+        return self._random
 
     @property
     def lr(self) -> float:

@@ -22,13 +22,15 @@ never hold a full-size float temporary:
   than half a bf16 step, 2^-9 of the weight).
 * :func:`stochastic_codes`: ``floor(v + u)``, ``u ~ U[0, 1)``: the expected code is ``v``
   (the update of codes held without any float master).
+* :class:`RandomBits`: the random bits both roundings take, drawn cheaply (drawing 1M
+  fresh int32 from torch's CPU generator costs more than the rest of a block's update).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["BLOCK", "pack_rows", "unpack_rows", "packed_cols", "BlockQuantized",
+__all__ = ["BLOCK", "pack_rows", "unpack_rows", "packed_cols", "BlockQuantized", "RandomBits",
            "round_bf16_stochastic", "stochastic_codes"]
 
 BLOCK = 256
@@ -113,7 +115,11 @@ class BlockQuantized:
         if pad:
             x = torch.nn.functional.pad(x, (0, pad))
         x = x.reshape(n, self.blocks, BLOCK)
-        amax = x.abs().amax(dim=2)
+        if self.signed:
+            lo, hi = torch.aminmax(x, dim=2)  # one pass, no |x| temporary
+            amax = torch.maximum(-lo, hi)
+        else:
+            amax = x.amax(dim=2)
         self.absmax[r0:r1] = amax
         u = x / amax.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(2)
         if self.signed:
@@ -123,32 +129,72 @@ class BlockQuantized:
         self.codes[r0:r1] = c.reshape(n, -1).to(self.codes.dtype)
 
 
-def round_bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+class RandomBits:
+    """Random int32 words for up to ``n`` values per call: a window at a random offset into
+    a table of ``2n`` random words drawn once, XOR-ed with one fresh random word per call.
+
+    For any fixed element the result is uniform over calls (XOR with a uniform word is a
+    bijection), and within a call elements read independent table entries; what is given
+    up is only independence between calls for a pair of elements (their XOR difference
+    repeats when the window offset does), which unbiased rounding does not need.
+
+    >>> r = RandomBits(1000, torch.Generator().manual_seed(0))
+    >>> b = r.take((10, 50)); b.shape, b.dtype
+    (torch.Size([10, 50]), torch.int32)
+    """
+
+    def __init__(self, n: int, generator: torch.Generator) -> None:
+        self.n, self.generator = n, generator
+        self.table = torch.randint(-2 ** 31, 2 ** 31 - 1, (2 * n,), dtype=torch.int32, generator=generator)
+
+    def take(self, shape) -> torch.Tensor:
+        numel = 1
+        for d in shape:
+            numel *= d
+        if numel > self.n:
+            return torch.randint(-2 ** 31, 2 ** 31 - 1, tuple(shape), dtype=torch.int32, generator=self.generator)
+        off, word = torch.randint(0, 2 ** 31 - 1, (2,), generator=self.generator).tolist()
+        off %= self.n + 1
+        return torch.bitwise_xor(self.table[off:off + numel], word).reshape(shape)
+
+
+def round_bf16_stochastic(x: torch.Tensor, generator: torch.Generator | None = None,
+                          bits: torch.Tensor | None = None) -> torch.Tensor:
     """float32 -> bfloat16, rounding up with probability equal to the dropped fraction.
 
     bfloat16 is the top half of a float32's bits: adding a uniform random 16-bit integer to
     the low half and truncating rounds up exactly when the carry reaches the kept half, with
     probability (dropped bits)/2^16 (finite values; a carry into the exponent is the correct
-    next value).
+    next value).  ``bits``: random int32 words of ``x``'s shape (default: drawn from
+    ``generator``); their low 16 bits are used.
 
     >>> x = torch.full((20000,), 1.0 + 2.0 ** -10)   # a quarter of a bf16 step above 1
     >>> y = round_bf16_stochastic(x, torch.Generator().manual_seed(0)).float()
     >>> sorted(set(y.tolist())), abs(float(y.mean()) - float(x[0])) < 2e-4
     ([1.0, 1.0078125], True)
     """
-    bits = x.to(torch.float32).contiguous().view(torch.int32)
-    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
-    out = (bits + noise) & -65536  # 0xFFFF0000 as a signed int32
+    xi = x.to(torch.float32).contiguous().view(torch.int32)
+    if bits is None:
+        noise = torch.randint(0, 1 << 16, xi.shape, dtype=torch.int32, device=xi.device, generator=generator)
+    else:
+        noise = bits & 0xFFFF
+    out = noise.add_(xi).bitwise_and_(-65536)  # 0xFFFF0000 as a signed int32
     return out.view(torch.float32).to(torch.bfloat16)
 
 
-def stochastic_codes(v: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def stochastic_codes(v: torch.Tensor, generator: torch.Generator | None = None,
+                     bits: torch.Tensor | None = None) -> torch.Tensor:
     """``floor(v + u)`` with ``u ~ U[0, 1)`` per element (float result): ``E[result] = v``.
+    ``u`` comes from ``bits`` (random int32 words of ``v``'s shape; their low 24 bits) when
+    given, else from ``generator``.
 
     >>> v = torch.full((40000,), 2.25)
     >>> c = stochastic_codes(v, torch.Generator().manual_seed(0))
     >>> sorted(set(c.tolist())), abs(float(c.mean()) - 2.25) < 0.01
     ([2.0, 3.0], True)
     """
-    u = torch.rand(v.shape, dtype=torch.float32, device=v.device, generator=generator)
+    if bits is None:
+        u = torch.rand(v.shape, dtype=torch.float32, device=v.device, generator=generator)
+    else:
+        u = (bits & 0xFFFFFF).to(torch.float32).mul_(2.0 ** -24)
     return u.add_(v).floor_()
