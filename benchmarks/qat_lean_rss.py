@@ -47,7 +47,7 @@ defaults {
   bias = int(bits=32, signed, symmetric, scale=input*weight)
 }
 """
-VARIANTS = ("fp32_adam", "lean_bf16", "lean_none", "qat", "lean_fp32", "lean_opt")
+VARIANTS = ("fp32_adam", "lean_bf16", "lean_bf16_nocopy", "lean_none", "qat", "lean_fp32", "lean_opt")
 LEAN = {"lean_bf16": {}, "lean_none": {"master": "none"},
         "lean_fp32": {"master": "fp32", "grad_dtype": "float32", "state_bits": 32}}
 
@@ -69,30 +69,67 @@ def _reset_peak() -> bool:
         return False
 
 
-def _build(variant: str, width: int, lr: float, x_cal):
+def _model(width: int, loss: bool):
+    import torch
+    from torch import nn
+    from qdsl.zoo.models import mlp
+
+    if loss:
+        return mlp(seed=0, sizes=(width, width, width, width, 10))
+    # the same layers, initialised in place (zoo's seeded init draws each weight into a
+    # temporary first: two extra copies of the largest weight at setup)
+    torch.manual_seed(0)
+    layers: list = [nn.Flatten()]
+    for i, (a, b) in enumerate(zip((width,) * 4, (width,) * 3 + (10,))):
+        layers += [nn.Linear(a, b)] + ([nn.ReLU()] if i < 3 else [])
+    return nn.Sequential(*layers)
+
+
+def _no_install_copy() -> None:
+    """Emulate, in this process only, a proposed change to ``qdsl.patch.layer``: do not keep
+    the fake-quantized weight ``qdsl.apply`` computes at install (the next forward computes
+    it anyway).  Lean form never needs it; today it is the setup's memory peak."""
+    from qdsl.patch.layer import LayerPatch
+
+    install = LayerPatch.install
+
+    def lean_install(self):
+        install(self)
+        if "weight" in self._moved:
+            self.module.__dict__["weight"] = None
+
+    LayerPatch.install = lean_install
+
+
+def _build(variant: str, width: int, lr: float, x_cal, loss: bool):
     """The model and an object with zero_grad()/step() for ``variant``."""
     import torch
     import qdsl
     from qdsl.parse import parse_text
     from qdsl.qat import LeanAdam, LeanOptimizer
-    from qdsl.zoo.models import mlp
 
-    model = mlp(seed=0, sizes=(width, width, width, width, 10))
+    model = _model(width, loss)
     if variant == "fp32_adam":
         return model.train(), torch.optim.Adam(model.parameters(), lr=lr)
+    if variant.endswith("_nocopy"):
+        _no_install_copy()
     qdsl.apply(model, parse_text(SPEC, "w4.qspec"))
-    qdsl.calibrate(model, [x_cal])
-    model.train()
-    if variant == "qat":
+    if variant in ("qat", "lean_opt"):
+        qdsl.calibrate(model, [x_cal])
+        model.train()
+        if variant == "lean_opt":
+            return model, LeanOptimizer(model, torch.optim.Adam, lr=lr)
         from qdsl.quantizers.proxy_grad import install
         install(model)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    if variant == "lean_opt":
-        return model, LeanOptimizer(model, torch.optim.Adam, lr=lr)
-    kw = dict(LEAN[variant])
+    kw = dict(LEAN[variant.removesuffix("_nocopy")])
     if "grad_dtype" in kw:
         kw["grad_dtype"] = getattr(torch, kw["grad_dtype"])
-    return model, LeanAdam(model, lr=lr, **kw)
+    # lean form first, then calibrate: calibration in lean form never materializes the
+    # fake-quantized fp32 weights (it observes the float network, as without lean form)
+    opt = LeanAdam(model, lr=lr, **kw)
+    qdsl.calibrate(model, [x_cal])
+    return model.train(), opt
 
 
 def _child(args) -> None:
@@ -121,7 +158,7 @@ def _child(args) -> None:
             return torch.randn(n, width, generator=g), torch.randint(0, 10, (n,), generator=g)
     x_cal, _ = batch(args.batch)
     held_x, held_y = batch(1024)
-    model, opt = _build(args.variant, width, args.lr, x_cal)
+    model, opt = _build(args.variant, width, args.lr, x_cal, bool(args.loss_steps))
     out["setup_mb"] = _peak_mb()
     out["reset"] = _reset_peak()
     losses = []

@@ -323,3 +323,21 @@ def test_shared_layers_and_second_backward_are_errors():
     tied.net[3]._parameters["weight_float"] = tied.net[1]._parameters["weight_float"]
     with pytest.raises(SpecError, match="tied weights"):
         LeanAdam(tied)
+
+
+def test_bundled_w4a8_spec_trains_with_its_searched_scale_fixed():
+    from pathlib import Path
+
+    from qdsl.parse import load_spec
+
+    x, y = _data()
+    model = mlp(seed=0, sizes=(64, 48, 32, 10))
+    apply(model, load_spec(Path(__file__).resolve().parents[2] / "specs" / "w4a8-per-channel.qspec"))
+    opt = LeanAdam(model, lr=1e-2)  # the mse-searched weight scale: kept (scale="auto" -> fixed)
+    calibrate(model, [x[:32], x[32:64]])
+    model.train()
+    assert not any(lay.track for lay in opt.layers.values())
+    with pytest.raises(QdslError, match="minmax"):
+        LeanAdam(_applied(x, W4.replace("observer=minmax)\n  input", "observer=mse)\n  input")), scale="track")
+    losses = [_step(model, opt, x, y, i) for i in range(10)]
+    assert sum(losses[-3:]) < sum(losses[:3])
