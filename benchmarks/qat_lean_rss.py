@@ -192,6 +192,29 @@ def _run(variant: str, args, extra: list[str]) -> dict:
     return row
 
 
+def _rss_table(rows: dict, steps: int) -> None:
+    ref = rows.get("fp32_adam")
+    nan = float("nan")
+    rp = max(ref["setup_mb"], ref["train_mb"]) if ref else nan
+    print(f"{'variant':<17}{'peak MB':>8}{'ratio':>7}{'setup MB':>9}{'train MB':>9}{'ratio':>7}"
+          f"{'above base':>11}{'ratio':>7}{'s/step':>8}")
+    for v, r in rows.items():
+        peak = max(r["setup_mb"], r["train_mb"])
+        print(f"{v:<17}{peak:>8.0f}{peak / rp:>7.2f}{r['setup_mb']:>9.0f}{r['train_mb']:>9.0f}"
+              f"{r['train_mb'] / ref['train_mb'] if ref else nan:>7.2f}{peak - r['base_mb']:>11.0f}"
+              f"{(peak - r['base_mb']) / (rp - ref['base_mb']) if ref else nan:>7.2f}{r['seconds'] / steps:>8.2f}")
+
+
+def _loss_table(rows: dict, steps: int) -> None:
+    ref = rows["qat"]
+    rlast = sum(ref["losses"][-10:]) / 10
+    print(f"{'variant':<17}{'held-out loss':>14}{'vs qat':>8}{'mean last 10':>14}{'vs qat':>8}{'s/step':>8}")
+    for v, r in rows.items():
+        last = sum(r["losses"][-10:]) / 10
+        print(f"{v:<17}{r['held_loss']:>14.4f}{r['held_loss'] / ref['held_loss'] - 1:>+8.2%}"
+              f"{last:>14.4f}{last / rlast - 1:>+8.2%}{r['seconds'] / steps:>8.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variant")
@@ -204,9 +227,20 @@ def main() -> None:
     ap.add_argument("--skip-rss", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="print each variant's figures as it ends")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--table", nargs="+", metavar="JSON",
+                    help="print the tables from the output lines of --variant runs made by hand "
+                         "(e.g. variants run side by side on a busy machine); --steps/--loss-steps as they ran")
     args = ap.parse_args()
     if args.variant:
         _child(args)
+        return
+    if args.table:
+        rows = [json.loads(open(f).read().strip().splitlines()[-1]) for f in args.table]
+        rss = {r["variant"]: r for r in rows if "held_loss" in r and not args.loss_steps}
+        if rss:
+            _rss_table(rss, args.steps)
+        if args.loss_steps:
+            _loss_table({r["variant"]: r for r in rows}, args.loss_steps)
         return
     print(f"load average: {os.getloadavg()}", flush=True)
     variants = args.variants.split(",")
@@ -216,27 +250,12 @@ def main() -> None:
         print(f"RSS: mlp {args.width}x4 ({n / 1e6:.1f}M parameters), {args.steps} steps, batch {args.batch}, "
               f"1 thread; baseline (python + torch + qdsl imported) {base:.0f} MB", flush=True)
         rows = {v: _run(v, args, ["--width", str(args.width), "--steps", str(args.steps)]) for v in variants}
-        ref = rows["fp32_adam"] if "fp32_adam" in rows else None
-        print(f"{'variant':<11}{'peak MB':>9}{'ratio':>7}{'setup MB':>10}{'train MB':>10}{'ratio':>7}"
-              f"{'above base':>12}{'ratio':>7}{'s/step':>8}")
-        for v, r in rows.items():
-            peak = max(r["setup_mb"], r["train_mb"])
-            rp = ref and max(ref["setup_mb"], ref["train_mb"])
-            print(f"{v:<11}{peak:>9.0f}{peak / rp if ref else float('nan'):>7.2f}{r['setup_mb']:>10.0f}"
-                  f"{r['train_mb']:>10.0f}{r['train_mb'] / ref['train_mb'] if ref else float('nan'):>7.2f}"
-                  f"{peak - r['base_mb']:>12.0f}{(peak - r['base_mb']) / (rp - ref['base_mb']) if ref else float('nan'):>7.2f}"
-                  f"{r['seconds'] / args.steps:>8.2f}")
+        _rss_table(rows, args.steps)
     if args.loss_steps:
         print(f"loss: mlp {args.loss_width}x4, {args.loss_steps} steps, lr {args.lr}, batch {args.batch}, teacher labels")
         rows = {v: _run(v, args, ["--loss-steps", str(args.loss_steps), "--loss-width", str(args.loss_width)])
                 for v in variants if v != "fp32_adam"}
-        ref = rows["qat"]
-        print(f"{'variant':<11}{'held-out loss':>14}{'vs qat':>8}{'mean last 10':>14}{'vs qat':>8}{'s/step':>8}")
-        for v, r in rows.items():
-            last = sum(r["losses"][-10:]) / 10
-            rlast = sum(ref["losses"][-10:]) / 10
-            print(f"{v:<11}{r['held_loss']:>14.4f}{r['held_loss'] / ref['held_loss'] - 1:>+8.2%}"
-                  f"{last:>14.4f}{last / rlast - 1:>+8.2%}{r['seconds'] / args.loss_steps:>8.3f}")
+        _loss_table(rows, args.loss_steps)
 
 
 if __name__ == "__main__":

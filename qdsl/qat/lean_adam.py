@@ -33,6 +33,10 @@ fake-quantized weights) and puts every quantized ``nn.Linear`` weight in lean fo
 Bytes per weight held by a lean layer: 0.5 (codes) + 2 (bf16 master; 4 fp32, 0 none) + 2.03
 (8-bit moments; 8 fp32), vs 16 for fp32 Adam (weight, gradient, two moments).
 
+Activations are those of normal QAT: a lean layer saves only its (quantized) input, as
+``nn.Linear`` does.  Activation checkpointing is not supported: its recomputed forward
+counts as a second use of the layer (below).
+
 Loop: one forward with grad and one ``backward()`` per step, then ``opt.step()`` (it closes
 the step: the update already happened during backward).  Evaluate under ``torch.no_grad()``.
 A second training forward of a lean layer before ``step()`` (a layer shared twice in one
