@@ -58,15 +58,19 @@ variant        peak MB  setup MB  train MB  ratio  note
 baseline           303                             python + torch + qdsl imported
 fp32 Adam         1245       514      1245   1.00  float model, torch.optim.Adam
 LeanAdam          776       776       675   0.54  bf16 grads/master, 8-bit moments
+  no apply copy   662       648       662   0.53  the same, apply's copy dropped (below)
+  master=none     776       776       568   0.46  codes only, stochastic rounding
 =============  =======  ========  ========  =====  ======================================
 
 ``ratio`` is the training steps' peak (the setup's high-water mark reset first); the whole
 process peaks at setup, 0.62x: ``qdsl.apply`` keeps a fake-quantized fp32 copy of every
-weight on its module (``module.weight``) until this class drops it.  Above the baseline the
-lean run needs 0.50x of fp32 Adam's memory.  Losses (512-wide MLP, 200 steps, Adam lr 1e-3,
+weight on its module (``module.weight``) until this class drops it; without that copy
+(a change to ``qdsl.patch.layer`` the benchmark emulates in its own process) the whole
+process peaks at 0.53x.  Above the baseline the lean run needs 0.50x of fp32 Adam's memory.  Losses (512-wide MLP, 200 steps, Adam lr 1e-3,
 a teacher's labels): ``master="fp32", grad_dtype=float32, state_bits=32`` gives normal QAT's
 losses bit for bit; the defaults end with the mean of the last 10 training losses +0.15%
-of normal QAT's and a held-out loss 2.5% lower.
+of normal QAT's and a held-out loss 2.5% lower; ``master="none"`` (fixed scale, stochastic
+codes) trains, but 12-14% behind.
 
 After training, :meth:`LeanAdam.finish` puts float32 weights (the dequantized codes) back
 and, by default, freezes each lean weight quantizer at the scale/zero point the codes were
