@@ -5,7 +5,10 @@
 * :mod:`qdsl.qat.loop` - :func:`fit`, a small seeded QAT fine-tuning loop.
 * :mod:`qdsl.qat.ranges` - :func:`research_ranges`: search carried weight ranges again.
 * :mod:`qdsl.qat.lean` - :class:`LeanOptimizer`: packed low-bit weights on the module,
-  fp32 masters only in the optimizer (memory-lean QAT).
+  fp32 masters only in the optimizer (the normal QAT path's values, exactly).
+* :mod:`qdsl.qat.lean_adam` - :class:`LeanAdam`: QAT that lowers peak memory (packed codes
+  are the weights, block-wise dequantization recomputed in backward, the update applied
+  during backward, bf16 gradients, 8-bit Adam moments, bf16 or no master).
 
 The pieces QAT trains with are parts of the quantizer layer, re-exported here:
 :mod:`qdsl.quantizers.ste` (``qdsl.qat.ste``: straight-through estimators, LSQ/LSQ+,
@@ -23,6 +26,7 @@ on the proxies of the model given to :func:`prepare_qat`, :func:`fit` or
 from qdsl.calibration.distributed import sync_observers
 from qdsl.qat.bn_fold import freeze_bn_stats, prepare_qat, unfreeze_bn_stats
 from qdsl.qat.lean import LeanOptimizer
+from qdsl.qat.lean_adam import LeanAdam
 from qdsl.qat.loop import fit
 from qdsl.qat.ranges import research_ranges
 from qdsl.quantizers import ste
@@ -37,6 +41,7 @@ __all__ = [
     "prepare_qat",
     "fit",
     "LeanOptimizer",
+    "LeanAdam",
     "sync_observers",
     "freeze_bn_stats",
     "unfreeze_bn_stats",

@@ -1,5 +1,9 @@
 """Memory-lean low-bit weights for QAT: packed codes on the module, fp32 masters in the optimizer.
 
+This class keeps the normal QAT path's values and gradients exactly, so it saves no
+process memory (fp32 masters, full fp32 gradients and moments, the dequantized fp32 leaf):
+:class:`qdsl.qat.LeanAdam` (:mod:`qdsl.qat.lean_adam`) is the one that lowers peak RSS.
+
 :class:`LeanOptimizer` takes an applied (and calibrated) model and, for every patched
 layer with an ``int`` weight quantizer of at most 8 bits and no folded BatchNorm:
 
