@@ -167,12 +167,7 @@ def _sign_bias(patch, b, s_acc: np.ndarray, where: str):
     (qdsl.patch.layer), so the graph's sign is then the fake-quant model's."""
     if b is None:
         return None
-    with torch.no_grad():
-        if patch.bq is not None:
-            if not patch.bq.frozen:
-                raise ExportError(where, "the bias quantizer is not frozen", "call qdsl.freeze(model)")
-            b = patch.bq(b)
-        vals = b.detach().float().reshape(-1).tolist()
+    vals = _fake_bias(patch, b, where).tolist()
     s = np.broadcast_to(np.asarray(s_acc, dtype=np.float64), (len(vals),))
     t = np.array([math.floor(Fraction(v) / Fraction(float(si))) for v, si in zip(vals, s)], dtype=np.int64)
     if np.abs(t).max(initial=0) > INT32_MAX:
