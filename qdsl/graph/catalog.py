@@ -73,9 +73,10 @@ LOWERINGS: dict[str, tuple[str, ...]] = {
 }
 """Export's lowering rules and the graph ops (``OpType`` names) each may emit."""
 
-BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE", "QUANTIZE_DYNAMIC")
+BOUNDARY_OPS = ("QUANTIZE", "DEQUANTIZE", "REQUANTIZE", "BINARIZE", "BINARIZE_CHANNEL", "QUANTIZE_DYNAMIC")
 """Emitted where a quantizer sits (and at the graph's float input/output), for no construct
-(QUANTIZE_DYNAMIC: a dynamic input quantizer, before its LINEAR_DYNAMIC)."""
+(QUANTIZE_DYNAMIC: a dynamic input quantizer, before its LINEAR_DYNAMIC; BINARIZE_CHANNEL:
+a binary input quantizer with learned per-channel thresholds reading 8-bit codes)."""
 
 WEIGHTED_OPS = ("conv1d", "conv2d", "linear", "conv_transpose1d", "conv_transpose2d")
 """Ops with a weight (and optional bias): the ones with an integer accumulator."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from qdsl.export import lower, lower_dynamic, lower_layers, lower_lut, rules
+from qdsl.export import lower, lower_dynamic, lower_layers, lower_lut, lower_threshold, rules
 from qdsl.graph import catalog
 from qdsl.graph.catalog import BOUNDARY_OPS, CONSTRUCTS, LINT_ONLY_OPS, LOWERINGS, OPS, WEIGHTED_OPS
 from qdsl.graph.ir import OP_SCHEMAS, OpType
@@ -19,7 +19,7 @@ from qdsl.patch import constructs
 def _emitted_op_types() -> set[OpType]:
     """Every ``OpType.X`` the exporter's source names (what it can emit)."""
     found = set()
-    for module in (lower, lower_dynamic, lower_layers, lower_lut, rules):
+    for module in (lower, lower_dynamic, lower_layers, lower_lut, lower_threshold, rules):
         for node in ast.walk(ast.parse(inspect.getsource(module))):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "OpType":
                 found.add(OpType[node.attr])
