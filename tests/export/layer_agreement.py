@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 from qdsl.graph import execute
 from qdsl.graph.ir import DType, IntegerGraph, OpType, Rounding
+from qdsl.patch.handle import get_handle, proxy_key
+from qdsl.spec.model import Role
 
 __all__ = ["LayerAgreement", "layer_agreement", "worst"]
 
@@ -69,10 +71,66 @@ def _round(r: np.ndarray, mode: Rounding) -> np.ndarray:
     return np.floor(r + 0.5)  # HALF_UP
 
 
-def _codes(y: np.ndarray, grid, attrs_, dtype: DType) -> np.ndarray:
-    """The codes a fake quantizer on the graph tensor's grid gives ``y``, then the op's clamp."""
+def _input_threshold(model: torch.nn.Module, layer: str, ndim: int) -> np.ndarray | None:
+    """Layer ``layer``'s learned binarisation threshold (its input quantizer's
+    ``sign_threshold``, ``threshold = learned``) viewed ``[1, C, 1, ...]``, or None."""
+    quantizers = get_handle(model).container.quantizers
+    key = proxy_key(layer, Role.INPUT)
+    t = getattr(quantizers[key], "sign_threshold", None) if key in quantizers else None
+    if t is None or t.numel() == 0:
+        return None
+    return t.detach().float().numpy().reshape([1, -1] + [1] * (ndim - 2))
+
+
+def _consumer_threshold(model, graph: IntegerGraph, tensor: str, ndim: int) -> np.ndarray | None:
+    """The threshold a BIN tensor was binarised at: export folds the reading layer's learned
+    threshold into the producer (its bias becomes ``-k[c]``), through max pools."""
+    for op in graph.ops:
+        if tensor in op.inputs:
+            if op.type in WEIGHTED:
+                return _input_threshold(model, op.name, ndim)
+            if op.type in (OpType.MAXPOOL1D, OpType.MAXPOOL2D):
+                return _consumer_threshold(model, graph, op.outputs[0], ndim)
+    return None
+
+
+def _activation_clamps(model: torch.nn.Module, x) -> dict[str, tuple[float, float]]:
+    """For each module, the clamp of the activation modules (ReLU, ReLU6, Hardtanh) the
+    model runs right after it, before the next weighted layer: a BIN output that carries a
+    learned threshold has that clamp folded into its threshold bias, so the comparison applies
+    it.  One forward records the modules' call order (functional activations are not seen)."""
+    order: list[torch.nn.Module] = []
+    hooks = [m.register_forward_hook(lambda m, a, o: order.append(m)) for m in model.modules() if not list(m.children())]
+    try:
+        with torch.no_grad():
+            model(torch.as_tensor(np.asarray(x, dtype=np.float32)))
+    finally:
+        for h in hooks:
+            h.remove()
+    names = {m: n for n, m in model.named_modules()}
+    clamps: dict[str, tuple[float, float]] = {}
+    for i, m in enumerate(order):
+        if not isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)):
+            continue
+        lo, hi = -np.inf, np.inf
+        for nxt in order[i + 1:]:
+            if isinstance(nxt, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Linear)):
+                break
+            if isinstance(nxt, torch.nn.ReLU6):
+                lo, hi = max(lo, 0.0), min(hi, 6.0)
+            elif isinstance(nxt, torch.nn.ReLU):
+                lo = max(lo, 0.0)
+            elif isinstance(nxt, torch.nn.Hardtanh):
+                lo, hi = max(lo, nxt.min_val), min(hi, nxt.max_val)
+        clamps[names[m]] = (lo, hi)
+    return clamps
+
+
+def _codes(y: np.ndarray, grid, attrs_, dtype: DType, t: np.ndarray | None = None) -> np.ndarray:
+    """The codes a fake quantizer on the graph tensor's grid gives ``y``, then the op's clamp
+    (binary: the sign at the learned threshold ``t`` where there is one)."""
     if dtype is DType.BIN:
-        return np.where(y < 0, -1, 1).astype(np.int64)
+        return np.where(y < (0 if t is None else t), -1, 1).astype(np.int64)
     s, zp = grid
     r = y.astype(np.float32) * (np.float32(1.0) / np.float32(s))
     q = _round(r.astype(np.float64), Rounding(attrs_["rq_rounding"])) + zp
@@ -125,19 +183,30 @@ def layer_agreement(model: torch.nn.Module, graph: IntegerGraph, info: dict, x) 
     values = execute(graph, np.asarray(x, dtype=np.float32), keep_values=True).values
     pending: dict[str, tuple[str, np.ndarray]] = {}  # int32 tensor -> (layer, fake-quant float result)
     rows = []
+    clamps = None
     model.eval()
     for op in graph.ops:
         out = op.outputs[0]
         dtype = graph.tensor(out).dtype
         if op.type in WEIGHTED:
             module = model if op.name == "<model>" else model.get_submodule(op.name)
+            x_in = _real(values[op.inputs[0]], info[op.inputs[0]])
+            t_in = _input_threshold(model, op.name, x_in.ndim) if op.name != "<model>" else None
+            if t_in is not None and graph.tensor(op.inputs[0]).dtype is DType.BIN:
+                # the layer's own quantizer binarises at t[c]: fed t ± 1 it gives the graph's codes
+                x_in = (t_in + np.sign(x_in)).astype(np.float32)
             with torch.no_grad():
-                y = module(torch.from_numpy(_real(values[op.inputs[0]], info[op.inputs[0]]))).numpy()
+                y = module(torch.from_numpy(x_in)).numpy()
             if dtype is DType.I32:  # compared after the op that reads the accumulator
                 pending[out] = (op.name, _clamped(y, info[out][0], op.attrs))
                 continue
-            rows.append(_row(op.name, [op.name], values[out], _codes(y, info[out], op.attrs, dtype),
-                             y if dtype is DType.BIN else None))
+            t_out = _consumer_threshold(model, graph, out, y.ndim) if dtype is DType.BIN else None
+            if t_out is not None:  # the fused activation, folded into the threshold bias
+                if clamps is None:
+                    clamps = _activation_clamps(model, x)
+                y = np.clip(y, *clamps.get(op.name, (-np.inf, np.inf))).astype(np.float32)
+            rows.append(_row(op.name, [op.name], values[out], _codes(y, info[out], op.attrs, dtype, t_out),
+                             (y if t_out is None else y - t_out) if dtype is DType.BIN else None))
             continue
         reads = [pending[i] for i in op.inputs if i in pending]
         if not reads:
