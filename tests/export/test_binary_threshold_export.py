@@ -184,6 +184,7 @@ def test_threshold_across_a_flatten_is_refused():
 
 
 def test_onnx_refuses_a_learned_threshold():
+    pytest.importorskip("onnx")  # without it, export_onnx says to install qdsl[onnx] first
     m = _frozen(0, (3, 5, 7), True, 0.3, False)
     with pytest.raises(ExportError, match="learned binarisation threshold|BIN activations"):
         export_onnx(m, torch.rand(2, 1, 8, 8))
