@@ -135,3 +135,32 @@ def test_depthwise_maddubs_threaded_matches_reference(seed, stride):
     x = _x7(rng, (2, c, 57, 57))
     for threads in (1, 2):
         _with_threads(threads, lambda: _check(graph, x))
+
+
+def test_mobilenet_v2_7bit_graph_matches_reference():
+    """A torchvision-shaped MobileNetV2 (qdsl.zoo widths, 3 x 32 x 32) quantized with the
+    bundled int8-default spec and 7-bit activations, exported: the C++ runtime equals the
+    reference executor on every path, and on AVX2 its depthwise convs (reading the expansion
+    convs' ReLU6 outputs: 7-bit codes) take the vpmaddubsw kernel where they run channels-last."""
+    import torch
+
+    import qdsl
+    from tests.export.tv_models import FACTORIES
+
+    torch.manual_seed(0)
+    model = FACTORIES["mobilenet_v2"]().eval()
+    qdsl.apply(model, "specs/int8-default.qspec", overrides=["input.bits=7", "output.bits=7"])
+    calib = torch.randn(8, 3, 32, 32)
+    qdsl.calibrate(model, [calib[:4], calib[4:]], progress=False)
+    qdsl.freeze(model)
+    graph = qdsl.export(model, calib[:2])
+    x = torch.randn(3, 3, 32, 32).numpy()
+    cg = _check(graph, x)
+    if "avx2" in PATHS:
+        cg.run(x, path="avx2")
+        names = {op.name for op in graph.ops if op.type is OpType.CONV2D and op.attrs["groups"] > 1}
+        dw = [p for p in cg.plan() if p["name"] in names]
+        # (the small widths' early 1x1 convs have too few output channels for the implicit GEMM,
+        # so the depthwise convs between them stay NCHW; from features.11 on they run NHWC)
+        assert len(dw) == 17 and all(p["depthwise_maddubs"] for p in dw)
+        assert sum(p["nhwc_output"] for p in dw) >= 5
