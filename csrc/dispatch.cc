@@ -413,6 +413,14 @@ DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path) {
   return nullptr;
 }
 
+DwNhwcQuadKernel SelectDwNhwcQuadKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path >= kPathAvx2) return x86::DwConvNhwcQuadAvx2;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 StageAddRowsKernel SelectStageAddRowsKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
   if (path >= kPathAvx2) return x86::StageAddRowsAvx2;

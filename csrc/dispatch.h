@@ -175,6 +175,12 @@ using DwNhwcStageKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_
                                    const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out,
                                    int64_t ldo, bool out_signed);
 DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path);
+// The same sums and stage on U8 codes and int8 weights by vpmaddubsw (the DwNhwcQuadSteps
+// layout of qdsl/gemm.h), exact when no weight pair sum times the largest code leaves int16
+// (ConvParams::dwq).  nullptr below AVX2.
+using DwNhwcQuadKernel = void (*)(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, const uint8_t* w,
+                                  const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo, bool out_signed);
+DwNhwcQuadKernel SelectDwNhwcQuadKernel(uint32_t path);
 // A conv's int32 stage and the residual ADD it feeds, prepared as s (requant/stage_add_f32.h):
 // acc [rows][cols] (stride lda) of channels c0.., the ADD's other input at other (8-bit
 // codes or int32 values as s says; stride ldo elements), its output codes to y (stride ldy).

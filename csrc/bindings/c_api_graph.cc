@@ -52,7 +52,8 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : 1) : 0) : -1;  // 2: the int16 kernel kind
     if (int_gemm) info[1] = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok ? 1 : 0;
     // the output stage prepared for the kernel's registers (StageF32: igemm or NHWC depthwise)
-    info[9] = int_gemm ? ((cp->igemm && cp->ig_stage.ok) || (cp->dw_nhwc && cp->dwn_stage.ok) ? 1 : 0) : -1;
+    // (2: an NHWC depthwise conv that runs on the vpmaddubsw kernel, ConvParams::dwq)
+    info[9] = int_gemm ? ((cp->igemm && cp->ig_stage.ok) || (cp->dw_nhwc && cp->dwn_stage.ok) ? 1 + cp->dwq : 0) : -1;
     // the output's layout in the last run (Graph::nhwc; NCHW before any run)
     info[7] = op.outputs[0] < g->nhwc.size() ? g->nhwc[op.outputs[0]] : 0;
     info[8] = op.opcode == qdsl::kLinear && cp != nullptr ? (qdsl::conv::LinearFusedGemm(g, op) ? 1 : 0) : -1;

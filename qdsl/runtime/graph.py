@@ -84,7 +84,8 @@ class CompiledGraph:
         is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one),
         ``register_stage`` (int conv/linear only: its output stage is prepared for the AVX2
         kernel's epilogue, applied to the sums in registers when the output is one I8/U8 tensor
-        stored NHWC), ``fused_add_stage`` (implicit-GEMM convs: its int32 stage and the residual
+        stored NHWC; ``depthwise_maddubs``: an NHWC depthwise conv whose sums AVX2 takes by
+        ``vpmaddubsw``, exact for its U8 input's codes, e.g. 7-bit), ``fused_add_stage`` (implicit-GEMM convs: its int32 stage and the residual
         ADD fused into it run as one float estimate with an exact recompute, when the ADD's
         tensors are stored NHWC), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
         with the bias and the output stage fused, I8/U8/I32 outputs) and ``nhwc_output`` (the
@@ -110,6 +111,7 @@ class CompiledGraph:
                 entry["fused_gemm"] = bool(info[8])
             if info[9] >= 0:
                 entry["register_stage"] = bool(info[9])
+                entry["depthwise_maddubs"] = info[9] == 2
             entry["nhwc_output"] = bool(info[7])
             out.append(entry)
         return out

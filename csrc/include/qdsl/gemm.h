@@ -68,6 +68,14 @@ inline int64_t DwNhwcCols(int64_t C) { return (C + 15) / 16 * 16; }
 // int16 channels (lows: channels 0-3 and 8-11, highs: 4-7 and 12-15).  The order swaps
 // 4-7 with 8-11, so it is its own inverse: channel c sits at slot kDwNhwcLane[c % 16].
 constexpr int kDwNhwcLane[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+// The vpmaddubsw form (U8 codes, int8 weights; DwNhwcQuadKernel, dwconv_nhwc_u8s8_avx2.cc):
+// per block of 32 channels cb, DwNhwcQuadSteps(ntaps) steps of 128 bytes: step j covers taps
+// 4j..4j+3 as four 32-byte vectors r, where dword L*4 + i of vector r is channel
+// cb*32 + 16L + 4r + i and byte k of it the channel's tap 4j + k (0 past ntaps), except a
+// last step with a lone tap (ntaps % 4 == 1): its dwords hold that tap as an int16 (high
+// half 0).  init: 32 int32 per block, slot r*8 + L*4 + i = channel cb*32 + 16L + 4r + i.
+inline int64_t DwNhwcQuadSteps(int64_t ntaps) { return (ntaps + 3) / 4; }
+inline int64_t DwNhwcQuadSlot(int64_t c) { return c / 32 * 32 + (c % 16) / 4 * 8 + (c % 32) / 16 * 4 + c % 4; }
 
 constexpr int kPanelCols = 16;  // NR of every int micro-kernel
 constexpr int kMaxRows = 6;     // MR of every int micro-kernel

@@ -143,6 +143,9 @@ void DwConvNhwcAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_
 void DwConvNhwcStageAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, bool x_signed,
                          const int32_t* pairs, const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo,
                          bool out_signed);
+// The same on U8 codes and int8 weights by vpmaddubsw (DwNhwcQuadKernel; dwconv_nhwc_u8s8_avx2.cc).
+void DwConvNhwcQuadAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, const uint8_t* w,
+                        const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo, bool out_signed);
 // Padded int16 plane interior of a depthwise conv (DwFillKernel in dispatch.h).
 void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
                      int64_t ldp, int32_t zp, int16_t* xp);

@@ -105,6 +105,13 @@ struct ConvParams : OpParams {
   std::vector<int32_t> dwn_taps, dwn_init;
   AlignedVector<int32_t> dwn_pairs;
   std::vector<uint8_t> dwn_zrow;
+  // dwq: the dw_nhwc conv also runs on the vpmaddubsw kernel (DwNhwcQuadKernel) with the
+  // register stage: U8 input, every W - w_zp in int8, and no weight pair sum times
+  // in_max_code beyond int16 (MaddubsStepsFor >= 1: 7-bit activations with any int8 weights).
+  // dwq_w / dwq_init: the DwNhwcQuadSteps layout of qdsl/gemm.h, channels padded to 32.
+  bool dwq = false;
+  AlignedVector<uint8_t> dwq_w;
+  AlignedVector<int32_t> dwq_init;
   int64_t kp = 0;
   int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
   bool int32_exact = true;                  // every GEMM sum provably fits int32

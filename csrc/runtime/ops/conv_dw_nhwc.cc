@@ -5,13 +5,16 @@
 // row into int32 (the zero point folded into its init, qdsl/gemm.h), and the per-channel
 // output stage (the same RequantKernel as every conv: bit-exact with the reference) writes
 // the row's bytes once; a FIXED_SINGLE stage prepared at prepare time (dwn_stage) is applied
-// by the kernel itself from its registers (DwNhwcStageKernel), storing the codes only.
+// by the kernel itself from its registers (DwNhwcStageKernel), storing the codes only; on U8
+// codes with int8 weights where vpmaddubsw is exact (ConvParams::dwq, e.g. 7-bit activations)
+// the DwNhwcQuadKernel does that with half the shuffles.
 //
 // Either side may be NCHW (Graph::nhwc says which is not): an NCHW input is transposed a
 // band of rows at a time into a thread-local NHWC buffer (halo rows are transposed again by
 // the next band), an NCHW output band is written NHWC to a buffer and transposed into the
 // planes.  Output rows (image, oy) are split across threads, so a batch of one parallelizes.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -25,6 +28,16 @@ namespace {
 
 // Input bytes a band of output rows should transpose or read: about L1's size.
 constexpr int64_t kBandBytes = 32 * 1024;
+
+// False when QDSL_DW_QUAD=0 (read once): the int16 kernel runs where the vpmaddubsw one
+// would (timing the two in one build).
+bool DwQuadEnabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("QDSL_DW_QUAD");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return on;
+}
 
 }  // namespace
 
@@ -41,6 +54,8 @@ Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t pa
   const RequantKernel requant = SelectRequantKernel(path);
   // the stage applied from the kernel's registers (no int32 row) when it was prepared for it
   const DwNhwcStageKernel stage_kernel = p.dwn_stage.ok && RegisterStageEnabled() ? SelectDwNhwcStageKernel(path) : nullptr;
+  // the vpmaddubsw kernel (U8 codes, int8 weights, exact for the input's codes: ConvParams::dwq)
+  const DwNhwcQuadKernel quad_kernel = p.dwq && stage_kernel != nullptr && DwQuadEnabled() ? SelectDwNhwcQuadKernel(path) : nullptr;
   const int64_t C = e.C, cols = DwNhwcCols(C), taps = p.kh * p.kw, HW = e.H * e.W, P = e.OH * e.OW;
   const int64_t rows = e.n * e.OH;
   const int64_t band = std::clamp<int64_t>(kBandBytes / std::max<int64_t>(1, e.W * C * p.sh), 1, e.OH);
@@ -102,6 +117,10 @@ Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t pa
           }
         }
         uint8_t* out = out_nhwc ? y + ((b * e.OH + oy) * e.OW) * C : yb.data() + (oy - oy0) * e.OW * C;
+        if (quad_kernel != nullptr) {
+          quad_kernel(pt, e.OW, taps, C, p.dwq_w.data(), p.dwq_init.data(), p.dwn_stage, out, C, out_signed);
+          continue;
+        }
         if (stage_kernel != nullptr) {
           stage_kernel(pt, e.OW, taps, C, x_signed, p.dwn_pairs.data(), p.dwn_init.data(), p.dwn_stage, out, C,
                        out_signed);

@@ -62,10 +62,45 @@ void PrepareAmxConv(const GraphTensor& x, ConvParams* pp) {
   p.amx_conv = true;
 }
 
+// The vpmaddubsw weights of an NHWC depthwise conv (ConvParams::dwq), from dw_taps and
+// dwn_init, when they are exact for the input's codes: int8 weights whose pairs (taps 2k,
+// 2k + 1 of a step, as the kernel pairs them) times in_max_code stay within int16.
+void PrepareDepthwiseQuads(ConvParams* pp) {
+  ConvParams& p = *pp;
+  const int64_t C = p.cin, taps = p.kh * p.kw, steps = DwNhwcQuadSteps(taps), tp = steps * 4;
+  const int64_t C32 = (C + 31) / 32 * 32;
+  std::vector<int8_t> rows(static_cast<size_t>(C * tp), 0);
+  for (int64_t c = 0; c < C; ++c)
+    for (int64_t t = 0; t < taps; ++t) {
+      const int32_t v = p.dw_taps[c * taps + t];
+      if (v < -128 || v > 127) return;
+      rows[c * tp + t] = static_cast<int8_t>(v);
+    }
+  if (MaddubsStepsFor(MaddubsPairBound(rows.data(), C, tp, tp), p.in_max_code) < 1) return;
+  p.dwq_w.assign(static_cast<size_t>(C32 / 32 * steps * 128), 0);
+  p.dwq_init.assign(static_cast<size_t>(C32), 0);
+  const bool lone = taps % 4 == 1;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t slot = DwNhwcQuadSlot(c) % 32, r = slot / 8, dword = slot % 8;  // vector r's dword
+    p.dwq_init[c / 32 * 32 + slot] = p.dwn_init[c];
+    uint8_t* block = p.dwq_w.data() + c / 32 * steps * 128;
+    for (int64_t t = 0; t < taps; ++t) {
+      uint8_t* d = block + (t / 4) * 128 + r * 32 + dword * 4;
+      if (lone && t == taps - 1) {  // the lone tap: an int16 (w, 0) pair per dword
+        const uint16_t h = static_cast<uint16_t>(static_cast<int16_t>(p.dw_taps[c * taps + t]));
+        d[0] = static_cast<uint8_t>(h), d[1] = static_cast<uint8_t>(h >> 8);
+      } else {
+        d[t % 4] = static_cast<uint8_t>(rows[c * tp + t]);
+      }
+    }
+  }
+  p.dwq = true;
+}
+
 // The depthwise conv's taps and vpmaddwd tap pairs (ConvParams::depthwise), from w_int:
 // with one input channel per group, group gi's rows [og][kh * kw] are output channels
 // gi * og + o in order.
-void PrepareDepthwise(ConvParams* pp) {
+void PrepareDepthwise(ConvParams* pp, bool x_u8) {
   ConvParams& p = *pp;
   const int64_t taps = p.kh * p.kw, npairs = (p.kw + 1) / 2;
   p.dw_taps.clear();
@@ -100,6 +135,7 @@ void PrepareDepthwise(ConvParams* pp) {
   p.dwn_zrow.assign(static_cast<size_t>(cols), static_cast<uint8_t>(p.in_zp));
   PrepareStageF32(p.out.stage, C, cols, &p.dwn_stage);
   p.dw_nhwc = true;
+  if (x_u8 && p.dwn_stage.ok) PrepareDepthwiseQuads(&p);
 }
 
 // The implicit-GEMM conv's weight panels and start values (ConvParams::igemm), when the
@@ -293,7 +329,7 @@ Status PrepareConv(Graph* g, GraphOp& op, int index, std::vector<int64_t>* out_s
         for (int64_t k = 0; k < kdim; ++k) rows[o * p.kp + k] = static_cast<int16_t>(p.w_int[gi][o * kdim + k]);
       p.w16.push_back(std::move(rows));
     }
-    if (p.groups == p.cin) PrepareDepthwise(&p);
+    if (p.groups == p.cin) PrepareDepthwise(&p, x.dtype == kU8);
     if (wmin_signed >= -128 && wmax_signed <= 127) {  // int8 rows for the VNNI/AMX convs (+ row sums)
       p.rowsum.assign(static_cast<size_t>(p.cout), 0);
       for (int64_t gi = 0; gi < p.groups; ++gi) {
