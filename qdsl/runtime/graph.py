@@ -70,7 +70,7 @@ class CompiledGraph:
         self._in_ptr_type = ctypes.c_void_p * len(self.inputs)
         self._out_ptr_type = ctypes.c_void_p * len(self.outputs)
         self._err = ctypes.create_string_buffer(1024)  # used under self._lock only
-        self._ran: str | None = None  # None before any run, "empty" after a batch of 0, else "ok"
+        self._ran: str | None = None  # "ok" after a run, "empty" after a batch of 0, None before / after an error
 
     def _entries(self, which: int) -> list[_IO]:
         info = (ctypes.c_int64 * 10)()
@@ -204,7 +204,7 @@ class CompiledGraph:
             code = self._lib.qdsl_graph_run(self._handle, batch, in_ptrs, out_ptrs, code_path, err, 1024)
             if code != 0:
                 msg = err.value.decode("utf-8", "replace")
-            self._ran = "ok" if code == 0 else self._ran
+            self._ran = "ok" if code == 0 else None  # (a run that failed left no counts to report)
         if code != 0:
             raise RuntimeError_(msg, STATUS_NAMES.get(code, str(code)))
         return self._shape(outs, keyed)
@@ -216,8 +216,8 @@ class CompiledGraph:
 
     def overflow_counts(self) -> dict[str, int]:
         """Accumulator overflows per op name in the last ``run`` (all ops, zeros included;
-        an empty dict before the first run).  Read from the runtime here, not on every run:
-        it holds the counts of its last completed run until the next one."""
+        an empty dict before the first run and after a run that raised).  Read from the
+        runtime here, not on every run: it holds the counts of its last run until the next."""
         with self._lock:
             if self._ran is None:
                 return {}

@@ -140,3 +140,9 @@ def test_overflow_counts_report_the_last_run():
     cg.run(big)
     cg.run(np.zeros((0, 50), np.uint8))
     assert cg.overflow_counts() == {"fc": 0}
+    missing = [p for p in ("amx", "avx512", "avxvnni") if p not in rt.kernels.paths()["cpu"]]
+    if missing:  # a run that raised reports no counts (not the previous run's)
+        cg.run(big)
+        with pytest.raises(RuntimeError_, match="cannot run here"):
+            cg.run(big, path=missing[0])
+        assert cg.overflow_counts() == {}
