@@ -29,6 +29,7 @@ _RANGE = {_I8: (-128, 127), _U8: (0, 255), _I32: (-(2**31), 2**31 - 1)}
 class _IO:
     def __init__(self, name: str, dtype: int, dims: tuple[int, ...]):
         self.name, self.dtype, self.dims = name, dtype, dims
+        self.np: np.dtype | None = None  # the container dtype, set by CompiledGraph
 
 
 class CompiledGraph:
@@ -61,6 +62,15 @@ class CompiledGraph:
         self.inputs = self._entries(0)
         self.outputs = self._entries(1)
         self.op_names = [e.name for e in self._entries(2)]
+        for spec in self.inputs + self.outputs:
+            spec.np = np.dtype(_NP[spec.dtype])
+        self._in_names = [spec.name for spec in self.inputs]
+        self._out_names = [o.name for o in self.outputs]
+        self._out_alloc = [(o.dims[1:], o.np) for o in self.outputs]
+        self._in_ptr_type = ctypes.c_void_p * len(self.inputs)
+        self._out_ptr_type = ctypes.c_void_p * len(self.outputs)
+        self._err = ctypes.create_string_buffer(1024)  # used under self._lock only
+        self._ran: str | None = None  # "ok" after a run, "empty" after a batch of 0, None before / after an error
 
     def _entries(self, which: int) -> list[_IO]:
         info = (ctypes.c_int64 * 10)()
@@ -123,6 +133,16 @@ class CompiledGraph:
             self._handle = None
 
     def _check(self, spec: _IO, x: Any, check_finite: bool = False) -> np.ndarray:
+        if (type(x) is np.ndarray and x.dtype == spec.np and spec.dtype != _BIN and x.flags.c_contiguous
+                and x.shape[1:] == spec.dims[1:] and x.ndim == len(spec.dims)
+                and (spec.dims[0] == -1 or x.shape[0] == spec.dims[0])):
+            # the common call: already the container type (in range by its dtype) and laid out
+            # as the runtime reads it, so it is passed as it is (the runtime copies it in)
+            if check_finite and spec.dtype == _F32:
+                from qdsl.graph.reference import require_finite
+
+                require_finite(x, spec.name)
+            return x
         from qdsl.graph.reference import GraphInputError, as_array, require_finite
 
         x = as_array(x)
@@ -148,40 +168,63 @@ class CompiledGraph:
     def run(self, *xs: Any, path: str = "auto", check_finite: bool = False) -> np.ndarray | tuple[np.ndarray, ...]:
         """Run on one array per graph input (positional, a tuple/list, or a dict by input
         name); one array back for a single-output graph, else a tuple, and a dict by output
-        name when the inputs came as a dict.
+        name when the inputs came as a dict.  The outputs are new arrays on every call (never
+        a view of the runtime's buffers: a later run does not change them); the inputs are
+        only read.
 
         A batch of 0 gives empty outputs.  ``check_finite``: a NaN/inf in a float input
         raises ``NonFiniteError`` instead of following the QUANTIZE policy."""
-        from qdsl.graph.reference import GraphInputError, bind_inputs, shape_outputs
+        # The per-call work outside the C++ run is kept to checks and pointers: names,
+        # pointer-array types and the error buffer are made once (__init__), and the
+        # overflow counts are read from the runtime only when asked for (overflow_counts).
+        if len(xs) == 1 and type(xs[0]) is np.ndarray and len(self.inputs) == 1:
+            values, keyed = xs, False
+        else:
+            from qdsl.graph.reference import bind_inputs
 
-        names = [spec.name for spec in self.inputs]
-        values, keyed = bind_inputs(names, xs[0] if len(xs) == 1 else tuple(xs))
-        xs = tuple(values)
-        if path not in PATHS:
+            values, keyed = bind_inputs(self._in_names, xs[0] if len(xs) == 1 else tuple(xs))
+        code_path = PATHS.get(path) if isinstance(path, str) else None
+        if code_path is None:
             raise RuntimeError_(f"unknown kernel path {path!r}; known: {', '.join(PATHS)}")
-        arrays = [self._check(spec, x, check_finite) for spec, x in zip(self.inputs, xs)]
+        arrays = [self._check(spec, x, check_finite) for spec, x in zip(self.inputs, values)]
         # an input declared with a static first dim (an attention mask (L, S)) is not batched
         batched = [a.shape[0] for spec, a in zip(self.inputs, arrays) if spec.dims[0] == -1]
         batch = batched[0] if batched else arrays[0].shape[0]
-        if any(b != batch for b in batched):
+        if len(batched) > 1 and any(b != batch for b in batched):
+            from qdsl.graph.reference import GraphInputError
+
             raise GraphInputError("all graph inputs must have the same batch size")
-        outs = [np.empty((batch,) + o.dims[1:], dtype=_NP[o.dtype]) for o in self.outputs]
+        outs = [np.empty((batch,) + tail, dtype=dt) for tail, dt in self._out_alloc]
         if batch == 0:  # nothing to compute (the reference executor agrees); nothing overflowed
-            self._overflow = {n: 0 for n in self.op_names}
-            return shape_outputs([o.name for o in self.outputs], outs, keyed)
-        in_ptrs = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
-        out_ptrs = (ctypes.c_void_p * len(outs))(*[o.ctypes.data for o in outs])
-        err = ctypes.create_string_buffer(1024)
+            with self._lock:
+                self._ran = "empty"
+            return self._shape(outs, keyed)
+        in_ptrs = self._in_ptr_type(*[a.ctypes.data for a in arrays])
+        out_ptrs = self._out_ptr_type(*[o.ctypes.data for o in outs])
         with self._lock:
-            code = self._lib.qdsl_graph_run(self._handle, batch, in_ptrs, out_ptrs, PATHS[path], err, 1024)
-            if code == 0:
-                counts = (ctypes.c_int64 * max(1, len(self.op_names)))()
-                self._lib.qdsl_graph_overflow(self._handle, counts, len(self.op_names))
-                self._overflow = {n: int(c) for n, c in zip(self.op_names, counts)}
+            err = self._err
+            code = self._lib.qdsl_graph_run(self._handle, batch, in_ptrs, out_ptrs, code_path, err, 1024)
+            if code != 0:
+                msg = err.value.decode("utf-8", "replace")
+            self._ran = "ok" if code == 0 else None  # (a run that failed left no counts to report)
         if code != 0:
-            raise RuntimeError_(err.value.decode("utf-8", "replace"), STATUS_NAMES.get(code, str(code)))
-        return shape_outputs([o.name for o in self.outputs], outs, keyed)
+            raise RuntimeError_(msg, STATUS_NAMES.get(code, str(code)))
+        return self._shape(outs, keyed)
+
+    def _shape(self, outs: list[np.ndarray], keyed: bool) -> Any:
+        if keyed:
+            return dict(zip(self._out_names, outs))
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     def overflow_counts(self) -> dict[str, int]:
-        """Accumulator overflows per op name in the last ``run`` (all ops, zeros included)."""
-        return dict(getattr(self, "_overflow", {}))
+        """Accumulator overflows per op name in the last ``run`` (all ops, zeros included;
+        an empty dict before the first run and after a run that raised).  Read from the
+        runtime here, not on every run: it holds the counts of its last run until the next."""
+        with self._lock:
+            if self._ran is None:
+                return {}
+            if self._ran == "empty":
+                return {n: 0 for n in self.op_names}
+            counts = (ctypes.c_int64 * max(1, len(self.op_names)))()
+            self._lib.qdsl_graph_overflow(self._handle, counts, len(self.op_names))
+        return {n: int(c) for n, c in zip(self.op_names, counts)}

@@ -459,3 +459,29 @@ def test_gathered_stem_nhwc_max_pool_matches_reference(threads, seed, k, stride,
         nhwc = after == "conv"
         # (one input channel: a depthwise conv too, which runs on NCHW planes)
         assert layouts["stem"] == (False, nhwc and cin > 1) and layouts["pool"] == (None, nhwc)
+
+
+@pytest.mark.parametrize("k,stride,dil,pad", [(3, 1, 1, 1), (3, 2, 1, 1), (3, 1, 2, 2), (3, 2, 2, 1), (5, 1, 1, 2),
+                                              (5, 2, 2, 3), (1, 2, 1, 0), (3, 1, 1, 0), (7, 2, 1, 3)])
+def test_igemm_row_tables_at_the_image_edges_match_reference(threads, k, stride, dil, pad):
+    """The row pointer tables (conv_igemm.cc): a position whose taps all fall inside the image
+    takes its first tap's row plus fixed tap offsets, the others test each tap.  Widths from
+    the kernel's reach to a few past it put the last inside position at the edge and one
+    short of it; 9 rows give 60-position blocks that start mid-row; batch 2."""
+    rng = np.random.default_rng(k * 100 + stride * 10 + dil + pad)
+    cin, cout = 16, 24
+    reach = dil * (k - 1) + 1
+    wt = _weights(rng, cout, cin, k, 64)
+    for w in range(max(1, reach - 2 * pad), reach + 2 * stride + 3):
+        h = max(9, reach)
+        oh, ow = ((n + 2 * pad - reach) // stride + 1 for n in (h, w))
+        if ow < 1:
+            continue
+        attrs = _attrs(rng, cout, DType.U8, k, stride, pad, dil, in_zp=5)
+        tensors = [Tensor("x", DType.U8, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt),
+                   Tensor("y", DType.U8, (-1, cout, oh, ow))]
+        graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ["x", "w"], ["y"], attrs)]).validate()
+        x = _rand(rng, DType.U8, (2, cin, h, w))
+        kinds = {}
+        layouts = _layouts(_check(graph, x), x, kinds)
+        assert layouts is None or (layouts["conv"] == (True, False) and not kinds["conv"])
