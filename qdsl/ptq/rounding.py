@@ -47,7 +47,7 @@ from torch import nn
 
 from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes
 from qdsl.ptq.guard import decide
-from qdsl.ptq.layers import capture, float_mode, require_batches, rounding_layers, run_batches
+from qdsl.ptq.layers import capture, float_calls, require_batches, rounding_layers, run_batches
 from qdsl.ptq.reconstruct import reconstruct
 from qdsl.ptq.report import PtqReport, split_heldback
 from qdsl.quantizers.functional import dequantize_affine
@@ -150,20 +150,11 @@ def _shared_input_groups(model: nn.Module, layers: list, batch: Any) -> list[lis
     cannot change another's input, so one pass over the batches serves them all.  Only
     layers with at most ``FLOAT64_MAX_D`` inputs are grouped (several Hessians are held
     at once; a wide layer stays alone so memory stays bounded by one layer)."""
-    seen: dict[str, Any] = {}
-    hooks = [p.module.register_forward_pre_hook(
-        lambda m, args, fqn=fqn: seen.setdefault(fqn, args[0] if args else None), prepend=True)
-        for fqn, p in layers]
-    try:
-        with float_mode(model):
-            run_batches(model, [batch])
-    finally:
-        for h in hooks:
-            h.remove()
+    seen = float_calls(model, [(f, p.module) for f, p in layers], batch)
     groups: list[list] = []
     last = None  # the previous layer's input, if it may share a pass
     for fqn, patch in layers:
-        x = seen.get(fqn) if patch.module.weight[0].numel() <= FLOAT64_MAX_D else None
+        x = seen[fqn].first if fqn in seen and patch.module.weight[0].numel() <= FLOAT64_MAX_D else None
         if x is not None and x is last:
             groups[-1].append((fqn, patch))
         else:
