@@ -215,7 +215,7 @@ def _round_layer(fqn, patch, acc, held_x, result, heldback, options) -> None:
         fit_sum, fit_n = (acc.h.clone(), acc.n) if refit else (None, 0)
         deq = lambda q: dequantize_affine(q, scale, zp, wq.axis, wq.group_size)  # noqa: E731
         error = lambda q: _output_error(module, w - deq(q), held_x) if held_x else math.nan  # noqa: E731
-        before = error(nearest) if held_x else math.nan
+        before = error(nearest)
         # larger dampings until the held-back error stops falling (it falls, then rises
         # towards nearest rounding's: one minimum).  The check below then compares the best
         # of these few with nearest rounding on the same data, slightly in GPTQ's favour.
