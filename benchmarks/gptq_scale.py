@@ -23,17 +23,25 @@ RSS before the step).  Asserts nothing.  ``--rounds`` repeats the new variants i
 and prints medians; the old variants run once (the conv takes minutes and GBs) and only
 with ``--old``.
 
-    python benchmarks/gptq_scale.py [--cout 512] [--old] [--no-minilm] [--rounds 3]
+    python benchmarks/gptq_scale.py [--cout 512] [--old] [--no-minilm] [--rounds 3] [--nosearch]
+
+``--nosearch`` adds the conv model and MiniLM with ``learn_rounding(search_damp=False)``
+(1 % damping only; before the damping search existed).
 
 Measured (2 shared cores at load 5..15, so CPU seconds; ``--old``):
   conv layer   15.2 s CPU, peak 665 MB   (old: 311 s CPU, peak 3920 MB)
   conv model   14.4 s CPU, peak 698 MB   (GPTQ reverted: 4104 positions < 8192 inputs overfit)
   minilm       16.6 s CPU, peak 682 MB   (old: 45.9 s CPU, 770 MB); cosine 0.834 -> 0.896
+With the damping search (one child each, load 10..18; ``--nosearch`` in brackets):
+  conv model   35.0 s CPU, peak 776 MB; kept, held-back error 0.68x nearest rounding, unseen
+               batch 0.68x (damp 10 of 0.01, 0.1, 1, 10)   [15.3 s, reverted: 1.34x on held-back]
+  minilm       20.6 s CPU, peak 710 MB; 36/36 kept, cosine 0.834 -> 0.971   [14.1 s, 0.896]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -78,11 +86,12 @@ def _old_gptq(ref: str) -> types.ModuleType:
 
 
 def _learn_rounding(variant: str, ref: str):
-    """qdsl.ptq.learn_rounding, or the one at ``ref`` (its rounding.py on its gptq.py)."""
-    if variant == "new":
+    """qdsl.ptq.learn_rounding (``nosearch``: at 1 % damping only, no damping search where
+    the fit data is thin), or the one at ``ref`` (its rounding.py on its gptq.py)."""
+    if variant in ("new", "nosearch"):
         from qdsl.ptq import learn_rounding
 
-        return learn_rounding
+        return learn_rounding if variant == "new" else functools.partial(learn_rounding, search_damp=False)
     _old_gptq(ref)
     old = _old_module(ref, "qdsl/ptq/rounding.py", "old_rounding",
                       lambda src: src.replace("from qdsl.ptq.gptq import", "from old_gptq import"))
@@ -113,13 +122,15 @@ def _child_conv_layer(args) -> dict:
             "unseen_err_vs_nearest": err(codes) / err(rtn)}
 
 
-def _w3_spec(learned: bool):
+def _w3_spec():
+    """Weight-only W3; the PTQ steps off, so that ``qdsl.calibrate`` runs the observers
+    only (``auto`` would run GPTQ at 3 bits already, and the timed learn_rounding would
+    then be judged against those codes instead of nearest rounding)."""
     from qdsl.parse import parse_text
 
     return parse_text(
-        "version 1\n"
-        + ('learned_rounding = "gptq"\n' if learned else "")
-        + "quantizer w3 = int(bits=3, signed, narrow, symmetric, per_channel, observer=auto)\n"
+        "version 1\nlearned_rounding = none\nbias_correction = false\n"
+        "quantizer w3 = int(bits=3, signed, narrow, symmetric, per_channel, observer=auto)\n"
         "defaults {\n  weight = w3\n}\n", "w3.qspec")
 
 
@@ -134,15 +145,29 @@ def _timed_rounding(model, batches, learn_rounding) -> tuple[tuple[float, float]
 
 
 def _child_conv_model(args) -> dict:
-    import qdsl
+    import torch
 
-    conv, batches, _unseen = _conv_setup(args.cout)
-    model = __import__("torch").nn.Sequential(conv)
-    qdsl.apply(model, _w3_spec(False))
+    import qdsl
+    from qdsl.ptq.layers import float_mode
+
+    conv, batches, unseen = _conv_setup(args.cout)
+    model = torch.nn.Sequential(conv)
+    qdsl.apply(model, _w3_spec())
     qdsl.calibrate(model, batches[:1], progress=False)
+
+    def unseen_err():  # the layer's output error against its float self on the unseen batch
+        with torch.no_grad():
+            y = model(unseen)
+            with float_mode(model):
+                return float((y - model(unseen)).pow(2).mean())
+
+    nearest = unseen_err()
     (sec, cpu), base, out = _timed_rounding(model, batches, _learn_rounding(args.variant, args.old_ref))
     kept = [d.kept for d in out.report]
-    return {"time_s": sec, "cpu_s": cpu, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}"}
+    d = out.report.decisions[0]
+    return {"time_s": sec, "cpu_s": cpu, "base_mb": base, "peak_mb": _rss_mb(), "kept": f"{sum(kept)}/{len(kept)}",
+            "held_vs_nearest": d.error_after / d.error_before, "unseen_vs_nearest": unseen_err() / nearest,
+            "note": d.note}
 
 
 def _child_minilm(args) -> dict:
@@ -165,7 +190,7 @@ def _child_minilm(args) -> dict:
         return ex.embed(model, test)
 
     ref = embed()
-    qdsl.apply(model, _w3_spec(False))
+    qdsl.apply(model, _w3_spec())
     qdsl.calibrate(model, calib, progress=False)
     plain = embed()
     (sec, cpu), base, out = _timed_rounding(model, calib, _learn_rounding(args.variant, args.old_ref))
@@ -204,6 +229,8 @@ def main(argv=None) -> None:
     ap.add_argument("--old", action="store_true", help="also run the old GPTQ on the conv layer (minutes) and MiniLM")
     ap.add_argument("--old-ref", default=OLD_REF, help="git revision of the old GPTQ module")
     ap.add_argument("--no-minilm", action="store_true")
+    ap.add_argument("--nosearch", action="store_true",
+                    help="also run the conv model and MiniLM with learn_rounding(search_damp=False)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--child", choices=sorted(CHILDREN), help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="new", help=argparse.SUPPRESS)
@@ -221,6 +248,8 @@ def main(argv=None) -> None:
     print(f"load average before: {load_average()}")
     print(f"conv: Conv2d(128, {args.cout}, (64, 1)), d = 8192, 4104 calibration positions; 1 thread")
     kinds = [("conv-layer", "new"), ("conv-model", "new")] + ([] if args.no_minilm else [("minilm", "new")])
+    if args.nosearch:
+        kinds += [("conv-model", "nosearch")] + ([] if args.no_minilm else [("minilm", "nosearch")])
     results: dict[tuple[str, str], list[dict]] = {k: [] for k in kinds}
     for i in range(args.rounds):
         for kind, variant in kinds:

@@ -10,19 +10,10 @@
 #include <memory>
 #include <vector>
 
+#include "tests/expect.h"
 #include "threads/thread_pool.h"
 
 namespace qdsl_test {
-
-#define SOLO_EXPECT(cond, ...)                             \
-  do {                                                     \
-    if (!(cond)) {                                         \
-      ++failures;                                          \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__);     \
-      std::printf(__VA_ARGS__);                            \
-      std::printf("\n");                                  \
-    }                                                      \
-  } while (0)
 
 // SoloPolicy, with job times fed in (no clock): each shape runs once in parallel and once
 // solo, then the faster mode, re-measuring the slower one at probes whose interval doubles
@@ -60,15 +51,15 @@ inline int SoloPolicyFailures() {
     };
     measure(conv);
     for (int i = 0; i + 1 < SoloPolicy::kWays; ++i) measure(same[i]);
-    SOLO_EXPECT(q->Solo(conv), "a shape was forgotten with its set not full");
+    EXPECT(q->Solo(conv), "a shape was forgotten with its set not full");
     measure(same.back());  // evicts same[0], used least recently (conv was just looked up)
-    SOLO_EXPECT(q->Solo(conv) && !q->Solo(same[0]), "the least recently used shape was not the one forgotten");
+    EXPECT(q->Solo(conv) && !q->Solo(same[0]), "the least recently used shape was not the one forgotten");
     for (int i = 0; i < SoloPolicy::kWays; ++i) measure(same[i]);  // kWays others used after conv
-    SOLO_EXPECT(!q->Solo(conv), "a shape was remembered after kWays others of its set were used");
+    EXPECT(!q->Solo(conv), "a shape was remembered after kWays others of its set were used");
   }
-  SOLO_EXPECT(!p.Solo(conv), "a new shape did not run in parallel first");
+  EXPECT(!p.Solo(conv), "a new shape did not run in parallel first");
   p.Record(conv, false, 600);
-  SOLO_EXPECT(p.Solo(conv), "a shape measured in parallel only did not run solo next");
+  EXPECT(p.Solo(conv), "a shape measured in parallel only did not run solo next");
   p.Record(conv, true, 1000);
   // quiet machine: parallel 600, solo 1000.  Probes at 8 + slot jitter, then 16, 32, ...
   int solos = visit(conv, 2000, 600, 1000);
@@ -77,9 +68,9 @@ inline int SoloPolicyFailures() {
        gap = std::min(2 * gap, SoloPolicy::kMaxProbe))
     seen += gap, ++bound;
   // ... and the interval stops growing at kMaxProbe: a quiet stretch still probes solo
-  SOLO_EXPECT(solos >= 2000 / SoloPolicy::kMaxProbe - 2 && solos <= bound,
-              "quiet: %d of 2000 jobs ran solo (probes: at least %d, at most %d)", solos,
-              2000 / SoloPolicy::kMaxProbe - 2, bound);
+  EXPECT(solos >= 2000 / SoloPolicy::kMaxProbe - 2 && solos <= bound,
+         "quiet: %d of 2000 jobs ran solo (probes: at least %d, at most %d)", solos,
+         2000 / SoloPolicy::kMaxProbe - 2, bound);
   // busy core: parallel jobs now take 1500 (solo 1000 as measured): the running mean of the
   // parallel time passes 1000 within a few jobs, and the shape goes solo
   int switched = -1;
@@ -88,13 +79,13 @@ inline int SoloPolicyFailures() {
     if (solo) switched = v;
     p.Record(conv, solo, solo ? 1000 : 1500);
   }
-  SOLO_EXPECT(switched >= 0 && switched <= 4, "busy: went solo after %d jobs (want <= 4)", switched);
+  EXPECT(switched >= 0 && switched <= 4, "busy: went solo after %d jobs (want <= 4)", switched);
   // staying busy: nearly everything solo, parallel only at probes (first interval 8)
   solos = visit(conv, 200, 1500, 1000);
-  SOLO_EXPECT(solos >= 200 - 200 / SoloPolicy::kFirstProbe && solos < 200, "busy: %d of 200 jobs solo", solos);
+  EXPECT(solos >= 200 - 200 / SoloPolicy::kFirstProbe && solos < 200, "busy: %d of 200 jobs solo", solos);
   // the other shape has its own figures: parallel wins there
   visit(pool, 2, 100, 300);
-  SOLO_EXPECT(visit(pool, SoloPolicy::kFirstProbe - 1, 100, 300) == 0, "a shape took another shape's mode");
+  EXPECT(visit(pool, SoloPolicy::kFirstProbe - 1, 100, 300) == 0, "a shape took another shape's mode");
   // solo also slows under contention (2000): parallel at 1500 is faster again and wins by
   // the running means, with no probe needed
   switched = -1;
@@ -103,22 +94,20 @@ inline int SoloPolicyFailures() {
     if (!solo) switched = v;
     p.Record(conv, solo, solo ? 2000 : 1500);
   }
-  SOLO_EXPECT(switched >= 0 && switched <= 4, "solo got slower: back to parallel after %d jobs", switched);
+  EXPECT(switched >= 0 && switched <= 4, "solo got slower: back to parallel after %d jobs", switched);
   // quiet again while solo: a single probe that measures parallel faster brings it back
-  SOLO_EXPECT(visit(conv, 50, 3000, 1000) >= 40, "not solo after parallel measured 3x slower");
+  EXPECT(visit(conv, 50, 3000, 1000) >= 40, "not solo after parallel measured 3x slower");
   int back = -1;
   for (int v = 0; v < SoloPolicy::kMaxProbe + 1 && back < 0; ++v) {
     const bool solo = p.Solo(conv);
     p.Record(conv, solo, solo ? 1000 : 600);
     if (!solo) back = v;
   }
-  SOLO_EXPECT(back >= 0, "quiet again: no parallel probe within kMaxProbe jobs");
-  SOLO_EXPECT(visit(conv, SoloPolicy::kFirstProbe - 1, 600, 1000) == 0,
+  EXPECT(back >= 0, "quiet again: no parallel probe within kMaxProbe jobs");
+  EXPECT(visit(conv, SoloPolicy::kFirstProbe - 1, 600, 1000) == 0,
          "a probe that measured parallel faster did not switch back");
   return failures;
 }
-
-#undef SOLO_EXPECT
 
 }  // namespace qdsl_test
 

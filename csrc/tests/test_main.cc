@@ -13,21 +13,13 @@
 #include "dispatch.h"
 #include "qdsl/gemm.h"
 #include "qdsl/graph.h"
+#include "tests/expect.h"
 #include "threads/thread_pool.h"
 #include "tests/solo_policy_test.h"
 
 namespace {
 
 int failures = 0;
-#define EXPECT(cond, ...)                  \
-  do {                                     \
-    if (!(cond)) {                         \
-      ++failures;                          \
-      std::printf("FAIL %s:%d: ", __FILE__, __LINE__); \
-      std::printf(__VA_ARGS__);            \
-      std::printf("\n");                   \
-    }                                      \
-  } while (0)
 
 void TestGemm(std::mt19937& rng) {
   const int sizes[] = {1, 2, 5, 6, 7, 16, 17, 33, 64, 65};

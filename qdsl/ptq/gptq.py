@@ -44,7 +44,8 @@ matrix products for the sweep.  Grouped convolutions run it once per group.
 
 from __future__ import annotations
 
-from typing import Iterator
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +54,7 @@ from torch import nn
 from qdsl.quantizers.functional import reciprocal
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["FLOAT64_MAX_D", "unfold_inputs", "input_hessian", "gptq_codes", "HessianAccumulator"]
+__all__ = ["FLOAT64_MAX_D", "unfold_inputs", "input_hessian", "gptq_codes", "gptq_damped", "HessianAccumulator"]
 
 FLOAT64_MAX_D = 2048
 """Hessians of at most this many inputs (per group) are accumulated and factorised in
@@ -224,7 +225,8 @@ def gptq_codes(
     ``hessian`` is ``[groups, d, d]`` (or ``[d, d]``) from :func:`input_hessian` (left
     unchanged), or a :class:`HessianAccumulator`, whose matrix is then factorised in place
     and released (the low-memory path).  Output channel ``c`` belongs to conv group
-    ``c // (C / groups)``.  ``block``: columns per lazy-batch block.
+    ``c // (C / groups)``.  ``damp``: added to the diagonal, relative to its mean.
+    ``block``: columns per lazy-batch block.
 
     >>> g = torch.Generator().manual_seed(0)
     >>> w, x = torch.randn(8, 16, generator=g), torch.randn(16, 500, generator=g)
@@ -235,6 +237,36 @@ def gptq_codes(
     >>> err(q) < err(rtn), int(q.min()) >= -4, int(q.max()) <= 3
     (True, True, True)
     """
+    with contextlib.closing(gptq_damped(weight, hessian, scale, zero_point, qmin, qmax, (damp,),
+                                        act_order=act_order, block=block)) as codes:
+        return next(codes)[1]
+
+
+def gptq_damped(
+    weight: torch.Tensor,
+    hessian: torch.Tensor | HessianAccumulator,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    damps: Sequence[float],
+    *,
+    act_order: bool = True,
+    block: int = 128,
+) -> Iterator[tuple[float, torch.Tensor]]:
+    """:func:`gptq_codes` for each relative damping in ``damps`` in turn, lazily, as
+    ``(damp, codes)``: a caller searching for the damping stops iterating (and closes the
+    iterator) once it has what it wants.
+
+    Why a search: with fewer calibration positions than inputs, ``H`` is singular and GPTQ
+    fitted at the usual 1 % damping pushes the rounding error into directions the data
+    never showed, so it does worse than nearest rounding on other data.  More damping moves
+    GPTQ towards nearest rounding (infinite damping *is* nearest rounding), and somewhere in
+    between it beats both; :mod:`qdsl.ptq.rounding` picks the damping on held-back data.
+
+    Cost per candidate: one factorisation and one sweep; the Hessian is permuted once, and
+    between candidates its lower triangle is restored from the upper one, which the
+    factorisation leaves untouched, so there is still one ``d × d`` matrix per group."""
     owned = isinstance(hessian, HessianAccumulator)
     h_all = hessian.take() if owned else hessian
     h_all = h_all if h_all.dim() == 3 else h_all.unsqueeze(0)
@@ -253,36 +285,54 @@ def gptq_codes(
         raise QdslError(f"{n_scale_groups} scale groups do not divide the {d} inputs of a row")
     group_size = d // n_scale_groups
     per = c_out // groups
-    out = torch.empty(c_out, d, dtype=torch.int64)
-    for gi in range(groups):
-        rows = slice(gi * per, (gi + 1) * per)
-        h = h_all[gi] if owned else h_all[gi].to(dtype, copy=True)
-        w = w_all[rows].to(dtype)
-        chol, order = _factor(h, damp, act_order, block)
-        out[rows] = _sweep(w, chol, order, s_all[rows], inv_all[rows], z_all[rows], group_size, qmin, qmax, block)
-        del chol, h
-    return out.reshape(weight.shape)
+    # per conv group, once prepared: (matrix, processing order, undamped diagonal); kept
+    # for the next candidate only if there is one (a caller's matrix is copied per group)
+    prepared: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * groups
+    for k, damp in enumerate(damps):
+        more = k + 1 < len(damps)
+        out = torch.empty(c_out, d, dtype=torch.int64)
+        for gi in range(groups):
+            rows = slice(gi * per, (gi + 1) * per)
+            if prepared[gi] is None:
+                h = h_all[gi] if owned else h_all[gi].to(dtype, copy=True)
+                order, base = _prepare(h, act_order, block)
+            else:
+                h, order, base = prepared[gi]
+                _restore_lower_(h, base, block)
+            chol = _factor(h, base, damp, block)
+            out[rows] = _sweep(w_all[rows].to(dtype), chol, order, s_all[rows], inv_all[rows], z_all[rows],
+                               group_size, qmin, qmax, block)
+            prepared[gi] = (h, order, base) if more else None
+            del chol, h
+        yield damp, out.reshape(weight.shape)
 
 
-def _factor(h: torch.Tensor, damp: float, act_order: bool, block: int):
-    """In place: ``h`` (one group's ``[d, d]`` Hessian) becomes the lower Cholesky factor of
-    the damped Hessian in *reversed* processing order; returns ``(factor, order)`` with
-    ``order[r]`` the original column at position ``r``.  An input that is always zero
-    (``H_ii = 0``) gets ``H_ii = 1``: its row of the factor is then zero off the diagonal,
-    so its code is nearest rounding and it moves no other column."""
+def _prepare(h: torch.Tensor, act_order: bool, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``h`` (one group's ``[d, d]`` Hessian) permuted into *reversed* processing
+    order; returns ``(order, diagonal)`` with ``order[r]`` the original column at position
+    ``r`` and the permuted, undamped diagonal.  An input that is always zero (``H_ii = 0``)
+    gets ``H_ii = 1``: its row of the factor is then zero off the diagonal, so its code is
+    nearest rounding and it moves no other column."""
     d = h.shape[0]
     diag = torch.diagonal(h)
     diag[diag <= 0] = 1.0
     # act_order: largest diag H first in processing order = last in the stored order
     order = torch.argsort(diag, stable=True) if act_order else torch.arange(d - 1, -1, -1)
     _permute_symmetric_(h, order, block)
+    return order, torch.diagonal(h).clone()
+
+
+def _factor(h: torch.Tensor, base: torch.Tensor, damp: float, block: int) -> torch.Tensor:
+    """In place: ``h`` (prepared, its lower triangle intact) becomes the lower Cholesky
+    factor of itself with ``damp · mean(base)`` added to the diagonal ``base``; retried
+    with 10× the damping while it is not numerically positive definite (the untouched upper
+    triangle restores the lower one in between)."""
     diag = torch.diagonal(h)
-    base = diag.clone()
     extra = damp * float(base.mean())
     for _ in range(8):
         diag.copy_(base + extra)
         if _cholesky_lower_(h, block):
-            return h, order
+            return h
         _restore_lower_(h, base, block)
         extra = max(extra * 10, 1e-6 * float(base.mean()))
     raise QdslError("GPTQ: the input Hessian is not positive definite even with damping")

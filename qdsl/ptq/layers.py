@@ -12,6 +12,7 @@ parameters.  Everything goes through the patch layer's handle
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -27,6 +28,8 @@ __all__ = [
     "float_mode",
     "scales_fixed",
     "run_batches",
+    "Calls",
+    "float_calls",
     "capture",
     "StopForward",
     "channel_dim",
@@ -60,6 +63,38 @@ def run_batches(model: nn.Module, batches: Iterable[Any]) -> None:
                 pass
 
 
+@dataclasses.dataclass
+class Calls:
+    """How often a module ran in one forward, and its first positional input on the
+    first call (None if called without one)."""
+
+    count: int = 0
+    first: Any = None
+
+
+def float_calls(model: nn.Module, modules: Iterable[tuple[str, nn.Module]], batch: Any) -> dict[str, Calls]:
+    """One float forward (:func:`float_mode`) of ``batch``: for each ``(name, module)`` that
+    ran, its :class:`Calls`, in the order of their first call.  The hooks are prepended, so
+    they see what the caller passed (before the module's own input hook), and are removed
+    on exit.  The one float pass the PTQ steps make to learn the execution order, which
+    layers read the same tensor, and which blocks run more than once."""
+    calls: dict[str, Calls] = {}
+
+    def seen(name: str, args: tuple) -> None:
+        c = calls.setdefault(name, Calls(first=args[0] if args else None))
+        c.count += 1
+
+    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: seen(name, args), prepend=True)
+             for name, m in modules]
+    try:
+        with float_mode(model):
+            run_batches(model, [batch])
+    finally:
+        for h in hooks:
+            h.remove()
+    return calls
+
+
 def weighted_layers(model: nn.Module, batches: list[Any] | None = None) -> list[tuple[str, Any]]:
     """``[(fqn, LayerPatch)]`` of the patched Linear/Conv layers whose weight is quantized,
     in execution order when ``batches`` is given (one forward of the first batch),
@@ -68,17 +103,7 @@ def weighted_layers(model: nn.Module, batches: list[Any] | None = None) -> list[
     layers = [(f, p) for f, p in handle.layers.items() if isinstance(p.module, WEIGHTED) and p.wq is not None]
     if not batches or len(layers) < 2:
         return layers
-    order: list[str] = []
-    hooks = []
-    for fqn, patch in layers:
-        hooks.append(patch.module.register_forward_hook(
-            lambda m, a, o, fqn=fqn: order.append(fqn) if fqn not in order else None))
-    try:
-        with float_mode(model):
-            run_batches(model, batches[:1])
-    finally:
-        for h in hooks:
-            h.remove()
+    order = float_calls(model, [(f, p.module) for f, p in layers], batches[0])
     rank = {f: i for i, f in enumerate(order)}
     return sorted(layers, key=lambda fp: rank.get(fp[0], len(rank)))
 

@@ -50,7 +50,9 @@ from torch import nn
 from qdsl.patch.handle import get_handle
 from qdsl.ptq.adaround import SoftRounding, beta_schedule
 from qdsl.ptq.guard import decide
-from qdsl.ptq.layers import StopForward, capture, float_mode, require_batches, rounding_layers, run_batches, scales_fixed
+from qdsl.ptq.layers import (
+    StopForward, capture, float_calls, float_mode, require_batches, rounding_layers, run_batches, scales_fixed,
+)
 from qdsl.ptq.report import LayerDecision, PtqReport, split_heldback
 from qdsl.spec.diagnostics import QdslError
 
@@ -150,16 +152,8 @@ def _check(fqn: str, wq: Any) -> None:
 # --------------------------------------------------------------- collecting data
 def _shared_blocks(model: nn.Module, blocks: list[Block], batch: Any) -> set[str]:
     """Blocks whose first module runs more than once in a forward (one float pass)."""
-    calls: dict[str, int] = {}
-    hooks = [b.modules[0].register_forward_pre_hook(
-        lambda m, a, n=b.name: calls.__setitem__(n, calls.get(n, 0) + 1), prepend=True) for b in blocks]
-    try:
-        with float_mode(model):
-            run_batches(model, [batch])
-    finally:
-        for h in hooks:
-            h.remove()
-    return {n for n, k in calls.items() if k > 1}
+    calls = float_calls(model, [(b.name, b.modules[0]) for b in blocks], batch)
+    return {n for n, c in calls.items() if c.count > 1}
 
 
 def _float_outputs(model: nn.Module, block: Block, batches: list[Any]) -> list[torch.Tensor | None]:

@@ -13,7 +13,13 @@ For each quantized Linear/Conv layer in execution order:
    (an attention block's query/key/value) share one pass;
 3. take the scale and zero point the weight proxy would use for the float weight (the
    observer's range search, e.g. ``mse``/``auto``), so the grid is unchanged, and compute
-   GPTQ codes (:func:`qdsl.ptq.gptq.gptq_codes`);
+   GPTQ codes (:func:`qdsl.ptq.gptq.gptq_codes`).  Where the fit data is thin (fewer than
+   ``DAMP_SEARCH_BELOW`` positions per input, e.g. a ``Conv2d(128, 512, (64, 1))`` with
+   8192 inputs and ~4000 positions, or a transformer's Linears on a few sentences) the
+   Hessian is singular or nearly so and GPTQ at 1 % damping overfits: it loses to nearest
+   rounding on other data.  There the damping is searched
+   (:func:`qdsl.ptq.gptq.gptq_damped`: ``damp`` times 1, 10, 100, 1000, stopping once the
+   held-back output error of step 4 stops falling) and the best is used;
 4. on the held-back inputs, compare the output error (mean squared difference to the
    layer with its float weight, bias excluded: it is the same for both) of the GPTQ codes
    with that of nearest rounding; only if GPTQ's is lower are the codes stored in the
@@ -45,19 +51,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes
+from qdsl.ptq.gptq import FLOAT64_MAX_D, HessianAccumulator, gptq_codes, gptq_damped
 from qdsl.ptq.guard import decide
-from qdsl.ptq.layers import capture, float_mode, require_batches, rounding_layers, run_batches
+from qdsl.ptq.layers import capture, float_calls, require_batches, rounding_layers, run_batches
 from qdsl.ptq.reconstruct import reconstruct
 from qdsl.ptq.report import PtqReport, split_heldback
 from qdsl.quantizers.functional import dequantize_affine
 from qdsl.spec.diagnostics import QdslError
 
-__all__ = ["LEARNED_ROUNDINGS", "RoundingResult", "learn_rounding"]
+__all__ = ["LEARNED_ROUNDINGS", "DAMP_SEARCH_BELOW", "DAMP_STEPS", "RoundingResult", "learn_rounding"]
 
 LEARNED_ROUNDINGS = ("gptq", "adaround")
 """Learned rounding methods implemented (``QuantSpec.learned_rounding``); ``adaround`` is
 block reconstruction (:mod:`qdsl.ptq.reconstruct`) and returns its ``PtqReport``."""
+
+
+DAMP_SEARCH_BELOW = 4
+"""Fit positions per input below which the damping is searched on held-back data (a
+conv's positions are its output positions; a token model's, its tokens)."""
+
+DAMP_STEPS = 4
+"""Most dampings the search tries: ``damp`` times 1, 10, 100 and 1000."""
 
 
 class RoundingResult(dict):
@@ -110,6 +124,7 @@ def learn_rounding(
     block: int = 128,
     heldback: bool = True,
     refit: bool = True,
+    search_damp: bool = True,
     report: PtqReport | None = None,
     only: Iterable[str] | None = None,
 ) -> RoundingResult:
@@ -118,8 +133,9 @@ def learn_rounding(
     (a :class:`RoundingResult`; its ``.report`` holds the per-layer decisions, appended to
     ``report`` when one is given).  ``heldback=False``: fit on every batch and keep GPTQ
     on every layer without checking.  ``refit=False``: keep the fit-only codes the check
-    judged (see the module docstring).  ``only``: round just these layers (fqns); the
-    others keep their codes.  ``adaround`` returns :func:`qdsl.ptq.reconstruct.reconstruct`'s
+    judged (see the module docstring).  ``search_damp=False``: GPTQ at ``damp`` only, also
+    where the fit data is thin (see the module docstring).  ``only``: round just these
+    layers (fqns); the others keep their codes.  ``adaround`` returns :func:`qdsl.ptq.reconstruct.reconstruct`'s
     ``PtqReport`` (its own held-back check per block) instead."""
     if method not in LEARNED_ROUNDINGS:
         raise QdslError(f"unknown learned rounding '{method}'; implemented: {', '.join(LEARNED_ROUNDINGS)}")
@@ -140,7 +156,7 @@ def learn_rounding(
         for fqn, patch in group:
             if accs[fqn].h is not None:
                 _round_layer(fqn, patch, accs[fqn], held_x[fqn], result, heldback,
-                             dict(act_order=act_order, damp=damp, block=block, refit=refit))
+                             dict(act_order=act_order, damp=damp, block=block, refit=refit, search=search_damp))
     return result
 
 
@@ -150,20 +166,11 @@ def _shared_input_groups(model: nn.Module, layers: list, batch: Any) -> list[lis
     cannot change another's input, so one pass over the batches serves them all.  Only
     layers with at most ``FLOAT64_MAX_D`` inputs are grouped (several Hessians are held
     at once; a wide layer stays alone so memory stays bounded by one layer)."""
-    seen: dict[str, Any] = {}
-    hooks = [p.module.register_forward_pre_hook(
-        lambda m, args, fqn=fqn: seen.setdefault(fqn, args[0] if args else None), prepend=True)
-        for fqn, p in layers]
-    try:
-        with float_mode(model):
-            run_batches(model, [batch])
-    finally:
-        for h in hooks:
-            h.remove()
+    seen = float_calls(model, [(f, p.module) for f, p in layers], batch)
     groups: list[list] = []
     last = None  # the previous layer's input, if it may share a pass
     for fqn, patch in layers:
-        x = seen.get(fqn) if patch.module.weight[0].numel() <= FLOAT64_MAX_D else None
+        x = seen[fqn].first if fqn in seen and patch.module.weight[0].numel() <= FLOAT64_MAX_D else None
         if x is not None and x is last:
             groups[-1].append((fqn, patch))
         else:
@@ -183,8 +190,18 @@ def _collect(model: nn.Module, group: list, batches: list, fn) -> None:
         run_batches(model, batches)
 
 
+def _dampings(damp: float, positions: int, inputs: int, search: bool) -> list[float]:
+    """The relative dampings to try, in order: ``damp`` alone, or with too few fit
+    positions per input (``< DAMP_SEARCH_BELOW``) ``damp`` times 1, 10, 100, ... (at most
+    ``DAMP_STEPS``)."""
+    if not search or positions >= DAMP_SEARCH_BELOW * inputs:
+        return [damp]
+    return [damp * 10.0**k for k in range(DAMP_STEPS)]
+
+
 def _round_layer(fqn, patch, acc, held_x, result, heldback, options) -> None:
-    """GPTQ codes for one layer, checked against nearest rounding on ``held_x``."""
+    """GPTQ codes for one layer (its damping searched on ``held_x`` where the fit data is
+    thin), checked against nearest rounding on ``held_x``."""
     wq, module = patch.wq, patch.module
     with torch.no_grad():
         w, _ = patch.float_params()
@@ -192,23 +209,40 @@ def _round_layer(fqn, patch, acc, held_x, result, heldback, options) -> None:
         nearest = wq.int_repr(w).to(torch.int64)
         w = w.detach().float()
         target = w + wq.offset if wq.offset.numel() else w  # what the proxy rounds
-        refit = options.pop("refit") and bool(held_x) and acc.h.shape[-1] <= FLOAT64_MAX_D
+        inputs, positions = acc.h.shape[-1], acc.n
+        refit = options.pop("refit") and bool(held_x) and inputs <= FLOAT64_MAX_D
+        damps = _dampings(options.pop("damp"), positions, inputs, options.pop("search") and bool(held_x))
         fit_sum, fit_n = (acc.h.clone(), acc.n) if refit else (None, 0)
-        codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, **options)
-        before = after = math.nan
-        if held_x:
-            deq = lambda q: dequantize_affine(q, scale, zp, wq.axis, wq.group_size)  # noqa: E731
-            before = _output_error(module, w - deq(nearest), held_x)
-            after = _output_error(module, w - deq(codes), held_x)
+        deq = lambda q: dequantize_affine(q, scale, zp, wq.axis, wq.group_size)  # noqa: E731
+        error = lambda q: _output_error(module, w - deq(q), held_x) if held_x else math.nan  # noqa: E731
+        before = error(nearest)
+        # larger dampings until the held-back error stops falling (it falls, then rises
+        # towards nearest rounding's: one minimum).  The check below then compares the best
+        # of these few with nearest rounding on the same data, slightly in GPTQ's favour.
+        tried: list[float] = []
+        best = None
+        with contextlib.closing(gptq_damped(target, acc, scale, zp, wq.qmin, wq.qmax, damps, **options)) as cands:
+            for damp, codes in cands:
+                tried.append(damp)
+                err = error(codes)
+                if best is not None and not err < best[2]:
+                    break
+                best = (damp, codes, err)
+        damp, codes, after = best
+        notes = []
+        if len(damps) > 1:
+            notes.append(f"damp {damp:g} of {', '.join(f'{x:g}' for x in tried)} tried "
+                         f"({positions} fit positions for {inputs} inputs)")
         # the codes are applied below, after a possible refit, so there is nothing to undo
-        note = "refit on all batches" if refit and (not held_x or after < before) else ""
-        kept = decide(result.report, fqn, "gptq", before, after, note=note,
+        if refit and (not held_x or after < before):
+            notes.append("refit on all batches")
+        kept = decide(result.report, fqn, "gptq", before, after, note="; ".join(notes),
                       unchecked="no held-back data" if heldback else "held-back check off")
         if kept and refit:
             acc.h, acc.n = fit_sum, fit_n
             for x in held_x:
                 acc.add(module, x)
-            codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, **options)
+            codes = gptq_codes(target, acc, scale, zp, wq.qmin, wq.qmax, damp=damp, **options)
         if kept:
             wq.set_codes(codes)
             result[fqn] = float((codes != nearest).float().mean())

@@ -320,34 +320,31 @@ class Attention(nn.Module):
 
 def test_layers_reading_one_input_share_a_pass(monkeypatch):
     """q, k and v get their Hessians from one pass over the batches (2 passes for the 4
-    layers instead of 4), and the codes are those of one pass per layer."""
+    layers instead of 4), and the codes are those of one pass per layer.  A pass is counted
+    where it happens: each forward of the model itself (a hook on the root module), each
+    batch of each pass once, whoever runs it."""
     from qdsl.ptq import rounding
 
     g = torch.Generator().manual_seed(9)
     basis = torch.randn(3, 16, generator=g)
     batches = [_tokens(16, g, basis) for _ in range(4)]
-    runs = []
-
-    def counted(model, bs):
-        runs.append(len(bs))
-        return run(model, bs)
-
-    run = rounding.run_batches
     codes = {}
     for grouped in (True, False):
         torch.manual_seed(0)
         model = Attention().eval()
         qdsl.apply(model, _spec())
         qdsl.calibrate(model, batches[:1], progress=False)
-        monkeypatch.setattr(rounding, "run_batches", counted)
         if not grouped:
             monkeypatch.setattr(rounding, "_shared_input_groups", lambda m, layers, b: [[lp] for lp in layers])
-        runs.clear()
+        forwards = []
+        hook = model.register_forward_pre_hook(lambda m, args: forwards.append(1))
         with scales_fixed(model):
             out = learn_rounding(model, batches)
+        hook.remove()
         monkeypatch.undo()
-        # fit and held-back passes per group, plus the grouping's own single-batch pass
-        assert len(runs) == (2 * 2 + 1 if grouped else 2 * 4)
+        # per group: the 3 fit batches and the 1 held-back batch; plus one float forward of
+        # the first batch for the execution order and, grouped, one to find shared inputs
+        assert len(forwards) == (2 * 4 + 2 if grouped else 4 * 4 + 1)
         handle = qdsl.patch.get_handle(model)
         codes[grouped] = {f: handle.quantizer(f, "weight").codes.clone() for f in out}
         assert [d.layer for d in out.report] == ["q", "k", "v", "out"]
