@@ -39,15 +39,23 @@ _TINY32 = float(np.float32(1e-12))
 """``range_search._TINY`` as ``torch.clamp(float32, min=1e-12)`` compares it: in binary32."""
 
 
-def dynamic_int_params(lo: float, hi: float, qmin: int, qmax: int, symmetric: bool) -> tuple[float, int]:
+_WIDE = 3.0e38
+"""Ranges at least this wide (binary32's largest value is 3.4e38) are left to the tensor
+path: their width may overflow binary32, where numpy would warn."""
+
+
+def dynamic_int_params(lo: float, hi: float, qmin: int, qmax: int, symmetric: bool) -> tuple[float, int] | None:
     """``(scale, zero_point)`` of the range ``lo..hi`` (finite binary32 values held in Python
     floats) for an int quantizer with a ``float`` scale rule: the values
-    ``IntOps.qparams(range_to_qparams(lo, hi))`` computes in float32 tensors.
+    ``IntOps.qparams(range_to_qparams(lo, hi))`` computes in float32 tensors.  None for a
+    range :data:`_WIDE` or wider.
 
     >>> dynamic_int_params(-1.0, 2.0, 0, 255, False)
     (0.0117647061124444, 85)
     """
     lo0, hi0 = min(lo, 0.0), max(hi, 0.0)
+    if hi0 - lo0 >= _WIDE:
+        return None
     if symmetric:
         if qmin < 0:
             amax = max(-lo0, hi0)

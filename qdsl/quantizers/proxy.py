@@ -560,7 +560,10 @@ class TensorQuantizer(LazyBuffers):
         lo, hi = lo.item(), hi.item()
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return None
-        scale, zp = EF.dynamic_int_params(lo, hi, self.qmin, self.qmax, bool(self.recipe.symmetric))
+        params = EF.dynamic_int_params(lo, hi, self.qmin, self.qmax, bool(self.recipe.symmetric))
+        if params is None:
+            return None
+        scale, zp = params
         self._last_scale = torch.tensor(scale, dtype=torch.float32)
         return scale, EF.reciprocal(scale), self.qmin - zp, self.qmax - zp, None
 
