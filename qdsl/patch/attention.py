@@ -191,14 +191,12 @@ class AttentionPatch(ComputedPatch):
         return state
 
     # ------------------------------------------------------------------ forward
-    def _proj(self, s: str, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, *self._params(s))
-
-    def _params(self, s: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The ``s`` slice's (fake-quantized) weight and bias, from the cache when valid."""
+    def _all_params(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every slice's (fake-quantized) weight and bias (a forward takes them once: the
+        cache key is one walk over nine proxies' state)."""
         key = self._cache_key()
         if key is None:
-            return self._quantized_rows(s)
+            return {t: self._quantized_rows(t) for t in SLICES}
         hit = self._wcache
         if hit is None or hit[0] != key:
             rows = {t: self._quantized_rows(t) for t in SLICES}
@@ -206,7 +204,7 @@ class AttentionPatch(ComputedPatch):
             # weights were computed with is the one after the calls (as LayerPatch.refresh)
             key = self._cache_key()
             hit = self._wcache = (key, self._key_refs, rows)
-        return hit[2][s]
+        return hit[2]
 
     def _cache_key(self) -> tuple | None:
         """The fake-quantized q/k/v weights and biases are reused while nothing they depend
@@ -268,8 +266,12 @@ class AttentionPatch(ComputedPatch):
             return t.unsqueeze(0) if unbatched else (t if m.batch_first else t.transpose(0, 1))
         if unbatched and key_padding_mask is not None:
             key_padding_mask = key_padding_mask.unsqueeze(0)
+        params = self._all_params()
+
+        def proj(s: str, x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, *params[s])
         out, weights = attention(
-            batch_first(xq), batch_first(xk), batch_first(xv), int(m.num_heads), self._proj, self._act, m.out_proj,
+            batch_first(xq), batch_first(xk), batch_first(xv), int(m.num_heads), proj, self._act, m.out_proj,
             attn_mask=attn_mask, key_padding_mask=key_padding_mask, dropout=float(m.dropout), training=m.training,
             need_weights=need_weights, average_attn_weights=average_attn_weights, sim=self._sim)
         if self.out is not None:

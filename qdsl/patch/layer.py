@@ -68,7 +68,13 @@ def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
 def proxy_state_key(proxies) -> tuple[list, list]:
     """``(key, refs)``: the state of ``proxies`` (None entries allowed) a cached
     fake-quantized tensor depends on before freeze, as :meth:`LayerPatch._quantizer_key`
-    describes; ``refs`` are the tensors the key names by id, to keep alive with it."""
+    describes; ``refs`` are the tensors the key names by id, to keep alive with it.
+
+    Walks the modules' own ``_buffers``/``_parameters`` dicts (the proxy and its parts,
+    recursively) instead of ``buffers()``/``parameters()``: the same tensors in the same
+    order (none is shared within a proxy), without the generator and de-duplication
+    machinery, which cost more than the rest of an evaluation forward's hooks together on
+    a small encoder (a key is taken per layer per forward)."""
     key: list = []
     refs: list = []
     for q in proxies:
@@ -78,10 +84,19 @@ def proxy_state_key(proxies) -> tuple[list, list]:
         key += [q.enabled, q.observing, q.frozen, id(q._range),
                 bool(getattr(q.observer, "_search_requested", False))]
         refs.append(q._range)
-        for t in (*q.buffers(), *q.parameters()):
-            key += [id(t), t._version, t.dtype]
-            refs.append(t)
+        _tensor_key(q, key, refs)
     return key, refs
+
+
+def _tensor_key(m: nn.Module, key: list, refs: list) -> None:
+    for d in (m._buffers, m._parameters):
+        for t in d.values():
+            if t is not None:
+                key += [id(t), t._version, t.dtype]
+                refs.append(t)
+    for child in m._modules.values():
+        if child is not None:
+            _tensor_key(child, key, refs)
 
 
 class _SkipBN:

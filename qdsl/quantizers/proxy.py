@@ -59,15 +59,19 @@ proxy of a model by ``qdsl.qat.prepare_qat``/``fit``/``LeanOptimizer``
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Any, Callable, ClassVar
 
 import torch
 
+from qdsl.quantizers import eval_fast as EF
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import range_search as RS
 from qdsl.quantizers.functional import HALF_DTYPES, check_finite
+from qdsl.quantizers.formats.int import IntOps
 from qdsl.quantizers.observers import EmaObserver, LazyBuffers, MinMaxObserver
+from qdsl.quantizers.scales import FloatScale
 from qdsl.quantizers.parts import (
     PartContext,
     build_format_ops,
@@ -121,6 +125,16 @@ def _after_load(q: "TensorQuantizer", _incompatible) -> None:
     # eagerly so that a compiled forward finds it (see TensorQuantizer._static_range)
     if not q.stateless and not q._observing:
         q._static_range(refresh=True)
+
+
+def _affine_passes(x, s, inv, lo, hi, finite: bool) -> torch.Tensor:
+    # TensorQuantizer._fast's passes (see its docstring)
+    q = torch.mul(x, inv)
+    q.round_()
+    q.clamp_(lo, hi)
+    if not finite and math.isnan(q.sum().item()):
+        q.nan_to_num_(0.0)
+    return q.mul_(s)
 
 
 class TensorQuantizer(LazyBuffers):
@@ -470,14 +484,9 @@ class TensorQuantizer(LazyBuffers):
             self.codes = torch.empty(0, dtype=torch.int64, device=self.codes.device)
         if not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling():
             # (thread switches and Python caches: not for a traced region)
-            if self._fast_ok:
-                return self._fast(x)
-            v = self._static_views(x)
-            if v is not None:
-                return self._fast(x, v)
-            v = self._dynamic_views(x)
-            if v is not None:
-                return self._fast(x, v, finite=True)
+            out = self._eval_fast(x)
+            if out is not None:
+                return out
         p = self.qparams(x, src=src)
         if p is None:
             self._last_scale = None
@@ -492,6 +501,78 @@ class TensorQuantizer(LazyBuffers):
             "E507", f"channel axis {self.axis} of {self.name or self.role.value} is out of range for "
             f"the {x.dim()}-d tensor it quantizes (shape {tuple(x.shape)})", g.span,
             f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
+
+    def _eval_fast(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The fast paths without autograd (frozen, static before freeze, dynamic), or None.
+        An input quantizer whose result depends only on ``x`` and numbers it shares with
+        another reader of the same ``x`` takes that reader's result
+        (qdsl.quantizers.eval_fast.SharedInputs)."""
+        if self._fast_ok:
+            return self._shared_fast(x, self._frozen_views(x), False)
+        v = self._static_views(x)
+        if v is not None:
+            return self._shared_fast(x, v, False)
+        fp = self._scalar_dynamic_fp(x)
+        if fp is not None:
+            share = self.role is Role.INPUT
+            hit = EF.SHARED.get(x, fp) if share else None
+            if hit is not None:
+                self._last_scale = hit[1]
+                return hit[0]
+            v = self._scalar_dynamic_views(x)
+            if v is None:
+                return None
+            out = self._fast(x, v, finite=True)
+            if share:
+                EF.SHARED.put(x, fp, out, self._last_scale)
+            return out
+        v = self._dynamic_views(x)
+        if v is not None:
+            return self._fast(x, v, finite=True)
+        return None
+
+    def _shared_fast(self, x: torch.Tensor, v: tuple, finite: bool) -> torch.Tensor:
+        fp = v[4] if self.role is Role.INPUT else None
+        if fp is None:
+            return self._fast(x, v, finite)
+        hit = EF.SHARED.get(x, fp)
+        if hit is not None:
+            return hit[0]
+        out = self._fast(x, v, finite)
+        EF.SHARED.put(x, fp, out)
+        return out
+
+    def _scalar_dynamic_fp(self, x: torch.Tensor) -> tuple | None:
+        """A dynamic per-tensor int quantizer whose scale :func:`eval_fast.dynamic_int_params`
+        computes (min/max observer, float scale rule, half-even rounding, binary32 on the
+        CPU): the fingerprint of its result (a function of ``x`` and these numbers); else None."""
+        if (not self.dynamic or self.axis is not None or self.group_size is not None or self.derived
+                or type(self.observer) not in _BATCH_MINMAX or type(self.scale_rule) is not FloatScale
+                or type(self._ops) is not IntOps or self._round_mode != "half_even"
+                or x.dtype is not torch.float32 or x.device.type != "cpu" or not x.numel()):
+            return None
+        return ("dynamic_int", self.qmin, self.qmax, bool(self.recipe.symmetric))
+
+    def _scalar_dynamic_views(self, x: torch.Tensor):
+        """:meth:`_dynamic_views` for the quantizers :meth:`_scalar_dynamic_fp` admits, with
+        the scale in scalar arithmetic (same values); None for a non-finite batch."""
+        lo, hi = torch.aminmax(x)
+        lo, hi = lo.item(), hi.item()
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            return None
+        params = EF.dynamic_int_params(lo, hi, self.qmin, self.qmax, bool(self.recipe.symmetric))
+        if params is None:
+            return None
+        scale, zp = params
+        self._last_scale = torch.tensor(scale, dtype=torch.float32)
+        return scale, EF.reciprocal(scale), self.qmin - zp, self.qmax - zp, None
+
+    def _frozen_views(self, x: torch.Tensor) -> tuple:
+        key = x.dim() if self.group_size is None else tuple(x.shape)
+        v = self._views.get(key)
+        if v is None:
+            v = self._views[key] = self._views_for(x, self.scale, self.zero_point)
+        return v
 
     def _static_views(self, x: torch.Tensor):
         """Before freeze, a static activation's scale is fixed by its statistics, so
@@ -543,47 +624,41 @@ class TensorQuantizer(LazyBuffers):
         return v
 
     def _views_for(self, x, scale, zero_point):
+        """``(s, inv, lo, hi, fingerprint)`` for :meth:`_fast` (fingerprint: see
+        qdsl.quantizers.eval_fast.views_fingerprint)."""
         s, inv, z = self._param_views(x, scale, zero_point)
         if zero_point.numel() == 1 or not bool((zero_point != zero_point.flatten()[0]).any()):
             zp = int(zero_point.flatten()[0]) if zero_point.numel() else 0
-            return s, inv, self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
-        return s, inv, self.qmin - z, self.qmax - z
+            lo, hi = self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
+            return s, inv, lo, hi, EF.views_fingerprint(s, inv, lo, hi)
+        return s, inv, self.qmin - z, self.qmax - z, None
 
     def _fast(self, x: torch.Tensor, v: tuple | None = None, finite: bool = False) -> torch.Tensor:
-        """Frozen int path: five passes over one fresh buffer (four when the caller knows
-        ``x`` and the reciprocal are finite, ``finite``: then ``x·(1/s)`` holds no NaN).
+        """Frozen int path: four passes over one fresh buffer, and a read-only sum when
+        ``x`` may hold a NaN (``finite`` False; ``finite``: the caller knows ``x`` and the
+        reciprocal are finite, so ``x·(1/s)`` holds no NaN).
 
         ``(clamp(round(v) + z, qmin, qmax) − z)·s`` equals ``clamp(round(v), qmin − z,
         qmax − z)·s`` exactly (integers below 2^24 add exactly in float32), so the zero
         point moves into per-slot clamp bounds; only the sign of a zero may differ (−0.0
-        here where the reference gives +0.0), which compares equal.  A NaN becomes 0 after
-        the rounding (the zero point's code, as :func:`functional.scaled` does before it).
+        here where the reference gives +0.0), which compares equal.  A NaN becomes 0 (the
+        zero point's code, as :func:`functional.scaled` does before rounding): round and
+        clamp keep a NaN, so the clamped codes sum to NaN exactly when one is there (they
+        are bounded, their sum is finite otherwise), and only then does a fifth pass
+        replace it (``NaN·s`` is NaN; the code 0 times ``s`` is +0.0, what it becomes).
         """
         if v is None:
-            key = x.dim() if self.group_size is None else tuple(x.shape)
-            v = self._views.get(key)
-            if v is None:
-                v = self._views[key] = self._views_for(x, self.scale, self.zero_point)
-        s, inv, lo, hi = v
+            v = self._frozen_views(x)
+        s, inv, lo, hi = v[:4]
         n = TensorQuantizer.fast_path_threads
         prev = torch.get_num_threads() if n else 0
         if n and prev != n:
             torch.set_num_threads(n)
             try:
-                q = torch.mul(x, inv)
-                q.round_()
-                if not finite:
-                    q.nan_to_num_(0.0)
-                q.clamp_(lo, hi)
-                return q.mul_(s)
+                return _affine_passes(x, s, inv, lo, hi, finite)
             finally:
                 torch.set_num_threads(prev)
-        q = torch.mul(x, inv)
-        q.round_()
-        if not finite:
-            q.nan_to_num_(0.0)
-        q.clamp_(lo, hi)
-        return q.mul_(s)
+        return _affine_passes(x, s, inv, lo, hi, finite)
 
     # ----------------------------------------------------------------- freeze
     def freeze(self, x: torch.Tensor | None = None) -> None:

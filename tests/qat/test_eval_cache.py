@@ -192,3 +192,21 @@ def test_training_and_validation_equal_the_general_path(monkeypatch, build):
     general, fast = run(True), run(False)
     assert len(general) == len(fast)
     assert all(torch.equal(a, b) for a, b in zip(general, fast))
+
+
+def test_in_place_edit_of_an_observer_buffer_invalidates():
+    # the cache key walks each proxy's parts' own buffers (qdsl.patch.layer.proxy_state_key):
+    # an observer is a child module of its proxy, so its statistics are part of the key
+    model, x = _model("int8-default.qspec")
+    _eval(model, x)
+    patch = get_handle(model).layer("features.3")
+    calls = _weight_calls(model)
+    _eval(model, x)
+    assert calls == []
+    obs = patch.iq.observer
+    buf = next(t for t in obs.buffers() if t.numel())
+    with torch.no_grad():
+        buf.mul_(2.0)
+    after = _eval(model, x)
+    assert calls != []  # recomputed: the derived bias follows the input's statistics
+    assert torch.equal(after, _cold(model, x))
