@@ -62,7 +62,7 @@ class Profiler {
   void Print(const Graph& g) const {
     for (size_t oi = 0; oi < times_.size(); ++oi) {
       const OpTimes& o = times_[oi];
-      char step[32] = "";
+      char step[48] = "";
       if (g.op_step[oi] > 0) std::snprintf(step, sizeof step, "  images/pass %lld", (long long)g.op_step[oi]);
       std::fprintf(stderr, "qdsl op %3zu %-24s wall %9.3f ms  cpu %9.3f ms  jobs %lld/%lld tasks %lld caller %lld tail %.3f ms%s\n",
                    oi, g.ops[oi].name.c_str(), o.wall_ms, o.cpu_ms, (long long)o.pool.parallel_jobs,
