@@ -10,8 +10,10 @@
 // fused ADD and twins (ConvParams::fused_add, twins: ops the conv computes itself) are in
 // its segment.  Each slice then computes the same bytes as the whole-batch run.
 //
-// The plan, once per batch size: an op is "large" when it is PerImage and the bytes it reads
-// and writes for the whole batch exceed the budget (a core's L2 by default); a maximal run
+// The plan, once per batch size: an op is "large" when it is PerImage, the bytes it reads
+// and writes for the whole batch exceed the budget (a core's L2 by default), and one image's
+// activations outweigh its weights (a pass re-reads the weights: ResNet-18's layer3/4 convs,
+// 0.6-2.4 MB of weights against 50-100 KB of activations per image, stay whole-batch); a maximal run
 // of consecutive large ops (at least two) becomes a segment, with step = the images whose
 // largest op footprint fits the budget (at least 1).  Tensors produced in the segment and
 // read only there are `internal` (the slice uses the buffer's first images' room, the same
@@ -57,13 +59,18 @@ int64_t ImageBytes(const GraphTensor& t) { return Numel(ShapeFor(t, 1)) * ElemBy
 
 // The op may run on a slice of the batch: a per-image opcode whose activation tensors are
 // all batched; -1 if not, else the bytes one image of them takes (what it reads and writes).
-int64_t PerImageFootprint(const Graph& g, const GraphOp& op) {
+// *weights: the bytes of its constants (their values, as stored in the file's dtype or wider).
+int64_t PerImageFootprint(const Graph& g, const GraphOp& op, int64_t* weights) {
+  *weights = 0;
   if (!PerImageOpcode(op.opcode)) return -1;
   int64_t bytes = 0;
   for (const std::vector<uint32_t>* ts : {&op.inputs, &op.outputs})
     for (uint32_t t : *ts) {
       const GraphTensor& gt = g.tensors[t];
-      if (gt.is_constant) continue;
+      if (gt.is_constant) {
+        *weights += static_cast<int64_t>(gt.values.size()) * (gt.dtype == kI32 || gt.dtype == kF32 ? 4 : 1);
+        continue;
+      }
       if (!Batched(gt)) return -1;
       bytes += ImageBytes(gt);
     }
@@ -124,8 +131,9 @@ void PlanSegments(Graph* g, int64_t batch, int64_t budget) {
   const std::vector<int64_t> owner = Owners(*g);
   std::vector<int64_t> foot(n, -1);
   for (size_t i = 0; i < n; ++i) {
-    const int64_t f = PerImageFootprint(*g, g->ops[i]);
-    if (f > 0 && f * batch > budget) foot[i] = f;
+    int64_t weights = 0;
+    const int64_t f = PerImageFootprint(*g, g->ops[i], &weights);
+    if (f > 0 && f * batch > budget && f >= weights) foot[i] = f;
   }
   for (size_t i = 0; i < n;) {
     if (foot[i] < 0) {

@@ -215,3 +215,22 @@ def test_mobilenet_v2_stem_is_segmented_by_default(monkeypatch):
     monkeypatch.delenv("QDSL_SEGMENT")
     cg.run(x[:1])
     assert not any(p["images_per_pass"] for p in cg.plan())
+
+
+def test_weight_heavy_convs_stay_whole_batch(monkeypatch):
+    """ResNet-18 layer4-like convs (256 channels at 7 x 7: 590 KB of weights, 25 KB of
+    activations per image): a pass would re-read the weights, so even at batch 64 (3 MB of
+    tensors per conv) they are not segmented; the same convs on a 56 x 56 plane with 16
+    channels (activation-heavy) are."""
+    monkeypatch.delenv("QDSL_SEGMENT", raising=False)
+    monkeypatch.delenv("QDSL_SEGMENT_KB", raising=False)
+    rng = np.random.default_rng(1)
+    for c, hw, segmented in ((256, 7, False), (16, 56, True)):
+        b = _Builder(rng, True)
+        q = b.quantize(b.input(c, hw, hw))
+        t, _ = b.conv("a", q, c, 3)
+        t, _ = b.conv("b", t, c, 3)
+        cg = rt.CompiledGraph(b.graph([t]))
+        cg.run((rng.standard_normal((64, c, hw, hw))).astype(np.float32))
+        steps = {p["name"]: p["images_per_pass"] for p in cg.plan()}
+        assert (steps["a"] > 0 and steps["b"] > 0) == segmented, (c, hw, steps)
