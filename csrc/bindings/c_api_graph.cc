@@ -56,6 +56,8 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     info[9] = int_gemm ? ((cp->igemm && cp->ig_stage.ok) || (cp->dw_nhwc && cp->dwn_stage.ok) ? 1 + cp->dwq : 0) : -1;
     // the output's layout in the last run (Graph::nhwc; NCHW before any run)
     info[7] = op.outputs[0] < g->nhwc.size() ? g->nhwc[op.outputs[0]] : 0;
+    // images per pass the op ran with in the last run (0: the whole batch; segment.cc)
+    info[10] = static_cast<size_t>(index) < g->op_step.size() ? g->op_step[index] : 0;
     info[8] = op.opcode == qdsl::kLinear && cp != nullptr ? (qdsl::conv::LinearFusedGemm(g, op) ? 1 : 0) : -1;
     nm = op.name;
   } else {

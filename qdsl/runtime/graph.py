@@ -73,7 +73,7 @@ class CompiledGraph:
         self._ran: str | None = None  # "ok" after a run, "empty" after a batch of 0, None before / after an error
 
     def _entries(self, which: int) -> list[_IO]:
-        info = (ctypes.c_int64 * 10)()
+        info = (ctypes.c_int64 * 11)()
         name = ctypes.create_string_buffer(4100)
         count = self._lib.qdsl_graph_entry(self._handle, which, -1, info, name, 4100)
         out = []
@@ -98,9 +98,11 @@ class CompiledGraph:
         ``vpmaddubsw``, exact for its U8 input's codes, e.g. 7-bit), ``fused_add_stage`` (implicit-GEMM convs: its int32 stage and the residual
         ADD fused into it run as one float estimate with an exact recompute, when the ADD's
         tensors are stored NHWC), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
-        with the bias and the output stage fused, I8/U8/I32 outputs) and ``nhwc_output`` (the
-        op's output was stored NHWC in the last run)."""
-        info = (ctypes.c_int64 * 10)()
+        with the bias and the output stage fused, I8/U8/I32 outputs), ``nhwc_output`` (the
+        op's output was stored NHWC in the last run) and ``images_per_pass`` (in the last run the
+        op was in a cache-sized segment run this many images at a time; 0: the whole batch at
+        once; csrc/runtime/segment.cc, ``QDSL_SEGMENT=0`` turns segments off)."""
+        info = (ctypes.c_int64 * 11)()
         name = ctypes.create_string_buffer(4100)
         out = []
         for i in range(len(self.op_names)):
@@ -123,6 +125,7 @@ class CompiledGraph:
                 entry["register_stage"] = bool(info[9])
                 entry["depthwise_maddubs"] = info[9] == 2
             entry["nhwc_output"] = bool(info[7])
+            entry["images_per_pass"] = int(info[10])
             out.append(entry)
         return out
 

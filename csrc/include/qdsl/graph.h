@@ -8,6 +8,7 @@
 #ifndef QDSL_GRAPH_H_
 #define QDSL_GRAPH_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -51,6 +52,56 @@ struct GraphOp {
   std::shared_ptr<OpParams> prepared;  // set by the op's Prepare (runtime/ops/)
 };
 
+// A tensor's run-time storage and the view of it that ops read and write (data(), size()).
+// The view is the whole buffer except while a segment of the graph runs a slice of the
+// batch at a time (executor.cc): then it is that slice's images (tensors the segment reads
+// from or leaves to the rest of the graph) or the first images' room (tensors that live
+// inside the segment, reused by every slice so they stay in cache).
+class TensorBuffer {
+ public:
+  TensorBuffer() = default;
+  TensorBuffer(const TensorBuffer& o) : store_(o.store_) { SetView(o.view_ - o.store_.data(), o.size_); }
+  TensorBuffer& operator=(const TensorBuffer& o) {
+    if (this != &o) {
+      store_ = o.store_;
+      SetView(o.view_ - o.store_.data(), o.size_);
+    }
+    return *this;
+  }
+  // (moves keep the heap block, so the view stays valid)
+  TensorBuffer(TensorBuffer&&) noexcept = default;
+  TensorBuffer& operator=(TensorBuffer&&) noexcept = default;
+
+  // Zeroed storage of `bytes`, viewed whole.
+  void Allocate(size_t bytes) {
+    store_.assign(bytes, 0);
+    ViewAll();
+  }
+  void ViewAll() { SetView(0, store_.size()); }
+  // bytes [offset, offset + size) of the storage (within it: the executor's plan says so)
+  void SetView(ptrdiff_t offset, size_t size) {
+    view_ = store_.data() + offset;
+    size_ = size;
+  }
+  uint8_t* data() const { return view_; }
+  size_t size() const { return size_; }
+  size_t capacity() const { return store_.size(); }
+
+ private:
+  std::vector<uint8_t> store_;
+  uint8_t* view_ = nullptr;
+  size_t size_ = 0;
+};
+
+// A run of consecutive ops that the executor runs `step` images at a time (a segment: the
+// ops are per-image computations whose whole-batch tensors outgrow the cache; segment.cc).
+struct GraphSegment {
+  size_t first = 0, end = 0;       // ops [first, end)
+  int64_t step = 1;                // images per pass
+  std::vector<uint32_t> sliced;    // tensors read from or left to the rest of the graph: viewed per slice
+  std::vector<uint32_t> internal;  // produced and only read inside: the first `step` images' room, reused
+};
+
 struct Graph {
   std::string name;
   std::vector<GraphTensor> tensors;
@@ -59,7 +110,13 @@ struct Graph {
   std::vector<int64_t> overflow;  // per op, from the last Run
   // Run-time buffers, reused while the batch size stays the same.
   int64_t planned_batch = -1;
-  std::vector<std::vector<uint8_t>> buffers;
+  std::vector<TensorBuffer> buffers;
+  // Segments planned for planned_batch (PlanSegments, segment.cc); segment_budget: the cache
+  // budget they were planned with (-1: none planned; 0: segmentation off).
+  std::vector<GraphSegment> segments;
+  int64_t segment_budget = -1;
+  // Per op: images per pass it ran with in the last run (0: the whole batch at once).
+  std::vector<int64_t> op_step;
   // Per run: ADD ops already computed by the conv they were fused into (ConvParams::fused_add).
   std::vector<char> fused_done;
   // Per tensor: stored NHWC instead of NCHW (runtime/prepare.cc PlanNhwc), planned for the

@@ -46,6 +46,10 @@ struct StageData {
 
 // Graph::nhwc for runs on kernel path `path` (runtime/prepare.cc).
 void PlanNhwc(Graph* g, uint32_t path);
+// Graph::segments for runs of `batch` images with a cache budget of `budget` bytes (0: none),
+// and the budget the environment asks for (QDSL_SEGMENT, QDSL_SEGMENT_KB; runtime/segment.cc).
+void PlanSegments(Graph* g, int64_t batch, int64_t budget);
+int64_t SegmentBudgetFromEnv();
 
 // One graph run: the graph, its batch size and the resolved kernel path.
 struct RunCtx {
