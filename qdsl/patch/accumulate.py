@@ -108,6 +108,7 @@ class AccumulatorSim:
     exact sum left the P-bit range (the count ``qdsl run --overflow`` reports for the
     graph); ``simulated`` says whether the exact integer path ran (False: fast path)."""
 
+    _bound: tuple[int, int] | None = None  # width_bound(), once (a class default: older pickles)
     enabled = True
     """False: the hook passes the layer's output through (set per instance; block
     reconstruction, :mod:`qdsl.ptq.reconstruct`, fits soft off-grid weights with it off)."""
@@ -171,6 +172,7 @@ class AccumulatorSim:
         if why is not None:
             self._warn(why)
             return None
+        self.width_bound()  # fixed per layer: taken here, outside any compiled region
         iq, wq = p.iq, p.wq
         if getattr(iq, "observing", False) or not iq.enabled or not wq.enabled:
             return None
@@ -220,12 +222,16 @@ class AccumulatorSim:
 
     def width_bound(self) -> tuple[int, int]:
         """``(B_lo, B_hi)``: every ``Σ w·x`` the layer's quantizers can produce, from their bit
-        widths and the fan-in alone (:func:`qdsl.patch.accumulator_sums.width_bound`)."""
-        p = self.patch
-        wr, xr = p.wq.recipe, p.iq.recipe
-        w_ranges = p.wq.format.operand_ranges(wr.bits, wr.signed, wr.narrow_range, wr.symmetric)
-        x_ranges = p.iq.format.operand_ranges(xr.bits, xr.signed, xr.narrow_range, xr.symmetric)
-        return width_bound(w_ranges, x_ranges, p.module.weight[0].numel())
+        widths and the fan-in alone (:func:`qdsl.patch.accumulator_sums.width_bound`).
+        Fixed by the recipes and the weight's shape: computed once (the first eager call,
+        e.g. while calibrating), so a compiled region reads two ints instead of tracing it."""
+        if self._bound is None:
+            p = self.patch
+            wr, xr = p.wq.recipe, p.iq.recipe
+            w_ranges = p.wq.format.operand_ranges(wr.bits, wr.signed, wr.narrow_range, wr.symmetric)
+            x_ranges = p.iq.format.operand_ranges(xr.bits, xr.signed, xr.narrow_range, xr.symmetric)
+            self._bound = width_bound(w_ranges, x_ranges, p.module.weight[0].numel())
+        return self._bound
 
     def proven_safe(self) -> bool:
         """Without its bias, can the layer overflow at all?  False: the bound leaves P bits."""
