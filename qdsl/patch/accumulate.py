@@ -31,6 +31,15 @@ hook (after the layer, before its output quantizer) that replaces ``y`` by ``A Â
 
   fit in P bits: then no input can overflow and the float output is returned unchanged
   (that is the bit-widths-only case of every default 32-bit model too).
+* **width bound** (:func:`qdsl.patch.accumulator_sums.width_bound`): before reading any
+  weight, lint's exact worst case over every code the quantizers can produce,
+  ``fan_in Â· max|corner product|`` of the weight and input operand ranges (zero points
+  included).  It contains every ``[lo_c, hi_c]`` above, so a layer without a bias whose
+  bound fits is never checked (and gets no op in a compiled graph); with a bias,
+  ``[B_lo + min b, B_hi + max b]`` fitting decides "safe" without the per-channel sums,
+  and otherwise the exact check runs.  Either way the decision is the exact one.
+* compiled (``torch.compile``): one custom op, :mod:`qdsl.patch.accumulate_op`, runs
+  this same code and overwrites the output in place only where it simulates.
 
 Gradient (QAT).  The forward value is the simulated one; the backward is that of the
 float path times the derivative of the overflow function at ``S``:
