@@ -31,6 +31,15 @@ hook (after the layer, before its output quantizer) that replaces ``y`` by ``A �
 
   fit in P bits: then no input can overflow and the float output is returned unchanged
   (that is the bit-widths-only case of every default 32-bit model too).
+* **width bound** (:func:`qdsl.patch.accumulator_sums.width_bound`): before reading any
+  weight, lint's exact worst case over every code the quantizers can produce,
+  ``fan_in · max|corner product|`` of the weight and input operand ranges (zero points
+  included).  It contains every ``[lo_c, hi_c]`` above, so a layer without a bias whose
+  bound fits is never checked (and gets no op in a compiled graph); with a bias,
+  ``[B_lo + min b, B_hi + max b]`` fitting decides "safe" without the per-channel sums,
+  and otherwise the exact check runs.  Either way the decision is the exact one.
+* compiled (``torch.compile``): one custom op, :mod:`qdsl.patch.accumulate_op`, runs
+  this same code and overwrites the output in place only where it simulates.
 
 Gradient (QAT).  The forward value is the simulated one; the backward is that of the
 float path times the derivative of the overflow function at ``S``:
@@ -64,27 +73,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qdsl.patch.accumulate_op import layer_geometry, simulate_accumulator
+from qdsl.patch.accumulator_sums import (decide, fits, operands, reachable, saturate_sum, simulate, width_bound,
+                                         wrap_sum)
 from qdsl.spec.model import Accumulator, Overflow
 
 __all__ = ["AccumulatorSim", "wrap_sum", "saturate_sum", "needs_simulation", "reachable", "fits"]
-
-_EXACT_F64 = 1 << 53
-
-
-def wrap_sum(s: torch.Tensor, bits: int) -> torch.Tensor:
-    """Two's complement wrap of int64 ``s`` to ``bits`` (``bits >= 64``: unchanged)."""
-    if bits >= 64:
-        return s
-    half = 1 << (bits - 1)
-    return torch.remainder(s + half, 1 << bits) - half
-
-
-def saturate_sum(s: torch.Tensor, bits: int) -> torch.Tensor:
-    """``clamp(s, −2^(bits-1), 2^(bits-1) − 1)`` of int64 ``s``."""
-    if bits >= 64:
-        return s
-    half = 1 << (bits - 1)
-    return s.clamp(-half, half - 1)
 
 
 def needs_simulation(acc: Accumulator) -> bool:
@@ -92,50 +86,28 @@ def needs_simulation(acc: Accumulator) -> bool:
     return acc.bits < 64
 
 
-def reachable(w_int: torch.Tensor, b_int: torch.Tensor | None,
-              x_ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per output channel, the exact smallest and largest sum ``Σ w·x + b`` over every input
-    code vector in the box (one ``(x_lo, x_hi)`` per candidate zero point): the sum is
-    linear in ``x``, so its extremes are at vertices, taken element-wise (module doc)."""
-    w = w_int.reshape(w_int.shape[0], -1).to(torch.int64)
-    pos = w.clamp(min=0).sum(1)
-    neg = w.clamp(max=0).sum(1)
-    b = b_int.to(torch.int64) if b_int is not None else torch.zeros_like(pos)
-    his = [pos * xh + neg * xl + b for xl, xh in x_ranges]
-    los = [pos * xl + neg * xh + b for xl, xh in x_ranges]
-    return torch.stack(los).min(0).values, torch.stack(his).max(0).values
-
-
-def fits(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> torch.Tensor:
-    """Per channel: ``[lo, hi]`` inside the ``bits``-bit two's complement range."""
-    half = 1 << (bits - 1)
-    return (lo >= -half) & (hi <= half - 1)
-
-
 class _Overflowed(torch.autograd.Function):
     """Value of the simulated output, gradient of the float one (times ``keep``: the
-    saturate mask, or None for wrap); see the module doc."""
+    saturate mask, or None for wrap); see the module doc.  In a compiled graph ``keep``
+    is ``(ran, mask)``: the mask is only written when the op ran (``_traced``), so it is
+    read only then."""
 
     @staticmethod
     def forward(ctx, y_float, y_sim, keep):
-        ctx.save_for_backward(keep if keep is not None else None)
-        ctx.has_keep = keep is not None
+        ctx.form = None if keep is None else ("traced" if isinstance(keep, tuple) else "eager")
+        ctx.save_for_backward(*(() if keep is None else keep if isinstance(keep, tuple) else (keep,)))
         return y_sim
 
     @staticmethod
     def backward(ctx, g):
-        if ctx.has_keep:
+        if ctx.form == "eager":
             (keep,) = ctx.saved_tensors
             g = g * keep.to(g.dtype)
+        elif ctx.form == "traced":
+            ran, keep = ctx.saved_tensors
+            # an unwritten mask (the op did not run) is never selected
+            g = torch.where(ran, g * keep.to(g.dtype), g)
         return g, None, None
-
-
-def _channel_view(t: torch.Tensor, ndim: int, axis: int) -> torch.Tensor:
-    if t.numel() == 1:
-        return t.reshape(())
-    shape = [1] * ndim
-    shape[axis] = -1
-    return t.reshape(shape)
 
 
 class AccumulatorSim:
@@ -145,6 +117,7 @@ class AccumulatorSim:
     exact sum left the P-bit range (the count ``qdsl run --overflow`` reports for the
     graph); ``simulated`` says whether the exact integer path ran (False: fast path)."""
 
+    _bound: tuple[int, int] | None = None  # width_bound(), once (a class default: older pickles)
     enabled = True
     """False: the hook passes the layer's output through (set per instance; block
     reconstruction, :mod:`qdsl.ptq.reconstruct`, fits soft off-grid weights with it off)."""
@@ -208,6 +181,7 @@ class AccumulatorSim:
         if why is not None:
             self._warn(why)
             return None
+        self.width_bound()  # fixed per layer: taken here, outside any compiled region
         iq, wq = p.iq, p.wq
         if getattr(iq, "observing", False) or not iq.enabled or not wq.enabled:
             return None
@@ -222,6 +196,8 @@ class AccumulatorSim:
             self._warn("a per-channel input scale")
             return None
         b_hat = module.bias
+        if b_hat is None and self.proven_safe():
+            return None  # bit widths and fan-in alone rule out an overflow (accumulator_sums)
         z = iq.zero_point if iq.frozen and not iq.dynamic else None
         # a frozen layer reuses its module.weight/bias tensors: decide (and derive) once
         key = (id(w_hat), w_hat._version, id(b_hat), b_hat._version if b_hat is not None else None,
@@ -230,9 +206,8 @@ class AccumulatorSim:
             safe, ops = self._safe_key[1:]
         else:
             with torch.no_grad():
-                ops = self._operands(wq, s_w, s_x, w_hat, b_hat)
-                lo, hi = reachable(ops[0], ops[1], self._input_ranges(z))
-                safe = bool(fits(lo, hi, self.acc.bits).all())
+                ops = operands(s_w, s_x, w_hat, b_hat, self._grid_step())
+                safe = decide(ops[0], ops[1], self._input_ranges(z), self.acc.bits, self.width_bound())
             # the key names tensors by id: holding them keeps an id from being reused by a
             # new tensor (a QAT step's fresh weight) while the entry lives
             self._safe_key = (key, safe, None if safe else ops)
@@ -249,17 +224,42 @@ class AccumulatorSim:
             return y
         return _Overflowed.apply(output, y, keep)
 
+    # ------------------------------------------------------------ the width bound
+    def _grid_step(self) -> float:
+        wq = self.patch.wq
+        return float(wq.format.grid_step(int(wq.recipe.bits)))
+
+    def width_bound(self) -> tuple[int, int]:
+        """``(B_lo, B_hi)``: every ``Σ w·x`` the layer's quantizers can produce, from their bit
+        widths and the fan-in alone (:func:`qdsl.patch.accumulator_sums.width_bound`).
+        Fixed by the recipes and the weight's shape: computed once (the first eager call,
+        e.g. while calibrating), so a compiled region reads two ints instead of tracing it."""
+        if self._bound is None:
+            p = self.patch
+            wr, xr = p.wq.recipe, p.iq.recipe
+            w_ranges = p.wq.format.operand_ranges(wr.bits, wr.signed, wr.narrow_range, wr.symmetric)
+            x_ranges = p.iq.format.operand_ranges(xr.bits, xr.signed, xr.narrow_range, xr.symmetric)
+            self._bound = width_bound(w_ranges, x_ranges, p.module.weight[0].numel())
+        return self._bound
+
+    def proven_safe(self) -> bool:
+        """Without its bias, can the layer overflow at all?  False: the bound leaves P bits."""
+        half = 1 << (self.acc.bits - 1)
+        lo, hi = self.width_bound()
+        return lo >= -half and hi <= half - 1
+
     def _traced(self, module: nn.Module, args: tuple, output):
         """The hook inside a compiled region: the same value and gradient as the eager
-        hook, without data-dependent Python.  The fast-path decision (every channel's
-        reachable sums fit) is a tensor, and ``torch.cond`` runs the exact simulation only
-        when it is false; the branch sees detached tensors (no gradient flows through
-        ``cond``), ``_Overflowed`` carries the gradient as in eager.  Not kept up to
-        date here: ``overflows``/``simulated`` (eager-only counters), the per-weight
-        decision cache, the warnings, and the check that sums stay exact in binary64
-        (``|w|·|x|·fan-in < 2^53``; only very wide power-of-two weights come near it)."""
+        hook, without data-dependent Python.  What depends on data runs in one custom op
+        (:func:`qdsl.patch.accumulate_op.simulate_accumulator`, the eager code): it takes the
+        eager decision and, only where an input could overflow, overwrites the output in
+        place with the simulated one.  A layer without a bias whose bit widths and fan-in
+        rule out an overflow (:meth:`proven_safe`) gets no op at all.  ``_Overflowed``
+        carries the gradient as in eager; for saturate the mask the op wrote is read only
+        when the op ran.  Not kept up to date here: ``overflows``/``simulated`` (eager-only
+        counters), the per-weight decision cache and the warnings."""
         p = self.patch
-        if not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
+        if not self.enabled or not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
             return None
         if self._unsupported() is not None:
             return None
@@ -269,93 +269,37 @@ class AccumulatorSim:
         s_x, s_w = iq.current_scale(), wq.current_scale()
         if s_x is None or s_w is None or s_x.numel() != 1:
             return None
+        b_hat = module.bias
+        proven = self.proven_safe()
+        if b_hat is None and proven:
+            return None
         z = iq.zero_point if iq.frozen and not iq.dynamic else None
-        if z is not None and z.numel() == 1:
-            zt = z.reshape(()).to(torch.int64)
-            ranges = [(iq.qmin - zt, iq.qmax - zt)]
-        else:
-            r = iq.recipe
-            ranges = list(iq.format.operand_ranges(r.bits, r.signed, r.narrow_range, r.symmetric))
-        bits = self.acc.bits
+        z = z if z is not None and z.numel() == 1 else None
+        r = iq.recipe
+        x_ranges = [v for rng in iq.format.operand_ranges(r.bits, r.signed, r.narrow_range, r.symmetric) for v in rng]
         saturate = self.acc.overflow is Overflow.SATURATE
-        linear = isinstance(module, nn.Linear)
+        geometry, padding_name, padding_mode, pad = layer_geometry(module)
         with torch.no_grad():
-            w_int, b_int, s_x64, s_acc = self._operands(wq, s_w, s_x, module.weight, module.bias)
-            lo, hi = reachable(w_int, b_int, ranges)
-            unsafe = ~fits(lo, hi, bits).all()
-            if b_int is None:
-                b_int = torch.zeros(w_int.shape[0], dtype=torch.int64, device=w_int.device)
-            s_acc = s_acc.expand(w_int.shape[0]) if s_acc.numel() == 1 else s_acc
-
-            # the branches take and return flat tensors: inductor checks a branch operand's
-            # strides against those it traced with, and a channels-last conv output failed
-            # that check even after .contiguous(); a 1-d tensor has one layout
-            x_shape, y_shape, w_shape = tuple(args[0].shape), tuple(output.shape), tuple(w_int.shape)
-
-            def exact(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
-                # binary64 inside the branch: an operand is materialised on every step, and
-                # the fast branch (taken almost always) never reads the input
-                x_int = torch.round(x_flat.reshape(x_shape).double() / s_x64)
-                w = w_flat.reshape(w_shape)
-                sums = F.linear(x_int, w) if linear else module._conv_forward(x_int, w, None)
-                axis = sums.dim() - 1 if linear else 1
-                sums = torch.round(sums).to(torch.int64) + _channel_view(b_int, sums.dim(), axis)
-                half = 1 << (bits - 1)
-                inside = (sums >= -half) & (sums <= half - 1)
-                a = saturate_sum(sums, bits) if saturate else wrap_sum(sums, bits)
-                keep = inside if saturate else torch.ones_like(inside)
-                y = (a.double() * _channel_view(s_acc, a.dim(), axis)).to(y_flat.dtype)
-                return y.reshape(-1), keep.reshape(-1)
-
-            def fast(x_flat, y_flat, w_flat, b_int, s_x64, s_acc):
-                return y_flat.clone(), torch.ones(y_flat.shape, dtype=torch.bool, device=y_flat.device)
-
-            y, keep = torch.cond(unsafe, exact, fast,
-                                 (args[0].detach().reshape(-1), output.detach().reshape(-1),
-                                  w_int.reshape(-1), b_int, s_x64, s_acc.contiguous()))
-            y, keep = y.reshape(y_shape), keep.reshape(y_shape)
+            y = output.detach()
+            keep = torch.empty(y.shape, dtype=torch.bool, device=y.device) if saturate else None
+            ran = simulate_accumulator(
+                y, keep, args[0].detach(), module.weight.detach(), None if b_hat is None else b_hat.detach(),
+                s_w.detach(), s_x.detach(), None if z is None else z.detach(), x_ranges,
+                [int(iq.qmin), int(iq.qmax)], self._grid_step(), self.acc.bits, saturate,
+                list(self.width_bound()) if proven else [], geometry, padding_name, padding_mode, pad)
         if not output.requires_grad:
             return y
-        return _Overflowed.apply(output, y, keep)
-
-    @staticmethod
-    def _operands(wq, s_w, s_x, w_hat, b_hat):
-        """``(w_int, b_int, s_x, s_acc)`` in binary64/int64 (module doc)."""
-        step = float(wq.format.grid_step(int(wq.recipe.bits)))
-        s_w64 = s_w.detach().double().reshape(-1) * step
-        s_x64 = s_x.detach().double().reshape(())
-        w_int = torch.round(w_hat.detach().double() / _channel_view(s_w64, w_hat.dim(), 0))
-        s_acc = s_x64 * s_w64  # [] or [C]
-        b_int = None
-        if b_hat is not None:
-            b_int = torch.round(b_hat.detach().double() / s_acc).to(torch.int64)
-            if s_acc.numel() == 1:
-                s_acc = s_acc.expand(b_int.shape)
-        return w_int, b_int, s_x64, s_acc
+        return _Overflowed.apply(output, y, None if keep is None else (ran, keep))
 
     def _simulate(self, module, x_hat, output, w_int, b_int, s_x64, s_acc):
-        x_int = torch.round(x_hat.detach().double() / s_x64)
-        wmax = float(w_int.abs().max()) if w_int.numel() else 0.0
-        fan_in = w_int[0].numel()
-        if wmax * float(x_int.abs().max()) * fan_in >= _EXACT_F64:
+        linear = isinstance(module, nn.Linear)
+        sums = (lambda x, w: F.linear(x, w)) if linear else (lambda x, w: module._conv_forward(x, w, None))
+        saturate = self.acc.overflow is Overflow.SATURATE
+        out = simulate(sums, -1 if linear else 1, x_hat, w_int, b_int, s_x64, s_acc, self.acc.bits, saturate,
+                       output.dtype)
+        if out is None:
             return None  # not exact in binary64 (e.g. wide power-of-two weights): not simulated
-        if isinstance(module, nn.Linear):
-            s = F.linear(x_int, w_int)
-            axis = s.dim() - 1
-        else:
-            s = module._conv_forward(x_int, w_int, None)
-            axis = 1
-        s = torch.round(s).to(torch.int64)
-        if b_int is not None:
-            s = s + _channel_view(b_int, s.dim(), axis)
-        bits = self.acc.bits
-        half = 1 << (bits - 1)
-        inside = (s >= -half) & (s <= half - 1)
+        y, inside = out
         self.overflows = int((~inside).sum())
         self.simulated = True
-        if self.acc.overflow is Overflow.SATURATE:
-            a, keep = saturate_sum(s, bits), inside
-        else:
-            a, keep = wrap_sum(s, bits), None
-        y = (a.double() * _channel_view(s_acc, a.dim(), axis)).to(output.dtype)
-        return y, keep
+        return y, (inside if saturate else None)

@@ -230,3 +230,139 @@ def test_compiled_accumulator_simulation_matches_eager(bits):
     assert sim.simulated == (bits == 12)
     assert torch.equal(out[1][0], out[0][0])
     assert torch.equal(out[1][1], out[0][1])
+
+
+# ------------------------------------------- issue 23: the accumulator check as one custom op
+_ACC_SPEC_OVF = """version 1
+defaults {{
+  weight = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+  input = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
+  accumulator(bits={bits}, overflow={overflow})
+}}
+"""
+
+
+def _recording(targets):
+    """aot_eager, recording the dynamo graph's call targets."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return lookup_backend("aot_eager")(gm, example_inputs)
+    return backend
+
+
+def _acc_layer(layer, bits, overflow, x):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(layer)
+    with torch.no_grad():
+        layer.weight.abs_()  # all-positive weights: large inputs sum up (the 12-bit case overflows)
+    apply(model, qdsl.parse_spec(_ACC_SPEC_OVF.format(bits=bits, overflow=overflow)))
+    calibrate(model, [x])
+    qdsl.qat.prepare_qat(model)
+    return model.train(), qdsl.patch.get_handle(model).layers["0"].acc_sim
+
+
+def _eager_and_compiled(model, x, backend):
+    compiled = torch.compile(model, backend=backend)
+    out = []
+    for fwd in (model, compiled):
+        xg = x.clone().requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+        y = fwd(xg)
+        y.square().sum().backward()
+        grads = [p.grad.clone() for _, p in sorted(model.named_parameters()) if p.grad is not None]
+        assert grads
+        out.append((y.detach(), xg.grad, *grads))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits,overflow", [(12, "saturate"), (12, "wrap"), (16, "saturate"), (24, "saturate")])
+def test_compiled_accumulator_check_follows_the_width_bound(bits, overflow):
+    """A bias-free layer: 8-bit narrow weights x 8-bit asymmetric inputs over 16 products
+    need 21 bits at most (|w| <= 127, |x - z| <= 255), so at 24 bits the trace-time proof
+    holds and the compiled graph has no check at all; at 16 bits the proof fails but the
+    actual weights cannot overflow (the op runs, takes the eager decision and leaves the
+    output alone); at 12 bits they do (the op simulates, as eager).  Value and gradients
+    equal eager's to the bit.  (Before: a torch.cond per layer whatever the widths.)"""
+    x = torch.rand(6, 16) * 3
+    layer = torch.nn.Linear(16, 4, bias=False)
+    if bits == 16:
+        with torch.no_grad():
+            layer.weight.mul_(0.01)[:, 0] = 1.0  # one large weight per row: a small scale-relative sum
+    model, sim = _acc_layer(layer, bits, overflow, x)
+    lo, hi = sim.width_bound()
+    assert (lo, hi) == (-16 * 127 * 255, 16 * 127 * 255)
+    assert sim.proven_safe() == (bits == 24)
+    targets = []
+    out = _eager_and_compiled(model, x, _recording(targets))
+    ops = [t for t in targets if t is torch.ops.qdsl.simulate_accumulator.default]
+    assert len(ops) == (0 if bits == 24 else 1)
+    model(x)
+    assert sim.simulated == (bits == 12)
+    assert sim.overflows > 0 if bits == 12 else sim.overflows == 0
+    assert len(out[1]) == len(out[0])
+    for a, b in zip(out[1], out[0]):
+        assert torch.equal(a, b)
+
+
+def test_width_bound_contains_every_reachable_sum():
+    """The trace-time bound is sound: the exact per-channel extremes of any weights the
+    quantizer can produce (extreme codes, random codes; conv fan-in in/groups x kernel)
+    lie inside it, with and without zero points."""
+    from qdsl.patch.accumulator_sums import reachable, width_bound
+
+    g = torch.Generator().manual_seed(0)
+    for w_rng, x_rng, fan in [([(-7, 7)], [(-128, 127)], 288), ([(-128, 127)], [(0, 255), (-255, 0)], 3 * 9),
+                              ([(0, 15), (-15, 0)], [(-127, 127)], 64)]:
+        lo, hi = width_bound(w_rng, x_rng, fan)
+        wl, wh = min(r[0] for r in w_rng), max(r[1] for r in w_rng)
+        for w in (torch.full((2, fan), wl), torch.full((2, fan), wh), torch.randint(wl, wh + 1, (8, fan), generator=g)):
+            rlo, rhi = reachable(w, None, x_rng)
+            assert lo <= int(rlo.min()) and int(rhi.max()) <= hi
+        # the corner is reached: the bound is the exact worst case, not a loose one
+        assert max(abs(lo), abs(hi)) == fan * max(abs(a * b) for a in (wl, wh) for r in x_rng for b in r)
+
+
+def test_bias_against_the_width_bound_takes_the_exact_decision():
+    """With a bias the check runs, bias first: it agrees with the exact per-channel one
+    whenever it answers, and otherwise defers to it."""
+    from qdsl.patch.accumulator_sums import decide, fits, reachable, width_bound
+
+    g = torch.Generator().manual_seed(1)
+    x_rng = [(-128, 127)]
+    bound = width_bound([(-7, 7)], x_rng, 36)
+    for bits in (16, 18, 20):
+        for scale in (1, 100, 10_000, 100_000):
+            w = torch.randint(-7, 8, (5, 36), generator=g).double()
+            b = torch.randint(-scale, scale + 1, (5,), generator=g)
+            exact = bool(fits(*reachable(w, b, x_rng), bits).all())
+            assert decide(w, b, x_rng, bits, bound) == exact == decide(w, b, x_rng, bits, None)
+
+
+@pytest.mark.slow
+def test_compiled_accumulator_simulation_in_a_channels_last_conv():
+    """The op works on the conv output in its own layout (channels-last), overwriting it in
+    place only when it simulates; a bias makes the check run; disabling the simulation
+    (``enabled = False``, as block reconstruction and LeanAdam do) is honoured compiled too
+    (the traced hook ignored it before)."""
+    x = (torch.rand(2, 8, 6, 6) * 3).to(memory_format=torch.channels_last)
+    layer = torch.nn.Conv2d(8, 4, 3, padding=1, bias=True)
+    model, sim = _acc_layer(layer, 12, "saturate", x)
+    assert not sim.proven_safe()
+    out = _eager_and_compiled(model, x, "aot_eager")
+    assert len(out[1]) == len(out[0])
+    for a, b in zip(out[1], out[0]):
+        assert torch.equal(a, b)
+    model(x)
+    assert sim.simulated and sim.overflows > 0
+    sim.enabled = False
+    torch._dynamo.reset()
+    out = _eager_and_compiled(model, x, "aot_eager")
+    assert len(out[1]) == len(out[0])
+    for a, b in zip(out[1], out[0]):
+        assert torch.equal(a, b)
+    model(x)
+    assert not sim.simulated
