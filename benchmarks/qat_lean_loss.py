@@ -22,13 +22,14 @@ fake-quantized), each against ``qat``'s.
 
 Measured (shared 2-core machine at load 13-17, so the s/step are not comparable; Adam lr 1e-4):
 
-* 1024 wide (3.2M parameters), 200 steps: mean of the last 10 training losses / held-out loss
-  qat 2.0156 / 1.9990; qat_seed1 1.9750 (-2.01%) / 1.9228 (-3.81%); lean 2.0105 (-0.26%) /
-  1.9949 (-0.21%).  LeanAdam's defaults are within 1% of normal QAT on the same seed, and
-  10x closer to it than a second seed of normal QAT.
+* 1024 wide (3.2M parameters), 200 steps, mean of the last 10 training losses / held-out
+  loss, vs qat: qat 2.0156 / 1.9990; qat_seed1 -2.01% / -3.81%; lean -0.26% / -0.21%;
+  lean_m32 -0.03% / -0.20%; lean_fp32master +0.02% / -0.33%; lean_exact +0.00% / +0.00%
+  (bit for bit).  LeanAdam's defaults are within 1% of normal QAT on the same seed, ~10x
+  closer than a second seed of normal QAT; no single reduction stands out.
 * 4096 wide (50.4M), the progress lines (mean of the 10 training losses before step N) of a
-  run cut short by the deadline (~60 s/step wall at that load): step 20 qat 2.3274, lean
-  2.3266 (-0.03%), qat_seed1 2.3441 (+0.72%); step 40 qat 2.2968, lean 2.2941 (-0.12%).
+  run cut short by the deadline (~60 s/step wall at that load), lean vs qat: step 20 -0.03%,
+  40 -0.12%, 50 +0.08%, 60 -0.22%, 70 -0.10% (qat 2.2465); qat_seed1 at step 20 +0.72%.
   200 steps at this width were not reached; rerun the command below on an idle machine.
 
     python benchmarks/qat_lean_loss.py --width 4096 --steps 200 --jobs 3
