@@ -29,7 +29,8 @@ Measured (shared 2-core machine at load 13-17, so the s/step are not comparable;
   closer than a second seed of normal QAT; no single reduction stands out.
 * 4096 wide (50.4M), the progress lines (mean of the 10 training losses before step N) of a
   run cut short by the deadline (~60 s/step wall at that load), lean vs qat: step 20 -0.03%,
-  40 -0.12%, 50 +0.08%, 60 -0.22%, 70 -0.10% (qat 2.2465); qat_seed1 at step 20 +0.72%.
+  40 -0.12%, 50 +0.08%, 60 -0.22%, 70 -0.10%, 80 -0.15%, 90 +0.06%, 100 -0.13% (qat 2.2162);
+  qat_seed1 (stopped to free the CPU) at step 20 +0.72%.
   200 steps at this width were not reached; rerun the command below on an idle machine.
 
     python benchmarks/qat_lean_loss.py --width 4096 --steps 200 --jobs 3
