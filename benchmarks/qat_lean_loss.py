@@ -27,11 +27,10 @@ Measured (shared 2-core machine at load 13-17, so the s/step are not comparable;
   lean_m32 -0.03% / -0.20%; lean_fp32master +0.02% / -0.33%; lean_exact +0.00% / +0.00%
   (bit for bit).  LeanAdam's defaults are within 1% of normal QAT on the same seed, ~10x
   closer than a second seed of normal QAT; no single reduction stands out.
-* 4096 wide (50.4M), the progress lines (mean of the 10 training losses before step N) of a
-  run cut short by the deadline (~60 s/step wall at that load), lean vs qat: step 20 -0.03%,
-  40 -0.12%, 50 +0.08%, 60 -0.22%, 70 -0.10%, 80 -0.15%, 90 +0.06%, 100 -0.13% (qat 2.2162);
-  qat_seed1 (stopped to free the CPU) at step 20 +0.72%.
-  200 steps at this width were not reached; rerun the command below on an idle machine.
+* 4096 wide (50.4M), 200 steps: qat 1.9224 / 1.8955; lean +0.13% / +0.35% (within 1%).
+  Along the way (progress lines, mean of the 10 losses before step N), lean vs qat: step 20
+  -0.03%, 40 -0.12%, 60 -0.22%, 80 -0.15%, 100 -0.13%; qat_seed1 (stopped to free the CPU
+  of the loaded machine) was +0.72% at step 20.
 
     python benchmarks/qat_lean_loss.py --width 4096 --steps 200 --jobs 3
     python benchmarks/qat_lean_loss.py --width 512 --steps 200 --variants qat,qat_seed1,lean,lean_exact

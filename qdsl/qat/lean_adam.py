@@ -73,7 +73,7 @@ losses bit for bit; the defaults end with the mean of the last 10 training losse
 of normal QAT's and a held-out loss 2.5% lower; ``master="none"`` (fixed scale, stochastic
 codes) trains, but 12-14% behind.  ``benchmarks/qat_lean_loss.py`` (1024-wide, 200 steps, lr
 1e-4): the defaults -0.26% (last 10) and -0.21% (held-out) vs normal QAT on the same seed,
-where a second seed of normal QAT is -2.0% and -3.8%; at 4096 wide -0.13% after 100 steps.
+where a second seed of normal QAT is -2.0% and -3.8%; at 4096 wide (50M), 200 steps: +0.13% and +0.35%.
 
 After training, :meth:`LeanAdam.finish` puts float32 weights (the dequantized codes) back
 and, by default, freezes each lean weight quantizer at the scale/zero point the codes were
