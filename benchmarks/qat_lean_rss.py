@@ -15,7 +15,10 @@ Variants:
 * ``fp32_adam``   the float model, ``torch.optim.Adam`` (no qdsl.apply);
 * ``qat``         normal qdsl QAT: apply + calibrate + ``torch.optim.Adam``;
 * ``lean_opt``    ``qdsl.qat.LeanOptimizer`` (packed codes on the module, fp32 masters in Adam);
-* ``lean_bf16``   ``LeanAdam``: bf16 gradients, bf16 master, 8-bit moments (the defaults);
+* ``lean_bf16``   ``LeanAdam``: bf16 gradients, bf16 master, 8-bit moments (the defaults), on a
+  model applied with ``materialize=False`` (as every ``lean_*`` variant but ``lean_opt``);
+* ``lean_bf16_eager``  the same after a plain ``qdsl.apply`` (which computes every layer's
+  fake-quantized weight at once: one more fp32 copy of the weights at setup);
 * ``lean_none``   ``LeanAdam(master="none")``: codes only, stochastic rounding;
 * ``lean_fp32``   ``LeanAdam(master="fp32", grad_dtype=float32, state_bits=32)``.
 
@@ -47,7 +50,7 @@ defaults {
   bias = int(bits=32, signed, symmetric, scale=input*weight)
 }
 """
-VARIANTS = ("fp32_adam", "lean_bf16", "lean_bf16_nocopy", "lean_none", "qat", "lean_fp32", "lean_opt")
+VARIANTS = ("fp32_adam", "lean_bf16", "lean_bf16_eager", "lean_none", "qat", "lean_fp32", "lean_opt")
 LEAN = {"lean_bf16": {}, "lean_none": {"master": "none"},
         "lean_fp32": {"master": "fp32", "grad_dtype": "float32", "state_bits": 32}}
 
@@ -85,22 +88,6 @@ def _model(width: int, loss: bool):
     return nn.Sequential(*layers)
 
 
-def _no_install_copy() -> None:
-    """Emulate, in this process only, a proposed change to ``qdsl.patch.layer``: do not keep
-    the fake-quantized weight ``qdsl.apply`` computes at install (the next forward computes
-    it anyway).  Lean form never needs it; today it is the setup's memory peak."""
-    from qdsl.patch.layer import LayerPatch
-
-    install = LayerPatch.install
-
-    def lean_install(self):
-        install(self)
-        if "weight" in self._moved:
-            self.module.__dict__["weight"] = None
-
-    LayerPatch.install = lean_install
-
-
 def _build(variant: str, width: int, lr: float, x_cal, loss: bool):
     """The model and an object with zero_grad()/step() for ``variant``."""
     import torch
@@ -111,9 +98,10 @@ def _build(variant: str, width: int, lr: float, x_cal, loss: bool):
     model = _model(width, loss)
     if variant == "fp32_adam":
         return model.train(), torch.optim.Adam(model.parameters(), lr=lr)
-    if variant.endswith("_nocopy"):
-        _no_install_copy()
-    qdsl.apply(model, parse_text(SPEC, "w4.qspec"))
+    # lean training takes the weights out of the modules before any forward: apply need not
+    # compute the fake-quantized copies (materialize=False); ``_eager`` shows what they cost
+    lean = variant.startswith("lean_") and variant != "lean_opt" and not variant.endswith("_eager")
+    qdsl.apply(model, parse_text(SPEC, "w4.qspec"), materialize=not lean)
     if variant in ("qat", "lean_opt"):
         qdsl.calibrate(model, [x_cal])
         model.train()
@@ -122,7 +110,7 @@ def _build(variant: str, width: int, lr: float, x_cal, loss: bool):
         from qdsl.quantizers.proxy_grad import install
         install(model)
         return model, torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=lr)
-    kw = dict(LEAN[variant.removesuffix("_nocopy")])
+    kw = dict(LEAN[variant.removesuffix("_eager")])
     if "grad_dtype" in kw:
         kw["grad_dtype"] = getattr(torch, kw["grad_dtype"])
     # lean form first, then calibrate: calibration in lean form never materializes the

@@ -21,7 +21,7 @@ __all__ = ["apply", "calibrate"]
 
 def apply(model: Any, spec: Any, *, overrides: Any = None, registries: Any = None,
           example_input: Any = None, hw: Any = None, hw_mode: str = "error", strict: bool = False,
-          check_finite: bool = False) -> Any:
+          check_finite: bool = False, materialize: bool = True) -> Any:
     """:func:`qdsl.patch.apply` (see there for everything but ``hw``).
 
     ``hw`` (a hardware profile: bundled name, path or ``HardwareProfile``) lints the
@@ -39,7 +39,7 @@ def apply(model: Any, spec: Any, *, overrides: Any = None, registries: Any = Non
         overrides = None
         enforce(spec, hw, model, mode=hw_mode)
     return patch_apply(model, spec, overrides=overrides, registries=registries, example_input=example_input,
-                       strict=strict, check_finite=check_finite)
+                       strict=strict, check_finite=check_finite, materialize=materialize)
 
 
 def calibrate(model: Any, batches: Iterable[Any], num_batches: int | None = None,

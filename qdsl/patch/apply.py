@@ -202,7 +202,8 @@ def _plan_and_trace(model: nn.Module, spec: Any, overrides: Any, registries: Any
 
 
 def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any = None,
-          example_input: Any = None, strict: bool = False, check_finite: bool = False) -> QdslHandle:
+          example_input: Any = None, strict: bool = False, check_finite: bool = False,
+          materialize: bool = True) -> QdslHandle:
     """Resolve ``spec`` (a path, a ``QuantSpec`` or a ``Plan``) against ``model`` and patch it.
 
     ``example_input``, if given (a tensor, a tuple of positional arguments or a dict of
@@ -228,6 +229,13 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     :class:`~qdsl.spec.diagnostics.NonFiniteError` (naming it) instead of quantizing it by
     the policy the integer graph shares (NaN -> the zero point's code, +inf -> qmax,
     -inf -> qmin; docs/qgraph.md §4.4).
+
+    ``materialize=False``: no layer's fake-quantized weight/bias is computed here (each is
+    as large as its float master); ``module.weight`` is a
+    :class:`~qdsl.patch.lazy_weight.LazyQuantized` tensor that computes it when first used,
+    and the first forward computes it as always.  Values, gradients, ``remove`` and the
+    rest are those of ``materialize=True``.  For lean training (``qdsl.qat.LeanAdam`` takes
+    the weights out of the modules before any forward, so the copy is never made).
     """
     # one fx trace for the implied quantizers, folding, the coverage and bias-reader checks
     plan, regs, trace = _plan_and_trace(model, spec, overrides, registries)
@@ -283,7 +291,10 @@ def apply(model: nn.Module, spec: Any, *, overrides: Any = None, registries: Any
     installed: list[LayerPatch] = []
     try:
         for patch in handle.layers.values():
-            patch.install()
+            if isinstance(patch, LayerPatch):
+                patch.install(materialize)
+            else:
+                patch.install()
             installed.append(patch)
         for patch in installed:
             patch.install_bn_skip()

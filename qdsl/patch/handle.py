@@ -17,7 +17,9 @@ Where things live on a patched model
   by the layer's forward pre-hook (the scheme of ``torch.nn.utils.weight_norm``).  Same
   for ``bias`` / ``bias_float``.  qdsl does not use ``torch.nn.utils.parametrize``
   because it swaps the module's class, and ``type(module)`` must never change.
-  Between forwards ``module.weight`` is the value of the last forward (or of apply).
+  Between forwards ``module.weight`` is the value of the last forward (or of apply;
+  with ``apply(..., materialize=False)`` a storage-less tensor that computes that value on
+  first use, :mod:`qdsl.patch.lazy_weight`).
   Recurrent layers are the exception: their parameters stay where they are and their
   proxies (one per layer, direction and tensor) are keyed ``"<fqn>:weight_ih_l0"``,
   ``"<fqn>:hidden_l1_reverse"``, ... (:mod:`qdsl.patch.recurrent`); ``quantizer(fqn, role)``

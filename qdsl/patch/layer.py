@@ -50,6 +50,7 @@ from torch import nn
 
 from qdsl.patch.accumulate import AccumulatorSim, needs_simulation
 from qdsl.patch.constrain import check_constrained, constrain_weights
+from qdsl.patch.lazy_weight import LazyQuantized
 from qdsl.patch.softmax_roles import SoftmaxRoles
 from qdsl.quantizers.functional import HALF_DTYPES
 from qdsl.resolve.plan import LayerPlan
@@ -169,7 +170,10 @@ class LayerPatch:
         return [self.wq, self.bq]
 
     # --------------------------------------------------------------- install
-    def install(self) -> None:
+    def install(self, materialize: bool = True) -> None:
+        """Patch the module; ``materialize=False``: ``module.weight``/``bias`` are
+        :class:`~qdsl.patch.lazy_weight.LazyQuantized` until first used or the first forward
+        (no fake-quantized copy computed here)."""
         m = self.module
         for name, q in (("weight", self.wq), ("bias", self.bq)):
             folded = self.bn is not None
@@ -193,8 +197,29 @@ class LayerPatch:
         if self.sq is not None or self.pq is not None:
             self._hooks += SoftmaxRoles(self.fqn, self.sq, self.pq).install(m)
         if self._moved:
-            with torch.no_grad():
-                self.refresh()
+            if materialize:
+                with torch.no_grad():
+                    self.refresh()
+            else:
+                self._install_lazy()
+
+    def _install_lazy(self) -> None:
+        # what refresh() would store, described without computing it (see float_params):
+        # the weight has its master's shape (a folded BN scales it per channel); a bias
+        # exists if the model has one, a folded BN gives one, or a bias quantizer creates
+        # one (bias correction on a bias-less layer), with the weight's rows; the dtype is
+        # the master's (refresh() computes in binary64 only once frozen)
+        w0, b0 = self.master("weight"), self.master("bias")
+        d = self.module.__dict__
+        if "weight" in self._moved:
+            d["weight"] = None if w0 is None else LazyQuantized(self, "weight", w0.shape, w0)
+        if "bias" in self._moved:
+            if b0 is not None:
+                d["bias"] = LazyQuantized(self, "bias", b0.shape, b0)
+            elif w0 is not None and (self.bn is not None or self.bq is not None):
+                d["bias"] = LazyQuantized(self, "bias", w0.shape[:1], w0)
+            else:
+                d["bias"] = None
 
     def install_bn_skip(self) -> None:
         """The folded BN's hooks; called after every layer is installed so the skip runs

@@ -204,6 +204,50 @@ def test_bytes_held_per_weight():
     assert opt.nbytes() == (0.5 + 4 + 8) * n_w + 8 * chans
 
 
+# -------------------------------------------------- apply(..., materialize=False)
+def _lazy_lean(x, sizes=(64, 48, 32, 10), **kw):
+    model = mlp(seed=0, sizes=sizes)
+    apply(model, parse_text(W4, "w4.qspec"), materialize=False)
+    opt = LeanAdam(model, lr=1e-2, **kw)
+    calibrate(model, [x[:32], x[32:64]])
+    return model.train(), opt
+
+
+@pytest.mark.parametrize("kw", [{}, {"master": "none"}, EXACT], ids=["defaults", "none", "exact"])
+def test_lazily_applied_model_trains_as_the_eager_one(kw):
+    x, y = _data()
+    eager = mlp(seed=0, sizes=(64, 48, 32, 10))
+    apply(eager, parse_text(W4, "w4.qspec"))
+    o1 = LeanAdam(eager, lr=1e-2, **kw)
+    calibrate(eager, [x[:32], x[32:64]])
+    eager.train()
+    lazy, o2 = _lazy_lean(x, **kw)
+    assert [_step(eager, o1, x, y, i) for i in range(4)] == [_step(lazy, o2, x, y, i) for i in range(4)]
+    for k, lay in o1.layers.items():
+        assert torch.equal(lay.codes, o2.layers[k].codes) and torch.equal(lay.scale, o2.layers[k].scale)
+    o1.finish(), o2.finish()
+    freeze(eager), freeze(lazy)
+    eager.eval(), lazy.eval()
+    with torch.no_grad():
+        assert torch.equal(eager(x), lazy(x))
+
+
+def test_lean_form_of_a_lazily_applied_model_holds_no_float_weight():
+    import gc
+
+    x, y = _data()
+    model, opt = _lazy_lean(x, sizes=(64, 45, 29, 11))  # shapes no other test's tensors have
+    _step(model, opt, x, y, 0)
+    gc.collect()
+    for fqn, lay in opt.layers.items():
+        full = lay.rows * lay.cols * 4
+        alive = [t for t in gc.get_objects() if type(t) in (torch.Tensor, nn.Parameter) and t.shape == (lay.rows, lay.cols)]
+        # the bf16 master, and the stride-0 stand-in nn.Linear sees: no fp32 copy of the weight
+        assert {t.dtype for t in alive if t.untyped_storage().nbytes() >= full // 2} == {torch.bfloat16}
+        assert all(t.untyped_storage().nbytes() < full for t in alive)
+    assert not any(n.endswith("weight_float") for n, _ in model.named_parameters())
+
+
 # ------------------------------------------------------------ calibration, export
 def test_calibrating_in_lean_form_observes_the_float_network():
     x, _ = _data()
