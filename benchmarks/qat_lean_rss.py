@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from qat_lean_loss import _table as _loss_table  # (the loss comparison lives there)
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
 
@@ -191,16 +193,6 @@ def _rss_table(rows: dict, steps: int) -> None:
         print(f"{v:<17}{peak:>8.0f}{peak / rp:>7.2f}{r['setup_mb']:>9.0f}{r['train_mb']:>9.0f}"
               f"{r['train_mb'] / ref['train_mb'] if ref else nan:>7.2f}{peak - r['base_mb']:>11.0f}"
               f"{(peak - r['base_mb']) / (rp - ref['base_mb']) if ref else nan:>7.2f}{r['seconds'] / steps:>8.2f}")
-
-
-def _loss_table(rows: dict, steps: int) -> None:
-    ref = rows["qat"]
-    rlast = sum(ref["losses"][-10:]) / 10
-    print(f"{'variant':<17}{'held-out loss':>14}{'vs qat':>8}{'mean last 10':>14}{'vs qat':>8}{'s/step':>8}")
-    for v, r in rows.items():
-        last = sum(r["losses"][-10:]) / 10
-        print(f"{v:<17}{r['held_loss']:>14.4f}{r['held_loss'] / ref['held_loss'] - 1:>+8.2%}"
-              f"{last:>14.4f}{last / rlast - 1:>+8.2%}{r['seconds'] / steps:>8.3f}")
 
 
 def main() -> None:
