@@ -91,7 +91,7 @@ def _learn_rounding(variant: str, ref: str):
     if variant in ("new", "nosearch"):
         from qdsl.ptq import learn_rounding
 
-        return learn_rounding if variant == "new" else functools.partial(learn_rounding, search_damp=False)
+        return functools.partial(learn_rounding, search_damp=variant == "new")
     _old_gptq(ref)
     old = _old_module(ref, "qdsl/ptq/rounding.py", "old_rounding",
                       lambda src: src.replace("from qdsl.ptq.gptq import", "from old_gptq import"))

@@ -17,9 +17,14 @@ For each quantized Linear/Conv layer in execution order:
    ``DAMP_SEARCH_BELOW`` positions per input, e.g. a ``Conv2d(128, 512, (64, 1))`` with
    8192 inputs and ~4000 positions, or a transformer's Linears on a few sentences) the
    Hessian is singular or nearly so and GPTQ at 1 % damping overfits: it loses to nearest
-   rounding on other data.  There the damping is searched
+   rounding on other data.  With ``learn_rounding(search_damp=True)`` the damping is
+   searched there
    (:func:`qdsl.ptq.gptq.gptq_damped`: ``damp`` times 1, 10, 100, 1000, stopping once the
-   held-back output error of step 4 stops falling) and the best is used;
+   held-back output error of step 4 stops falling) and the best is used.  Off by default:
+   on the torchvision-shaped ResNet-50 with the bundled low-bit spec, the codes the search
+   keeps left the frozen fake-quant model and its exported graph 2-3 % apart at the
+   classifier input (up to 3 steps; `test_bundled_spec_trains_and_exports[resnet50-low-bit]`
+   with the search on), cause not found yet;
 4. on the held-back inputs, compare the output error (mean squared difference to the
    layer with its float weight, bias excluded: it is the same for both) of the GPTQ codes
    with that of nearest rounding; only if GPTQ's is lower are the codes stored in the
@@ -124,7 +129,7 @@ def learn_rounding(
     block: int = 128,
     heldback: bool = True,
     refit: bool = True,
-    search_damp: bool = True,
+    search_damp: bool = False,
     report: PtqReport | None = None,
     only: Iterable[str] | None = None,
 ) -> RoundingResult:
@@ -133,8 +138,9 @@ def learn_rounding(
     (a :class:`RoundingResult`; its ``.report`` holds the per-layer decisions, appended to
     ``report`` when one is given).  ``heldback=False``: fit on every batch and keep GPTQ
     on every layer without checking.  ``refit=False``: keep the fit-only codes the check
-    judged (see the module docstring).  ``search_damp=False``: GPTQ at ``damp`` only, also
-    where the fit data is thin (see the module docstring).  ``only``: round just these
+    judged (see the module docstring).  ``search_damp=True``: search the damping where the
+    fit data is thin (see the module docstring; off by default until the export mismatch
+    noted there is understood).  ``only``: round just these
     layers (fqns); the others keep their codes.  ``adaround`` returns :func:`qdsl.ptq.reconstruct.reconstruct`'s
     ``PtqReport`` (its own held-back check per block) instead."""
     if method not in LEARNED_ROUNDINGS:

@@ -93,7 +93,7 @@ def test_gptq_with_fewer_positions_than_inputs_beats_nearest_rounding():
     assert not d0.kept and d0.error_after > d0.error_before
     # with the search: kept, better than nearest rounding on the held-back rows, and on 2000
     # rows nothing saw
-    searched, d1 = _rounded(batches)
+    searched, d1 = _rounded(batches, search_damp=True)
     assert d1.kept and d1.error_after < d1.error_before == d0.error_before
     assert d1.note.startswith("damp ") and "tried (24 fit positions for 64 inputs)" in d1.note
     assert _unseen_error(searched, unseen) < _unseen_error(plain, unseen)
