@@ -46,6 +46,7 @@ from typing import Sequence
 
 import numpy as np
 
+from qdsl.graph.ops.weighted import worst_case_range
 from qdsl.spec.formats import NumberFormat, builtin_format
 from qdsl.spec.model import Kind
 
@@ -95,12 +96,6 @@ def operand_range(
     if ranges is None:
         return None
     return min(r[0] for r in ranges), max(r[1] for r in ranges)
-
-
-def worst_case_range(w: tuple[int, int], x: tuple[int, int], fan_in: int) -> tuple[int, int]:
-    """Exact extremes of ``Σ_{i<fan_in} w_i x_i`` over all weights and inputs in range."""
-    corners = [a * b for a in w for b in x]
-    return fan_in * min(corners), fan_in * max(corners)
 
 
 def worst_case_bits(w: tuple[int, int], x: tuple[int, int], fan_in: int) -> int:

@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from qdsl.lint.accumulator import worst_case_range
+from qdsl.graph.ops.weighted import worst_case_range
 
 __all__ = ["wrap_sum", "saturate_sum", "reachable", "fits", "channel_view", "operands", "width_bound",
            "bound_fits", "decide", "simulate", "EXACT_F64"]

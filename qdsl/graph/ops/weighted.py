@@ -12,7 +12,7 @@ from qdsl.graph.ops import OpDef
 from qdsl.graph.requant import apply_rescale, apply_rescale_wide, sat, wrap
 from qdsl.graph.schema import INT8_DTYPES, WEIGHT_DTYPES, AttrType, DType, OpSchema, OutputStage
 
-__all__ = ["OPS", "windows", "conv", "linear", "bconv", "accumulator_bound"]
+__all__ = ["OPS", "windows", "conv", "linear", "bconv", "accumulator_bound", "worst_case_range"]
 
 _ACC = {"acc_bits": AttrType.INT, "overflow": AttrType.INT}
 _SPATIAL = {"stride": AttrType.INTS, "padding": AttrType.INTS, "dilation": AttrType.INTS}
@@ -21,6 +21,14 @@ _BCONV = {**_SPATIAL, "groups": AttrType.INT, **_ACC}
 
 
 # ---------------------------------------------------------------- reference semantics
+
+
+def worst_case_range(w: tuple[int, int], x: tuple[int, int], fan_in: int) -> tuple[int, int]:
+    """Exact extremes of ``Σ_{i<fan_in} w_i x_i`` over all weights and inputs in range
+    (lint's worst case, qdsl.lint.accumulator; here so the patch layer's compiled
+    accumulator check can use it without importing lint)."""
+    corners = [a * b for a in w for b in x]
+    return fan_in * min(corners), fan_in * max(corners)
 
 
 def accumulator_bound(w_codes: np.ndarray, w_zp, x_max: int, bias: np.ndarray | None, s_acc) -> float:
