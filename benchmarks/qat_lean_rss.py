@@ -40,18 +40,12 @@ import sys
 import time
 from pathlib import Path
 
+from qat_lean_loss import SPEC  # the same 4-bit per-channel MLP spec
 from qat_lean_loss import _table as _loss_table  # (the loss comparison lives there)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's qdsl, not an installed one
 
-SPEC = """version 1
-defaults {
-  weight = int(bits=4, signed, narrow, symmetric, per_channel, observer=minmax)
-  input = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax)
-  bias = int(bits=32, signed, symmetric, scale=input*weight)
-}
-"""
 VARIANTS = ("fp32_adam", "lean_bf16", "lean_bf16_eager", "lean_none", "qat", "lean_fp32", "lean_opt")
 LEAN = {"lean_bf16": {}, "lean_none": {"master": "none"},
         "lean_fp32": {"master": "fp32", "grad_dtype": "float32", "state_bits": 32}}
