@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include "dispatch.h"
@@ -107,6 +108,9 @@ int main(int argc, char** argv) {
   }
   if (throw_at >= 0 && throw_at < tasks && jobs > 0 && thrown != 1) return Fail("the throw did not reach the caller");
   const qdsl::PoolStats s = qdsl::GetPoolStats();
+  // workers watch the caller for a millisecond after a job (placement): let that pass, so a
+  // move in flight (its mask is one core for microseconds) is not taken for one left behind
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
   if (!AllThreadMasksAre(mask)) return Fail("a thread's CPU mask changed");
   // shrink, regrow and shut down: Resize joins the workers it drops
   for (int t : {1, threads + 1, 2, threads}) {

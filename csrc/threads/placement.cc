@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <cstdlib>
+#include <mutex>
 
 #if defined(__linux__)
 #include <pthread.h>
@@ -28,6 +29,14 @@ int64_t NowNs() {
 }
 
 #if defined(__linux__)
+namespace {
+// One move at a time in the process.  Each move reads the thread's mask and writes it back;
+// two interleaved moves of one thread (two workers pulling the caller, or a pull of a
+// worker that is pushing itself away) would read each other's one-core mask and leave it
+// in place.  A thread that finds another move under way skips its own.
+std::mutex move_mu;
+}  // namespace
+
 ThreadId Me() {
   static thread_local const ThreadId me = [] {
     ThreadId t;
@@ -46,6 +55,8 @@ int64_t CpuNs(int clock) {
 }
 
 bool PullHere(int tid) {
+  std::unique_lock<std::mutex> lock(move_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
   const int cpu = sched_getcpu();
   cpu_set_t mask, one;
   if (tid <= 0 || cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(tid, sizeof mask, &mask) != 0 ||
@@ -59,6 +70,8 @@ bool PullHere(int tid) {
 }
 
 bool PushAway() {
+  std::unique_lock<std::mutex> lock(move_mu, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
   const int cpu = sched_getcpu();
   cpu_set_t mask, others;
   if (cpu < 0 || cpu >= CPU_SETSIZE || sched_getaffinity(0, sizeof mask, &mask) != 0) return false;

@@ -14,8 +14,10 @@
 // behind the other, while the other process may have a core to itself) moves itself off
 // (PushAway).  Both moves are a pair of sched_setaffinity calls, the one core (or the other
 // cores) and then the thread's own mask back, so no mask is left changed: the kernel only
-// migrates the thread, as its balancer would.  On a quiet machine neither happens: the
-// awaited thread is running, and a woken worker finds an idle core.
+// migrates the thread, as its balancer would.  For the microseconds between the two calls
+// the moved thread's mask is the one core (visible to sched_getaffinity); moves are
+// serialized, so two of them never read each other's mask.  On a quiet machine neither
+// happens: the awaited thread is running, and a woken worker finds an idle core.
 #ifndef QDSL_THREADS_PLACEMENT_H_
 #define QDSL_THREADS_PLACEMENT_H_
 
