@@ -4,6 +4,7 @@ saturating one core (issue 18: 2 threads >= 1.6x one thread; with the other proc
 within 1.5x of the quiet time).
 
     python benchmarks/threads.py [--rounds 5] [--reps 10] [--batch 1] [--threads 1,2]
+                                 [--pool-adapt 0|1] [--pool-place 0|1]
 
 Each round times every thread count in its own steady state (_timing.steady_median), the
 counts interleaved; figures are medians over rounds with the range over rounds.  The
@@ -155,11 +156,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--no-loaded", action="store_true", help="skip the phase with a busy core")
+    ap.add_argument("--pool-adapt", choices=["0", "1"], help="QDSL_POOL_ADAPT for this run (solo policy)")
+    ap.add_argument("--pool-place", choices=["0", "1"], help="QDSL_POOL_PLACE for this run (placement)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    # the library reads both once, when its pool is first used: set them before it loads
+    for flag, var in ((args.pool_adapt, "QDSL_POOL_ADAPT"), (args.pool_place, "QDSL_POOL_PLACE")):
+        if flag is not None:
+            os.environ[var] = flag
     import qdsl.runtime as rt
 
-    print(f"qdsl: {Path(rt.__file__).parents[1]}")
+    print(f"qdsl: {Path(rt.__file__).parents[1]}; QDSL_POOL_ADAPT={os.environ.get('QDSL_POOL_ADAPT', '1')} "
+          f"QDSL_POOL_PLACE={os.environ.get('QDSL_POOL_PLACE', '1')}")
     if not rt.available():
         raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
     torch.set_num_threads(1)
