@@ -4,6 +4,7 @@ saturating one core (issue 18: 2 threads >= 1.6x one thread; with the other proc
 within 1.5x of the quiet time).
 
     python benchmarks/threads.py [--rounds 5] [--reps 10] [--batch 1] [--threads 1,2]
+                                 [--pool-adapt 0|1] [--pool-place 0|1]
 
 Each round times every thread count in its own steady state (_timing.steady_median), the
 counts interleaved; figures are medians over rounds with the range over rounds.  The
@@ -16,7 +17,13 @@ wall times mostly measure the other processes, while the CPU split still shows w
 threads share the work (with the busy loop, a second thread near 0 ms means the pool's
 SoloPolicy measured solo runs faster and ran the jobs in the caller).  The last lines give
 both targets from this one run, each marked MET / NOT MET, and the 2-thread vs 1-thread
-ratio with the busy loop.
+ratio with the busy loop, next to the fair-share bound: with the busy loop three runnable
+threads share two cores, so ours get 4/3 of a core on average.  Splitting the quiet times
+into a serial part S and a parallel part P (T1 = S + P, T2 = S + P/2), the parallel part on
+4/3 of a core and the serial part on a whole one (the worker sleeps meanwhile) take
+S + P / (4/3) = (T1 + T2) / 2; at 1.5 x T2 (the target) the parallel part alone would run
+at the quiet run's efficiency on 4/3 of a core.  The involuntary context switches per run
+(preemptions by another thread) of the two busiest threads are printed with the CPU split.
 """
 
 from __future__ import annotations
@@ -62,6 +69,20 @@ def _build(batch: int):
     return compiled, x
 
 
+def _switches() -> dict[str, int]:
+    """Involuntary context switches of each of this process's threads (Linux; {} elsewhere)."""
+    out = {}
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("nonvoluntary_ctxt_switches"):
+                        out[tid] = int(line.split()[1])
+    except OSError:
+        return {}
+    return out
+
+
 def _thread_cpu() -> dict[str, int]:
     """CPU time (ns) of each of this process's threads (Linux schedstat; {} elsewhere)."""
     out = {}
@@ -84,17 +105,19 @@ def _phase(name, compiled, x, counts, rounds, reps):
         for n in counts:
             rt.set_num_threads(n)
             per[n].append(1e3 * steady_median(lambda: compiled.run(x), reps, warmup_s=0.5))
-            a = _thread_cpu()
+            a, sa = _thread_cpu(), _switches()
             for _ in range(reps):
                 compiled.run(x)
-            b = _thread_cpu()
-            busy = sorted(((b[k] - a.get(k, 0)) / 1e6 / reps for k in b), reverse=True)[:2]
-            cpu[n].append(busy + [0.0] * (2 - len(busy)))
+            b, sb = _thread_cpu(), _switches()
+            busy = sorted(((b[k] - a.get(k, 0)) / 1e6 / reps, (sb.get(k, 0) - sa.get(k, 0)) / reps) for k in b)[::-1][:2]
+            busy += [(0.0, 0.0)] * (2 - len(busy))
+            cpu[n].append([busy[0][0], busy[1][0], busy[0][1], busy[1][1]])
     med = {n: float(np.median(v)) for n, v in per.items()}
     for n in counts:
         v = per[n]
         c = np.median(np.array(cpu[n]), axis=0) if cpu[n] and cpu[n][0] else None
-        split = f"; CPU per run of the two busiest threads {c[0]:.1f} + {c[1]:.1f} ms" if c is not None else ""
+        split = (f"; CPU per run of the two busiest threads {c[0]:.1f} + {c[1]:.1f} ms, "
+                 f"preempted {c[2]:.1f} + {c[3]:.1f} times" if c is not None else "")
         print(f"  {n} thread(s): {med[n]:8.2f} ms  (range {min(v):.2f}-{max(v):.2f}; "
               f"{med[counts[0]] / med[n]:.2f}x of {counts[0]} thread{split})")
     print(f"  load average after {load_average()}")
@@ -118,7 +141,11 @@ def _targets(quiet: dict, loaded: dict | None) -> None:
     print(f"  (b) 2 threads with the busy loop <= 1.5x quiet 2 threads: {b:.2f}x "
           f"({np.median(l2):.2f} vs {np.median(q2):.2f} ms) {'MET' if b <= 1.5 else 'NOT MET'}")
     print(f"      with the busy loop, 2 threads vs 1 thread: {np.median(l1) / np.median(l2):.2f}x "
-          f"(below 1.00x: the second thread costs more than it brings)")
+          f"(per round {(l1 / l2).min():.2f}-{(l1 / l2).max():.2f}; below 1.00x: the second thread costs more "
+          f"than it brings)")
+    t1, t2 = float(np.median(q1)), float(np.median(q2))
+    print(f"      fair-share bound with the busy loop (T1 + T2) / 2 = {(t1 + t2) / 2:.2f} ms "
+          f"= {(t1 + t2) / 2 / t2:.2f}x quiet 2 threads; measured {np.median(l2):.2f} ms")
     print(f"  both in this run: {'yes' if a >= 1.6 and b <= 1.5 else 'no'}")
 
 
@@ -129,11 +156,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--no-loaded", action="store_true", help="skip the phase with a busy core")
+    ap.add_argument("--pool-adapt", choices=["0", "1"], help="QDSL_POOL_ADAPT for this run (solo policy)")
+    ap.add_argument("--pool-place", choices=["0", "1"], help="QDSL_POOL_PLACE for this run (placement)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    # the library reads both once, when its pool is first used: set them before it loads
+    for flag, var in ((args.pool_adapt, "QDSL_POOL_ADAPT"), (args.pool_place, "QDSL_POOL_PLACE")):
+        if flag is not None:
+            os.environ[var] = flag
     import qdsl.runtime as rt
 
-    print(f"qdsl: {Path(rt.__file__).parents[1]}")
+    print(f"qdsl: {Path(rt.__file__).parents[1]}; QDSL_POOL_ADAPT={os.environ.get('QDSL_POOL_ADAPT', '1')} "
+          f"QDSL_POOL_PLACE={os.environ.get('QDSL_POOL_PLACE', '1')}")
     if not rt.available():
         raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
     torch.set_num_threads(1)

@@ -3,7 +3,9 @@
 // do calls made while another thread's job holds the pool.  Tasks are claimed one at a
 // time by whichever thread is running, so cut the work into several tasks per thread: on
 // a machine where another process takes a core, the thread it preempts then holds up the
-// op only for the task it is in (thread_pool.cc).
+// op only for the task it is in (thread_pool.cc), and on Linux the thread waiting for it
+// moves it onto its own core when it finds it queued rather than running (placement,
+// thread_pool.cc).  A task that throws ends the job; ParallelFor rethrows in the caller.
 //
 // `work` estimates the call's cost in multiply-accumulates (or equivalent).  Below
 // kMinParallelWork the tasks run serially in the caller: even with a spinning worker a
@@ -156,6 +158,10 @@ struct PoolStats {
   int64_t tasks = 0;          // claims offered by the pool's jobs
   int64_t caller_claims = 0;  // of them, run by the thread that posted the job
   int64_t tail_wait_ns = 0;   // caller time between running out of tasks and the job's end
+  // placement (thread_pool.cc): awaited threads found queued and moved onto the waiter's
+  // core, and workers that moved off the caller's core; counted always, cheap and rare
+  int64_t pulls = 0;
+  int64_t pushes = 0;
 };
 void EnablePoolStats(bool on);
 PoolStats GetPoolStats();
