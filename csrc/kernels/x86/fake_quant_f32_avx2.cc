@@ -84,24 +84,37 @@ void FakeQuantF32Avx2(const float* x, float* y, int64_t outer, int64_t channels,
 }
 
 void MinMaxF32Avx2(const float* x, int64_t n, float* lo, float* hi) {
-  // minps/maxps drop a NaN in one operand order; the NaN lanes are tracked separately
-  __m256 a = _mm256_set1_ps(x[0]), b = a, nan = _mm256_setzero_ps();
-  __m256 a2 = a, b2 = a;
+  // minps/maxps drop a NaN in one operand order; the NaN lanes are tracked separately.  Four
+  // independent min/max chains keep the loads in flight.
+  __m256 a0 = _mm256_set1_ps(x[0]), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+  __m256 nan0 = _mm256_setzero_ps(), nan1 = nan0;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256 v = _mm256_loadu_ps(x + i), w = _mm256_loadu_ps(x + i + 8);
-    a = _mm256_min_ps(a, v);
-    b = _mm256_max_ps(b, v);
-    a2 = _mm256_min_ps(a2, w);
-    b2 = _mm256_max_ps(b2, w);
-    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, w, _CMP_UNORD_Q));
+  for (; i + 32 <= n; i += 32) {
+    const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+    const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+    a0 = _mm256_min_ps(a0, v0);
+    a1 = _mm256_min_ps(a1, v1);
+    a2 = _mm256_min_ps(a2, v2);
+    a3 = _mm256_min_ps(a3, v3);
+    b0 = _mm256_max_ps(b0, v0);
+    b1 = _mm256_max_ps(b1, v1);
+    b2 = _mm256_max_ps(b2, v2);
+    b3 = _mm256_max_ps(b3, v3);
+    nan0 = _mm256_or_ps(nan0, _mm256_cmp_ps(v0, v1, _CMP_UNORD_Q));
+    nan1 = _mm256_or_ps(nan1, _mm256_cmp_ps(v2, v3, _CMP_UNORD_Q));
   }
-  a = _mm256_min_ps(a, a2);
-  b = _mm256_max_ps(b, b2);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    a0 = _mm256_min_ps(a0, v);
+    b0 = _mm256_max_ps(b0, v);
+    nan0 = _mm256_or_ps(nan0, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  const __m256 a = _mm256_min_ps(_mm256_min_ps(a0, a1), _mm256_min_ps(a2, a3));
+  const __m256 b = _mm256_max_ps(_mm256_max_ps(b0, b1), _mm256_max_ps(b2, b3));
   alignas(32) float ta[8], tb[8];
   _mm256_store_ps(ta, a);
   _mm256_store_ps(tb, b);
-  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  bool has_nan = _mm256_movemask_ps(_mm256_or_ps(nan0, nan1)) != 0;
   float l = ta[0], h = tb[0];
   for (int k = 1; k < 8; ++k) {
     l = ta[k] < l ? ta[k] : l;
