@@ -35,7 +35,7 @@ compile time <= 2× float's, zero graph breaks; eval before freeze <= 1.3× floa
 
     python benchmarks/qat_compile.py [--specs pot-asic,int8-default] [--rounds 15] [--aot]
                                      [--eval-only | --train-only] [--eval-specs all|LIST] [--profile]
-                                     [--eval-models cnn,transformer[,minilm]]
+                                     [--eval-models cnn,transformer[,minilm]] [--native-ab]
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
             _profile(steps["qdsl inductor"], "qdsl inductor")
 
 
-def eval_suite(specs: list[str], rounds: int, batch: int, model: str = "cnn") -> None:
+def eval_suite(specs: list[str], rounds: int, batch: int, model: str = "cnn", native_ab: bool = False) -> None:
     import qdsl
 
     if model == "cnn":
@@ -310,12 +310,28 @@ def eval_suite(specs: list[str], rounds: int, batch: int, model: str = "cnn") ->
         fz = copy.deepcopy(q)
         qdsl.freeze(fz)
         fns[f"{spec} before freeze"] = q
+        if native_ab:
+            fns[f"{spec} before, torch fq"] = (q, "0")
         fns[f"{spec} after freeze"] = fz.eval()
 
     def ev(m):
+        m, native = m if isinstance(m, tuple) else (m, None)
+
         def run():
-            with torch.no_grad():
-                _call(m, x)
+            # QDSL_NATIVE_FQ=0: the quantizers' torch passes instead of the one-pass native kernels
+            # (qdsl.quantizers.native_fq reads it at each call)
+            old = os.environ.get("QDSL_NATIVE_FQ")
+            if native is not None:
+                os.environ["QDSL_NATIVE_FQ"] = native
+            try:
+                with torch.no_grad():
+                    _call(m, x)
+            finally:
+                if native is not None:
+                    if old is None:
+                        del os.environ["QDSL_NATIVE_FQ"]
+                    else:
+                        os.environ["QDSL_NATIVE_FQ"] = old
         return run
 
     times = _round_robin({k: ev(m) for k, m in fns.items()}, rounds)
@@ -334,6 +350,8 @@ def main() -> None:
     ap.add_argument("--eval-models", default="cnn,transformer",
                     help="cnn, transformer, minilm (comma-separated; see the module docstring)")
     ap.add_argument("--train-only", action="store_true")
+    ap.add_argument("--native-ab", action="store_true",
+                    help="also time evaluation before freeze with QDSL_NATIVE_FQ=0 (the torch fake-quant passes)")
     ap.add_argument("--profile", action="store_true", help="profile the compiled qdsl step (torch.profiler)")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -344,7 +362,7 @@ def main() -> None:
         for model in args.eval_models.split(","):
             default = BUNDLED if model == "cnn" else ENCODER_SPECS
             eval_specs = default if args.eval_specs == "all" else [s for s in args.eval_specs.split(",") if s in default]
-            eval_suite(eval_specs, args.rounds, args.batch, model)
+            eval_suite(eval_specs, args.rounds, args.batch, model, args.native_ab)
     if not args.eval_only:
         train_suite(args.specs.split(","), args.rounds, args.batch, args.aot, args.profile)
 

@@ -67,6 +67,7 @@ import torch
 
 from qdsl.quantizers import eval_fast as EF
 from qdsl.quantizers import functional as F
+from qdsl.quantizers import native_fq as NFQ
 from qdsl.quantizers import range_search as RS
 from qdsl.quantizers.functional import HALF_DTYPES, check_finite
 from qdsl.quantizers.formats.int import IntOps
@@ -556,8 +557,7 @@ class TensorQuantizer(LazyBuffers):
     def _scalar_dynamic_views(self, x: torch.Tensor):
         """:meth:`_dynamic_views` for the quantizers :meth:`_scalar_dynamic_fp` admits, with
         the scale in scalar arithmetic (same values); None for a non-finite batch."""
-        lo, hi = torch.aminmax(x)
-        lo, hi = lo.item(), hi.item()
+        lo, hi = NFQ.aminmax(x)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             return None
         params = EF.dynamic_int_params(lo, hi, self.qmin, self.qmax, bool(self.recipe.symmetric))
@@ -649,6 +649,9 @@ class TensorQuantizer(LazyBuffers):
         """
         if v is None:
             v = self._frozen_views(x)
+        out = NFQ.fake_quant(x, v)  # the same passes in one, where the native library applies
+        if out is not None:
+            return out
         s, inv, lo, hi = v[:4]
         n = TensorQuantizer.fast_path_threads
         prev = torch.get_num_threads() if n else 0

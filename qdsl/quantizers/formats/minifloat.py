@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from qdsl.quantizers import functional as F
+from qdsl.quantizers import native_fq as NFQ
 from qdsl.quantizers.formats.base import TINY, FormatOps
 from qdsl.spec.builtins import MseParams
 from qdsl.spec.formats import MINIFLOAT_PRESETS, MinifloatFormat
@@ -131,6 +132,21 @@ def _cast_round(y: torch.Tensor, fmt: MinifloatFormat, dtype: torch.dtype, scale
         return torch.index_select(table, 0, c.view(-1).to(torch.int32), out=y.view(-1)).view(y.shape)
     c = torch.clamp(y, -top, top).to(dtype).view(torch.uint8)
     return table.index_select(0, c.reshape(-1).to(torch.int32)).view(y.shape)
+
+
+def _native_round(x: torch.Tensor, s: torch.Tensor, fmt: MinifloatFormat, dtype: torch.dtype) -> torch.Tensor | None:
+    """``_cast_round(x / s, fmt, dtype, scale=s)`` in one native pass (qdsl.quantizers.native_fq),
+    or None: the same values bit for bit, a NaN as the decode table holds it."""
+    if not NFQ.enabled():
+        return None
+    nan = _NAN_BITS.get(dtype)
+    if nan is None:
+        code = torch.tensor(float("nan")).to(dtype).view(torch.uint8).to(torch.int32)
+        nan = _NAN_BITS[dtype] = int(_table(dtype, "cpu")[code].view(torch.int32)) & 0x7FFFFFFF
+    return NFQ.fake_quant_minifloat(x, float(s), fmt.max_normal, fmt.emin, fmt.mantissa, nan)
+
+
+_NAN_BITS: dict = {}
 
 
 def minifloat_codes(q: torch.Tensor, fmt: MinifloatFormat, sign_of: torch.Tensor | None = None) -> torch.Tensor:
@@ -271,6 +287,9 @@ class MinifloatOps(FormatOps):
         if dtype is not None and q.format == MINIFLOAT_PRESETS[q.format.name] \
                 and not (torch.is_grad_enabled() and y.requires_grad) and not torch.compiler.is_compiling():
             if s.numel() == 1:  # y = x / s is this call's own buffer: decode into it, scaled
+                out = _native_round(x.float(), s, q.format, dtype)
+                if out is not None:
+                    return out.to(x.dtype)
                 return _cast_round(y, q.format, dtype, scale=s, inplace=True).to(x.dtype)
             return _cast_round(y, q.format, dtype, inplace=True).mul_(s).to(x.dtype)
         return (minifloat_round(y, q.format, q._round_mode, q.generator, q._round_fn) * s).to(x.dtype)
