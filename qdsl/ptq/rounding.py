@@ -29,9 +29,11 @@ For each quantized Linear/Conv layer in execution order:
    output step above a .5 tie: the graph sums on a grid 2^16 finer than the output
    (``INT32_TARGET_BITS``), its two rounded terms land exactly on the tie (half-even: 2),
    fake-quant's float32 sum just above it (3), and the random-init network spreads that
-   one code.  Measured on that calibrated model, 2 of 16 sets of 4 images miss the bar
-   (2 of 64 images differ at all); with the search off the test's own draw happens to pass.
-   Next: a finer ADD grid where the operands' bound allows it, then the search back on;
+   one code.  The search is not what makes it likely: over 16 sets of 4 images, 2 miss the
+   bar with the search (2 of 64 images differ at all) and 2 without it (3 of 64); the
+   test's own draw happens to pass without it.  With 22 fraction bits on the ADD grid
+   (an experiment, not checked for headroom) no set misses in either.  Next: a finer ADD
+   grid where the operands' bound allows it, then the search back on;
 4. on the held-back inputs, compare the output error (mean squared difference to the
    layer with its float weight, bias excluded: it is the same for both) of the GPTQ codes
    with that of nearest rounding; only if GPTQ's is lower are the codes stored in the
