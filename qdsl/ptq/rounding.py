@@ -22,9 +22,9 @@ For each quantized Linear/Conv layer in execution order:
    (:func:`qdsl.ptq.gptq.gptq_damped`: ``damp`` times 1, 10, 100, 1000, stopping once the
    held-back output error of step 4 stops falling) and the best is used.  Off by default:
    with it on, `test_bundled_spec_trains_and_exports[resnet50-low-bit]` (slow) misses its
-   99.5 % bar (frozen fake-quant vs graph at the classifier input: 98.1 %, max 3 steps).
+   99.5 % bar (frozen fake-quant vs graph at the classifier input: 97.0 %, max 3 steps).
    That is not a lowering error of the kept codes: every layer agrees on its own
-   (`test_graph_agrees_layer_by_layer`), the weight codes export as set, and the first
+   (`test_graph_agrees_layer_by_layer` passes with it on) and the codes export as set; the first
    difference is one code at `layer3.1`'s residual ADD, whose exact sum lies 2.3e-6 of an
    output step above a .5 tie: the graph sums on a grid 2^16 finer than the output
    (``INT32_TARGET_BITS``), its two rounded terms land exactly on the tie (half-even: 2),
