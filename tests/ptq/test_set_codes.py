@@ -34,8 +34,9 @@ def _moved_codes(wq, w):
 
 
 def _dequantized(wq, codes):
+    # low-bit's weights are symmetric (zero point 0), per output channel
     s = wq.scale.reshape(-1, *([1] * (codes.dim() - 1))) if wq.scale.numel() > 1 else wq.scale
-    return (codes.to(torch.float32) - 0) * s
+    return codes.to(torch.float32) * s
 
 
 def test_set_codes_shows_in_module_weight_at_once():
