@@ -85,7 +85,9 @@ def _qp(q) -> tuple[Any, Any]:
 def _versions(patch) -> tuple:
     out = []
     for q in (patch.wq, patch.bq, patch.iq, patch.oq):
-        for t in (getattr(q, "scale", None), getattr(q, "zero_point", None)):
+        # codes and offsets too: learned-rounding codes or a bias correction set after
+        # freeze change the record's integers without touching a scale
+        for t in (getattr(q, n, None) for n in ("scale", "zero_point", "codes", "offset")):
             out += [id(t), t._version] if isinstance(t, torch.Tensor) else [None, None]
     return tuple(out)
 

@@ -202,6 +202,9 @@ class LayerPatch:
                     self.refresh()
             else:
                 self._install_lazy()
+            if self.wq is not None and "weight" in self._moved:
+                # learned-rounding codes set on the weight proxy show in module.weight at once
+                self.wq.__dict__.setdefault("codes_listeners", []).append(self.refresh_now)
 
     def _install_lazy(self) -> None:
         # what refresh() would store, described without computing it (see float_params):
@@ -231,6 +234,9 @@ class LayerPatch:
 
     def uninstall(self) -> None:
         self._unshadow()
+        listeners = self.wq.__dict__.get("codes_listeners") if self.wq is not None else None
+        if listeners is not None:
+            listeners[:] = [fn for fn in listeners if getattr(fn, "__self__", None) is not self]
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

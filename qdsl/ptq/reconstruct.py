@@ -381,6 +381,7 @@ def _one_block(model, block, data, n_fit, report, gen, *, iters, batch_size, lr,
                 p.wq.set_codes(old)
             else:
                 p.wq.codes = torch.empty(0, dtype=torch.int64)
+                p.refresh_now()
 
     note = f"block {block.name}: {len(patches)} layer(s), {100.0 * moved / max(total, 1):.1f}% codes off nearest"
     decide(report, block.layers[0], STEP, before, after, undo=undo, note=note)

@@ -307,6 +307,10 @@ class TensorQuantizer(LazyBuffers):
             raise QdslError(f"codes outside [{self.qmin}, {self.qmax}] for {self.name or self.role.value}")
         self.codes = codes.clone()
         self._refresh()
+        # the layer holding this weight recomputes ``module.weight`` now (LayerPatch.install
+        # registers it), not at its next forward: a reader in between saw the old codes
+        for fn in self.__dict__.get("codes_listeners", ()):
+            fn()
 
     def _from_codes(self, x: torch.Tensor):
         p = self.qparams(x)
