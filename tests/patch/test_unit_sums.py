@@ -1,0 +1,194 @@
+"""A frozen XNOR/ternary layer without autograd sums its codes in binary32
+(qdsl.patch.unit_sums) instead of running a binary64 conv: the same output bits as the
+binary64 conv (``QDSL_EXACT_FROZEN_SUMS=1``), proved where its partial sums are exact
+(``certified``) and checked here on every layer output elsewhere.  Before, every frozen
+eval forward ran the binary64 conv (xnor CNN: ~5x the float forward)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import qdsl
+from qdsl.patch import get_handle
+from qdsl.patch.unit_sums import EXACT_ENV, certified
+
+SPEC = """version 1
+quantizer wb = {wkind}(signed, {wgran}, observer=mean_abs)
+quantizer ab = {akind}(signed, per_tensor, observer=mean_abs)
+defaults {{
+  weight = wb
+  input = ab
+  {bias}
+  {acc}
+}}
+"""
+
+
+class Net(nn.Module):
+    def __init__(self, c: int, k: int, out: int, bias: bool, groups: int, stride: int):
+        super().__init__()
+        self.conv = nn.Conv2d(c * groups, c * groups, k, stride=stride, padding=k // 2, groups=groups, bias=bias)
+        self.act = nn.Hardtanh()
+        self.fc = nn.Linear(c * groups, out, bias=bias)
+
+    def forward(self, x):
+        y = self.act(self.conv(x))
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+def _frozen(net: nn.Module, x: torch.Tensor, wkind="binary", akind="binary", wgran="per_channel",
+            bias="bias = int(bits=32, signed, symmetric, scale=input*weight)", acc=""):
+    spec = SPEC.format(wkind=wkind, akind=akind, wgran=wgran, bias=bias, acc=acc)
+    qdsl.apply(net, qdsl.parse_spec(spec))
+    qdsl.calibrate(net, [x], progress=False)
+    qdsl.freeze(net)
+    return net.eval()
+
+
+def _outputs(net: nn.Module, x: torch.Tensor, monkeypatch, exact: bool) -> dict:
+    """Every patched layer's output (and the dtype its module computed in), one no-grad forward."""
+    monkeypatch.setenv(EXACT_ENV, "1" if exact else "0")
+    got, hooks = {}, []
+    for name, m in net.named_modules():
+        if isinstance(m, (nn.Conv2d, nn.Linear)):
+            hooks.append(m.register_forward_hook(lambda mod, a, out, n=name: got.__setitem__(n, out.detach().clone())))
+            hooks.append(m.register_forward_pre_hook(lambda mod, a, n=name: got.__setitem__(n + ":in", a[0].dtype)))
+    try:
+        with torch.no_grad():
+            got["out"] = net(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(c=st.integers(1, 9), k=st.sampled_from([1, 3]), out=st.integers(1, 7), bias=st.booleans(),
+       groups=st.sampled_from([1, 2]), stride=st.sampled_from([1, 2]), n=st.integers(1, 4), hw=st.integers(3, 9),
+       wkind=st.sampled_from(["binary", "ternary"]), wgran=st.sampled_from(["per_channel", "per_tensor"]),
+       seed=st.integers(0, 2**16))
+def test_frozen_unit_layers_give_the_binary64_bits(monkeypatch, c, k, out, bias, groups, stride, n, hw, wkind,
+                                                   wgran, seed):
+    torch.manual_seed(seed)
+    net = Net(c, k, out, bias, groups, stride)
+    x = torch.randn(n, c * groups, hw, hw)
+    _frozen(net, x, wkind=wkind, wgran=wgran)
+    fast, slow = _outputs(net, x, monkeypatch, False), _outputs(net, x, monkeypatch, True)
+    assert fast["conv:in"] is torch.float32 and slow["conv:in"] is torch.float64  # the sums ran on codes
+    for key in ("conv", "fc", "out"):
+        assert _bits_equal(fast[key], slow[key]), key
+
+
+def test_xnor_cnn_layers_equal_the_binary64_conv(monkeypatch):
+    """The bundled xnor spec on a ReLU CNN (not certified: 48-bit products), several batches."""
+    from qdsl.zoo.models import conv_bn_relu_net
+
+    torch.manual_seed(0)
+    net = conv_bn_relu_net(width=16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 3, 32, 32, generator=g)
+    qdsl.apply(net, "specs/xnor-binary.qspec")
+    qdsl.calibrate(net, [x], progress=False)
+    qdsl.freeze(net)
+    net.eval()
+    h = get_handle(net)
+    for batch in (x, torch.randn(16, 3, 32, 32, generator=g)):
+        fast, slow = _outputs(net, batch, monkeypatch, False), _outputs(net, batch, monkeypatch, True)
+        unit = [f for f, p in h.layers.items() if p.unit_sums is not None]
+        assert unit and all(fast[f + ":in"] is torch.float32 for f in unit)
+        for f in fast:
+            if not f.endswith(":in"):
+                assert _bits_equal(fast[f], slow[f]), f
+
+
+def test_narrow_accumulator_that_can_overflow_keeps_the_binary64_conv(monkeypatch):
+    """The accumulator check reads the layer's real input: when it may simulate, the
+    binary64 conv runs (and the result is the simulated one, as before)."""
+    torch.manual_seed(0)
+    net = Net(8, 3, 4, True, 1, 1)
+    x = torch.randn(4, 8, 6, 6)
+    _frozen(net, x, acc="accumulator(bits=4, overflow=wrap)")
+    fast, slow = _outputs(net, x, monkeypatch, False), _outputs(net, x, monkeypatch, True)
+    assert fast["conv:in"] is torch.float64
+    assert get_handle(net).layers["conv"].acc_sim.simulated
+    for key in ("conv", "fc", "out"):
+        assert _bits_equal(fast[key], slow[key]), key
+
+
+def test_autograd_keeps_the_binary64_conv(monkeypatch):
+    torch.manual_seed(0)
+    net = Net(4, 3, 3, True, 1, 1)
+    x = torch.randn(2, 4, 5, 5)
+    _frozen(net, x)
+    seen = []
+    net.conv.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    monkeypatch.setenv(EXACT_ENV, "0")
+    y = net(x.requires_grad_())
+    y.sum().backward()
+    assert seen == [torch.float64] and x.grad is not None
+    with torch.no_grad():
+        net(x)
+    assert seen[-1] is torch.float32
+
+
+def test_a_raising_forward_leaves_the_weights_in_place(monkeypatch):
+    torch.manual_seed(0)
+    net = Net(4, 3, 3, True, 1, 1)
+    x = torch.randn(2, 4, 5, 5)
+    _frozen(net, x)
+    monkeypatch.setenv(EXACT_ENV, "0")
+    with torch.no_grad():
+        ref = net(x)
+    h = net.conv.register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")), prepend=True)
+    with pytest.raises(RuntimeError), torch.no_grad():
+        net(x)
+    h.remove()
+    with torch.no_grad():  # the next forward's pre-hook swaps the codes back first (as the binary64 shadows)
+        assert _bits_equal(net(x), ref)
+    assert net.conv.weight.dtype is torch.float64
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 600), e=st.integers(-30, 10), m=st.integers(1, 2**20), bm=st.integers(-2**20, 2**20),
+       be=st.integers(-40, 10), seed=st.integers(0, 2**16))
+def test_certified_sums_equal_the_binary64_conv_in_any_order(n, e, m, bm, be, seed):
+    """Where ``certified`` holds, every summation order of the binary64 terms gives the same
+    value, ``fl64(S·p) + b`` (the cheap form): shuffled orders and a blocked order."""
+    p = np.ldexp(float(m), e)
+    b = np.ldexp(float(bm), be)
+    if not certified(np.array([p]), np.array([b]), n):
+        return
+    rng = np.random.default_rng(seed)
+    codes = rng.choice([-1.0, 0.0, 1.0], size=n)
+    terms = list(codes * p) + [b]
+    fast = float(np.float64(codes.sum()) * p + b)
+    for _ in range(3):
+        rng.shuffle(terms)
+        acc = 0.0
+        for t in terms:
+            acc += t
+        assert acc == fast
+    blocks = [sum(terms[i:i + 7]) for i in range(0, len(terms), 7)]
+    assert sum(blocks) == fast
+
+
+def test_certified_fails_for_48_bit_products():
+    p = np.float64(np.float32(0.4766176)) * np.float64(np.float32(0.0317))  # the xnor CNN's kind of scales
+    assert not certified(np.array([p]), None, 288)
+    assert certified(np.array([0.375]), np.array([0.5]), 288)
+    assert not certified(np.array([1.0]), np.array([2.0**-60]), 4)  # the bias is off the terms' grid
+    # F.conv2d in binary64 with certified operands: equal to the formula bit for bit
+    w = torch.tensor([[[[1.0, -1.0], [1.0, 1.0]]]], dtype=torch.float64) * 0.375
+    x = torch.sign(torch.randn(2, 1, 5, 5, generator=torch.Generator().manual_seed(0))).double()
+    s = F.conv2d(x, torch.sign(w))
+    assert torch.equal(F.conv2d(x, w, torch.tensor([0.5], dtype=torch.float64)), s * 0.375 + 0.5)
