@@ -100,3 +100,34 @@ def test_per_channel_rescales_are_derived_once_per_frozen_linear(monkeypatch):
         second = model(ids)
     assert per_channel_first > 0 and sum(n > 1 for n in calls) == 0
     assert torch.equal(first, second)
+
+
+def _old_rounding_shift(x, s, rounding):
+    """qdsl.graph.requant.rounding_shift's per-element form before this change."""
+    from qdsl.graph.requant import _rounds_up
+
+    x = np.asarray(x, dtype=np.int64)
+    s = np.broadcast_to(np.asarray(s, dtype=np.int64), x.shape)
+    left = np.where(s < 0, -s, 0)
+    right = np.where(s > 0, s, 0)
+    floor = x >> right
+    rem = x - (floor << right)
+    half = np.where(right > 0, np.int64(1) << np.maximum(right - 1, 0), 0)
+    shifted = floor + np.where(right > 0, _rounds_up(x, floor, rem, half, rounding), False)
+    return np.where(s < 0, x << left, shifted)
+
+
+@settings(max_examples=150, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 9), per=st.sampled_from(["row", "col", "elem"]),
+       rounding=st.sampled_from([Rounding.HALF_EVEN, Rounding.HALF_AWAY, Rounding.FLOOR, Rounding.HALF_UP]),
+       seed=st.integers(0, 2**16))
+def test_rounding_shift_with_row_or_channel_shifts_equals_the_old_form(rows, cols, per, rounding, seed):
+    from qdsl.graph.requant import rounding_shift
+
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-(2**31), 2**31, size=(rows, cols))
+    x[0, 0] = 2**30 + 2**9  # an exact half at shift 10
+    shape = {"row": (rows, 1), "col": (1, cols), "elem": (rows, cols)}[per]
+    s = rng.integers(-31, 32, size=shape)
+    got = rounding_shift(x, s, rounding)
+    assert got.shape == x.shape and np.array_equal(got, _old_rounding_shift(x, s, rounding))
