@@ -32,6 +32,7 @@ from qat_compile import (BUNDLED, ENCODER_SPECS, _base, _call, _data, _encoder, 
 
 import qdsl
 import qdsl.graph.ops.layernorm as ln_op
+import qdsl.patch.attention as attention
 import qdsl.patch.int_sim as int_sim
 import qdsl.patch.residual_sim as residual_sim
 from qdsl.patch.unit_sums import MODE_ENV
@@ -39,7 +40,7 @@ from qdsl.patch.unit_sums import MODE_ENV
 SIMULATIONS = [(residual_sim, "exact_accumulator"), (residual_sim, "rescale_codes"), (residual_sim, "linear_codes"),
                (residual_sim, "residual_terms"), (residual_sim, "wide_codes"), (int_sim, "simulated_layernorm"),
                (int_sim, "simulated_probs"), (int_sim, "layernorm"), (int_sim, "softmax_kept")]
-"""(module, function) pairs timed; each is also rebound where int_sim imported it."""
+"""(module, function) pairs timed; each is also rebound where int_sim, residual_sim or attention imported it."""
 
 
 def _instrument(spent: dict) -> None:
@@ -53,7 +54,7 @@ def _instrument(spent: dict) -> None:
             finally:
                 spent[_name] += time.process_time() - c
 
-        for m in (mod, int_sim, residual_sim, ln_op):
+        for m in (mod, int_sim, residual_sim, ln_op, attention):
             if getattr(m, name, None) is f:
                 setattr(m, name, timed)
 
@@ -79,7 +80,7 @@ def run(model: str, specs: list[str], rounds: int, spent: dict) -> None:
         _stepper(q, q, x, y)()
         fz = copy.deepcopy(q).eval()
         qdsl.freeze(fz)
-        unit = any(p.unit_sums is not None for p in qdsl.patch.get_handle(fz).layers.values())
+        unit = any(getattr(p, "unit_sums", None) is not None for p in qdsl.patch.get_handle(fz).layers.values())
 
         def ev(m, mode="certified"):
             def go():
