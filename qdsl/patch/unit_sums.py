@@ -54,6 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qdsl.patch.accumulator_sums import decide, operands
 from qdsl.spec.diagnostics import QdslError
 
 __all__ = ["UnitSums", "Operands", "MODE_ENV", "MODES", "certified"]
@@ -141,7 +142,7 @@ class UnitSums:
         return ops
 
     def _derive(self, module: nn.Module) -> Operands | None:
-        p_, iq, wq = self.patch, self.patch.iq, self.patch.wq
+        iq = self.patch.iq
         w, b = module.__dict__.get("weight"), module.bias
         if not isinstance(w, torch.Tensor) or w.dtype != torch.float64 or iq.scale.numel() != 1:
             return None
@@ -169,8 +170,6 @@ class UnitSums:
         """Would the layer's accumulator check pass its output through?  (It reads the
         layer's real input, which the cheap form does not hand the module.)  The check's own
         decision (qdsl.patch.accumulate), taken once for the frozen weights."""
-        from qdsl.patch.accumulator_sums import decide, operands
-
         a = self.patch.acc_sim
         if a is None:
             return True
