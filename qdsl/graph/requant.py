@@ -187,7 +187,10 @@ def rounding_shift(x: np.ndarray, s: np.ndarray, rounding: Rounding) -> np.ndarr
     s = np.asarray(s, dtype=np.int64)
     if s.size == 1 and s.ndim <= x.ndim:  # one shift for all (the common case): no per-element shift arrays
         return _rounding_shift_one(x, int(s.reshape(-1)[0]), rounding)
-    s = np.broadcast_to(s, x.shape)
+    # s keeps its own shape (per channel, per row): numpy broadcasts it in each operation below
+    # instead of materialising x-sized shift arrays (LAYERNORM's per-row shifts: 2x faster)
+    if np.broadcast_shapes(s.shape, x.shape) != x.shape:
+        s = np.broadcast_to(s, x.shape)  # raises as before
     left = np.where(s < 0, -s, 0)
     right = np.where(s > 0, s, 0)
     floor = x >> right

@@ -286,8 +286,8 @@ class LinearSim:
         out_grid = grid_of(getattr(patch, "oq", None))
         if out_grid is None:
             return None
-        codes = linear_codes(patch, args[0], grid, out_grid)
-        return _straight_through((codes - out_grid[1]).double() * out_grid[0], output)
+        codes = linear_codes(patch, args[0], grid, out_grid)  # binary64, a fresh tensor: in place
+        return _straight_through(codes.sub_(out_grid[1]).mul_(out_grid[0]), output)
 
     def mark(self, module: nn.Linear, args: tuple, output: Any) -> None:
         """The last forward hook: a result with no output quantizer is marked as a term."""
@@ -346,8 +346,8 @@ class WideReadSim:
         grid = grid_of(getattr(self.handle.layers.get(self.fqn), "iq", None))
         if grid is None or term.acc.shape != tuple(args[0].shape):
             return None
-        codes = wide_codes(term, grid)
-        return (_straight_through((codes - grid[1]).double() * grid[0], args[0]),) + tuple(args[1:])
+        codes = wide_codes(term, grid)  # binary64, a fresh tensor: in place
+        return (_straight_through(codes.sub_(grid[1]).mul_(grid[0]), args[0]),) + tuple(args[1:])
 
 
 def mark_graph_value(handle: Any, value: torch.Tensor, layernorm: nn.LayerNorm, acc: np.ndarray) -> None:

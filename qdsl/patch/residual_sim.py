@@ -102,20 +102,20 @@ def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> torch.Tensor:
     binary64 holding exact integers: float32 products of codes summed in chunks that stay
     exact (:func:`_operands`), the chunks and the bias added in binary64 (below 2^53)."""
     w, bias, _, bound, chunk, fits = _operands(patch, grid)
-    xq = torch.round(x.detach().cpu().float() / grid[0])  # q - z: |q - z| <= 255, off by < 2^-14
+    xq = torch.div(x.detach().cpu().float(), grid[0]).round_()  # q - z: |q - z| <= 255, off by < 2^-14
     k = w.shape[1]
     acc = None
-    for lo in range(0, k, chunk):
+    for lo in range(0, k, chunk):  # in place from here on: the same operations, fewer passes
         part = F.linear(xq[..., lo:lo + chunk], w[:, lo:lo + chunk]).double()
-        acc = part if acc is None else acc + part
+        acc = part if acc is None else acc.add_(part)
     if bias is not None:
-        acc = acc + bias
+        acc.add_(bias)
     if fits:  # every reachable sum inside the accumulator (accumulator_bound): nothing to wrap
         return acc
     a = patch.plan.accumulator
     half = float(1 << (a.bits - 1))
     if a.overflow is Overflow.SATURATE:
-        return acc.clamp(-half, half - 1)
+        return acc.clamp_(-half, half - 1)
     return torch.remainder(acc + half, 2 * half) - half
 
 
@@ -137,16 +137,23 @@ def rescale_codes(acc: torch.Tensor, rescale: Rescale) -> torch.Tensor:
     m = np.asarray(rescale.multiplier, dtype=np.int64)
     sh = np.asarray(rescale.shift, dtype=np.int64)
     single = kind == RescaleKind.FIXED_SINGLE
-    t = acc.clamp(INT32_MIN, INT32_MAX)
+    # the clamp is a copy: skipped when it changes nothing (one read pass, no write)
+    t = acc if acc.numel() and _inside(acc, INT32_MIN, INT32_MAX) else acc.clamp(INT32_MIN, INT32_MAX)
     if (sh < 0).any():  # left shifts (factors above 1): saturated as the reference does
         t = (t * torch.from_numpy(np.exp2(np.maximum(-sh, 0)))).clamp(INT32_MIN, INT32_MAX)
     scale = (m if single else np.ones_like(m)) * np.exp2(-(np.maximum(sh, 0) + (31 if single else 0)))
     y = t * torch.from_numpy(scale.astype(np.float64))
     rounding = Rounding(rescale.rounding)
     out = torch.floor(y) if rounding == Rounding.FLOOR else torch.round(y)
-    # distance to the nearest boundary (an integer for floor, a half for the others)
-    dist = (y - torch.round(y)).abs() if rounding == Rounding.FLOOR else ((y - out).abs() - 0.5).abs()
-    tol = NEAR_TIE * (float(y.abs().max()) + 1.0) if y.numel() else 0.0
+    if y.numel():
+        lo, hi = torch.aminmax(y)  # max |y| without an |y| temporary (abs is exact)
+        tol = NEAR_TIE * (max(-float(lo), float(hi)) + 1.0)
+    else:
+        tol = 0.0
+    # distance to the nearest boundary (an integer for floor, a half for the others),
+    # computed in y's own buffer (y is not read again; a fresh binary64 tensor of the output's
+    # size costs its page faults): the same operations as ((y - out).abs() - 0.5).abs()
+    dist = y.sub_(torch.round(y)).abs_() if rounding == Rounding.FLOOR else y.sub_(out).abs_().sub_(0.5).abs_()
     near = dist <= tol
     if bool(near.any()):
         idx = near.nonzero(as_tuple=True)
@@ -156,17 +163,37 @@ def rescale_codes(acc: torch.Tensor, rescale: Rescale) -> torch.Tensor:
         out[idx] = torch.from_numpy(apply_rescale(vals, sub, axis=0) if vals.size > 1 else
                                     apply_rescale(vals, Rescale(kind, [int(m[ch[0]])], [int(sh[ch[0]])],
                                                                 rescale.rounding), axis=0)).double()
-    return out.clamp(INT32_MIN, INT32_MAX)
+    return out.clamp_(INT32_MIN, INT32_MAX)
+
+
+def _inside(t: torch.Tensor, lo: float, hi: float) -> bool:
+    """Every entry of ``t`` in ``[lo, hi]`` (False with a NaN: the clamp then runs as before)."""
+    a, b = torch.aminmax(t)
+    return bool(a >= lo) and bool(b <= hi)
+
+
+def _rescale(patch, ops: tuple, factor_of: float, rounding: Rounding) -> Rescale:
+    """``make_rescale(s_acc / factor_of, rounding, single)`` of a frozen Linear's operands
+    (``ops``, :func:`_operands`), derived once per operands, grid and rounding: a Python loop
+    over the channels that gave the same result at every forward."""
+    cached = patch.__dict__.get("_residual_rescales")
+    if cached is None or cached[0] is not ops:
+        cached = (ops, {})
+        patch._residual_rescales = cached
+    key = (factor_of, rounding)
+    r = cached[1].get(key)
+    if r is None:
+        r = cached[1][key] = make_rescale(ops[2] / factor_of, rounding, single=SINGLE_ROUNDING)
+    return r
 
 
 def linear_codes(patch, x: torch.Tensor, grid: tuple, out_grid: tuple) -> torch.Tensor:
     """The graph's LINEAR output codes at ``out_grid`` (int_sim.grid_of of its output
     quantizer), as binary64: the exact accumulator rescaled by ``s_acc/s_out`` (one rounding,
     the quantizer's mode), not the quantizer's rounding of the float32 sum."""
-    s_acc = _operands(patch, grid)[2]
     s_out, zp, qmin, qmax, rounding = out_grid
-    rescale = make_rescale(s_acc / s_out, rounding, single=SINGLE_ROUNDING)
-    return (rescale_codes(exact_accumulator(patch, x, grid), rescale) + zp).clamp(qmin, qmax)
+    rescale = _rescale(patch, _operands(patch, grid), s_out, rounding)
+    return rescale_codes(exact_accumulator(patch, x, grid), rescale).add_(zp).clamp_(qmin, qmax)
 
 
 @attrs.define(eq=False)
@@ -182,10 +209,9 @@ class LinearTerm:
 
     def at(self, s_t: float, rounding: Rounding) -> tuple[np.ndarray, Rescale, int]:
         """The LINEAR's int32 output at ``s_t`` (identity rescale in the LAYERNORM)."""
-        s_acc = _operands(self.patch, self.grid)[2]
         acc = exact_accumulator(self.patch, self.x, self.grid)
         # the Pending's I32 target: half away, export's default rescale (FIXED_SINGLE)
-        rescale = make_rescale(s_acc / s_t, Rounding.HALF_AWAY, single=SINGLE_ROUNDING)
+        rescale = _rescale(self.patch, _operands(self.patch, self.grid), s_t, Rounding.HALF_AWAY)
         return rescale_codes(acc, rescale).to(torch.int64).numpy(), _IDENTITY, 0
 
 
@@ -325,7 +351,7 @@ def wide_codes(term: WideTerm, grid: tuple) -> torch.Tensor:
     the quantizer's mode), not the quantizer's rounding of ``float32(acc)·float32(unit)/s``."""
     s, zp, qmin, qmax, rounding = grid
     rescale = make_rescale(term.unit / s, rounding, single=SINGLE_ROUNDING)
-    return (rescale_codes(torch.from_numpy(term.acc).double(), rescale) + zp).clamp(qmin, qmax)
+    return rescale_codes(torch.from_numpy(term.acc).double(), rescale).add_(zp).clamp_(qmin, qmax)
 
 
 def mark_wide(log: TermLog, value: torch.Tensor, module: Any, acc: np.ndarray) -> None:
