@@ -5,7 +5,7 @@ XNOR/ternary sums (qdsl.patch.layer, in binary32 on codes without autograd:
 qdsl.patch.unit_sums), the graph's LINEAR output stage, LAYERNORM and SOFTMAX
 (qdsl.patch.int_sim, qdsl.patch.residual_sim).  This script times, round-robin in one process
 (1 thread, process CPU time, medians), the float model and the frozen one (for the unit-code
-specs in each ``QDSL_FROZEN_SUMS`` mode: ``certified``, the default, ``codes`` and
+specs in each ``QDSL_FROZEN_SUMS`` mode: ``codes``, the default, ``certified`` and
 ``binary64``), and
 prints the CPU time spent per forward in each simulation function (cumulative: a function
 called from another counts in both).  Models as in benchmarks/qat_compile.py (``cnn``,

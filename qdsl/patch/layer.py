@@ -26,9 +26,10 @@ accumulator is; binary32 rounds the partial sums (``3·s`` has 26 significant bi
 reader's ``sign`` of ``±1e-9`` then flipped whole channels (MobileNetV3/EfficientNet-B0 under
 xnor-binary: a 1×1 binary conv reading all-positive inputs has ``Σ sign(w) = 0`` in about
 a quarter of its channels).  Only when frozen: training keeps binary32 (speed; the scales
-still move).  Without autograd, where that is provably the binary64 conv's result bit for bit
-(or everywhere, asked for with ``QDSL_FROZEN_SUMS=codes``), the sums run on the codes in
-binary32 instead, exact and ~4x cheaper (qdsl.patch.unit_sums).
+still move).  Without autograd the sums run on the codes in binary32 instead: the exact
+integer sum scaled once, ~4x cheaper, the binary64 conv's bits wherever its partial sums are
+provably exact and within one binary32 unit of it elsewhere (``QDSL_FROZEN_SUMS=certified``
+or ``binary64`` keeps the binary64 conv there: qdsl.patch.unit_sums).
 
 Frozen fast path: when every proxy of the layer is frozen (and the input is not
 dynamic) and autograd does not need the weights, the fake-quantized weight and bias are

@@ -29,12 +29,14 @@ rounds) the binary64 conv rounds partial sums to 2^-53 in its BLAS's order, whic
 the library, the blocking and the thread count; the formula above rounds the exact ``S`` once.
 The two then agree unless such a rounding crosses a binary32 rounding boundary (measured on
 the xnor CNN of benchmarks/qat_compile.py: 1 of 21M layer outputs over 10 batches, in its last
-bit).  So the cheap form is taken by default only where it is certified; elsewhere the binary64
-conv runs, unless asked for (``QDSL_FROZEN_SUMS``, read at every forward):
+bit).  The cheap form is the default wherever it applies: its ``S`` is the integer graph's
+accumulator exactly and is scaled once, so it is the correctly rounded value of the layer's
+exact sum and does not depend on the BLAS, its blocking or the thread count (the binary64
+conv's uncertified results do).  ``QDSL_FROZEN_SUMS`` (read at every forward) chooses:
 
-* ``certified`` (default): the cheap form where certified, the binary64 conv elsewhere;
-* ``codes``: the cheap form wherever it applies (the exact integer sum, scaled once; ~4x
-  cheaper on the xnor CNN, its results as above);
+* ``codes`` (default): the cheap form wherever it applies (~4x cheaper on the xnor CNN);
+* ``certified``: the cheap form only where certified (then bit for bit the binary64 conv),
+  the binary64 conv elsewhere;
 * ``binary64``: the binary64 conv everywhere.
 
 When (else the binary64 conv runs, unchanged): frozen, no autograd through the layer, not
@@ -193,7 +195,7 @@ class UnitSums:
         module's new positional input (the input's codes, the weight swapped for its codes,
         no bias), or None to keep the binary64 conv."""
         p_ = self.patch
-        mode = os.environ.get(MODE_ENV) or "certified"
+        mode = os.environ.get(MODE_ENV) or "codes"
         if mode not in MODES:
             raise QdslError(f"{MODE_ENV}={mode!r}: expected one of {', '.join(MODES)} (qdsl/patch/unit_sums.py)")
         if key is None or mode == "binary64" or torch.compiler.is_compiling():

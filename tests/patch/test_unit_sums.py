@@ -1,8 +1,8 @@
 """A frozen XNOR/ternary layer without autograd sums its codes in binary32
-(qdsl.patch.unit_sums) instead of running a binary64 conv: by default only where that gives
-the binary64 conv's bits in any summation order (``certified``: power-of-two scales), and
-everywhere with ``QDSL_FROZEN_SUMS=codes``, where it is the formula ``float32(fl64(S·p) + b)``
-of the exact integer sum ``S``.  Before, every frozen eval forward ran the binary64 conv
+(qdsl.patch.unit_sums) instead of running a binary64 conv: by default (``codes``) wherever it
+applies, the formula ``float32(fl64(S·p) + b)`` of the exact integer sum ``S``; with
+``QDSL_FROZEN_SUMS=certified`` only where that gives the binary64 conv's bits in any summation
+order (power-of-two scales).  Before, every frozen eval forward ran the binary64 conv
 (xnor CNN: ~5x the float forward)."""
 
 from __future__ import annotations
@@ -54,9 +54,13 @@ def _frozen(net: nn.Module, x: torch.Tensor, wkind="binary", akind="binary", wgr
     return net.eval()
 
 
-def _outputs(net: nn.Module, x: torch.Tensor, monkeypatch, mode: str) -> dict:
-    """Every patched layer's output (and the dtype its module computed in), one no-grad forward."""
-    monkeypatch.setenv(MODE_ENV, mode)
+def _outputs(net: nn.Module, x: torch.Tensor, monkeypatch, mode: str | None) -> dict:
+    """Every patched layer's output (and the dtype its module computed in), one no-grad forward
+    (``mode`` None: the variable unset, the default)."""
+    if mode is None:
+        monkeypatch.delenv(MODE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(MODE_ENV, mode)
     got, hooks = {}, []
     for name, m in net.named_modules():
         if isinstance(m, (nn.Conv2d, nn.Linear)):
@@ -139,10 +143,11 @@ def test_frozen_unit_layers_give_the_binary64_bits(monkeypatch, c, k, out, bias,
         assert torch.equal(codes[key], _formula(net, key, seen[key])), key
 
 
-def test_xnor_cnn_layers_keep_the_binary64_conv_unless_asked(monkeypatch):
-    """The bundled xnor spec (48-bit products ``s_x·s_w``: not certified) keeps the binary64
-    conv by default; with ``QDSL_FROZEN_SUMS=codes`` its layers are within one binary32 unit
-    of it (the binary64 conv's own partial-sum roundings; measured 1 in 21M differ)."""
+def test_xnor_cnn_layers_sum_codes_by_default(monkeypatch):
+    """The bundled xnor spec (48-bit products ``s_x·s_w``: not certified) sums its codes by
+    default, within one binary32 unit of the binary64 conv (the binary64 conv's own
+    partial-sum roundings; measured 1 in 21M differ); ``QDSL_FROZEN_SUMS=certified`` keeps the
+    binary64 conv on its uncertified layers, bit for bit."""
     from qdsl.zoo.models import conv_bn_relu_net
 
     torch.manual_seed(0)
@@ -163,6 +168,9 @@ def test_xnor_cnn_layers_keep_the_binary64_conv_unless_asked(monkeypatch):
     for batch in (x, torch.randn(16, 3, 32, 32, generator=g)):
         default, slow = _outputs(net, batch, monkeypatch, "certified"), _outputs(net, batch, monkeypatch, "binary64")
         codes = _outputs(net, batch, monkeypatch, "codes")
+        unset = _outputs(net, batch, monkeypatch, None)
+        assert all(unset[f + ":in"] is torch.float32 for f in unit)
+        assert all(torch.equal(unset[f], codes[f]) for f in unit)
         certified_layers = {f for f in unit if h.layers[f].unit_sums._ops[1].certified}
         assert len(certified_layers) < len(unit)
         assert all(default[f + ":in"] is (torch.float32 if f in certified_layers else torch.float64) for f in unit)
