@@ -70,7 +70,9 @@ QDSL_API void qdsl_graph_free(void* handle);
  * one can, -1 for other ops (binary ones included); info[8] for a LINEAR 1 when it runs as
  * one GEMM with the bias and output stage fused (off the reference path), else 0; -1 for
  * other ops; info[10] the images per pass the op ran with in the last run (a segment,
- * runtime/segment.cc), 0 for the whole batch at once.  info holds 11 entries. */
+ * runtime/segment.cc), 0 for the whole batch at once; info[11] row bands in the last run
+ * (conv::RowBandFused): 1 on a depthwise conv that computed its 1x1 producer's output rows,
+ * 2 on that producer, else 0.  info holds 12 entries. */
 QDSL_API int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, char* name, int64_t namelen);
 QDSL_API int qdsl_graph_run(void* handle, int64_t batch, const void* const* inputs, void* const* outputs, uint32_t path,
                             char* err, int64_t errlen);

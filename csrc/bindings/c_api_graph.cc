@@ -58,6 +58,13 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     info[7] = op.outputs[0] < g->nhwc.size() ? g->nhwc[op.outputs[0]] : 0;
     // images per pass the op ran with in the last run (0: the whole batch; segment.cc)
     info[10] = static_cast<size_t>(index) < g->op_step.size() ? g->op_step[index] : 0;
+    // row bands in the last run: 1 on a depthwise conv that computed its 1x1 producer's rows,
+    // 2 on that producer (conv::RowBandFused; the layouts are the last run's)
+    info[11] = 0;
+    if (cp != nullptr && g->nhwc_path != 0) {
+      if (cp->band_producer >= 0 && qdsl::conv::RowBandFused(g, op, g->nhwc_path)) info[11] = 1;
+      if (cp->band_consumer >= 0 && qdsl::conv::RowBandFused(g, g->ops[cp->band_consumer], g->nhwc_path)) info[11] = 2;
+    }
     info[8] = op.opcode == qdsl::kLinear && cp != nullptr ? (qdsl::conv::LinearFusedGemm(g, op) ? 1 : 0) : -1;
     nm = op.name;
   } else {

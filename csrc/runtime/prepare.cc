@@ -94,6 +94,40 @@ void KeepNhwcDepthwise(Graph* g) {
     if (ConvParams* p = AsConv(g->ops[i])) p->dw_nhwc = p->dw_nhwc && p->twins.empty() && !twin[i];
 }
 
+// ConvParams::band_producer / band_consumer: an NHWC depthwise conv (dw_nhwc with the
+// register stage) and the op right before it when that is a 1x1, stride-1, unpadded
+// implicit-GEMM conv with the register stage (ig_stage, the vpmaddubsw kind) that writes
+// the depthwise conv's input, read by nothing else (no graph output, no twin, no fused ADD):
+// MobileNetV2's expansion convs.  Adjacent, so no op between them reads or writes anything
+// the pair's run order changes, and the segment planner keeps the two together
+// (segment.cc).  Whether the pair runs fused is decided per run (conv::RowBandFused).
+void FindRowBands(Graph* g) {
+  const size_t nt = g->tensors.size();
+  std::vector<int> consumers(nt, 0);
+  for (const GraphOp& op : g->ops)
+    for (uint32_t t : op.inputs) ++consumers[t];
+  for (uint32_t t : g->outputs) ++consumers[t];
+  std::vector<char> twin(g->ops.size(), 0);
+  for (const GraphOp& op : g->ops)
+    if (const ConvParams* p = AsConv(op))
+      for (int32_t j : p->twins) twin[j] = 1;
+  for (size_t j = 1; j < g->ops.size(); ++j) {
+    ConvParams* d = AsConv(g->ops[j]);
+    ConvParams* c = AsConv(g->ops[j - 1]);
+    if (d == nullptr || c == nullptr || !d->depthwise || !d->dw_nhwc || !d->dwn_stage.ok || twin[j]) continue;
+    const uint32_t t = g->ops[j].inputs[0];
+    if (g->ops[j - 1].outputs.size() != 1 || g->ops[j - 1].outputs[0] != t || consumers[t] != 1) continue;
+    if (g->ops[j - 1].opcode != kConv2d || !c->igemm || c->ig_int16 || !c->ig_stage.ok || c->kh != 1 ||
+        c->kw != 1 || c->sh != 1 || c->sw != 1 || c->ph != 0 || c->pw != 0 || !c->twins.empty() ||
+        c->fused_add >= 0 || twin[j - 1] || c->band_producer >= 0)
+      continue;
+    const int dt = g->tensors[t].dtype;
+    if (dt != kU8 && dt != kI8) continue;
+    d->band_producer = static_cast<int32_t>(j - 1);
+    c->band_consumer = static_cast<int32_t>(j);
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -271,6 +305,7 @@ Status PrepareGraph(Graph* g) {
   FuseResidualAdds(g);
   FindTwinConvs(g);
   KeepNhwcDepthwise(g);
+  FindRowBands(g);
   g->nhwc.assign(g->tensors.size(), 0);  // planned per path by the first run (PlanNhwc)
   g->nhwc_path = 0;
   return Status::Ok();

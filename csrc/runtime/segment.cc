@@ -173,6 +173,15 @@ void PlanSegments(Graph* g, int64_t batch, int64_t budget) {
           }
       }
     }
+    // a row-band pair (ConvParams::band_producer: the depthwise conv computes the 1x1 conv's
+    // output, reading that conv's input) is inside a segment together or not at all
+    if (first < cut)
+      if (const ConvParams* d = AsConv(g->ops[first]); d != nullptr && d->band_producer >= 0 &&
+                                                         d->band_producer < static_cast<int32_t>(first))
+        ++first;
+    if (cut > first)
+      if (const ConvParams* c = AsConv(g->ops[cut - 1]); c != nullptr && c->band_consumer >= static_cast<int32_t>(cut))
+        --cut;
     if (cut > first + 1) {
       GraphSegment s;
       s.first = first;

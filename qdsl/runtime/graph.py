@@ -73,7 +73,7 @@ class CompiledGraph:
         self._ran: str | None = None  # "ok" after a run, "empty" after a batch of 0, None before / after an error
 
     def _entries(self, which: int) -> list[_IO]:
-        info = (ctypes.c_int64 * 11)()
+        info = (ctypes.c_int64 * 12)()
         name = ctypes.create_string_buffer(4100)
         count = self._lib.qdsl_graph_entry(self._handle, which, -1, info, name, 4100)
         out = []
@@ -101,8 +101,12 @@ class CompiledGraph:
         with the bias and the output stage fused, I8/U8/I32 outputs), ``nhwc_output`` (the
         op's output was stored NHWC in the last run) and ``images_per_pass`` (in the last run the
         op was in a cache-sized segment run this many images at a time; 0: the whole batch at
-        once; csrc/runtime/segment.cc, ``QDSL_SEGMENT=0`` turns segments off)."""
-        info = (ctypes.c_int64 * 11)()
+        once; csrc/runtime/segment.cc, ``QDSL_SEGMENT=0`` turns segments off) and ``row_band``
+        (int convs: in the last run, "computed" on a depthwise conv that computed the rows of
+        its input from the 1x1 conv just before it, "producer" on that 1x1 conv, whose own run
+        then wrote nothing; None otherwise; csrc/runtime/ops/conv_dw_nhwc.cc,
+        ``QDSL_ROW_BAND=0`` turns it off)."""
+        info = (ctypes.c_int64 * 12)()
         name = ctypes.create_string_buffer(4100)
         out = []
         for i in range(len(self.op_names)):
@@ -126,6 +130,8 @@ class CompiledGraph:
                 entry["depthwise_maddubs"] = info[9] == 2
             entry["nhwc_output"] = bool(info[7])
             entry["images_per_pass"] = int(info[10])
+            if info[5] >= 0:
+                entry["row_band"] = {1: "computed", 2: "producer"}.get(int(info[11]))
             out.append(entry)
         return out
 

@@ -112,6 +112,12 @@ struct ConvParams : OpParams {
   bool dwq = false;
   AlignedVector<uint8_t> dwq_w;
   AlignedVector<int32_t> dwq_init;
+  // Row-band fusion (conv_dw_nhwc.cc): on an NHWC depthwise conv, band_producer is the op just
+  // before it, a 1x1 stride-1 implicit-GEMM conv whose output only this conv reads (found at
+  // prepare time on every path: FindRowBands in prepare.cc); band_consumer on that conv points
+  // back.  Where conv::RowBandFused holds, the depthwise conv computes the rows of that output
+  // its bands read into a ring of rows and the 1x1 conv's own run does nothing.  -1: none.
+  int32_t band_producer = -1, band_consumer = -1;
   int64_t kp = 0;
   int64_t kp64 = 0;                         // kp rounded up to 64: w8's row stride (aligned tile rows)
   bool int32_exact = true;                  // every GEMM sum provably fits int32
@@ -271,6 +277,11 @@ inline bool GatheredWritesNhwc(const ConvParams& p, uint32_t path) {
 Status IntConvFast(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 Status DepthwiseConvNhwc(Graph* g, const GraphOp& op, int64_t batch, uint32_t path);
+// Whether the depthwise conv `dw` (ConvParams::band_producer >= 0) computes its producer's
+// output rows itself on `path` with the current layouts (Graph::nhwc): the producer runs as
+// IgemmConv would with its register stage, the depthwise conv as DepthwiseConvNhwc, and
+// QDSL_ROW_BAND=0 is not set (read once).  The producer's RunConv is then a no-op.
+bool RowBandFused(const Graph* g, const GraphOp& dw, uint32_t path);
 Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_t* overflow);
 
 }  // namespace conv

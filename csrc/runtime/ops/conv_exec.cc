@@ -145,6 +145,10 @@ Status RunConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, int64_
 }  // namespace conv
 
 Status RunConvOp(RunCtx& c, const GraphOp& op) {
+  // (a 1x1 conv whose output rows the depthwise conv after it computes: conv_dw_nhwc.cc)
+  if (const ConvParams& p = ParamsOf<ConvParams>(op);
+      p.band_consumer >= 0 && conv::RowBandFused(c.g, c.g->ops[p.band_consumer], c.path))
+    return Status::Ok();
   return conv::RunConv(c.g, op, c.batch, c.path, &c.g->overflow[c.index]);
 }
 
