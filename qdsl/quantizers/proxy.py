@@ -184,8 +184,9 @@ class TensorQuantizer(LazyBuffers):
         # Python mirrors of rarely changing state, so a compiled forward branches on
         # attributes dynamo guards on (a change recompiles) instead of reading a tensor:
         # ``_frozen`` mirrors the ``frozen_flag`` buffer (synced by :meth:`_refresh`);
-        # ``_range`` is a static activation's ``(key, lo, hi)``, the observer's range
-        # for the statistics named by ``key`` (see :meth:`_static_range`)
+        # ``_range`` is a static activation's ``(key, lo, hi, qparams)``, the observer's
+        # range for the statistics named by ``key`` and the qparams derived from it
+        # (None for a learned rule; see :meth:`_static_range`)
         self._frozen = False
         self._range: tuple | None = None
         self.check_finite = False
@@ -373,8 +374,7 @@ class TensorQuantizer(LazyBuffers):
             elif training:
                 obs.cached_training_forward()
         if not self.stateless:
-            r = self._static_range()
-            return None if r is None else self._from_range(x, *r, rule)
+            return self._static_qparams(x)
         if not obs.observed:
             return None
         return self._from_range(x, *obs.range(), rule)
@@ -412,8 +412,22 @@ class TensorQuantizer(LazyBuffers):
             self._range = None
             return None
         lo, hi = obs.range()
-        self._range = (key, lo, hi)
+        # the qparams too, once per range (not for a learned rule, whose scale trains): a
+        # compiled forward then reads them instead of tracing the scale arithmetic again
+        params = None if self.learned else self._from_range(None, lo, hi, self.scale_rule)
+        self._range = (key, lo, hi, params)
         return lo, hi
+
+    def _static_qparams(self, x):
+        """A static activation's ``(scale, zero_point, threshold)``: the ones
+        :meth:`_static_range` derived with its range (a function of the range alone, as
+        :meth:`current_scale` and :meth:`_static_views` also assume), or for a learned rule
+        from the range now; None before any data."""
+        r = self._static_range()
+        if r is None:
+            return None
+        params = self._range[3]
+        return self._from_range(x, *r, self.scale_rule) if params is None else params
 
     # --------------------------------------------------------------- numerics
     def _param_views(self, x, s, zp):
