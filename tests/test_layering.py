@@ -34,7 +34,7 @@ PKG = ROOT / "qdsl"
 # lowest first; a tuple is one layer of peers.  "<facade>" is qdsl/__init__.py (the lazy
 # public names, which name every layer) and qdsl/__main__.py.
 LAYERS: list[tuple[str, ...]] = [
-    ("_callable", "spec"),   # torch-free: records, diagnostics, part declarations
+    ("_callable", "spec", "_native_files"),  # torch-free: records, diagnostics, part declarations; the .so's place
     ("parse",),              # torch-free: TOML and DSL front ends
     ("resolve",),            # torch-free: spec + model index -> Plan
     ("graph",),              # torch-free: integer-graph IR, validation, .qgraph, reference executor, requant

@@ -30,11 +30,11 @@ one copy): the runtime package is a higher layer than the quantizers, so it is n
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
 import os
-from pathlib import Path
 
 import torch
+
+from qdsl._native_files import library_files
 
 __all__ = ["available", "fake_quant", "fake_quant_minifloat", "aminmax", "enabled", "STATS"]
 
@@ -50,18 +50,10 @@ _fns: dict | None = None
 _loaded = False
 
 
-def _library_files() -> list[Path]:
-    override = os.environ.get("QDSL_RUNTIME_LIB")
-    if override:
-        return [Path(override)]
-    folder = Path(__file__).resolve().parent.parent / "runtime"
-    return [folder / f"_qdsl_native{sfx}" for sfx in importlib.machinery.EXTENSION_SUFFIXES]
-
-
 def _load() -> dict | None:
     global _fns, _loaded
     _loaded = True
-    for path in _library_files():
+    for path in library_files():
         if not path.exists():
             continue
         try:

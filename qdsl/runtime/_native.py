@@ -9,9 +9,8 @@ instead (used by the sanitizer script and by developers building by hand).
 from __future__ import annotations
 
 import ctypes
-import importlib.machinery
-import os
-from pathlib import Path
+
+from qdsl._native_files import library_files
 
 __all__ = ["lib", "load_error", "ABI_VERSION"]
 
@@ -57,19 +56,11 @@ _error: str | None = None
 _loaded = False
 
 
-def _candidates() -> list[Path]:
-    override = os.environ.get("QDSL_RUNTIME_LIB")
-    if override:
-        return [Path(override)]
-    here = Path(__file__).parent
-    return [here / f"_qdsl_native{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-
-
 def _load() -> None:
     global _lib, _error, _loaded
     _loaded = True
     tried = []
-    for path in _candidates():
+    for path in library_files():
         if not path.exists():
             tried.append(str(path.name))
             continue

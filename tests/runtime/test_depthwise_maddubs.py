@@ -137,11 +137,9 @@ def test_depthwise_maddubs_threaded_matches_reference(seed, stride):
         _with_threads(threads, lambda: _check(graph, x))
 
 
-def test_mobilenet_v2_7bit_graph_matches_reference():
-    """A torchvision-shaped MobileNetV2 (qdsl.zoo widths, 3 x 32 x 32) quantized with the
-    bundled int8-default spec and 7-bit activations, exported: the C++ runtime equals the
-    reference executor on every path, and on AVX2 its depthwise convs (reading the expansion
-    convs' ReLU6 outputs: 7-bit codes) take the vpmaddubsw kernel where they run channels-last."""
+def mobilenet_v2_7bit():
+    """A torchvision-shaped MobileNetV2 (qdsl.zoo widths, 3 x 32 x 32) with the bundled
+    int8-default spec and 7-bit activations, calibrated and exported: (graph, a batch of 3)."""
     import torch
 
     import qdsl
@@ -154,7 +152,15 @@ def test_mobilenet_v2_7bit_graph_matches_reference():
     qdsl.calibrate(model, [calib[:4], calib[4:]], progress=False)
     qdsl.freeze(model)
     graph = qdsl.export(model, calib[:2])
-    x = torch.randn(3, 3, 32, 32).numpy()
+    return graph, torch.randn(3, 3, 32, 32).numpy()
+
+
+def test_mobilenet_v2_7bit_graph_matches_reference():
+    """A torchvision-shaped MobileNetV2 (qdsl.zoo widths, 3 x 32 x 32) quantized with the
+    bundled int8-default spec and 7-bit activations, exported: the C++ runtime equals the
+    reference executor on every path, and on AVX2 its depthwise convs (reading the expansion
+    convs' ReLU6 outputs: 7-bit codes) take the vpmaddubsw kernel where they run channels-last."""
+    graph, x = mobilenet_v2_7bit()
     cg = _check(graph, x)
     if "avx2" in PATHS:
         cg.run(x, path="avx2")

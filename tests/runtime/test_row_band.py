@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not bui
 from qdsl.graph.ir import DType, IntegerGraph, Op, OpType, Tensor  # noqa: E402
 
 from tests.runtime.test_depthwise_conv import _with_threads  # noqa: E402
-from tests.runtime.test_depthwise_maddubs import _stage7  # noqa: E402
+from tests.runtime.test_depthwise_maddubs import _stage7, mobilenet_v2_7bit  # noqa: E402
 from tests.runtime.test_graph import PATHS, _check, _rand  # noqa: E402
 
 
@@ -212,20 +212,8 @@ def test_mobilenet_v2_7bit_row_bands_match_reference():
     int8-default spec and 7-bit activations: the C++ runtime equals the reference executor on
     every path (QDSL_IGEMM_ALL unset: the shapes the runtime picks itself), and on AVX2 the
     expansion convs that run as implicit GEMMs are computed by their depthwise convs."""
-    import torch
-
-    import qdsl
-    from tests.export.tv_models import FACTORIES
-
     os.environ.pop("QDSL_IGEMM_ALL", None)
-    torch.manual_seed(0)
-    model = FACTORIES["mobilenet_v2"]().eval()
-    qdsl.apply(model, "specs/int8-default.qspec", overrides=["input.bits=7", "output.bits=7"])
-    calib = torch.randn(8, 3, 32, 32)
-    qdsl.calibrate(model, [calib[:4], calib[4:]], progress=False)
-    qdsl.freeze(model)
-    graph = qdsl.export(model, calib[:2])
-    x = torch.randn(3, 3, 32, 32).numpy()
+    graph, x = mobilenet_v2_7bit()
     cg = _check(graph, x)
     if "avx2" in PATHS:
         for threads in (1, 2):
