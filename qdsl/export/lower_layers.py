@@ -23,7 +23,8 @@ from qdsl.graph.requant import INT32_MAX, INT32_MIN, make_rescale, pot_shift
 from qdsl.export.exact_weights import NotExact, exact_weight_ints
 from qdsl.export.float8 import float8_target, float8_weight, onnx_float8_type
 from qdsl.export.lower_threshold import accumulator_threshold_bias, binarize_codes, channel_thresholds
-from qdsl.export.values import INT32_TARGET_BITS, ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
+from qdsl.export.add_grid import add_fraction_bits
+from qdsl.export.values import ROUNDINGS, Builder, ExportError, Pending, QVal, Target, wide_scale
 from qdsl.patch.frozen import frozen_layer
 from qdsl.quantizers.formats.base import FormatOps, NotExportable
 from qdsl.spec.model import Overflow, Role
@@ -405,9 +406,10 @@ def add_pending(where: str, a, b_, shape, reuse=None) -> Pending:
         term_scales = [s for v in operands for s in ([wide_scale(v)] if wide_scale(v) is not None else
                                                       np.atleast_1d(v.scales) if isinstance(v, Pending) else [v.scale])]
         pot = _is_pot(t.scale, *term_scales)
-        # exact common scale for powers of two; else INT32_TARGET_BITS fraction bits below the
-        # output scale, so the final factor is an exact shift with the output's rounding
-        s_t = term_grid(operands) if pot else t.scale / 2**INT32_TARGET_BITS
+        # exact common scale for powers of two; else as many fraction bits below the output
+        # scale as the operands' worst cases leave room for in int32 (qdsl.export.add_grid),
+        # so the final factor is an exact shift with the output's rounding
+        s_t = term_grid(operands) if pot else math.ldexp(t.scale, -add_fraction_bits(operands, t.scale))
         names, zps, rescales = [], [], []
         for v in operands:
             if wide_scale(v) is not None:  # a LayerNorm's wide output: rounded onto s_t

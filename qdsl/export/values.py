@@ -32,7 +32,8 @@ __all__ = ["ExportError", "Target", "QVal", "FloatVal", "IdsVal", "ConstVal", "O
 
 ROUNDINGS = {"half_even": Rounding.HALF_EVEN, "half_away": Rounding.HALF_AWAY, "floor": Rounding.FLOOR}
 INT32_TARGET_BITS = 16
-"""Fraction bits below the output scale kept by a FIXED residual add's common scale."""
+"""Fraction bits below the output scale of a FIXED residual add's common scale when an operand's
+worst case is unknown (else qdsl.export.add_grid picks the most that fit int32)."""
 
 
 class ExportError(QdslError):

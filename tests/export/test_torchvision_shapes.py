@@ -47,6 +47,7 @@ FAST = {("resnet18", "int8-default"), ("unet", "int8-default"), ("mobilenet_v2",
 FLOAT_TIE = pytest.mark.xfail(strict=False, raises=AssertionError,
                               reason="a float32 near-tie in fake-quant flips one code; the network amplifies it "
                                      "(per layer it agrees: test_graph_agrees_layer_by_layer)")
+FLOAT_TIES = {("mobilenet_v3_small", "w4a8-per-channel"), ("resnet50", "int8-default")}
 WAITING = MUL_FACTORIES  # models whose export waits for an op
 ALL = {**FACTORIES, **WAITING}
 SIZE = {"unet": 16}  # input side (32 for the rest)
@@ -58,7 +59,9 @@ def _cases(models, fast=FAST, marks=(), export=False):
             slow = () if (model, spec) in fast else (pytest.mark.slow,)
             more = ()
             if export:  # the graph-vs-fake-quant comparison's known misses
-                more += (FLOAT_TIE,) if (model, spec) == ("mobilenet_v3_small", "w4a8-per-channel") else ()
+                # resnet50-int8-default: layer3.1's ADD, 3 grid steps (2.9e-6 output steps) below a
+                # tie; the graph rounds the exact sum, fake-quant's float32 not (test_add_grid.py)
+                more += (FLOAT_TIE,) if (model, spec) in FLOAT_TIES else ()
             yield pytest.param(model, spec, marks=(*marks, *more, *slow), id=f"{model}-{spec}")
 
 
