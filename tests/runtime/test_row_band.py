@@ -114,9 +114,11 @@ def test_row_band_pair_matches_reference(seed, stride, k, pre, post, batch, thre
     t_dtype = DType.U8 if rng.random() < 0.8 else DType.I8
     t_hi = 127 if (t_dtype == DType.I8 or rng.random() < 0.7) else 255
     x_dtype = DType.U8 if rng.random() < 0.8 else DType.I8
-    graph = _pair_graph(rng, cin=cin, c=c, hw=hw, k=k, stride=stride, pad=int(rng.integers(0, 3)),
-                        dil=int(rng.choice([1, 1, 2])), pre=pre, post=post, t_dtype=t_dtype, t_hi=t_hi,
-                        x_dtype=x_dtype)
+    pad, dil = int(rng.integers(0, 3)), int(rng.choice([1, 1, 2]))
+    # at least one output position: the dilated window fits the padded image
+    hw = tuple(max(n, dil * (kk - 1) + 1 - 2 * pad) for n, kk in zip(hw, k))
+    graph = _pair_graph(rng, cin=cin, c=c, hw=hw, k=k, stride=stride, pad=pad, dil=dil, pre=pre, post=post,
+                        t_dtype=t_dtype, t_hi=t_hi, x_dtype=x_dtype)
     x = _x(rng, graph, batch)
     cg = _with_threads(threads, lambda: _check(graph, x))
     if "avx2" in PATHS:
