@@ -142,10 +142,10 @@ def fake_quant(x: torch.Tensor, v: tuple, path: int = 0) -> torch.Tensor | None:
         _, s, inv, lo, hi = fp
     if isinstance(s, torch.Tensor) and s.numel() == 1 and isinstance(inv, torch.Tensor) and inv.numel() == 1:
         s, inv = float(s), float(inv)
-    out = torch.empty_like(x)
     if isinstance(s, float) and isinstance(inv, float):
         if not (isinstance(lo, int) and isinstance(hi, int)):
             return None
+        out = torch.empty_like(x)
         rc = fns["qdsl_fake_quant_f32"](x.data_ptr(), out.data_ptr(), x.numel(), s, inv, lo, hi, path)
     else:
         if not isinstance(s, torch.Tensor):
@@ -167,6 +167,7 @@ def fake_quant(x: torch.Tensor, v: tuple, path: int = 0) -> torch.Tensor | None:
             lo0 = hi0 = 0.0
         inner = x.stride(ax)
         outer = x.numel() // (inner * c)
+        out = torch.empty_like(x)  # x's memory order: the kernel writes each value at x's offset
         rc = fns["qdsl_fake_quant_f32_channels"](x.data_ptr(), out.data_ptr(), outer, c, inner,
                                                   ps, pinv, plo, phi, lo0, hi0, path)
     if rc != 0:
