@@ -375,9 +375,10 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
     // Weights larger than L2 stream from L3 once per row block, a panel block at a time, and
     // each panel block starts a new stream the hardware prefetcher picks up late: while the
     // strips run over one panel block, each strip first requests a slice of the next block
-    // into L2 (not L1, where the current block and the strips' rows are).  CPU A/B against
-    // onnxruntime u8u8, 1 thread (load 11): (128,3072,768) 0.80-0.89x -> 0.91-1.00x,
-    // (1024,1024,1024) 0.90-0.95x -> 1.05-1.06x.
+    // into L2 (not L1, where the current block and the strips' rows are).  onnxruntime u8u8
+    // time / ours, CPU time, 1 thread, load 11-13, medians of 5 runs of 7-21 rounds (Zen 4):
+    // (128,3072,768) 0.69-0.89 -> 0.85-1.00 in every run, (1024,1024,1024) 0.80-1.01 ->
+    // 0.92-1.07 in every run; (128,768,768) mixed (within the +-0.1 noise).
     const bool prefetch = (p1 - p0) * w.panel_bytes > kPrefetchWeightBytes;
     const int64_t nstrips = (rows_total + kMaxRows - 1) / kMaxRows;
     for (int64_t j0 = 0; j0 < kpairs; j0 += kKcPairs) {
