@@ -13,20 +13,20 @@ __all__ = ["add_timing_args", "interleaved", "load_average", "profile_lines", "s
            "timing_args"]
 
 
-def steady_median(fn, reps: int, warmup_s: float) -> float:
-    """Median wall time (s) of `reps` consecutive calls of `fn`, after calling it for
-    `warmup_s` seconds (at least once), so it is measured in its own steady state: after
-    an idle period cores clock up again, and another library's pool may still be
-    busy-waiting from its last call."""
+def steady_median(fn, reps: int, warmup_s: float, clock=time.perf_counter) -> float:
+    """Median time (s; wall time unless `clock` is another, e.g. time.process_time) of
+    `reps` consecutive calls of `fn`, after calling it for `warmup_s` seconds of wall time
+    (at least once), so it is measured in its own steady state: after an idle period cores
+    clock up again, and another library's pool may still be busy-waiting from its last call."""
     end = time.perf_counter() + warmup_s
     fn()
     while time.perf_counter() < end:
         fn()
     times = []
     for _ in range(reps):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(clock() - t)
     return float(np.median(times))
 
 
@@ -57,15 +57,16 @@ def profile_lines(compiled, x, runs: int) -> list[tuple]:
         return out
 
 
-def interleaved(fns: dict, rounds: int, reps: int, warmup_s: float) -> dict[str, list[float]]:
+def interleaved(fns: dict, rounds: int, reps: int, warmup_s: float, clock=time.perf_counter) -> dict[str, list[float]]:
     """Each function's steady median (s) once per round, the functions taken in turn within
     every round (A, B, C, A, B, C, ...), so a slow drift of the machine (another process
-    starting, clocks) lands on every contender instead of on whichever ran last.  Returns
-    the per-round medians by name; report their median and range (`span`)."""
+    starting, clocks) lands on every contender instead of on whichever ran last.  `clock`:
+    as in `steady_median`.  Returns the per-round medians by name; report their median and
+    range (`span`)."""
     out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            out[name].append(steady_median(fn, reps, warmup_s))
+            out[name].append(steady_median(fn, reps, warmup_s, clock))
     return out
 
 

@@ -13,9 +13,12 @@ exactness section at the end measures which results are exact on this CPU.
 
 Figures are GOP/s (2*M*K*N / time) from medians over ``--rounds`` interleaved rounds
 (benchmarks/_timing.py); ratios are peer time / qdsl time (>= 1: qdsl faster), taken round by
-round, as median (range).  No assertions: the targets are in the issues and the README.
+round, as median (range).  ``--clock cpu`` times with the process's CPU time instead of wall
+time: on a loaded machine (another process on our cores) it leaves out the time we wait for a
+core; with 2 threads it sums both threads (and any spinning), so it is no latency there.
+No assertions: the targets are in the issues and the README.
 Run: python benchmarks/kernels.py [--quick] [--threads 1,2] [--rounds 5] [--reps 7]
-     [--shapes default|minilm|MxKxN,...]
+     [--shapes default|minilm|MxKxN,...] [--clock wall|cpu]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -86,8 +90,8 @@ def int8_tables(rng, args, torch, K, rt) -> dict:
     for threads in args.threads:
         rt.set_num_threads(threads)
         torch.set_num_threads(threads)
-        print(f"\n== int8 GEMM, {threads} thread(s): GOP/s, median (range) over {args.rounds} rounds; "
-              f"load average {load_average()} ==")
+        print(f"\n== int8 GEMM, {threads} thread(s): GOP/s ({args.clock} time), median (range) over {args.rounds} "
+              f"rounds; load average {load_average()} ==")
         for m, k, n in args.shapes:
             o = _operands(rng, m, k, n, torch, K)
             sess = _ort_sessions(o, threads)
@@ -105,7 +109,7 @@ def int8_tables(rng, args, torch, K, rt) -> dict:
             }
             for name, (s, a) in sess.items():
                 fns[name] = (lambda s, a: lambda: s.run(None, {"A": a}))(s, a)
-            times = interleaved(fns, args.rounds, args.reps, warmup_s=0.1)
+            times = interleaved(fns, args.rounds, args.reps, warmup_s=0.1, clock=args.clock_fn)
             del sess
             all_times[(threads, (m, k, n))] = times
             gops = lambda name: span([2.0 * m * k * n / t_ / 1e9 for t_ in times[name]], fmt=".0f")  # noqa: E731
@@ -131,7 +135,8 @@ def low_bit_table(rng, args, torch, K, rt) -> dict:
     for threads in args.threads:
         rt.set_num_threads(threads)
         torch.set_num_threads(threads)
-        print(f"\n== int4 / binary, {threads} thread(s): GOP/s, median (range); load average {load_average()} ==")
+        print(f"\n== int4 / binary, {threads} thread(s): GOP/s ({args.clock} time), median (range); "
+              f"load average {load_average()} ==")
         for m, k, n in args.shapes:
             a = rng.integers(0, 256, (m, k)).astype(np.uint8)
             p8 = K.pack_weights(rng.integers(-127, 128, (n, k)).astype(np.int8))
@@ -142,7 +147,8 @@ def low_bit_table(rng, args, torch, K, rt) -> dict:
             times = interleaved({"int8": lambda: K.gemm(a, p8, a_zero_point=128),
                                  "int4": lambda: K.gemm(a, p4, a_zero_point=128),
                                  "binary": lambda: K.binary_gemm(abits, pb),
-                                 "fp32": lambda: x @ wf.t()}, args.rounds, args.reps, warmup_s=0.1)
+                                 "fp32": lambda: x @ wf.t()}, args.rounds, args.reps, warmup_s=0.1,
+                                clock=args.clock_fn)
             all_times[(threads, (m, k, n))] = times
             g = {name: span([2.0 * m * k * n / t / 1e9 for t in ts], fmt=".0f") for name, ts in times.items()}
             r = lambda a_, b_: span(np.asarray(times[a_]) / np.asarray(times[b_]))  # noqa: E731
@@ -202,13 +208,30 @@ def exactness(rng, torch) -> None:
     print(f"torch quantized linear:      max |error| {err:.1f} output steps (exact rounding: <= 0.5)")
 
 
+def cpu_summary() -> str:
+    """The CPU's model and its int8 dot-product extensions (Linux /proc/cpuinfo): with
+    AVX512-VNNI or AVX-VNNI the peers' u8 x s8 kernels use vpdpbusd and are exact (the
+    exactness section checks), and their u8 x u8 path may use wider registers."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    ext = [f for f in ("avx2", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8") if f in flags]
+    return f"{model} ({' '.join(ext) or 'no AVX2'})"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(ap, rounds=5, reps=7)
     ap.add_argument("--shapes", default="default",
                     help="default (QUICK_SHAPES with --quick), minilm (MiniLM's linears at sequence 128) or "
                          "a comma list of MxKxN")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time each call by wall time (default) or by the process's CPU time (a loaded machine)")
     args = timing_args(ap.parse_args(argv))
+    args.clock_fn = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.shapes == "minilm":
         args.shapes = MINILM_SHAPES
     elif args.shapes == "default":
@@ -224,8 +247,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"qdsl runtime unavailable: {rt.load_error()}")
     warnings.filterwarnings("ignore")
     torch.backends.quantized.engine = "x86" if "x86" in torch.backends.quantized.supported_engines else "fbgemm"
-    print(f"qdsl paths: {K.paths()['enabled']}  torch quantized engine: {torch.backends.quantized.engine}  "
-          f"load average: {load_average()}")
+    print(f"CPU: {cpu_summary()}\nqdsl paths: {K.paths()['enabled']}  torch quantized engine: "
+          f"{torch.backends.quantized.engine}  load average: {load_average()}")
     if _ort.modules() is None:
         print("note: onnx/onnxruntime not installed (pip install .[bench]): the onnxruntime columns are skipped")
     rng = np.random.default_rng(0)

@@ -69,6 +69,30 @@ uint32_t CompiledPaths() {
 }
 
 namespace {
+// AVX512-VNNI with AVX512VL has the VNNI instructions on ymm registers, EVEX-encoded; some
+// CPUs (AMD Zen 4) have only that form, not the VEX-encoded AVX-VNNI.  The VNNI kernels are
+// built for both encodings, and kPathAvxVnni / kPathAvx512 select the EVEX build there.
+// Opt-in (QDSL_EVEX_VNNI=1) for now: on such a CPU it makes kPathAvx512 the default path of
+// every op, and the channels-last implicit-GEMM convs run on kPathAvx2 only (dispatch:
+// SelectIgemmKernel), so the conv paths there are not yet measured against the AVX2 ones.
+bool EvexVnniOnly() {
+#ifdef QDSL_HAVE_X86
+  static const bool only = [] {
+    const char* env = std::getenv("QDSL_EVEX_VNNI");
+    if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+    __builtin_cpu_init();
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    const bool avx_vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
+    return !avx_vnni && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  }();
+  return only;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+namespace {
 // CPUID traps to the hypervisor on virtual machines (tens of microseconds), so the CPU
 // is probed once per process.
 uint32_t DetectCpuPaths() {
@@ -79,7 +103,8 @@ uint32_t DetectCpuPaths() {
     paths |= kPathAvx2;
     // AVX-VNNI is CPUID.(EAX=7, ECX=1):EAX bit 4 (gcc 12's __builtin_cpu_supports misses it).
     unsigned a = 0, b = 0, c = 0, d = 0;
-    const bool vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
+    const bool avx_vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
+    const bool vnni = avx_vnni || EvexVnniOnly();
     if (vnni) paths |= kPathAvxVnni;
     // kPathAvx512 also uses the VNNI int kernels, so it needs them too
     if (vnni && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -123,6 +148,8 @@ Status ResolvePath(uint32_t requested, uint32_t* chosen) {
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   path = Base(path);
 #ifdef QDSL_HAVE_X86
+  if ((path == kPathAvxVnni || path == kPathAvx512) && EvexVnniOnly())
+    return broadcast_unsigned ? x86::GemmU8S8Avx512Vnni : x86::GemmS8U8Avx512Vnni;
   if (path == kPathAvxVnni || path == kPathAvx512)
     return broadcast_unsigned ? x86::GemmU8S8AvxVnni : x86::GemmS8U8AvxVnni;
 #endif

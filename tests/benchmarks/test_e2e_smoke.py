@@ -1,5 +1,5 @@
 """The benchmark scripts' build paths work (not their timings): e2e.py exports, quantizes and
-runs every contender on a test-width model for one round; kernels.py runs its quick shapes;
+runs every contender on a test-width model for one round; kernels.py runs one small shape;
 the onnxruntime helpers build exact-path models.  Figures are never asserted."""
 
 import sys
@@ -83,3 +83,13 @@ def test_e2e_leaves_the_thread_counts_as_found():
     before = (rt.get_num_threads(), torch.get_num_threads())
     e2e.main(SMOKE + ["--models", "resnet18", "--systems", "torch fp32,qdsl a8", "--threads", "2"])
     assert (rt.get_num_threads(), torch.get_num_threads()) == before
+
+
+def test_kernels_quick_cpu_clock_smoke(capsys):
+    import kernels
+
+    kernels.main(["--quick", "--shapes", "7x13x19", "--rounds", "1", "--reps", "1", "--clock", "cpu"])
+    out = capsys.readouterr().out
+    assert out.startswith("CPU: ")
+    assert "GOP/s (cpu time)" in out and "(7, 13, 19) 8-bit acts | qdsl i32" in out
+    assert "qdsl gemm:                   0.000% of outputs differ" in out
