@@ -72,15 +72,28 @@ def _quantize_kept(q: Any, x: torch.Tensor, masked: torch.Tensor, who: str, any_
 def _elementwise(q: Any, x: torch.Tensor) -> bool:
     """``q(x)`` quantizes every entry on its own with parameters that do not depend on
     ``x`` (a static or frozen per-tensor proxy, deterministic rounding, not observing, no
-    finiteness check, no autograd): then quantizing all of ``x`` and keeping the masked
-    entries equals quantizing the kept ones.  A dynamic scale (the range of the kept
-    entries), an observer that would see the masked ones, or stochastic rounding
-    (random numbers drawn per entry) would not."""
+    finiteness check): then quantizing all of ``x`` and keeping the masked entries equals
+    quantizing the kept ones.  A dynamic scale (the range of the kept entries), an observer
+    that would see the masked ones, or stochastic rounding (random numbers drawn per entry)
+    would not.
+
+    With autograd (training), also: an integer format, no learned scale or threshold and
+    no derived scale, so that the gradient reaches ``x`` alone, entry by entry (the plain
+    straight-through estimator or the clipping-mask one of ``ste.fake_quant``).  Then
+    ``where(masked, x, q(x))`` has the gather's gradient too: at a masked entry ``g`` from
+    ``x`` plus ``+0`` from ``q`` (its share of ``g`` is the where's zero), at a kept one
+    ``+0`` plus ``q``'s gradient of ``g``, the same two addends the gather's backward
+    (``masked_fill`` and ``index_put`` into zeros) sums; nothing reaches a scale."""
+    from qdsl.quantizers.formats.int import IntOps
     from qdsl.quantizers.proxy import TensorQuantizer
 
-    return (isinstance(q, TensorQuantizer) and not q.stateless and not q.observing and not q.check_finite
-            and q._round_fn is None and q._round_mode != "stochastic" and not q.offset.numel()
-            and not (torch.is_grad_enabled() and x.requires_grad))
+    if not (isinstance(q, TensorQuantizer) and not q.stateless and not q.observing and not q.check_finite
+            and q._round_fn is None and q._round_mode != "stochastic" and not q.offset.numel()):
+        return False
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return True
+    return (isinstance(q._ops, IntOps) and not q.learned and not q.derived and q.sign_threshold is None
+            and q.recipe.threshold != "learned")
 
 
 def quantized_softmax(x: torch.Tensor, dim: int, sq: Any, pq: Any, who: str,

@@ -232,3 +232,56 @@ def test_calibration_and_eval_of_a_patched_model_equal_the_reference(monkeypatch
     (s0, b0, a0), (s1, b1, a1) = results
     assert all(torch.equal(a, b) for a, b in zip(s0, s1))
     assert torch.equal(_bits(b0), _bits(b1)) and torch.equal(_bits(a0), _bits(a1))
+
+
+@given(st.data())
+def test_training_masked_softmax_takes_the_where_with_the_gathers_values_and_gradients(data):
+    # training quantized the kept scores by gathering them (nonzero, index, masked_scatter
+    # and their backward); a static integer quantizer's where gives the same value and gradient
+    from qdsl.quantizers.proxy_grad import qat_grad_path
+
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16), label="seed"))
+    shape = (data.draw(st.integers(1, 3)), data.draw(st.integers(1, 3)), data.draw(st.integers(1, 7)),
+             data.draw(st.integers(1, 9)))
+    x0 = torch.randn(shape, generator=g) * data.draw(st.sampled_from([1.0, 4.0, 40.0]), label="magnitude")
+    masked = torch.rand(shape, generator=g) < data.draw(st.sampled_from([0.0, 0.3, 0.8]), label="p masked")
+    if data.draw(st.booleans(), label="full row"):
+        masked[(0,) * (len(shape) - 1)] = True
+    fill = data.draw(st.sampled_from([float("-inf"), torch.finfo(torch.float32).min]), label="fill")
+    x0 = x0.masked_fill(masked, fill)
+    upstream = torch.randn(shape, generator=g)
+    upstream[torch.rand(shape, generator=g) < 0.2] = -0.0  # zero signs must survive as well
+    sq = _static_a8(torch.randn(64, generator=g) * 3, signed=data.draw(st.booleans(), label="signed"))
+    pq = _static_a8(torch.rand(64, generator=g)) if data.draw(st.booleans(), label="probs") else None
+    if data.draw(st.booleans(), label="qat grad path"):
+        sq.grad_path = qat_grad_path
+        if pq is not None:
+            pq.grad_path = qat_grad_path
+    assert R._elementwise(sq, x0.clone().requires_grad_())
+    results = []
+    for where in (True, False):
+        x = x0.clone().requires_grad_()
+        if where:
+            p = R.quantized_softmax(x, -1, sq, pq, "m")
+        else:
+            keep = R._elementwise
+            R._elementwise = lambda q, x: False
+            try:
+                p = R.quantized_softmax(x, -1, sq, pq, "m")
+            finally:
+                R._elementwise = keep
+        (p * upstream).sum().backward()
+        results.append((p.detach(), x.grad))
+    (p0, g0), (p1, g1) = results
+    assert torch.equal(_bits(p0), _bits(p1)) and torch.equal(_bits(g0), _bits(g1))
+
+
+def test_training_masked_softmax_gathers_for_a_learned_scale():
+    from qdsl.quantizers.proxy import TensorQuantizer
+
+    sq = _static_a8(torch.randn(64) * 3)
+    x = torch.randn(2, 5).masked_fill(torch.tensor([[False] * 4 + [True]] * 2), float("-inf")).requires_grad_()
+    assert R._elementwise(sq, x)
+    learned = type("Learned", (TensorQuantizer,), {"learned": property(lambda self: True)})
+    sq.__class__ = learned
+    assert not R._elementwise(sq, x) and R._elementwise(sq, x.detach())
