@@ -13,6 +13,9 @@ float-equal to torch's within ~1e-6) and applies the ``scores`` quantizer to the
 input and the ``probs`` quantizer to its result (:func:`quantized_softmax`).  One mode
 serves every patched module: a stack of active modules, the innermost one's quantizers act
 (a block and the attention inside it both carrying the roles quantize once).
+Without autograd the decomposition runs in fewer passes with reused buffers
+(``_sdpa_eval``), bit for bit the same result as the reference one (``_sdpa_reference``,
+which training runs).
 
 Masks.  A softmax input entry at or below ``finfo.min / 2`` (or ``-inf``) is a masked
 position (Hugging Face adds ``(1 - mask)·finfo.min``; sdpa's bool masks become ``-inf``):
@@ -128,7 +131,8 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if enable_gqa and key.dim() >= 3 and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
-    if _eval_operands(query, key, value):
+    if _eval_operands(query, key, value) and not (attn_mask is not None and attn_mask.requires_grad
+                                                  and torch.is_grad_enabled()):
         return _sdpa_eval(query, key, value, attn_mask, dropout_p, is_causal, factor, sq, pq, who)
     return _sdpa_reference(query, key, value, attn_mask, dropout_p, is_causal, factor, sq, pq, who)
 
@@ -257,7 +261,7 @@ class _Workspace:
     (long sequences: the buffer would stay allocated, the allocation is cheap next to the
     products)."""
 
-    MAX_NUMEL = 1 << 22
+    MAX_NUMEL = 1 << 21
 
     def __init__(self) -> None:
         self.bufs: dict[str, torch.Tensor] = {}
