@@ -268,10 +268,10 @@ class _Workspace:
 
     def buffer(self, name: str, shape: tuple) -> torch.Tensor:
         if math.prod(shape) > self.MAX_NUMEL:
-            return torch.empty(shape)
+            return torch.empty(shape, dtype=torch.float32)
         t = self.bufs.get(name)
         if t is None or t.shape != shape:
-            t = self.bufs[name] = torch.empty(shape)
+            t = self.bufs[name] = torch.empty(shape, dtype=torch.float32)
         return t
 
     def batched(self, name: str, x: torch.Tensor) -> torch.Tensor:

@@ -285,3 +285,17 @@ def test_training_masked_softmax_gathers_for_a_learned_scale():
     learned = type("Learned", (TensorQuantizer,), {"learned": property(lambda self: True)})
     sq.__class__ = learned
     assert not R._elementwise(sq, x) and R._elementwise(sq, x.detach())
+
+
+def test_eval_sdpa_under_a_float64_default_dtype():
+    q, k, v, keep = _hf_operands()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            got = R._sdpa(q, k, v, attn_mask=keep, sq=None, pq=None, who="m")
+    finally:
+        torch.set_default_dtype(old)
+    with torch.no_grad():
+        want = R._sdpa_reference(q, k, v, keep, 0.0, False, 1 / math.sqrt(8), None, None, "m")
+    assert got.dtype == torch.float32 and torch.equal(_bits(got), _bits(want))
