@@ -7,8 +7,9 @@
 * ``qdsl eager`` / ``qdsl inductor``    apply + calibrate + ``prepare_qat``, eager / compiled
 * ``qdsl aot_eager``                    (``--aot``) the documented reference backend
 
-The model is compiled (not the optimizer step).  Compile time: wall and process CPU time
-of the first compiled step minus a steady step, with a fresh inductor cache directory
+The model is compiled (not the optimizer step).  Compile time: wall, process CPU time and
+the CPU time of the process tree (with inductor's gcc subprocesses and compile workers, the
+figure the target is judged on) of the first compiled step minus a steady step, with a fresh inductor cache directory
 (``TORCHINDUCTOR_CACHE_DIR`` unless set).  Steps are timed round-robin (one step of
 each variant per round) so load changes hit all alike; each figure is the median of the
 per-round process CPU time (``time.process_time``: on a shared machine another process's
@@ -169,15 +170,50 @@ def _stepper(model: nn.Module, fwd, x, y):
     return step
 
 
+def _tree_cpu() -> float:
+    """CPU seconds of this process and all its descendants: our own process time, the
+    children already reaped (``RUSAGE_CHILDREN``: inductor runs gcc as subprocesses) and,
+    from ``/proc``, every live descendant's own time plus the children it reaped (inductor's
+    compile-worker pool is a long-lived sidecar whose workers run gcc).  Linux; elsewhere
+    the process time plus reaped children."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + ru.ru_utime + ru.ru_stime
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return total
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, times = {}, {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the command: state ppid ... utime(12) stime(13) cutime(14) cstime(15) (0-based here)
+        parent[int(d.name)] = int(fields[1])
+        times[int(d.name)] = sum(int(f) for f in fields[11:15]) / tick
+    me, seen = os.getpid(), set()
+    frontier = [me]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier and p not in seen]
+        seen.update(kids)
+        total += sum(times[p] for p in kids)
+        frontier = kids
+    return total
+
+
 def _clock():
-    return time.perf_counter(), time.process_time()
+    return time.perf_counter(), time.process_time(), _tree_cpu()
 
 
-def _first_step(step) -> tuple[float, float]:
-    w0, c0 = _clock()
+def _first_step(step) -> tuple[float, float, float]:
+    w0, c0, t0 = _clock()
     step()
-    w1, c1 = _clock()
-    return w1 - w0, c1 - c0
+    w1, c1, t1 = _clock()
+    return w1 - w0, c1 - c0, t1 - t0
 
 
 def _round_robin(fns: dict, rounds: int) -> dict[str, list[float]]:
@@ -250,6 +286,11 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
         # every spec compiles float afresh: a cache directory per spec (with one directory,
         # the second spec's float graph came back from the first's in 0.4 s)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qat-compile-inductor-")
+        # and the in-process kernel caches (keyed by source): without this the second spec's
+        # float graph reused the first's compiled kernels (3.6 s CPU and no gcc vs 13 s)
+        from torch._inductor.utils import clear_inductor_caches
+
+        clear_inductor_caches()
         fl = copy.deepcopy(base)
         models = {"float eager": (fl, fl), "qdsl eager": (q, q)}
         fc = copy.deepcopy(base)
@@ -266,7 +307,7 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
                 continue
             first = _first_step(step)
             steady = _first_step(step)
-            compile_s[k] = (first[0] - steady[0], first[1] - steady[1])
+            compile_s[k] = tuple(a - b for a, b in zip(first, steady))
         times = _round_robin(steps, rounds)
         _report(times, "float eager")
         fe = statistics.median(times["float eager"])
@@ -274,11 +315,13 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
         qi = statistics.median(times["qdsl inductor"])
         print(f"  qdsl inductor / float eager:    {qi / fe:.2f}x (target <= 1.0: {_verdict(qi / fe, 1.0)})")
         print(f"  qdsl inductor / float inductor: {qi / fi:.2f}x (target <= 1.3: {_verdict(qi / fi, 1.3)})")
-        for k, (w, c) in compile_s.items():
-            print(f"  compile {k:<20} wall {w:7.1f} s  cpu {c:7.1f} s")
+        for k, (w, c, t) in compile_s.items():
+            print(f"  compile {k:<20} wall {w:7.1f} s  cpu {c:7.1f} s  cpu with subprocesses {t:7.1f} s")
         if "float inductor" in compile_s:
             r = compile_s["qdsl inductor"][1] / compile_s["float inductor"][1]
-            print(f"  compile time qdsl/float (cpu):  {r:.2f}x (target <= 2.0: {_verdict(r, 2.0)})")
+            rt = compile_s["qdsl inductor"][2] / compile_s["float inductor"][2]
+            print(f"  compile time qdsl/float (cpu):  {r:.2f}x, with subprocesses {rt:.2f}x "
+                  f"(target <= 2.0: {_verdict(rt, 2.0)})")
         print(f"  load {load_average()}")
         if profile:
             _profile(steps["qdsl inductor"], "qdsl inductor")
