@@ -258,7 +258,7 @@ def fused_fake_quant_mask(x: Tensor, scale: Tensor, zero_point: Optional[Tensor]
     s32, z32 = _qparams32(x, scale, zero_point)
     if axis is None:
         return torch._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(
-            x, s32.reshape(()), z32.reshape(()), torch.ones((), dtype=torch.long), qmin, qmax)
+            x, s32.reshape(()), z32.reshape(()), torch.ones((), dtype=torch.long, device=x.device), qmin, qmax)
     sv, inv, zv = F._prep(x, s32, z32, axis, None)
     return _channel_fq_mask(x, sv, inv, None if zero_point is None else zv, qmin, qmax)
 
