@@ -313,10 +313,10 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
             if k.endswith("eager") and not k.endswith("aot_eager"):
                 continue
             _fresh_inductor_caches()
-            # QDSL_FQ_OP=0 (read while tracing): the fake quantization as aten passes, not
-            # the qdsl::fake_quant_mask op (qdsl.quantizers.fq_op)
+            # QDSL_FQ_OP (read while tracing): with --fq-op-ab "qdsl inductor" traces the
+            # qdsl::fake_quant_mask op (qdsl.quantizers.fq_op), "aten fq" the aten passes
             old = os.environ.get("QDSL_FQ_OP")
-            os.environ["QDSL_FQ_OP"] = "0" if k.endswith("aten fq") else (old or "1")
+            os.environ["QDSL_FQ_OP"] = "0" if k.endswith("aten fq") else ("1" if fq_op_ab else (old or "0"))
             try:
                 first = _first_step(step)
                 steady = _first_step(step)
@@ -418,8 +418,8 @@ def main() -> None:
                     help="also time evaluation before freeze with QDSL_NATIVE_FQ=0 (the torch fake-quant passes)")
     ap.add_argument("--profile", action="store_true", help="profile the compiled qdsl step (torch.profiler)")
     ap.add_argument("--fq-op-ab", action="store_true",
-                    help="also compile and time qdsl with QDSL_FQ_OP=0 (fake quantization as aten passes "
-                         "instead of the qdsl::fake_quant_mask op)")
+                    help="compile qdsl with QDSL_FQ_OP=1 (the fake quantization as one qdsl::fake_quant_mask "
+                         "op) and a second copy with the aten passes (the default), timed side by side")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

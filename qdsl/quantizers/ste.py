@@ -291,9 +291,10 @@ def fake_quant(
     >>> round(s.grad.item(), 4)  # (-4) + (1 - 0.52) + (2 - 1.8) + 3
     -0.32
     """
-    if torch.compiler.is_compiling() and os.environ.get('QDSL_FQ_OP', '1') != '0' and fq_op.applies(x, scale, zero_point, qmin, qmax, rounding, axis,
-                                                       group_size):
-        # the same fused computation as below, one opaque op to the compiler (qdsl.quantizers.fq_op)
+    if (torch.compiler.is_compiling() and os.environ.get("QDSL_FQ_OP") == "1"
+            and fq_op.applies(x, scale, zero_point, qmin, qmax, rounding, axis, group_size)):
+        # opt-in (QDSL_FQ_OP=1): the same fused computation as below, one opaque op to the
+        # compiler (qdsl.quantizers.fq_op; measured: compile time and step unchanged)
         return fq_op.fake_quant_mask(x, scale.detach(), None if zero_point is None else zero_point.detach(),
                                      qmin, qmax, None if axis is None else axis % x.dim())[0]
     if _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size):

@@ -87,10 +87,11 @@ def _weight_proxy(spec: str) -> TensorQuantizer:
 
 @pytest.mark.parametrize("spec", ["pot-asic.qspec", "int8-default.qspec", "w4a8-per-channel.qspec"])
 @pytest.mark.parametrize("role", ["input", "weight"])
-def test_compiled_fake_quant_is_one_op(spec, role):
-    """Under compile the fake quantization of a QAT proxy (per-tensor activation,
-    per-channel weight) is one opaque op, not the aten passes inductor generated code for
+def test_compiled_fake_quant_is_one_op(spec, role, monkeypatch):
+    """With QDSL_FQ_OP=1, under compile the fake quantization of a QAT proxy (per-tensor
+    activation, per-channel weight) is one opaque op, not the aten passes inductor generated code for
     (before: round, clamp, the compares of the mask); value and gradient equal eager."""
+    monkeypatch.setenv("QDSL_FQ_OP", "1")  # opt-in (see qdsl.quantizers.fq_op)
     q = _static_input(spec) if role == "input" else _weight_proxy(spec)
     x = torch.randn(4, 8, 8, 8) * 3 if role == "input" else torch.randn(16, 8, 3, 3) * 0.3
     xc = x.clone().requires_grad_(True)
