@@ -7,9 +7,10 @@
 * ``qdsl eager`` / ``qdsl inductor``    apply + calibrate + ``prepare_qat``, eager / compiled
 * ``qdsl aot_eager``                    (``--aot``) the documented reference backend
 
-The model is compiled (not the optimizer step).  Compile time: wall and process CPU time
-of the first compiled step minus a steady step, with a fresh inductor cache directory
-(``TORCHINDUCTOR_CACHE_DIR`` unless set).  Steps are timed round-robin (one step of
+The model is compiled (not the optimizer step).  Compile time: wall, process CPU time and
+the CPU time of the process tree (with inductor's gcc subprocesses and compile workers, the
+figure the target is judged on) of the first compiled step minus a steady step, each compile
+with a fresh inductor cache directory and empty in-process kernel caches.  Steps are timed round-robin (one step of
 each variant per round) so load changes hit all alike; each figure is the median of the
 per-round process CPU time (``time.process_time``: on a shared machine another process's
 load does not count, only cache/memory contention does), with the range.  The graph-break
@@ -35,7 +36,7 @@ compile time <= 2× float's, zero graph breaks; eval before freeze <= 1.3× floa
 
     python benchmarks/qat_compile.py [--specs pot-asic,int8-default] [--rounds 15] [--aot]
                                      [--eval-only | --train-only] [--eval-specs all|LIST] [--profile]
-                                     [--eval-models cnn,transformer[,minilm]] [--native-ab]
+                                     [--eval-models cnn,transformer[,minilm]] [--native-ab] [--fq-op-ab]
 """
 
 from __future__ import annotations
@@ -169,15 +170,50 @@ def _stepper(model: nn.Module, fwd, x, y):
     return step
 
 
+def _tree_cpu() -> float:
+    """CPU seconds of this process and all its descendants: our own process time, the
+    children already reaped (``RUSAGE_CHILDREN``: inductor runs gcc as subprocesses) and,
+    from ``/proc``, every live descendant's own time plus the children it reaped (inductor's
+    compile-worker pool is a long-lived sidecar whose workers run gcc).  Linux; elsewhere
+    the process time plus reaped children."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = time.process_time() + ru.ru_utime + ru.ru_stime
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return total
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, times = {}, {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the command: state ppid ... utime(12) stime(13) cutime(14) cstime(15) (0-based here)
+        parent[int(d.name)] = int(fields[1])
+        times[int(d.name)] = sum(int(f) for f in fields[11:15]) / tick
+    me, seen = os.getpid(), set()
+    frontier = [me]
+    while frontier:
+        kids = [p for p, pp in parent.items() if pp in frontier and p not in seen]
+        seen.update(kids)
+        total += sum(times[p] for p in kids)
+        frontier = kids
+    return total
+
+
 def _clock():
-    return time.perf_counter(), time.process_time()
+    return time.perf_counter(), time.process_time(), _tree_cpu()
 
 
-def _first_step(step) -> tuple[float, float]:
-    w0, c0 = _clock()
+def _first_step(step) -> tuple[float, float, float]:
+    w0, c0, t0 = _clock()
     step()
-    w1, c1 = _clock()
-    return w1 - w0, c1 - c0
+    w1, c1, t1 = _clock()
+    return w1 - w0, c1 - c0, t1 - t0
 
 
 def _round_robin(fns: dict, rounds: int) -> dict[str, list[float]]:
@@ -231,7 +267,19 @@ def _warm_up_inductor(x: torch.Tensor) -> None:
     torch._dynamo.reset()
 
 
-def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: bool = False) -> None:
+def _fresh_inductor_caches() -> None:
+    """A fresh on-disk cache directory and empty in-process kernel caches (keyed by source)
+    before each compile: with one directory the second spec's float graph came back from the
+    first's in 0.4 s, and without clearing the in-process caches a graph reused the kernels
+    an earlier compile of this process generated (3.6 s CPU and no gcc vs 13 s)."""
+    from torch._inductor.utils import clear_inductor_caches
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qat-compile-inductor-")
+    clear_inductor_caches()
+
+
+def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: bool = False,
+                fq_op_ab: bool = False) -> None:
     x, y = _data(batch)
     base = _base().train()
     _warm_up_inductor(x)
@@ -247,15 +295,15 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
         print(f"  graph breaks (explain): training forward {nb[0]} with live BN statistics, {nb[1]} with frozen "
               f"BN statistics; eval {nb[2]}  (target 0: {_verdict(max(nb), 0)})")
         torch._dynamo.reset()
-        # every spec compiles float afresh: a cache directory per spec (with one directory,
-        # the second spec's float graph came back from the first's in 0.4 s)
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="qat-compile-inductor-")
         fl = copy.deepcopy(base)
         models = {"float eager": (fl, fl), "qdsl eager": (q, q)}
         fc = copy.deepcopy(base)
         qc = copy.deepcopy(q)
         models["float inductor"] = (fc, torch.compile(fc, backend="inductor"))
         models["qdsl inductor"] = (qc, torch.compile(qc, backend="inductor"))
+        if fq_op_ab:
+            qo = copy.deepcopy(q)
+            models["qdsl inductor, aten fq"] = (qo, torch.compile(qo, backend="inductor"))
         if aot:
             qa = copy.deepcopy(q)
             models["qdsl aot_eager"] = (qa, torch.compile(qa, backend="aot_eager"))
@@ -264,9 +312,20 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
         for k, step in steps.items():
             if k.endswith("eager") and not k.endswith("aot_eager"):
                 continue
-            first = _first_step(step)
-            steady = _first_step(step)
-            compile_s[k] = (first[0] - steady[0], first[1] - steady[1])
+            _fresh_inductor_caches()
+            # QDSL_FQ_OP (read while tracing): with --fq-op-ab "qdsl inductor" traces the
+            # qdsl::fake_quant_mask op (qdsl.quantizers.fq_op), "aten fq" the aten passes
+            old = os.environ.get("QDSL_FQ_OP")
+            os.environ["QDSL_FQ_OP"] = "0" if k.endswith("aten fq") else ("1" if fq_op_ab else (old or "0"))
+            try:
+                first = _first_step(step)
+                steady = _first_step(step)
+            finally:
+                if old is None:
+                    del os.environ["QDSL_FQ_OP"]
+                else:
+                    os.environ["QDSL_FQ_OP"] = old
+            compile_s[k] = tuple(a - b for a, b in zip(first, steady))
         times = _round_robin(steps, rounds)
         _report(times, "float eager")
         fe = statistics.median(times["float eager"])
@@ -274,11 +333,16 @@ def train_suite(specs: list[str], rounds: int, batch: int, aot: bool, profile: b
         qi = statistics.median(times["qdsl inductor"])
         print(f"  qdsl inductor / float eager:    {qi / fe:.2f}x (target <= 1.0: {_verdict(qi / fe, 1.0)})")
         print(f"  qdsl inductor / float inductor: {qi / fi:.2f}x (target <= 1.3: {_verdict(qi / fi, 1.3)})")
-        for k, (w, c) in compile_s.items():
-            print(f"  compile {k:<20} wall {w:7.1f} s  cpu {c:7.1f} s")
-        if "float inductor" in compile_s:
-            r = compile_s["qdsl inductor"][1] / compile_s["float inductor"][1]
-            print(f"  compile time qdsl/float (cpu):  {r:.2f}x (target <= 2.0: {_verdict(r, 2.0)})")
+        for k, (w, c, t) in compile_s.items():
+            print(f"  compile {k:<20} wall {w:7.1f} s  cpu {c:7.1f} s  cpu with subprocesses {t:7.1f} s")
+        for k in [k for k in compile_s if k.startswith("qdsl inductor")]:
+            r = compile_s[k][1] / compile_s["float inductor"][1]
+            rt = compile_s[k][2] / compile_s["float inductor"][2]
+            print(f"  compile time {k}/float (cpu):  {r:.2f}x, with subprocesses {rt:.2f}x "
+                  f"(target <= 2.0: {_verdict(rt, 2.0)})")
+        if fq_op_ab:
+            qa = statistics.median(times["qdsl inductor, aten fq"])
+            print(f"  qdsl inductor, aten fq / float eager: {qa / fe:.2f}x, / float inductor: {qa / fi:.2f}x")
         print(f"  load {load_average()}")
         if profile:
             _profile(steps["qdsl inductor"], "qdsl inductor")
@@ -353,6 +417,9 @@ def main() -> None:
     ap.add_argument("--native-ab", action="store_true",
                     help="also time evaluation before freeze with QDSL_NATIVE_FQ=0 (the torch fake-quant passes)")
     ap.add_argument("--profile", action="store_true", help="profile the compiled qdsl step (torch.profiler)")
+    ap.add_argument("--fq-op-ab", action="store_true",
+                    help="compile qdsl with QDSL_FQ_OP=1 (the fake quantization as one qdsl::fake_quant_mask "
+                         "op) and a second copy with the aten passes (the default), timed side by side")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -364,7 +431,7 @@ def main() -> None:
             eval_specs = default if args.eval_specs == "all" else [s for s in args.eval_specs.split(",") if s in default]
             eval_suite(eval_specs, args.rounds, args.batch, model, args.native_ab)
     if not args.eval_only:
-        train_suite(args.specs.split(","), args.rounds, args.batch, args.aot, args.profile)
+        train_suite(args.specs.split(","), args.rounds, args.batch, args.aot, args.profile, args.fq_op_ab)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,13 @@ Scales and zero points use ``functional``'s convention: shape ``[]`` (per tensor
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from qdsl.quantizers import fq_op
 from qdsl.quantizers import functional as F
 
 __all__ = [
@@ -186,6 +188,37 @@ class _FakeQuant(torch.autograd.Function):
 _BLOCK_ELEMENTS = 1 << 16
 
 
+def _channel_fq_mask(x, s, inv, z, qmin, qmax) -> tuple[Tensor, Tensor]:
+    # _ChannelFakeQuant's value and clipping mask (see its docstring); no autograd
+    out = torch.empty_like(x)
+    mask = torch.empty_like(x, dtype=torch.bool)  # x's strides (fq_op's fake gives the same)
+    n = x.shape[0] if x.dim() else 1
+    per_row = x.numel() // max(1, n)
+    blockable = x.dim() > 0 and x.is_contiguous() and s.dim() == x.dim() and s.shape[0] == n > 1
+    rows = max(1, _BLOCK_ELEMENTS // max(1, per_row)) if blockable else n
+    scratch = torch.empty((min(rows, n),) + tuple(x.shape[1:]) if blockable else x.shape,
+                          dtype=x.dtype, device=x.device)
+    for i in range(0, n, rows):
+        if blockable:
+            sl = slice(i, i + rows)
+            xb, o, m, sb, ib = x[sl], out[sl], mask[sl], s[sl], inv[sl]
+            zb = None if z is None else z[sl]
+            v = scratch[: xb.shape[0]]
+        else:
+            xb, o, m, sb, ib, zb, v = x, out, mask, s, inv, z, scratch
+        # v = round(x·(1/s)) + z; o = clamp(v); inside = (v == o): one compare
+        torch.mul(xb, ib, out=v)
+        v.round_()
+        if zb is not None:
+            v.add_(zb)
+        torch.clamp(v, qmin, qmax, out=o)
+        torch.eq(v, o, out=m)
+        if zb is not None:
+            o.sub_(zb)
+        o.mul_(sb)
+    return out, mask
+
+
 class _ChannelFakeQuant(torch.autograd.Function):
     """Per-channel fake quantization, half-even, no scale/zero-point gradient: the value
     of ``functional.fake_quant_affine`` (same float32 operations in the same order; only a
@@ -199,32 +232,7 @@ class _ChannelFakeQuant(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, s, inv, z, qmin, qmax):
-        out = torch.empty_like(x)
-        mask = torch.empty(x.shape, dtype=torch.bool, device=x.device)
-        n = x.shape[0] if x.dim() else 1
-        per_row = x.numel() // max(1, n)
-        blockable = x.dim() > 0 and x.is_contiguous() and s.dim() == x.dim() and s.shape[0] == n > 1
-        rows = max(1, _BLOCK_ELEMENTS // max(1, per_row)) if blockable else n
-        scratch = torch.empty((min(rows, n),) + tuple(x.shape[1:]) if blockable else x.shape,
-                              dtype=x.dtype, device=x.device)
-        for i in range(0, n, rows):
-            if blockable:
-                sl = slice(i, i + rows)
-                xb, o, m, sb, ib = x[sl], out[sl], mask[sl], s[sl], inv[sl]
-                zb = None if z is None else z[sl]
-                v = scratch[: xb.shape[0]]
-            else:
-                xb, o, m, sb, ib, zb, v = x, out, mask, s, inv, z, scratch
-            # v = round(x·(1/s)) + z; o = clamp(v); inside = (v == o): one compare
-            torch.mul(xb, ib, out=v)
-            v.round_()
-            if zb is not None:
-                v.add_(zb)
-            torch.clamp(v, qmin, qmax, out=o)
-            torch.eq(v, o, out=m)
-            if zb is not None:
-                o.sub_(zb)
-            o.mul_(sb)
+        out, mask = _channel_fq_mask(x, s, inv, z, qmin, qmax)
         ctx.save_for_backward(mask)
         return out
 
@@ -233,6 +241,26 @@ class _ChannelFakeQuant(torch.autograd.Function):
         (mask,) = ctx.saved_tensors
         # a 0-d tensor, not the Python scalar 0.0: torch's scalar-other overload is slower
         return torch.where(mask, g, g.new_zeros(())), None, None, None, None, None
+
+
+def _qparams32(x, scale, zero_point):
+    s32 = scale.detach().to(torch.float32)
+    z32 = (torch.zeros(s32.shape, dtype=torch.int32, device=x.device) if zero_point is None
+           else zero_point.detach().to(torch.int32))
+    return s32, z32
+
+
+def fused_fake_quant_mask(x: Tensor, scale: Tensor, zero_point: Optional[Tensor], qmin: int, qmax: int,
+                          axis: Optional[int]) -> tuple[Tensor, Tensor]:
+    """The value and clipping mask :func:`fake_quant`'s fused eager path computes (torch's
+    fused per-tensor kernel, or the blocked per-channel passes), without autograd: the
+    implementation of the compiled op ``qdsl::fake_quant_mask`` (qdsl.quantizers.fq_op)."""
+    s32, z32 = _qparams32(x, scale, zero_point)
+    if axis is None:
+        return torch._fake_quantize_per_tensor_affine_cachemask_tensor_qparams(
+            x, s32.reshape(()), z32.reshape(()), torch.ones((), dtype=torch.long, device=x.device), qmin, qmax)
+    sv, inv, zv = F._prep(x, s32, z32, axis, None)
+    return _channel_fq_mask(x, sv, inv, None if zero_point is None else zv, qmin, qmax)
 
 
 def fake_quant(
@@ -263,14 +291,18 @@ def fake_quant(
     >>> round(s.grad.item(), 4)  # (-4) + (1 - 0.52) + (2 - 1.8) + 3
     -0.32
     """
+    if (torch.compiler.is_compiling() and os.environ.get("QDSL_FQ_OP") == "1"
+            and fq_op.applies(x, scale, zero_point, qmin, qmax, rounding, axis, group_size)):
+        # opt-in (QDSL_FQ_OP=1): the same fused computation as below, one opaque op to the
+        # compiler (qdsl.quantizers.fq_op; measured: compile time and step unchanged)
+        return fq_op.fake_quant_mask(x, scale.detach(), None if zero_point is None else zero_point.detach(),
+                                     qmin, qmax, None if axis is None else axis % x.dim())[0]
     if _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size):
         # torch's fused kernel: one pass computing the value and the clipping mask, the
         # same float32 arithmetic as functional.fake_quant_affine (reciprocal multiply,
         # half-even), and the same mask STE in backward.  Only when no gradient to the
         # scale/zero point is needed (it does not give LSQ's).
-        s32 = scale.detach().to(torch.float32)
-        z32 = (torch.zeros(s32.shape, dtype=torch.int32, device=x.device) if zero_point is None
-               else zero_point.detach().to(torch.int32))
+        s32, z32 = _qparams32(x, scale, zero_point)
         if axis is None:
             return torch.fake_quantize_per_tensor_affine(x, s32.reshape(()), z32.reshape(()), qmin, qmax)
         # per channel: torch's fused per-channel kernel is scalar (not vectorised) code,
