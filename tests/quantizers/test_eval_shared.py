@@ -17,6 +17,7 @@ import qdsl
 from qdsl.quantizers import TensorQuantizer
 from qdsl.quantizers import eval_fast as EF
 from qdsl.quantizers import functional as F
+from qdsl.quantizers import native_fq as NFQ
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.model import Granularity, Kind, ObserverSpec, Role
 
@@ -76,7 +77,7 @@ def test_scalar_dynamic_path_is_taken_and_equals_the_observed_path(monkeypatch, 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4, 33, 17, generator=g) * 10 ** (seed - 1) + seed
     x = torch.where(torch.rand(x.shape, generator=g) < 0.2, torch.round(x * 8) / 8, x)  # ties
-    monkeypatch.setattr(TensorQuantizer, "_dynamic_views", lambda *a: pytest.fail("tensor-op path taken"))
+    monkeypatch.setattr(EF, "dynamic_views", lambda *a: pytest.fail("tensor-op path taken"))
     with torch.no_grad():
         fast = q(x)
         scale = q.current_scale()
@@ -97,12 +98,12 @@ def test_scalar_dynamic_path_leaves_a_nan_batch_to_the_general_path():
 # ------------------------------------------------------------------------ sharing
 def _count_fast(monkeypatch) -> list:
     calls = []
-    orig = TensorQuantizer._fast
+    orig = EF.fast
 
-    def counted(self, x, v=None, finite=False):
-        calls.append(self)
-        return orig(self, x, v, finite)
-    monkeypatch.setattr(TensorQuantizer, "_fast", counted)
+    def counted(q, x, v=None, finite=False):
+        calls.append(q)
+        return orig(q, x, v, finite)
+    monkeypatch.setattr(EF, "fast", counted)
     return calls
 
 
@@ -254,7 +255,7 @@ def test_static_fast_path_nan_check_equals_the_general_path(monkeypatch, special
     # the static/frozen fast path finds a NaN by summing the clamped codes (no nan_to_num
     # pass unless one is there): a NaN must still become 0, infinities the clamp bounds.
     # Those are the torch passes: the native one-pass kernel (test_native_fq.py) is off here.
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     q = _q(dynamic=False)
     q.observing = True
     q(torch.linspace(-2, 3, 40))

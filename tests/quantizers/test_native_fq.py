@@ -14,7 +14,7 @@ from hypothesis import given, settings
 import qdsl
 from qdsl.quantizers import TensorQuantizer, native_fq as NFQ
 from qdsl.quantizers import functional as F
-from qdsl.quantizers.proxy import _affine_passes
+from qdsl.quantizers.eval_fast import affine_passes as _affine_passes
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.model import Granularity, GranularityKind, Kind, ObserverSpec, Role
 
@@ -153,11 +153,11 @@ def test_eval_takes_the_native_path_and_training_does_not(monkeypatch, gran, dyn
         fast = q(x)
     assert NFQ.STATS.fake_quant == 1
     assert NFQ.STATS.aminmax == (1 if dynamic and gran.kind is not GranularityKind.CHANNEL else 0)
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     with torch.no_grad():
         slow = q(x)
     assert torch.equal(_bits(fast), _bits(slow))
-    monkeypatch.delenv("QDSL_NATIVE_FQ")
+    monkeypatch.setattr(NFQ, "_switch", True)
     NFQ.STATS.reset()
     xg = x.clone().requires_grad_()
     q.train()
@@ -249,9 +249,9 @@ def test_bundled_spec_eval_equals_with_and_without_the_native_path(monkeypatch, 
     # a training step with and without the native kernels: the same loss and gradients (only a
     # quantizer whose input needs no gradient, the network input's, can take them in training)
     twin = copy.deepcopy(net)
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     twin(x).square().mean().backward()
-    monkeypatch.delenv("QDSL_NATIVE_FQ")
+    monkeypatch.setattr(NFQ, "_switch", True)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     opt.zero_grad()
     net(x).square().mean().backward()
@@ -266,10 +266,10 @@ def test_bundled_spec_eval_equals_with_and_without_the_native_path(monkeypatch, 
         with torch.no_grad():
             fast = net(xin)
         taken = NFQ.STATS.fake_quant
-        monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+        monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
         with torch.no_grad():
             slow = net(xin)
-        monkeypatch.delenv("QDSL_NATIVE_FQ")
+        monkeypatch.setattr(NFQ, "_switch", True)
         assert torch.equal(fast, slow)
         NFQ.STATS.reset()
         if spec in ("int8-dynamic.qspec", "transformer-int8.qspec", "int8-default.qspec"):
@@ -306,7 +306,7 @@ def test_mxfp4_activation_takes_the_native_path(monkeypatch):
     with torch.no_grad():
         fast = net(x)
     assert NFQ.STATS.minifloat >= 2  # both convs' and the head's fp8 inputs
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     with torch.no_grad():
         slow = net(x)
     assert torch.equal(_bits(fast), _bits(slow))
