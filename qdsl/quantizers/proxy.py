@@ -59,6 +59,7 @@ proxy of a model by ``qdsl.qat.prepare_qat``/``fit``/``LeanOptimizer``
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import Any, Callable, ClassVar
 
@@ -84,6 +85,8 @@ from qdsl.spec.model import DERIVED_BIAS_SCALE, GranularityKind, Role
 from qdsl.spec.registry import Registries
 
 __all__ = ["TensorQuantizer", "code_range"]
+
+_VERSION = operator.attrgetter("_version")
 
 _BUILTIN_ROUNDING = "qdsl.quantizers.rounding:"
 
@@ -396,9 +399,11 @@ class TensorQuantizer(LazyBuffers):
         r = self._range
         if r is not None and not refresh and torch.compiler.is_compiling():
             return r[1], r[2]
-        key = tuple((t, t._version) for t in obs._buffers.values() if t is not None)
-        if (r is not None and not refresh and len(r[0]) == len(key)
-                and all(a is b and va == vb for (a, va), (b, vb) in zip(r[0], key))):
+        # key: (the buffers, their version counters), compared without a Python loop per buffer
+        ts = [t for t in obs._buffers.values() if t is not None]
+        key = (ts, list(map(_VERSION, ts)))
+        if (r is not None and not refresh and len(r[0][0]) == len(ts)
+                and all(map(operator.is_, r[0][0], ts)) and r[0][1] == key[1]):
             return r[1], r[2]
         if not obs.observed:
             self._range = None
