@@ -84,7 +84,7 @@ def dynamic_int_params(lo: float, hi: float, qmin: int, qmax: int, symmetric: bo
         # IntOps: the zero point of the scale actually used, qmin - round(min(lo, 0) / s), clamped;
         # round(): half to even on the binary32 quotient, as np.round / torch.round
         zp = _f32(_f32(qmin) - round(_f32(lo0 / scale)))
-    except OverflowError:  # a binary32 overflow (not reached for ranges below _WIDE): numpy's inf
+    except OverflowError:  # round() of an infinite quotient (not reached below _WIDE): numpy's way
         return _dynamic_int_params_np(lo, hi, qmin, qmax, symmetric)
     return scale, int(min(max(zp, qmin), qmax))
 
@@ -93,8 +93,8 @@ _PACK32 = struct.Struct("f")
 
 
 def _f32(v: float) -> float:
-    """``v`` rounded to binary32 (to nearest, ties to even), as a Python float; raises
-    OverflowError where the result would be infinite."""
+    """``v`` rounded to binary32 (to nearest, ties to even; beyond the largest binary32
+    value an infinity, as numpy's float32 arithmetic gives), as a Python float."""
     return _PACK32.unpack(_PACK32.pack(v))[0]
 
 

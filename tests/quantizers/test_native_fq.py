@@ -310,3 +310,33 @@ def test_mxfp4_activation_takes_the_native_path(monkeypatch):
     with torch.no_grad():
         slow = net(x)
     assert torch.equal(_bits(fast), _bits(slow))
+
+
+# ------------------------------------------------------------------- the switch
+def test_switch_is_read_once_and_set_at_run_time():
+    import subprocess
+    import sys
+
+    code = ("import os; from qdsl.quantizers import native_fq as N; a = N.enabled(); "
+            "os.environ['QDSL_NATIVE_FQ'] = '1'; b = N.enabled(); N.set_enabled(None); c = N.enabled(); "
+            "print(a, b, c == N.available())")
+    env = dict(__import__("os").environ, QDSL_NATIVE_FQ="0")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]  # read at import; set_enabled(None) reads again
+
+
+def test_disabled_block_takes_the_torch_passes_and_restores():
+    if not NFQ.available():
+        pytest.skip("no native library")
+    x = torch.randn(64)
+    v = (0.05, 20.0, -128, 127, ("affine", 0.05, 20.0, -128, 127))
+    assert NFQ.fake_quant(x, v) is not None
+    with NFQ.disabled():
+        assert not NFQ.enabled() and NFQ.fake_quant(x, v) is None
+    assert NFQ.enabled()
+    prev = NFQ.set_enabled(False)
+    assert prev is True and NFQ.fake_quant(x, v) is None
+    NFQ.set_enabled(prev)
+    assert NFQ.enabled()
