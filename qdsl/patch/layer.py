@@ -332,11 +332,15 @@ class LayerPatch:
 
     def _quantizer_key(self) -> list:
         """Before freeze, what else the fake-quantized weight and bias depend on: every
-        buffer and parameter of the weight, bias and input proxies (observer statistics,
+        buffer and parameter of the weight and bias proxies, and of the input proxy when the
+        bias scale is derived from it (``input*weight``; otherwise ``refresh`` never reads
+        it) (observer statistics,
         carried clip ratios, learned scales, offsets, codes; by identity and version
         counter) and their flags.  The tensors themselves are kept (``_cache_refs``) so that
         no id is reused by a new tensor while the entry lives."""
-        key, self._key_refs = proxy_state_key((self.wq, self.bq, self.iq))
+        # the input proxy only matters through a derived (input*weight) bias scale
+        iq = self.iq if self.bq is not None and self.bq.derived else None
+        key, self._key_refs = proxy_state_key((self.wq, self.bq, iq))
         return key
 
     def _grad_sources(self, w, b):

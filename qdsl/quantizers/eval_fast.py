@@ -1,6 +1,9 @@
 """Evaluation fast paths of :class:`~qdsl.quantizers.proxy.TensorQuantizer`: no autograd,
 not compiled, values equal to the general path's bit for bit
-(``tests/quantizers/test_eval_fast_paths.py`` compares them).
+(``tests/quantizers/test_eval_fast_paths.py``, ``test_eval_shared.py`` and
+``tests/qat/test_eval_plan.py`` compare them).  The proxy's ``forward`` calls
+:func:`eval_fast` with the kind :func:`plan` decided for its state; the view builders
+(frozen, static before freeze, dynamic) and the passes (:func:`fast`) live here.
 
 Two things cost an evaluation forward before the elementwise passes themselves, and
 matter on small layers (a transformer encoder's 29 activation quantizers per layer pair):
@@ -39,7 +42,7 @@ from qdsl.quantizers.observers import EmaObserver, MinMaxObserver
 from qdsl.quantizers.scales import FloatScale
 from qdsl.spec.model import Role
 
-__all__ = ["SharedInputs", "dynamic_int_params", "views_fingerprint", "SHARED"]
+__all__ = ["SharedInputs", "dynamic_int_params", "views_fingerprint", "SHARED", "plan", "eval_fast", "fast"]
 
 _F32 = np.float32
 _TINY32 = float(np.float32(1e-12))

@@ -201,3 +201,24 @@ def test_pickled_plan_is_not_copied():
     assert "_eplan" in q.__dict__
     state = q.__getstate__()
     assert "_eplan" not in state
+
+
+def test_input_state_keys_the_weights_only_through_a_derived_bias(monkeypatch):
+    # int8-dynamic: float biases, so a layer's fake-quantized weight does not read its input
+    # proxy: an edit of the input proxy's state leaves the cached weights in place (and the
+    # result equal to the general path); transformer-w8 derives its bias scale from the
+    # input's: the same edit recomputes them
+    for spec, recomputed in (("int8-dynamic.qspec", False), ("transformer-w8.qspec", True)):
+        model, x = _encoder(spec)
+        _eval(model, x)
+        patch = get_handle(model).layer("0")
+        calls = []
+        patch.wq.register_forward_hook(lambda *a: calls.append(1))
+        _eval(model, x)
+        assert calls == []
+        with torch.no_grad():
+            patch.iq.scale.add_(0.5)  # an in-place edit (empty before freeze: only its version moves)
+        got = _eval(model, x)
+        assert (calls != []) == recomputed, spec
+        del calls[:]  # (the general path's deep copy carries the hook too)
+        assert torch.equal(_bits(got), _bits(_general(model, x, monkeypatch)))
