@@ -203,7 +203,7 @@ class AccumulatorSim:
         z = iq.zero_point if iq.frozen and not iq.dynamic else None
         # a frozen layer reuses its module.weight/bias tensors: decide (and derive) once
         key = (id(w_hat), w_hat._version, id(b_hat), b_hat._version if b_hat is not None else None,
-               float(s_x), id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
+               float(s_x.detach()), id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
         if self._safe_key is not None and self._safe_key[0] == key:
             safe, ops = self._safe_key[1:]
         else:
