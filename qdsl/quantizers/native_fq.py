@@ -1,7 +1,7 @@
 """One-pass fake quantization for the evaluation fast path, in the native library.
 
-:meth:`TensorQuantizer._fast <qdsl.quantizers.proxy.TensorQuantizer._fast>` fake-quantizes
-with four or five torch passes over the tensor (multiply by ``1/s``, round, clamp, the NaN
+:func:`qdsl.quantizers.eval_fast.fast` (the quantizers' evaluation path) fake-quantizes with
+four or five torch passes over the tensor (multiply by ``1/s``, round, clamp, the NaN
 check, multiply by ``s``); on the small activations of a transformer encoder each pass costs
 a dispatch of several microseconds besides its memory traffic.  :func:`fake_quant` does the
 same arithmetic in one C++ pass (``csrc/kernels/fake_quant.h`` states the formula step by
@@ -165,7 +165,7 @@ def _row(p, c: int) -> int | None:
 
 def fake_quant(x: torch.Tensor, v: tuple, path: int = 0) -> torch.Tensor | None:
     """``clamp(round(x·inv), lo, hi)·s`` with NaN -> +0.0 for the views ``v = (s, inv, lo, hi,
-    fingerprint)`` of ``TensorQuantizer._views_for`` (or the dynamic path's Python numbers),
+    fingerprint)`` of ``eval_fast.views_for`` (or the dynamic path's Python numbers),
     in one pass; None where it does not apply (see the module docstring).  ``path``: the
     kernel path mask of ``c_api.h`` (tests force the portable one)."""
     if not _usable(x) or not enabled() or not _dense(x):
