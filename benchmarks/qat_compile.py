@@ -382,20 +382,17 @@ def eval_suite(specs: list[str], rounds: int, batch: int, model: str = "cnn", na
         m, native = m if isinstance(m, tuple) else (m, None)
 
         def run():
-            # QDSL_NATIVE_FQ=0: the quantizers' torch passes instead of the one-pass native kernels
-            # (qdsl.quantizers.native_fq reads it at each call)
-            old = os.environ.get("QDSL_NATIVE_FQ")
-            if native is not None:
-                os.environ["QDSL_NATIVE_FQ"] = native
+            # native "0": the quantizers' torch passes instead of the one-pass native kernels
+            # (QDSL_NATIVE_FQ=0 for the whole process; qdsl.quantizers.native_fq.set_enabled here)
+            from qdsl.quantizers import native_fq
+
+            prev = native_fq.set_enabled(native != "0") if native is not None else None
             try:
                 with torch.no_grad():
                     _call(m, x)
             finally:
                 if native is not None:
-                    if old is None:
-                        del os.environ["QDSL_NATIVE_FQ"]
-                    else:
-                        os.environ["QDSL_NATIVE_FQ"] = old
+                    native_fq.set_enabled(prev)
         return run
 
     times = _round_robin({k: ev(m) for k, m in fns.items()}, rounds)

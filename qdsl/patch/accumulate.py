@@ -177,7 +177,9 @@ class AccumulatorSim:
         p = self.patch
         if not self.enabled or not isinstance(output, torch.Tensor) or not args or not isinstance(args[0], torch.Tensor):
             return None
-        why = self._unsupported()
+        why = self.__dict__.get("_why", self)
+        if why is self:  # fixed by the layer's type, shape rank and proxies: decided once
+            why = self._why = self._unsupported()
         if why is not None:
             self._warn(why)
             return None
@@ -201,7 +203,7 @@ class AccumulatorSim:
         z = iq.zero_point if iq.frozen and not iq.dynamic else None
         # a frozen layer reuses its module.weight/bias tensors: decide (and derive) once
         key = (id(w_hat), w_hat._version, id(b_hat), b_hat._version if b_hat is not None else None,
-               float(s_x.reshape(-1)[0]), id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
+               float(s_x.detach()), id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
         if self._safe_key is not None and self._safe_key[0] == key:
             safe, ops = self._safe_key[1:]
         else:

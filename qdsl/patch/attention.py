@@ -221,7 +221,9 @@ class AttentionPatch(ComputedPatch):
         xq = self.iq_all
         if xq is not None and xq.dynamic and any(b is not None and b.derived for b in self.b.values()):
             return None
-        key, self._key_refs = proxy_state_key([*self.w.values(), *self.b.values(), xq])
+        # the input proxy only matters through a derived (input*weight) bias scale
+        derived = xq is not None and any(b is not None and b.derived for b in self.b.values())
+        key, self._key_refs = proxy_state_key([*self.w.values(), *self.b.values(), xq if derived else None])
         key.append(self.handle.generation)
         for t in masters:
             key += [id(t), t._version, t.dtype] if t is not None else [None]

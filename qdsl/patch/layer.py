@@ -46,6 +46,7 @@ regions never use it.
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Any
 
 import torch
@@ -79,29 +80,40 @@ def proxy_state_key(proxies) -> tuple[list, list]:
     recursively) instead of ``buffers()``/``parameters()``: the same tensors in the same
     order (none is shared within a proxy), without the generator and de-duplication
     machinery, which cost more than the rest of an evaluation forward's hooks together on
-    a small encoder (a key is taken per layer per forward)."""
+    a small encoder (a key is taken per layer per forward).  Per proxy the key holds its
+    flags, then the ids, version counters and dtypes of its tensors (``map`` over the
+    list: no Python loop per tensor)."""
     key: list = []
     refs: list = []
     for q in proxies:
         if q is None:
             key.append(None)
             continue
-        key += [q.enabled, q.observing, q.frozen, id(q._range),
-                bool(getattr(q.observer, "_search_requested", False))]
+        key += (q.enabled, q._observing, q._frozen, id(q._range),
+                bool(getattr(q.__dict__.get("_modules", {}).get("observer"), "_search_requested", False)))
         refs.append(q._range)
-        _tensor_key(q, key, refs)
+        ts: list = []
+        _tensors(q, ts)
+        key.append(len(ts))
+        key += map(id, ts)
+        key += map(_VERSION, ts)
+        key += map(_DTYPE, ts)
+        refs += ts
     return key, refs
 
 
-def _tensor_key(m: nn.Module, key: list, refs: list) -> None:
-    for d in (m._buffers, m._parameters):
-        for t in d.values():
-            if t is not None:
-                key += [id(t), t._version, t.dtype]
-                refs.append(t)
+_VERSION = operator.attrgetter("_version")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def _tensors(m: nn.Module, out: list) -> None:
+    """The buffers and parameters of ``m`` and its children, in ``_buffers``, ``_parameters``,
+    children order."""
+    out += [t for t in m._buffers.values() if t is not None]
+    out += [t for t in m._parameters.values() if t is not None]
     for child in m._modules.values():
         if child is not None:
-            _tensor_key(child, key, refs)
+            _tensors(child, out)
 
 
 class _SkipBN:
@@ -320,11 +332,15 @@ class LayerPatch:
 
     def _quantizer_key(self) -> list:
         """Before freeze, what else the fake-quantized weight and bias depend on: every
-        buffer and parameter of the weight, bias and input proxies (observer statistics,
+        buffer and parameter of the weight and bias proxies, and of the input proxy when the
+        bias scale is derived from it (``input*weight``; otherwise ``refresh`` never reads
+        it) (observer statistics,
         carried clip ratios, learned scales, offsets, codes; by identity and version
         counter) and their flags.  The tensors themselves are kept (``_cache_refs``) so that
         no id is reused by a new tensor while the entry lives."""
-        key, self._key_refs = proxy_state_key((self.wq, self.bq, self.iq))
+        # the input proxy only matters through a derived (input*weight) bias scale
+        iq = self.iq if self.bq is not None and self.bq.derived else None
+        key, self._key_refs = proxy_state_key((self.wq, self.bq, iq))
         return key
 
     def _grad_sources(self, w, b):

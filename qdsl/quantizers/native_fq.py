@@ -1,7 +1,7 @@
 """One-pass fake quantization for the evaluation fast path, in the native library.
 
-:meth:`TensorQuantizer._fast <qdsl.quantizers.proxy.TensorQuantizer._fast>` fake-quantizes
-with four or five torch passes over the tensor (multiply by ``1/s``, round, clamp, the NaN
+:func:`qdsl.quantizers.eval_fast.fast` (the quantizers' evaluation path) fake-quantizes with
+four or five torch passes over the tensor (multiply by ``1/s``, round, clamp, the NaN
 check, multiply by ``s``); on the small activations of a transformer encoder each pass costs
 a dispatch of several microseconds besides its memory traffic.  :func:`fake_quant` does the
 same arithmetic in one C++ pass (``csrc/kernels/fake_quant.h`` states the formula step by
@@ -19,8 +19,11 @@ Guarantees:
   outside autograd and outside a traced (``torch.compile``) region; everything else returns
   None and the caller runs the torch passes.  Single-threaded, like the torch passes it
   replaces (the quantizer runs them at one thread).
-* ``QDSL_NATIVE_FQ=0`` in the environment (read at each call) turns it off; without the
-  native library (not built, or built before these kernels) it is off.
+* ``QDSL_NATIVE_FQ=0`` in the environment turns it off.  The variable is read once, when
+  this module is imported (reading it at each call cost ~1 us per quantizer call, a
+  dispatch's worth); :func:`set_enabled` switches the kernels at run time
+  (``set_enabled(None)`` reads the environment again), :func:`disabled` for a block.
+  Without the native library (not built, or built before these kernels) it is off.
 
 The library file is found beside the runtime package that builds it (setup.py names it
 ``qdsl.runtime._qdsl_native``) and is loaded here with its own ctypes handle (the OS shares
@@ -29,14 +32,17 @@ one copy): the runtime package is a higher layer than the quantizers, so it is n
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from typing import Iterator
 
 import torch
 
 from qdsl._native_files import library_files
 
-__all__ = ["available", "fake_quant", "fake_quant_minifloat", "aminmax", "enabled", "STATS"]
+__all__ = ["available", "fake_quant", "fake_quant_minifloat", "aminmax", "enabled", "set_enabled", "disabled",
+           "STATS"]
 
 _p, _i64, _f, _u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_uint32
 _SIGNATURES = {
@@ -75,9 +81,37 @@ def available() -> bool:
     return (_fns if _loaded else _load()) is not None
 
 
+def _env_switch() -> bool:
+    return os.environ.get("QDSL_NATIVE_FQ", "1") != "0"
+
+
+_switch = _env_switch()
+"""The user's switch: ``QDSL_NATIVE_FQ`` as read at import, or the last :func:`set_enabled`."""
+
+
 def enabled() -> bool:
-    """:func:`available` and not switched off by ``QDSL_NATIVE_FQ=0``."""
-    return os.environ.get("QDSL_NATIVE_FQ", "1") != "0" and available()
+    """:func:`available` and switched on (``QDSL_NATIVE_FQ`` at import, :func:`set_enabled`)."""
+    return _switch and (_fns is not None if _loaded else available())
+
+
+def set_enabled(on: bool | None) -> bool:
+    """Switch the native kernels on or off for this process (``None``: as ``QDSL_NATIVE_FQ``
+    says now); returns the previous setting.  Either way the results are the same values
+    (see the module docstring); only the speed differs."""
+    global _switch
+    prev = _switch
+    _switch = _env_switch() if on is None else bool(on)
+    return prev
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """The torch passes instead of the native kernels inside the block (tests, A/B timing)."""
+    prev = set_enabled(False)
+    try:
+        yield
+    finally:
+        set_enabled(prev)
 
 
 class _Stats:
@@ -96,7 +130,7 @@ STATS = _Stats()
 
 
 def _usable(x: torch.Tensor) -> bool:
-    return (x.dtype is torch.float32 and x.device.type == "cpu" and x.numel() > 0
+    return (x.dtype is torch.float32 and x.is_cpu and x.numel() > 0
             and not (x.requires_grad and torch.is_grad_enabled()) and not torch.compiler.is_compiling())
 
 
@@ -131,7 +165,7 @@ def _row(p, c: int) -> int | None:
 
 def fake_quant(x: torch.Tensor, v: tuple, path: int = 0) -> torch.Tensor | None:
     """``clamp(round(x·inv), lo, hi)·s`` with NaN -> +0.0 for the views ``v = (s, inv, lo, hi,
-    fingerprint)`` of ``TensorQuantizer._views_for`` (or the dynamic path's Python numbers),
+    fingerprint)`` of ``eval_fast.views_for`` (or the dynamic path's Python numbers),
     in one pass; None where it does not apply (see the module docstring).  ``path``: the
     kernel path mask of ``c_api.h`` (tests force the portable one)."""
     if not _usable(x) or not enabled() or not _dense(x):

@@ -59,7 +59,7 @@ proxy of a model by ``qdsl.qat.prepare_qat``/``fit``/``LeanOptimizer``
 
 from __future__ import annotations
 
-import math
+import operator
 import weakref
 from typing import Any, Callable, ClassVar
 
@@ -67,12 +67,9 @@ import torch
 
 from qdsl.quantizers import eval_fast as EF
 from qdsl.quantizers import functional as F
-from qdsl.quantizers import native_fq as NFQ
 from qdsl.quantizers import range_search as RS
 from qdsl.quantizers.functional import HALF_DTYPES, check_finite
-from qdsl.quantizers.formats.int import IntOps
-from qdsl.quantizers.observers import EmaObserver, LazyBuffers, MinMaxObserver
-from qdsl.quantizers.scales import FloatScale
+from qdsl.quantizers.observers import LazyBuffers
 from qdsl.quantizers.parts import (
     PartContext,
     build_format_ops,
@@ -89,10 +86,9 @@ from qdsl.spec.registry import Registries
 
 __all__ = ["TensorQuantizer", "code_range"]
 
+_VERSION = operator.attrgetter("_version")
+
 _BUILTIN_ROUNDING = "qdsl.quantizers.rounding:"
-# observers whose range of one tensor (after the reset every dynamic batch gets) is its
-# finite min and max (TensorQuantizer._dynamic_views); exact types: a subclass may differ
-_BATCH_MINMAX = (MinMaxObserver, EmaObserver)
 
 
 class _StraightThrough(torch.autograd.Function):
@@ -128,14 +124,7 @@ def _after_load(q: "TensorQuantizer", _incompatible) -> None:
         q._static_range(refresh=True)
 
 
-def _affine_passes(x, s, inv, lo, hi, finite: bool) -> torch.Tensor:
-    # TensorQuantizer._fast's passes (see its docstring)
-    q = torch.mul(x, inv)
-    q.round_()
-    q.clamp_(lo, hi)
-    if not finite and math.isnan(q.sum().item()):
-        q.nan_to_num_(0.0)
-    return q.mul_(s)
+_affine_passes = EF.affine_passes  # (moved to qdsl.quantizers.eval_fast)
 
 
 class TensorQuantizer(LazyBuffers):
@@ -144,6 +133,9 @@ class TensorQuantizer(LazyBuffers):
     _qdsl_internal = True
     grad_path: Callable[..., torch.Tensor] | None = None
     """This proxy's gradient path (see the module docstring); set per instance only."""
+    _eplan: tuple[int, bool] | None = None
+    """The evaluation fast path this state admits (qdsl.quantizers.eval_fast.plan); None:
+    not decided yet (reset by :meth:`_refresh`)."""
     fast_path_threads: ClassVar[int | None] = 1
     """Intra-op threads for the frozen fast path's five elementwise passes (None: torch's
     setting).  They are memory-bound, so extra threads gain little, while every
@@ -276,7 +268,10 @@ class TensorQuantizer(LazyBuffers):
             if sv is not None and sv[0] is self._range:
                 return sv[3]
             return self._from_range(None, *r, self.scale_rule)[0]
-        return self._last_scale
+        s = self._last_scale
+        if isinstance(s, float):  # the dynamic scalar path keeps it as a number (eval_fast)
+            s = self.__dict__["_last_scale"] = torch.tensor(s, dtype=torch.float32)
+        return s
 
     def add_offset(self, delta: torch.Tensor) -> torch.Tensor:
         """Bias correction: add ``delta`` to the float tensor before it is quantized (on
@@ -404,9 +399,11 @@ class TensorQuantizer(LazyBuffers):
         r = self._range
         if r is not None and not refresh and torch.compiler.is_compiling():
             return r[1], r[2]
-        key = tuple((t, t._version) for t in obs._buffers.values() if t is not None)
-        if (r is not None and not refresh and len(r[0]) == len(key)
-                and all(a is b and va == vb for (a, va), (b, vb) in zip(r[0], key))):
+        # key: (the buffers, their version counters), compared without a Python loop per buffer
+        ts = [t for t in obs._buffers.values() if t is not None]
+        key = (ts, list(map(_VERSION, ts)))
+        if (r is not None and not refresh and len(r[0][0]) == len(ts)
+                and all(map(operator.is_, r[0][0], ts)) and r[0][1] == key[1]):
             return r[1], r[2]
         if not obs.observed:
             self._range = None
@@ -421,7 +418,7 @@ class TensorQuantizer(LazyBuffers):
     def _static_qparams(self, x):
         """A static activation's ``(scale, zero_point, threshold)``: the ones
         :meth:`_static_range` derived with its range (a function of the range alone, as
-        :meth:`current_scale` and :meth:`_static_views` also assume), or for a learned rule
+        :meth:`current_scale` and eval_fast.static_views also assume), or for a learned rule
         from the range now; None before any data."""
         r = self._static_range()
         if r is None:
@@ -471,6 +468,15 @@ class TensorQuantizer(LazyBuffers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
+        plan = self._eplan or self._plan()
+        if (plan[1] and not self._observing and x.dtype is torch.float32 and not self.check_finite
+                and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()):
+            # evaluation: straight to the fast path when nothing below applies (the checks
+            # that follow, in the order they would run; qdsl.quantizers.eval_fast.plan)
+            b, ax = self._buffers, self.axis
+            if not b["offset"].numel() and not b["codes"].numel() and (ax is None or -x.dim() <= ax < x.dim()):
+                out = EF.eval_fast(self, x, plan[0])
+                return out if out is not None else self._general(x, x)
         if self.token and x.dim() != 2:
             return self.forward(x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)).reshape(x.shape)
         if self.axis is not None and not -x.dim() <= self.axis < x.dim():
@@ -503,15 +509,23 @@ class TensorQuantizer(LazyBuffers):
             self.codes = torch.empty(0, dtype=torch.int64, device=self.codes.device)
         if not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling():
             # (thread switches and Python caches: not for a traced region)
-            out = self._eval_fast(x)
+            out = EF.eval_fast(self, x, (self._eplan or self._plan())[0])
             if out is not None:
                 return out
+        return self._general(x, src)
+
+    def _general(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         p = self.qparams(x, src=src)
         if p is None:
             self._last_scale = None
             return x
         self._last_scale = p[0]
         return self._with_grad(x, *p)
+
+    def _plan(self) -> tuple[int, bool]:
+        """qdsl.quantizers.eval_fast.plan, kept until :meth:`_refresh`."""
+        p = self._eplan = EF.plan(self)
+        return p
 
     def _bad_axis(self, x: torch.Tensor) -> None:
         # activation ranks are only known at run time (resolve checks weights and convs)
@@ -521,165 +535,9 @@ class TensorQuantizer(LazyBuffers):
             f"the {x.dim()}-d tensor it quantizes (shape {tuple(x.shape)})", g.span,
             f"a {x.dim()}-d tensor has axes {-x.dim()}..{x.dim() - 1}"))
 
-    def _eval_fast(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The fast paths without autograd (frozen, static before freeze, dynamic), or None.
-        An input quantizer whose result depends only on ``x`` and numbers it shares with
-        another reader of the same ``x`` takes that reader's result
-        (qdsl.quantizers.eval_fast.SharedInputs)."""
-        if self._fast_ok:
-            return self._shared_fast(x, self._frozen_views(x), False)
-        v = self._static_views(x)
-        if v is not None:
-            return self._shared_fast(x, v, False)
-        fp = self._scalar_dynamic_fp(x)
-        if fp is not None:
-            share = self.role is Role.INPUT
-            hit = EF.SHARED.get(x, fp) if share else None
-            if hit is not None:
-                self._last_scale = hit[1]
-                return hit[0]
-            v = self._scalar_dynamic_views(x)
-            if v is None:
-                return None
-            out = self._fast(x, v, finite=True)
-            if share:
-                EF.SHARED.put(x, fp, out, self._last_scale)
-            return out
-        v = self._dynamic_views(x)
-        if v is not None:
-            return self._fast(x, v, finite=True)
-        return None
-
-    def _shared_fast(self, x: torch.Tensor, v: tuple, finite: bool) -> torch.Tensor:
-        fp = v[4] if self.role is Role.INPUT else None
-        if fp is None:
-            return self._fast(x, v, finite)
-        hit = EF.SHARED.get(x, fp)
-        if hit is not None:
-            return hit[0]
-        out = self._fast(x, v, finite)
-        EF.SHARED.put(x, fp, out)
-        return out
-
-    def _scalar_dynamic_fp(self, x: torch.Tensor) -> tuple | None:
-        """A dynamic per-tensor int quantizer whose scale :func:`eval_fast.dynamic_int_params`
-        computes (min/max observer, float scale rule, half-even rounding, binary32 on the
-        CPU): the fingerprint of its result (a function of ``x`` and these numbers); else None."""
-        if (not self.dynamic or self.axis is not None or self.group_size is not None or self.derived
-                or type(self.observer) not in _BATCH_MINMAX or type(self.scale_rule) is not FloatScale
-                or type(self._ops) is not IntOps or self._round_mode != "half_even"
-                or x.dtype is not torch.float32 or x.device.type != "cpu" or not x.numel()):
-            return None
-        return ("dynamic_int", self.qmin, self.qmax, bool(self.recipe.symmetric))
-
-    def _scalar_dynamic_views(self, x: torch.Tensor):
-        """:meth:`_dynamic_views` for the quantizers :meth:`_scalar_dynamic_fp` admits, with
-        the scale in scalar arithmetic (same values); None for a non-finite batch."""
-        lo, hi = NFQ.aminmax(x)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            return None
-        params = EF.dynamic_int_params(lo, hi, self.qmin, self.qmax, bool(self.recipe.symmetric))
-        if params is None:
-            return None
-        scale, zp = params
-        self._last_scale = torch.tensor(scale, dtype=torch.float32)
-        return scale, EF.reciprocal(scale), self.qmin - zp, self.qmax - zp, None
-
-    def _frozen_views(self, x: torch.Tensor) -> tuple:
-        key = x.dim() if self.group_size is None else tuple(x.shape)
-        v = self._views.get(key)
-        if v is None:
-            v = self._views[key] = self._views_for(x, self.scale, self.zero_point)
-        return v
-
-    def _static_views(self, x: torch.Tensor):
-        """Before freeze, a static activation's scale is fixed by its statistics, so
-        evaluation (no autograd) takes the frozen fast path below with the views of the
-        cached range (rebuilt when :meth:`_static_range` recomputes it).  None: not such
-        a quantizer (or nothing observed yet)."""
-        if (self.stateless or self.derived or self.learned or self._frozen or self.observer is None
-                or not self._ops.fast_path or self._round_mode != "half_even"):
-            return None
-        r = self._static_range()
-        if r is None:
-            return None
-        key = (id(self._range), x.dim() if self.group_size is None else tuple(x.shape))
-        sv = self.__dict__.get("_sviews")
-        if sv is None or sv[0] is not self._range or sv[1] != key:
-            scale, zp, _ = self._from_range(x, *r, self.scale_rule)
-            sv = self._sviews = (self._range, key, self._views_for(x, scale, zp), scale)
-        self._last_scale = sv[3]
-        return sv[2]
-
-    def _dynamic_views(self, x: torch.Tensor):
-        """A dynamic activation without autograd (evaluation, also after freeze): its
-        batch's range in one ``aminmax`` pass and the views of the scale derived from it,
-        for the fast path.  The same values as observing the batch and fake-quantizing it
-        (a min/max observer reset for one tensor holds its finite min and max: when the
-        batch is finite, exactly what ``aminmax`` returns), at 5 passes over the tensor
-        instead of ~10; the observer is not fed (for a dynamic quantizer it only holds the
-        last batch's range, which nothing reads before the next batch replaces it).
-        None: not such a quantizer, or a batch with a NaN/inf (aminmax propagates NaN, an
-        infinity shows in the range) or a scale whose reciprocal overflows: the general
-        path handles those."""
-        obs = self.observer
-        if (not self.dynamic or type(obs) not in _BATCH_MINMAX or self.learned or self.derived
-                or self.group_size is not None or not self._ops.fast_path
-                or self._round_mode != "half_even" or not x.numel()):
-            return None
-        rows, shape = obs._rows(x)
-        if rows.shape[0] == 1:
-            lo, hi = torch.aminmax(rows)  # a full reduction: aminmax(dim=1) of one row is ~10x slower
-        else:
-            lo, hi = rows.amin(dim=1), rows.amax(dim=1)
-        if not bool((torch.isfinite(lo) & torch.isfinite(hi)).all()):
-            return None
-        scale, zp, _ = self._from_range(x, lo.reshape(shape), hi.reshape(shape), self.scale_rule)
-        v = self._views_for(x, scale, zp)
-        if not bool(torch.isfinite(v[1]).all()):
-            return None
-        self._last_scale = scale
-        return v
-
-    def _views_for(self, x, scale, zero_point):
-        """``(s, inv, lo, hi, fingerprint)`` for :meth:`_fast` (fingerprint: see
-        qdsl.quantizers.eval_fast.views_fingerprint)."""
-        s, inv, z = self._param_views(x, scale, zero_point)
-        if zero_point.numel() == 1 or not bool((zero_point != zero_point.flatten()[0]).any()):
-            zp = int(zero_point.flatten()[0]) if zero_point.numel() else 0
-            lo, hi = self.qmin - zp, self.qmax - zp  # python numbers: the fastest clamp
-            return s, inv, lo, hi, EF.views_fingerprint(s, inv, lo, hi)
-        return s, inv, self.qmin - z, self.qmax - z, None
-
     def _fast(self, x: torch.Tensor, v: tuple | None = None, finite: bool = False) -> torch.Tensor:
-        """Frozen int path: four passes over one fresh buffer, and a read-only sum when
-        ``x`` may hold a NaN (``finite`` False; ``finite``: the caller knows ``x`` and the
-        reciprocal are finite, so ``x·(1/s)`` holds no NaN).
-
-        ``(clamp(round(v) + z, qmin, qmax) − z)·s`` equals ``clamp(round(v), qmin − z,
-        qmax − z)·s`` exactly (integers below 2^24 add exactly in float32), so the zero
-        point moves into per-slot clamp bounds; only the sign of a zero may differ (−0.0
-        here where the reference gives +0.0), which compares equal.  A NaN becomes 0 (the
-        zero point's code, as :func:`functional.scaled` does before rounding): round and
-        clamp keep a NaN, so the clamped codes sum to NaN exactly when one is there (they
-        are bounded, their sum is finite otherwise), and only then does a fifth pass
-        replace it (``NaN·s`` is NaN; the code 0 times ``s`` is +0.0, what it becomes).
-        """
-        if v is None:
-            v = self._frozen_views(x)
-        out = NFQ.fake_quant(x, v)  # the same passes in one, where the native library applies
-        if out is not None:
-            return out
-        s, inv, lo, hi = v[:4]
-        n = TensorQuantizer.fast_path_threads
-        prev = torch.get_num_threads() if n else 0
-        if n and prev != n:
-            torch.set_num_threads(n)
-            try:
-                return _affine_passes(x, s, inv, lo, hi, finite)
-            finally:
-                torch.set_num_threads(prev)
-        return _affine_passes(x, s, inv, lo, hi, finite)
+        """The frozen fast path's passes (qdsl.quantizers.eval_fast.fast)."""
+        return EF.fast(self, x, v, finite)
 
     # ----------------------------------------------------------------- freeze
     def freeze(self, x: torch.Tensor | None = None) -> None:
@@ -691,6 +549,7 @@ class TensorQuantizer(LazyBuffers):
         if self.dynamic:
             self.frozen_flag.fill_(True)
             self._frozen = True
+            self._eplan = None
             return
         if self.role.is_param and not self.derived and x is None:
             raise ValueError("freezing a parameter quantizer needs the parameter")
@@ -717,6 +576,7 @@ class TensorQuantizer(LazyBuffers):
         # the fused path below is the affine one: only formats that say so use it
         self._fast_ok = (self.frozen and not self.dynamic and self._ops.fast_path
                          and self._round_mode == "half_even")
+        self._eplan = None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         t = state_dict.get(prefix + "sign_threshold")
@@ -741,6 +601,7 @@ class TensorQuantizer(LazyBuffers):
         state["_views"] = {}
         state["_range"] = None  # keyed on this model's buffers
         state.pop("_sviews", None)
+        state.pop("_eplan", None)
         for name in ("_last_scale", "_derived_scale"):
             t = state.get(name)
             if isinstance(t, torch.Tensor):

@@ -1,5 +1,5 @@
 """Evaluation fast paths (issue 23, eval before freeze): a dynamic activation's batch range
-in one ``aminmax`` pass (qdsl.quantizers.proxy ``_dynamic_views``) and binary values as a
+in one ``aminmax`` pass (qdsl.quantizers.eval_fast.dynamic_views) and binary values as a
 float mask times α (qdsl.quantizers.functional ``fake_quant_binary``).  Both must give the
 values of the general path: the same codes, the same floats."""
 

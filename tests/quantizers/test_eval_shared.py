@@ -17,6 +17,7 @@ import qdsl
 from qdsl.quantizers import TensorQuantizer
 from qdsl.quantizers import eval_fast as EF
 from qdsl.quantizers import functional as F
+from qdsl.quantizers import native_fq as NFQ
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.model import Granularity, Kind, ObserverSpec, Role
 
@@ -76,7 +77,7 @@ def test_scalar_dynamic_path_is_taken_and_equals_the_observed_path(monkeypatch, 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(4, 33, 17, generator=g) * 10 ** (seed - 1) + seed
     x = torch.where(torch.rand(x.shape, generator=g) < 0.2, torch.round(x * 8) / 8, x)  # ties
-    monkeypatch.setattr(TensorQuantizer, "_dynamic_views", lambda *a: pytest.fail("tensor-op path taken"))
+    monkeypatch.setattr(EF, "dynamic_views", lambda *a: pytest.fail("tensor-op path taken"))
     with torch.no_grad():
         fast = q(x)
         scale = q.current_scale()
@@ -97,12 +98,12 @@ def test_scalar_dynamic_path_leaves_a_nan_batch_to_the_general_path():
 # ------------------------------------------------------------------------ sharing
 def _count_fast(monkeypatch) -> list:
     calls = []
-    orig = TensorQuantizer._fast
+    orig = EF.fast
 
-    def counted(self, x, v=None, finite=False):
-        calls.append(self)
-        return orig(self, x, v, finite)
-    monkeypatch.setattr(TensorQuantizer, "_fast", counted)
+    def counted(q, x, v=None, finite=False):
+        calls.append(q)
+        return orig(q, x, v, finite)
+    monkeypatch.setattr(EF, "fast", counted)
     return calls
 
 
@@ -254,7 +255,7 @@ def test_static_fast_path_nan_check_equals_the_general_path(monkeypatch, special
     # the static/frozen fast path finds a NaN by summing the clamped codes (no nan_to_num
     # pass unless one is there): a NaN must still become 0, infinities the clamp bounds.
     # Those are the torch passes: the native one-pass kernel (test_native_fq.py) is off here.
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     q = _q(dynamic=False)
     q.observing = True
     q(torch.linspace(-2, 3, 40))
@@ -300,3 +301,37 @@ def test_fp8_eval_decodes_in_place_with_the_same_values(name, per_channel):
     want = minifloat_round(x / view, fmt) * view
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.equal(got.view(torch.int32), q(x.clone().requires_grad_()).detach().view(torch.int32))
+
+
+# ------------------------------------------------------- scalar qparams in Python floats
+GRIDS_WIDE = GRIDS + [(24, True, False), (32, True, True), (32, False, False), (26, False, False)]
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.one_of(finite32, st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.0e38, -3.0e38, 1e-12, 2.5e-13])),
+       st.one_of(finite32, st.sampled_from([0.0, -0.0, 1e-45, 3.4e38, 1e-12, 1.0, 127.5])),
+       st.sampled_from(GRIDS_WIDE))
+def test_scalar_qparams_equal_numpy_float32_arithmetic(a, b, grid):
+    # dynamic_int_params does each binary32 operation in binary64 and rounds once (exact for
+    # + - × / of binary32 operands); the numpy float32 version is its reference, also for
+    # code counts binary32 cannot hold (32-bit grids) and ranges near the limits
+    bits, signed, symmetric = grid
+    qmin, qmax = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if signed else (0, 2 ** bits - 1)
+    lo, hi = min(a, b), max(a, b)
+    with np.errstate(all="ignore"):
+        want = EF._dynamic_int_params_np(lo, hi, qmin, qmax, symmetric)
+    got = EF.dynamic_int_params(lo, hi, qmin, qmax, symmetric)
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    assert np.float32(got[0]).view(np.int32) == np.float32(want[0]).view(np.int32)
+    assert got[1] == want[1]
+
+
+def test_binary32_rounding_helper_ties_to_even_and_overflows_to_inf():
+    assert EF._f32(1.0 + 2.0 ** -24) == 1.0  # a tie: to the even neighbour
+    assert EF._f32(1.0 + 3 * 2.0 ** -24) == 1.0 + 2.0 ** -22
+    assert EF._f32(1e-46) == 0.0 and EF._f32(-0.0) == 0.0 and str(EF._f32(-0.0)) == "-0.0"
+    assert EF._f32(3.5e38) == float("inf") and EF._f32(-1e300) == -float("inf")
+    assert EF._f32(3.4028235e38) == float(np.float32(3.4028235e38))

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 import qdsl
 from qdsl.quantizers import TensorQuantizer, native_fq as NFQ
 from qdsl.quantizers import functional as F
-from qdsl.quantizers.proxy import _affine_passes
+from qdsl.quantizers.eval_fast import affine_passes as _affine_passes
 from qdsl.resolve.plan import QuantizerRecipe
 from qdsl.spec.model import Granularity, GranularityKind, Kind, ObserverSpec, Role
 
@@ -153,11 +153,11 @@ def test_eval_takes_the_native_path_and_training_does_not(monkeypatch, gran, dyn
         fast = q(x)
     assert NFQ.STATS.fake_quant == 1
     assert NFQ.STATS.aminmax == (1 if dynamic and gran.kind is not GranularityKind.CHANNEL else 0)
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     with torch.no_grad():
         slow = q(x)
     assert torch.equal(_bits(fast), _bits(slow))
-    monkeypatch.delenv("QDSL_NATIVE_FQ")
+    monkeypatch.setattr(NFQ, "_switch", True)
     NFQ.STATS.reset()
     xg = x.clone().requires_grad_()
     q.train()
@@ -249,9 +249,9 @@ def test_bundled_spec_eval_equals_with_and_without_the_native_path(monkeypatch, 
     # a training step with and without the native kernels: the same loss and gradients (only a
     # quantizer whose input needs no gradient, the network input's, can take them in training)
     twin = copy.deepcopy(net)
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     twin(x).square().mean().backward()
-    monkeypatch.delenv("QDSL_NATIVE_FQ")
+    monkeypatch.setattr(NFQ, "_switch", True)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     opt.zero_grad()
     net(x).square().mean().backward()
@@ -266,10 +266,10 @@ def test_bundled_spec_eval_equals_with_and_without_the_native_path(monkeypatch, 
         with torch.no_grad():
             fast = net(xin)
         taken = NFQ.STATS.fake_quant
-        monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+        monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
         with torch.no_grad():
             slow = net(xin)
-        monkeypatch.delenv("QDSL_NATIVE_FQ")
+        monkeypatch.setattr(NFQ, "_switch", True)
         assert torch.equal(fast, slow)
         NFQ.STATS.reset()
         if spec in ("int8-dynamic.qspec", "transformer-int8.qspec", "int8-default.qspec"):
@@ -306,7 +306,37 @@ def test_mxfp4_activation_takes_the_native_path(monkeypatch):
     with torch.no_grad():
         fast = net(x)
     assert NFQ.STATS.minifloat >= 2  # both convs' and the head's fp8 inputs
-    monkeypatch.setenv("QDSL_NATIVE_FQ", "0")
+    monkeypatch.setattr(NFQ, "_switch", False)  # (QDSL_NATIVE_FQ=0 is read at import)
     with torch.no_grad():
         slow = net(x)
     assert torch.equal(_bits(fast), _bits(slow))
+
+
+# ------------------------------------------------------------------- the switch
+def test_switch_is_read_once_and_set_at_run_time():
+    import subprocess
+    import sys
+
+    code = ("import os; from qdsl.quantizers import native_fq as N; a = N.enabled(); "
+            "os.environ['QDSL_NATIVE_FQ'] = '1'; b = N.enabled(); N.set_enabled(None); c = N.enabled(); "
+            "print(a, b, c == N.available())")
+    env = dict(__import__("os").environ, QDSL_NATIVE_FQ="0")
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "True"]  # read at import; set_enabled(None) reads again
+
+
+def test_disabled_block_takes_the_torch_passes_and_restores():
+    if not NFQ.available():
+        pytest.skip("no native library")
+    x = torch.randn(64)
+    v = (0.05, 20.0, -128, 127, ("affine", 0.05, 20.0, -128, 127))
+    assert NFQ.fake_quant(x, v) is not None
+    with NFQ.disabled():
+        assert not NFQ.enabled() and NFQ.fake_quant(x, v) is None
+    assert NFQ.enabled()
+    prev = NFQ.set_enabled(False)
+    assert prev is True and NFQ.fake_quant(x, v) is None
+    NFQ.set_enabled(prev)
+    assert NFQ.enabled()
