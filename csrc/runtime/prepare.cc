@@ -5,7 +5,6 @@
 // one.  Then the graph-level plans of the AMX and twin convs.  After PrepareGraph succeeds,
 // the executor's index arithmetic is in bounds.
 #include <algorithm>
-#include <cstdlib>
 #include <iterator>
 #include <string>
 
@@ -158,26 +157,6 @@ bool ReadsNhwc(const GraphOp& op, size_t k, uint32_t path) {
   return k == 0 && (op.opcode == kMaxpool2d || op.opcode == kAvgpool2d || op.opcode == kGlobalAvgpool);
 }
 
-// False when QDSL_GATHERED_DW_NHWC=0 (read once): a gathered-panel conv's output then stays
-// NCHW for channels-last depthwise readers (timing the two in one build).
-bool GatheredDwNhwcEnabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("QDSL_GATHERED_DW_NHWC");
-    return v == nullptr || !(v[0] == '0' && v[1] == '\0');
-  }();
-  return on;
-}
-
-// Whether `op` reads a gathered-panel conv's output NHWC at no cost to itself: a max pool
-// whose own output is NHWC (it runs on the NHWC pixels), or a channels-last depthwise conv
-// (which otherwise transposes its NCHW input a band of rows at a time: MobileNetV2's RGB stem
-// and the 112 x 112 depthwise conv after it).
-bool GatheredNhwcReader(const GraphOp& op, const std::vector<char>& s, uint32_t path) {
-  if (op.opcode == kMaxpool2d) return s[op.outputs[0]] != 0;
-  const ConvParams* p = AsConv(op);
-  return p != nullptr && DwNhwc(*p, path) && GatheredDwNhwcEnabled();
-}
-
 }  // namespace
 
 // Graph::nhwc for runs on `path`: start from every tensor an op that writes NHWC produces
@@ -189,8 +168,7 @@ void PlanNhwc(Graph* g, uint32_t path) {
   std::vector<char>& s = g->nhwc;
   s.assign(nt, 0);
   // pool_only: outputs of gathered-panel convs (conv::GatheredWritesNhwc), NHWC only while
-  // every reader is a max pool that writes NHWC or a channels-last depthwise conv
-  // (GatheredNhwcReader)
+  // every reader is a max pool that writes NHWC
   std::vector<char> twin(g->ops.size(), 0), pool_only(nt, 0);
   for (const GraphOp& op : g->ops)
     if (const ConvParams* p = AsConv(op))
@@ -210,7 +188,7 @@ void PlanNhwc(Graph* g, uint32_t path) {
       const GraphOp& op = g->ops[i];
       for (size_t k = 0; k < op.inputs.size(); ++k) {
         const uint32_t t = op.inputs[k];
-        if (s[t] && (!ReadsNhwc(op, k, path) || (pool_only[t] && !GatheredNhwcReader(op, s, path)))) {
+        if (s[t] && (!ReadsNhwc(op, k, path) || (pool_only[t] && (op.opcode != kMaxpool2d || !s[op.outputs[0]])))) {
           s[t] = 0;
           changed = true;
         }

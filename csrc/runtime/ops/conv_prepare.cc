@@ -144,10 +144,9 @@ void PrepareDepthwise(ConvParams* pp, bool x_u8) {
 // the NHWC depthwise convs between the 1x1 convs): K = taps x C >= 16 and O >= 24.  With the
 // output stage applied from the kernel's registers (ig_stage) that includes MobileNetV2's
 // 16 -> 96 expansion at 112 x 112 (~1.1 -> ~0.85 ms, and the stride-2 depthwise conv after
-// it then runs NHWC: ~0.5 -> ~0.3 ms).  1x1 convs take it from O = 16: MobileNetV2's 32 -> 16
-// projection at 112 x 112 (with the vpmaddubsw depthwise kernel before it writing NHWC, no
-// slower than its plane kernel now, and the expansion conv after it reading NHWC rows in
-// place instead of transposing them).  The kernel kind: vpmaddubsw
+// it then runs NHWC: ~0.5 -> ~0.3 ms).  Its 32 -> 16 projection (O = 16) stays on the NCHW
+// gathered conv: as an implicit-GEMM conv it would make the 32-channel 112 x 112 depthwise
+// conv before it write NHWC, where the plane kernel is ~2x faster.  The kernel kind: vpmaddubsw
 // when it is exact on the weights for the input's codes (int8 weights, MaddubsStepsFor >= 1),
 // else the int16 kind (|W - w_zp| <= 511: int32_exact), e.g. full-range 8-bit activations
 // with any int8 weights.
@@ -157,7 +156,7 @@ void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) 
   // row pointer loads; measured slower on MobileNetV2's stem, NHWC output and all)
   if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.cin < 8 || out.dtype == kBin) return;
   const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
-  const bool pays = taps * cp >= 16 && (O >= 24 || (taps == 1 && O >= 16));
+  const bool pays = taps * cp >= 16 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
   const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
