@@ -271,7 +271,8 @@ def main(argv=None) -> list[tuple]:
           f"(sum of the per-op {stat}s; qdsl cpu {q_cpu_m.sum():.3f} ms)")
     if args.top:
         top = sorted(rows, key=lambda r: -(r[2] - r[3]))[: args.top]
-        table([(lbl, q, o) for _, lbl, q, o in top], f"largest {args.top} gaps (qdsl - ORT)")
+        table([(lbl, q, o) for _, lbl, q, o in top], f"largest {args.top} gaps (qdsl - ORT; a depthwise conv that computes "
+              "its 1x1 producer's rows (row bands) holds that conv's time too: see the blocks)")
     print(f"load average before: see header; after: {load_after} (a loaded machine moves milliseconds, compare "
           "ratios)")
     return [(k, q, o) for k, _, q, o in rows]
