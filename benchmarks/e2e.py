@@ -73,19 +73,26 @@ def factories(small: bool) -> dict:
     return {"resnet18": resnet18, "resnet50": resnet50, "mobilenet_v2": mobilenet_v2}
 
 
-def build_qdsl(model, calib: list, seven_bit: bool):
+def export_qdsl(model, calib: list, seven_bit: bool):
     """specs/int8-default.qspec (7-bit: activations overridden), calibrated on `calib`,
-    exported; returns the CompiledGraph and how many int convs/linears run the exact
-    ``vpmaddubsw`` kernel on AVX2 without VNNI (CompiledGraph.plan)."""
+    frozen and exported: the IntegerGraph qdsl's contenders run."""
     import qdsl
-    import qdsl.runtime as rt
 
     qmodel = copy.deepcopy(model)
     overrides = ["input.bits=7", "output.bits=7"] if seven_bit else []
     qdsl.apply(qmodel, qdsl.load_spec(str(ROOT / "specs" / "int8-default.qspec")), overrides=overrides)
     qdsl.calibrate(qmodel, calib, progress=False)
     qdsl.freeze(qmodel)
-    compiled = rt.CompiledGraph(qdsl.export(qmodel, calib[0][:2]))
+    return qdsl.export(qmodel, calib[0][:2])
+
+
+def build_qdsl(model, calib: list, seven_bit: bool, graph=None):
+    """The CompiledGraph of `export_qdsl` (or of `graph`, an IntegerGraph or its bytes, when
+    given) and how many int convs/linears run the exact ``vpmaddubsw`` kernel on AVX2
+    without VNNI (CompiledGraph.plan)."""
+    import qdsl.runtime as rt
+
+    compiled = rt.CompiledGraph(export_qdsl(model, calib, seven_bit) if graph is None else graph)
     plan = [p for p in compiled.plan() if "maddubs_steps" in p]
     return compiled, f"{sum(p['maddubs_steps'] > 0 for p in plan)}/{len(plan)} int GEMMs on the vpmaddubsw kernel"
 
@@ -159,12 +166,18 @@ def cosine(a, b) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
+def calibration(size: int, batches: int, batch: int):
+    """The seeded generator and the calibration images every contender is calibrated on;
+    the generator then draws the timed inputs."""
+    g = torch.Generator().manual_seed(0)
+    return g, [torch.randn(batch, 3, size, size, generator=g) for _ in range(batches)]
+
+
 def run_model(name: str, model, args, systems: list[str], results: list) -> None:
     import qdsl.runtime as rt
 
     size = args.size
-    g = torch.Generator().manual_seed(0)
-    calib = [torch.randn(args.calib_batch, 3, size, size, generator=g) for _ in range(args.calib_batches)]
+    g, calib = calibration(size, args.calib_batches, args.calib_batch)
     built, notes = {}, []
     with tempfile.TemporaryDirectory() as workdir:
         if "torch fp32" in systems:
