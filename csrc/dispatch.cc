@@ -158,18 +158,45 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
+#ifdef QDSL_HAVE_X86
+namespace {
+// The AVX2 implicit-GEMM convs' vpdpbusd kernels (igemm_u8s8_vnni_avx512.cc): on CPUs with
+// AVX512_VNNI and AVX512VL (EVEX vpdpbusd on 256-bit registers), unless QDSL_IGEMM_VNNI=0
+// (read once; timing the two in one build).  Bit-identical to the vpmaddubsw kernels.
+bool IgemmVnni() {
+  static const bool on = [] {
+    const char* v = std::getenv("QDSL_IGEMM_VNNI");
+    if (v != nullptr && std::strcmp(v, "0") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  }();
+  return on;
+}
+}  // namespace
+#endif
+
 IgemmKernel SelectIgemmKernel(uint32_t path, bool int16) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : x86::IgemmU8S8Avx2;
+  if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : (IgemmVnni() ? x86::IgemmU8S8Avx512Vnni : x86::IgemmU8S8Avx2);
 #endif
   (void)path;
   (void)int16;
   return nullptr;
 }
 
+bool IgemmRunsVnni(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  return path == kPathAvx2 && IgemmVnni();
+#else
+  (void)path;
+  return false;
+#endif
+}
+
 IgemmStageKernel SelectIgemmStageKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return x86::IgemmU8S8StageAvx2;
+  if (path == kPathAvx2) return IgemmVnni() ? x86::IgemmU8S8StageAvx512Vnni : x86::IgemmU8S8StageAvx2;
 #endif
   (void)path;
   return nullptr;
@@ -442,7 +469,7 @@ DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path) {
 
 DwNhwcQuadKernel SelectDwNhwcQuadKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path >= kPathAvx2) return x86::DwConvNhwcQuadAvx2;
+  if (path >= kPathAvx2) return IgemmVnni() ? x86::DwConvNhwcQuadAvx512Vnni : x86::DwConvNhwcQuadAvx2;
 #endif
   (void)path;
   return nullptr;

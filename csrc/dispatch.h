@@ -131,6 +131,9 @@ using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, 
                              int32_t* c, int64_t ldc, const int32_t* init);
 // nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs); `int16`: the int16 kind.
 IgemmKernel SelectIgemmKernel(uint32_t path, bool int16);
+// Whether the vpmaddubsw kind's kernels on `path` are the vpdpbusd ones (AVX2 path on a CPU
+// with AVX512_VNNI + AVX512VL, QDSL_IGEMM_VNNI not 0; igemm_u8s8_vnni_avx512.cc).
+bool IgemmRunsVnni(uint32_t path);
 // The same sums from init, then the prepared FIXED_SINGLE stage st (requant/stage_f32.h) of
 // channels c0.. applied in registers: row r's first `cols` (<= 16) codes go to out + r * ldo.
 // Bit-identical to the reference stage of those sums.  The vpmaddubsw kind only.
