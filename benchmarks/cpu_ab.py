@@ -14,6 +14,10 @@ its median and range over ``--rounds``.  The load average is printed before and 
 
     python benchmarks/cpu_ab.py --base /path/to/old/_qdsl_native.so [--models resnet18,mobilenet_v2]
                                 [--batches 1,8] [--rounds 15] [--runs 4] [--no-ort]
+
+``--bits 8``: the exact 8-bit graphs (``qdsl a8``) with onnxruntime's exact ``ort u8u8`` as the
+peer.  ``--base-env VAR=VALUE`` (instead of ``--base``): ``base`` is this checkout's own library
+run with that environment variable set, e.g. ``QDSL_EVEX_VNNI=0`` to time a runtime switch.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ def _worker(kind: str, root: str, model: str, batch: int) -> None:
         print(statistics.median(ts) * 1e3, flush=True)
 
 
-def _build(name: str, workdir: str, with_ort: bool) -> tuple[str, str | None]:
-    """The model's qdsl a7 graph and (with_ort) its ort u8s8 a7 model, as e2e.py builds them."""
+def _build(name: str, workdir: str, with_ort: bool, bits: int = 7) -> tuple[str, str | None]:
+    """The model's qdsl a7 (bits 8: a8) graph and (with_ort) its ort u8s8 a7 (u8u8) model, as
+    e2e.py builds them."""
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -85,19 +90,22 @@ def _build(name: str, workdir: str, with_ort: bool) -> tuple[str, str | None]:
     g = torch.Generator().manual_seed(0)
     calib = [torch.randn(4, 3, 224, 224, generator=g) for _ in range(4)]
     qm = copy.deepcopy(model)
-    qdsl.apply(qm, qdsl.load_spec(str(ROOT / "specs" / "int8-default.qspec")), overrides=["input.bits=7", "output.bits=7"])
+    overrides = ["input.bits=7", "output.bits=7"] if bits == 7 else []
+    qdsl.apply(qm, qdsl.load_spec(str(ROOT / "specs" / "int8-default.qspec")), overrides=overrides)
     qdsl.calibrate(qm, calib, progress=False)
     qdsl.freeze(qm)
     graph = os.path.join(workdir, f"{name}.qg")
     save_graph(qdsl.export(qm, calib[0][:2]), graph)
-    onnx = build_ort(model, calib, workdir, {"ort u8s8 a7"})["ort u8s8 a7"] if with_ort else None
+    peer = "ort u8s8 a7" if bits == 7 else "ort u8u8"
+    onnx = build_ort(model, calib, workdir, {peer})[peer] if with_ort else None
     return graph, onnx
 
 
 def _ab(spec: dict, batch: int, rounds: int, runs: int) -> dict[str, list[float]]:
     procs = {k: subprocess.Popen([sys.executable, __file__, "--worker", kind, root, model, str(batch)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-             for k, (kind, root, model) in spec.items()}
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, **(extra[0] if extra else {})})
+             for k, (kind, root, model, *extra) in spec.items()}
     try:
         for p in procs.values():
             if p.stdout.readline().strip() != "ready":
@@ -122,7 +130,9 @@ def _ratio(res, num: str, den: str) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--base", required=True, help="the older _qdsl_native*.so to compare against")
+    ap.add_argument("--base", help="the older _qdsl_native*.so to compare against")
+    ap.add_argument("--base-env", help="VAR=VALUE: the base is this library run with that variable set")
+    ap.add_argument("--bits", type=int, choices=(7, 8), default=7, help="activation bits (8: vs ort u8u8)")
     ap.add_argument("--models", default="resnet18,mobilenet_v2")
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--rounds", type=int, default=15)
@@ -131,17 +141,25 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)
+    if (args.base is None) == (args.base_env is None):
+        raise SystemExit("give one of --base and --base-env")
     native = next((ROOT / "qdsl" / "runtime").glob("_qdsl_native*.so"), None)
     if native is None:
         raise SystemExit("this checkout's runtime is not built (python setup.py build_ext --inplace)")
     with tempfile.TemporaryDirectory() as work:
-        base_root = os.path.join(work, "base")
-        shutil.copytree(ROOT / "qdsl", os.path.join(base_root, "qdsl"),
-                        ignore=shutil.ignore_patterns("__pycache__", "_qdsl_native*.so"))
-        shutil.copy(args.base, os.path.join(base_root, "qdsl", "runtime", native.name))
+        base_env = {}
+        if args.base:
+            base_root = os.path.join(work, "base")
+            shutil.copytree(ROOT / "qdsl", os.path.join(base_root, "qdsl"),
+                            ignore=shutil.ignore_patterns("__pycache__", "_qdsl_native*.so"))
+            shutil.copy(args.base, os.path.join(base_root, "qdsl", "runtime", native.name))
+        else:
+            base_root = str(ROOT)
+            var, _, value = args.base_env.partition("=")
+            base_env = {var: value}
         for name in args.models.split(","):
-            graph, onnx = _build(name, work, not args.no_ort)
-            spec = {"base": ("qdsl", base_root, graph), "new": ("qdsl", str(ROOT), graph)}
+            graph, onnx = _build(name, work, not args.no_ort, args.bits)
+            spec = {"base": ("qdsl", base_root, graph, base_env), "new": ("qdsl", str(ROOT), graph)}
             if onnx:
                 spec["ort"] = ("ort", "-", onnx)
             for batch in (int(b) for b in args.batches.split(",")):

@@ -69,28 +69,46 @@ uint32_t CompiledPaths() {
 }
 
 namespace {
-// AVX512-VNNI with AVX512VL has the VNNI instructions on ymm registers, EVEX-encoded; some
-// CPUs (AMD Zen 4) have only that form, not the VEX-encoded AVX-VNNI.  The VNNI kernels are
-// built for both encodings, and kPathAvxVnni / kPathAvx512 select the EVEX build there.
-// Opt-in (QDSL_EVEX_VNNI=1) for now: on such a CPU it makes kPathAvx512 the default path of
-// every op, and the channels-last implicit-GEMM convs run on kPathAvx2 only (dispatch:
-// SelectIgemmKernel), so the conv paths there are not yet measured against the AVX2 ones.
-bool EvexVnniOnly() {
+// EVEX VNNI: AVX512_VNNI with AVX512VL (+ F, BW) has vpdpbusd on ymm registers, EVEX-encoded;
+// some CPUs (AMD Zen 4) have only that form, not the VEX-encoded AVX-VNNI, so the runtime's
+// VNNI paths (kPathAvxVnni / kPathAvx512) are not detected there and the AVX2 path runs.
+// QDSL_EVEX_VNNI (read once per process), on a CPU with the instructions:
+//   unset / "1" / anything else: the AVX2 path runs its u8*s8 kernels as vpdpbusd (the int
+//     GEMM's quad kernel, the implicit-GEMM conv and the NHWC depthwise quad kernel), and
+//     picks them for full-range 8-bit activations too: vpdpbusd's sums are exact mod 2^32
+//     for any u8 codes, so no activation bound is needed (EvexVnniUsable);
+//   "0": off (the vpmaddubsw / int16 kernels; QDSL_IGEMM_VNNI=0, its earlier name, too);
+//   "paths": also enables kPathAvxVnni / kPathAvx512 with the EVEX build of the VNNI GEMM
+//     kernels (every op on those paths; their convs are not the channels-last AVX2 ones).
+enum EvexMode { kEvexOff, kEvexAvx2, kEvexPaths };
+int EvexVnniMode() {
 #ifdef QDSL_HAVE_X86
-  static const bool only = [] {
-    const char* env = std::getenv("QDSL_EVEX_VNNI");
-    if (env == nullptr || std::strcmp(env, "1") != 0) return false;
+  static const int mode = [] {
     __builtin_cpu_init();
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    const bool avx_vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
-    return !avx_vnni && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+    if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni")))
+      return static_cast<int>(kEvexOff);
+    const char* env = std::getenv("QDSL_EVEX_VNNI");
+    const char* old = std::getenv("QDSL_IGEMM_VNNI");
+    if ((env != nullptr && std::strcmp(env, "0") == 0) || (old != nullptr && std::strcmp(old, "0") == 0))
+      return static_cast<int>(kEvexOff);
+    if (env != nullptr && std::strcmp(env, "paths") == 0) {
+      unsigned a = 0, b = 0, c = 0, d = 0;  // AVX-VNNI: CPUID.(EAX=7, ECX=1):EAX bit 4
+      const bool avx_vnni = __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1);
+      if (!avx_vnni) return static_cast<int>(kEvexPaths);
+    }
+    return static_cast<int>(kEvexAvx2);
   }();
-  return only;
+  return mode;
 #else
-  return false;
+  return kEvexOff;
 #endif
 }
+// The VNNI paths run the EVEX build of their kernels (QDSL_EVEX_VNNI=paths on such a CPU).
+bool EvexVnniOnly() { return EvexVnniMode() == kEvexPaths; }
 }  // namespace
+
+bool EvexVnniUsable() { return EvexVnniMode() != kEvexOff; }
 
 namespace {
 // CPUID traps to the hypervisor on virtual machines (tens of microseconds), so the CPU
@@ -160,16 +178,25 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
 
 IgemmKernel SelectIgemmKernel(uint32_t path, bool int16) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : x86::IgemmU8S8Avx2;
+  if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : (EvexVnniUsable() ? x86::IgemmU8S8Avx512Vnni : x86::IgemmU8S8Avx2);
 #endif
   (void)path;
   (void)int16;
   return nullptr;
 }
 
+bool IgemmRunsVnni(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  return path == kPathAvx2 && EvexVnniUsable();
+#else
+  (void)path;
+  return false;
+#endif
+}
+
 IgemmStageKernel SelectIgemmStageKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path == kPathAvx2) return x86::IgemmU8S8StageAvx2;
+  if (path == kPathAvx2) return EvexVnniUsable() ? x86::IgemmU8S8StageAvx512Vnni : x86::IgemmU8S8StageAvx2;
 #endif
   (void)path;
   return nullptr;
@@ -178,6 +205,9 @@ IgemmStageKernel SelectIgemmStageKernel(uint32_t path) {
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path) {
   if (VnniMicroKernel k = SelectVnniMicroKernel(broadcast_unsigned, path)) return k;
 #ifdef QDSL_HAVE_X86
+  // EVEX vpdpbusd on the AVX2 path: exact for any codes (the weights are int8 here)
+  if (Base(path) == kPathAvx2 && EvexVnniUsable())
+    return broadcast_unsigned ? x86::GemmU8S8Avx512Vnni : x86::GemmS8U8Avx512Vnni;
   if (Base(path) == kPathAvx2 && maddubs_steps >= 1) {
     const int s = maddubs_steps >= 8 ? 8 : (maddubs_steps >= 4 ? 4 : (maddubs_steps >= 2 ? 2 : 1));
     switch (s) {
@@ -442,7 +472,7 @@ DwNhwcStageKernel SelectDwNhwcStageKernel(uint32_t path) {
 
 DwNhwcQuadKernel SelectDwNhwcQuadKernel(uint32_t path) {
 #ifdef QDSL_HAVE_X86
-  if (path >= kPathAvx2) return x86::DwConvNhwcQuadAvx2;
+  if (path >= kPathAvx2) return EvexVnniUsable() ? x86::DwConvNhwcQuadAvx512Vnni : x86::DwConvNhwcQuadAvx2;
 #endif
   (void)path;
   return nullptr;

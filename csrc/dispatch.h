@@ -115,8 +115,15 @@ void PackI16PanelsGather(const uint8_t* base, const int64_t* tap, int64_t kpairs
 void PackU8QuadPanelsGather(const uint8_t* base, const int64_t* tap, int64_t kquads, const int64_t* pos,
                             int64_t npanels, uint8_t* panels);
 VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path);
+// The one predicate for EVEX VNNI on the AVX2 path: the CPU has AVX512_VNNI + AVX512VL/BW/F
+// (e.g. AMD Zen 4, which lacks VEX AVX-VNNI) and QDSL_EVEX_VNNI is not 0 (read once).  Then
+// the AVX2 path's u8*s8 kernels (int GEMM quad kernel, implicit-GEMM conv, NHWC depthwise quad
+// kernel) run as vpdpbusd, exact mod 2^32 for any u8 codes, and are chosen with no
+// activation-code bound (full-range 8-bit activations included).  See dispatch.cc.
+bool EvexVnniUsable();
 // The exact kernel for VNNI-layout panels whose weights allow `maddubs_steps` int16 pair
-// sums (MaddubsStepsFor): the VNNI one where the CPU has it, else on AVX2 the vpmaddubsw one
+// sums (MaddubsStepsFor): the VNNI one where the CPU has it (on the AVX2 path: EVEX vpdpbusd
+// where EvexVnniUsable; any maddubs_steps), else on AVX2 the vpmaddubsw one
 // (maddubs_steps >= 1); nullptr when neither applies (the int16 kernels run).
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path);
 // Implicit-GEMM conv micro-kernel (x86::IgemmU8S8Avx2, csrc/kernels/x86/igemm_u8s8_6x16_avx2.cc):
@@ -131,6 +138,9 @@ using IgemmKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, 
                              int32_t* c, int64_t ldc, const int32_t* init);
 // nullptr unless `path` is AVX2 (the VNNI/AMX paths run their own convs); `int16`: the int16 kind.
 IgemmKernel SelectIgemmKernel(uint32_t path, bool int16);
+// Whether the vpmaddubsw kind's kernels on `path` are the vpdpbusd ones (the AVX2 path where
+// EvexVnniUsable(); igemm_u8s8_vnni_avx512.cc).
+bool IgemmRunsVnni(uint32_t path);
 // The same sums from init, then the prepared FIXED_SINGLE stage st (requant/stage_f32.h) of
 // channels c0.. applied in registers: row r's first `cols` (<= 16) codes go to out + r * ldo.
 // Bit-identical to the reference stage of those sums.  The vpmaddubsw kind only.

@@ -279,21 +279,26 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   // int4/int2 widening only pays off when several row strips reuse a widened block; GEMV-like
   // calls keep the in-register unpacking of the int16 kernel (half the bytes streamed).
   const bool widen_ok = sub_bits == 0 || m > kMaxRows;
+  // The quad kernel: VNNI (the VNNI paths, or EVEX vpdpbusd on the AVX2 path where the CPU
+  // has it: EvexVnniUsable) is exact for any u8 codes, so the activations need no bound.
   // (AVX2 without VNNI: the vpmaddubsw kernel when the weights' pair bound makes it exact)
   // Bounded activation codes (e.g. 7-bit, as torch.ao's reduce_range) allow more int16
   // pair sums; the bound is checked here (one pass over A) before a kernel relies on it.
-  int steps = w.maddubs_steps;
-  if (a.max_code < 255 && !w.colsum.empty()) {
-    const int bounded = MaddubsStepsFor(w.maddubs_pair, a.max_code);
-    if (bounded > steps) {
-      const int32_t seen = MaxCode(a);
-      QDSL_CHECK_ARG(seen <= a.max_code, "an activation code is %d, above the stated bound max_code=%d", seen,
-                     a.max_code);
-      steps = bounded;
+  const bool quad_ok = !w.colsum.empty() && widen_ok;
+  VnniMicroKernel vnni = quad_ok ? SelectQuadMicroKernel(true, 0, chosen) : nullptr;
+  if (quad_ok && vnni == nullptr) {
+    int steps = w.maddubs_steps;
+    if (a.max_code < 255) {
+      const int bounded = MaddubsStepsFor(w.maddubs_pair, a.max_code);
+      if (bounded > steps) {
+        const int32_t seen = MaxCode(a);
+        QDSL_CHECK_ARG(seen <= a.max_code, "an activation code is %d, above the stated bound max_code=%d", seen,
+                       a.max_code);
+        steps = bounded;
+      }
     }
+    vnni = SelectQuadMicroKernel(true, steps, chosen);
   }
-  const VnniMicroKernel vnni =
-      (w.colsum.empty() || !widen_ok) ? nullptr : SelectQuadMicroKernel(true, steps, chosen);
   const int64_t kpairs = w.kp / 2;
   const int64_t bytes_per_pair = w.panel_bytes / kpairs;
   // work: the MACs, and the weights streamed once, which bound GEMV-like shapes (MobileNetV2's
@@ -345,14 +350,20 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
           }
         }
       }
-      // sum (a_u - z_u) w' = sum a_u w' - z_u * colsum, mod 2^32 like the reference
+      // sum (a_u - z_u) w' = sum a_u w' - z_u * colsum, mod 2^32 like the reference; the bias
+      // joins that correction (one pass over the block, not two: Finish gets no bias)
       const uint32_t zu = static_cast<uint32_t>(a.zero_point + (a.dtype == DType::kInt8 ? 128 : 0));
-      for (int64_t r = 0; r < rows_total; ++r)
-        for (int64_t c = 0; c < n1 - n0; ++c) {
-          int32_t& v = acc[r * ldacc + c];
-          v = static_cast<int32_t>(static_cast<uint32_t>(v) - zu * static_cast<uint32_t>(w.colsum[n0 + c]));
-        }
-      Finish(acc.data(), ldacc, m0, rows_total, n0, n1 - n0, bias, out, chosen);
+      thread_local std::vector<uint32_t> corr;
+      const int64_t cols = n1 - n0;
+      corr.resize(static_cast<size_t>(cols));
+      for (int64_t c = 0; c < cols; ++c)
+        corr[c] = (bias ? static_cast<uint32_t>(bias[n0 + c]) : 0u) - zu * static_cast<uint32_t>(w.colsum[n0 + c]);
+      const uint32_t* cv = corr.data();
+      for (int64_t r = 0; r < rows_total; ++r) {
+        uint32_t* row = reinterpret_cast<uint32_t*>(acc.data() + r * ldacc);
+        for (int64_t c = 0; c < cols; ++c) row[c] += cv[c];
+      }
+      Finish(acc.data(), ldacc, m0, rows_total, n0, cols, nullptr, out, chosen);
       return;
     }
     a16.resize(static_cast<size_t>(rows_total * w.kp + 8));

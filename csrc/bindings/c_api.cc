@@ -47,6 +47,7 @@ uint32_t qdsl_paths(int which) {
   switch (which) {
     case 0: return qdsl::CompiledPaths();
     case 1: return qdsl::CpuPaths();
+    case 3: return qdsl::EvexVnniUsable() ? 1u : 0u;  // the AVX2 path runs EVEX vpdpbusd kernels
     default: return qdsl::EnabledPaths();
   }
 }

@@ -21,7 +21,7 @@ extern "C" {
 #endif
 
 QDSL_API int qdsl_abi_version(void);
-QDSL_API uint32_t qdsl_paths(int which); /* 0 compiled, 1 cpu, 2 enabled */
+QDSL_API uint32_t qdsl_paths(int which); /* 0 compiled, 1 cpu, 2 enabled; 3: 1 when the AVX2 path runs EVEX VNNI (EvexVnniUsable) */
 QDSL_API void qdsl_set_enabled_paths(uint32_t mask);
 QDSL_API void qdsl_set_num_threads(int n);
 QDSL_API int qdsl_get_num_threads(void);

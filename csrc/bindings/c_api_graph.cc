@@ -49,7 +49,11 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
                                             op.opcode == qdsl::kLinear);
     info[4] = int_gemm && cp->int32_exact ? cp->maddubs_steps : -1;
     info[5] = int_gemm ? (cp->fast_acc ? 1 : 0) : -1;  // (binary ops: not tracked)
-    info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : 1) : 0) : -1;  // 2: the int16 kernel kind
+    // 2: the int16 kernel kind; 3: the vpmaddubsw kind run by its vpdpbusd kernels (on the last
+    // run's path, before any run the default one)
+    uint32_t path = g->nhwc_path;
+    if (path == 0 && !qdsl::ResolvePath(0, &path).ok()) path = 0;
+    info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : (qdsl::IgemmRunsVnni(path) ? 3 : 1)) : 0) : -1;
     if (int_gemm) info[1] = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok ? 1 : 0;
     // the output stage prepared for the kernel's registers (StageF32: igemm or NHWC depthwise)
     // (2: an NHWC depthwise conv that runs on the vpmaddubsw kernel, ConvParams::dwq)

@@ -91,7 +91,10 @@ class CompiledGraph:
         ``no_overflow`` (int conv/linear only: no accumulator can overflow, so the fast output
         stage runs), ``implicit_gemm`` (int conv/linear only: AVX2 runs the implicit-GEMM NHWC
         conv; with ``implicit_gemm_int16`` telling its kernel kind: True for the int16 one that
-        is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one),
+        is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one; and
+        ``implicit_gemm_vnni`` True when that kind runs as bit-identical ``vpdpbusd``
+        kernels instead, on CPUs with AVX512_VNNI + AVX512VL such as Zen 4, unless
+        ``QDSL_EVEX_VNNI=0``: exact for any codes, so full-range 8-bit convs take it too),
         ``register_stage`` (int conv/linear only: its output stage is prepared for the AVX2
         kernel's epilogue, applied to the sums in registers when the output is one I8/U8 tensor
         stored NHWC; ``depthwise_maddubs``: an NHWC depthwise conv whose sums AVX2 takes by
@@ -122,6 +125,7 @@ class CompiledGraph:
                 entry["implicit_gemm"] = bool(info[6])
                 if info[6] > 0:
                     entry["implicit_gemm_int16"] = info[6] == 2
+                    entry["implicit_gemm_vnni"] = info[6] == 3
                     entry["fused_add_stage"] = bool(info[1])
             if info[8] >= 0:
                 entry["fused_gemm"] = bool(info[8])

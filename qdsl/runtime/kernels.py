@@ -81,6 +81,13 @@ def paths() -> dict[str, list[str]]:
     }
 
 
+def evex_vnni() -> bool:
+    """Whether the AVX2 path runs its u8*s8 kernels as EVEX ``vpdpbusd`` (a CPU with AVX512_VNNI +
+    AVX512VL but used through the AVX2 path, e.g. AMD Zen 4; ``QDSL_EVEX_VNNI=0`` turns it off):
+    exact for any activation codes, so those kernels need no activation bound."""
+    return bool(_lib().qdsl_paths(3))
+
+
 class PackedWeights:
     """Weights packed once for the optimized kernels (freed with the object)."""
 

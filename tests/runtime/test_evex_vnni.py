@@ -1,5 +1,6 @@
 """The EVEX build of the VNNI GEMM kernels (csrc/kernels/x86/gemm_u8s8_6x16_vnni_avx512.cc), for
-CPUs with AVX512-VNNI + AVX512VL but no AVX-VNNI (AMD Zen 4), opt-in with QDSL_EVEX_VNNI=1.  The
+CPUs with AVX512-VNNI + AVX512VL but no AVX-VNNI (AMD Zen 4), opt-in to the VNNI paths with QDSL_EVEX_VNNI=paths (by default the AVX2
+path runs these kernels there, test_igemm_vnni.py).  The
 library reads the variable once per process, so each check runs in a subprocess; the kernel
 checks are test_kernels.py's own (hypothesis shapes incl. odd sizes, zero points, bias, the
 output stage, 1-4 threads, every path against numpy), run with the variable set so that their
@@ -37,7 +38,7 @@ def _env(opt_in: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("QDSL_EVEX_VNNI", "QDSL_KERNELS")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if opt_in:
-        env["QDSL_EVEX_VNNI"] = "1"
+        env["QDSL_EVEX_VNNI"] = "paths"
     return env
 
 

@@ -43,6 +43,12 @@ void IgemmU8S8Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cq
 void IgemmU8S8StageAvx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                         const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
                         bool out_signed);
+// The same two contracts on vpdpbusd (igemm_u8s8_vnni_avx512.cc; AVX512_VNNI + AVX512VL).
+void IgemmU8S8Avx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                         int32_t* c, int64_t ldc, const int32_t* init);
+void IgemmU8S8StageAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                              const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out,
+                              int64_t ldo, bool out_signed);
 // Its int16 kind on int16 panels (igemm_i16_6x16_avx2.cc): exact on full-range u8 codes.
 void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                     int32_t* c, int64_t ldc, const int32_t* init);
@@ -151,6 +157,9 @@ void DwConvNhwcStageAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, i
 // The same on U8 codes and int8 weights by vpmaddubsw (DwNhwcQuadKernel; dwconv_nhwc_u8s8_avx2.cc).
 void DwConvNhwcQuadAvx2(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, const uint8_t* w,
                         const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo, bool out_signed);
+// The same on vpdpbusd (dwconv_nhwc_u8s8_vnni_avx512.cc; AVX512_VNNI + AVX512VL).
+void DwConvNhwcQuadAvx512Vnni(const uint8_t* const* ptrs, int64_t n, int64_t ntaps, int64_t C, const uint8_t* w,
+                              const int32_t* init, const StageF32& st, uint8_t* out, int64_t ldo, bool out_signed);
 // Padded int16 plane interior of a depthwise conv (DwFillKernel in dispatch.h).
 void DwFillPlaneAvx2(const uint8_t* x, bool x_signed, int64_t H, int64_t W, int64_t ph, int64_t pw, int64_t rows,
                      int64_t ldp, int32_t zp, int16_t* xp);

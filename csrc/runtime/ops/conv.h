@@ -69,7 +69,8 @@ struct ConvParams : OpParams {
   // AVX2 implicit-GEMM conv (IgemmConv, conv_igemm.cc; groups 1, U8/I8 input, no overflow
   // possible).  M = output positions, N = output channels, K = taps x ig_cp (C rounded up to 4,
   // zero weights past C).  Two kernel kinds on the same row pointers: int8 weights whose pairs
-  // allow the vpmaddubsw kernel (MaddubsStepsFor >= 1, e.g. behind a 7-bit clamp), with ig_w
+  // allow the vpmaddubsw kernel (MaddubsStepsFor >= 1, e.g. behind a 7-bit clamp; any int8
+  // weights where it runs as EVEX vpdpbusd, EvexVnniUsable: exact for any codes), with ig_w
   // per panel of 16 output channels [tap][k-quad][16 channels][4 bytes] s8 weights; else
   // (ig_int16: full-range 8-bit activations, |W - w_zp| <= 511) the int16 kernel, with ig_w per
   // panel [tap][k-quad][4 vectors of 8 channels x 2 int16] (igemm_i16_6x16_avx2.cc's order).

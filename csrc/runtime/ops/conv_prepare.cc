@@ -76,7 +76,8 @@ void PrepareDepthwiseQuads(ConvParams* pp) {
       if (v < -128 || v > 127) return;
       rows[c * tp + t] = static_cast<int8_t>(v);
     }
-  if (MaddubsStepsFor(MaddubsPairBound(rows.data(), C, tp, tp), p.in_max_code) < 1) return;
+  // (EVEX vpdpbusd on the AVX2 path, EvexVnniUsable: exact for any codes, no bound needed)
+  if (!EvexVnniUsable() && MaddubsStepsFor(MaddubsPairBound(rows.data(), C, tp, tp), p.in_max_code) < 1) return;
   p.dwq_w.assign(static_cast<size_t>(C32 / 32 * steps * 128), 0);
   p.dwq_init.assign(static_cast<size_t>(C32), 0);
   const bool lone = taps % 4 == 1;
@@ -148,8 +149,8 @@ void PrepareDepthwise(ConvParams* pp, bool x_u8) {
 // gathered conv: as an implicit-GEMM conv it would make the 32-channel 112 x 112 depthwise
 // conv before it write NHWC, where the plane kernel is ~2x faster.  The kernel kind: vpmaddubsw
 // when it is exact on the weights for the input's codes (int8 weights, MaddubsStepsFor >= 1),
-// else the int16 kind (|W - w_zp| <= 511: int32_exact), e.g. full-range 8-bit activations
-// with any int8 weights.
+// or it runs as EVEX vpdpbusd (EvexVnniUsable, any codes), else the int16 kind (|W - w_zp| <= 511:
+// int32_exact), e.g. full-range 8-bit activations with any int8 weights.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
   // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
@@ -171,7 +172,10 @@ void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) 
         rows[(oc * taps + t) * cp + c] = static_cast<int16_t>(v);
         rows8[(oc * taps + t) * cp + c] = static_cast<int8_t>(v);
       }
-  int8 = int8 && MaddubsStepsFor(MaddubsPairBound(rows8.data(), O, taps * cp, taps * cp), p.in_max_code) >= 1;
+  // (where the AVX2 path runs the kind as EVEX vpdpbusd, EvexVnniUsable, it is exact for any u8
+  // codes: full-range 8-bit activations take it too, not the int16 kind)
+  int8 = int8 && (EvexVnniUsable() ||
+                  MaddubsStepsFor(MaddubsPairBound(rows8.data(), O, taps * cp, taps * cp), p.in_max_code) >= 1);
   if (int8) {
     p.ig_w.assign(static_cast<size_t>(panels * kq * 64), 0);
     for (int64_t oc = 0; oc < O; ++oc)

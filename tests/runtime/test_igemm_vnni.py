@@ -1,0 +1,176 @@
+"""The implicit-GEMM conv's vpdpbusd kernels (csrc/kernels/x86/igemm_u8s8_vnni_avx512.cc): on a CPU
+with AVX512_VNNI and AVX512VL (e.g. Zen 4, which has no VEX AVX-VNNI, so the runtime's own VNNI
+paths stay off and the AVX2 path runs), the AVX2 path's vpmaddubsw-kind convs (7-bit codes or
+small weights) run on vpdpbusd instead, bit-identical to the reference; the plan says so
+(``implicit_gemm_vnni``), and QDSL_EVEX_VNNI=0 (or its earlier name QDSL_IGEMM_VNNI=0) runs the
+vpmaddubsw kernels again.  vpdpbusd is exact for any u8 codes, so exact 8-bit convs (full-range
+codes, full-range int8 weights) take that kind too instead of the int16 one, and the int GEMM
+(Linear/MatMul) runs its EVEX VNNI kernel on the AVX2 path with no activation-bound scan; with
+QDSL_EVEX_VNNI=0 test_kernels.py's GEMM tests run again in a subprocess on the vpmaddubsw/int16
+kernels.  Skipped on CPUs without the instructions (the other tests cover the AVX2 kernels there)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import qdsl.runtime as rt
+
+pytestmark = pytest.mark.skipif(not rt.available(), reason=f"C++ runtime not built: {rt.load_error()}")
+
+from qdsl.graph.ir import DType  # noqa: E402
+
+from tests.runtime.test_conv_igemm import _FIXTURE_OK, _one_conv, threads  # noqa: E402,F401
+from tests.runtime.test_graph import PATHS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cpu_has_vnni() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_vnni"))
+
+
+needs_vnni = pytest.mark.skipif(not (_cpu_has_vnni() and "avx2" in PATHS), reason="no AVX512_VNNI + AVX512VL")
+
+
+@pytest.fixture(autouse=True)
+def _every_shape(monkeypatch):
+    monkeypatch.setenv("QDSL_IGEMM_ALL", "1")
+
+
+@needs_vnni
+@settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3, 5]), stride=st.sampled_from([1, 2]),
+       xdtype=st.sampled_from([DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8, DType.I32]),
+       bias=st.booleans(), wmag=st.sampled_from([16, 64]))
+def test_vnni_igemm_conv_matches_reference(threads, seed, k, stride, xdtype, out, bias, wmag):
+    """Random convs (odd channel counts, padding, dilation, strip and panel tails, batch 1-3)
+    whose weights allow the vpmaddubsw kind (within +-64 for full-range codes; any int8 weights
+    behind a 7-bit clamp is the driver's other case, the MobileNetV2 test below) equal the
+    reference on every path, the AVX2 one running the vpdpbusd kernels (this CPU has them)."""
+    rng = np.random.default_rng(seed)
+    layouts, kinds = _one_conv(rng, k, stride, xdtype, out, bias, wmag,
+                               in_zp=int(rng.integers(-5, 6)) if xdtype is DType.I8 else int(rng.integers(0, 9)))
+    assert kinds == {"conv": False}  # the vpmaddubsw kind ran (IgemmConv) ...
+    assert layouts["conv"][0]
+
+
+_SCRIPT = r"""
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import qdsl.runtime as rt
+from tests.runtime.test_conv_igemm import _one_conv
+from qdsl.graph.ir import DType
+import tests.runtime.test_graph as tg
+from qdsl.graph.qgraph import save_graph
+out = {}
+for seed in range(6):
+    rng = np.random.default_rng(seed)
+    _one_conv(rng, 3 if seed % 2 else 1, 1 + seed % 2, DType.U8, DType.U8, True, 64, 2)
+# the plan of one conv run on the AVX2 path
+from qdsl.graph.ir import IntegerGraph
+rng = np.random.default_rng(7)
+from tests.runtime.test_conv_igemm import _attrs, _weights
+from qdsl.graph.ir import Op, OpType, Tensor
+wt = _weights(rng, 40, 30, 3, int(sys.argv[2]))
+if int(sys.argv[2]) > 64:
+    wt[:, :2, 0, 0] = 127  # a pair vpmaddubsw cannot sum in int16 at code 255
+graph = IntegerGraph([Tensor("x", DType.U8, (-1, 30, 9, 11)), Tensor("w", DType.I8, wt.shape, wt),
+                      Tensor("y", DType.U8, (-1, 40, 9, 11))], ["x"], ["y"],
+                     [Op(OpType.CONV2D, "conv", ["x", "w"], ["y"], _attrs(rng, 40, DType.U8, 3, 1, 1))]).validate()
+cg = rt.CompiledGraph(graph)
+x = rng.integers(0, 256, (2, 30, 9, 11)).astype(np.uint8)
+y = cg.run(x, path="avx2")
+plan = cg.plan()[0]
+assert np.array_equal(y, tg.execute(graph, [x]).outputs[0])  # == the reference executor
+print(json.dumps({"vnni": plan.get("implicit_gemm_vnni"), "int16": plan.get("implicit_gemm_int16"),
+                  "evex": rt.kernels.evex_vnni(), "y": y.reshape(-1).tolist()}))
+"""
+
+
+def _run_script(env_extra: dict, wmag: int) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("QDSL_EVEX_VNNI", "QDSL_IGEMM_VNNI")}
+    e.update(QDSL_IGEMM_ALL="1", **env_extra)
+    res = subprocess.run([sys.executable, "-c", _SCRIPT, str(ROOT), str(wmag)], env=e, capture_output=True,
+                         text=True, cwd=ROOT, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@needs_vnni
+@pytest.mark.parametrize("wmag", [64, 127], ids=["small_weights", "full_range_8bit"])
+def test_vnni_switch_in_subprocess(wmag):
+    """By default (QDSL_EVEX_VNNI unset) the conv runs the vpdpbusd kind, also with full-range
+    weights on full-range 8-bit codes (the exact 8-bit graphs, which took the int16 kind before);
+    QDSL_EVEX_VNNI=0, and its earlier name QDSL_IGEMM_VNNI=0 (read once per process), turn it
+    off: the vpmaddubsw kind for small weights, the int16 kind for full-range ones.  The plan
+    keys follow, every conv equals the reference (_one_conv checks), and the outputs of all the
+    kernels are the same bytes."""
+    on = _run_script({}, wmag)
+    assert on["evex"] is True and on["vnni"] is True and on["int16"] is False
+    for off_env in ({"QDSL_EVEX_VNNI": "0"}, {"QDSL_IGEMM_VNNI": "0"}):
+        off = _run_script(off_env, wmag)
+        assert off["evex"] is False and off["vnni"] is False and off["int16"] is (wmag > 64), off_env
+        assert off["y"] == on["y"]
+
+
+@needs_vnni
+@settings(max_examples=30, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), k=st.sampled_from([1, 1, 3, 5]), stride=st.sampled_from([1, 2]),
+       xdtype=st.sampled_from([DType.U8, DType.I8]), out=st.sampled_from([DType.U8, DType.I8, DType.I32]),
+       bias=st.booleans(), zp_at=st.sampled_from(["lo", "hi", "mid", "zero"]))
+def test_vnni_igemm_exact_8bit_conv_matches_reference(threads, seed, k, stride, xdtype, out, bias, zp_at):
+    """Exact 8-bit convs (full-range U8/I8 codes incl. both ends, full-range int8 weights with a
+    pair vpmaddubsw would saturate, input zero points at the dtype's ends, odd C/O, padding,
+    dilation, batch 1-3, 1/2 threads) run the vpdpbusd kind, not the int16 one, and equal the
+    reference on every path."""
+    rng = np.random.default_rng(seed)
+    lo, hi = xdtype.range
+    in_zp = {"lo": lo, "hi": hi, "mid": int(rng.integers(lo, hi + 1)), "zero": 0}[zp_at]
+    layouts, kinds = _one_conv(rng, k, stride, xdtype, out, bias, 127, in_zp)
+    assert kinds == {"conv": False}  # not the int16 kind
+    assert layouts["conv"][0]
+
+
+@needs_vnni
+def test_gemm_kernel_tests_pass_with_evex_vnni_off():
+    """QDSL_EVEX_VNNI=0: test_kernels.py's int GEMM tests (hypothesis shapes, zero points, the
+    activation bound and its check, the output stage, threads) on the vpmaddubsw / int16 AVX2
+    kernels, which the default no longer runs on this CPU."""
+    e = {k: v for k, v in os.environ.items() if k not in ("QDSL_EVEX_VNNI", "QDSL_IGEMM_VNNI", "QDSL_KERNELS")}
+    e["QDSL_EVEX_VNNI"] = "0"
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           str(ROOT / "tests" / "runtime" / "test_kernels.py"), "-k", "gemm"]
+    out = subprocess.run(cmd, env=e, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+@needs_vnni
+def test_vnni_mobilenet_v2_7bit_matches_reference(monkeypatch):
+    """A torchvision-shaped MobileNetV2 at 7-bit activations (any int8 weights behind the 7-bit
+    clamp: the driver's main case, with row bands and segments) equals the reference on every
+    path (the shapes the runtime picks itself), and on AVX2 its 1x1 convs ran on vpdpbusd."""
+    from tests.runtime.test_depthwise_maddubs import mobilenet_v2_7bit
+    from tests.runtime.test_graph import _check
+
+    monkeypatch.delenv("QDSL_IGEMM_ALL")
+    graph, x = mobilenet_v2_7bit()
+    cg = _check(graph, x)
+    cg.run(x, path="avx2")
+    vnni = [p["name"] for p in cg.plan() if p.get("implicit_gemm_vnni")]
+    assert len(vnni) >= 10, cg.plan()
