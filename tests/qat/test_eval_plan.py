@@ -19,18 +19,9 @@ from qdsl.quantizers import TensorQuantizer
 from qdsl.quantizers import eval_fast as EF
 from qdsl.zoo.models import conv_bn_relu_net
 
+from tests.qat.test_eval_cache import _encoder  # the same small encoder under a spec
+
 SPECS = Path(__file__).resolve().parents[2] / "specs"
-
-
-def _encoder(spec):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16),
-                          nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True))
-    apply(model, SPECS / spec)
-    x = torch.randn(4, 6, 16)
-    calibrate(model, [x])
-    qdsl.qat.prepare_qat(model)
-    return model, x
 
 
 def _cnn(spec):
