@@ -40,20 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["fake_quant_mask", "applies"]
-
-
-def applies(x: Tensor, scale: Tensor, zero_point: Optional[Tensor], qmin: int, qmax: int, rounding: str,
-            axis: Optional[int], group_size: Optional[int]) -> bool:
-    """The cases the op handles: the eager path's fused ones (``ste._fused_ok`` outside a
-    traced region) with no gradient wanted for the scale or the zero point."""
-    if rounding != "half_even" or x.dtype != torch.float32 or group_size is not None or qmax - qmin >= 2**16:
-        return False
-    if scale.requires_grad or (zero_point is not None and zero_point.requires_grad):
-        return False
-    if axis is None:
-        return scale.numel() == 1 and (zero_point is None or zero_point.numel() == 1)
-    return scale.dim() == 1 and (zero_point is None or zero_point.shape == scale.shape)
+__all__ = ["fake_quant_mask"]
 
 
 @torch.library.custom_op("qdsl::fake_quant_mask", mutates_args=(), tags=(torch.Tag.flexible_layout,))

@@ -123,20 +123,30 @@ def _view(p: Tensor, x: Tensor, axis: Optional[int], group_size: Optional[int]) 
     return F.param_view(p, x, axis, group_size)
 
 
-def _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size) -> bool:
+def _fused_form(x, scale, zero_point, qmin, qmax, rounding, axis, group_size) -> bool:
+    """The quantizers the fused computation covers (torch's fused per-tensor kernel, the
+    blocked per-channel passes), whatever autograd and the compiler want of it."""
     if rounding != "half_even" or x.dtype != torch.float32 or group_size is not None:
         return False
     if qmax - qmin >= 2**16:  # the fused kernels are for narrow integer ranges
         return False
-    if torch.is_grad_enabled() and (scale.requires_grad or (zero_point is not None and zero_point.requires_grad)):
+    if axis is None:
+        return scale.numel() == 1 and (zero_point is None or zero_point.numel() == 1)
+    return scale.dim() == 1 and (zero_point is None or zero_point.shape == scale.shape)
+
+
+def _qparams_need_grad(scale, zero_point) -> bool:
+    return scale.requires_grad or (zero_point is not None and zero_point.requires_grad)
+
+
+def _fused_ok(x, scale, zero_point, qmin, qmax, rounding, axis, group_size) -> bool:
+    if torch.is_grad_enabled() and _qparams_need_grad(scale, zero_point):
         return False
     if torch.compiler.is_compiling():
         # the fused kernels (per tensor with tensor qparams, per channel) have no
         # fake-tensor support: they would break the graph; the compiler fuses the plain ops
         return False
-    if axis is None:
-        return scale.numel() == 1 and (zero_point is None or zero_point.numel() == 1)
-    return scale.dim() == 1 and (zero_point is None or zero_point.shape == scale.shape)
+    return _fused_form(x, scale, zero_point, qmin, qmax, rounding, axis, group_size)
 
 
 class _FakeQuant(torch.autograd.Function):
@@ -292,7 +302,8 @@ def fake_quant(
     -0.32
     """
     if (torch.compiler.is_compiling() and os.environ.get("QDSL_FQ_OP") == "1"
-            and fq_op.applies(x, scale, zero_point, qmin, qmax, rounding, axis, group_size)):
+            and not _qparams_need_grad(scale, zero_point)
+            and _fused_form(x, scale, zero_point, qmin, qmax, rounding, axis, group_size)):
         # opt-in (QDSL_FQ_OP=1): the same fused computation as below, one opaque op to the
         # compiler (qdsl.quantizers.fq_op; measured: compile time and step unchanged)
         return fq_op.fake_quant_mask(x, scale.detach(), None if zero_point is None else zero_point.detach(),

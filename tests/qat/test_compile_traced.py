@@ -15,13 +15,18 @@ from qdsl.zoo.models import conv_bn_relu_net
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 
 
-def _static_input(spec: str) -> TensorQuantizer:
+def _qat_net(spec: str):
+    """A small ConvBnReluNet under `spec`, calibrated and prepared for QAT."""
     torch.manual_seed(0)
     model = conv_bn_relu_net(width=8)
     apply(model, SPECS / spec)
     calibrate(model, [torch.randn(8, 3, 16, 16)])
     qdsl.qat.prepare_qat(model)
-    q = model._qdsl.quantizers["features/3:input"]
+    return model
+
+
+def _static_input(spec: str) -> TensorQuantizer:
+    q = _qat_net(spec)._qdsl.quantizers["features/3:input"]
     assert not q.stateless and not q.learned
     return q
 
@@ -75,11 +80,7 @@ def test_static_qparams_follow_new_statistics():
 
 # ------------------------------------------------ fake quantization as one op (qdsl::fake_quant_mask)
 def _weight_proxy(spec: str) -> TensorQuantizer:
-    torch.manual_seed(0)
-    model = conv_bn_relu_net(width=8)
-    apply(model, SPECS / spec)
-    calibrate(model, [torch.randn(8, 3, 16, 16)])
-    qdsl.qat.prepare_qat(model)
+    model = _qat_net(spec)
     model.train()
     model(torch.randn(8, 3, 16, 16)).sum().backward()  # an eager training step: the searched range is carried
     return model._qdsl.quantizers["features/3:weight"]
