@@ -11,8 +11,9 @@ matter on small layers (a transformer encoder's 29 activation quantizers per lay
 * **A dynamic per-tensor int quantizer's scale** (:func:`dynamic_int_params`): the general
   path derives scale and zero point from the batch range in ~40 tensor ops on one or two
   numbers (each a dispatch of several microseconds).  Here the range comes from one
-  ``aminmax`` and the scale and zero point from binary32 scalar arithmetic (numpy
-  ``float32``: each operation rounds once to binary32, as torch's float32 kernels do),
+  ``aminmax`` and the scale and zero point from binary32 scalar arithmetic (Python floats,
+  each operation rounded once to binary32, as torch's float32 kernels do; numpy ``float32``
+  for an overflowing quotient),
   the formula of :func:`qdsl.quantizers.range_search.range_to_qparams` and
   :class:`qdsl.quantizers.formats.int.IntOps` step by step.
 * **One tensor quantized by several readers** (:class:`SharedInputs`): a BERT layer's
