@@ -189,24 +189,32 @@ class AccumulatorSim:
             return None
         if self.acc.constrain and not wq.frozen:
             return None  # the projection at freeze removes every overflow: train on the exact sums
-        s_x = iq.current_scale()
+        # the scale the input quantizer used on this very input (the layer's pre-hook ran it):
+        # current_scale()'s value, without a static activation's statistics key walk per call
+        s_x = iq.used_scale()
         w_hat = module.weight
         s_w = wq.current_scale()
         if s_x is None or s_w is None:
             return None  # nothing quantized yet (an uncalibrated static input passes through)
-        if s_x.numel() != 1:
+        if isinstance(s_x, float):  # the dynamic scalar path's number (eval_fast): one scale
+            s_val = s_x
+        elif s_x.numel() != 1:
             self._warn("a per-channel input scale")
             return None
+        else:
+            s_val = float(s_x.detach())
         b_hat = module.bias
         if b_hat is None and self.proven_safe():
             return None  # bit widths and fan-in alone rule out an overflow (accumulator_sums)
         z = iq.zero_point if iq.frozen and not iq.dynamic else None
         # a frozen layer reuses its module.weight/bias tensors: decide (and derive) once
         key = (id(w_hat), w_hat._version, id(b_hat), b_hat._version if b_hat is not None else None,
-               float(s_x.detach()), id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
+               s_val, id(s_w), s_w._version, None if z is None else int(z.reshape(-1)[0]))
         if self._safe_key is not None and self._safe_key[0] == key:
             safe, ops = self._safe_key[1:]
         else:
+            if isinstance(s_x, float):
+                s_x = iq.current_scale()  # the tensor form (the same binary32 value)
             with torch.no_grad():
                 ops = operands(s_w, s_x, w_hat, b_hat, self._grid_step())
                 safe = decide(ops[0], ops[1], self._input_ranges(z), self.acc.bits, self.width_bound())

@@ -55,7 +55,11 @@ When (the rule):
   quantizer reading a wide LayerNorm output gets its REQUANTIZE codes (:class:`WideReadSim`).
   MiniLM's frozen fake-quant hidden states then equal the graph's to the bit.
 
-Cost: one numpy pass per op on the CPU, one more float32 product per simulated Linear.
+Cost: one numpy pass per op on the CPU, one more product per simulated Linear (on its
+codes: the runtime's int8 GEMM where it applies, else float32 in exact chunks;
+qdsl.patch.residual_sim.exact_accumulator).  It is what makes a frozen transformer evaluate
+slower than before ``freeze`` (MiniLM transformer-int8 3.5-3.8x float vs 1.2x; README): the
+price of frozen outputs equal to the graph's codes, not a cache that misses.
 """
 
 from __future__ import annotations

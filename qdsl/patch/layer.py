@@ -92,8 +92,7 @@ def proxy_state_key(proxies) -> tuple[list, list]:
         key += (q.enabled, q._observing, q._frozen, id(q._range),
                 bool(getattr(q.__dict__.get("_modules", {}).get("observer"), "_search_requested", False)))
         refs.append(q._range)
-        ts: list = []
-        _tensors(q, ts)
+        ts = [t for d in _state_dicts(q) for t in d.values() if t is not None]
         key.append(len(ts))
         key += map(id, ts)
         key += map(_VERSION, ts)
@@ -104,6 +103,35 @@ def proxy_state_key(proxies) -> tuple[list, list]:
 
 _VERSION = operator.attrgetter("_version")
 _DTYPE = operator.attrgetter("dtype")
+
+
+def _state_dicts(q: nn.Module) -> list:
+    """The ``_buffers`` and ``_parameters`` dicts of ``q`` and its children, recursively, in
+    :func:`_tensors`'s order (their values are the tensors it lists).  Kept on the proxy
+    while its children are the same modules and have no children of their own (a proxy's
+    observer and scale rule): checked per call by two identity comparisons, where walking
+    the tree cost three calls and six list comprehensions per proxy.  Deeper trees are
+    walked each time."""
+    d = q.__dict__
+    kids = tuple(d["_modules"].values())
+    leaves = not any(k is not None and k._modules for k in kids)
+    hit = d.get("_qdsl_state_dicts")
+    if hit is not None and leaves and hit[0] == kids:
+        return hit[1]
+    dicts: list = []
+    _dicts(q, dicts)
+    if leaves:
+        d["_qdsl_state_dicts"] = (kids, dicts)
+    else:
+        d.pop("_qdsl_state_dicts", None)
+    return dicts
+
+
+def _dicts(m: nn.Module, out: list) -> None:
+    out += (m._buffers, m._parameters)
+    for child in m._modules.values():
+        if child is not None:
+            _dicts(child, out)
 
 
 def _tensors(m: nn.Module, out: list) -> None:
@@ -305,9 +333,11 @@ class LayerPatch:
 
     def _exact(self) -> bool:
         """Compute in binary64 now (see the module doc)."""
+        if not self._unit:
+            return False  # (before the import: this runs several times per layer call)
         from qdsl.patch.handle import State
 
-        return self._unit and self.handle.state in (State.FROZEN, State.EXPORTED)
+        return self.handle.state in (State.FROZEN, State.EXPORTED)
 
     def _cacheable(self, w, b) -> tuple | None:
         from qdsl.patch.handle import State
@@ -484,6 +514,9 @@ class LayerPatch:
         state["_cache_key"] = None  # names this model's tensors by id(): meaningless in a copy
         state["_cache_refs"] = state["_key_refs"] = None
         state.pop("_frozen_record", None)  # keyed the same way (qdsl.patch.frozen)
+        # derived from that record (qdsl.patch.residual_sim), incl. the runtime's packed weights
+        state.pop("_residual_operands", None)
+        state.pop("_residual_rescales", None)
         return state
 
     def __deepcopy__(self, memo: dict) -> "LayerPatch":

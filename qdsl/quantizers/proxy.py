@@ -273,6 +273,18 @@ class TensorQuantizer(LazyBuffers):
             s = self.__dict__["_last_scale"] = torch.tensor(s, dtype=torch.float32)
         return s
 
+    def used_scale(self) -> torch.Tensor | float | None:
+        """The scale the last ``forward`` quantized with, for a reader within the same module
+        call (the accumulator hook, after the layer's pre-hook ran this input quantizer): the
+        frozen scale (the frozen fast path does not record it), else the last forward's, a
+        Python float from the dynamic scalar path (eval_fast) or a tensor; None: passed
+        through.  The value :meth:`current_scale` gives right after a forward (a static
+        activation's statistics do not change within a module call; observing, disabled and
+        compiled calls are the caller's to exclude), without walking the statistics' key."""
+        if self._frozen and not self.dynamic:
+            return self.scale
+        return self._last_scale
+
     def add_offset(self, delta: torch.Tensor) -> torch.Tensor:
         """Bias correction: add ``delta`` to the float tensor before it is quantized (on
         every later call); returns the total offset."""
@@ -602,6 +614,7 @@ class TensorQuantizer(LazyBuffers):
         state["_range"] = None  # keyed on this model's buffers
         state.pop("_sviews", None)
         state.pop("_eplan", None)
+        state.pop("_qdsl_state_dicts", None)  # this module's dicts (qdsl.patch.layer.proxy_state_key)
         for name in ("_last_scale", "_derived_scale"):
             t = state.get(name)
             if isinstance(t, torch.Tensor):

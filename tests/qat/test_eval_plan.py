@@ -213,3 +213,118 @@ def test_input_state_keys_the_weights_only_through_a_derived_bias(monkeypatch):
         assert (calls != []) == recomputed, spec
         del calls[:]  # (the general path's deep copy carries the hook too)
         assert torch.equal(_bits(got), _bits(_general(model, x, monkeypatch)))
+
+
+_NARROW = """version 1
+quantizer w8 = int(bits=8, signed, narrow, symmetric, per_channel, observer=minmax)
+quantizer a8 = int(bits=8, unsigned, asymmetric, per_tensor, observer=minmax{dyn})
+defaults {{
+  weight = w8
+  input = a8
+  bias = {bias}
+  accumulator(bits=12, overflow=wrap)
+}}
+"""
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_accumulator_hook_reads_the_scale_its_input_quantizer_used(monkeypatch, dynamic):
+    # the narrow accumulator's hook reads the input scale the layer's input quantizer used on
+    # this call (TensorQuantizer.used_scale: no statistics key walk, the dynamic scalar path's
+    # number as is); the oracle is the general path with the hook asking current_scale()
+    # (which derives a static scale from the statistics) as before.  Every event that moves
+    # the input scale: new statistics, a loaded state, an in-place edit of the observer,
+    # disable/enable, freeze; and the wrap really happens.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 12), nn.ReLU(), nn.Linear(12, 6))
+    spec = _NARROW.format(dyn=", dynamic" if dynamic else "",
+                          bias="float" if dynamic else "int(bits=32, signed, symmetric, scale=input*weight)")
+    qdsl.apply(model, qdsl.parse_spec(spec))
+    x = torch.randn(16, 48).abs() * 3
+    calibrate(model, [x])
+    qdsl.qat.prepare_qat(model)
+
+    def oracle():
+        with monkeypatch.context() as m:
+            m.setattr(TensorQuantizer, "used_scale", TensorQuantizer.current_scale)
+            return _general(model, x, monkeypatch)
+
+    def same():
+        got = _eval(model, x)
+        assert torch.equal(_bits(got), _bits(oracle()))
+        return got
+
+    sims = [p.acc_sim for p in get_handle(model).layers.values() if p.acc_sim is not None]
+    first = same()
+    assert any(s.simulated and s.overflows for s in sims)  # the 12-bit sums wrap
+    start = copy.deepcopy(model.state_dict())
+    calibrate(model, [0.25 * x])  # new statistics (static) / nothing kept (dynamic)
+    same()
+    model.load_state_dict(start)
+    assert torch.equal(_bits(same()), _bits(first))
+    iq = get_handle(model).layers["0"].iq
+    with torch.no_grad():  # the observer's statistics edited in place
+        for t in iq.observer._buffers.values():
+            if t is not None and t.numel():
+                t.mul_(3.0)
+    same()
+    iq.enabled = False
+    same()
+    iq.enabled = True
+    same()
+    qdsl.freeze(model)
+    same()
+
+
+def test_used_scale_is_current_scale_after_a_forward():
+    for spec in ("transformer-int8.qspec", "int8-dynamic.qspec"):
+        model, x = _encoder(spec)
+        acts = [q for q in model.modules() if isinstance(q, TensorQuantizer) and q.role.value == "input"]
+        for frozen in (False, True):
+            if frozen:
+                qdsl.freeze(model)
+            _eval(model, x)
+            for q in acts:
+                u, c = q.used_scale(), q.current_scale()
+                assert (u is None) == (c is None)
+                if u is not None:
+                    assert torch.equal(torch.as_tensor(u, dtype=torch.float32), c)
+
+
+def test_proxy_state_key_equals_the_walk_and_follows_the_tree():
+    # the key's tensors come from dicts kept per proxy: the same tensors in the same order as
+    # walking the modules, also after a buffer is reassigned, a part is replaced, or a part
+    # gains a child of its own (then walked each time)
+    from qdsl.patch.layer import _tensors, proxy_state_key
+
+    model, x = _encoder("transformer-int8.qspec")
+    _eval(model, x)
+    qs = [q for q in model.modules() if isinstance(q, TensorQuantizer)][:6]
+
+    def walked():
+        out = []
+        for q in qs:
+            ts = []
+            _tensors(q, ts)
+            out.append([id(t) for t in ts])
+        return out
+
+    def keyed():
+        key, _ = proxy_state_key(qs)
+        out, i = [], 0
+        while i < len(key):
+            n = key[i + 5]
+            out.append(key[i + 6:i + 6 + n])
+            i += 6 + 3 * n
+        return out
+
+    assert keyed() == walked()
+    q = qs[0]
+    q.scale = torch.ones(3)  # a buffer reassigned
+    assert keyed() == walked()
+    q.observer = copy.deepcopy(q.observer)  # a part replaced
+    assert keyed() == walked()
+    q.observer.extra = nn.Linear(2, 2)  # a part with a child of its own
+    assert keyed() == walked() and any(id(q.observer.extra.weight) in k for k in keyed())
+    del q.observer.extra
+    assert keyed() == walked()
