@@ -12,9 +12,17 @@
 // instead of 4 for 16 channels).  Selected by SelectIgemmKernel / SelectIgemmStageKernel
 // on the AVX2 path when the CPU has AVX512_VNNI and AVX512VL (QDSL_IGEMM_VNNI=0: off).
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")
+// gcc 12 flags its own AVX-512 intrinsics (_mm512_undefined_* inside them) as uninitialized, and
+// notes the ABI of the (internal) AVX-512 helpers that return a zmm
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wpsabi"
 #include <immintrin.h>
 
 #include <cstdint>
+
+#include "kernels/x86/x86_kernels.h"
+#include "requant/stage_f32_avx512.h"
 
 namespace qdsl {
 namespace x86 {
@@ -49,6 +57,47 @@ __attribute__((always_inline)) inline void Accumulate(const uint8_t* const* rows
   }
 }
 
+// The register stage on AVX-512 (stage_f32_avx512.h): each row's two halves as one zmm, the
+// rounding in the fma, the clamp on the bit patterns, vpmovdb to 16 bytes and one store
+// (masked for a partial panel), instead of the AVX2 stage's per-8-lane round, convert and
+// zero point add, the packs and shuffles, and a byte loop for partial panels.  `bits`
+// (optional) gets each row's sums as one zmm for a second stage (the twin kernel below).
+template <int MR, Rounding R>
+__attribute__((always_inline)) inline void StageRows512(const __m256i (&acc)[MR][2], const StageF32& st, int64_t c0,
+                                                        int cols, uint8_t* out, int64_t ldo, __m512i (&x)[MR]) {
+  const StageF32Vec512 v(st);
+  const __m512 mf = _mm512_loadu_ps(st.mf.data() + c0);
+  __m512i codes[MR];
+  __m512i all = v.sign;  // (integer ands: vandps on zmm is AVX512DQ)
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    x[r] = _mm512_inserti64x4(_mm512_castsi256_si512(acc[r][0]), acc[r][1], 1);
+    __m512 e;
+    codes[r] = StageF32Codes16<R>(x[r], mf, v, &e);
+    all = _mm512_and_si512(all, _mm512_castps_si512(e));
+  }
+  if (__builtin_expect(_mm512_testn_epi32_mask(all, v.sign) != 0, 0)) {
+    for (int r = 0; r < MR; ++r) codes[r] = StageF32Exact16<R>(x[r], st, c0);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    const __m128i b = _mm512_cvtepi32_epi8(codes[r]);
+    if (cols == 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * ldo), b);
+    } else {
+      _mm_mask_storeu_epi8(out + r * ldo, keep, b);
+    }
+  }
+}
+
+template <int MR, Rounding R>
+__attribute__((always_inline)) inline void StoreStage512(const __m256i (&acc)[MR][2], const StageF32& st, int64_t c0,
+                                                         int cols, uint8_t* out, int64_t ldo, bool /*out_signed*/) {
+  __m512i x[MR];
+  StageRows512<MR, R>(acc, st, c0, cols, out, ldo, x);
+}
+
 }  // namespace
 }  // namespace x86
 }  // namespace qdsl
@@ -56,4 +105,79 @@ __attribute__((always_inline)) inline void Accumulate(const uint8_t* const* rows
 // Kernel, KernelStage and the entry points around Accumulate: igemm_u8s8_6x16_drive.h.
 #define QDSL_IGEMM_U8S8 IgemmU8S8Avx512Vnni
 #define QDSL_IGEMM_U8S8_STAGE IgemmU8S8StageAvx512Vnni
+#define QDSL_IGEMM_STAGE_STORE StoreStage512
 #include "kernels/x86/igemm_u8s8_6x16_drive.h"
+
+namespace qdsl {
+namespace x86 {
+namespace {
+
+// The stage kernel with the I32 twin: the codes as KernelStage writes them, then the int32
+// stage s32 (StageI32Reg, exact: StageI32Twin16) of the same sums in registers, row r's
+// first `cols` values to out32 + r * ld32.  A call with a lane whose x * 2^left leaves int32
+// (RescaleOne saturates it) takes the reference rule for every row (StageI32Slow16).
+template <int MR, Rounding R, Rounding R32>
+void KernelStageTwin(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel,
+                     const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+                     const StageI32Reg& s32, int32_t* out32, int64_t ld32) {
+  __m256i acc[MR][2];
+  Accumulate<MR>(rows, taps, cquads, panel, nullptr, 0, init, acc);
+  __m512i x[MR];
+  StageRows512<MR, R>(acc, st, c0, cols, out, ldo, x);
+  const StageI32Vec512 v(s32, c0);
+  __m512i y[MR];
+  __mmask16 bad = 0;
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) y[r] = StageI32Twin16<R32>(x[r], v, &bad);
+  if (__builtin_expect(bad != 0, 0)) {
+    for (int r = 0; r < MR; ++r) y[r] = StageI32Slow16<R32>(x[r], s32, c0);
+  }
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_epi32(out32 + r * ld32, keep, y[r]);
+}
+
+template <Rounding R, Rounding R32>
+void TwinRows(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+              const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+              const StageI32Reg& s32, int32_t* out32, int64_t ld32) {
+  switch (rows) {
+    case 1: return KernelStageTwin<1, R, R32>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case 2: return KernelStageTwin<2, R, R32>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case 3: return KernelStageTwin<3, R, R32>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case 4: return KernelStageTwin<4, R, R32>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case 5: return KernelStageTwin<5, R, R32>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    default: return KernelStageTwin<6, R, R32>(ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+  }
+}
+
+template <Rounding R>
+void TwinRounding32(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                    const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo,
+                    const StageI32Reg& s32, int32_t* out32, int64_t ld32) {
+  using Ro = Rounding;
+  switch (s32.rounding) {
+    case Ro::kHalfEven: return TwinRows<R, Ro::kHalfEven>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case Ro::kFloor: return TwinRows<R, Ro::kFloor>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case Ro::kHalfUp: return TwinRows<R, Ro::kHalfUp>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    default: return TwinRows<R, Ro::kHalfAway>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+  }
+}
+
+}  // namespace
+
+void IgemmU8S8StageTwinAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                  const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0, int cols,
+                                  uint8_t* out, int64_t ldo, bool /*out_signed*/, const StageI32Reg& s32,
+                                  int32_t* out32, int64_t ld32) {
+  using Ro = Rounding;
+  switch (st.rounding) {
+    case Ro::kHalfEven: return TwinRounding32<Ro::kHalfEven>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case Ro::kFloor: return TwinRounding32<Ro::kFloor>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    case Ro::kHalfUp: return TwinRounding32<Ro::kHalfUp>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+    default: return TwinRounding32<Ro::kHalfAway>(rows, ind, taps, cquads, panel, init, st, c0, cols, out, ldo, s32, out32, ld32);
+  }
+}
+
+}  // namespace x86
+}  // namespace qdsl
