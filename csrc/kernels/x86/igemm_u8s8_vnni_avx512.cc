@@ -22,6 +22,7 @@
 #include <cstdint>
 
 #include "kernels/x86/x86_kernels.h"
+#include "requant/stage_add_f32.h"
 #include "requant/stage_f32_avx512.h"
 
 namespace qdsl {
@@ -164,7 +165,104 @@ void TwinRounding32(int rows, const uint8_t* const* ind, int64_t taps, int64_t c
   }
 }
 
+// The fused residual ADD from registers (StageAddF32, requant/stage_add_f32.h): stage_add_avx2.cc's
+// estimate lane for lane on 16 lanes (the same float operations in the same order, so the
+// same codes and flags), the other input read at the same positions, codes narrowed by
+// vpmovdb and stored (masked for a partial panel); flagged lanes take the exact chain.
+enum AddOther { kOtherU8 = 0, kOtherS8 = 1, kOtherI32 = 2 };
+
+struct AddConsts512 {
+  __m512 b, k, smax, eps, lof, hif, thr, half;
+  __m512i zp, abs;
+  explicit AddConsts512(const StageAddF32& s)
+      : b(_mm512_set1_ps(s.b)), k(_mm512_set1_ps(s.k)), smax(_mm512_set1_ps(s.smax)), eps(_mm512_set1_ps(s.eps)),
+        lof(_mm512_set1_ps(s.lof)), hif(_mm512_set1_ps(s.hif)), thr(_mm512_set1_ps(s.thr)), half(_mm512_set1_ps(0.5f)),
+        zp(_mm512_set1_epi32(s.zp)), abs(_mm512_set1_epi32(0x7FFFFFFF)) {}
+};
+
+template <int kOther>
+__attribute__((always_inline)) inline __m512i OtherValues16(const uint8_t* x, __mmask16 keep) {
+  if (kOther == kOtherI32) return _mm512_maskz_loadu_epi32(keep, x);
+  const __m128i b = _mm_maskz_loadu_epi8(keep, x);
+  return kOther == kOtherS8 ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+}
+
+template <int MR, int kOther, bool kFloor>
+void KernelStageAdd(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel,
+                    const int32_t* init, const StageAddF32& s, int64_t c0, int cols, const uint8_t* other,
+                    int64_t ldo, uint8_t* y, int64_t ldy) {
+  __m256i acc[MR][2];
+  Accumulate<MR>(rows, taps, cquads, panel, nullptr, 0, init, acc);
+  const AddConsts512 v(s);
+  const __m512 a = _mm512_loadu_ps(s.a.data() + c0);
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  const int64_t esize = kOther == kOtherI32 ? 4 : 1;
+  auto absf = [&](__m512 t) { return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(t), v.abs)); };
+#pragma GCC unroll 6
+  for (int r = 0; r < MR; ++r) {
+    const __m512i x = _mm512_inserti64x4(_mm512_castsi256_si512(acc[r][0]), acc[r][1], 1);
+    const uint8_t* xo = other + r * ldo * esize;
+    const __m512 p0 = _mm512_mul_ps(_mm512_cvtepi32_ps(x), a);
+    const __m512 q = _mm512_fmadd_ps(_mm512_cvtepi32_ps(OtherValues16<kOther>(xo, keep)), v.b, v.k);
+    __m512 z = _mm512_add_ps(p0, q);
+    if (kFloor) z = _mm512_sub_ps(z, v.half);
+    z = _mm512_min_ps(_mm512_max_ps(z, v.lof), v.hif);
+    const __m512 rz = _mm512_roundscale_ps(z, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 mag = _mm512_add_ps(absf(p0), absf(q));
+    const __m512 dist = _mm512_fmadd_ps(mag, v.eps, absf(_mm512_sub_ps(z, rz)));
+    const __mmask16 flag =
+        (_mm512_cmp_ps_mask(dist, v.thr, _CMP_GT_OQ) | _mm512_cmp_ps_mask(mag, v.smax, _CMP_GT_OQ)) & keep;
+    const __m128i codes = _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(rz), v.zp));
+    uint8_t* yr = y + r * ldy;
+    if (cols == 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(yr), codes);
+    } else {
+      _mm_mask_storeu_epi8(yr, keep, codes);
+    }
+    if (__builtin_expect(flag != 0, 0)) {
+      alignas(64) int32_t xs[16];
+      _mm512_store_si512(xs, x);
+      for (unsigned bits = flag; bits != 0; bits &= bits - 1) {
+        const int i = __builtin_ctz(bits);
+        const int32_t xv = kOther == kOtherI32 ? reinterpret_cast<const int32_t*>(xo)[i]
+                                               : (kOther == kOtherS8 ? static_cast<int8_t>(xo[i]) : xo[i]);
+        yr[i] = static_cast<uint8_t>(StageAddOne(s, xs[i], c0 + i, xv));
+      }
+    }
+  }
+}
+
+template <int kOther, bool kFloor>
+void AddRows(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+             const int32_t* init, const StageAddF32& s, int64_t c0, int cols, const uint8_t* other, int64_t ldo,
+             uint8_t* y, int64_t ldy) {
+  switch (rows) {
+    case 1: return KernelStageAdd<1, kOther, kFloor>(ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+    case 2: return KernelStageAdd<2, kOther, kFloor>(ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+    case 3: return KernelStageAdd<3, kOther, kFloor>(ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+    case 4: return KernelStageAdd<4, kOther, kFloor>(ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+    case 5: return KernelStageAdd<5, kOther, kFloor>(ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+    default: return KernelStageAdd<6, kOther, kFloor>(ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+  }
+}
+
+template <int kOther>
+void AddRowsFor(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
+                const int32_t* init, const StageAddF32& s, int64_t c0, int cols, const uint8_t* other, int64_t ldo,
+                uint8_t* y, int64_t ldy) {
+  if (s.rounding == Rounding::kFloor) return AddRows<kOther, true>(rows, ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+  AddRows<kOther, false>(rows, ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+}
+
 }  // namespace
+
+void IgemmU8S8StageAddAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                 const uint8_t* panel, const int32_t* init, const StageAddF32& s, int64_t c0, int cols,
+                                 const uint8_t* other, int64_t ldo, uint8_t* y, int64_t ldy) {
+  if (s.other_i32) return AddRowsFor<kOtherI32>(rows, ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+  if (s.other_signed) return AddRowsFor<kOtherS8>(rows, ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+  AddRowsFor<kOtherU8>(rows, ind, taps, cquads, panel, init, s, c0, cols, other, ldo, y, ldy);
+}
 
 void IgemmU8S8StageTwinAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
                                   const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0, int cols,

@@ -174,6 +174,13 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     }
   }
   const bool twin_regs = twin_codes != nullptr && twin_wide != nullptr;
+  // this op's I32 output into the fused ADD's codes from registers (IgemmStageAddKernel,
+  // AVX-512; ig_add prepared, the ADD's tensors NHWC, no other output)
+  const IgemmStageAddKernel add_kernel =
+      add != nullptr && out_nhwc && p.ig_add.ok && outs.size() == 1 && !p.ig_int16 && RegisterStageEnabled() &&
+              p.ig_taps * p.ig_cp <= 512
+          ? SelectIgemmStageAddKernel(path)
+          : nullptr;
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
   // the fused ADD's codes straight from the int32 tile (ig_add: the conv's stage and the ADD
@@ -244,6 +251,18 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
           twin_kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
                       p.ig_cinit.data() + c0, st, c0, cols, twin_codes->y + (first + s) * O + c0, O, out_signed, s32,
                       y32 + (first + s) * O + c0, O);
+      }
+      return;
+    }
+    if (add_kernel != nullptr) {
+      for (int64_t np = n0; np < n1; ++np) {
+        const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+        const int64_t c0 = np * 16;
+        const int cols = static_cast<int>(std::min<int64_t>(16, O - c0));
+        for (int64_t s = 0; s < m; s += 6)
+          add_kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
+                     p.ig_cinit.data() + c0, p.ig_add, c0, cols, add_other + ((first + s) * O + c0) * add_other_size,
+                     O, add_y + (first + s) * O + c0, O);
       }
       return;
     }
