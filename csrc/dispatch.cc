@@ -202,6 +202,22 @@ IgemmStageKernel SelectIgemmStageKernel(uint32_t path) {
   return nullptr;
 }
 
+IgemmStageTwinKernel SelectIgemmStageTwinKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 && EvexVnniUsable()) return x86::IgemmU8S8StageTwinAvx512Vnni;
+#endif
+  (void)path;
+  return nullptr;
+}
+
+IgemmStageAddKernel SelectIgemmStageAddKernel(uint32_t path) {
+#ifdef QDSL_HAVE_X86
+  if (path == kPathAvx2 && EvexVnniUsable()) return x86::IgemmU8S8StageAddAvx512Vnni;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path) {
   if (VnniMicroKernel k = SelectVnniMicroKernel(broadcast_unsigned, path)) return k;
 #ifdef QDSL_HAVE_X86

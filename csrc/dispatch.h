@@ -14,6 +14,7 @@
 namespace qdsl {
 
 struct StageF32;     // requant/stage_f32.h
+struct StageI32Reg;  // requant/stage_f32.h
 struct StageAddF32;  // requant/stage_add_f32.h
 
 uint32_t CompiledPaths();
@@ -148,6 +149,23 @@ using IgemmStageKernel = void (*)(int rows, const uint8_t* const* ind, int64_t t
                                   const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0, int cols,
                                   uint8_t* out, int64_t ldo, bool out_signed);
 IgemmStageKernel SelectIgemmStageKernel(uint32_t path);
+// The same with a second output: the prepared int32 stage s32 (requant/stage_f32.h
+// StageI32Reg, zero point 0) of the same sums, row r's first `cols` values to out32 + r * ld32
+// (a conv's I32 twin).  Bit-identical to the reference stages.  nullptr unless `path` is AVX2
+// and EvexVnniUsable() (an AVX-512 epilogue: igemm_u8s8_vnni_avx512.cc).
+using IgemmStageTwinKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                      const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0,
+                                      int cols, uint8_t* out, int64_t ldo, bool out_signed, const StageI32Reg& s32,
+                                      int32_t* out32, int64_t ld32);
+IgemmStageTwinKernel SelectIgemmStageTwinKernel(uint32_t path);
+// The same sums' int32 stage and the residual ADD it feeds (requant/stage_add_f32.h StageAddF32)
+// from registers: row r's first `cols` ADD output codes to y + r * ldy, the ADD's other input
+// read at other + r * ldo elements (8-bit codes or int32).  The StageAddRowsKernel's estimate
+// and exact recompute, so the same codes.  nullptr unless `path` is AVX2 and EvexVnniUsable().
+using IgemmStageAddKernel = void (*)(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                     const uint8_t* panel, const int32_t* init, const StageAddF32& s, int64_t c0,
+                                     int cols, const uint8_t* other, int64_t ldo, uint8_t* y, int64_t ldy);
+IgemmStageAddKernel SelectIgemmStageAddKernel(uint32_t path);
 // AMX-INT8 tile GEMM (x86::GemmAmx contract, csrc/kernels/x86/gemm_s8_2x2_amx.cc); nullptr
 // unless `path` is kPathAmx.
 using AmxKernel = void (*)(bool a_signed, const uint8_t* a, int64_t lda, int64_t mtiles, const uint8_t* b,

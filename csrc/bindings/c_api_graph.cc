@@ -54,10 +54,19 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     uint32_t path = g->nhwc_path;
     if (path == 0 && !qdsl::ResolvePath(0, &path).ok()) path = 0;
     info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : (qdsl::IgemmRunsVnni(path) ? 3 : 1)) : 0) : -1;
-    if (int_gemm) info[1] = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok ? 1 : 0;
+    // (2: from the kernel's registers, IgemmStageAddKernel, where the path has it: K <= 512, no twins)
+    if (int_gemm)
+      info[1] = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok
+                    ? (!cp->ig_int16 && cp->twins.empty() && cp->ig_taps * cp->ig_cp <= 512 &&
+                               qdsl::SelectIgemmStageAddKernel(path) != nullptr
+                           ? 2
+                           : 1)
+                    : 0;
     // the output stage prepared for the kernel's registers (StageF32: igemm or NHWC depthwise)
     // (2: an NHWC depthwise conv that runs on the vpmaddubsw kernel, ConvParams::dwq)
-    info[9] = int_gemm ? ((cp->igemm && cp->ig_stage.ok) || (cp->dw_nhwc && cp->dwn_stage.ok) ? 1 + cp->dwq : 0) : -1;
+    // (an I32 output: ig_stage32, which the AVX-512 twin epilogue applies)
+    info[9] = int_gemm ? ((cp->igemm && (cp->ig_stage.ok || cp->ig_stage32.ok)) || (cp->dw_nhwc && cp->dwn_stage.ok)
+                              ? 1 + cp->dwq : 0) : -1;
     // the output's layout in the last run (Graph::nhwc; NCHW before any run)
     info[7] = op.outputs[0] < g->nhwc.size() ? g->nhwc[op.outputs[0]] : 0;
     // images per pass the op ran with in the last run (0: the whole batch; segment.cc)

@@ -100,7 +100,9 @@ class CompiledGraph:
         stored NHWC; ``depthwise_maddubs``: an NHWC depthwise conv whose sums AVX2 takes by
         ``vpmaddubsw``, exact for its U8 input's codes, e.g. 7-bit), ``fused_add_stage`` (implicit-GEMM convs: its int32 stage and the residual
         ADD fused into it run as one float estimate with an exact recompute, when the ADD's
-        tensors are stored NHWC), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
+        tensors are stored NHWC; ``fused_add_registers``: applied to the sums in registers by the
+        AVX-512 epilogue, on CPUs with AVX512_VNNI + AVX512VL unless ``QDSL_EVEX_VNNI=0``, K <= 512,
+        no twin convs), ``fused_gemm`` (LINEAR only: off the reference path it runs as one GEMM
         with the bias and the output stage fused, I8/U8/I32 outputs), ``nhwc_output`` (the
         op's output was stored NHWC in the last run) and ``images_per_pass`` (in the last run the
         op was in a cache-sized segment run this many images at a time; 0: the whole batch at
@@ -127,6 +129,7 @@ class CompiledGraph:
                     entry["implicit_gemm_int16"] = info[6] == 2
                     entry["implicit_gemm_vnni"] = info[6] == 3
                     entry["fused_add_stage"] = bool(info[1])
+                    entry["fused_add_registers"] = info[1] == 2
             if info[8] >= 0:
                 entry["fused_gemm"] = bool(info[8])
             if info[9] >= 0:

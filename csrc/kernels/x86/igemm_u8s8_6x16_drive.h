@@ -33,18 +33,18 @@ void Kernel(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint
   StoreIgemmRows<MR>(acc, c, ldc);
 }
 
-// The same sums, then the prepared output stage (stage_f32_avx2.h) applied from the
-// registers: each row's 16 channels become 16 codes stored at out + r * ldo (the first
-// `cols` of them when the panel runs past the last channel), no int32 stored or re-read.
-// Rows go two at a time through StageF32Codes32 (an odd last row as both halves); the row
-// loop is unrolled so acc keeps constant indices and stays in registers (a rolled loop
-// indexed it at run time, which kept all 12 sums on the stack and stored the start values
-// there first).
+// The prepared output stage (stage_f32_avx2.h) applied to MR rows of sums in registers:
+// each row's 16 channels become 16 codes stored at out + r * ldo (the first `cols` of them
+// when the panel runs past the last channel), no int32 stored or re-read.  Rows go two at a
+// time through StageF32Codes32 (an odd last row as both halves); the row loop is unrolled so
+// acc keeps constant indices and stays in registers (a rolled loop indexed it at run time,
+// which kept all 12 sums on the stack and stored the start values there first).  An
+// including file may define QDSL_IGEMM_STAGE_STORE as its own function of this signature
+// (the AVX-512 one, igemm_u8s8_vnni_avx512.cc).
 template <int MR, Rounding R>
-void KernelStage(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, const int32_t* init,
-                 const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo, bool out_signed) {
-  __m256i acc[MR][2];
-  Accumulate<MR>(rows, taps, cquads, panel, nullptr, 0, init, acc);
+__attribute__((always_inline)) inline void StoreStageAvx2(const __m256i (&acc)[MR][2], const StageF32& st,
+                                                          int64_t c0, int cols, uint8_t* out, int64_t ldo,
+                                                          bool out_signed) {
   const StageF32Vec v(st);
 #pragma GCC unroll 3
   for (int r = 0; r < MR; r += 2) {
@@ -61,6 +61,18 @@ void KernelStage(const uint8_t* const* rows, int64_t taps, int64_t cquads, const
         for (int i = 0; i < cols; ++i) out[r1 * ldo + i] = buf[16 + i];
     }
   }
+}
+#ifndef QDSL_IGEMM_STAGE_STORE
+#define QDSL_IGEMM_STAGE_STORE StoreStageAvx2
+#endif
+
+// The same sums, then the prepared output stage from the registers (QDSL_IGEMM_STAGE_STORE).
+template <int MR, Rounding R>
+void KernelStage(const uint8_t* const* rows, int64_t taps, int64_t cquads, const uint8_t* panel, const int32_t* init,
+                 const StageF32& st, int64_t c0, int cols, uint8_t* out, int64_t ldo, bool out_signed) {
+  __m256i acc[MR][2];
+  Accumulate<MR>(rows, taps, cquads, panel, nullptr, 0, init, acc);
+  QDSL_IGEMM_STAGE_STORE<MR, R>(acc, st, c0, cols, out, ldo, out_signed);
 }
 
 template <Rounding R>
@@ -101,3 +113,4 @@ void QDSL_IGEMM_U8S8(int rows, const uint8_t* const* ind, int64_t taps, int64_t 
 
 #undef QDSL_IGEMM_U8S8
 #undef QDSL_IGEMM_U8S8_STAGE
+#undef QDSL_IGEMM_STAGE_STORE

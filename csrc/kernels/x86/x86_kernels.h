@@ -9,6 +9,7 @@
 
 namespace qdsl {
 struct StageF32;     // requant/stage_f32.h
+struct StageI32Reg;  // requant/stage_f32.h
 struct StageAddF32;  // requant/stage_add_f32.h
 namespace x86 {
 
@@ -49,6 +50,15 @@ void IgemmU8S8Avx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int6
 void IgemmU8S8StageAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                               const int32_t* init, const StageF32& st, int64_t c0, int cols, uint8_t* out,
                               int64_t ldo, bool out_signed);
+// The stage kernel with an I32 twin written from the same registers (IgemmStageTwinKernel).
+void IgemmU8S8StageTwinAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                  const uint8_t* panel, const int32_t* init, const StageF32& st, int64_t c0, int cols,
+                                  uint8_t* out, int64_t ldo, bool out_signed, const StageI32Reg& s32, int32_t* out32,
+                                  int64_t ld32);
+// The sums' int32 stage and the fused residual ADD from registers (IgemmStageAddKernel).
+void IgemmU8S8StageAddAvx512Vnni(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads,
+                                 const uint8_t* panel, const int32_t* init, const StageAddF32& s, int64_t c0, int cols,
+                                 const uint8_t* other, int64_t ldo, uint8_t* y, int64_t ldy);
 // Its int16 kind on int16 panels (igemm_i16_6x16_avx2.cc): exact on full-range u8 codes.
 void IgemmU8I16Avx2(int rows, const uint8_t* const* ind, int64_t taps, int64_t cquads, const uint8_t* panel,
                     int32_t* c, int64_t ldc, const int32_t* init);

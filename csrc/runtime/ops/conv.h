@@ -83,6 +83,10 @@ struct ConvParams : OpParams {
   // from registers, no int32 tile) when it is FIXED_SINGLE with shifts in [0, 31] and the
   // output I8/U8; channels padded to ig_panels * 16.
   StageF32 ig_stage;
+  // ig_stage32: an I32 output's stage prepared the same way (IgemmStageTwinKernel: an
+  // AVX-512 epilogue that writes a conv's I8/U8 output and its I32 twin from one set of
+  // sums, e.g. a MobileNetV2 projection and the copy its next block's residual ADD reads)
+  StageI32Reg ig_stage32;
   // ig_add: this conv's int32 stage and the fused ADD's (fused_add) prepared as one estimate
   // (StageAddRowsKernel), when the ADD's other input and output are 8-bit codes and the
   // conditions of requant/stage_add_f32.h hold (prepare.cc FuseResidualAdds)

@@ -144,14 +144,15 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     int dtype;
     bool nhwc;
     uint8_t* y;
+    const ConvParams* cp;  // the conv whose output it is (this op or a twin)
   };
-  std::vector<Out> outs{{&p.out, out_dtype, out_nhwc, y}};
+  std::vector<Out> outs{{&p.out, out_dtype, out_nhwc, y, &p}};
   for (int32_t j : p.twins) {
     const GraphOp& tw = g->ops[j];
     const ConvParams& tp = ParamsOf<ConvParams>(tw);
     if (!tp.igemm || tp.fused_add >= 0) continue;
     outs.push_back({&tp.out, g->tensors[tw.outputs[0]].dtype, g->nhwc[tw.outputs[0]] != 0,
-                    g->buffers[tw.outputs[0]].data()});
+                    g->buffers[tw.outputs[0]].data(), &tp});
     g->fused_done[j] = 1;
   }
   // the stage from registers (IgemmStageKernel): one output, stored NHWC as codes, with a
@@ -159,6 +160,27 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const IgemmStageKernel stage_kernel = RegisterStageEnabled() ? SelectIgemmStageKernel(path) : nullptr;
   const bool from_regs = stage_kernel != nullptr && !p.ig_int16 && p.ig_stage.ok && outs.size() == 1 && out_nhwc &&
                          (out_dtype == kU8 || out_dtype == kI8);
+  // two outputs from registers (IgemmStageTwinKernel, AVX-512): one I8/U8 with ig_stage and
+  // one I32 with ig_stage32 (not this op's own I32 output when it takes the fused ADD), both
+  // NHWC: a projection's codes and the I32 twin the next residual ADD reads
+  const IgemmStageTwinKernel twin_kernel =
+      RegisterStageEnabled() && outs.size() == 2 && !p.ig_int16 ? SelectIgemmStageTwinKernel(path) : nullptr;
+  const Out* twin_codes = nullptr;
+  const Out* twin_wide = nullptr;
+  if (twin_kernel != nullptr && outs[0].nhwc && outs[1].nhwc) {
+    for (const Out& o : outs) {
+      if ((o.dtype == kU8 || o.dtype == kI8) && o.cp->ig_stage.ok) twin_codes = &o;
+      if (o.dtype == kI32 && o.cp->ig_stage32.ok && !(o.sd == &p.out && add != nullptr)) twin_wide = &o;
+    }
+  }
+  const bool twin_regs = twin_codes != nullptr && twin_wide != nullptr;
+  // this op's I32 output into the fused ADD's codes from registers (IgemmStageAddKernel,
+  // AVX-512; ig_add prepared, the ADD's tensors NHWC, no other output)
+  const IgemmStageAddKernel add_kernel =
+      add != nullptr && out_nhwc && p.ig_add.ok && outs.size() == 1 && !p.ig_int16 && RegisterStageEnabled() &&
+              p.ig_taps * p.ig_cp <= 512
+          ? SelectIgemmStageAddKernel(path)
+          : nullptr;
   const RequantKernel requant = SelectRequantKernel(path);
   const StageI32RowsKernel stage_rows = SelectStageI32RowsKernel(path);
   // the fused ADD's codes straight from the int32 tile (ig_add: the conv's stage and the ADD
@@ -216,6 +238,34 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
       if (++ox == e.OW) ox = 0, ++oy;
     }
     const int64_t first = b * P + p0;  // NHWC: the block's first position
+    if (twin_regs) {
+      const StageF32& st = twin_codes->cp->ig_stage;
+      const StageI32Reg& s32 = twin_wide->cp->ig_stage32;
+      const bool out_signed = twin_codes->dtype == kI8;
+      int32_t* y32 = reinterpret_cast<int32_t*>(twin_wide->y);
+      for (int64_t np = n0; np < n1; ++np) {
+        const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+        const int64_t c0 = np * 16;
+        const int cols = static_cast<int>(std::min<int64_t>(16, O - c0));
+        for (int64_t s = 0; s < m; s += 6)
+          twin_kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
+                      p.ig_cinit.data() + c0, st, c0, cols, twin_codes->y + (first + s) * O + c0, O, out_signed, s32,
+                      y32 + (first + s) * O + c0, O);
+      }
+      return;
+    }
+    if (add_kernel != nullptr) {
+      for (int64_t np = n0; np < n1; ++np) {
+        const uint8_t* w = p.ig_w.data() + np * panel_bytes;
+        const int64_t c0 = np * 16;
+        const int cols = static_cast<int>(std::min<int64_t>(16, O - c0));
+        for (int64_t s = 0; s < m; s += 6)
+          add_kernel(static_cast<int>(std::min<int64_t>(6, m - s)), ind.data() + s * taps, taps, cquads, w,
+                     p.ig_cinit.data() + c0, p.ig_add, c0, cols, add_other + ((first + s) * O + c0) * add_other_size,
+                     O, add_y + (first + s) * O + c0, O);
+      }
+      return;
+    }
     if (from_regs) {
       for (int64_t np = n0; np < n1; ++np) {
         const uint8_t* w = p.ig_w.data() + np * panel_bytes;

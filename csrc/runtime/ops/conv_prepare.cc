@@ -206,6 +206,8 @@ void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) 
   // (the vpmaddubsw kind only: the stage kernel accumulates as IgemmU8S8Avx2 does)
   if (!p.ig_int16 && (out.dtype == kU8 || out.dtype == kI8) && taps * cp <= 512)
     PrepareStageF32(p.out.stage, O, panels * 16, &p.ig_stage);
+  if (!p.ig_int16 && out.dtype == kI32 && taps * cp <= 512)
+    PrepareStageI32Reg(p.out.stage, O, panels * 16, &p.ig_stage32);
   p.igemm = true;
 }
 
