@@ -302,3 +302,49 @@ def test_int32_output_in_place_equals_numpy(threads, m, k, n):
             _agree(got, _expected(a, 77, w, np.zeros(n, np.int64), b))
     finally:
         rt.set_num_threads(before)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.sampled_from([1, 2, 5, 6, 7, 95, 96, 97, 193]), k=st.sampled_from([1, 3, 4, 5, 63, 1023, 1024, 1025, 2049]),
+       n=st.sampled_from([1, 15, 16, 17, 33, 673, 700]), signed_a=st.booleans(), zp_end=st.booleans(),
+       use_bias=st.booleans(), out=st.sampled_from(["i32", "u8", "i8", "i32 stage"]), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31))
+def test_gemm_quad_driver_edges_equal_reference(m, k, n, signed_a, zp_end, use_bias, out, threads, seed):
+    """The u8 x s8 driver of the int GEMM (csrc/gemm.cc GemmQuadDriver, on the VNNI paths and
+    EVEX vpdpbusd on AVX2; QDSL_EVEX_VNNI=0 reruns this on the vpmaddubsw / int16 kernels):
+    rows past the 96-row block and the 6-row strips, K blocks of <= 256 k-quads (K 1025:
+    257 quads, two blocks; 2049: three) and K not a multiple of 4, column chunks (673 and
+    700 columns pass the 672 of a 96-row chunk) with a partial last panel, the bias and the
+    zero-point correction as the first block's start values, the plain int32 output written
+    in place (a partial last panel through a buffer), u8 / i8 / rescaled int32 stages, zero
+    points and codes at the dtype's ends, 1 and 2 threads (GEMV-like shapes split the
+    panels: start values per task): every path == the reference kernel."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-128, 127) if signed_a else (0, 255)
+    a = rng.integers(lo, hi + 1, (m, k)).astype(np.int8 if signed_a else np.uint8)
+    if zp_end:  # codes and zero point at the ends: the largest |a - zp| and the int32 wrap
+        a_zp = int(rng.choice([lo, hi]))
+        a[rng.random((m, k)) < 0.5] = hi if a_zp == lo else lo
+    else:
+        a_zp = int(rng.integers(lo, hi + 1))
+    w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    w[rng.random((n, k)) < 0.3] = -128
+    bias = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32) if use_bias else None
+    stage, dtype = None, np.int32
+    if out != "i32":
+        dtype = {"u8": np.uint8, "i8": np.int8, "i32 stage": np.int32}[out]
+        qlo, qhi = {"u8": (0, 255), "i8": (-128, 127), "i32 stage": (-(1 << 20), 1 << 20)}[out]
+        stage = K.OutputStage(rng.integers(1 << 30, (1 << 31) - 1, n), rng.integers(-4, 24, n),
+                              zero_point=int(rng.integers(-3, 4)) if out == "i32 stage" else int(rng.integers(qlo, qhi + 1)),
+                              qmin=qlo, qmax=qhi)
+    pw = K.pack_weights(w)
+    before = rt.get_num_threads()
+    rt.set_num_threads(threads)
+    try:
+        got = {p: K.gemm(a, pw, a_zero_point=a_zp, bias=bias, stage=stage, out_dtype=dtype, path=p) for p in PATHS}
+    finally:
+        rt.set_num_threads(before)
+    if stage is None:
+        _agree(got, _expected(a, a_zp, w, np.zeros(n, np.int64), bias))
+    else:
+        _agree(got, got["ref"])
