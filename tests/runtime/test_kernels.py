@@ -267,6 +267,38 @@ def test_bad_arguments_raise():
         K.gemm(np.zeros((2, 5), np.uint8), pw, path="sse9")
 
 
+def test_gemm_general_fast_call_keeps_results_and_messages():
+    """``gemm`` with a stage, a bias or a_max_code calls the C entry without normalising its
+    arguments when they are already in form (contiguous int32 bias of shape (n,), a known
+    output dtype): results equal the normalised call's (a bias list, a strided activation
+    view), and a failing call still raises the C++ message (it is redone by the slow call)."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(0, 256, (9, 40)).astype(np.uint8)
+    w = rng.integers(-128, 128, (21, 40)).astype(np.int8)
+    pw = K.pack_weights(w)
+    bias = rng.integers(-1000, 1000, 21).astype(np.int32)
+    stage = K.OutputStage([1 << 30], [9], zero_point=3, qmin=0, qmax=255)
+    want = _expected(a, 5, w, np.zeros(21, np.int64), bias)
+    np.testing.assert_array_equal(K.gemm(a, pw, a_zero_point=5, bias=bias), want)
+    np.testing.assert_array_equal(K.gemm(a, pw, a_zero_point=5, bias=list(bias)), want)  # normalised
+    np.testing.assert_array_equal(K.gemm(a, pw, a_zero_point=5, bias=bias, a_max_code=255), want)
+    wide = np.zeros((9, 80), np.uint8)
+    wide[:, ::2] = a
+    np.testing.assert_array_equal(K.gemm(wide[:, ::2], pw, a_zero_point=5, bias=bias), want)  # strided: copied
+    fast = K.gemm(a, pw, a_zero_point=5, bias=bias, stage=stage, out_dtype=np.uint8)
+    assert fast.dtype == np.uint8
+    np.testing.assert_array_equal(fast, K.gemm(a, pw, a_zero_point=5, bias=bias, stage=stage, out_dtype=np.uint8,
+                                               path="ref"))
+    with pytest.raises(rt.RuntimeError_, match="zero point"):
+        K.gemm(a, pw, a_zero_point=300, bias=bias, stage=stage, out_dtype=np.uint8)
+    with pytest.raises(rt.RuntimeError_, match="code bound"):
+        K.gemm(a, pw, a_zero_point=5, a_max_code=256)
+    with pytest.raises(rt.RuntimeError_, match="clamp"):
+        K.gemm(a, pw, stage=K.OutputStage([1 << 30], [9], qmin=0, qmax=255), out_dtype=np.int8)
+    with pytest.raises(rt.RuntimeError_, match="bias must have shape"):
+        K.gemm(a, pw, bias=bias[:5])
+
+
 def test_threads_do_not_change_results():
     rng = np.random.default_rng(5)
     a = rng.integers(0, 256, (50, 300)).astype(np.uint8)
