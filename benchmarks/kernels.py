@@ -8,8 +8,10 @@ Like with like, each way qdsl is timed:
   uint8 out (requant)     qdsl ``gemm`` with an OutputStage; torch ``quantized.linear``.
 8-bit activations (codes 0..255, zero point 128): exact peers are ort u8u8 only; torch and
 ort u8s8 saturate int16 pair sums on AVX2 without VNNI.  7-bit activations (0..127, torch.ao's
-x86 ``reduce_range``): every peer is exact and qdsl runs its ``vpmaddubsw`` kernel.  The
-exactness section at the end measures which results are exact on this CPU.
+x86 ``reduce_range``): every peer is exact and qdsl runs its ``vpmaddubsw`` kernel.  With
+AVX512-VNNI or AVX-VNNI (see the CPU line) every u8 x s8 peer is exact and qdsl runs vpdpbusd
+for both, so ``ort u8s8/qdsl i32`` is the like-with-like 8-bit pair there.  The exactness
+section at the end measures which results are exact on this CPU.
 
 Figures are GOP/s (2*M*K*N / time) from medians over ``--rounds`` interleaved rounds
 (benchmarks/_timing.py); ratios are peer time / qdsl time (>= 1: qdsl faster), taken round by
@@ -17,8 +19,12 @@ round, as median (range).  ``--clock cpu`` times with the process's CPU time ins
 time: on a loaded machine (another process on our cores) it leaves out the time we wait for a
 core; with 2 threads it sums both threads (and any spinning), so it is no latency there.
 No assertions: the targets are in the issues and the README.
+The requantized rows use the exporter's default rescale (``--rescale single``: FIXED_SINGLE,
+one rounding, half to even as torch rounds; qdsl.export's ``requant="single"``), or
+gemmlowp's two-rounding FIXED (``--rescale gemmlowp``, ``requant="gemmlowp"``).
 Run: python benchmarks/kernels.py [--quick] [--threads 1,2] [--rounds 5] [--reps 7]
-     [--shapes default|minilm|MxKxN,...] [--clock wall|cpu]
+     [--shapes default|minilm|issue18|MxKxN,...] [--clock wall|cpu] [--rescale single|gemmlowp]
+     [--tables int8,low]
 """
 
 from __future__ import annotations
@@ -47,12 +53,16 @@ QUICK_SHAPES = [(64, 576, 64), (128, 768, 768), (1, 768, 768)]
 # all-MiniLM-L6-v2's linears at sequence 128: M = 128 tokens (batch 1) or 1024 (batch 8),
 # K -> N = 384 -> 384 (q, k, v, attention output), 384 -> 1536 and 1536 -> 384 (the MLP)
 MINILM_SHAPES = [(m, k, n) for m in (128, 1024) for k, n in ((384, 384), (384, 1536), (1536, 384))]
+# issue #18's int GEMM criterion: M from GEMV-like to large at K = N = 768, BERT-base's linears at
+# sequence 128 (attention 768 -> 768, MLP 768 -> 3072 and 3072 -> 768) and 1024^3
+ISSUE18_SHAPES = ([(m, 768, 768) for m in (1, 8, 64, 128, 512, 1024)]
+                  + [(128, 3072, 768), (128, 768, 3072), (1024, 1024, 1024)])
 # torch's activation scale, a power of two: float inputs are exactly (code - zero point) * S_IN,
 # and fp32 outputs / S_IN are the accumulators exactly (below 2^24)
 S_IN = 1.0 / 16
 
 
-def _operands(rng, m: int, k: int, n: int, torch, K) -> dict:
+def _operands(rng, m: int, k: int, n: int, torch, K, rescale: str = "single") -> dict:
     from qdsl.graph.requant import quantize_multiplier
 
     w8 = rng.integers(-127, 128, (n, k)).astype(np.int8)
@@ -60,7 +70,10 @@ def _operands(rng, m: int, k: int, n: int, torch, K) -> dict:
     a7 = rng.integers(0, 128, (m, k)).astype(np.uint8)
     # requant (FIXED, gemmlowp's form): about +-3 accumulator standard deviations over the uint8 range
     std = 128.0 * 73.0 * k ** 0.5  # std of (a - 128) * w for uniform codes
-    stage = K.OutputStage(*quantize_multiplier(127.0 / (3 * std)), zero_point=128, qmin=0, qmax=255)
+    # FIXED_SINGLE (kind 2) rounding half to even (1), or gemmlowp's FIXED (kind 0, half away)
+    kind, rounding = (2, 1) if rescale == "single" else (0, 0)
+    stage = K.OutputStage(*quantize_multiplier(127.0 / (3 * std)), zero_point=128, qmin=0, qmax=255, kind=kind,
+                          rounding=rounding)
     packed_t = torch.ops.quantized.linear_prepack(
         torch.quantize_per_tensor(torch.tensor(w8.astype(np.float32)), 1.0, 0, torch.qint8), None)
     ops = {"w8": w8, "a8": a8, "a7": a7, "p8": K.pack_weights(w8), "stage": stage, "packed_t": packed_t,
@@ -91,9 +104,9 @@ def int8_tables(rng, args, torch, K, rt) -> dict:
         rt.set_num_threads(threads)
         torch.set_num_threads(threads)
         print(f"\n== int8 GEMM, {threads} thread(s): GOP/s ({args.clock} time), median (range) over {args.rounds} "
-              f"rounds; load average {load_average()} ==")
+              f"rounds; qdsl u8 rescale {args.rescale}; load average {load_average()} ==")
         for m, k, n in args.shapes:
-            o = _operands(rng, m, k, n, torch, K)
+            o = _operands(rng, m, k, n, torch, K, args.rescale)
             sess = _ort_sessions(o, threads)
             fns = {
                 "qdsl i32": lambda: K.gemm(o["a8"], o["p8"], a_zero_point=128),
@@ -120,7 +133,8 @@ def int8_tables(rng, args, torch, K, rt) -> dict:
             print(f"{'':>16} 7-bit acts | " + "  ".join(
                 f"{name} {gops(name)}" for name in ("qdsl a7 i32", "qdsl a7 u8", "ort u8s8 a7", "torch a7 f32",
                                                      "torch a7 u8") if name in times))
-            pairs = [("ort u8u8", "qdsl i32", "exact 8-bit, i32"), ("torch u8", "qdsl u8", "requant, torch inexact"),
+            pairs = [("ort u8u8", "qdsl i32", "exact 8-bit, i32"), ("ort u8s8", "qdsl i32", "8-bit u8s8, i32"),
+                     ("torch u8", "qdsl u8", "requant, torch inexact"),
                      ("torch f32", "qdsl i32", "no requant, torch inexact"),
                      ("ort u8s8 a7", "qdsl a7 i32", "7-bit, i32"), ("torch a7 u8", "qdsl a7 u8", "7-bit, requant"),
                      ("torch a7 f32", "qdsl a7 i32", "7-bit, no requant")]
@@ -226,14 +240,21 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_timing_args(ap, rounds=5, reps=7)
     ap.add_argument("--shapes", default="default",
-                    help="default (QUICK_SHAPES with --quick), minilm (MiniLM's linears at sequence 128) or "
+                    help="default (QUICK_SHAPES with --quick), minilm (MiniLM's linears at sequence 128), issue18 "
+                         "(M 1..1024 at 768 x 768, BERT-base's linears, 1024^3) or "
                          "a comma list of MxKxN")
+    ap.add_argument("--rescale", choices=("single", "gemmlowp"), default="single",
+                    help="qdsl's requantized rows: FIXED_SINGLE half-even (the exporter's default) or gemmlowp FIXED")
+    ap.add_argument("--tables", default="int8,low",
+                    help="comma list: int8 (the int8 tables), low (int4 / binary); the exactness section always runs")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="time each call by wall time (default) or by the process's CPU time (a loaded machine)")
     args = timing_args(ap.parse_args(argv))
     args.clock_fn = time.process_time if args.clock == "cpu" else time.perf_counter
     if args.shapes == "minilm":
         args.shapes = MINILM_SHAPES
+    elif args.shapes == "issue18":
+        args.shapes = ISSUE18_SHAPES
     elif args.shapes == "default":
         args.shapes = QUICK_SHAPES if args.quick else SHAPES
     else:
@@ -253,9 +274,11 @@ def main(argv=None) -> None:
         print("note: onnx/onnxruntime not installed (pip install .[bench]): the onnxruntime columns are skipped")
     rng = np.random.default_rng(0)
     with torch.no_grad():
-        times = int8_tables(rng, args, torch, K, rt)
-        low = low_bit_table(rng, args, torch, K, rt)
-        scaling({key: {**times[key], **low[key]} for key in times}, args)
+        tables = set(args.tables.split(","))
+        times = int8_tables(rng, args, torch, K, rt) if "int8" in tables else {}
+        low = low_bit_table(rng, args, torch, K, rt) if "low" in tables else {}
+        if times and low:
+            scaling({key: {**times[key], **low[key]} for key in times}, args)
         rt.set_num_threads(0)
         exactness(rng, torch)
     print(f"\nload average at the end: {load_average()}")

@@ -176,6 +176,17 @@ VnniMicroKernel SelectVnniMicroKernel(bool broadcast_unsigned, uint32_t path) {
   return nullptr;
 }
 
+VnniInitKernel SelectQuadInitKernel(uint32_t path) {
+  path = Base(path);
+#ifdef QDSL_HAVE_X86
+  if ((path == kPathAvxVnni || path == kPathAvx512) && EvexVnniOnly()) return x86::GemmU8S8InitAvx512Vnni;
+  if (path == kPathAvxVnni || path == kPathAvx512) return x86::GemmU8S8InitAvxVnni;
+  if (path == kPathAvx2 && EvexVnniUsable()) return x86::GemmU8S8InitAvx512Vnni;
+#endif
+  (void)path;
+  return nullptr;
+}
+
 IgemmKernel SelectIgemmKernel(uint32_t path, bool int16) {
 #ifdef QDSL_HAVE_X86
   if (path == kPathAvx2) return int16 ? x86::IgemmU8I16Avx2 : (EvexVnniUsable() ? x86::IgemmU8S8Avx512Vnni : x86::IgemmU8S8Avx2);

@@ -127,6 +127,12 @@ bool EvexVnniUsable();
 // where EvexVnniUsable; any maddubs_steps), else on AVX2 the vpmaddubsw one
 // (maddubs_steps >= 1); nullptr when neither applies (the int16 kernels run).
 VnniMicroKernel SelectQuadMicroKernel(bool broadcast_unsigned, int maddubs_steps, uint32_t path);
+// The u8 x s8 vpdpbusd kernel of VnniMicroKernel's contract (broadcast_unsigned) whose rows
+// start from init[0..16) instead of zero when not accumulating; nullptr where `path` has no
+// vpdpbusd (then SelectQuadMicroKernel's kernel and a correction pass).
+using VnniInitKernel = void (*)(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads,
+                                int32_t* c, int64_t ldc, bool accumulate, const int32_t* init);
+VnniInitKernel SelectQuadInitKernel(uint32_t path);
 // Implicit-GEMM conv micro-kernel (x86::IgemmU8S8Avx2, csrc/kernels/x86/igemm_u8s8_6x16_avx2.cc):
 // c[r][0..16) = start + sum over taps t and k-quads j of the u8 bytes ind[r * taps + t][4j..4j+3]
 // times the s8 panel quad (t * cquads + j) (16 channels x 4 bytes), for rows <= 6 positions;

@@ -243,6 +243,117 @@ void GemmAmxDriver(const ActView& a, const PackedWeights& w, const int32_t* bias
   }, /*work=*/m * n * w.k);
 }
 
+
+// The u8 x s8 vpdpbusd driver (int8-range weights where the path has an init kernel:
+// SelectQuadInitKernel).  Tasks as in Gemm's loop below; per task:
+//  - its rows as u8 codes (row stride kp, zeros past K);
+//  - the columns in chunks whose int32 block (rows x chunk) stays in L2 (kChunkBytes), each
+//    chunk over K blocks of at most kQuadKc k-quads (a panel block <= 16 KiB stays in L1
+//    while the 6-row strips stream past it);
+//  - the first K block starts every row from init = bias - z_u * colsum (mod 2^32: sum
+//    (a_u - z_u) w' = sum a_u w' - z_u colsum, as the reference wraps), so no correction
+//    pass runs after the sums;
+//  - a plain int32 output is accumulated in place (whole panels; the last partial panel in
+//    a small buffer), else the chunk's block goes through Finish while it is in L2.
+// (Before: K blocks of 128 quads, an int32 block of all the task's columns, then a
+// correction pass and a copy or stage pass over it.)
+constexpr int64_t kQuadKc = 256;               // k-quads per K block: 16 KiB panel blocks
+constexpr int64_t kChunkBytes = 256 * 1024;    // int32 block of a column chunk
+
+void GemmQuadDriver(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out,
+                    uint32_t chosen, VnniInitKernel kernel) {
+  const int64_t m = a.rows, n = w.n, kp = w.kp, kquads = kp / 4;
+  const int64_t work = (m + 8) * n * w.k;
+  const int threads = ThreadsFor(work);
+  const int64_t mblocks = (m + kRowBlock - 1) / kRowBlock;
+  const int64_t want = WantTasks(threads);
+  const int64_t groups = mblocks >= want ? 1 : std::min<int64_t>(w.panels, (want + mblocks - 1) / mblocks);
+  const int tasks = static_cast<int>(mblocks * groups);
+  const uint32_t zu = static_cast<uint32_t>(a.zero_point + (a.dtype == DType::kInt8 ? 128 : 0));
+  const int64_t kblocks = (kquads + kQuadKc - 1) / kQuadKc;
+  const int64_t kc = (kquads + kblocks - 1) / kblocks;  // equal K blocks
+  const int64_t panel_bytes = kquads * 64;
+  const bool direct = out.stage == nullptr;  // plain int32 (the bias is in init)
+  ParallelFor(tasks, [&](int t) {
+    const int64_t mb = t / groups, pg = t % groups;
+    const int64_t m0 = mb * kRowBlock, rows_total = std::min<int64_t>(kRowBlock, m - m0);
+    int64_t p0 = 0, p1 = 0;
+    Split(w.panels, static_cast<int>(groups), static_cast<int>(pg), 1, &p0, &p1);
+    if (p1 <= p0) return;
+    thread_local std::vector<uint8_t> a8;
+    thread_local std::vector<int32_t> acc, init, tail;
+    a8.resize(static_cast<size_t>(rows_total * kp + 8));
+    CopyRowsU8(a, m0, rows_total, a8.data(), kp);
+    if (kp > w.k)
+      for (int64_t r = 0; r < rows_total; ++r) std::memset(a8.data() + r * kp + w.k, 0, static_cast<size_t>(kp - w.k));
+    init.resize(static_cast<size_t>((p1 - p0) * kPanelCols));
+    for (int64_t c = 0; c < (p1 - p0) * kPanelCols; ++c) {
+      const int64_t col = p0 * kPanelCols + c;
+      init[c] = col < n ? static_cast<int32_t>((bias ? static_cast<uint32_t>(bias[col]) : 0u) -
+                                               zu * static_cast<uint32_t>(w.colsum[col]))
+                        : 0;
+    }
+    const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (rows_total * kPanelCols * 4));
+    const int64_t nstrips = (rows_total + kMaxRows - 1) / kMaxRows;
+    for (int64_t c0 = p0; c0 < p1; c0 += chunk) {
+      const int64_t c1 = std::min(p1, c0 + chunk);
+      const int64_t n0 = c0 * kPanelCols, cols = std::min(n, c1 * kPanelCols) - n0;
+      const int64_t ldacc = (c1 - c0) * kPanelCols;
+      if (!direct) acc.resize(static_cast<size_t>(rows_total * ldacc));
+      // the chunk's weights past L2: each panel block's strips request a slice of the next
+      // block into L2 (the hardware prefetcher starts each new panel stream late); not for
+      // a few rows, whose one strip would issue a whole panel block of requests at once
+      // (M = 1 at 768 x 768: 7% slower with them, the panels being one sequential stream)
+      const bool prefetch = (c1 - c0) * panel_bytes > kPrefetchWeightBytes && nstrips >= 4;
+      for (int64_t q0 = 0; q0 < kquads; q0 += kc) {
+        const int64_t len = std::min(kc, kquads - q0);
+        for (int64_t p = c0; p < c1; ++p) {
+          const uint8_t* panel = w.vnni.data() + (p * kquads + q0) * 64;
+          const uint8_t* next = nullptr;
+          int64_t next_bytes = 0;
+          if (prefetch && p + 1 < c1) {
+            next = panel + panel_bytes;
+            next_bytes = len * 64;
+          } else if (prefetch && q0 + kc < kquads) {
+            next = w.vnni.data() + (c0 * kquads + q0 + kc) * 64;
+            next_bytes = std::min(kc, kquads - q0 - kc) * 64;
+          }
+          const int64_t lines = next_bytes / 64, per_strip = (lines + nstrips - 1) / nstrips;
+          int64_t line = 0;
+          int32_t* c;
+          int64_t ldc;
+          const bool partial = direct && (p + 1) * kPanelCols > n;
+          if (partial) {  // the last partial panel of a plain output
+            tail.resize(static_cast<size_t>(rows_total * kPanelCols));
+            c = tail.data();
+            ldc = kPanelCols;
+          } else if (direct) {
+            c = static_cast<int32_t*>(out.data) + m0 * out.ld + p * kPanelCols;
+            ldc = out.ld;
+          } else {
+            c = acc.data() + (p - c0) * kPanelCols;
+            ldc = ldacc;
+          }
+          const int32_t* in = init.data() + (p - p0) * kPanelCols;
+          for (int64_t r = 0, rows = 0; r < rows_total; r += rows) {
+            rows = BalancedRows(rows_total, r);
+            for (const int64_t end = std::min(lines, line + per_strip); line < end; ++line)
+              __builtin_prefetch(next + line * 64, 0, 2);
+            kernel(static_cast<int>(rows), a8.data() + r * kp + 4 * q0, kp, panel, len, c + r * ldc, ldc, q0 > 0, in);
+          }
+          if (partial && q0 + kc >= kquads) {
+            const int64_t keep = n - p * kPanelCols;
+            for (int64_t r = 0; r < rows_total; ++r)
+              std::memcpy(static_cast<int32_t*>(out.data) + (m0 + r) * out.ld + p * kPanelCols, c + r * kPanelCols,
+                          static_cast<size_t>(keep) * 4);
+          }
+        }
+      }
+      if (!direct) Finish(acc.data(), ldacc, m0, rows_total, n0, cols, nullptr, out, chosen);
+    }
+  }, work);
+}
+
 }  // namespace
 
 Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const GemmOutput& out, uint32_t path) {
@@ -285,6 +396,12 @@ Status Gemm(const ActView& a, const PackedWeights& w, const int32_t* bias, const
   // Bounded activation codes (e.g. 7-bit, as torch.ao's reduce_range) allow more int16
   // pair sums; the bound is checked here (one pass over A) before a kernel relies on it.
   const bool quad_ok = !w.colsum.empty() && widen_ok;
+  if (quad_ok && sub_bits == 0) {
+    if (const VnniInitKernel init_kernel = SelectQuadInitKernel(chosen)) {
+      GemmQuadDriver(a, w, bias, out, chosen, init_kernel);
+      return Status::Ok();
+    }
+  }
   VnniMicroKernel vnni = quad_ok ? SelectQuadMicroKernel(true, 0, chosen) : nullptr;
   if (quad_ok && vnni == nullptr) {
     int steps = w.maddubs_steps;

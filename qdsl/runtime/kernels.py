@@ -164,6 +164,7 @@ def _bias(bias, n: int):
 
 
 _A_CODES = {"b": 0, "B": 1}  # dtype.char of int8 / uint8
+_SCRATCH_ERR = ctypes.create_string_buffer(_ERRLEN)  # fast calls' error text (never read: redone by _call)
 
 
 def gemm(a: np.ndarray, w: PackedWeights, *, a_zero_point: int = 0, bias=None, stage: OutputStage | None = None,
@@ -173,13 +174,24 @@ def gemm(a: np.ndarray, w: PackedWeights, *, a_zero_point: int = 0, bias=None, s
     ``a_max_code`` bounds the activation codes (uint8: the values, int8: the values + 128),
     e.g. 127 for 7-bit or 15 for 4-bit unsigned activations: on AVX2 without VNNI this lets
     wider weights take the exact ``vpmaddubsw`` kernel.  It is checked: codes above it raise."""
-    if stage is None and bias is None and a_max_code == 255 and type(a) is np.ndarray and a.ndim == 2 and a.flags.c_contiguous:
+    if type(a) is np.ndarray and a.ndim == 2 and a.flags.c_contiguous:
         code, mask = _A_CODES.get(a.dtype.char), PATHS.get(path)
-        if code is not None and mask is not None:  # fast call; a failure is redone below for its message
-            out = _aligned_empty((a.shape[0], w.n), np.int32)
-            if _lib().qdsl_gemm_i32(_ptr(a), code, a.shape[0], a.shape[1], a_zero_point, w._handle, _ptr(out),
-                                    mask) == 0:
-                return out
+        if code is not None and mask is not None:  # fast calls; a failure is redone below for its message
+            if stage is None and bias is None and a_max_code == 255:
+                out = _aligned_empty((a.shape[0], w.n), np.int32)
+                if _lib().qdsl_gemm_i32(_ptr(a), code, a.shape[0], a.shape[1], a_zero_point, w._handle, _ptr(out),
+                                        mask) == 0:
+                    return out
+            elif ((bias is None or (type(bias) is np.ndarray and bias.dtype == np.int32 and bias.shape == (w.n,)
+                                    and bias.flags.c_contiguous))
+                  and (stage is None or np.dtype(out_dtype) in _DTYPES)):
+                # the general entry without the argument normalisation below (a few microseconds
+                # per call: GEMV-like shapes take tens); its error text goes to a scratch buffer
+                out = _aligned_empty((a.shape[0], w.n), np.int32 if stage is None else out_dtype)
+                if _lib().qdsl_gemm(_ptr(a), code, a.shape[0], a.shape[1], a.shape[1], a_zero_point, a_max_code,
+                                    w._handle, _ptr(bias), _ptr(out), _DTYPES[out.dtype], w.n, *_stage_args(stage),
+                                    mask, _SCRATCH_ERR, _ERRLEN) == 0:
+                    return out
     if a.dtype not in (np.int8, np.uint8) or a.ndim != 2:
         raise RuntimeError_(f"activations must be a 2-D int8/uint8 array, got {a.dtype} {a.shape}")
     a = np.ascontiguousarray(a)

@@ -267,6 +267,38 @@ def test_bad_arguments_raise():
         K.gemm(np.zeros((2, 5), np.uint8), pw, path="sse9")
 
 
+def test_gemm_general_fast_call_keeps_results_and_messages():
+    """``gemm`` with a stage, a bias or a_max_code calls the C entry without normalising its
+    arguments when they are already in form (contiguous int32 bias of shape (n,), a known
+    output dtype): results equal the normalised call's (a bias list, a strided activation
+    view), and a failing call still raises the C++ message (it is redone by the slow call)."""
+    rng = np.random.default_rng(11)
+    a = rng.integers(0, 256, (9, 40)).astype(np.uint8)
+    w = rng.integers(-128, 128, (21, 40)).astype(np.int8)
+    pw = K.pack_weights(w)
+    bias = rng.integers(-1000, 1000, 21).astype(np.int32)
+    stage = K.OutputStage([1 << 30], [9], zero_point=3, qmin=0, qmax=255)
+    want = _expected(a, 5, w, np.zeros(21, np.int64), bias)
+    np.testing.assert_array_equal(K.gemm(a, pw, a_zero_point=5, bias=bias), want)
+    np.testing.assert_array_equal(K.gemm(a, pw, a_zero_point=5, bias=list(bias)), want)  # normalised
+    np.testing.assert_array_equal(K.gemm(a, pw, a_zero_point=5, bias=bias, a_max_code=255), want)
+    wide = np.zeros((9, 80), np.uint8)
+    wide[:, ::2] = a
+    np.testing.assert_array_equal(K.gemm(wide[:, ::2], pw, a_zero_point=5, bias=bias), want)  # strided: copied
+    fast = K.gemm(a, pw, a_zero_point=5, bias=bias, stage=stage, out_dtype=np.uint8)
+    assert fast.dtype == np.uint8
+    np.testing.assert_array_equal(fast, K.gemm(a, pw, a_zero_point=5, bias=bias, stage=stage, out_dtype=np.uint8,
+                                               path="ref"))
+    with pytest.raises(rt.RuntimeError_, match="zero point"):
+        K.gemm(a, pw, a_zero_point=300, bias=bias, stage=stage, out_dtype=np.uint8)
+    with pytest.raises(rt.RuntimeError_, match="code bound"):
+        K.gemm(a, pw, a_zero_point=5, a_max_code=256)
+    with pytest.raises(rt.RuntimeError_, match="clamp"):
+        K.gemm(a, pw, stage=K.OutputStage([1 << 30], [9], qmin=0, qmax=255), out_dtype=np.int8)
+    with pytest.raises(rt.RuntimeError_, match="bias must have shape"):
+        K.gemm(a, pw, bias=bias[:5])
+
+
 def test_threads_do_not_change_results():
     rng = np.random.default_rng(5)
     a = rng.integers(0, 256, (50, 300)).astype(np.uint8)
@@ -302,3 +334,49 @@ def test_int32_output_in_place_equals_numpy(threads, m, k, n):
             _agree(got, _expected(a, 77, w, np.zeros(n, np.int64), b))
     finally:
         rt.set_num_threads(before)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.sampled_from([1, 2, 5, 6, 7, 95, 96, 97, 193]), k=st.sampled_from([1, 3, 4, 5, 63, 1023, 1024, 1025, 2049]),
+       n=st.sampled_from([1, 15, 16, 17, 33, 673, 700]), signed_a=st.booleans(), zp_end=st.booleans(),
+       use_bias=st.booleans(), out=st.sampled_from(["i32", "u8", "i8", "i32 stage"]), threads=st.sampled_from([1, 2]),
+       seed=st.integers(0, 2**31))
+def test_gemm_quad_driver_edges_equal_reference(m, k, n, signed_a, zp_end, use_bias, out, threads, seed):
+    """The u8 x s8 driver of the int GEMM (csrc/gemm.cc GemmQuadDriver, on the VNNI paths and
+    EVEX vpdpbusd on AVX2; QDSL_EVEX_VNNI=0 reruns this on the vpmaddubsw / int16 kernels):
+    rows past the 96-row block and the 6-row strips, K blocks of <= 256 k-quads (K 1025:
+    257 quads, two blocks; 2049: three) and K not a multiple of 4, column chunks (673 and
+    700 columns pass the 672 of a 96-row chunk) with a partial last panel, the bias and the
+    zero-point correction as the first block's start values, the plain int32 output written
+    in place (a partial last panel through a buffer), u8 / i8 / rescaled int32 stages, zero
+    points and codes at the dtype's ends, 1 and 2 threads (GEMV-like shapes split the
+    panels: start values per task): every path == the reference kernel."""
+    rng = np.random.default_rng(seed)
+    lo, hi = (-128, 127) if signed_a else (0, 255)
+    a = rng.integers(lo, hi + 1, (m, k)).astype(np.int8 if signed_a else np.uint8)
+    if zp_end:  # codes and zero point at the ends: the largest |a - zp| and the int32 wrap
+        a_zp = int(rng.choice([lo, hi]))
+        a[rng.random((m, k)) < 0.5] = hi if a_zp == lo else lo
+    else:
+        a_zp = int(rng.integers(lo, hi + 1))
+    w = rng.integers(-128, 128, (n, k)).astype(np.int8)
+    w[rng.random((n, k)) < 0.3] = -128
+    bias = rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32) if use_bias else None
+    stage, dtype = None, np.int32
+    if out != "i32":
+        dtype = {"u8": np.uint8, "i8": np.int8, "i32 stage": np.int32}[out]
+        qlo, qhi = {"u8": (0, 255), "i8": (-128, 127), "i32 stage": (-(1 << 20), 1 << 20)}[out]
+        stage = K.OutputStage(rng.integers(1 << 30, (1 << 31) - 1, n), rng.integers(-4, 24, n),
+                              zero_point=int(rng.integers(-3, 4)) if out == "i32 stage" else int(rng.integers(qlo, qhi + 1)),
+                              qmin=qlo, qmax=qhi)
+    pw = K.pack_weights(w)
+    before = rt.get_num_threads()
+    rt.set_num_threads(threads)
+    try:
+        got = {p: K.gemm(a, pw, a_zero_point=a_zp, bias=bias, stage=stage, out_dtype=dtype, path=p) for p in PATHS}
+    finally:
+        rt.set_num_threads(before)
+    if stage is None:
+        _agree(got, _expected(a, a_zp, w, np.zeros(n, np.int64), bias))
+    else:
+        _agree(got, got["ref"])

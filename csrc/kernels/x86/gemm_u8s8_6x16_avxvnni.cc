@@ -19,4 +19,5 @@
 #define QDSL_DPBUSD _mm256_dpbusd_avx_epi32
 #define QDSL_VNNI_U8S8 GemmU8S8AvxVnni
 #define QDSL_VNNI_S8U8 GemmS8U8AvxVnni
+#define QDSL_VNNI_U8S8_INIT GemmU8S8InitAvxVnni
 #include "kernels/x86/gemm_u8s8_6x16_vnni.h"

@@ -17,13 +17,16 @@ namespace {
 
 template <int MR, bool kBroadcastUnsigned>
 void Kernel(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c, int64_t ldc,
-            bool accumulate) {
+            bool accumulate, const int32_t* init = nullptr) {
   __m256i acc[MR][2];
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r) {
     if (accumulate) {
       acc[r][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * ldc));
       acc[r][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * ldc + 8));
+    } else if (init != nullptr) {  // every row starts from the same 16 values
+      acc[r][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init));
+      acc[r][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + 8));
     } else {
       acc[r][0] = _mm256_setzero_si256();
       acc[r][1] = _mm256_setzero_si256();
@@ -92,14 +95,14 @@ void Kernel(const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads,
 
 template <bool U>
 void Dispatch(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c, int64_t ldc,
-              bool accumulate) {
+              bool accumulate, const int32_t* init = nullptr) {
   switch (rows) {
-    case 1: return Kernel<1, U>(a, lda, panel, kquads, c, ldc, accumulate);
-    case 2: return Kernel<2, U>(a, lda, panel, kquads, c, ldc, accumulate);
-    case 3: return Kernel<3, U>(a, lda, panel, kquads, c, ldc, accumulate);
-    case 4: return Kernel<4, U>(a, lda, panel, kquads, c, ldc, accumulate);
-    case 5: return Kernel<5, U>(a, lda, panel, kquads, c, ldc, accumulate);
-    default: return Kernel<6, U>(a, lda, panel, kquads, c, ldc, accumulate);
+    case 1: return Kernel<1, U>(a, lda, panel, kquads, c, ldc, accumulate, init);
+    case 2: return Kernel<2, U>(a, lda, panel, kquads, c, ldc, accumulate, init);
+    case 3: return Kernel<3, U>(a, lda, panel, kquads, c, ldc, accumulate, init);
+    case 4: return Kernel<4, U>(a, lda, panel, kquads, c, ldc, accumulate, init);
+    case 5: return Kernel<5, U>(a, lda, panel, kquads, c, ldc, accumulate, init);
+    default: return Kernel<6, U>(a, lda, panel, kquads, c, ldc, accumulate, init);
   }
 }
 
@@ -109,6 +112,13 @@ void QDSL_VNNI_U8S8(int rows, const uint8_t* a, int64_t lda, const uint8_t* pane
                      int64_t ldc, bool accumulate) {
   Dispatch<true>(rows, a, lda, panel, kquads, c, ldc, accumulate);
 }
+
+#ifdef QDSL_VNNI_U8S8_INIT
+void QDSL_VNNI_U8S8_INIT(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c,
+                          int64_t ldc, bool accumulate, const int32_t* init) {
+  Dispatch<true>(rows, a, lda, panel, kquads, c, ldc, accumulate, init);
+}
+#endif
 
 void QDSL_VNNI_S8U8(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
                      int64_t ldc, bool accumulate) {

@@ -5,4 +5,5 @@
 #define QDSL_DPBUSD _mm256_dpbusd_epi32
 #define QDSL_VNNI_U8S8 GemmU8S8Avx512Vnni
 #define QDSL_VNNI_S8U8 GemmS8U8Avx512Vnni
+#define QDSL_VNNI_U8S8_INIT GemmU8S8InitAvx512Vnni
 #include "kernels/x86/gemm_u8s8_6x16_vnni.h"

@@ -25,11 +25,17 @@ void GemmU8S8AvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* pan
                      int64_t ldc, bool accumulate);
 void GemmS8U8AvxVnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
                      int64_t ldc, bool accumulate);
+void GemmU8S8InitAvxVnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c,
+                         int64_t ldc, bool accumulate, const int32_t* init);
 // The same kernels EVEX-encoded (AVX512-VNNI + AVX512VL; gemm_u8s8_6x16_vnni_avx512.cc).
 void GemmU8S8Avx512Vnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads, int32_t* c,
                         int64_t ldc, bool accumulate);
 void GemmS8U8Avx512Vnni(int rows, const uint8_t* w, int64_t ldw, const uint8_t* panel, int64_t kquads, int32_t* c,
                         int64_t ldc, bool accumulate);
+// GemmU8S8Avx512Vnni whose rows start from init[0..16) when not accumulating (the int GEMM's
+// bias and zero-point correction, folded into the first K block: dispatch.h VnniInitKernel).
+void GemmU8S8InitAvx512Vnni(int rows, const uint8_t* a, int64_t lda, const uint8_t* panel, int64_t kquads,
+                            int32_t* c, int64_t ldc, bool accumulate, const int32_t* init);
 // AVX2 vpmaddubsw on the same panels (csrc/kernels/x86/gemm_u8s8_6x16_avx2.cc), exact for
 // weights whose MaddubsStepsFor() >= S: S pair sums are added in int16 before widening.
 #define QDSL_DECLARE_MADDUBS(S)                                                                                  \
