@@ -161,6 +161,21 @@ def test_gemm_kernel_tests_pass_with_evex_vnni_off():
 
 
 @needs_vnni
+def test_kernel_rows_tests_pass_with_evex_vnni_off():
+    """QDSL_EVEX_VNNI=0: test_conv_igemm.py's implicit-GEMM convs by kernel rows (ConvParams::
+    ig_rows: RGB stems, odd channel counts) and the stems before a max pool on the vpmaddubsw /
+    int16 AVX2 kernels, which the default no longer runs on this CPU."""
+    e = {k: v for k, v in os.environ.items() if k not in ("QDSL_EVEX_VNNI", "QDSL_IGEMM_VNNI", "QDSL_KERNELS")}
+    e["QDSL_EVEX_VNNI"] = "0"
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+           str(ROOT / "tests" / "runtime" / "test_conv_igemm.py"), "-k", "kernel_rows or gathered_stem or pools_keep"]
+    out = subprocess.run(cmd, env=e, cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+    assert " passed" in out.stdout and " failed" not in out.stdout
+
+
+@needs_vnni
 def test_vnni_mobilenet_v2_7bit_matches_reference(monkeypatch):
     """A torchvision-shaped MobileNetV2 at 7-bit activations (any int8 weights behind the 7-bit
     clamp: the driver's main case, with row bands and segments) equals the reference on every
