@@ -518,6 +518,51 @@ def test_igemm_kernel_rows_match_reference(threads, seed, cin, k, stride, xdtype
         assert plan["implicit_gemm"] is (rows or cin >= 8) and plan.get("implicit_gemm_rows", False) is rows
 
 
+@pytest.mark.parametrize("reader", ["maxpool", "depthwise", "output"])
+def test_rgb_stem_by_kernel_rows_only_before_a_max_pool(monkeypatch, reader):
+    """Without QDSL_IGEMM_ALL, an RGB stem (3 input channels, 7 x 7 stride 2, 32 outputs) runs
+    the implicit-GEMM conv by kernel rows only when max pools read its output (a ResNet's stem,
+    NHWC into the pool); before a depthwise conv (a MobileNetV2 stem's reader) or as a graph
+    output it stays on the gathered-panel conv (prepare.cc KeepRowStems).  Equal to the
+    reference on every path either way."""
+    monkeypatch.delenv("QDSL_IGEMM_ALL")
+    rng = np.random.default_rng(5)
+    c, hw = 32, 23
+    ws = _weights(rng, c, 3, 7, 127)
+    sh = (hw + 6 - 7) // 2 + 1
+    s_attrs = _attrs(rng, c, DType.U8, 7, 2, 3, in_zp=0)
+    s_attrs.update(out_zp=0, out_min=0, out_max=127)
+    tensors = [Tensor("x", DType.U8, (-1, 3, hw, hw)), Tensor("ws", DType.I8, ws.shape, ws),
+               Tensor("s", DType.U8, (-1, c, sh, sh))]
+    ops = [Op(OpType.CONV2D, "stem", ["x", "ws"], ["s"], s_attrs)]
+    out = "s"
+    if reader == "maxpool":
+        ph = (sh + 2 - 3) // 2 + 1
+        tensors.append(Tensor("p", DType.U8, (-1, c, ph, ph)))
+        ops.append(Op(OpType.MAXPOOL2D, "pool", ["s"], ["p"],
+                      {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "dilation": [1, 1]}))
+        w1 = _weights(rng, c, c, 3, 127)
+        tensors += [Tensor("w1", DType.I8, w1.shape, w1), Tensor("y", DType.U8, (-1, c, ph, ph))]
+        ops.append(Op(OpType.CONV2D, "conv", ["p", "w1"], ["y"], _attrs(rng, c, DType.U8, 3, 1, 1, in_zp=0)))
+        out = "y"
+    elif reader == "depthwise":
+        wd = _weights(rng, c, 1, 3, 127)
+        d_attrs = _attrs(rng, c, DType.U8, 3, 1, 1, in_zp=0)
+        d_attrs["groups"] = c
+        tensors += [Tensor("wd", DType.I8, wd.shape, wd), Tensor("y", DType.U8, (-1, c, sh, sh))]
+        ops.append(Op(OpType.CONV2D, "dw", ["s", "wd"], ["y"], d_attrs))
+        out = "y"
+    graph = IntegerGraph(tensors, ["x"], [out], ops).validate()
+    x = rng.integers(0, 128, (2, 3, hw, hw)).astype(np.uint8)
+    cg = _check(graph, x)
+    if "avx2" in PATHS:
+        cg.run(x, path="avx2")
+        stem = cg.plan()[0]
+        assert stem["implicit_gemm"] is (reader == "maxpool")
+        assert stem.get("implicit_gemm_rows", False) is (reader == "maxpool")
+        assert stem["nhwc_output"] is (reader == "maxpool")
+
+
 @pytest.mark.parametrize("k,stride,dil,pad", [(3, 1, 1, 1), (3, 2, 1, 1), (3, 1, 2, 2), (3, 2, 2, 1), (5, 1, 1, 2),
                                               (5, 2, 2, 3), (1, 2, 1, 0), (3, 1, 1, 0), (7, 2, 1, 3)])
 def test_igemm_row_tables_at_the_image_edges_match_reference(threads, k, stride, dil, pad):
