@@ -40,7 +40,9 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
   if (which == 2) {
     const qdsl::GraphOp& op = g->ops[index];
     info[0] = op.opcode;
-    info[1] = 0;  // int conv/linear: 1 when its int32 stage and a fused ADD run as one estimate
+    // int conv/linear: bit 0 when its int32 stage and a fused ADD run as one estimate, bit 1
+    // when its implicit-GEMM taps are kernel rows (ConvParams::ig_rows)
+    info[1] = 0;
     const qdsl::GraphTensor& x = g->tensors[op.inputs[0]];
     info[2] = x.value_min;
     info[3] = x.value_max;
@@ -54,14 +56,15 @@ int64_t qdsl_graph_entry(void* handle, int which, int64_t index, int64_t* info, 
     uint32_t path = g->nhwc_path;
     if (path == 0 && !qdsl::ResolvePath(0, &path).ok()) path = 0;
     info[6] = int_gemm ? (cp->igemm ? (cp->ig_int16 ? 2 : (qdsl::IgemmRunsVnni(path) ? 3 : 1)) : 0) : -1;
-    // (2: from the kernel's registers, IgemmStageAddKernel, where the path has it: K <= 512, no twins)
-    if (int_gemm)
-      info[1] = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok
-                    ? (!cp->ig_int16 && cp->twins.empty() && cp->ig_taps * cp->ig_cp <= 512 &&
-                               qdsl::SelectIgemmStageAddKernel(path) != nullptr
-                           ? 2
-                           : 1)
-                    : 0;
+    // info[1] bits: 1 the residual ADD fused into the conv's stage; 4 that stage from the kernel's
+    // registers (IgemmStageAddKernel, where the path has it: K <= 512, no twins); 2 an implicit GEMM
+    // by kernel rows (ConvParams::ig_rows)
+    if (int_gemm) {
+      const bool fused = cp->igemm && cp->fused_add >= 0 && cp->ig_add.ok;
+      const bool regs = fused && !cp->ig_int16 && cp->twins.empty() && cp->ig_taps * cp->ig_cp <= 512 &&
+                        qdsl::SelectIgemmStageAddKernel(path) != nullptr;
+      info[1] = (fused ? 1 : 0) | (regs ? 4 : 0) | (cp->igemm && cp->ig_rows ? 2 : 0);
+    }
     // the output stage prepared for the kernel's registers (StageF32: igemm or NHWC depthwise)
     // (2: an NHWC depthwise conv that runs on the vpmaddubsw kernel, ConvParams::dwq)
     // (an I32 output: ig_stage32, which the AVX-512 twin epilogue applies)

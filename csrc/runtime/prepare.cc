@@ -5,6 +5,7 @@
 // one.  Then the graph-level plans of the AMX and twin convs.  After PrepareGraph succeeds,
 // the executor's index arithmetic is in bounds.
 #include <algorithm>
+#include <cstdlib>
 #include <iterator>
 #include <string>
 
@@ -81,6 +82,29 @@ void FindTwinConvs(Graph* g) {
       break;
     }
   }
+}
+
+// Implicit-GEMM convs by kernel rows (ConvParams::ig_rows) with fewer than 8 input channels
+// (RGB stems) stay implicit-GEMM convs only where every reader of their output is a max pool
+// (a ResNet's stem: NHWC codes from the kernel's registers into the NHWC pool); else the
+// gathered-panel conv runs, as it did before kernel rows (a MobileNetV2 stem's reader is a
+// 3 x 3 depthwise conv at 112 x 112, which channels-last costs more (b8) than the stem saves,
+// and the stem writing NCHW from its int32 tiles measured 1.3x the gathered conv).
+// QDSL_IGEMM_ALL=1 (tests) keeps them all.
+void KeepRowStems(Graph* g) {
+  if (std::getenv("QDSL_IGEMM_ALL") != nullptr) return;
+  std::vector<int> readers(g->tensors.size(), 0), pools(g->tensors.size(), 0);
+  for (const GraphOp& op : g->ops)
+    for (uint32_t t : op.inputs) {
+      ++readers[t];
+      pools[t] += op.opcode == kMaxpool2d;
+    }
+  for (uint32_t t : g->outputs) ++readers[t];
+  for (GraphOp& op : g->ops)
+    if (ConvParams* p = AsConv(op); p != nullptr && p->igemm && p->ig_rows && p->cin < 8) {
+      const uint32_t t = op.outputs[0];
+      if (readers[t] == 0 || readers[t] != pools[t]) p->igemm = false;
+    }
 }
 
 // ConvParams::dw_nhwc stays set only on depthwise convs that are neither twins nor twinned:
@@ -302,6 +326,7 @@ Status PrepareGraph(Graph* g) {
   for (int i = 0; i < n_tensors; ++i)
     QDSL_CHECK(ready[i], StatusCode::kFormatError, "activation '%s' is never produced", g->tensors[i].name.c_str());
   g->overflow.assign(g->ops.size(), 0);
+  KeepRowStems(g);
   FuseResidualAdds(g);
   FindTwinConvs(g);
   KeepNhwcDepthwise(g);

@@ -94,7 +94,9 @@ class CompiledGraph:
         is exact on full-range 8-bit activations, False for the 7-bit vpmaddubsw one; and
         ``implicit_gemm_vnni`` True when that kind runs as bit-identical ``vpdpbusd``
         kernels instead, on CPUs with AVX512_VNNI + AVX512VL such as Zen 4, unless
-        ``QDSL_EVEX_VNNI=0``: exact for any codes, so full-range 8-bit convs take it too),
+        ``QDSL_EVEX_VNNI=0``: exact for any codes, so full-range 8-bit convs take it too; and
+        ``implicit_gemm_rows`` True when its taps are whole kernel rows of a padded NHWC copy,
+        for input channels off the multiples of 4, e.g. an RGB stem),
         ``register_stage`` (int conv/linear only: its output stage is prepared for the AVX2
         kernel's epilogue, applied to the sums in registers when the output is one I8/U8 tensor
         stored NHWC; ``depthwise_maddubs``: an NHWC depthwise conv whose sums AVX2 takes by
@@ -128,8 +130,9 @@ class CompiledGraph:
                 if info[6] > 0:
                     entry["implicit_gemm_int16"] = info[6] == 2
                     entry["implicit_gemm_vnni"] = info[6] == 3
-                    entry["fused_add_stage"] = bool(info[1])
-                    entry["fused_add_registers"] = info[1] == 2
+                    entry["fused_add_stage"] = bool(info[1] & 1)
+                    entry["fused_add_registers"] = bool(info[1] & 4)
+                    entry["implicit_gemm_rows"] = bool(info[1] & 2)
             if info[8] >= 0:
                 entry["fused_gemm"] = bool(info[8])
             if info[9] >= 0:

@@ -195,15 +195,16 @@ def test_igemm_residual_block_matches_reference(threads, seed, hw, c, down, pot,
 
 @settings(max_examples=10, deadline=None, suppress_health_check=_FIXTURE_OK)
 @given(seed=st.integers(0, 2**31), pool=st.sampled_from([OpType.MAXPOOL2D, OpType.AVGPOOL2D]),
-       last=st.sampled_from([OpType.GLOBAL_AVGPOOL, OpType.AVGPOOL2D]))
-def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
-    """A ResNet's ends: stem conv (3 input channels: the gathered NCHW path) -> pool, which
-    writes NHWC for the implicit-GEMM conv and the ADD reading it -> conv (I32) + pool output
-    -> ADD -> a pool reading NHWC (GLOBAL_AVGPOOL: [N][C][1][1], the same in both layouts;
-    AVGPOOL2D: transposed back to the NCHW graph output)."""
+       last=st.sampled_from([OpType.GLOBAL_AVGPOOL, OpType.AVGPOOL2D]), cin=st.sampled_from([3, 4]))
+def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last, cin):
+    """A ResNet's ends: stem conv -> pool, which writes NHWC for the implicit-GEMM conv and the
+    ADD reading it -> conv (I32) + pool output -> ADD -> a pool reading NHWC (GLOBAL_AVGPOOL:
+    [N][C][1][1], the same in both layouts; AVGPOOL2D: transposed back to the NCHW graph
+    output).  The stem: 3 input channels run the implicit-GEMM conv by kernel rows (NHWC
+    output for either pool), 4 the gathered NCHW path (NHWC output for a max pool only)."""
     rng = np.random.default_rng(seed)
     c, hw = 16, 18
-    ws, w1 = _weights(rng, c, 3, 3, 127), _weights(rng, c, c, 3, 127)
+    ws, w1 = _weights(rng, c, cin, 3, 127), _weights(rng, c, c, 3, 127)
     mid = (hw - 1) // 2 + 1
     s_shape, p_shape = (-1, c, hw, hw), (-1, c, mid, mid)
     y_shape = (-1, c, 1, 1) if last is OpType.GLOBAL_AVGPOOL else (-1, c, mid - 2, mid - 2)
@@ -220,7 +221,7 @@ def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
         last_attrs.update(kernel=[3, 3], stride=[1, 1], padding=[0, 0])
     in_rq = {"in_zp": [0, 0], "in_kind": [2, 2], "in_multiplier": [int(v) for v in rng.integers(1 << 30, 1 << 31, 2)],
              "in_shift": [-6, -1], "in_rounding": [int(v) for v in rng.integers(0, 4, 2)]}
-    tensors = [Tensor("x", DType.U8, (-1, 3, hw, hw)), Tensor("ws", DType.I8, ws.shape, ws),
+    tensors = [Tensor("x", DType.U8, (-1, cin, hw, hw)), Tensor("ws", DType.I8, ws.shape, ws),
                Tensor("w1", DType.I8, w1.shape, w1), Tensor("s", DType.U8, s_shape), Tensor("p", DType.U8, p_shape),
                Tensor("r", DType.I32, p_shape), Tensor("sum", DType.U8, p_shape), Tensor("y", DType.U8, y_shape)]
     ops = [Op(OpType.CONV2D, "stem", ["x", "ws"], ["s"], s_attrs), Op(pool, "pool", ["s"], ["p"], pool_attrs),
@@ -228,11 +229,13 @@ def test_igemm_pools_keep_nhwc_matches_reference(threads, seed, pool, last):
            Op(OpType.ADD, "add", ["r", "p"], ["sum"], {**in_rq, "pre_shift": 0, **_stage(rng, 1, 0, 127)}),
            Op(last, "last", ["sum"], ["y"], last_attrs)]
     graph = IntegerGraph(tensors, ["x"], ["y"], ops).validate()
-    x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), 3, hw, hw))
+    x = _rand(rng, DType.U8, (int(rng.integers(1, 3)), cin, hw, hw))
     layouts = _layouts(_check(graph, x), x)
     if layouts is not None:
-        # 3 input channels: the gathered conv, which writes NHWC for a max pool only
-        assert layouts["stem"] == (False, pool is OpType.MAXPOOL2D)
+        if cin == 3:  # kernel rows (implicit_gemm_rows), NHWC for both pools
+            assert layouts["stem"] == (True, True)
+        else:  # 4 input channels: the gathered conv, which writes NHWC for a max pool only
+            assert layouts["stem"] == (False, pool is OpType.MAXPOOL2D)
         assert layouts["pool"][1] and layouts["conv"] == (True, True) and layouts["add"][1]
         assert not layouts["last"][1]
 
@@ -428,12 +431,14 @@ def test_igemm_fused_add_stage_matches_reference(threads, seed, k, c, other, sum
        xdtype=st.sampled_from([DType.U8, DType.I8]), sdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]),
        after=st.sampled_from(["conv", "conv", "output"]))
 def test_gathered_stem_nhwc_max_pool_matches_reference(threads, seed, k, stride, xdtype, sdtype, after):
-    """A ResNet's stem: conv (1-7 input channels: the gathered-panel conv) -> MAXPOOL2D -> conv.
-    The stem writes its codes NHWC (conv::GatheredWritesNhwc: per tile, transposed) because its
-    one reader is a max pool that writes NHWC, and the pool then takes the max of whole NHWC
-    pixels (pool.cc MaxRowNhwc).  Odd channel counts, image sizes and batches, strides,
-    padding, bias, pool windows 2/3 with strides 1/2, padding and dilation.  after == "output":
-    the pool output is the graph output (NCHW), so the stem stays NCHW too."""
+    """A ResNet's stem: conv (1-7 input channels) -> MAXPOOL2D -> conv.  With 1 or 4 input
+    channels the stem is the gathered-panel conv, which writes its codes NHWC
+    (conv::GatheredWritesNhwc: per tile, transposed) because its one reader is a max pool that
+    writes NHWC, and the pool then takes the max of whole NHWC pixels (pool.cc MaxRowNhwc);
+    after == "output": the pool output is the graph output (NCHW), so the stem stays NCHW too.
+    With 2, 3, 5, 6 or 7 it is the implicit-GEMM conv by kernel rows (implicit_gemm_rows), NHWC
+    output either way.  Odd channel counts, image sizes and batches, strides, padding, bias,
+    pool windows 2/3 with strides 1/2, padding and dilation."""
     rng = np.random.default_rng(seed)
     cin, c = int(rng.integers(1, 8)), int(rng.choice([8, 13, 17, 24, 64]))
     h, w = int(rng.integers(k + 2, k + 30)), int(rng.integers(k + 2, k + 40))
@@ -465,8 +470,97 @@ def test_gathered_stem_nhwc_max_pool_matches_reference(threads, seed, k, stride,
     layouts = _layouts(_check(graph, x), x)
     if layouts is not None:
         nhwc = after == "conv"
-        # (one input channel: a depthwise conv too, which runs on NCHW planes)
-        assert layouts["stem"] == (False, nhwc and cin > 1) and layouts["pool"] == (None, nhwc)
+        if cin in (1, 4):  # (one input channel: a depthwise conv too, which runs on NCHW planes)
+            assert layouts["stem"] == (False, nhwc and cin > 1) and layouts["pool"] == (None, nhwc)
+        else:
+            assert layouts["stem"] == (True, True) and layouts["pool"] == (None, nhwc)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=_FIXTURE_OK)
+@given(seed=st.integers(0, 2**31), cin=st.sampled_from([2, 3, 3, 5, 6, 7, 13, 4]), k=st.sampled_from([3, 5, 7, 7, 1]),
+       stride=st.sampled_from([1, 2, 2, 3]), xdtype=st.sampled_from([DType.U8, DType.U8, DType.I8]),
+       out=st.sampled_from([DType.U8, DType.I8, DType.I32]), bits=st.sampled_from([7, 8]),
+       w_zp=st.sampled_from([0, 0, 0, -90]))
+def test_igemm_kernel_rows_match_reference(threads, seed, cin, k, stride, xdtype, out, bits, w_zp):
+    """Kernel rows as taps (ConvParams::ig_rows: input channels off the multiples of 4, kw > 1,
+    column dilation 1, e.g. a 7 x 7 x 3 RGB stem): each tap reads one kernel row's kw * C bytes
+    of a zero-point padded NHWC copy, K padded to 4 per kernel row.  Odd channel counts and
+    image sizes, strides 1-3, padding up to past the kernel's half, row dilation (column
+    dilation 2 and 1 x 1 kernels: per-tap rows), batch 1-3, U8/I8 inputs with 7-bit or
+    full-range codes and zero points anywhere, U8/I8/I32 outputs, bias, a weight zero point
+    that takes W - w_zp out of int8 (the int16 kind); equals the reference on every path (the
+    AVX2 one on this CPU's vpdpbusd kernels; QDSL_EVEX_VNNI=0 in test_igemm_vnni.py reruns it
+    on the vpmaddubsw ones), and the plan says which form ran."""
+    rng = np.random.default_rng(seed)
+    c = int(rng.choice([8, 16, 17, 24, 64]))
+    h, w = int(rng.integers(k, k + 16)), int(rng.integers(k, k + 24))
+    pad = int(rng.integers(0, k // 2 + 2))
+    dh = int(rng.choice([1, 1, 2])) if k > 1 and h + 2 * pad > 2 * (k - 1) else 1
+    dw = int(rng.choice([1, 1, 1, 2])) if k > 1 and w + 2 * pad > 2 * (k - 1) else 1
+    wt = _weights(rng, c, cin, k, 127)
+    lo, hi = xdtype.range
+    top = lo + 127 if bits == 7 else hi  # 7-bit codes: the 128 lowest
+    in_zp = int(rng.integers(lo, top + 1))
+    attrs = _attrs(rng, c, out, k, stride, pad, in_zp=in_zp)
+    attrs.update(dilation=[dh, dw], w_zp=[w_zp])
+    oh, ow = ((n + 2 * pad - d * (k - 1) - 1) // stride + 1 for n, d in ((h, dh), (w, dw)))
+    tensors = [Tensor("x", xdtype, (-1, cin, h, w)), Tensor("w", DType.I8, wt.shape, wt),
+               Tensor("b", DType.I32, (c,), rng.integers(-50000, 50000, c)), Tensor("y", out, (-1, c, oh, ow))]
+    graph = IntegerGraph(tensors, ["x"], ["y"], [Op(OpType.CONV2D, "conv", ["x", "w", "b"], ["y"], attrs)]).validate()
+    x = rng.integers(lo, top + 1, (int(rng.integers(1, 4)), cin, h, w)).astype(xdtype.numpy)
+    x.reshape(-1)[:2] = (lo, top)
+    cg = _check(graph, x)
+    if "avx2" in PATHS:
+        cg.run(x, path="avx2")
+        plan = cg.plan()[0]
+        rows = cin % 4 != 0 and k > 1 and dw == 1
+        # (fewer than 8 input channels per tap: the gathered-panel conv)
+        assert plan["implicit_gemm"] is (rows or cin >= 8) and plan.get("implicit_gemm_rows", False) is rows
+
+
+@pytest.mark.parametrize("reader", ["maxpool", "depthwise", "output"])
+def test_rgb_stem_by_kernel_rows_only_before_a_max_pool(monkeypatch, reader):
+    """Without QDSL_IGEMM_ALL, an RGB stem (3 input channels, 7 x 7 stride 2, 32 outputs) runs
+    the implicit-GEMM conv by kernel rows only when max pools read its output (a ResNet's stem,
+    NHWC into the pool); before a depthwise conv (a MobileNetV2 stem's reader) or as a graph
+    output it stays on the gathered-panel conv (prepare.cc KeepRowStems).  Equal to the
+    reference on every path either way."""
+    monkeypatch.delenv("QDSL_IGEMM_ALL")
+    rng = np.random.default_rng(5)
+    c, hw = 32, 23
+    ws = _weights(rng, c, 3, 7, 127)
+    sh = (hw + 6 - 7) // 2 + 1
+    s_attrs = _attrs(rng, c, DType.U8, 7, 2, 3, in_zp=0)
+    s_attrs.update(out_zp=0, out_min=0, out_max=127)
+    tensors = [Tensor("x", DType.U8, (-1, 3, hw, hw)), Tensor("ws", DType.I8, ws.shape, ws),
+               Tensor("s", DType.U8, (-1, c, sh, sh))]
+    ops = [Op(OpType.CONV2D, "stem", ["x", "ws"], ["s"], s_attrs)]
+    out = "s"
+    if reader == "maxpool":
+        ph = (sh + 2 - 3) // 2 + 1
+        tensors.append(Tensor("p", DType.U8, (-1, c, ph, ph)))
+        ops.append(Op(OpType.MAXPOOL2D, "pool", ["s"], ["p"],
+                      {"kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "dilation": [1, 1]}))
+        w1 = _weights(rng, c, c, 3, 127)
+        tensors += [Tensor("w1", DType.I8, w1.shape, w1), Tensor("y", DType.U8, (-1, c, ph, ph))]
+        ops.append(Op(OpType.CONV2D, "conv", ["p", "w1"], ["y"], _attrs(rng, c, DType.U8, 3, 1, 1, in_zp=0)))
+        out = "y"
+    elif reader == "depthwise":
+        wd = _weights(rng, c, 1, 3, 127)
+        d_attrs = _attrs(rng, c, DType.U8, 3, 1, 1, in_zp=0)
+        d_attrs["groups"] = c
+        tensors += [Tensor("wd", DType.I8, wd.shape, wd), Tensor("y", DType.U8, (-1, c, sh, sh))]
+        ops.append(Op(OpType.CONV2D, "dw", ["s", "wd"], ["y"], d_attrs))
+        out = "y"
+    graph = IntegerGraph(tensors, ["x"], [out], ops).validate()
+    x = rng.integers(0, 128, (2, 3, hw, hw)).astype(np.uint8)
+    cg = _check(graph, x)
+    if "avx2" in PATHS:
+        cg.run(x, path="avx2")
+        stem = cg.plan()[0]
+        assert stem["implicit_gemm"] is (reader == "maxpool")
+        assert stem.get("implicit_gemm_rows", False) is (reader == "maxpool")
+        assert stem["nhwc_output"] is (reader == "maxpool")
 
 
 @pytest.mark.parametrize("k,stride,dil,pad", [(3, 1, 1, 1), (3, 2, 1, 1), (3, 1, 2, 2), (3, 2, 2, 1), (5, 1, 1, 2),

@@ -164,7 +164,8 @@ def test_gemm_kernel_tests_pass_with_evex_vnni_off():
 def test_igemm_conv_tests_pass_with_evex_vnni_off():
     """QDSL_EVEX_VNNI=0: test_conv_igemm.py (register stage, fused ADD, twins, inverted residual
     blocks, row tables) on the vpmaddubsw / int16 AVX2 kernels and their AVX2 stages (the int32
-    tile passes for twins and fused ADDs), which the default no longer runs on this CPU; and the
+    tile passes for twins and fused ADDs; the convs by kernel rows, ConvParams::ig_rows, and the RGB
+    stems before a max pool), which the default no longer runs on this CPU; and the
     twin test of this file, whose convs then take those paths."""
     e = {k: v for k, v in os.environ.items() if k not in ("QDSL_EVEX_VNNI", "QDSL_IGEMM_VNNI", "QDSL_KERNELS")}
     e["QDSL_EVEX_VNNI"] = "0"

@@ -75,7 +75,13 @@ struct ConvParams : OpParams {
   // (ig_int16: full-range 8-bit activations, |W - w_zp| <= 511) the int16 kernel, with ig_w per
   // panel [tap][k-quad][4 vectors of 8 channels x 2 int16] (igemm_i16_6x16_avx2.cc's order).
   // ig_cinit[n] = bias[n] - zu * sum_k (W - w_zp)[n][k] (0 past O), the accumulators' start value.
-  bool igemm = false, ig_int16 = false;
+  // ig_rows: the taps are kernel rows instead (few input channels, C % 4 != 0, dw == 1, e.g. an
+  // RGB stem): tap ky reads the kw * C contiguous bytes of one kernel row of a zero-point padded
+  // NHWC copy of the input ([H + 2 ph][W + 2 pw][C] per image, so no tap falls in the padding),
+  // ig_cp = kw * C rounded up to 4 (zero weights past kw * C) and ig_taps = kh: K = kh x ig_cp
+  // instead of kh x kw x (C rounded up to 4), e.g. 7 x 24 = 168 for a 7 x 7 x 3 stem, not 196,
+  // and a row pointer per kernel row rather than per tap.
+  bool igemm = false, ig_int16 = false, ig_rows = false;
   int64_t ig_cp = 0, ig_taps = 0, ig_panels = 0;
   AlignedVector<uint8_t> ig_w;
   std::vector<int32_t> ig_cinit;

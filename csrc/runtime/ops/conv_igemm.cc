@@ -71,10 +71,26 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const int64_t cquads = cp / 4, panel_bytes = taps * cquads * (p.ig_int16 ? 128 : 64);
   const uint8_t zu = static_cast<uint8_t>(p.in_zp + (xt.dtype == kI8 ? 128 : 0));
   const uint8_t flip = xt.dtype == kI8 ? 0x80 : 0;
+  // Kernel rows as taps (ConvParams::ig_rows): the rows are a zero-point padded NHWC copy, C
+  // bytes per pixel, and the image the row pointers address is the padded one (IH x IW, no
+  // padding left); else pixels of cp bytes in the input's own H x W.
+  const bool by_rows = p.ig_rows;
+  const int64_t IH = by_rows ? e.H + 2 * p.ph : e.H, IW = by_rows ? e.W + 2 * p.pw : e.W;
+  const int64_t ph = by_rows ? 0 : p.ph, pw = by_rows ? 0 : p.pw, px = by_rows ? C : cp, IHW = IH * IW;
+  // (a kernel row's last quad reads up to 3 bytes past its kw * C: slack past the last image)
+  const int64_t slack = by_rows ? 64 : 0;
   // the rows the kernel reads: the input itself, or an NHWC u8 copy with rows of cp bytes
   const uint8_t* rows = x;
   thread_local AlignedVector<uint8_t> copy;
-  if (!in_nhwc || cp != C || flip != 0) {
+  if (by_rows) {
+    copy.resize(static_cast<size_t>(e.n * IHW * C + slack));
+    uint8_t* const copied = copy.data();
+    ParallelFor(static_cast<int>(e.n), [&](int b) {
+      ToPaddedNhwcRows(x + b * C * HW, in_nhwc, C, e.H, e.W, p.ph, p.pw, IW, 0, IH, flip, zu, copied + b * IHW * C);
+    }, /*work=*/e.n * IHW * C * 8);
+    std::memset(copied + e.n * IHW * C, zu, static_cast<size_t>(slack));
+    rows = copied;
+  } else if (!in_nhwc || cp != C || flip != 0) {
     copy.resize(static_cast<size_t>(e.n * HW * cp));
     uint8_t* const copied = copy.data();  // (a thread_local named in the lambda would be each worker's own)
     ParallelFor(static_cast<int>(e.n), [&](int b) {
@@ -93,16 +109,17 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   }
   // the int16 kind reads int16 rows: the u8 rows widened once per conv here (widening in the
   // kernel's loads repeats it for every 16-channel panel; igemm_i16_6x16_avx2.cc)
-  const int64_t esize = p.ig_int16 ? 2 : 1, row_bytes = cp * esize;
-  std::vector<uint8_t> zero_row(static_cast<size_t>(row_bytes), zu);  // taps in the padding
+  const int64_t esize = p.ig_int16 ? 2 : 1, row_bytes = px * esize, img_elems = IHW * px;
+  std::vector<uint8_t> zero_row(static_cast<size_t>(cp * esize), zu);  // taps in the padding
   if (p.ig_int16) {
     thread_local AlignedVector<int16_t> wide;
-    wide.resize(static_cast<size_t>(e.n * HW * cp));
+    wide.resize(static_cast<size_t>(e.n * img_elems + slack));
     int16_t* const widened = wide.data();
     const uint8_t* const narrow = rows;
     ParallelFor(static_cast<int>(e.n), [&](int b) {
-      for (int64_t i = b * HW * cp; i < (b + 1) * HW * cp; ++i) widened[i] = narrow[i];
-    }, /*work=*/e.n * HW * cp * 4);
+      for (int64_t i = b * img_elems; i < (b + 1) * img_elems; ++i) widened[i] = narrow[i];
+    }, /*work=*/e.n * img_elems * 4);
+    for (int64_t i = e.n * img_elems; i < e.n * img_elems + slack; ++i) widened[i] = zu;
     rows = reinterpret_cast<const uint8_t*>(widened);
     const int16_t z16 = zu;
     for (int64_t c = 0; c < cp; ++c) std::memcpy(zero_row.data() + 2 * c, &z16, 2);
@@ -200,10 +217,12 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
   const int64_t tasks = e.n * blocks * nparts;
   // each tap's row offset from the first tap's row, and the taps' reach past the first
   // (for the row pointer tables below)
+  // (kernel rows: one tap per ky, starting at the row's first column)
+  const int64_t tkw = by_rows ? 1 : p.kw;
   std::vector<int64_t> tap_off(static_cast<size_t>(taps));
   for (int64_t ky = 0; ky < p.kh; ++ky)
-    for (int64_t kx = 0; kx < p.kw; ++kx) tap_off[ky * p.kw + kx] = (ky * p.dh * e.W + kx * p.dw) * row_bytes;
-  const int64_t span_y = (p.kh - 1) * p.dh, span_x = (p.kw - 1) * p.dw;
+    for (int64_t kx = 0; kx < tkw; ++kx) tap_off[ky * tkw + kx] = (ky * p.dh * IW + kx * p.dw) * row_bytes;
+  const int64_t span_y = (p.kh - 1) * p.dh, span_x = (tkw - 1) * p.dw;
   ParallelFor(static_cast<int>(tasks), [&](int t) {
     const int64_t part = t % nparts, bb = t / nparts, b = bb / blocks, blk = bb % blocks;
     const int64_t p0 = blk * bsz, p1 = std::min(P, p0 + bsz), m = p1 - p0;
@@ -218,20 +237,20 @@ Status IgemmConv(Graph* g, const GraphOp& op, int64_t batch, uint32_t path, Igem
     // 64-channel kernel steps per 16-channel panel.)
     thread_local std::vector<const uint8_t*> ind;
     ind.resize(static_cast<size_t>(m * taps));
-    const uint8_t* img = rows + b * HW * row_bytes;
+    const uint8_t* img = rows + b * IHW * row_bytes;
     int64_t oy = p0 / e.OW, ox = p0 % e.OW;
     for (int64_t i = 0; i < m; ++i) {
       const uint8_t** r = ind.data() + i * taps;
-      const int64_t iy0 = oy * p.sh - p.ph, ix0 = ox * p.sw - p.pw;
-      if (iy0 >= 0 && iy0 + span_y < e.H && ix0 >= 0 && ix0 + span_x < e.W) {
-        const uint8_t* first_row = img + (iy0 * e.W + ix0) * row_bytes;
+      const int64_t iy0 = oy * p.sh - ph, ix0 = ox * p.sw - pw;
+      if (iy0 >= 0 && iy0 + span_y < IH && ix0 >= 0 && ix0 + span_x < IW) {  // (always, for kernel rows)
+        const uint8_t* first_row = img + (iy0 * IW + ix0) * row_bytes;
         for (int64_t t = 0; t < taps; ++t) r[t] = first_row + tap_off[t];
       } else {
         for (int64_t ky = 0; ky < p.kh; ++ky) {
           const int64_t iy = iy0 + ky * p.dh;
           for (int64_t kx = 0; kx < p.kw; ++kx) {
             const int64_t ix = ix0 + kx * p.dw;
-            r[ky * p.kw + kx] = (iy >= 0 && iy < e.H && ix >= 0 && ix < e.W) ? img + (iy * e.W + ix) * row_bytes : zrow;
+            r[ky * p.kw + kx] = (iy >= 0 && iy < IH && ix >= 0 && ix < IW) ? img + (iy * IW + ix) * row_bytes : zrow;
           }
         }
       }

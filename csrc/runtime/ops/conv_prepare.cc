@@ -153,24 +153,34 @@ void PrepareDepthwise(ConvParams* pp, bool x_u8) {
 // int32_exact), e.g. full-range 8-bit activations with any int8 weights.
 void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) {
   ConvParams& p = *pp;
-  // (fewer than 8 input channels, an RGB stem: one k-quad per tap would spend the kernel on
-  // row pointer loads; measured slower on MobileNetV2's stem, NHWC output and all)
-  if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || p.cin < 8 || out.dtype == kBin) return;
-  const int64_t cp = (p.cin + 3) / 4 * 4, taps = p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
+  // Kernel rows as taps (ConvParams::ig_rows) when C is off the multiples of 4 and a kernel
+  // row is contiguous in NHWC (dw == 1, kw > 1): fewer K bytes (no per-tap padding to 4) and
+  // row pointers.  That also takes convs with fewer than 8 input channels (an RGB stem: with
+  // one k-quad per tap the kernel was spent on row pointer loads, measured slower on
+  // MobileNetV2's stem; a 7 x 7 x 3 kernel row is 6 quads).
+  // (one input channel: a depthwise conv too, left to conv_dw.cc's plane kernel)
+  const bool by_rows = p.cin % 4 != 0 && p.cin > 1 && p.dw == 1 && p.kw > 1;
+  if (p.groups != 1 || p.spatial != 2 || !p.fast_acc || (p.cin < 8 && !by_rows) || out.dtype == kBin) return;
+  const int64_t cp = by_rows ? (p.kw * p.cin + 3) / 4 * 4 : (p.cin + 3) / 4 * 4;
+  const int64_t taps = by_rows ? p.kh : p.kh * p.kw, kq = taps * cp / 4, O = p.cout;
   const bool pays = taps * cp >= 16 && O >= 24;
   // QDSL_IGEMM_ALL=1 (read when a graph is prepared): every eligible shape (tests)
   if (!pays && std::getenv("QDSL_IGEMM_ALL") == nullptr) return;
-  const int64_t kdim = p.cin * taps, panels = (O + 15) / 16;
-  // the weights in K order [tap][channel] (zero past C): its pairs are the kernels' pairs
+  const int64_t kdim = p.cin * p.kh * p.kw, panels = (O + 15) / 16;
+  // the weights in K order [tap][byte] (zero past C, or past kw * C for kernel rows): its
+  // pairs are the kernels' pairs.  Byte b of tap t is channel b (tap t = ky * kw + kx), or
+  // for kernel rows tap column b / C, channel b % C (tap t = ky).
   std::vector<int16_t> rows(static_cast<size_t>(O * taps * cp), 0);
   std::vector<int8_t> rows8(static_cast<size_t>(O * taps * cp), 0);
   bool int8 = !p.w8.empty();
+  const int64_t tap_bytes = by_rows ? p.kw * p.cin : p.cin;
   for (int64_t oc = 0; oc < O; ++oc)
-    for (int64_t c = 0; c < p.cin; ++c)
-      for (int64_t t = 0; t < taps; ++t) {
-        const int32_t v = p.w_int[0][oc * kdim + c * taps + t];  // |v| <= 511 (int32_exact)
-        rows[(oc * taps + t) * cp + c] = static_cast<int16_t>(v);
-        rows8[(oc * taps + t) * cp + c] = static_cast<int8_t>(v);
+    for (int64_t t = 0; t < taps; ++t)
+      for (int64_t b = 0; b < tap_bytes; ++b) {
+        const int64_t c = by_rows ? b % p.cin : b, k = by_rows ? t * p.kw + b / p.cin : t;  // k: ky * kw + kx
+        const int32_t v = p.w_int[0][oc * kdim + c * p.kh * p.kw + k];  // |v| <= 511 (int32_exact)
+        rows[(oc * taps + t) * cp + b] = static_cast<int16_t>(v);
+        rows8[(oc * taps + t) * cp + b] = static_cast<int8_t>(v);
       }
   // (where the AVX2 path runs the kind as EVEX vpdpbusd, EvexVnniUsable, it is exact for any u8
   // codes: full-range 8-bit activations take it too, not the int16 kind)
@@ -198,6 +208,7 @@ void PrepareIgemm(const GraphTensor& x, const GraphTensor& out, ConvParams* pp) 
   }
   p.ig_cp = cp;
   p.ig_taps = taps;
+  p.ig_rows = by_rows;
   p.ig_panels = panels;
   p.ig_int16 = !int8;
   // the register stage where the stage is a sizable share of the work (K <= 512: about 1/K of
