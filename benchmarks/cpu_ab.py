@@ -13,7 +13,7 @@ children taken in turn (A, B, C, then C, B, A); a ratio is taken round by round 
 its median and range over ``--rounds``.  The load average is printed before and after.
 
     python benchmarks/cpu_ab.py --base /path/to/old/_qdsl_native.so [--models resnet18,mobilenet_v2]
-                                [--batches 1,8] [--rounds 15] [--runs 4] [--no-ort]
+                                [--batches 1,8] [--rounds 15] [--runs 4] [--no-ort] [--cache DIR]
 
 ``--bits 8``: the exact 8-bit graphs (``qdsl a8``) with onnxruntime's exact ``ort u8u8`` as the
 peer.  ``--base-env VAR=VALUE`` (instead of ``--base``): ``base`` is this checkout's own library
@@ -101,6 +101,14 @@ def _build(name: str, workdir: str, with_ort: bool, bits: int = 7) -> tuple[str,
     return graph, onnx
 
 
+def _cached(cache: str, name: str, bits: int) -> tuple[str | None, str | None]:
+    """The graph and ORT model `op_gap.py --cache` saved for the model at 224 (None, None when
+    either is missing)."""
+    graph = os.path.join(cache, f"{name}_224_a{bits}.qgraph")
+    onnx = os.path.join(cache, f"{name}_224", "u8s8a7.onnx" if bits == 7 else "u8u8.onnx")
+    return (graph, onnx) if os.path.exists(graph) and os.path.exists(onnx) else (None, None)
+
+
 def _ab(spec: dict, batch: int, rounds: int, runs: int) -> dict[str, list[float]]:
     procs = {k: subprocess.Popen([sys.executable, __file__, "--worker", kind, root, model, str(batch)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -138,6 +146,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--runs", type=int, default=4, help="timed calls per contender per round (median)")
     ap.add_argument("--no-ort", action="store_true", help="leave out the onnxruntime peer")
+    ap.add_argument("--cache", help="op_gap.py's --cache directory: take the graphs exported there, if present "
+                                    "(op_gap's calibration, not this script's)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     logging.getLogger().setLevel(logging.ERROR)
@@ -158,7 +168,11 @@ def main(argv=None) -> None:
             var, _, value = args.base_env.partition("=")
             base_env = {var: value}
         for name in args.models.split(","):
-            graph, onnx = _build(name, work, not args.no_ort, args.bits)
+            graph, onnx = _cached(args.cache, name, args.bits) if args.cache else (None, None)
+            if graph is None:
+                graph, onnx = _build(name, work, not args.no_ort, args.bits)
+            if args.no_ort:
+                onnx = None
             spec = {"base": ("qdsl", base_root, graph, base_env), "new": ("qdsl", str(ROOT), graph)}
             if onnx:
                 spec["ort"] = ("ort", "-", onnx)
