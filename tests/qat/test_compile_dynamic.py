@@ -112,3 +112,34 @@ def test_inductor_dynamic_quantizer_equals_eager(case):
     assert torch.equal(out[num], ref[num]), (out, ref)
     assert torch.equal(xc.grad, xe.grad)
     assert torch._dynamo.explain(q)(x.clone().requires_grad_(True)).graph_break_count == 0
+
+
+def test_compiled_fake_quant_saves_no_bool_mask():
+    """Compiled, the clipping-mask STE saves the clamp's displacement (float) and builds
+    the mask in the backward: the forward saves no bool tensor of the activation's size
+    (inductor's CPU code converts a bool mask element by element; storing it cost more than
+    the rest of the fake quantization).  Eager still saves the bool mask
+    (qdsl.quantizers.ste._FakeQuant)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    q = _dynamic_input()
+    x = torch.randn(4, 8, 6, 6).contiguous(memory_format=torch.channels_last)
+    saved: list = []
+
+    def fw(gm, inputs):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        saved.extend(a.meta.get("val") for a in out.args[0] if hasattr(a, "meta"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(q, backend=aot_autograd(fw_compiler=fw, bw_compiler=lambda gm, _: gm.forward),
+                             fullgraph=True)
+    xc = x.clone().requires_grad_(True)
+    out = compiled(xc)
+    g = torch.randn_like(x)
+    out.backward(g)
+    assert saved and not any(t is not None and t.dtype == torch.bool and t.numel() == x.numel() for t in saved), saved
+    xe = x.clone().requires_grad_(True)
+    ref = q(xe)
+    ref.backward(g)
+    assert torch.equal(out, ref) and torch.equal(xc.grad, xe.grad)
