@@ -158,8 +158,27 @@ class MinMaxObserver(Observer):
         self.min_val, self.max_val = lo, hi
 
     def traced_range(self, x: torch.Tensor, training: bool):
+        if self.ctx.axis is None and self.ctx.group_size is None:
+            return self._finite_minmax_all(x.detach().float())
         rows, shape = self._rows(x)
         return tuple(t.reshape(shape) for t in self._finite_minmax(rows))
+
+    @staticmethod
+    def _finite_minmax_all(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_finite_minmax` of the whole tensor as one slot, 0-d results.
+
+        Reduced over all dimensions of ``x`` as it is, not over ``x.reshape(1, -1)``: the
+        minimum and maximum do not depend on the order, and under inductor the flattened
+        view of a channels-last activation became a scalar gather loop (index
+        arithmetic per element, not vectorised) where a full reduction runs over memory in
+        order, vectorised and fused with the producer's pass.  No separate "any finite"
+        pass either: without a finite value the masked minimum is +inf and the maximum
+        -inf (``lo > hi``), the only case where ``lo > hi``."""
+        ok = torch.isfinite(x)
+        lo = torch.where(ok, x, torch.inf).amin()
+        hi = torch.where(ok, x, -torch.inf).amax()
+        none = lo > hi
+        return lo.masked_fill(none, 0.0), hi.masked_fill(none, 0.0)
 
     def range(self):
         self._check()

@@ -162,26 +162,41 @@ class _FakeQuant(torch.autograd.Function):
         code = F.round_(v, rounding)
         if zero_point is not None:
             code = code + zero_point
-        inside = (code >= qmin) & (code <= qmax)
-        code = code.clamp(qmin, qmax)
-        if zero_point is not None:
-            code = code - zero_point
         need_s = ctx.needs_input_grad[1]
         need_z = zero_point is not None and ctx.needs_input_grad[2]
         ctx.flags = (need_s, need_z)
         ctx.zshape = None if zero_point is None else zero_point.shape
         ctx.grad_factor = grad_factor
+        ctx.float_mask = not (need_s or need_z) and torch.compiler.is_compiling()
+        if ctx.float_mask:
+            # compiled: no bool tensor for the compiler to save (inductor's CPU code converts a
+            # bool mask element by element: storing it cost more than the whole fake
+            # quantization).  The clamp's displacement d = code - clamp(code) is 0 inside
+            # the grid, an integer >= 1 in magnitude outside, NaN for NaN; the backward's
+            # mask 1 - fmin(|d|, 1) is 1, 0 and 0 (fmin ignores NaN), the bool mask's values
+            clamped = code.clamp(qmin, qmax)
+            ctx.save_for_backward(code - clamped)
+            code = clamped
+        else:
+            inside = (code >= qmin) & (code <= qmax)
+            code = code.clamp(qmin, qmax)
+        if zero_point is not None:
+            code = code - zero_point
         if need_s or need_z:
             ctx.save_for_backward(inside, v, code, scale)
-        else:
+        elif not ctx.float_mask:
             ctx.save_for_backward(inside)
         return code * scale
 
     @staticmethod
     def backward(ctx, g):
         need_s, need_z = ctx.flags
-        inside = ctx.saved_tensors[0]
-        gx = g * inside
+        if ctx.float_mask:
+            (d,) = ctx.saved_tensors
+            gx = g * (1.0 - torch.fmin(d.abs(), torch.ones_like(d)))
+        else:
+            inside = ctx.saved_tensors[0]
+            gx = g * inside
         gs = gz = None
         if need_s or need_z:
             _, v, code, scale = ctx.saved_tensors
