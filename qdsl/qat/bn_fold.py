@@ -44,6 +44,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from qdsl.quantizers import weight_op
+
 __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
 
@@ -115,11 +117,20 @@ class _QatFold:
         if not qat_fold_active(patch):
             return LayerPatch.refresh(patch)
         w, b = patch.master("weight"), patch.master("bias")
+        # compiled: the fold, the weight's qparams and its fake quantization as one extern
+        # op (qdsl.quantizers.weight_op; no generated kernel), where it covers the quantizer
+        wq = weight_op.folded(patch.wq, w, patch.bn) if torch.compiler.is_compiling() and w is not None else None
+        if wq is not None:
+            return self._set(wq, b)
         f = fold_factor(patch.bn)
         # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
         f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
         f = f.reshape(-1, *([1] * (w.dim() - 1)))
         wq = w if patch.wq is None else patch.wq(w * f) / f
+        return self._set(wq, b)
+
+    def _set(self, wq, b) -> None:
+        patch = self.patch
         d = patch.module.__dict__
         if "weight" in patch._moved:
             d["weight"] = wq
