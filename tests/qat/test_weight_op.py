@@ -134,17 +134,23 @@ def _traced(model, x):
 @pytest.mark.parametrize("spec", ["pot-asic", "int8-default"])
 def test_live_fold_traces_the_op_and_compiles_once(spec):
     """A compiled live-statistics training forward calls the op once per folded layer, with
-    no graph break, and a second call does not compile again (before: the eval plan
-    attribute ``_eplan`` set while tracing failed the guard, a second compile)."""
+    no graph break, a second call does not compile again (before: the eval plan
+    attribute ``_eplan`` set while tracing failed the guard, a second compile), and the
+    layers' ``weight`` attributes are as before the call."""
     from torch._dynamo.utils import counters
 
     model, x = _net(SPECS / f"{spec}.qspec")
+    convs = [p.module for p in _patches(model)]
+    before = [m.__dict__["weight"] for m in convs]
     counters.clear()
     ops, compiled = _traced(model, x)
     for _ in range(2):
         compiled(x).sum().backward()
     assert sum("qdsl.fold_weight_fq" in op for op in ops) == 3, ops
     assert counters["stats"]["unique_graphs"] == 1
+    # the layers' weight attributes are put back after their forward: the graph does not
+    # output the weights it computed (before: one more output and gradient input per layer)
+    assert all(m.__dict__["weight"] is w for m, w in zip(convs, before))
     torch._dynamo.reset()
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
 
