@@ -23,6 +23,11 @@ normalised activations.  :func:`prepare_qat` gives every folded layer a training
   then equals the inference forward.
 * after ``qdsl.freeze`` the layer always uses the inference fold, so export reads the
   folded weights.
+* under ``torch.compile`` the live form's ``Q(W·f)/f`` is one extern op
+  (:mod:`qdsl.quantizers.weight_op`, where it covers the weight quantizer; same values and
+  gradients), and the layer's ``weight``/``bias`` attributes are put back after its
+  forward (:meth:`_QatFold.after`): inductor then compiles no kernel for the folded
+  weights (measured in benchmarks/qat_compile.py).
 
 :func:`prepare_qat` also keeps QAT steps cheap without changing what is computed at
 inference: static activation observers reuse their range while their statistics are
@@ -43,6 +48,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor, nn
+
+from qdsl.quantizers import weight_op
 
 __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
@@ -106,6 +113,10 @@ class _QatFold:
         self.patch = patch
         self.stash: list = []
 
+    def __getstate__(self) -> dict:
+        # ``restore`` lives from a compiled forward's refresh to its end (tensors of it)
+        return {k: v for k, v in self.__dict__.items() if k != "restore"}
+
     def refresh(self) -> None:
         # installed as the patch's ``refresh`` (instance attribute); the class's own
         # refresh (the inference fold) runs whenever the live form is not active
@@ -115,17 +126,44 @@ class _QatFold:
         if not qat_fold_active(patch):
             return LayerPatch.refresh(patch)
         w, b = patch.master("weight"), patch.master("bias")
+        wq = None
+        if torch.compiler.is_compiling():
+            # the layer's attributes as they are now, put back after its forward (:meth:`after`)
+            d = patch.module.__dict__
+            self.restore = {n: d.get(n) for n in ("weight", "bias") if n in patch._moved}
+            # the fold, the weight's qparams and its fake quantization as one extern op
+            # (qdsl.quantizers.weight_op; no generated kernel), where it covers the quantizer
+            wq = weight_op.folded(patch.wq, w, patch.bn) if w is not None else None
+        if wq is not None:
+            return self._set(wq, b)
         f = fold_factor(patch.bn)
         # a zero γ would make 1/f blow up; such a channel's BN output is β whatever W is
         f = torch.where(f == 0, torch.full_like(f, torch.finfo(f.dtype).tiny), f)
         f = f.reshape(-1, *([1] * (w.dim() - 1)))
         wq = w if patch.wq is None else patch.wq(w * f) / f
+        return self._set(wq, b)
+
+    def _set(self, wq, b) -> None:
+        patch = self.patch
         d = patch.module.__dict__
         if "weight" in patch._moved:
             d["weight"] = wq
         if "bias" in patch._moved:
             d["bias"] = b  # float during live-statistics training; the folded bias is quantized once frozen
         patch._cache_key = None
+
+    def after(self, module, args, output):
+        """The layer's forward hook: under compile, ``module.weight``/``bias`` go back to what
+        they were before the forward.  A compiled graph then does not output the weights
+        it computed (an attribute left changed is an output, with a gradient input in the
+        backward: a layout copy and an add kernel per layer that inductor compiled).  So
+        after a compiled live-statistics forward the attributes hold the last eager
+        forward's weights; every forward recomputes them (``refresh``), and so do
+        ``qdsl.freeze`` and export."""
+        r = self.__dict__.pop("restore", None)
+        if r is not None and torch.compiler.is_compiling():
+            module.__dict__.update(r)
+        return None
 
     def pre(self, module, args):
         if qat_fold_active(self.patch) or not args or not isinstance(args[0], torch.Tensor):
@@ -208,6 +246,7 @@ def _prepare_patch(patch) -> None:
     # registered through the patch's own hook list, so qdsl.remove() removes them
     patch._hooks.append(bn.register_forward_pre_hook(fold.pre))
     patch._hooks.append(bn.register_forward_hook(fold.post))
+    patch._hooks.append(patch.module.register_forward_hook(fold.after))
     patch.refresh = fold.refresh
     patch._qat_prepared = True
 

@@ -425,6 +425,14 @@ class MseObserver(HistogramObserver):
         self._check()
         return self.min_val, self.max_val
 
+    def traced_count(self, training: bool) -> None:
+        """What a traced training forward records (``carrying`` set, counted), in place:
+        buffer mutations a compiled graph can carry (also used by
+        qdsl.quantizers.weight_op, which computes the range in its op)."""
+        if training:
+            self.carrying.fill_(True)
+            self.since_search.add_(1)
+
     def traced_range(self, x: torch.Tensor, training: bool):
         """Compiled forwards always carry the searched ratio (no search can be traced):
         a training forward as in :meth:`forward` (counted, ``carrying`` set), and an
@@ -439,9 +447,7 @@ class MseObserver(HistogramObserver):
         if self.clip_ratio.numel() != rows.shape[0]:
             return None
         ctx = self.ctx
-        if training:  # in place: buffer mutations a compiled graph can carry
-            self.carrying.fill_(True)
-            self.since_search.add_(1)
+        self.traced_count(training)
         lo0, hi0 = RS.channel_minmax(rows, ctx.recipe.symmetric, ctx.qmin)
         lo, hi = RS.range_from_ratio(lo0, hi0, self.clip_ratio, ctx.qmin, ctx.qmax,
                                      symmetric=ctx.recipe.symmetric, pot=ctx.pot)

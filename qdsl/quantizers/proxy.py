@@ -480,9 +480,11 @@ class TensorQuantizer(LazyBuffers):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.enabled:
             return x
-        plan = self._eplan or self._plan()
-        if (plan[1] and not self._observing and x.dtype is torch.float32 and not self.check_finite
-                and not (torch.is_grad_enabled() and x.requires_grad) and not torch.compiler.is_compiling()):
+        # (is_compiling first: a traced forward must not read or set ``_eplan``, or its guard on
+        # it fails on the next call and the model compiles a second time)
+        plan = None if torch.compiler.is_compiling() else (self._eplan or self._plan())
+        if (plan is not None and plan[1] and not self._observing and x.dtype is torch.float32 and not self.check_finite
+                and not (torch.is_grad_enabled() and x.requires_grad)):
             # evaluation: straight to the fast path when nothing below applies (the checks
             # that follow, in the order they would run; qdsl.quantizers.eval_fast.plan)
             b, ax = self._buffers, self.axis
