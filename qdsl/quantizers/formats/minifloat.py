@@ -50,7 +50,7 @@ from torch import nn
 
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import native_fq as NFQ
-from qdsl.quantizers.formats.base import TINY, FormatOps
+from qdsl.quantizers.formats.base import TINY, FormatOps, is_weight, zero_gain
 from qdsl.spec.builtins import MseParams
 from qdsl.spec.formats import MINIFLOAT_PRESETS, MinifloatFormat
 
@@ -79,6 +79,30 @@ def _steps(a: torch.Tensor, fmt: MinifloatFormat) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(a), (e - fmt.mantissa).to(a.dtype))
 
 
+def _bits_ok(fmt: MinifloatFormat) -> bool:
+    """Every grid step ``2^(e-M)`` and its inverse ``2^(M-e)`` (``e`` in ``emin..emax``)
+    is a normal float32 (all presets), so :func:`_bit_steps` may build them from bits."""
+    return fmt.emin - fmt.mantissa >= -126 and fmt.mantissa - fmt.emin <= 127 \
+        and fmt.emax - fmt.mantissa <= 127 and fmt.mantissa - fmt.emax >= -126
+
+
+def _bit_steps(y: torch.Tensor, fmt: MinifloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(2^(e-M), 2^(M-e))`` for each float32 ``y``, ``e`` its binade clamped to
+    ``emin..emax``, from the float32 bits alone (the values of :func:`_steps`).
+
+    The biased exponent field ``f`` of ``y`` is ``floor(log2 |y|) + 127`` for a normal
+    ``y``; 0 (zero, subnormal) and 255 (inf, NaN) land on the clamp's ends, where
+    :func:`_steps`' binade lands too (a subnormal's binade is below ``emin`` >= -126; inf
+    and NaN round to ``±max_normal`` / NaN whatever the step).  A power of two
+    ``2^k`` (``-126 <= k <= 127``) is the float32 with field ``k + 127`` and a zero
+    mantissa.  Elementwise integer ops only: a compiler vectorises them (``frexp`` ran
+    one element at a time in inductor's C++ and ``ldexp`` as a vector ``pow``)."""
+    f = torch.clamp((y.view(torch.int32) >> 23) & 0xFF, fmt.emin + 127, fmt.emax + 127)
+    step = ((f - fmt.mantissa) << 23).view(torch.float32)
+    inv = ((254 + fmt.mantissa - f) << 23).view(torch.float32)
+    return step, inv
+
+
 def minifloat_round(y: torch.Tensor, fmt: MinifloatFormat, mode: str | None = "half_even",
                     generator: torch.Generator | None = None, round_fn=None) -> torch.Tensor:
     """``y`` rounded to ``fmt``'s values (saturating; see the module docstring).
@@ -88,8 +112,13 @@ def minifloat_round(y: torch.Tensor, fmt: MinifloatFormat, mode: str | None = "h
     [0.0, 1.0, 2.0, 4.0, 6.0, -6.0, 0.0]
     """
     y = y.float()
-    step = _steps(y.abs(), fmt)
-    v = y / step  # exact: a power-of-two division of a float32 in range
+    if _bits_ok(fmt):
+        # y·2^(M-e) is y / 2^(e-M) bit for bit: both are the exact product, rounded once
+        step, inv = _bit_steps(y, fmt)
+        v = y * inv
+    else:
+        step = _steps(y.abs(), fmt)
+        v = y / step  # exact: a power-of-two division of a float32 in range
     r = round_fn(v, generator=generator) if round_fn is not None else F.round_(v, mode, generator)
     top = fmt.max_normal
     return torch.clamp(r * step, -top, top)
@@ -241,16 +270,96 @@ class E5M2Scale(MinifloatScale):
     format_name = "fp8_e5m2"
 
 
+def _finite_absmax(v: torch.Tensor, dim: int) -> torch.Tensor:
+    """The float32 bits (int32) of the largest finite ``|v|`` along ``dim`` (0 if none):
+    non-negative float32 bits order as the floats; with the sign bit cleared, inf and NaN
+    are the patterns ``>= 0x7F800000``."""
+    b = v.view(torch.int32) & 0x7FFFFFFF
+    return torch.where(b < 0x7F800000, b, 0).amax(dim=dim)
+
+
+def _blockwise(x: torch.Tensor, g: int, fn, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``fn`` on ``x``'s groups (``x.reshape(C, -1)`` cut in blocks of ``g``, the last one
+    shorter when ``g`` does not divide the row), without padding: the full blocks as
+    ``[C, Gf, g]`` (``fn(v, s)`` with ``s = scale[:, :Gf, None]``) and the short one as
+    ``[C, t]`` (``s = scale[:, -1:]``).  With a scale, the results are joined back to
+    ``x``'s shape; without one (a reduction over the block), ``fn(v, None)`` gives
+    ``[C, Gf]`` / ``[C]`` and the result is ``[C, G]``.  (Compiled code only: inductor 2.13
+    left a ragged last block's elements unwritten when a zero-padded ``[C, G, g]`` view,
+    or a scale repeat_interleave'd to the row, was sliced back to the row's length.)"""
+    c = x.shape[0]
+    rows = x.reshape(c, -1)
+    r = rows.shape[1]
+    full = r // g * g
+    parts = []
+    if full:
+        v = rows[:, :full].reshape(c, full // g, g)
+        parts.append(fn(v, None) if scale is None else fn(v, scale[:, : full // g, None]).reshape(c, full))
+    if full < r:
+        v = rows[:, full:]
+        parts.append(fn(v, None).unsqueeze(1) if scale is None else fn(v, scale[:, -1:]))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out if scale is None else out.reshape(x.shape)
+
+
+def _finite_absmax_bits(x: torch.Tensor, axis, group_size) -> torch.Tensor:
+    """The float32 bits (int32) of each scale slot's largest finite ``|x|`` (0 for a slot
+    with none): ``max(-lo, hi)`` of the observers' finite min and max, in one integer
+    reduction per block shape."""
+    x = x.detach().float()
+    if group_size is not None:
+        return _blockwise(x, group_size, lambda v, _: _finite_absmax(v, -1))
+    return _finite_absmax(F.reduce_view(x, axis, None), 1)
+
+
+def _mx_scale_bits(amax_bits: torch.Tensor, fmt: MinifloatFormat) -> torch.Tensor:
+    """:func:`mx_scale` of a finite ``amax >= 0`` given by its bits, for ``emax >= 0``:
+    ``floor(log2 amax)`` is the exponent field minus 127 for a normal ``amax``; a zero or
+    subnormal one (field 0) gives ``-127 - emax``, clamped to -127 as :func:`mx_scale`'s
+    ``2^-127`` for a zero block and its clamp for a subnormal ``amax``.  ``2^-127`` itself is
+    the subnormal with bits ``1 << 22``."""
+    e = torch.clamp((amax_bits >> 23) - (127 + fmt.emax), E8M0_MIN, E8M0_MAX)
+    return torch.where(e > E8M0_MIN, (e + 127) << 23, 1 << 22).view(torch.float32)
+
+
 class MinifloatOps(FormatOps):
     """Every minifloat's torch ops (registered as the ``minifloat`` family)."""
 
     def qparams(self, q, x, lo, hi, rule):
-        amax = torch.maximum(-lo, hi)
         params = q.recipe.observer_params
+        if x is not None and torch.compiler.is_compiling() and self._traced_absmax(q, params):
+            # compiled: the same scale from x's bits (lo and hi go unused, so the compiler
+            # drops the observer's three masked reductions); see _finite_absmax_bits
+            bits = _finite_absmax_bits(x, q.axis, q.group_size).reshape(lo.shape)
+            if self._pot_identity(q, rule):
+                scale = _mx_scale_bits(bits, q.format)
+            else:
+                scale = self._scale(q, bits.view(torch.float32), rule)
+            return scale, torch.zeros(scale.shape, dtype=torch.int32, device=scale.device), None
+        amax = torch.maximum(-lo, hi)
         if x is not None and q.role.is_param and isinstance(params, MseParams):
             amax = self._search(q, x, amax, rule, params)
         scale = self._scale(q, amax, rule)
         return scale, torch.zeros(scale.shape, dtype=torch.int32, device=scale.device), None
+
+    @staticmethod
+    def _traced_absmax(q, params) -> bool:
+        """``(lo, hi)`` passed to :meth:`qparams` with ``x`` under compile are the finite min
+        and max of ``x`` itself (a stateless quantizer whose observer's traced range is
+        min/max's), so ``max(-lo, hi)`` may come from ``x`` directly."""
+        from qdsl.quantizers.observers import MinMaxObserver
+
+        return (q.stateless and not isinstance(params, MseParams)
+                and getattr(type(q.observer), "traced_range", None) is MinMaxObserver.traced_range)
+
+    @staticmethod
+    def _pot_identity(q, rule) -> bool:
+        """The pot rule leaves the MX scale (a power of two) as it is: ``pot``/``pot_ceil``
+        map ``2^k`` to itself (qdsl.quantizers.scales), so :func:`_mx_scale_bits` is the
+        whole scale."""
+        from qdsl.quantizers.scales import PotCeilScale, PotScale
+
+        return type(rule) in (PotScale, PotCeilScale) and q.format.emax >= 0
 
     @staticmethod
     def _scale(q, amax, rule):
@@ -281,7 +390,18 @@ class MinifloatOps(FormatOps):
         s = F.param_view(scale.to(torch.float32), x, q.axis, q.group_size)
         return x / s, s
 
+    @staticmethod
+    def _blocked(q, x, scale) -> bool:
+        # compiled group scales: applied block by block (_blockwise), not through the
+        # scale repeat_interleave'd to x's shape, which inductor 2.13 miscompiled
+        return q.group_size is not None and torch.compiler.is_compiling() and scale.dim() == 2
+
     def fake(self, q, x, scale, zp, thr):
+        if self._blocked(q, x, scale):
+            def block(v, s):
+                return minifloat_round(v / s, q.format, q._round_mode, q.generator, q._round_fn) * s
+
+            return _blockwise(x.float(), q.group_size, block, scale.to(torch.float32)).to(x.dtype)
         y, s = self._y(q, x.float(), scale)
         dtype = _TORCH_FP8.get(q.format.name) if q._round_fn is None and q._round_mode == "half_even" else None
         if dtype is not None and q.format == MINIFLOAT_PRESETS[q.format.name] \
@@ -297,6 +417,16 @@ class MinifloatOps(FormatOps):
     def codes(self, q, x, scale, zp, thr):
         y, _ = self._y(q, x.float(), scale)
         return minifloat_codes(minifloat_round(y, q.format, q._round_mode, q.generator, q._round_fn), q.format, y)
+
+    def qat_value(self, q, x, scale, zp, thr):
+        if is_weight(q) and not scale.requires_grad and self._blocked(q, x, scale):
+            # FormatOps.qat_value's weight form, its clipping mask on the block view too
+            xd, sd = x.detach(), scale.detach()
+            value = q._fake(xd, sd, zp, thr)
+            top = q.format.max_normal
+            inside = _blockwise(xd.abs(), q.group_size, lambda v, s: v <= s * top, sd.to(x.dtype))
+            return value + zero_gain(x * inside)
+        return super().qat_value(q, x, scale, zp, thr)
 
     def activation_mask(self, q, x, s):
         return x.abs() <= s * q.format.max_normal
