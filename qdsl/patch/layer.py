@@ -514,9 +514,6 @@ class LayerPatch:
         state["_cache_key"] = None  # names this model's tensors by id(): meaningless in a copy
         state["_cache_refs"] = state["_key_refs"] = None
         state.pop("_frozen_record", None)  # keyed the same way (qdsl.patch.frozen)
-        # derived from that record (qdsl.patch.residual_sim), incl. the runtime's packed weights
-        state.pop("_residual_operands", None)
-        state.pop("_residual_rescales", None)
         return state
 
     def __deepcopy__(self, memo: dict) -> "LayerPatch":

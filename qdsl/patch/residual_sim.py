@@ -91,71 +91,9 @@ def _operands(patch, grid: tuple):
         < 2.0 ** (patch.plan.accumulator.bits - 1) - 1
     ops = (torch.from_numpy(w.astype(np.float32)), None if bias is None else torch.from_numpy(bias.astype(np.float64)),
            s_acc, bound,
-           chunk, fits, _native_operands(w, grid, fits))
+           chunk, fits)
     patch._residual_operands = (rec, grid, ops)
     return ops
-
-
-NATIVE_SUMS = True
-"""Compute :func:`exact_accumulator`'s sums with the C++ runtime's integer GEMM where it
-applies (:func:`_native_operands`); False: always the float32 products in exact chunks.
-Both give the same exact integers (``tests/patch/test_residual_sim_native.py``)."""
-
-
-def _native_operands(w: np.ndarray, grid: tuple, fits: bool) -> tuple | None:
-    """``(packed int8 weights, activation dtype, zero point)`` for the runtime's integer GEMM
-    (qdsl.runtime.kernels.gemm: int32 sums of ``(a - z)·w``), or None where it does not apply:
-    no native library, weights outside int8, input codes outside uint8/int8, or sums that may
-    leave int32 (every ``Σ|w|·255`` must stay below 2^31, so no partial sum of the kernel can
-    wrap) or need the accumulator's wrap/saturation (``fits`` false).  Exact integers either
-    way: the same values as the float32 chunks, at a third to a fifth of their cost (VNNI)."""
-    if not fits or w.size == 0 or int(w.min()) < -128 or int(w.max()) > 127:
-        return None
-    if float((np.abs(w).sum(axis=1) * 255.0).max(initial=0)) >= 2.0**31 - 1:
-        return None
-    _, zp, qmin, qmax = grid[:4]
-    if 0 <= qmin and qmax <= 255:
-        dtype = np.uint8
-    elif -128 <= qmin and qmax <= 127:
-        dtype = np.int8
-    else:
-        return None
-    try:
-        from qdsl.runtime import _native
-        from qdsl.runtime import kernels as K
-
-        if _native.lib() is None:
-            return None
-        packed = K.pack_weights(w.astype(np.int8))
-    except Exception:  # noqa: BLE001 - no usable runtime: the float32 chunks
-        return None
-    return packed, dtype, int(zp)
-
-
-def _native_sums(native: tuple, xq: torch.Tensor) -> torch.Tensor | None:
-    """The runtime GEMM's exact int32 sums of ``xq`` (``q - z`` as float32 integers, any
-    leading shape) as binary64, or None when a code lies outside the activation dtype."""
-    from qdsl.runtime import _native
-    from qdsl.runtime import kernels as K
-
-    packed, dtype, zp = native
-    info = np.iinfo(dtype)
-    q = xq.reshape(-1, xq.shape[-1]) + zp
-    if q.numel():
-        lo, hi = torch.aminmax(q)
-        if float(lo) < info.min or float(hi) > info.max:
-            return None
-    a = np.ascontiguousarray(q.numpy().astype(dtype))
-    lib = _native.lib()
-    prev, want = lib.qdsl_get_num_threads(), torch.get_num_threads()
-    if prev != want:  # the caller's intra-op thread setting (torch's), as the float32 products use
-        lib.qdsl_set_num_threads(want)
-    try:
-        out = K.gemm(a, packed, a_zero_point=zp)
-    finally:
-        if prev != want:
-            lib.qdsl_set_num_threads(prev)
-    return torch.from_numpy(out).double().reshape(*xq.shape[:-1], out.shape[-1])
 
 
 def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> torch.Tensor:
@@ -163,11 +101,11 @@ def exact_accumulator(patch, x: torch.Tensor, grid: tuple) -> torch.Tensor:
     frozen Linear on its fake-quantized input ``x`` (``grid``: its input quantizer's), as
     binary64 holding exact integers: float32 products of codes summed in chunks that stay
     exact (:func:`_operands`), the chunks and the bias added in binary64 (below 2^53)."""
-    w, bias, _, bound, chunk, fits, native = _operands(patch, grid)
+    w, bias, _, bound, chunk, fits = _operands(patch, grid)
     xq = torch.div(x.detach().cpu().float(), grid[0]).round_()  # q - z: |q - z| <= 255, off by < 2^-14
-    acc = _native_sums(native, xq) if native is not None and NATIVE_SUMS else None
     k = w.shape[1]
-    for lo in range(0, k, chunk) if acc is None else ():  # in place from here on: fewer passes
+    acc = None
+    for lo in range(0, k, chunk):  # in place from here on: the same operations, fewer passes
         part = F.linear(xq[..., lo:lo + chunk], w[:, lo:lo + chunk]).double()
         acc = part if acc is None else acc.add_(part)
     if bias is not None:
