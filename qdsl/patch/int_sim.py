@@ -56,9 +56,10 @@ When (the rule):
   MiniLM's frozen fake-quant hidden states then equal the graph's to the bit.
 
 Cost: one numpy pass per op on the CPU, one more product per simulated Linear (on its
-codes: the runtime's int8 GEMM where it applies, else float32 in exact chunks;
-qdsl.patch.residual_sim.exact_accumulator).  It is what makes a frozen transformer evaluate
-slower than before ``freeze`` (MiniLM transformer-int8 3.5-3.8x float vs 1.2x; README): the
+codes, float32 in exact chunks; qdsl.patch.residual_sim.exact_accumulator).  The C++
+runtime's int8 GEMM gives the same sums 3-5x cheaper, but the runtime is a higher layer than
+patch (tests/test_layering.py), so it is not used here.  It is what makes a frozen transformer evaluate
+slower than before ``freeze`` (MiniLM transformer-int8 3.5-4.4x float vs 1.2x; README): the
 price of frozen outputs equal to the graph's codes, not a cache that misses.
 """
 
