@@ -27,6 +27,11 @@ Guarantees:
 * a training forward still counts in the ``mse`` observer's buffers (in place, traced).
 
 No double backward (the backward op has no derivative).
+
+``qdsl::mx_weight_fq`` (below) does the same for a minifloat / MX weight quantizer (per-block
+shared power-of-two scale, minifloat elements), BN-folded (:func:`folded` falls back to it)
+or not (:func:`mx_plain`, called by ``TensorQuantizer`` for a weight in a compiled training
+forward, e.g. a Linear head); the int cases above are unchanged.
 """
 
 from __future__ import annotations
