@@ -68,6 +68,7 @@ import torch
 from qdsl.quantizers import eval_fast as EF
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import range_search as RS
+from qdsl.quantizers import weight_op as WO
 from qdsl.quantizers.functional import HALF_DTYPES, check_finite
 from qdsl.quantizers.observers import LazyBuffers
 from qdsl.quantizers.parts import (
@@ -529,6 +530,11 @@ class TensorQuantizer(LazyBuffers):
         return self._general(x, src)
 
     def _general(self, x: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling() and self.role.is_param:
+            # a minifloat/MX weight's QAT forward as one opaque op (qdsl.quantizers.weight_op)
+            out = WO.mx_plain(self, x)
+            if out is not None:
+                return out
         p = self.qparams(x, src=src)
         if p is None:
             self._last_scale = None

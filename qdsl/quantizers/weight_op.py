@@ -27,6 +27,11 @@ Guarantees:
 * a training forward still counts in the ``mse`` observer's buffers (in place, traced).
 
 No double backward (the backward op has no derivative).
+
+``qdsl::mx_weight_fq`` (below) does the same for a minifloat / MX weight quantizer (per-block
+shared power-of-two scale, minifloat elements), BN-folded (:func:`folded` falls back to it)
+or not (:func:`mx_plain`, called by ``TensorQuantizer`` for a weight in a compiled training
+forward, e.g. a Linear head); the int cases above are unchanged.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import Tensor
 from qdsl.quantizers import functional as F
 from qdsl.quantizers import range_search as RS
 
-__all__ = ["fold_weight_fq", "folded", "applies"]
+__all__ = ["fold_weight_fq", "folded", "applies", "mx_weight_fq", "mx_applies", "mx_folded", "mx_plain"]
 
 
 def _range(x: Tensor, ratio: Optional[Tensor], qmin: int, qmax: int, symmetric: bool, search_pot: bool,
@@ -202,7 +207,7 @@ def folded(q, w: Tensor, bn) -> Optional[Tensor]:
     """``q(W·f)/f`` for the live-statistics fold of ``bn`` as one op (see the module
     docstring), or None where the op does not apply (trace the general path then)."""
     if not applies(q, w):
-        return None
+        return mx_folded(q, w, bn)
     from qdsl.qat.bn_fold import _inv_std
     from qdsl.quantizers import scales as S
 
@@ -222,3 +227,210 @@ def folded(q, w: Tensor, bn) -> Optional[Tensor]:
                                                         bool(q.recipe.symmetric), pot, search_pot, axis)
     q._last_scale = scale
     return out
+
+
+
+# ============================================================ minifloat / MX weights
+# ``qdsl::mx_weight_fq``: the same for a minifloat weight quantizer (OCP MX: per-block
+# power-of-two shared scale, minifloat elements; qdsl.quantizers.formats.minifloat), folded
+# (``Q(W·f)/f``) or not (``Q(W)``, e.g. a Linear head).  Traced, its range, shared exponent,
+# block-wise rounding and clipping mask were 3 forward and 1-2 backward inductor kernels per
+# layer (mxfp4's compile time 2.0-2.2x compiled float's); as one extern op they are none.
+#
+# Values: the eager QAT expression bit for bit, computed by the same eager functions - the
+# minmax observer's range of the weight's scale slots (Observer._minmax on
+# functional.reduce_view), MinifloatOps._scale with the quantizer's scale rule, MinifloatOps.fake
+# (x / s on the group-expanded scale, minifloat_round or the fp8 cast path), and
+# FormatOps.qat_value's ``x̂ + (sur - sur)`` with ``sur = x·(|x| <= s·max_normal)`` (which
+# turns a -0 into +0, as eager does).  Gradient: ``g·mask`` to ``x`` (MulBackward of
+# ``x·mask``), then the fold's Div/Mul backward (qdsl::fold_weight_fq_backward's formulas).
+# Used only while compiling a training forward with the QAT gradient path installed, for a
+# minifloat format with half-even rounding, a minmax/ema observer (not mse: its search), a
+# built-in non-learned scale rule (float, pot, pot_ceil, fp8_e4m3, fp8_e5m2), float32, no
+# PTQ offset or fixed codes.
+_RULES: dict = {}
+
+
+def _rule_name(rule) -> Optional[str]:
+    from qdsl.quantizers import scales as S
+    from qdsl.quantizers.formats import minifloat as MF
+
+    return {S.FloatScale: "float", S.PotScale: "pot", S.PotCeilScale: "pot_ceil",
+            MF.E4M3Scale: "fp8_e4m3", MF.E5M2Scale: "fp8_e5m2"}.get(type(rule))
+
+
+def _rule(name: str):
+    rule = _RULES.get(name)
+    if rule is None:
+        from qdsl.quantizers import scales as S
+        from qdsl.quantizers.formats import minifloat as MF
+
+        cls = {"float": S.FloatScale, "pot": S.PotScale, "pot_ceil": S.PotCeilScale,
+               "fp8_e4m3": MF.E4M3Scale, "fp8_e5m2": MF.E5M2Scale}[name]
+        rule = _RULES[name] = cls(None)  # stateless modules: a function of the raw scale
+    return rule
+
+
+class _Slots:
+    """What MinifloatOps' eager ``_scale``/``fake`` read of a quantizer (format, slots,
+    half-even rounding)."""
+
+    _round_mode, _round_fn, generator = "half_even", None, None
+
+    def __init__(self, fmt, axis, group_size):
+        self.format, self.axis, self.group_size = fmt, axis, group_size
+
+
+def _mx_value(x: Tensor, fmt_name: str, group_size: Optional[int], axis: Optional[int],
+              rule: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x̂ + 0·surrogate, scale, clipping mask)`` of the eager QAT path (see above)."""
+    from qdsl.quantizers.formats.minifloat import MinifloatOps
+    from qdsl.quantizers.observers import Observer
+    from qdsl.spec.formats import minifloat_format
+
+    fmt = minifloat_format(fmt_name)
+    q = _Slots(fmt, axis, group_size)
+    x = x.detach()
+    # the observer's range (reset, one observation: Observer._rows, MinMaxObserver.forward)
+    lo, hi = Observer._minmax(F.reduce_view(x.float(), axis, group_size))
+    shape = F.param_shape(tuple(x.shape), axis, group_size)
+    lo, hi = lo.reshape(shape).float(), hi.reshape(shape).float()
+    # MinifloatOps.qparams (x given, not compiling, no mse search)
+    scale = MinifloatOps._scale(q, torch.maximum(-lo, hi), _rule(rule))
+    # FormatOps.qat_value, a weight without a learned scale
+    value = _MF_OPS.fake(q, x, scale, None, None)
+    s_view = F.param_view(scale.to(x.dtype), x, axis, group_size)
+    mask = x.abs() <= s_view * fmt.max_normal
+    sur = x * mask
+    return value + (sur - sur), scale, mask
+
+
+class _LazyOps:
+    def __getattr__(self, name):
+        from qdsl.quantizers.formats.minifloat import MinifloatOps
+
+        return getattr(MinifloatOps(), name)
+
+
+_MF_OPS = _LazyOps()
+
+
+@torch.library.custom_op("qdsl::mx_weight_fq", mutates_args=(), tags=_TAGS)
+def mx_weight_fq(w: Tensor, gamma: Optional[Tensor], inv_std: Optional[Tensor], fmt: str,
+                 group_size: Optional[int], axis: Optional[int],
+                 rule: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(out, scale, numerator, clipping mask, f)``: without ``inv_std`` ``out = Q(W)``
+    (numerator and ``f`` empty); with it ``out = Q(W·f)/f`` for ``f = γ·inv_std`` (a zero
+    ``f`` taken as the smallest normal float), the numerator ``Q(W·f)``.  ``Q``: the minifloat
+    ``fmt`` (its name) per ``group_size`` block of each flattened row (else per ``axis``,
+    None: per tensor), its scale from the slot's finite max-abs by the scale ``rule``."""
+    if inv_std is None:
+        out, scale, mask = _mx_value(w, fmt, group_size, axis, rule)
+        return _like(out, w), scale, w.new_empty(0), _like(mask, w), w.new_empty(0)
+    f = _factor(gamma, inv_std)
+    fr = _column(f, w)
+    x = torch.mul(w, fr, out=torch.empty_like(w))
+    xhat, scale, mask = _mx_value(x, fmt, group_size, axis, rule)
+    xhat, mask = _like(xhat, w), _like(mask, w)
+    return torch.div(xhat, fr, out=torch.empty_like(w)), scale, xhat, mask, f
+
+
+@mx_weight_fq.register_fake
+def _mx_fake(w, gamma, inv_std, fmt, group_size, axis, rule):
+    shape = F.param_shape(tuple(w.shape), axis, group_size)
+    folded_ = inv_std is not None
+    return (torch.empty_like(w), w.new_empty(shape), torch.empty_like(w) if folded_ else w.new_empty(0),
+            torch.empty_like(w, dtype=torch.bool), torch.empty_like(inv_std) if folded_ else w.new_empty(0))
+
+
+@torch.library.custom_op("qdsl::mx_weight_fq_backward", mutates_args=(), tags=_TAGS)
+def mx_weight_fq_backward(g: Tensor, w: Tensor, gamma: Optional[Tensor], inv_std: Optional[Tensor], xhat: Tensor,
+                          mask: Tensor, f: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dL/dW, dL/dγ)`` as eager autograd computes them: ``g·mask`` unfolded; folded, the
+    fold's backward with that mask (fold_weight_fq_backward's per-tensor form is
+    ``g·mask``); ``dL/dγ`` empty without ``γ``."""
+    if inv_std is None:
+        return torch.mul(g, mask, out=torch.empty_like(w)), g.new_empty(0)
+    return fold_weight_fq_backward(g, w, gamma, inv_std, xhat, mask, f, True)
+
+
+@mx_weight_fq_backward.register_fake
+def _mx_fake_backward(g, w, gamma, inv_std, xhat, mask, f):
+    has = gamma is not None and inv_std is not None
+    return torch.empty_like(w), (torch.empty_like(gamma) if has else w.new_empty(0))
+
+
+def _mx_setup_context(ctx, inputs, output) -> None:
+    w, gamma, inv_std = inputs[:3]
+    _out, scale, xhat, mask, f = output
+    ctx.has_gamma = gamma is not None and inv_std is not None
+    ctx.folded = inv_std is not None
+    ctx.save_for_backward(w, gamma, inv_std, xhat, mask, f)
+    ctx.mark_non_differentiable(scale, xhat, mask, f)
+
+
+def _mx_backward(ctx, g, *_unused):
+    w, gamma, inv_std, xhat, mask, f = ctx.saved_tensors
+    gw, gg = mx_weight_fq_backward(g, w, gamma if ctx.has_gamma else None, inv_std if ctx.folded else None,
+                                   xhat, mask, f)
+    return gw, (gg if ctx.has_gamma else None), None, None, None, None, None
+
+
+mx_weight_fq.register_autograd(_mx_backward, setup_context=_mx_setup_context)
+
+
+def mx_applies(q, w: Tensor) -> bool:
+    """Does ``q``'s QAT training forward on a tensor like ``w`` equal what
+    ``qdsl::mx_weight_fq`` computes?  (``TensorQuantizer.forward``'s conditions in order.)"""
+    from qdsl.quantizers import observers as O
+    from qdsl.quantizers.formats.minifloat import MinifloatOps
+    from qdsl.quantizers.proxy_grad import qat_grad_path
+    from qdsl.spec.builtins import MseParams
+    from qdsl.spec.formats import minifloat_format
+
+    if (q is None or not q.enabled or q.observing or q.frozen or not q.stateless or q.dynamic or q.derived
+            or q.token or q.sign_threshold is not None or q.learned):
+        return False
+    if w.dtype is not torch.float32 or q.offset.numel() or q.codes.numel():
+        return False
+    if type(q._ops) is not MinifloatOps or q._round_fn is not None or q._round_mode != "half_even":
+        return False
+    if minifloat_format(q.format.name) != q.format or q.grad_path is not qat_grad_path:
+        return False
+    if type(q.observer) not in (O.MinMaxObserver, O.EmaObserver) or isinstance(q.recipe.observer_params, MseParams):
+        return False
+    if _rule_name(q.scale_rule) is None:
+        return False
+    if q.group_size is not None:
+        return w.dim() >= 2
+    return q.axis is None or -w.dim() <= q.axis < w.dim()
+
+
+def _mx_call(q, w: Tensor, gamma, inv_std) -> Tensor:
+    axis = None if q.axis is None or q.group_size is not None else q.axis % w.dim()
+    out, scale, _xhat, _mask, _f = mx_weight_fq(w, gamma, inv_std, q.format.name, q.group_size, axis,
+                                                _rule_name(q.scale_rule))
+    q._last_scale = scale
+    return out
+
+
+def mx_folded(q, w: Tensor, bn) -> Optional[Tensor]:
+    """``q(W·f)/f`` of a minifloat ``q`` for the live-statistics fold of ``bn`` as one op, in a
+    training forward; None where it does not apply."""
+    gamma = bn.weight
+    training = torch.is_grad_enabled() and (w.requires_grad or (gamma is not None and gamma.requires_grad))
+    if not training or not mx_applies(q, w):
+        return None
+    from qdsl.qat.bn_fold import _inv_std
+
+    inv_std = _inv_std(bn.running_var, float(bn.eps)) if torch.compiler.is_compiling() else \
+        torch.rsqrt(bn.running_var + bn.eps)
+    return _mx_call(q, w, gamma, inv_std)
+
+
+def mx_plain(q, x: Tensor) -> Optional[Tensor]:
+    """``q(x)`` of a minifloat weight quantizer in a training forward as one op (a layer
+    without a folded BN); None where it does not apply."""
+    if not (torch.is_grad_enabled() and x.requires_grad) or not mx_applies(q, x):
+        return None
+    return _mx_call(q, x, None, None)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qdsl.quantizers import functional as F
-from qdsl.quantizers import proxy_grad
+from qdsl.quantizers import proxy_grad, weight_op
 from qdsl.quantizers.formats import minifloat as M
 from qdsl.quantizers.observers import Observer
 from qdsl.spec.formats import MINIFLOAT_PRESETS, MinifloatFormat
@@ -103,10 +103,13 @@ def _capture_forward_graphs():
     return graphs, aot_autograd(fw_compiler=fw)
 
 
-def test_compiled_mx_weight_traces_no_frexp_and_one_reduction():
-    """The compiled training forward of an MXFP4 weight: no frexp/ldexp/pow (inductor ran
-    frexp one element at a time and ldexp as a vector pow) and the block max-abs as one
-    integer amax per block shape, not the observer's masked amin/amax/any."""
+def test_compiled_mx_weight_traces_no_frexp_and_one_reduction(monkeypatch):
+    """The compiled training forward of an MXFP4 weight where the opaque op
+    (qdsl.quantizers.weight_op.mx_plain) does not apply, the traced general path: no
+    frexp/ldexp/pow (inductor ran frexp one element at a time and ldexp as a vector pow) and
+    the block max-abs as one integer amax per block shape, not the observer's masked
+    amin/amax/any."""
+    monkeypatch.setattr(weight_op, "mx_plain", lambda q, x: None)
     torch._dynamo.reset()
     q = quantizer("fp4_e2m1", scale="pot", gran=group(32))
     proxy_grad.install(q)
@@ -122,9 +125,13 @@ def test_compiled_mx_weight_traces_no_frexp_and_one_reduction():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind,shape", [("fp4_e2m1", (6, 40)), ("fp8_e4m3", (5, 27)), ("fp6_e2m3", (4, 96)),
                                         ("fp4_e2m1", (4, 8, 3, 3))])
-def test_inductor_mx_weight_equals_eager(kind, shape):
+@pytest.mark.parametrize("path", ["op", "traced"])
+def test_inductor_mx_weight_equals_eager(kind, shape, path, monkeypatch):
     """Values bit for bit and gradients equal, for the same compiled function on several
-    weights (ragged last blocks: 40 = 32 + 8, 27 < 32, 72 = 2·32 + 8)."""
+    weights (ragged last blocks: 40 = 32 + 8, 27 < 32, 72 = 2·32 + 8), through the opaque
+    op (qdsl::mx_weight_fq) and the traced general path (where the op does not apply)."""
+    if path == "traced":
+        monkeypatch.setattr(weight_op, "mx_plain", lambda q, x: None)
     torch._dynamo.reset()
     q = quantizer(kind, scale="pot", gran=group(32))
     proxy_grad.install(q)
