@@ -54,30 +54,16 @@ from qdsl.quantizers import weight_op
 __all__ = ["prepare_qat", "fold_factor", "freeze_bn_stats", "unfreeze_bn_stats", "qat_fold_active"]
 
 
-# The fold factor's inverse std is a custom op, opaque to the compiler, for one reason: a
-# compiled training step must *save* it for backward.  Written with aten ops, AOTAutograd's
-# partitioner recomputes ``rsqrt(running_var + eps)`` in the backward from the
-# ``running_var`` buffer itself (buffers and parameters are "free to save": they outlive
-# the step), but the BatchNorm updates that buffer in place later in the same forward, so
-# the backward kept a tensor that changes before it runs (under inductor: autograd's
-# "modified by an inplace operation" error; tests/qat/test_compile.py).  An op outside the partitioner's recompute
-# allowlist is saved, never recomputed; the running statistics are a buffer with no
-# gradient, so the op needs no backward.  Eager computes the same expression directly.
-@torch.library.custom_op("qdsl::bn_inv_std", mutates_args=())
-def _inv_std(running_var: Tensor, eps: float) -> Tensor:
-    return torch.rsqrt(running_var + eps)
-
-
-@_inv_std.register_fake
-def _inv_std_fake(running_var: Tensor, eps: float) -> Tensor:
-    return torch.empty_like(running_var)
+# (the fold factor's inverse std: qdsl::bn_inv_std, in qdsl.quantizers.weight_op, which uses it
+# too and may not import this module: qat is a higher layer than quantizers)
+_inv_std = weight_op.bn_inv_std
 
 
 def fold_factor(bn: nn.Module) -> Tensor:
     """``γ / sqrt(σ²_running + ε)`` per channel (γ = 1 without affine); differentiable in γ.
 
     Traceable (no graph break); under ``torch.compile`` the inverse std is saved for
-    backward, never recomputed from ``running_var`` (see ``_inv_std``).
+    backward, never recomputed from ``running_var`` (see ``qdsl.quantizers.weight_op.bn_inv_std``).
     """
     if torch.compiler.is_compiling():
         inv_std = _inv_std(bn.running_var, float(bn.eps))

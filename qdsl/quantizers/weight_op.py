@@ -47,6 +47,25 @@ from qdsl.quantizers import range_search as RS
 __all__ = ["fold_weight_fq", "folded", "applies", "mx_weight_fq", "mx_applies", "mx_folded", "mx_plain"]
 
 
+# The fold factor's inverse std is a custom op, opaque to the compiler, for one reason: a
+# compiled training step must *save* it for backward.  Written with aten ops, AOTAutograd's
+# partitioner recomputes ``rsqrt(running_var + eps)`` in the backward from the
+# ``running_var`` buffer itself (buffers and parameters are "free to save": they outlive
+# the step), but the BatchNorm updates that buffer in place later in the same forward, so
+# the backward kept a tensor that changes before it runs (under inductor: autograd's
+# "modified by an inplace operation" error; tests/qat/test_compile.py).  An op outside the partitioner's recompute
+# allowlist is saved, never recomputed; the running statistics are a buffer with no
+# gradient, so the op needs no backward.  Eager computes the same expression directly.
+@torch.library.custom_op("qdsl::bn_inv_std", mutates_args=())
+def bn_inv_std(running_var: Tensor, eps: float) -> Tensor:
+    return torch.rsqrt(running_var + eps)
+
+
+@bn_inv_std.register_fake
+def _inv_std_fake(running_var: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(running_var)
+
+
 def _range(x: Tensor, ratio: Optional[Tensor], qmin: int, qmax: int, symmetric: bool, search_pot: bool,
            axis: Optional[int]) -> tuple[Tensor, Tensor]:
     # the stateless observer's range of x alone (observers.*.traced_range, less the counting)
@@ -208,7 +227,6 @@ def folded(q, w: Tensor, bn) -> Optional[Tensor]:
     docstring), or None where the op does not apply (trace the general path then)."""
     if not applies(q, w):
         return mx_folded(q, w, bn)
-    from qdsl.qat.bn_fold import _inv_std
     from qdsl.quantizers import scales as S
 
     gamma = bn.weight
@@ -221,7 +239,7 @@ def folded(q, w: Tensor, bn) -> Optional[Tensor]:
     rule = type(q.scale_rule)
     pot = "" if rule is S.FloatScale else q.scale_rule._mode
     search_pot = bool(getattr(obs.ctx, "pot", False))
-    inv_std = _inv_std(bn.running_var, float(bn.eps)) if torch.compiler.is_compiling() else \
+    inv_std = bn_inv_std(bn.running_var, float(bn.eps)) if torch.compiler.is_compiling() else \
         torch.rsqrt(bn.running_var + bn.eps)
     out, scale, _zp, _xhat, _mask, _f = fold_weight_fq(w, gamma, inv_std, ratio, int(q.qmin), int(q.qmax),
                                                         bool(q.recipe.symmetric), pot, search_pot, axis)
@@ -421,9 +439,8 @@ def mx_folded(q, w: Tensor, bn) -> Optional[Tensor]:
     training = torch.is_grad_enabled() and (w.requires_grad or (gamma is not None and gamma.requires_grad))
     if not training or not mx_applies(q, w):
         return None
-    from qdsl.qat.bn_fold import _inv_std
 
-    inv_std = _inv_std(bn.running_var, float(bn.eps)) if torch.compiler.is_compiling() else \
+    inv_std = bn_inv_std(bn.running_var, float(bn.eps)) if torch.compiler.is_compiling() else \
         torch.rsqrt(bn.running_var + bn.eps)
     return _mx_call(q, w, gamma, inv_std)
 
