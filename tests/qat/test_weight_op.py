@@ -155,6 +155,27 @@ def test_live_fold_traces_the_op_and_compiles_once(spec):
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
 
 
+def _two_steps(model, x, backend: str, lr: float, loss_of):
+    """Two SGD steps compiled with ``backend``, then eager, from the same state: per run the
+    steps' (output, loss, gradients) and the final state without the observers'."""
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    runs = []
+    for compiled in (True, False):
+        model.load_state_dict(start)
+        torch._dynamo.reset()
+        fwd = torch.compile(model, backend=backend) if compiled else model
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+        rec = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = loss_of(y := fwd(x))
+            loss.backward()
+            rec.append((y.detach().clone(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+            opt.step()
+        runs.append((rec, {k: v.clone() for k, v in model.state_dict().items() if "observer" not in k}))
+    return runs
+
+
 @pytest.mark.parametrize("spec", ["pot-asic", "int8-default", "w4a8-per-channel", "mxfp4"])
 @pytest.mark.parametrize("frozen_bn", [False, True])
 def test_compiled_step_equals_eager(spec, frozen_bn):
@@ -164,23 +185,8 @@ def test_compiled_step_equals_eager(spec, frozen_bn):
     model, x = _net(SPECS / f"{spec}.qspec")
     if frozen_bn:
         qdsl.qat.freeze_bn_stats(model)
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    runs = []
-    for compiled in (True, False):
-        model.load_state_dict(start)
-        torch._dynamo.reset()
-        fwd = torch.compile(model, backend="aot_eager") if compiled else model
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        rec = []
-        for _ in range(2):
-            opt.zero_grad()
-            y = fwd(x)
-            y.square().sum().backward()
-            rec.append((y.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-            opt.step()
-        runs.append((rec, {k: v.clone() for k, v in model.state_dict().items() if "observer" not in k}))
-    (rc, sc), (re, se) = runs
-    for (yc, gc), (ye, ge) in zip(rc, re):
+    (rc, sc), (re, se) = _two_steps(model, x, "aot_eager", 0.1, lambda y: y.square().sum())
+    for (yc, _, gc), (ye, _, ge) in zip(rc, re):
         assert torch.equal(yc, ye)
         for n in ge:
             assert torch.equal(gc[n], ge[n]), n
@@ -193,22 +199,8 @@ def test_compiled_step_equals_eager(spec, frozen_bn):
 def test_inductor_live_fold_step_matches_eager(spec):
     """Inductor (its reductions may reorder float sums): close to eager, two steps."""
     model, x = _net(SPECS / f"{spec}.qspec", width=8)
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    runs = []
-    for compiled in (True, False):
-        model.load_state_dict(start)
-        torch._dynamo.reset()
-        fwd = torch.compile(model, backend="inductor") if compiled else model
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.01)
-        rec = []
-        for _ in range(2):
-            opt.zero_grad()
-            loss = fwd(x).square().mean()
-            loss.backward()
-            rec.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
-            opt.step()
-        runs.append(rec)
-    for (lc, gc), (le, ge) in zip(*runs):
+    (rc, _), (re, _) = _two_steps(model, x, "inductor", 0.01, lambda y: y.square().mean())
+    for (_, lc, gc), (_, le, ge) in zip(rc, re):
         torch.testing.assert_close(lc, le, rtol=1e-4, atol=1e-5)
         for n in ge:
             torch.testing.assert_close(gc[n], ge[n], rtol=1e-3, atol=1e-4, msg=n)
