@@ -90,6 +90,16 @@ def test_op_equals_the_eager_fold_values_and_gradients(spec, tmp_path):
     assert n == 3
 
 
+def _with_grads(args: tuple) -> tuple:
+    """An op's arguments with the weight and gamma (when given) as fresh leaves that need
+    gradients, for opcheck's autograd checks."""
+    a = list(args)
+    a[0] = a[0].clone().requires_grad_(True)
+    if a[1] is not None:
+        a[1] = a[1].clone().requires_grad_(True)
+    return tuple(a)
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("case", range(3))
 def test_opcheck(case, layout):
@@ -110,11 +120,7 @@ def test_opcheck(case, layout):
     out = weight_op.fold_weight_fq(*args)
     for t in (out[0], out[3], out[4]):
         assert t.stride() == w.stride()
-    a = list(args)
-    a[0] = w.clone().requires_grad_(True)
-    if a[1] is not None:
-        a[1] = a[1].clone().requires_grad_(True)
-    torch.library.opcheck(weight_op.fold_weight_fq, tuple(a))
+    torch.library.opcheck(weight_op.fold_weight_fq, _with_grads(args))
     o, _s, _z, xhat, mask, f = out
     torch.library.opcheck(weight_op.fold_weight_fq_backward,
                           (torch.randn_like(w), w, args[1], inv_std, xhat, mask, f, args[9] is None))
@@ -346,11 +352,7 @@ def test_mx_opcheck(case, layout):
     folded = args[2] is not None
     for t in (out[0], out[3]) + ((out[2],) if folded else ()):
         assert t.stride() == w.stride()
-    a = list(args)
-    a[0] = w.clone().requires_grad_(True)
-    if a[1] is not None:
-        a[1] = a[1].clone().requires_grad_(True)
-    torch.library.opcheck(weight_op.mx_weight_fq, tuple(a))
+    torch.library.opcheck(weight_op.mx_weight_fq, _with_grads(args))
     _o, _s, xhat, mask, f = out
     torch.library.opcheck(weight_op.mx_weight_fq_backward,
                           (torch.randn_like(w), w, args[1], args[2], xhat, mask, f))
